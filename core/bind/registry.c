@@ -1,0 +1,26 @@
+/* The one registrar: every core.* module goes into package.preload. */
+#include "runtime.h"
+#include "bind/bind.h"
+
+static const luaL_Reg modules[] = {
+  {"core.loop", luaopen_core_loop},
+  {"core.timer", luaopen_core_timer},
+  {"core.signal", luaopen_core_signal},
+  {"core.stream", luaopen_core_stream},
+  {"core.process", luaopen_core_process},
+  {"core.fs", luaopen_core_fs},
+  {"core.http", luaopen_core_http},
+  {"core.json", luaopen_core_json},
+  {"core.text", luaopen_core_text},
+  {"core.archive", luaopen_core_archive},
+  {NULL, NULL},
+};
+
+void dm_open_bindings(lua_State *L) {
+  luaL_getsubtable(L, LUA_REGISTRYINDEX, LUA_PRELOAD_TABLE);
+  for (const luaL_Reg *m = modules; m->name; m++) {
+    lua_pushcfunction(L, m->func);
+    lua_setfield(L, -2, m->name);
+  }
+  lua_pop(L, 1);
+}

@@ -1,0 +1,54 @@
+/* demesne: entry point. Creates the runtime, runs lua/boot.lua (from the source tree when
+ * DEMESNE_SOURCE_DIR is set, otherwise the copy embedded in the binary) with the command
+ * line, and exits with the status it returns. */
+#include "runtime.h"
+#include "embedded.h"
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define LUA_MEM_CAP ((size_t)1 << 30) /* 1 GiB: a runaway allocation fails, it does not OOM the host */
+
+static int load_boot(lua_State *L) {
+  const char *dir = getenv("DEMESNE_SOURCE_DIR");
+  if (dir && *dir) {
+    char path[4096];
+    snprintf(path, sizeof path, "%s/lua/boot.lua", dir);
+    return luaL_loadfile(L, path);
+  }
+  for (const struct dm_embedded *e = dm_embedded_files; e->path; e++)
+    if (!strcmp(e->path, "lua/boot.lua"))
+      return luaL_loadbufferx(L, (const char *)e->data, e->len, "@lua/boot.lua", "t");
+  lua_pushstring(L, "lua/boot.lua is not embedded in this binary");
+  return LUA_ERRFILE;
+}
+
+static int traceback(lua_State *L) {
+  luaL_traceback(L, L, lua_tostring(L, 1), 1);
+  return 1;
+}
+
+int main(int argc, char **argv) {
+  signal(SIGPIPE, SIG_IGN);
+  if (dm_runtime_init(LUA_MEM_CAP) != 0) return 70;
+  lua_State *L = dm_rt.L;
+  int status = 70;
+  lua_pushcfunction(L, traceback);
+  if (load_boot(L) != LUA_OK) {
+    fprintf(stderr, "demesne: %s\n", lua_tostring(L, -1));
+  } else {
+    lua_createtable(L, argc, 0);
+    for (int i = 1; i < argc; i++) {
+      lua_pushstring(L, argv[i]);
+      lua_rawseti(L, -2, i);
+    }
+    if (lua_pcall(L, 1, 1, 1) != LUA_OK) {
+      fprintf(stderr, "demesne: fatal: %s\n", lua_tostring(L, -1));
+    } else {
+      status = lua_isinteger(L, -1) ? (int)lua_tointeger(L, -1) : 0;
+    }
+  }
+  dm_runtime_close();
+  return status;
+}

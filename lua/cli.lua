@@ -1,0 +1,69 @@
+-- The command line: demesne [serve] | tools | check-config | images | test | --help | --version
+local loop = require("core.loop")
+
+local cli = {}
+
+local USAGE = [[
+usage: demesne [COMMAND] [OPTIONS]
+
+Commands:
+  serve               run the MCP server over stdio (the default)
+  tools               list the loaded tools and where each came from
+  check-config        print the effective configuration and where each value came from
+  images list         list the built-in images and whether each is built
+  images build [NAME] build an image (all when NAME is omitted)
+  test DIR...         run the Lua tests in DIR inside this binary
+  --help              show this help
+  --version           print the version
+
+Options:
+  --source-dir DIR    load the Lua runtime, tools and policies from a source tree
+  --fixtures DIR      also load the tools in DIR (test fixtures)
+
+Environment: DEMESNE_ENGINE, DEMESNE_ALLOWED_PATHS, DEMESNE_OUTPUT_ROOT, DEMESNE_STATE_DIR,
+DEMESNE_LOG_LEVEL, DEMESNE_EGRESS_ALLOW (see `demesne check-config`).
+]]
+
+local commands = {}
+
+function commands.test(args)
+  return require("demesne.testing").run(args)
+end
+
+--- Entry point. argv: list of strings (without the program name). Returns the exit status.
+---@param argv string[]
+---@return integer
+function cli.main(argv)
+  local opts, rest = {}, {}
+  local i = 1
+  while i <= #argv do
+    local a = argv[i]
+    if a == "--help" or a == "-h" then
+      io.stdout:write(USAGE)
+      return 0
+    elseif a == "--version" then
+      io.stdout:write("demesne ", loop.version, "\n")
+      return 0
+    elseif a == "--fixtures" then
+      opts.fixtures = argv[i + 1]
+      i = i + 1
+    else
+      rest[#rest + 1] = a
+    end
+    i = i + 1
+  end
+  local cmd = rest[1] or "serve"
+  local fn = commands[cmd]
+  if not fn then
+    local ok, mod = pcall(require, "demesne.commands")
+    fn = ok and mod[cmd]
+  end
+  if not fn then
+    io.stderr:write("demesne: unknown command '", cmd, "'\n", USAGE)
+    return 2
+  end
+  table.remove(rest, 1)
+  return fn(rest, opts) or 0
+end
+
+return cli
