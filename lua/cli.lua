@@ -54,9 +54,11 @@ function cli.main(argv)
   end
   local cmd = rest[1] or "serve"
   local fn = commands[cmd]
-  if not fn then
-    local ok, mod = pcall(require, "demesne.commands")
-    fn = ok and mod[cmd]
+  if not fn and cmd:match("^[%w%-]+$") then
+    -- each command lives in lua/cmd/<name>.lua ("check-config" -> check_config.lua) and
+    -- returns function(args, opts) -> exit status
+    local ok, mod = pcall(require, "demesne.cmd." .. cmd:gsub("%-", "_"))
+    if ok then fn = mod elseif not tostring(mod):find("no demesne runtime file", 1, true) then error(mod, 0) end
   end
   if not fn then
     io.stderr:write("demesne: unknown command '", cmd, "'\n", USAGE)
