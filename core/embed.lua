@@ -17,7 +17,8 @@ for i, path in ipairs(files) do
     bytes[#bytes + 1] = string.byte(data, j)
     if j % 24 == 0 then bytes[#bytes + 1] = "\n" end
   end
-  parts[#parts + 1] = ("static const unsigned char f%d[] = {%s0};\n"):format(i, table.concat(bytes, ","):gsub(",\n,", ",\n"))
+  local body = table.concat(bytes, ","):gsub(",\n,", ",\n"):gsub(",\n$", "")
+  parts[#parts + 1] = ("static const unsigned char f%d[] = {%s%s0};\n"):format(i, body, #data > 0 and "," or "")
   entries[#entries + 1] = ('  {"%s", f%d, %d},\n'):format(rel, i, #data)
 end
 parts[#parts + 1] = "const struct dm_embedded dm_embedded_files[] = {\n" .. table.concat(entries) .. "  {NULL, NULL, 0}\n};\n"

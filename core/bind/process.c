@@ -217,6 +217,9 @@ static const luaL_Reg methods[] = {
 static const luaL_Reg funcs[] = {{"spawn", l_spawn}, {NULL, NULL}};
 
 int luaopen_core_process(lua_State *L) {
+  /* child pipes are core.stream userdata: make sure that metatable exists */
+  luaL_requiref(L, "core.stream", luaopen_core_stream, 0);
+  lua_pop(L, 1);
   luaL_newmetatable(L, PROC_MT);
   luaL_newlib(L, methods);
   lua_setfield(L, -2, "__index");

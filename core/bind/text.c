@@ -1,6 +1,7 @@
 /* core.text: byte-level text helpers that would be slow in Lua. */
 #include "runtime.h"
 #include "bind/bind.h"
+#include <stdio.h>
 #include <string.h>
 
 /* Length of the valid UTF-8 sequence at s[0..n), or 0 if invalid (RFC 3629: no overlongs,
@@ -92,7 +93,24 @@ static int l_utf8_ceil(lua_State *L) {
   return 1;
 }
 
+/// core.text.hash(s) -> string: 16 hex digits of the 64-bit FNV-1a hash of `s`.
+/// A cache key (image build contexts), not a cryptographic digest.
+static int l_hash(lua_State *L) {
+  size_t n;
+  const unsigned char *s = (const unsigned char *)luaL_checklstring(L, 1, &n);
+  unsigned long long h = 1469598103934665603ULL;
+  for (size_t i = 0; i < n; i++) {
+    h ^= s[i];
+    h *= 1099511628211ULL;
+  }
+  char out[17];
+  snprintf(out, sizeof out, "%016llx", h);
+  lua_pushstring(L, out);
+  return 1;
+}
+
 static const luaL_Reg funcs[] = {
+  {"hash", l_hash},
   {"utf8_clean", l_utf8_clean}, {"utf8_floor", l_utf8_floor}, {"utf8_ceil", l_utf8_ceil},
   {NULL, NULL},
 };

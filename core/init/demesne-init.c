@@ -1,0 +1,58 @@
+// demesne-init: a small static binary bind-mounted read-only into every sandbox at
+// /.demesne/init and run as the container's PID 1 (serve, or run for one-shot containers),
+// and through `exec` to run or cancel single commands. Reference: docs/reference/demesne-init.md
+#include "init.h"
+
+#include <string.h>
+
+static const char usage_text[] =
+	"usage: demesne-init serve\n"
+	"       demesne-init run --id ID --dir DIR [--cwd CWD] [--timeout SECONDS]\n"
+	"                        [--stdin FILE] [--stdout FILE] [--stderr FILE]\n"
+	"                        [--kill-group-on-exit] -- ARGV...\n"
+	"       demesne-init kill --dir DIR [--signal TERM|KILL|INT|QUIT|HUP|USR1|USR2]\n"
+	"                         [--grace SECONDS]\n"
+	"       demesne-init --version | --help\n"
+	"\n"
+	"serve  PID 1 of a persistent sandbox: reaps zombies; on SIGTERM/SIGINT signals every\n"
+	"       process, SIGKILLs what is left after 5 s, exits 0.\n"
+	"run    runs ARGV in a new session; writes DIR/pid, DIR/stdout.log, DIR/stderr.log and,\n"
+	"       when it ends, DIR/status.json; exits with the command's exit code (128+N when\n"
+	"       killed by signal N). --timeout or SIGTERM/SIGINT: the group gets SIGTERM, then\n"
+	"       SIGKILL after 2 s. As PID 1 it kills every process before exiting.\n"
+	"kill   signals the group recorded in DIR/pid (default TERM); with --grace, SIGKILL\n"
+	"       after that many seconds. Exits 0 when the group is gone, 1 when it remains.\n"
+	"\n"
+	"exit codes: 2 usage, 125 demesne-init failed, 126 cannot execute, 127 not found.\n";
+
+void init_usage(int fd)
+{
+	(void)write_all(fd, usage_text, sizeof usage_text - 1);
+}
+
+int main(int argc, char **argv)
+{
+	ensure_std_fds();
+	if (argc < 2) {
+		init_usage(2);
+		return INIT_EXIT_USAGE;
+	}
+	const char *cmd = argv[1];
+	if (strcmp(cmd, "serve") == 0)
+		return init_serve(argc - 1, argv + 1);
+	if (strcmp(cmd, "run") == 0)
+		return init_run(argc - 1, argv + 1);
+	if (strcmp(cmd, "kill") == 0)
+		return init_kill(argc - 1, argv + 1);
+	if (strcmp(cmd, "--version") == 0 || strcmp(cmd, "-V") == 0) {
+		static const char v[] = "demesne-init " DEMESNE_VERSION "\n";
+		return write_all(1, v, sizeof v - 1) == 0 ? INIT_EXIT_OK : INIT_EXIT_FAILURE;
+	}
+	if (strcmp(cmd, "--help") == 0 || strcmp(cmd, "-h") == 0 || strcmp(cmd, "help") == 0) {
+		init_usage(1);
+		return INIT_EXIT_OK;
+	}
+	diag("unknown command '%s'", cmd);
+	init_usage(2);
+	return INIT_EXIT_USAGE;
+}

@@ -1,0 +1,147 @@
+// demesne-init: the static helper that runs as PID 1 inside every sandbox.
+// Shared declarations for the modes (serve.c, run.c, kill.c) and helpers (util.c).
+// Reference: docs/reference/demesne-init.md
+#ifndef DEMESNE_INIT_H
+#define DEMESNE_INIT_H
+
+#ifndef _GNU_SOURCE
+#define _GNU_SOURCE
+#endif
+
+#include <stdbool.h>
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+#ifndef DEMESNE_VERSION
+#define DEMESNE_VERSION "0.1.0"
+#endif
+
+// Exit codes of demesne-init itself (see the reference page).
+#define INIT_EXIT_OK 0
+#define INIT_EXIT_KILL_ALIVE 1  // kill: the group still exists after signalling
+#define INIT_EXIT_USAGE 2       // bad command line; nothing was written
+#define INIT_EXIT_FAILURE 125   // demesne-init could not do its job (I/O, fork, cwd, stdin)
+#define INIT_EXIT_NOEXEC 126    // run: the command exists but could not be executed
+#define INIT_EXIT_NOTFOUND 127  // run: the command was not found
+
+#define INIT_RUN_GRACE_MS 2000   // run: SIGTERM (or SIGINT/SIGQUIT) → SIGKILL grace
+#define INIT_SERVE_GRACE_MS 5000 // serve: SIGTERM → SIGKILL grace
+#define INIT_SETTLE_MS 2000      // how long to wait for SIGKILLed processes to be reaped
+#define INIT_POLL_MS 20          // tick while waiting for processes that send no SIGCHLD
+
+// File names inside a run directory.
+#define INIT_FILE_PID "pid"
+#define INIT_FILE_STATUS "status.json"
+#define INIT_FILE_STDOUT "stdout.log"
+#define INIT_FILE_STDERR "stderr.log"
+#define INIT_FILE_CANCEL "cancel"
+
+/// `demesne-init serve`: PID 1 of a persistent sandbox. argv[0] is "serve".
+/// Returns the process exit code.
+int init_serve(int argc, char **argv);
+
+/// `demesne-init run ...`: runs one command and records it in --dir. argv[0] is "run".
+/// Returns the process exit code (the command's exit code, or 2/125/126/127).
+int init_run(int argc, char **argv);
+
+/// `demesne-init kill ...`: signals the process group recorded in --dir. argv[0] is "kill".
+/// Returns 0 when the group is gone, 1 when it remains, 2 on usage errors, 125 on I/O errors.
+int init_kill(int argc, char **argv);
+
+/// Matches "--name VALUE" or "--name=VALUE" at argv[*i]. Returns 1 (*value set, *i moved
+/// past the value), 0 (argv[*i] is something else) or -1 (value missing; reported).
+int opt_value(int argc, char **argv, int *i, const char *name, const char **value);
+
+/// Writes the usage text to fd (1 or 2).
+void init_usage(int fd);
+
+/// Prints "demesne-init: <message>\n" on stderr with one write(2); never fails.
+void diag(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+
+/// Writes all of buf to fd, retrying on EINTR and short writes. Returns 0 or -1 (errno set).
+int write_all(int fd, const void *buf, size_t len);
+
+/// Joins dir and name into out (cap bytes). Returns 0, or -1 with errno ENAMETOOLONG.
+int path_join(char *out, size_t cap, const char *dir, const char *name);
+
+/// Creates path and any missing parents (mode for new ones); succeeds if it is already a
+/// directory. Returns 0 or -1 (errno set).
+int mkdir_p(const char *path, mode_t mode);
+
+/// Writes dir/name atomically: a temporary file in dir, fsync, then rename over name.
+/// Returns 0 or -1 (errno set; the temporary file is removed).
+int atomic_write(const char *dir, const char *name, const void *buf, size_t len);
+
+/// Reads at most cap-1 bytes of dir/name into buf and NUL-terminates it. Returns the
+/// length, or -1 (errno set; ENOENT when the file does not exist).
+ssize_t read_small(const char *dir, const char *name, char *buf, size_t cap);
+
+/// Removes dir/name; a missing file is not an error. Returns 0 or -1 (errno set).
+int unlink_in(const char *dir, const char *name);
+
+/// True when dir/name exists (any type).
+bool exists_in(const char *dir, const char *name);
+
+/// Milliseconds since the Unix epoch (CLOCK_REALTIME).
+int64_t now_real_ms(void);
+
+/// Milliseconds on CLOCK_MONOTONIC, for deadlines.
+int64_t now_mono_ms(void);
+
+/// Sleeps ms milliseconds, resuming after EINTR.
+void sleep_ms(int64_t ms);
+
+/// Parses a duration in seconds ("5", "0.5"; 0 ≤ s ≤ 10,000,000) into *ms.
+/// Returns 0, or -1 when s is not such a number.
+int parse_seconds(const char *s, int64_t *ms);
+
+/// Signal number for "TERM", "SIGTERM", "term" or "15" (a small fixed set), or -1.
+int signal_from_name(const char *s);
+
+/// Short name ("TERM") of a signal in that set, or "?".
+const char *signal_name(int sig);
+
+/// Blocks SIGCHLD, SIGTERM, SIGINT and SIGQUIT and returns a non-blocking signalfd that
+/// reads them; resets those to SIG_DFL and ignores SIGPIPE and SIGHUP. Returns -1 on error.
+int signals_open(void);
+
+/// In a forked child before exec: every signal back to SIG_DFL, empty signal mask.
+void signals_reset_for_exec(void);
+
+/// Reaps every exited child without blocking. When `watch` (> 0) is reaped, its wait
+/// status goes to *status and *done becomes true. Returns 1 if children remain,
+/// 0 if none, -1 on an unexpected waitpid error.
+int reap_children(pid_t watch, int *status, bool *done);
+
+/// True while process group pgid has a member (zombies included). pgid must be > 1;
+/// any other value answers false, so kill(-1)/kill(0) can never be reached through it.
+bool group_exists(pid_t pgid);
+
+/// Sends sig to process group pgid (> 1, else EINVAL). Returns 0 or -1 (errno set).
+int group_signal(pid_t pgid, int sig);
+
+/// Makes fds 0, 1 and 2 valid (opens /dev/null on closed ones) so later opens never land there.
+void ensure_std_fds(void);
+
+/// Marks every descriptor >= lowfd close-on-exec.
+void cloexec_from(int lowfd);
+
+/// A fixed-size text buffer that records overflow instead of growing.
+struct sbuf {
+	char *p;
+	size_t cap, len;
+	bool overflow;
+};
+
+/// Starts an empty buffer over mem (cap bytes, cap > 0).
+void sb_init(struct sbuf *b, char *mem, size_t cap);
+/// Appends a NUL-terminated string.
+void sb_puts(struct sbuf *b, const char *s);
+/// Appends printf-formatted text.
+void sb_printf(struct sbuf *b, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+/// Appends s (n bytes) as a quoted JSON string: valid UTF-8 kept, control characters,
+/// quote and backslash escaped, each invalid byte replaced by U+FFFD.
+void sb_json_string(struct sbuf *b, const char *s, size_t n);
+
+#endif

@@ -1,0 +1,205 @@
+// demesne-init serve: PID 1 of a persistent sandbox.
+//
+// Reaps every zombie; on SIGTERM/SIGINT/SIGQUIT sends SIGTERM to every process,
+// waits for them to go (5 s), SIGKILLs what is left and exits 0. The loop is poll()-based
+// on a signalfd so that the egress relay's sockets can join the same poll set later.
+//
+// "Every process" is kill(-1) only when we really are PID 1 of a PID namespace. Started
+// any other way (tests on a host, an engine's --init in front of us) we signal only our
+// own descendants, found in /proc: kill(-1) there would hit the whole machine.
+#include "init.h"
+
+#include <ctype.h>
+#include <dirent.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <limits.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/signalfd.h>
+#include <unistd.h>
+
+struct proc {
+	pid_t pid, ppid;
+	bool mine;
+};
+
+// Parent pid of pid from /proc/<pid>/stat, or -1.
+static pid_t read_ppid(pid_t pid)
+{
+	char path[64], buf[512];
+	snprintf(path, sizeof path, "/proc/%d", (int)pid);
+	if (read_small(path, "stat", buf, sizeof buf) < 0)
+		return -1;
+	char *p = strrchr(buf, ')'); // comm may contain spaces and parentheses
+	int ppid;
+	if (p == NULL || sscanf(p + 1, " %*c %d", &ppid) != 1)
+		return -1;
+	return ppid;
+}
+
+// Sends sig to every descendant of this process. Returns how many were signalled, -1 on error.
+static int signal_descendants(int sig)
+{
+	DIR *d = opendir("/proc");
+	if (d == NULL) {
+		diag("serve: /proc: %s", strerror(errno));
+		return -1;
+	}
+	struct proc *v = NULL;
+	size_t n = 0, cap = 0;
+	int rc = 0;
+	for (;;) {
+		errno = 0; // readdir reports errors only through errno
+		struct dirent *e = readdir(d);
+		if (e == NULL) {
+			if (errno != 0)
+				rc = -1;
+			break;
+		}
+		if (!isdigit((unsigned char)e->d_name[0]))
+			continue;
+		pid_t pid = (pid_t)atoi(e->d_name);
+		pid_t ppid = read_ppid(pid);
+		if (ppid < 0)
+			continue; // exited meanwhile
+		if (n == cap) {
+			size_t ncap = cap ? cap * 2 : 256;
+			struct proc *nv = realloc(v, ncap * sizeof *nv);
+			if (nv == NULL) {
+				rc = -1;
+				break;
+			}
+			v = nv;
+			cap = ncap;
+		}
+		v[n++] = (struct proc){ pid, ppid, false };
+	}
+	int saved = errno;
+	(void)closedir(d);
+	if (rc < 0) {
+		diag("serve: listing /proc: %s", strerror(saved ? saved : ENOMEM));
+		free(v);
+		return -1;
+	}
+	// Mark the closure of "parent is us or marked". Passes repeat until nothing changes;
+	// process trees are shallow, so this stays cheap.
+	pid_t self = getpid();
+	for (bool changed = true; changed;) {
+		changed = false;
+		for (size_t i = 0; i < n; i++) {
+			if (v[i].mine)
+				continue;
+			bool mine = v[i].ppid == self;
+			for (size_t j = 0; j < n && !mine; j++)
+				mine = v[j].mine && v[j].pid == v[i].ppid;
+			if (mine) {
+				v[i].mine = changed = true;
+				if (kill(v[i].pid, sig) == 0)
+					rc++;
+				else if (errno != ESRCH)
+					diag("serve: kill %d: %s", (int)v[i].pid, strerror(errno));
+			}
+		}
+	}
+	free(v);
+	return rc;
+}
+
+static void forward(bool pid1, int sig)
+{
+	if (pid1) {
+		if (kill(-1, sig) < 0 && errno != ESRCH)
+			diag("serve: kill(-1, %s): %s", signal_name(sig), strerror(errno));
+	} else {
+		(void)signal_descendants(sig);
+	}
+}
+
+// After reaping: does anything we are responsible for still exist?
+static bool others_remain(bool pid1, int children)
+{
+	if (pid1)
+		return kill(-1, 0) == 0 || errno != ESRCH;
+	return children != 0; // a subreaper without children has no descendants
+}
+
+int init_serve(int argc, char **argv)
+{
+	for (int i = 1; i < argc; i++) {
+		if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
+			init_usage(1);
+			return INIT_EXIT_OK;
+		}
+		diag("serve: unexpected argument '%s'", argv[i]);
+		return INIT_EXIT_USAGE;
+	}
+	bool pid1 = getpid() == 1;
+	if (!pid1 && prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
+		diag("serve: cannot become a subreaper: %s", strerror(errno));
+	int sfd = signals_open();
+	if (sfd < 0) {
+		diag("serve: cannot set up signals: %s", strerror(errno));
+		return INIT_EXIT_FAILURE;
+	}
+	enum { RUNNING, STOPPING, KILLED } phase = RUNNING;
+	int64_t deadline = 0;
+	for (;;) {
+		int children = reap_children(0, NULL, NULL);
+		int64_t now = now_mono_ms();
+		if (phase != RUNNING) {
+			if (!others_remain(pid1, children))
+				break;
+			if (now >= deadline) {
+				if (phase == KILLED) {
+					diag("serve: some processes survived SIGKILL; exiting anyway");
+					break;
+				}
+				forward(pid1, SIGKILL);
+				phase = KILLED;
+				deadline = now + INIT_SETTLE_MS;
+			}
+		}
+		int timeout = -1; // running: sleep until a signal (or, later, relay traffic)
+		if (phase != RUNNING)
+			timeout = deadline - now <= 0 ? 0 : deadline - now < INIT_POLL_MS ? (int)(deadline - now) : INIT_POLL_MS;
+		// The egress relay's listening and connected sockets will join this set.
+		struct pollfd pfd[1] = { { .fd = sfd, .events = POLLIN } };
+		int n = poll(pfd, 1, timeout);
+		if (n < 0) {
+			if (errno != EINTR) {
+				diag("serve: poll: %s", strerror(errno));
+				sleep_ms(INIT_POLL_MS);
+			}
+			continue;
+		}
+		if (!pfd[0].revents)
+			continue;
+		struct signalfd_siginfo si;
+		ssize_t r;
+		while ((r = read(sfd, &si, sizeof si)) == (ssize_t)sizeof si || (r < 0 && errno == EINTR)) {
+			if (r < 0)
+				continue;
+			int sig = (int)si.ssi_signo;
+			if (sig != SIGTERM && sig != SIGINT && sig != SIGQUIT)
+				continue; // SIGCHLD: reaped at the top of the loop
+			if (phase == RUNNING) { // SIGTERM whatever the signal: see run.c run_read_signals
+				forward(pid1, SIGTERM);
+				phase = STOPPING;
+				deadline = now_mono_ms() + INIT_SERVE_GRACE_MS;
+			} else if (phase == STOPPING) { // asked twice: no more grace
+				forward(pid1, SIGKILL);
+				phase = KILLED;
+				deadline = now_mono_ms() + INIT_SETTLE_MS;
+			}
+		}
+		if (r < 0 && errno != EAGAIN)
+			diag("serve: signalfd: %s", strerror(errno));
+	}
+	(void)close(sfd);
+	return INIT_EXIT_OK;
+}
