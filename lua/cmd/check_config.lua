@@ -1,0 +1,26 @@
+-- `demesne check-config`: the effective configuration and where each value came from.
+local config = require("demesne.config")
+
+return function()
+  local d, err = config.describe()
+  local names = {}
+  for k in pairs(d) do names[#names + 1] = k end
+  table.sort(names)
+  io.stdout:write("config file: ", config.dir(), "/config.lua\n")
+  for _, k in ipairs(names) do
+    local v = d[k].value
+    if type(v) == "table" then v = table.concat(v, ":") end
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format(k, tostring(v), d[k].origin))
+  end
+  local ok, engines = pcall(require, "demesne.engines")
+  if ok then
+    local sock, tried = engines.discover()
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine socket", tostring(sock or "none found"),
+      sock and "discovered" or ("tried " .. table.concat(tried or {}, ", "))))
+  end
+  if err then
+    io.stderr:write("demesne: config error: ", err, "\n")
+    return 1
+  end
+  return 0
+end

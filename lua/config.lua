@@ -1,0 +1,161 @@
+-- Configuration: built-in defaults, then $XDG_CONFIG_HOME/demesne/config.lua (a Lua
+-- table), then environment variables. Every other module asks this one, and
+-- `demesne check-config` prints each value with where it came from.
+local fs = require("core.fs")
+
+local config = {}
+
+local function home() return os.getenv("HOME") or "/root" end
+
+local function xdg(var, fallback)
+  local v = os.getenv(var)
+  if v and v ~= "" then return v end
+  return home() .. "/" .. fallback
+end
+
+--- The folder that holds config.lua and the user's tools/, policies/, providers/, engines/.
+---@return string
+function config.dir() return xdg("XDG_CONFIG_HOME", ".config") .. "/demesne" end
+
+local function nproc()
+  local f = io.open("/proc/cpuinfo")
+  if not f then return 2 end
+  local n = 0
+  for line in f:lines() do if line:match("^processor") then n = n + 1 end end
+  f:close()
+  return math.max(n, 1)
+end
+
+-- name -> {default, env = variable, parse = function(string) -> value|nil, err, doc}
+local SPEC = {
+  engine = { env = "DEMESNE_ENGINE", doc = "container engine socket (unix:///path); empty = discover" },
+  allowed_paths = { env = "DEMESNE_ALLOWED_PATHS", default = {}, list = true,
+    doc = "host roots that files/directories/src may come from (':'-separated)" },
+  output_root = { env = "DEMESNE_OUTPUT_ROOT", default = function() return xdg("XDG_DATA_HOME", ".local/share") .. "/demesne/out" end,
+    doc = "where each run's output folder (/out) is kept" },
+  state_dir = { env = "DEMESNE_STATE_DIR", default = function() return xdg("XDG_STATE_HOME", ".local/state") .. "/demesne" end,
+    doc = "job records and per-sandbox run folders" },
+  log_level = { env = "DEMESNE_LOG_LEVEL", default = "info", doc = "stderr log level (debug … emergency)" },
+  egress_allow = { env = "DEMESNE_EGRESS_ALLOW", default = {}, list = true, sep = ",",
+    doc = "hosts for the config-defined allowlist egress policy (','-separated)" },
+  init_path = { env = "DEMESNE_INIT", doc = "demesne-init binary mounted into sandboxes; default: beside the demesne binary" },
+  default_image = { env = "DEMESNE_DEFAULT_IMAGE", default = "default", doc = "image used when a call names none" },
+  timeout_default = { default = 3600, number = true, doc = "seconds a command may run when the call sets no timeout" },
+  timeout_max = { env = "DEMESNE_TIMEOUT_MAX", default = 48 * 3600, number = true, doc = "ceiling for timeout_seconds" },
+  ttl_default = { default = 48 * 3600, number = true, doc = "seconds a persistent sandbox lives without use" },
+  ttl_max = { env = "DEMESNE_TTL_MAX", default = 7 * 24 * 3600, number = true, doc = "ceiling for ttl_seconds" },
+  memory_mb_default = { default = 2048, number = true, doc = "memory limit per sandbox (MiB)" },
+  memory_mb_max = { env = "DEMESNE_MEMORY_MB_MAX", default = 16384, number = true, doc = "ceiling for limits.memory_mb" },
+  cpus_default = { default = 2, number = true, doc = "CPU limit per sandbox" },
+  cpus_max = { default = function() return nproc() end, number = true, doc = "ceiling for limits.cpus" },
+  pids_default = { default = 1024, number = true, doc = "process limit per sandbox" },
+  pids_max = { default = 32768, number = true, doc = "ceiling for limits.pids" },
+  output_head_bytes = { env = "DEMESNE_OUTPUT_HEAD_BYTES", default = 32768, number = true,
+    doc = "bytes of the start of each stream kept in a result" },
+  output_tail_bytes = { env = "DEMESNE_OUTPUT_TAIL_BYTES", default = 32768, number = true,
+    doc = "bytes of the end of each stream kept in a result" },
+  download_max_bytes = { env = "DEMESNE_DOWNLOAD_MAX_BYTES", default = 1024 * 1024 * 1024, number = true,
+    doc = "ceiling on the unpacked size of one sandbox_download" },
+  reap_interval = { default = 300, number = true, doc = "seconds between reaper passes" },
+  readonly_rootfs = { env = "DEMESNE_READONLY_ROOTFS", default = true, bool = true,
+    doc = "mount each sandbox's root filesystem read-only (tmpfs on /tmp, /var/tmp, /root, /run)" },
+}
+
+local values, origins
+local file_error
+
+local function parse(spec, name, raw)
+  if spec.list then
+    if type(raw) == "table" then return raw end
+    local out = {}
+    for part in tostring(raw):gmatch("[^" .. (spec.sep or ":") .. "]+") do
+      part = part:match("^%s*(.-)%s*$")
+      if part ~= "" then out[#out + 1] = part end
+    end
+    return out
+  elseif spec.number then
+    local n = tonumber(raw)
+    if not n then return nil, ("%s must be a number, got %q"):format(name, tostring(raw)) end
+    return n
+  elseif spec.bool then
+    if type(raw) == "boolean" then return raw end
+    local s = tostring(raw):lower()
+    if s == "1" or s == "true" or s == "yes" then return true end
+    if s == "0" or s == "false" or s == "no" then return false end
+    return nil, ("%s must be true or false, got %q"):format(name, s)
+  end
+  return tostring(raw)
+end
+
+--- (Re)reads the configuration. Called lazily by config.get; tests call it after changing
+--- the environment.
+function config.load()
+  values, origins, file_error = {}, {}, nil
+  local file = {}
+  local path = config.dir() .. "/config.lua"
+  local f = io.open(path)
+  if f then
+    local src = f:read("a")
+    f:close()
+    local chunk, err = load(src, "@" .. path, "t", {})
+    if chunk then
+      local ok, t = pcall(chunk)
+      if ok and type(t) == "table" then file = t else file_error = ok and (path .. " must return a table") or tostring(t) end
+    else
+      file_error = err
+    end
+  end
+  for name, spec in pairs(SPEC) do
+    local v, origin = spec.default, "default"
+    if type(v) == "function" then v = v() end
+    if file[name] ~= nil then
+      local pv, err = parse(spec, name, file[name])
+      if pv ~= nil then v, origin = pv, path else file_error = err end
+    end
+    local ev = spec.env and os.getenv(spec.env)
+    if ev and ev ~= "" then
+      local pv, err = parse(spec, name, ev)
+      if pv ~= nil then v, origin = pv, "$" .. spec.env else file_error = err end
+    end
+    values[name], origins[name] = v, origin
+  end
+  -- sections with structure (policies, providers) pass through from the file
+  for k, v in pairs(file) do
+    if SPEC[k] == nil then values[k], origins[k] = v, path end
+  end
+end
+
+--- Returns the effective value of a setting (see SPEC for names).
+---@param name string
+---@return any
+function config.get(name)
+  if not values then config.load() end
+  return values[name]
+end
+
+--- Returns {name = {value, origin, doc}} for every setting, and the config file's error if any.
+function config.describe()
+  if not values then config.load() end
+  local out = {}
+  for name, spec in pairs(SPEC) do
+    out[name] = { value = values[name], origin = origins[name], doc = spec.doc, env = spec.env }
+  end
+  return out, file_error
+end
+
+--- Path of the demesne-init binary to mount into sandboxes.
+---@return string|nil path, string|nil err
+function config.init_path()
+  local p = config.get("init_path")
+  if not p then
+    local exe = require("core.loop").exepath()
+    p = exe and exe:gsub("/[^/]*$", "") .. "/demesne-init"
+  end
+  local st = p and fs.stat(p)
+  if not st or st.type ~= "file" then
+    return nil, ("demesne-init not found at %s (set DEMESNE_INIT)"):format(tostring(p))
+  end
+  return p
+end
+
+return config

@@ -1,0 +1,288 @@
+-- The Docker Engine API adapter (serves Docker and Podman's Docker-compatible API alike)
+-- over a unix socket through core.http. Every method runs inside an async task and
+-- returns its value, or nil, message, code. Messages are the engine's own reason, parsed
+-- from its JSON error body, never the raw body. The interface is documented in
+-- docs/reference/engines.md. API reference: https://docs.docker.com/reference/api/engine/
+local http = require("core.http")
+local async = require("demesne.async")
+local json = require("demesne.json")
+
+local docker = {}
+local Engine = {}
+Engine.__index = Engine
+
+local request = async.wrap(http.request)
+
+local function urlencode(s)
+  return (tostring(s):gsub("[^%w%-%._~]", function(c) return ("%%%02X"):format(c:byte()) end))
+end
+
+local function query(q)
+  if not q then return "" end
+  local keys = {}
+  for k in pairs(q) do keys[#keys + 1] = k end
+  table.sort(keys)
+  local parts = {}
+  for _, k in ipairs(keys) do
+    local v = q[k]
+    if type(v) == "table" then v = json.encode(v) end
+    if type(v) == "boolean" then v = v and "true" or "false" end
+    parts[#parts + 1] = urlencode(k) .. "=" .. urlencode(v)
+  end
+  return #parts > 0 and ("?" .. table.concat(parts, "&")) or ""
+end
+
+local CODES = { [400] = "EINVAL", [401] = "EACCES", [403] = "EACCES", [404] = "ENOENT", [409] = "ECONFLICT",
+  [500] = "EENGINE", [304] = "ENOTMODIFIED" }
+
+local function engine_error(res, what)
+  local body = res.body or ""
+  local msg
+  local t = json.decode(body)
+  if type(t) == "table" and type(t.message) == "string" then
+    msg = t.message
+  else
+    msg = body:gsub("%s+$", ""):sub(1, 300)
+    if msg == "" then msg = "HTTP " .. res.status end
+  end
+  return nil, ("%s: %s"):format(what, msg), CODES[res.status] or "EENGINE"
+end
+
+--- Creates an adapter for the Docker Engine API at a unix socket path.
+---@param socket string
+function docker.new(socket)
+  return setmetatable({ socket = socket, name = "docker" }, Engine)
+end
+
+--- Low-level call: method, path (with query table), optional JSON body or opts
+--- ({body_file=, output_file=, on_data=, timeout_ms=, headers=}). Returns res or nil, msg, code.
+function Engine:call(method, path, q, body, opts)
+  opts = opts or {}
+  local headers = opts.headers or {}
+  local req = {
+    method = method,
+    url = "http://d/v1.41" .. path .. query(q), -- 1.41: spoken by Docker 20.10+ and Podman 4
+    unix_socket = self.socket,
+    headers = headers,
+    timeout_ms = opts.timeout_ms,
+    connect_timeout_ms = 5000,
+    body_file = opts.body_file,
+    output_file = opts.output_file,
+    on_data = opts.on_data,
+    max_body_bytes = opts.max_body_bytes or 64 * 1024 * 1024,
+  }
+  if body ~= nil then
+    req.body = type(body) == "string" and body or json.encode(body)
+    headers["Content-Type"] = headers["Content-Type"] or "application/json"
+  elseif method == "POST" and not opts.body_file then
+    req.body = ""
+  end
+  local res, err, code = request(req)
+  if not res then
+    if code == "ENOENT" or code == "ECONNREFUSED" then
+      return nil, ("container engine at %s is not answering (%s)"):format(self.socket, err), "ENOENGINE"
+    end
+    return nil, err, code
+  end
+  return res
+end
+
+local function ok_json(self, method, path, q, body, what, opts)
+  local res, err, code = self:call(method, path, q, body, opts)
+  if not res then return nil, err, code end
+  if res.status >= 300 then return engine_error(res, what) end
+  if res.body and res.body ~= "" then
+    local t = json.decode(res.body)
+    return t ~= nil and t or res.body
+  end
+  return true
+end
+
+--- GET /_ping and /version: {name = "podman"|"docker", version = string, api = string}.
+function Engine:info()
+  local v, err, code = ok_json(self, "GET", "/version", nil, nil, "engine version")
+  if not v then return nil, err, code end
+  local name = "docker"
+  for _, c in ipairs(v.Components or {}) do
+    if tostring(c.Name):lower():find("podman") then name = "podman" end
+  end
+  self.kind = name
+  return { name = name, version = v.Version, api = v.ApiVersion }
+end
+
+--- POST /containers/create. spec: the Docker API ContainerCreate body. Returns id.
+function Engine:create(spec, name)
+  local t, err, code = ok_json(self, "POST", "/containers/create", name and { name = name } or nil, spec, "create container")
+  if not t then return nil, err, code end
+  return t.Id
+end
+
+--- POST /containers/{id}/start.
+function Engine:start(id)
+  local res, err, code = self:call("POST", "/containers/" .. id .. "/start")
+  if not res then return nil, err, code end
+  if res.status >= 300 and res.status ~= 304 then return engine_error(res, "start container") end
+  return true
+end
+
+--- POST /containers/{id}/wait: blocks until the container stops. Returns its exit code.
+function Engine:wait(id)
+  local t, err, code = ok_json(self, "POST", "/containers/" .. id .. "/wait", { condition = "not-running" }, nil,
+    "wait for container", { timeout_ms = 0 })
+  if not t then return nil, err, code end
+  return t.StatusCode
+end
+
+--- POST /containers/{id}/kill with a signal name ("KILL", "TERM").
+function Engine:kill(id, signal)
+  local res, err, code = self:call("POST", "/containers/" .. id .. "/kill", { signal = signal or "KILL" })
+  if not res then return nil, err, code end
+  if res.status >= 300 then return engine_error(res, "kill container") end
+  return true
+end
+
+--- DELETE /containers/{id}?force=true&v=true. A container that is already gone is success
+--- with the second value "gone".
+function Engine:remove(id)
+  local res, err, code = self:call("DELETE", "/containers/" .. id, { force = true, v = true })
+  if not res then return nil, err, code end
+  if res.status == 404 then return true, "gone" end
+  if res.status == 409 then
+    -- removal already in progress (e.g. two destroys at once): wait for it to finish
+    for _ = 1, 50 do
+      async.sleep(100)
+      local r2 = self:call("GET", "/containers/" .. id .. "/json")
+      if r2 and r2.status == 404 then return true, "gone" end
+    end
+    return engine_error(res, "remove container")
+  end
+  if res.status >= 300 then return engine_error(res, "remove container") end
+  return true
+end
+
+--- GET /containers/{id}/json. Returns the inspect table, or nil, msg, "ENOENT".
+function Engine:inspect(id)
+  return ok_json(self, "GET", "/containers/" .. id .. "/json", nil, nil, "inspect container")
+end
+
+--- GET /containers/json?all=true&filters={label:[...]}. labels: list of "k=v" or "k".
+function Engine:list(labels)
+  return ok_json(self, "GET", "/containers/json", { all = true, filters = { label = labels } }, nil, "list containers")
+end
+
+--- Runs argv in a running container through the exec API and waits for it to end.
+--- opts: env (list "K=V"), workdir, user. Output is discarded (demesne-init writes it to
+--- files). Returns exit code. Cancelling the task aborts the wait, not the process: use
+--- demesne-init kill for that.
+function Engine:exec(id, argv, opts)
+  opts = opts or {}
+  local t, err, code = ok_json(self, "POST", "/containers/" .. id .. "/exec", nil, {
+    Cmd = argv, Env = opts.env, WorkingDir = opts.workdir, User = opts.user,
+    AttachStdout = true, AttachStderr = true, AttachStdin = false, Tty = false,
+  }, "create exec")
+  if not t then return nil, err, code end
+  local exec_id = t.Id
+  local res
+  res, err, code = self:call("POST", "/exec/" .. exec_id .. "/start", nil, { Detach = false, Tty = false },
+    { timeout_ms = 0, on_data = function() end })
+  if not res then return nil, err, code end
+  if res.status >= 300 then return engine_error(res, "start exec") end
+  local info
+  for _ = 1, 100 do
+    info, err, code = ok_json(self, "GET", "/exec/" .. exec_id .. "/json", nil, nil, "inspect exec")
+    if not info then return nil, err, code end
+    if not info.Running then break end
+    async.sleep(20)
+  end
+  return info.ExitCode
+end
+
+--- PUT /containers/{id}/archive?path=DIR with a tar file as the body (streamed from disk).
+function Engine:put_archive(id, dir, tar_path)
+  local res, err, code = self:call("PUT", "/containers/" .. id .. "/archive", { path = dir }, nil, {
+    body_file = tar_path, headers = { ["Content-Type"] = "application/x-tar" }, timeout_ms = 0 })
+  if not res then return nil, err, code end
+  if res.status >= 300 then return engine_error(res, "upload") end
+  return true
+end
+
+--- GET /containers/{id}/archive?path=PATH, the tar written to out_path (streamed).
+function Engine:get_archive(id, path, out_path)
+  local res, err, code = self:call("GET", "/containers/" .. id .. "/archive", { path = path }, nil, {
+    output_file = out_path, timeout_ms = 0 })
+  if not res then return nil, err, code end
+  if res.status >= 300 then
+    local f = io.open(out_path, "rb")
+    res.body = f and f:read(4096) or ""
+    if f then f:close() end
+    os.remove(out_path)
+    return engine_error(res, "download " .. path)
+  end
+  return true
+end
+
+--- GET /images/{ref}/json. Returns the inspect table, or nil, msg, "ENOENT".
+function Engine:image_inspect(ref)
+  return ok_json(self, "GET", "/images/" .. ref .. "/json", nil, nil, "inspect image")
+end
+
+-- Streams the engine's JSON progress lines (build, import, pull) to on_line(table).
+local function progress_stream(on_line, state)
+  local buf = ""
+  return function(chunk)
+    buf = buf .. chunk
+    while true do
+      local nl = buf:find("\n", 1, true)
+      if not nl then break end
+      local line = buf:sub(1, nl - 1)
+      buf = buf:sub(nl + 1)
+      local t = json.decode(line)
+      if type(t) == "table" then
+        if t.error or t.errorDetail then state.error = t.error or (t.errorDetail and t.errorDetail.message) end
+        if on_line then on_line(t) end
+      end
+    end
+    if #buf > 1024 * 1024 then buf = "" end
+  end
+end
+
+--- POST /build with a tar build context from disk. opts: tag, buildargs (table),
+--- networkmode, dockerfile. on_line(t) receives each progress line ({stream=...}).
+function Engine:build(context_tar, opts, on_line)
+  local state = {}
+  local q = { t = opts.tag, rm = true, forcerm = true, networkmode = opts.networkmode,
+    dockerfile = opts.dockerfile or "Containerfile", buildargs = opts.buildargs, labels = opts.labels }
+  local res, err, code = self:call("POST", "/build", q, nil, { body_file = context_tar, timeout_ms = 0,
+    headers = { ["Content-Type"] = "application/x-tar" }, on_data = progress_stream(on_line, state) })
+  if not res then return nil, err, code end
+  if res.status >= 300 then return nil, "image build failed: HTTP " .. res.status, "EBUILD" end
+  if state.error then return nil, "image build failed: " .. state.error, "EBUILD" end
+  local img = self:image_inspect(opts.tag)
+  if not img then return nil, "image build finished without producing " .. opts.tag, "EBUILD" end
+  return true
+end
+
+--- POST /images/create?fromSrc=-: imports a root filesystem tar (from disk) as repo:tag.
+function Engine:import(tar_path, repo, tag, on_line)
+  local state = {}
+  -- repo:tag in one parameter: Podman 4.3 ignores a separate tag=
+  local res, err, code = self:call("POST", "/images/create", { fromSrc = "-", repo = repo .. ":" .. tag }, nil, {
+    body_file = tar_path, timeout_ms = 0, headers = { ["Content-Type"] = "application/x-tar" },
+    on_data = progress_stream(on_line, state) })
+  if not res then return nil, err, code end
+  if res.status >= 300 or state.error then return nil, "image import failed: " .. tostring(state.error or res.status), "EBUILD" end
+  return true
+end
+
+--- POST /images/create?fromImage=: pulls from a registry. Returns true or nil, msg, code.
+function Engine:pull(ref, timeout_ms, on_line)
+  local state = {}
+  local name, tag = ref:match("^(.-):([^:/]+)$")
+  local res, err, code = self:call("POST", "/images/create", { fromImage = name or ref, tag = tag or "latest" }, nil,
+    { timeout_ms = timeout_ms or 60000, on_data = progress_stream(on_line, state) })
+  if not res then return nil, err, code end
+  if res.status >= 300 or state.error then return nil, "pull failed: " .. tostring(state.error or res.status), "EPULL" end
+  return true
+end
+
+return docker

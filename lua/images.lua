@@ -1,0 +1,190 @@
+-- Container images: built locally from images/<name>/Containerfile through the engine on
+-- first use, cached by a content hash of the build context (and of the parent image).
+-- The base image's parent is debian:bookworm-slim from a registry when one answers,
+-- otherwise a Debian root filesystem made by mmdebstrap from this machine's own apt
+-- sources and imported into the engine.
+local async = require("demesne.async")
+local runtime = require("demesne.runtime")
+local log = require("demesne.log")
+local config = require("demesne.config")
+local archive = require("core.archive")
+local text = require("core.text")
+local fs = require("core.fs")
+local process = require("core.process")
+
+local images = {}
+
+--- Built-in images and their parents.
+images.BUILTIN = {
+  base = { parent = "@rootfs" },
+  python = { parent = "base" },
+  node = { parent = "base" },
+  go = { parent = "base" },
+  default = { parent = "base" },
+}
+
+local ROOTFS_REPO, ROOTFS_TAG = "demesne/debian-rootfs", "bookworm"
+local REGISTRY_BASE = "docker.io/library/debian:bookworm-slim"
+local ROOTFS_PACKAGES = "bash,coreutils,ca-certificates,curl,git,procps"
+
+local building = {} -- "<engine socket>|<tag>" -> event, while a build runs
+local known = {}    -- "<engine socket>|<tag>" -> true once seen
+
+local function context_files(name)
+  local prefix = "images/" .. name .. "/"
+  local files = {}
+  if runtime.source_dir then
+    for _, n in ipairs(fs.readdir(runtime.source_dir .. "/" .. prefix) or {}) do
+      files[#files + 1] = prefix .. n
+    end
+  else
+    for rel in pairs(require("core.loop").embedded()) do
+      if rel:sub(1, #prefix) == prefix then files[#files + 1] = rel end
+    end
+  end
+  table.sort(files)
+  local out = {}
+  for _, rel in ipairs(files) do
+    local src = runtime.source(rel)
+    if src then out[#out + 1] = { name = rel:sub(#prefix + 1), data = src, mode = 420 } end
+  end
+  return out
+end
+
+local function tmp_path(suffix)
+  local dir = config.get("state_dir") .. "/tmp"
+  fs.mkdir_p(dir)
+  return ("%s/%s-%s%s"):format(dir, os.date("!%Y%m%dT%H%M%S"), text.hash(tostring({}) .. os.clock()), suffix)
+end
+
+local function progress(ctx, msg)
+  log.info("demesne.images", "%s", msg)
+  if ctx and ctx.progress then
+    ctx._image_steps = (ctx._image_steps or 0) + 1
+    ctx.progress(ctx._image_steps, nil, msg)
+  end
+end
+
+-- Runs a program to completion; returns exit code and the tail of its stderr.
+local function run(file, args)
+  local tail = ""
+  local code = async.await(function(cb)
+    local proc, streams = process.spawn({ file = file, args = args, stderr = true, stdout = true }, function(c) cb(c) end)
+    if not proc then cb(127); return end
+    for _, s in pairs(streams) do
+      s:read_start(function(chunk)
+        if chunk then tail = (tail .. chunk):sub(-2000) else s:close() end
+      end)
+    end
+    return function() proc:kill("KILL") end
+  end)
+  return code, tail
+end
+
+local function apt_sources()
+  for _, p in ipairs({ "/etc/apt/sources.list.d/debian.sources", "/etc/apt/sources.list" }) do
+    local st = fs.stat(p)
+    if st and st.type == "file" and st.size > 0 then return p end
+  end
+end
+
+-- The parent of the base image: the registry's debian image, or an mmdebstrap rootfs.
+local function ensure_rootfs(eng, ctx)
+  local ref = ROOTFS_REPO .. ":" .. ROOTFS_TAG
+  if eng:image_inspect(ref) then return ref end
+  if eng:image_inspect(REGISTRY_BASE) then return REGISTRY_BASE end
+  progress(ctx, "pulling " .. REGISTRY_BASE)
+  if os.getenv("DEMESNE_NO_PULL") ~= "1" and eng:pull(REGISTRY_BASE, 30000) then return REGISTRY_BASE end
+  progress(ctx, "no registry reachable: building a Debian root filesystem with mmdebstrap")
+  local tar = tmp_path(".rootfs.tar")
+  local _ <close> = setmetatable({}, { __close = function() os.remove(tar) end })
+  local args = { "--variant=minbase", "--include=" .. ROOTFS_PACKAGES, "--format=tar",
+    "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
+    "--dpkgopt=path-exclude=/usr/share/locale/*", "--dpkgopt=path-exclude=/usr/share/info/*",
+    "--dpkgopt=path-include=/usr/share/doc/*/copyright",
+    -- the host's resolver and name must not leak into the image
+    "--customize-hook=rm -f \"$1/etc/resolv.conf\" \"$1/etc/hostname\"",
+    "bookworm", tar }
+  local sources = apt_sources()
+  if sources then args[#args + 1] = sources end
+  local code, err = run("mmdebstrap", args)
+  if code ~= 0 then
+    return nil, ("building the base root filesystem failed (mmdebstrap exit %s): %s"):format(tostring(code), err)
+  end
+  progress(ctx, "importing the root filesystem into the engine")
+  local ok, ierr = eng:import(tar, ROOTFS_REPO, ROOTFS_TAG)
+  if not ok then return nil, ierr end
+  return ref
+end
+
+-- Builds (or finds) the image `name`; returns its tag.
+local function ensure_builtin(eng, name, ctx)
+  local spec = images.BUILTIN[name]
+  local parent, err
+  if spec.parent == "@rootfs" then
+    parent, err = ensure_rootfs(eng, ctx)
+  else
+    parent, err = ensure_builtin(eng, spec.parent, ctx)
+  end
+  if not parent then return nil, err end
+  local files = context_files(name)
+  if #files == 0 then return nil, ("image %q has no build context in this binary"):format(name) end
+  local key = { parent }
+  for _, f in ipairs(files) do key[#key + 1] = f.name .. "\0" .. f.data end
+  local tag = ("demesne/%s:%s"):format(name, text.hash(table.concat(key, "\0")):sub(1, 12))
+  local k = eng.socket .. "|" .. tag
+  if known[k] then return tag end
+  while building[k] do building[k].wait() end
+  if known[k] then return tag end
+  if eng:image_inspect(tag) then
+    known[k] = true
+    return tag
+  end
+  local ev = async.event()
+  building[k] = ev
+  local _ <close> = setmetatable({}, { __close = function() building[k] = nil; ev.set() end })
+  progress(ctx, ("building image %s (%s) — first use only"):format(name, tag))
+  local tar = tmp_path(".context.tar")
+  local _t <close> = setmetatable({}, { __close = function() os.remove(tar) end })
+  local ok, perr = archive.pack(tar, files)
+  if not ok then return nil, "packing the build context failed: " .. tostring(perr) end
+  local last = ""
+  ok, err = eng:build(tar, { tag = tag, buildargs = { BASE = parent }, networkmode = "host",
+    labels = { ["io.demesne.image"] = name } }, function(line)
+    if line.stream and line.stream:match("%S") then
+      last = line.stream:gsub("%s+$", "")
+      if last:match("^STEP") or last:match("^Step") then progress(ctx, name .. ": " .. last) end
+    end
+  end)
+  if not ok then return nil, ("building image %s failed: %s (last output: %s)"):format(name, err, last) end
+  known[k] = true
+  return tag
+end
+
+--- Makes sure an image is available. `name` is a built-in image (base, python, node, go,
+--- default) or the reference of an image already present in the engine.
+--- Returns {name=, ref=} or nil and a message that lists the built-in names.
+function images.ensure(eng, name, ctx)
+  name = name or config.get("default_image")
+  if images.BUILTIN[name] then
+    local ref, err = ensure_builtin(eng, name, ctx)
+    if not ref then return nil, err end
+    return { name = name, ref = ref }
+  end
+  if eng:image_inspect(name) then return { name = name, ref = name } end
+  local names = {}
+  for n in pairs(images.BUILTIN) do names[#names + 1] = n end
+  table.sort(names)
+  return nil, ("image: %q is neither a built-in image (%s) nor an image present in the engine"):format(name,
+    table.concat(names, ", "))
+end
+
+--- Lists built-in images: {{name=, parent=, tag=?, built=bool}} (tag only when built).
+function images.list()
+  local names = {}
+  for n in pairs(images.BUILTIN) do names[#names + 1] = n end
+  table.sort(names)
+  return names
+end
+
+return images

@@ -1,0 +1,302 @@
+// The sandbox tools over MCP (official SDK client, stdio) against a real container engine.
+// The engine comes from DEMESNE_ENGINE (tests/run runs this file once per engine).
+// Cases C01–C13 from shared/cases are named in the test titles.
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { createHash, randomBytes } from "node:crypto";
+import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, existsSync, symlinkSync, readdirSync, rmSync, lstatSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import http from "node:http";
+import { connect } from "./helpers.mjs";
+
+const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
+const SOCKET = ENGINE.replace(/^unix:\/\//, "");
+const work = mkdtempSync(path.join(tmpdir(), "demesne-it-"));
+const allowed = path.join(work, "allowed1");
+mkdirSync(path.join(allowed, "data"), { recursive: true });
+mkdirSync(path.join(work, "allowed10"), { recursive: true });
+writeFileSync(path.join(allowed, "input.txt"), "input-contents\n");
+writeFileSync(path.join(allowed, "data", "a.csv"), "x,y\n1,2\n");
+writeFileSync(path.join(work, "allowed10", "x"), "outside\n");
+symlinkSync("/etc", path.join(allowed, "etc-link"));
+const env = {
+  DEMESNE_ENGINE: ENGINE,
+  DEMESNE_ALLOWED_PATHS: allowed,
+  DEMESNE_OUTPUT_ROOT: path.join(work, "out"),
+  DEMESNE_STATE_DIR: path.join(work, "state"),
+};
+
+let conn;
+before(async () => { conn = await connect({ env, fixtures: false }); });
+after(async () => {
+  await conn?.client.close();
+  rmSync(work, { recursive: true, force: true });
+});
+
+const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
+async function call(name, args, opts = {}) {
+  const res = await conn.client.callTool({ name, arguments: args }, undefined, { ...LONG, ...opts });
+  return res;
+}
+async function ok(name, args, opts) {
+  const res = await call(name, args, opts);
+  assert.ok(!res.isError, `${name} failed: ${res.content?.[0]?.text}`);
+  return res.structuredContent;
+}
+async function err(name, args) {
+  const res = await call(name, args);
+  assert.equal(res.isError, true, `${name} should fail: ${JSON.stringify(res.structuredContent)}`);
+  return res.content[0].text;
+}
+
+function engineGet(p) {
+  return new Promise((resolve, reject) => {
+    http.get({ socketPath: SOCKET, path: p }, (res) => {
+      let body = "";
+      res.on("data", (c) => (body += c));
+      res.on("end", () => resolve(JSON.parse(body)));
+    }).on("error", reject);
+  });
+}
+async function containersWithLabel(label) {
+  const filters = encodeURIComponent(JSON.stringify({ label: [label] }));
+  return engineGet(`/containers/json?all=true&filters=${filters}`);
+}
+
+test("sandbox_script runs on the engine: output, /out kept, container removed", async () => {
+  const r = await ok("sandbox_script", { command: "uname -s; python3 --version; echo hi > /out/hello.txt" });
+  assert.equal(r.exit_code, 0);
+  assert.match(r.stdout, /Linux/);
+  assert.match(r.stdout + r.stderr, /Python 3\./);
+  assert.equal(readFileSync(path.join(r.output_dir, "hello.txt"), "utf8"), "hi\n");
+  assert.match(readFileSync(path.join(r.output_dir, "stdout.log"), "utf8"), /Linux/);
+  assert.equal(r.timed_out, false);
+  assert.equal(r.truncated, false);
+  assert.deepEqual(await containersWithLabel(`io.demesne.run_id=${r.run_id}`), []);
+});
+
+test("exit code and stderr come back", async () => {
+  const r = await ok("sandbox_script", { command: "echo oops >&2; exit 3", image: "base" });
+  assert.equal(r.exit_code, 3);
+  assert.equal(r.stderr, "oops\n");
+});
+
+test("inputs are mounted read-only at /in", async () => {
+  const r = await ok("sandbox_script", {
+    command: "cat /in/input.txt; cat /in/data/a.csv; touch /in/input.txt 2>/dev/null && echo WRITABLE || echo readonly",
+    files: [path.join(allowed, "input.txt")],
+    directories: [path.join(allowed, "data")],
+    image: "base",
+  });
+  assert.equal(r.stdout, "input-contents\nx,y\n1,2\nreadonly\n");
+});
+
+test("C12: paths outside the allowed roots are refused with the field and reason", async () => {
+  const cases = [
+    [path.join(allowed, "../../../etc/passwd"), /files\[0\].*not inside the allowed paths/],
+    [path.join(work, "allowed10", "x"), /files\[0\].*not inside the allowed paths/],
+    [path.join(allowed, "etc-link", "passwd"), /files\[0\].*resolves to \/etc\/passwd.*not inside/],
+    [path.join(allowed, "%2e%2e", "%2e%2e", "etc", "passwd"), /files\[0\].*cannot resolve/],
+  ];
+  for (const [p, re] of cases) assert.match(await err("sandbox_script", { command: "true", files: [p] }), re);
+  assert.match(await err("sandbox_script", { command: "true", directories: [path.join(allowed, "etc-link")] }),
+    /directories\[0\].*resolves to \/etc/);
+});
+
+test("env is passed; demesne's own variables cannot be overridden", async () => {
+  const r = await ok("sandbox_script", { command: 'echo "$GREETING $DEMESNE_RUN_ID"', env: { GREETING: "hello" }, image: "base" });
+  assert.equal(r.stdout, `hello ${r.run_id}\n`);
+  assert.match(await err("sandbox_script", { command: "true", env: { DEMESNE_RUN_ID: "x" } }), /env\.DEMESNE_RUN_ID/);
+});
+
+test("invalid arguments name the field", async () => {
+  assert.match(await err("sandbox_script", { command: "true", timeout_seconds: "soon" }), /timeout_seconds/);
+  assert.match(await err("sandbox_script", { command: "true", limits: { memory_mb: 10 ** 9 } }), /limits\.memory_mb/);
+  assert.match(await err("sandbox_script", { command: "true", image: "no-such-image-xyz" }), /image.*built-in/);
+});
+
+test("a timeout kills the command and says so", async () => {
+  const t0 = Date.now();
+  const r = await ok("sandbox_script", { command: "echo before; sleep 120; echo after", timeout_seconds: 1, image: "base" });
+  assert.equal(r.timed_out, true);
+  assert.equal(r.stdout, "before\n");
+  assert.notEqual(r.exit_code, 0);
+  assert.ok(Date.now() - t0 < 30_000, "returned long before the sleep would have ended");
+});
+
+test("C02: a grandchild holding stdout does not delay the result", async () => {
+  const t0 = Date.now();
+  const r = await ok("sandbox_script", { command: "(sleep 600 &) ; echo started", image: "base" });
+  assert.equal(r.exit_code, 0);
+  assert.equal(r.stdout, "started\n");
+  assert.ok(Date.now() - t0 < 30_000);
+  assert.deepEqual(await containersWithLabel(`io.demesne.run_id=${r.run_id}`), []);
+});
+
+test("C03: exec with process substitution finishes", async () => {
+  const r = await ok("sandbox_script", { command: "bash -c 'exec > >(tee -a /tmp/log) 2>&1; echo done'", image: "base" });
+  assert.equal(r.exit_code, 0);
+  assert.match(r.stdout, /done/);
+});
+
+test("C07: over 1 MB of multi-byte text: log byte-identical, result valid UTF-8 and cut on code points", async () => {
+  const r = await ok("sandbox_script", { command: "python3 -c 'print(\"日本語🎉\"*60000)'" });
+  const expected = Buffer.from("日本語🎉".repeat(60000) + "\n", "utf8");
+  assert.ok(readFileSync(path.join(r.output_dir, "stdout.log")).equals(expected));
+  assert.equal(r.truncated, true);
+  assert.match(r.stdout, /bytes omitted; full output in .*stdout\.log/);
+  assert.ok(!r.stdout.includes("\uFFFD"), "no code point was split");
+  assert.ok(Buffer.byteLength(r.stdout) < 70_000);
+});
+
+test("C08: random bytes and exit 3 give a valid response", async () => {
+  const r = await ok("sandbox_script", { command: "head -c 65536 /dev/urandom; echo; exit 3", image: "base" });
+  assert.equal(r.exit_code, 3);
+  assert.equal(typeof r.stdout, "string");
+});
+
+test("C10: 1 MiB of control bytes stays within the message bound", async () => {
+  const r = await ok("sandbox_script", { command: "head -c 1048576 /dev/zero | tr '\\0' '\\1'", image: "base" });
+  assert.equal(r.exit_code, 0);
+  assert.equal(r.truncated, true);
+  assert.ok(JSON.stringify(r).length < 1_000_000);
+});
+
+test("C09: endless output keeps server memory flat while another call answers", async () => {
+  const pid = conn.transport.pid;
+  const rss = () => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, "utf8"))[1]) * 1024;
+  const before = rss();
+  const flood = ok("sandbox_script", { command: "timeout 15 yes; true", image: "base" });
+  await new Promise((r) => setTimeout(r, 3000));
+  const quick = await ok("sandbox_script", { command: "echo quick", image: "base" });
+  assert.equal(quick.stdout, "quick\n");
+  const r = await flood;
+  assert.equal(r.truncated, true);
+  assert.ok(rss() - before < 50 * 1024 * 1024, `server RSS grew by ${(rss() - before) >> 20} MiB`);
+});
+
+test("C05: 20 concurrent sandbox_script calls each answer with their own result, nothing left behind", async () => {
+  const calls = Array.from({ length: 20 }, (_, i) => ok("sandbox_script", { command: `echo call-${i} $RANDOM`, image: "base" }));
+  const results = await Promise.all(calls);
+  results.forEach((r, i) => assert.match(r.stdout, new RegExp(`^call-${i} \\d+\\n$`)));
+  assert.equal(new Set(results.map((r) => r.run_id)).size, 20);
+  for (const r of results) assert.deepEqual(await containersWithLabel(`io.demesne.run_id=${r.run_id}`), []);
+});
+
+test("persistent sandbox: create, exec, upload, download, list, destroy", async () => {
+  const sb = await ok("sandbox_create", { image: "base", files: [path.join(allowed, "input.txt")] });
+  assert.match(sb.sandbox_id, /^\d{8}T\d{6}Z-[0-9a-f]{8}$/);
+  try {
+    const e1 = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "echo state > /tmp/s; cat /in/input.txt" });
+    assert.equal(e1.stdout, "input-contents\n");
+    const e2 = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "cat /tmp/s; pwd", cwd: "/tmp" });
+    assert.equal(e2.stdout, "state\n/tmp\n");
+    assert.ok(existsSync(path.join(e2.log_dir, "stdout.log")));
+    const list = await ok("sandbox_list", {});
+    assert.ok(list.sandboxes.some((s) => s.sandbox_id === sb.sandbox_id));
+    await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "mkdir -p /out/res && echo r1 > /out/res/one.txt" });
+    const d = await ok("sandbox_download", { sandbox_id: sb.sandbox_id, src: "/out/res" });
+    assert.equal(readFileSync(path.join(d.path, "one.txt"), "utf8"), "r1\n");
+    assert.equal(d.path, path.join(sb.output_dir, "downloads", "res"));
+  } finally {
+    const x = await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+    assert.equal(x.status, "destroyed");
+  }
+  assert.match(await err("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "true" }), /no sandbox/);
+});
+
+test("C11: uploads of 0 B to 64 MiB arrive with the same sha256", async () => {
+  const sb = await ok("sandbox_create", { image: "base" });
+  try {
+    for (const size of [0, 1024, 17 * 1024, 18 * 1024, 19 * 1024, 1 << 20, 64 << 20]) {
+      const data = randomBytes(size);
+      const f = path.join(allowed, `up-${size}.bin`);
+      writeFileSync(f, data);
+      const u = await ok("sandbox_upload", { sandbox_id: sb.sandbox_id, src: f, dst: `/out/up-${size}.bin` });
+      assert.equal(u.bytes, size);
+      const e = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: `sha256sum /out/up-${size}.bin | cut -d' ' -f1` });
+      assert.equal(e.stdout.trim(), createHash("sha256").update(data).digest("hex"), `size ${size}`);
+      rmSync(f);
+    }
+    assert.match(await err("sandbox_upload", { sandbox_id: sb.sandbox_id, src: "/etc/passwd", dst: "/out/p" }), /src.*not inside/);
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
+test("C13: downloads never write or read outside the sandbox's output folder", async () => {
+  const sb = await ok("sandbox_create", { image: "base" });
+  try {
+    await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "ln -s /etc/shadow /tmp/shadow-link; mkdir -p /tmp/d && ln -s ../../../../etc /tmp/d/up" });
+    assert.match(await err("sandbox_download", { sandbox_id: sb.sandbox_id, src: "/tmp/shadow-link" }), /refused|unsafe|link/i);
+    assert.match(await err("sandbox_download", { sandbox_id: sb.sandbox_id, src: "/tmp/d" }), /refused|unsafe|link/i);
+    assert.match(await err("sandbox_download", { sandbox_id: sb.sandbox_id, src: "../../x" }), /src/);
+    // a downloads link planted from inside the sandbox is not followed
+    await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "ln -s /etc /out/downloads; echo x > /tmp/f" });
+    assert.match(await err("sandbox_download", { sandbox_id: sb.sandbox_id, src: "/tmp/f" }), /downloads/);
+    assert.ok(!existsSync("/etc/f"));
+    assert.ok(lstatSync(path.join(sb.output_dir, "downloads")).isSymbolicLink());
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
+test("C01: a timed-out exec kills its whole process group", async () => {
+  const sb = await ok("sandbox_create", { image: "base" });
+  try {
+    const t0 = Date.now();
+    const r = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "sleep 300 & echo $! > /tmp/pid; wait", timeout_seconds: 1 });
+    assert.equal(r.timed_out, true);
+    assert.ok(Date.now() - t0 < 20_000);
+    const k = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "kill -0 $(cat /tmp/pid) 2>/dev/null && echo alive || echo gone" });
+    assert.equal(k.stdout, "gone\n");
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
+test("C04: cancelling a running exec kills the command in the container", async () => {
+  const sb = await ok("sandbox_create", { image: "base" });
+  try {
+    const ac = new AbortController();
+    const p = conn.client.callTool({ name: "sandbox_exec", arguments: { sandbox_id: sb.sandbox_id, command: "sleep 600" } },
+      undefined, { signal: ac.signal, timeout: 120_000 });
+    await new Promise((r) => setTimeout(r, 2500));
+    ac.abort("test cancels");
+    await assert.rejects(p);
+    let left = "";
+    for (let i = 0; i < 20; i++) {
+      await new Promise((r) => setTimeout(r, 500));
+      left = (await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "ps -eo comm | grep -c '^sleep$' || true" })).stdout.trim();
+      if (left === "0") break;
+    }
+    assert.equal(left, "0");
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
+test("C06: destroy twice at once, and destroy of a gone sandbox, both succeed", async () => {
+  const sb = await ok("sandbox_create", { image: "base" });
+  const [a, b] = await Promise.all([
+    ok("sandbox_destroy", { sandbox_id: sb.sandbox_id }),
+    ok("sandbox_destroy", { sandbox_id: sb.sandbox_id }),
+  ]);
+  for (const s of [a.status, b.status]) assert.ok(["destroyed", "already gone"].includes(s), s);
+  assert.ok([a.status, b.status].includes("destroyed"));
+  const c = await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  assert.equal(c.status, "already gone");
+});
+
+test("no engine: the tools answer with the sockets tried and how to start one", async () => {
+  const c2 = await connect({ env: { ...env, DEMESNE_ENGINE: "unix:///nonexistent/engine.sock" }, fixtures: false });
+  try {
+    const res = await c2.client.callTool({ name: "sandbox_script", arguments: { command: "true" } });
+    assert.equal(res.isError, true);
+    assert.match(res.content[0].text, /\/nonexistent\/engine\.sock/);
+    assert.match(res.content[0].text, /podman system service|dockerd/);
+  } finally {
+    await c2.client.close();
+  }
+});

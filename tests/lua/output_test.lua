@@ -1,0 +1,55 @@
+local output = require("demesne.output")
+local fs = require("core.fs")
+
+local tests = {}
+
+local function tmpdir()
+  local d = os.tmpname()
+  os.remove(d)
+  assert(fs.mkdir_p(d))
+  return d
+end
+
+function tests.small_output_is_whole(t)
+  local d = tmpdir()
+  assert(fs.write_atomic(d .. "/stdout.log", "hello\n"))
+  local s, cut, size = output.view(d, "stdout.log", 16, 16)
+  t:eq(s, "hello\n")
+  t:eq(cut, false)
+  t:eq(size, 6)
+  fs.remove_tree(d)
+end
+
+function tests.C07_multibyte_cut_on_code_points(t)
+  local d = tmpdir()
+  local unit = "日本語🎉"
+  assert(fs.write_atomic(d .. "/stdout.log", unit:rep(60000) .. "\n"))
+  local s, cut = output.view(d, "stdout.log", 32768, 32768)
+  t:eq(cut, true)
+  t:ok(utf8.len(s) ~= nil, "result is valid UTF-8")
+  t:match(s, "bytes omitted; full output in .*/stdout.log")
+  t:ok(#s < 70000, "bounded")
+  fs.remove_tree(d)
+end
+
+function tests.C08_invalid_bytes_are_replaced(t)
+  local d = tmpdir()
+  local bytes = {}
+  for i = 0, 255 do bytes[#bytes + 1] = string.char(i) end
+  assert(fs.write_atomic(d .. "/stdout.log", table.concat(bytes):rep(10)))
+  local s = output.view(d, "stdout.log", 32768, 32768)
+  t:ok(utf8.len(s) ~= nil, "result is valid UTF-8")
+  t:ok(s:find("\xEF\xBF\xBD", 1, true) ~= nil, "replacement character present")
+  fs.remove_tree(d)
+end
+
+function tests.C13_symlinked_log_is_not_followed(t)
+  local d = tmpdir()
+  os.execute("ln -s /etc/passwd " .. d .. "/stdout.log")
+  local s, _, size = output.view(d, "stdout.log", 100, 100)
+  t:eq(s, "")
+  t:eq(size, 0)
+  fs.remove_tree(d)
+end
+
+return tests

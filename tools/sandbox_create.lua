@@ -1,0 +1,39 @@
+-- sandbox_create: a persistent sandbox for several sandbox_exec calls.
+local sandbox = require("demesne.sandbox")
+local schemas = require("demesne.schemas")
+local json = require("demesne.json")
+
+return {
+  name = "sandbox_create",
+  title = "Create a persistent sandbox",
+  description = "Creates a container that stays up for sandbox_exec, sandbox_upload and sandbox_download "
+    .. "until sandbox_destroy or its TTL (renewed by each exec). Inputs are mounted read-only at /in; "
+    .. "/out is a host folder kept after the sandbox goes. No network.",
+  inputSchema = {
+    type = "object",
+    additionalProperties = false,
+    properties = {
+      image = schemas.image,
+      files = schemas.files(),
+      directories = schemas.directories(),
+      env = schemas.env,
+      limits = schemas.limits,
+      ttl_seconds = { type = "integer", minimum = 60, description = "Seconds the sandbox lives without use. Default 48 h." },
+    },
+  },
+  outputSchema = {
+    type = "object",
+    required = json.array({ "sandbox_id", "output_dir", "expires_at" }),
+    properties = {
+      sandbox_id = { type = "string" },
+      output_dir = { type = "string" },
+      expires_at = { type = "string", description = "UTC, RFC 3339" },
+      image = { type = "string" },
+    },
+  },
+  annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = false },
+  run = function(ctx, args)
+    local r = sandbox.create(ctx, args)
+    return r, ("sandbox_id: %s\noutput_dir: %s\nexpires_at: %s"):format(r.sandbox_id, r.output_dir, r.expires_at)
+  end,
+}

@@ -1,0 +1,31 @@
+-- sandbox_destroy: remove a persistent sandbox (its output folder stays).
+local sandbox = require("demesne.sandbox")
+local schemas = require("demesne.schemas")
+local json = require("demesne.json")
+
+return {
+  name = "sandbox_destroy",
+  title = "Destroy a persistent sandbox",
+  description = "Removes a sandbox made by sandbox_create and every process in it. Its output folder is kept. "
+    .. "Idempotent: destroying a sandbox that is already gone succeeds and says so.",
+  inputSchema = {
+    type = "object",
+    additionalProperties = false,
+    required = { "sandbox_id" },
+    properties = { sandbox_id = schemas.sandbox_id },
+  },
+  outputSchema = {
+    type = "object",
+    required = json.array({ "sandbox_id", "status" }),
+    properties = {
+      sandbox_id = { type = "string" },
+      status = { type = "string", enum = { "destroyed", "already gone" } },
+      output_dir = { type = "string" },
+    },
+  },
+  annotations = { readOnlyHint = false, destructiveHint = true, idempotentHint = true, openWorldHint = false },
+  run = function(ctx, args)
+    local r = sandbox.destroy(ctx, args)
+    return r, ("%s: %s"):format(r.status, r.sandbox_id)
+  end,
+}

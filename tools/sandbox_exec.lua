@@ -1,0 +1,29 @@
+-- sandbox_exec: a command in a persistent sandbox.
+local sandbox = require("demesne.sandbox")
+local schemas = require("demesne.schemas")
+
+return {
+  name = "sandbox_exec",
+  title = "Run a command in a persistent sandbox",
+  description = "Runs a shell command with /bin/sh -c in a sandbox made by sandbox_create and renews its TTL. "
+    .. "A timeout or cancel kills the command's whole process group. Full output is kept in "
+    .. "output_dir/exec/<id>/stdout.log and stderr.log; the result carries a bounded head and tail.",
+  inputSchema = {
+    type = "object",
+    additionalProperties = false,
+    required = { "sandbox_id", "command" },
+    properties = {
+      sandbox_id = schemas.sandbox_id,
+      command = { type = "string", minLength = 1, description = "Shell command, run with /bin/sh -c." },
+      timeout_seconds = schemas.timeout_seconds,
+      cwd = { type = "string", description = "Absolute working directory in the sandbox. Default /out." },
+      env = schemas.env,
+    },
+  },
+  outputSchema = schemas.run_result({ log_dir = { type = "string" }, expires_at = { type = "string" } }),
+  annotations = { readOnlyHint = false, destructiveHint = true, idempotentHint = false, openWorldHint = false },
+  run = function(ctx, args)
+    local r = sandbox.exec(ctx, args)
+    return r, schemas.run_text(r)
+  end,
+}

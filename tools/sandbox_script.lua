@@ -1,0 +1,32 @@
+-- sandbox_script: one command in a fresh, disposable container.
+local sandbox = require("demesne.sandbox")
+local schemas = require("demesne.schemas")
+
+return {
+  name = "sandbox_script",
+  title = "Run a script in a fresh sandbox",
+  description = "Runs a shell command with /bin/sh -c in a new container with no network, "
+    .. "working directory /out (a host folder kept after the run). Host inputs are mounted read-only at /in. "
+    .. "The container is removed afterwards. Returns the exit code and the head and tail of stdout and stderr; "
+    .. "the full streams are in stdout.log and stderr.log in output_dir.",
+  inputSchema = {
+    type = "object",
+    additionalProperties = false,
+    required = { "command" },
+    properties = {
+      command = { type = "string", minLength = 1, description = "Shell command, run with /bin/sh -c in /out." },
+      image = schemas.image,
+      files = schemas.files(),
+      directories = schemas.directories(),
+      env = schemas.env,
+      timeout_seconds = schemas.timeout_seconds,
+      limits = schemas.limits,
+    },
+  },
+  outputSchema = schemas.run_result({ run_id = { type = "string" } }),
+  annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = false },
+  run = function(ctx, args)
+    local r = sandbox.run_script(ctx, args)
+    return r, schemas.run_text(r)
+  end,
+}
