@@ -1,0 +1,287 @@
+-- MCP over stdio: newline-delimited JSON-RPC on fd 0 / fd 1, logs on stderr.
+--
+-- Reads stdin through the line framer (lines over max_line_bytes are discarded with an
+-- error), hands each line to the server, writes its messages to stdout with the stream's
+-- write queue as back-pressure, and stops gracefully on stdin EOF, SIGINT or SIGTERM:
+-- requests in progress are cancelled and their cleanup awaited (bounded), queued output
+-- is flushed, then the loop stops. A second signal during that stops at once.
+local async = require("demesne.async")
+local log = require("demesne.log")
+local framing = require("demesne.mcp.framing")
+local server = require("demesne.mcp.server")
+local loop = require("core.loop")
+local stream = require("core.stream")
+local signal = require("core.signal")
+local timer = require("core.timer")
+
+local stdio = {}
+
+local LOGGER = "demesne.mcp"
+local DRAIN_LOW = 256 * 1024           -- a waiting writer resumes when the queue is this small
+local PAUSE_INPUT_BYTES = 16 * 1024 * 1024 -- stdin is not read while this much output is queued
+
+stdio.DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024
+stdio.DEFAULT_SHUTDOWN_TIMEOUT_MS = 20000
+
+-- Reads a positive integer setting: environment variable, then the config file, then default.
+local function setting(env, name, default)
+  local v = os.getenv(env)
+  if v == nil or v == "" then
+    local ok, config = pcall(require, "demesne.config")
+    if ok and type(config) == "table" and config.get then
+      local ok2, cv = pcall(config.get, name)
+      if ok2 then v = cv end
+    end
+  end
+  v = tonumber(v)
+  if v and v > 0 then return math.floor(v) end
+  return default
+end
+
+--- The limits in force: max_line_bytes ($DEMESNE_MCP_MAX_LINE_BYTES or config
+--- mcp_max_line_bytes, default 16 MiB), max_message_bytes ($DEMESNE_MCP_MAX_MESSAGE_BYTES or
+--- mcp_max_message_bytes, default 4 MiB), shutdown_timeout_ms ($DEMESNE_MCP_SHUTDOWN_TIMEOUT_MS
+--- or mcp_shutdown_timeout_ms, default 20000).
+---@return {max_line_bytes: integer, max_message_bytes: integer, shutdown_timeout_ms: integer}
+function stdio.limits()
+  return {
+    max_line_bytes = setting("DEMESNE_MCP_MAX_LINE_BYTES", "mcp_max_line_bytes", stdio.DEFAULT_MAX_LINE_BYTES),
+    max_message_bytes = setting("DEMESNE_MCP_MAX_MESSAGE_BYTES", "mcp_max_message_bytes", server.DEFAULT_MAX_MESSAGE_BYTES),
+    shutdown_timeout_ms = setting("DEMESNE_MCP_SHUTDOWN_TIMEOUT_MS", "mcp_shutdown_timeout_ms",
+      stdio.DEFAULT_SHUTDOWN_TIMEOUT_MS),
+  }
+end
+
+-- The output side: a libuv stream when fd 1 is a pipe, socket or terminal, else blocking
+-- writes (a regular file). on_broken() is called once when the peer went away.
+local function open_output(fd, on_broken, on_drained)
+  local out = {}
+  local s = stream.open_fd(fd)
+  local broken = false
+  local waiters = {}
+  local function wake()
+    local ws = waiters
+    waiters = {}
+    for _, w in ipairs(ws) do w() end
+  end
+  if s then
+    local function written(ok, err)
+      if not ok and not broken then
+        broken = true
+        log.warning(LOGGER, "stdout: %s", tostring(err))
+        on_broken()
+      end
+      if broken or not s or s:write_queue_size() <= DRAIN_LOW then
+        wake()
+        on_drained()
+      end
+    end
+    function out.write(line)
+      if broken or not s then return nil, "stdout is closed" end
+      local ok, err = s:write(line .. "\n", written)
+      if not ok then
+        broken = true
+        on_broken()
+        return nil, err
+      end
+      return true
+    end
+    function out.backlog() return (s and not broken) and s:write_queue_size() or 0 end
+    --- Waits (inside a task) until at most DRAIN_LOW bytes are queued.
+    function out.drain()
+      while out.backlog() > DRAIN_LOW do
+        async.await(function(cb)
+          waiters[#waiters + 1] = cb
+          return function()
+            for i, w in ipairs(waiters) do if w == cb then table.remove(waiters, i) break end end
+          end
+        end)
+      end
+    end
+    function out.flush(ms)
+      if out.backlog() == 0 then return end
+      async.timeout(ms, function()
+        while out.backlog() > 0 do
+          async.await(function(cb)
+            waiters[#waiters + 1] = cb
+            return function()
+              for i, w in ipairs(waiters) do if w == cb then table.remove(waiters, i) break end end
+            end
+          end)
+        end
+      end)
+    end
+    function out.close()
+      if s then s:close(); s = nil end
+      wake()
+    end
+  else
+    local f = io.stdout
+    function out.write(line)
+      if broken then return nil, "stdout is closed" end
+      local ok, err = f:write(line, "\n")
+      if ok then ok, err = f:flush() end
+      if not ok then
+        broken = true
+        on_broken()
+        return nil, err
+      end
+      return true
+    end
+    function out.backlog() return 0 end
+    function out.drain() end
+    function out.flush() end
+    function out.close() end
+  end
+  return out
+end
+
+-- The input side: a libuv stream when fd 0 is a pipe, socket or terminal; otherwise (a
+-- regular file, /dev/null) chunks read from io.stdin, one per loop turn.
+-- on_chunk(data) per chunk; on_end(err) once at EOF or error.
+-- Returns {stop = fn, pause = fn, resume = fn} (pause/resume: stop and restart reading).
+local function open_input(fd, on_chunk, on_end)
+  local s = stream.open_fd(fd)
+  if s then
+    local paused = false
+    local function on_read(data, rerr)
+      if data then on_chunk(data) else on_end(rerr) end
+    end
+    local ok, err = s:read_start(on_read)
+    if not ok then
+      s:close()
+      on_end(err)
+      return { stop = function() end, pause = function() end, resume = function() end }
+    end
+    return {
+      stop = function() if s then s:close(); s = nil end end,
+      pause = function()
+        if s and not paused then paused = true; s:read_stop() end
+      end,
+      resume = function()
+        if s and paused then
+          paused = false
+          local rok, rerr = s:read_start(on_read)
+          if not rok then on_end(rerr) end
+        end
+      end,
+    }
+  end
+  local stopped = false
+  local t
+  local function pump()
+    t = nil
+    if stopped then return end
+    local data = io.stdin:read(65536)
+    if data then
+      on_chunk(data)
+      if not stopped then t = timer.after(0, pump) end
+    else
+      stopped = true
+      on_end(nil)
+    end
+  end
+  t = timer.after(0, pump)
+  return {
+    stop = function()
+      stopped = true
+      if t then t:close(); t = nil end
+    end,
+    pause = function() end,
+    resume = function() end,
+  }
+end
+
+--- Runs the MCP server on stdin/stdout until stdin closes or SIGINT/SIGTERM arrives.
+--- Returns the process exit status (0 after a graceful stop).
+---@param opts {fixtures: string|nil, registry: ToolRegistry|nil, input_fd: integer|nil, output_fd: integer|nil}|nil
+---@return integer
+function stdio.serve(opts)
+  opts = opts or {}
+  -- stdout carries only the protocol: a stray print() or io.write() goes to stderr
+  io.output(io.stderr)
+  _G.print = function(...)
+    local parts = table.pack(...)
+    for i = 1, parts.n do parts[i] = tostring(parts[i]) end
+    io.stderr:write(table.concat(parts, "\t", 1, parts.n), "\n")
+  end
+  local limits = stdio.limits()
+  local registry = opts.registry or require("demesne.tools").load({ fixtures = opts.fixtures })
+  local status = 0
+  local shutting_down = false
+  local input
+  local signals = {}
+  local begin_shutdown
+
+  local out = open_output(opts.output_fd or 1, function()
+    if begin_shutdown then begin_shutdown("stdout closed") end
+  end, function()
+    if input then input.resume() end
+  end)
+  local srv = server.new({
+    send = out.write,
+    backlog = out.backlog,
+    drain = out.drain,
+    registry = registry,
+    max_message_bytes = limits.max_message_bytes,
+  })
+
+  local function close_all()
+    for _, w in ipairs(signals) do w:close() end
+    signals = {}
+    if input then input.stop() end
+    out.close()
+  end
+
+  begin_shutdown = function(reason)
+    if shutting_down then return end
+    shutting_down = true
+    log.info(LOGGER, "shutting down (%s), %d request(s) in progress", reason, srv:pending())
+    if input then input.stop() end
+    async.spawn("mcp shutdown", function()
+      local ok, err = pcall(srv.shutdown, srv, limits.shutdown_timeout_ms)
+      if not ok then log.error(LOGGER, "shutdown: %s", tostring(err)) end
+      pcall(out.flush, 2000)
+      close_all()
+      loop.stop()
+    end)
+  end
+
+  local reader = framing.reader(limits.max_line_bytes, function(line)
+    if shutting_down then return end
+    local ok, err = xpcall(srv.receive, debug.traceback, srv, line)
+    if not ok then log.error(LOGGER, "failed to handle a message: %s", tostring(err)) end
+    -- the client is not reading what we write: stop reading what it sends until it does
+    if input and out.backlog() > PAUSE_INPUT_BYTES then input.pause() end
+  end, function(bytes)
+    srv:overflow(bytes, limits.max_line_bytes)
+  end)
+
+  for _, name in ipairs({ "INT", "TERM" }) do
+    local w = signal.watch(name, function()
+      if shutting_down then
+        log.warning(LOGGER, "SIG%s again: stopping now", name)
+        status = 1
+        close_all()
+        loop.stop()
+        return
+      end
+      begin_shutdown("SIG" .. name)
+    end)
+    if w then signals[#signals + 1] = w end
+  end
+
+  input = open_input(opts.input_fd or 0, function(data) reader.feed(data) end, function(err)
+    if err then log.warning(LOGGER, "stdin: %s", tostring(err)) end
+    if not shutting_down then reader.finish() end
+    begin_shutdown(err and "stdin error" or "stdin closed")
+  end)
+
+  log.info(LOGGER, "demesne %s serving MCP on stdio (%d tools)", loop.version, #registry:list())
+  loop.run()
+  close_all()
+  srv:close()
+  return status
+end
+
+return stdio

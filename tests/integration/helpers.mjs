@@ -1,0 +1,144 @@
+// Shared helpers for the integration tests: start build/demesne over stdio, either behind
+// the official MCP SDK client (connect) or as a raw process for malformed frames (spawnRaw).
+// The binary runs its embedded runtime (DEMESNE_SOURCE_DIR is removed from its environment)
+// and a fresh, empty XDG_CONFIG_HOME unless the caller passes one.
+import { Client } from "@modelcontextprotocol/sdk/client/index.js";
+import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
+import { spawn } from "node:child_process";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { fileURLToPath } from "node:url";
+
+/** The repository root. */
+export const ROOT = path.resolve(path.dirname(fileURLToPath(import.meta.url)), "../..");
+/** The binary under test: $DEMESNE_BIN, default <repo>/build/demesne. */
+export const BIN = process.env.DEMESNE_BIN || path.join(ROOT, "build/demesne");
+/** The fixture tools folder passed with --fixtures. */
+export const FIXTURES = path.join(ROOT, "tests/fixtures/tools");
+
+const scratch = [];
+process.on("exit", () => {
+  for (const d of scratch) rmSync(d, { recursive: true, force: true });
+});
+
+/** The child's environment: ours + `env`, without DEMESNE_SOURCE_DIR, with an empty XDG_CONFIG_HOME. */
+export function serverEnv(env = {}) {
+  const out = { ...process.env };
+  delete out.DEMESNE_SOURCE_DIR;
+  if (!("XDG_CONFIG_HOME" in env)) {
+    out.XDG_CONFIG_HOME = mkdtempSync(path.join(tmpdir(), "demesne-xdg-"));
+    scratch.push(out.XDG_CONFIG_HOME);
+  }
+  return { ...out, ...env };
+}
+
+function argv(args, fixtures) {
+  return [...args, ...(fixtures ? ["--fixtures", typeof fixtures === "string" ? fixtures : FIXTURES] : []), "serve"];
+}
+
+/**
+ * Starts `demesne serve` behind the SDK client and completes the initialize handshake.
+ * @param {object} [o]
+ * @param {Record<string,string>} [o.env]   extra environment variables for the server
+ * @param {string[]} [o.args]               extra options placed before `serve`
+ * @param {boolean|string} [o.fixtures=true] load tests/fixtures/tools (or the given folder)
+ * @param {object} [o.capabilities]         client capabilities to declare
+ * @returns {Promise<{client: Client, transport: StdioClientTransport, stderr: () => string}>}
+ *   stderr() returns everything the server wrote to stderr so far.
+ */
+export async function connect({ env = {}, args = [], fixtures = true, capabilities = {} } = {}) {
+  const transport = new StdioClientTransport({
+    command: BIN,
+    args: argv(args, fixtures),
+    env: serverEnv(env),
+    stderr: "pipe",
+    cwd: ROOT,
+  });
+  let err = "";
+  transport.stderr?.on("data", (chunk) => {
+    err += chunk.toString();
+    if (process.env.DEMESNE_TEST_VERBOSE) process.stderr.write(chunk);
+  });
+  const client = new Client({ name: "demesne-tests", version: "1.0.0" }, { capabilities });
+  await client.connect(transport);
+  return { client, transport, stderr: () => err };
+}
+
+/**
+ * Starts `demesne serve` as a plain child process for raw JSON-RPC lines.
+ * @returns {{proc, send: (msg: object|string) => void, next: (pred?: (m: object) => boolean, ms?: number) => Promise<object>,
+ *   request: (method: string, params?: object, id?: string|number) => Promise<object>,
+ *   initialize: (version?: string) => Promise<object>, exited: Promise<{code: number|null, signal: string|null}>,
+ *   stderr: () => string, close: () => Promise<void>}}
+ *   next() resolves with the next message matching pred (messages are queued until taken).
+ */
+export function spawnRaw({ env = {}, args = [], fixtures = true } = {}) {
+  const proc = spawn(BIN, argv(args, fixtures), { env: serverEnv(env), cwd: ROOT, stdio: ["pipe", "pipe", "pipe"] });
+  const queue = [];
+  const waiters = [];
+  let buf = "";
+  let err = "";
+  let nextId = 1;
+  proc.stdout.setEncoding("utf8");
+  proc.stdout.on("data", (chunk) => {
+    buf += chunk;
+    let nl;
+    while ((nl = buf.indexOf("\n")) >= 0) {
+      const line = buf.slice(0, nl);
+      buf = buf.slice(nl + 1);
+      if (!line.trim()) continue;
+      queue.push(JSON.parse(line)); // stdout must carry only JSON-RPC: anything else fails the test
+      deliver();
+    }
+  });
+  proc.stderr.on("data", (c) => {
+    err += c.toString();
+    if (process.env.DEMESNE_TEST_VERBOSE) process.stderr.write(c);
+  });
+  proc.stdin.on("error", () => {});
+  const exited = new Promise((resolve) => proc.on("exit", (code, signal) => resolve({ code, signal })));
+  function deliver() {
+    for (let i = 0; i < waiters.length; i++) {
+      const w = waiters[i];
+      const idx = queue.findIndex(w.pred);
+      if (idx >= 0) {
+        const [m] = queue.splice(idx, 1);
+        waiters.splice(i, 1);
+        i--;
+        clearTimeout(w.timer);
+        w.resolve(m);
+      }
+    }
+  }
+  function next(pred = () => true, ms = 10000) {
+    return new Promise((resolve, reject) => {
+      const w = { pred, resolve };
+      w.timer = setTimeout(() => {
+        waiters.splice(waiters.indexOf(w), 1);
+        reject(new Error(`no matching message within ${ms} ms; stderr:\n${err}`));
+      }, ms);
+      waiters.push(w);
+      deliver();
+    });
+  }
+  function send(msg) {
+    proc.stdin.write(typeof msg === "string" ? msg : JSON.stringify(msg) + "\n");
+  }
+  function request(method, params, id = `raw-${nextId++}`) {
+    send({ jsonrpc: "2.0", id, method, ...(params === undefined ? {} : { params }) });
+    return next((m) => m.id === id && m.method === undefined);
+  }
+  async function initialize(version = "2025-11-25") {
+    const r = await request("initialize", { protocolVersion: version, capabilities: {}, clientInfo: { name: "raw", version: "1" } });
+    send({ jsonrpc: "2.0", method: "notifications/initialized" });
+    return r;
+  }
+  async function close() {
+    proc.stdin.end();
+    const t = setTimeout(() => proc.kill("SIGKILL"), 5000);
+    await exited;
+    clearTimeout(t);
+  }
+  return { proc, send, next, request, initialize, exited, stderr: () => err, close };
+}
