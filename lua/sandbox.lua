@@ -103,7 +103,7 @@ function sandbox.env(env, extra)
     list[#list + 1] = k .. "=" .. v
   end
   for k, v in pairs(extra or {}) do list[#list + 1] = k .. "=" .. v end
-  return list
+  return json.array(list)
 end
 
 --- Resolves timeout_seconds against the default and ceiling.

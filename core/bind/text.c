@@ -62,20 +62,25 @@ static int l_utf8_clean(lua_State *L) {
   return 2;
 }
 
-/// core.text.utf8_floor(s, i) -> integer: the largest j <= i (1-based, 0 <= i <= #s) such
-/// that s[1..j] does not end inside a multi-byte sequence; cut there to keep whole
-/// code points at the head of a string.
+/// core.text.utf8_floor(s, i) -> integer: the largest j <= i (0 <= i <= #s) such that
+/// s[1..j] does not end inside a multi-byte sequence; cut there to keep whole code points
+/// at the head of a string. Bytes that are not UTF-8 are cut where asked.
 static int l_utf8_floor(lua_State *L) {
   size_t n;
   const unsigned char *s = (const unsigned char *)luaL_checklstring(L, 1, &n);
   lua_Integer i = luaL_checkinteger(L, 2);
-  if (i >= (lua_Integer)n) { lua_pushinteger(L, (lua_Integer)n); return 1; }
-  if (i <= 0) { lua_pushinteger(L, 0); return 1; }
-  /* s[i] (0-based index i) is the first byte after the cut; back up over continuations */
-  lua_Integer j = i, steps = 0;
-  while (j > 0 && (s[j] & 0xC0) == 0x80 && steps < 3) { j--; steps++; }
-  if ((s[j] & 0xC0) == 0x80) j = i; /* not UTF-8 here: cut where asked */
-  lua_pushinteger(L, j);
+  if (i > (lua_Integer)n) i = (lua_Integer)n;
+  if (i <= 0) {
+    lua_pushinteger(L, 0);
+    return 1;
+  }
+  /* find the lead byte of the sequence holding byte i (1-based) */
+  lua_Integer k = i;
+  while (k > 1 && i - k < 3 && (s[k - 1] & 0xC0) == 0x80) k--;
+  unsigned char c = s[k - 1];
+  lua_Integer len = c < 0x80 ? 1 : (c & 0xE0) == 0xC0 ? 2 : (c & 0xF0) == 0xE0 ? 3 : (c & 0xF8) == 0xF0 ? 4 : 0;
+  if (len == 0 || (c & 0xC0) == 0x80 || k + len - 1 <= i) lua_pushinteger(L, i);
+  else lua_pushinteger(L, k - 1); /* incomplete: drop the partial sequence */
   return 1;
 }
 

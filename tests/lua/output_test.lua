@@ -29,7 +29,20 @@ function tests.C07_multibyte_cut_on_code_points(t)
   t:ok(utf8.len(s) ~= nil, "result is valid UTF-8")
   t:match(s, "bytes omitted; full output in .*/stdout.log")
   t:ok(#s < 70000, "bounded")
+  t:ok(not s:find("\xEF\xBF\xBD", 1, true), "no code point was split")
   fs.remove_tree(d)
+end
+
+function tests.utf8_floor_drops_a_partial_sequence(t)
+  local text = require("core.text")
+  local s = "a\xE6\x97\xA5b" -- a 日 b
+  t:eq(text.utf8_floor(s, 1), 1)
+  t:eq(text.utf8_floor(s, 2), 1)
+  t:eq(text.utf8_floor(s, 3), 1)
+  t:eq(text.utf8_floor(s, 4), 4)
+  t:eq(text.utf8_floor("a\xE6\x97", 3), 1)
+  t:eq(text.utf8_floor("\xF0\x9F\x8E\x89", 4), 4)
+  t:eq(text.utf8_ceil(s, 3), 5)
 end
 
 function tests.C08_invalid_bytes_are_replaced(t)
