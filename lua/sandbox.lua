@@ -392,6 +392,31 @@ local function temp_guard(path)
   return setmetatable({}, { __close = function() fs.remove_tree(path) end })
 end
 
+-- Runs argv (no shell) in a persistent sandbox through demesne-init and waits for it.
+-- Returns exit_code, stderr text (bounded). Used for file transfers.
+local function run_quiet(eng, sb, argv)
+  exec_seq = exec_seq + 1
+  local id = ("xfer-%d-%s"):format(exec_seq, hex(loop.random(4)))
+  local dir = RUN .. "/exec/" .. id
+  local cmd = { INIT, "run", "--id", id, "--dir", dir, "--timeout", "3600", "--" }
+  for _, a in ipairs(argv) do cmd[#cmd + 1] = a end
+  local code, err = eng:exec(sb.id, cmd, { env = json.array() })
+  if code == nil then fail("file transfer failed: " .. tostring(err)) end
+  local st = read_status(sb.run_dir, id)
+  local msg = output.view(sb.run_dir, "exec/" .. id .. "/stderr.log", 2048, 2048)
+  fs.remove_tree(sb.run_dir .. "/exec/" .. id)
+  return st and st.exit_code or code, (msg:gsub("%s+$", ""))
+end
+
+-- Transfers go through a tar in the sandbox's run folder (bind-mounted at /.demesne/run)
+-- and the image's own tar, not the engine's archive API: Docker's archive API neither
+-- sees nor writes tmpfs mounts (/tmp, /workspace), where an upload would vanish.
+local function xfer_paths(sb)
+  local name = hex(loop.random(8)) .. ".tar"
+  check(fs.mkdir_p(sb.run_dir .. "/xfer", 0700))
+  return sb.run_dir .. "/xfer/" .. name, RUN .. "/xfer/" .. name
+end
+
 --- Copies a host file or folder into a sandbox (sandbox_upload).
 --- args: sandbox_id, src (host path inside an allowed root), dst (absolute path in the sandbox).
 function sandbox.upload(ctx, args)
@@ -404,13 +429,15 @@ function sandbox.upload(ctx, args)
   if not base or base == "." or base == ".." then fail("dst: must name a file or folder, e.g. /out/data.csv") end
   if parent == "" then parent = "/" end
   local sb = sandbox.lookup(eng, args.sandbox_id)
-  local tar = tmp_file(".upload.tar")
-  local _ <close> = temp_guard(tar)
-  local stats = check(archive.pack(tar, { { src = src, name = base } }))
-  local ok, err, code = eng:put_archive(sb.id, parent, tar)
-  if not ok then
-    if code == "ENOENT" then fail(("dst: the folder %s does not exist in the sandbox"):format(parent)) end
-    fail(err)
+  local host_tar, sandbox_tar = xfer_paths(sb)
+  local _ <close> = temp_guard(host_tar)
+  local stats = check(archive.pack(host_tar, { { src = src, name = base } }))
+  local code, msg = run_quiet(eng, sb, { "tar", "-x", "--no-same-owner", "-f", sandbox_tar, "-C", parent })
+  if code ~= 0 then
+    if msg:find("Cannot open: No such file", 1, true) or msg:find("Cannot chdir", 1, true) then
+      fail(("dst: the folder %s does not exist in the sandbox"):format(parent))
+    end
+    fail(("upload to %s failed (tar exit %d): %s"):format(dst, code, msg))
   end
   renew(sb)
   return { sandbox_id = args.sandbox_id, src = src, dst = dst, files = stats.files, bytes = stats.bytes }
@@ -426,8 +453,10 @@ function sandbox.download(ctx, args)
   for c in src:gmatch("[^/]+") do
     if c == ".." then fail("src: must not contain '..'") end
   end
-  local base = src:gsub("/+$", ""):match("([^/]+)$")
+  src = src:gsub("/+$", "")
+  local parent, base = src:match("^(.*)/([^/]+)$")
   if not base then fail("src: must name a file or folder, not /") end
+  if parent == "" then parent = "/" end
   local sb = sandbox.lookup(eng, args.sandbox_id)
   -- the sandbox can write its own /out: never follow a link it planted there
   local dl = sb.output_dir .. "/downloads"
@@ -435,22 +464,22 @@ function sandbox.download(ctx, args)
   if st and st.type ~= "directory" then
     fail(("the sandbox's output folder has a downloads entry that is not a plain folder (%s); refusing to write through it"):format(st.type))
   end
-  check(fs.mkdir_p(dl, 0755))
-  local tar = tmp_file(".download.tar")
-  local _ <close> = temp_guard(tar)
-  local ok, err, code = eng:get_archive(sb.id, src, tar)
-  if not ok then
-    if code == "ENOENT" then fail(("src: %s does not exist in the sandbox"):format(src)) end
-    fail(err)
+  local host_tar, sandbox_tar = xfer_paths(sb)
+  local _ <close> = temp_guard(host_tar)
+  local code, msg = run_quiet(eng, sb, { "tar", "-c", "-f", sandbox_tar, "-C", parent, "--", base })
+  if code ~= 0 then
+    if msg:find("No such file", 1, true) then fail(("src: %s does not exist in the sandbox"):format(src)) end
+    fail(("download of %s failed (tar exit %d): %s"):format(src, code, msg))
   end
+  local tst = fs.lstat(host_tar)
+  if not tst or tst.type ~= "file" then fail("download refused: the archive written in the sandbox is not a regular file") end
+  check(fs.mkdir_p(dl, 0755))
   local staging = dl .. "/.incoming-" .. hex(loop.random(6))
-  check(fs.mkdir_p(staging, 0700))
   local _s <close> = temp_guard(staging)
-  local stats, xerr = archive.extract(tar, staging, { max_bytes = config.get("download_max_bytes"), max_entries = 100000 })
+  local stats, xerr = archive.extract(host_tar, staging, { max_bytes = config.get("download_max_bytes"), max_entries = 100000 })
   if not stats then fail("download refused: " .. tostring(xerr)) end
   local target = dl .. "/" .. base
-  local cur = fs.lstat(target)
-  if cur then fs.remove_tree(target) end
+  if fs.lstat(target) then fs.remove_tree(target) end
   check(fs.rename(staging .. "/" .. base, target))
   return { sandbox_id = args.sandbox_id, src = src, path = target, files = stats.files, bytes = stats.bytes }
 end

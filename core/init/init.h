@@ -28,6 +28,7 @@
 #define INIT_RUN_GRACE_MS 2000   // run: SIGTERM (or SIGINT/SIGQUIT) → SIGKILL grace
 #define INIT_SERVE_GRACE_MS 5000 // serve: SIGTERM → SIGKILL grace
 #define INIT_SETTLE_MS 2000      // how long to wait for SIGKILLed processes to be reaped
+#define INIT_LINGER_MS 500       // run: how long descendants may finish writing after the command exits
 #define INIT_POLL_MS 20          // tick while waiting for processes that send no SIGCHLD
 
 // File names inside a run directory.

@@ -361,6 +361,17 @@ static void run_loop(struct run *r, int sfd)
 	}
 }
 
+// After the command exits, its descendants get a short while to finish on their own: a
+// `tee` fed by `exec > >(tee log)` still has the last lines to write (case C03). Returns
+// when none is left or after INIT_LINGER_MS, whichever comes first; a grandchild that
+// lives on (case C02) costs at most that long.
+static void linger(void)
+{
+	int64_t until = now_mono_ms() + INIT_LINGER_MS;
+	while (reap_children(0, NULL, NULL) > 0 && now_mono_ms() < until)
+		sleep_ms(5);
+}
+
 // PID 1 of a one-shot container: nothing may outlive the command.
 static void kill_everything(void)
 {
@@ -432,6 +443,8 @@ static int run_finish(struct run *r)
 		describe_failure(r, r->fail_stage, r->fail_errno, error, sizeof error);
 	if (!r->cancelled && exists_in(r->dir, INIT_FILE_CANCEL))
 		r->cancelled = true; // `demesne-init kill` signalled the group
+	if (!r->timed_out && !r->cancelled)
+		linger();
 	if (getpid() == 1)
 		kill_everything();
 	run_write_status(r, code, sig, error);

@@ -1,6 +1,22 @@
 -- `demesne serve` (the default command): the MCP server over stdio.
 -- stdout carries only the protocol; logs go to stderr (level from DEMESNE_LOG_LEVEL).
 -- `--fixtures DIR` also loads the tool files in DIR (test fixtures).
+local async = require("demesne.async")
+local config = require("demesne.config")
+local log = require("demesne.log")
+
+-- The reaper: at start and every reap_interval seconds, remove expired sandboxes and
+-- one-shot containers whose server is gone. It works from the engine's labels.
+local function start_reaper()
+  return async.spawn("reaper", function()
+    while true do
+      local ok, err = pcall(function() require("demesne.sandbox").reap() end)
+      if not ok and err ~= async.CANCELLED then log.warning("demesne.reaper", "%s", tostring(err)) end
+      if err == async.CANCELLED then return end
+      async.sleep(math.floor(config.get("reap_interval") * 1000))
+    end
+  end)
+end
 
 ---@param args string[]
 ---@param opts {fixtures: string|nil}
@@ -10,5 +26,8 @@ return function(args, opts)
     io.stderr:write("demesne serve: unexpected argument '", args[1], "'\n")
     return 2
   end
-  return require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures })
+  local reaper = start_reaper()
+  local status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures })
+  async.cancel(reaper, "shutdown")
+  return status
 end
