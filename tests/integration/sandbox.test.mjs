@@ -59,6 +59,17 @@ function engineGet(p) {
     }).on("error", reject);
   });
 }
+function engineSend(method, p, body) {
+  return new Promise((resolve, reject) => {
+    const req = http.request({ socketPath: SOCKET, path: p, method, headers: { "Content-Type": "application/json" } }, (res) => {
+      let data = "";
+      res.on("data", (c) => (data += c));
+      res.on("end", () => resolve({ status: res.statusCode, body: data ? JSON.parse(data) : null }));
+    });
+    req.on("error", reject);
+    req.end(body ? JSON.stringify(body) : undefined);
+  });
+}
 async function containersWithLabel(label) {
   const filters = encodeURIComponent(JSON.stringify({ label: [label] }));
   return engineGet(`/containers/json?all=true&filters=${filters}`);
@@ -308,6 +319,52 @@ test("C06: destroy twice at once, and destroy of a gone sandbox, both succeed", 
   assert.ok([a.status, b.status].includes("destroyed"));
   const c = await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
   assert.equal(c.status, "already gone");
+});
+
+test("a persistent sandbox survives a server restart and is used again by id", async () => {
+  const sb = await ok("sandbox_create", { image: "base" });
+  await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "echo kept > /tmp/k" });
+  await conn.client.close();
+  conn = await connect({ env, fixtures: false });
+  const r = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "cat /tmp/k" });
+  assert.equal(r.stdout, "kept\n");
+  await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+});
+
+test("the reaper removes expired sandboxes and one-shot containers whose server is gone", async () => {
+  const imgs = await engineGet(`/images/json?filters=${encodeURIComponent(JSON.stringify({ label: ["io.demesne.image=base"] }))}`);
+  assert.ok(imgs.length > 0, "base image present");
+  const image = imgs[0].Id;
+  const host = (await import("node:os")).hostname();
+  const make = async (labels) => {
+    const r = await engineSend("POST", "/v1.41/containers/create", {
+      Image: image, Cmd: ["sleep", "600"], HostConfig: { NetworkMode: "none" },
+      Labels: { "io.demesne.managed": "1", ...labels },
+    });
+    assert.equal(r.status, 201, JSON.stringify(r.body));
+    await engineSend("POST", `/v1.41/containers/${r.body.Id}/start`);
+    return r.body.Id;
+  };
+  const past = String(Math.floor(Date.now() / 1000) - 10);
+  const future = String(Math.floor(Date.now() / 1000) + 3600);
+  const orphan = await make({ "io.demesne.kind": "oneshot", "io.demesne.owner": `${host}/999999/1`, "io.demesne.expires_at": future, "io.demesne.run_id": "reap-orphan" });
+  const expired = await make({ "io.demesne.kind": "persistent", "io.demesne.owner": `${host}/1/1`, "io.demesne.expires_at": past, "io.demesne.run_id": "reap-expired" });
+  const live = await make({ "io.demesne.kind": "persistent", "io.demesne.owner": `${host}/999999/1`, "io.demesne.expires_at": future, "io.demesne.run_id": "reap-live" });
+  try {
+    await conn.client.close();
+    conn = await connect({ env, fixtures: false }); // the reaper runs at start
+    let left = [];
+    for (let i = 0; i < 40; i++) {
+      left = (await containersWithLabel("io.demesne.managed=1")).map((c) => c.Id);
+      if (!left.includes(orphan) && !left.includes(expired)) break;
+      await new Promise((r) => setTimeout(r, 250));
+    }
+    assert.ok(!left.includes(orphan), "one-shot container of a dead server removed");
+    assert.ok(!left.includes(expired), "expired sandbox removed");
+    assert.ok(left.includes(live), "a live persistent sandbox is kept");
+  } finally {
+    for (const id of [orphan, expired, live]) await engineSend("DELETE", `/v1.41/containers/${id}?force=true`);
+  }
 });
 
 test("no engine: the tools answer with the sockets tried and how to start one", async () => {
