@@ -10,6 +10,7 @@ return function()
   for _, k in ipairs(names) do
     local v = d[k].value
     if type(v) == "table" then v = table.concat(v, ":") end
+    if v == nil then v = "(unset)" end
     io.stdout:write(("%-20s = %-40s (%s)\n"):format(k, tostring(v), d[k].origin))
   end
   local ok, engines = pcall(require, "demesne.engines")
