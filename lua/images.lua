@@ -21,6 +21,8 @@ images.BUILTIN = {
   node = { parent = "base" },
   go = { parent = "base" },
   default = { parent = "base" },
+  ["agent-claude_code"] = { parent = "base" },
+  ["agent-codex"] = { parent = "base" },
 }
 
 local ROOTFS_REPO, ROOTFS_TAG = "demesne/debian-rootfs", "bookworm"
@@ -117,6 +119,20 @@ local function ensure_rootfs(eng, ctx)
   return ref
 end
 
+-- The certificate authorities the host added (/usr/local/share/ca-certificates/*.crt), put
+-- into every build context as host-ca-certificates.crt (not part of the tag): behind a
+-- TLS-intercepting proxy, a build step that downloads over HTTPS (npm) needs them.
+local function host_ca_certs()
+  local dir, parts = "/usr/local/share/ca-certificates", {}
+  local names = fs.readdir(dir) or {}
+  table.sort(names)
+  for _, n in ipairs(names) do
+    local f = n:match("%.crt$") and io.open(dir .. "/" .. n, "rb")
+    if f then parts[#parts + 1] = f:read("a"); f:close() end
+  end
+  return table.concat(parts, "\n")
+end
+
 -- Builds (or finds) the image `name`; returns its tag.
 local function ensure_builtin(eng, name, ctx)
   local spec = images.BUILTIN[name]
@@ -144,6 +160,7 @@ local function ensure_builtin(eng, name, ctx)
   building[k] = ev
   local _ <close> = setmetatable({}, { __close = function() building[k] = nil; ev.set() end })
   progress(ctx, ("building image %s (%s) — first use only"):format(name, tag))
+  files[#files + 1] = { name = "host-ca-certificates.crt", data = host_ca_certs(), mode = 420 }
   local tar = tmp_path(".context.tar")
   local _t <close> = setmetatable({}, { __close = function() os.remove(tar) end })
   local ok, perr = archive.pack(tar, files)
