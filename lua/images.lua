@@ -91,10 +91,11 @@ local function apt_sources()
 end
 
 -- The parent of the base image: the registry's debian image, or an mmdebstrap rootfs.
-local function ensure_rootfs(eng, ctx)
+local function ensure_rootfs(eng, ctx, dry)
   local ref = ROOTFS_REPO .. ":" .. ROOTFS_TAG
   if eng:image_inspect(ref) then return ref end
   if eng:image_inspect(REGISTRY_BASE) then return REGISTRY_BASE end
+  if dry then return nil, "not built" end
   progress(ctx, "pulling " .. REGISTRY_BASE)
   if os.getenv("DEMESNE_NO_PULL") ~= "1" and eng:pull(REGISTRY_BASE, 30000) then return REGISTRY_BASE end
   progress(ctx, "no registry reachable: building a Debian root filesystem with mmdebstrap")
@@ -133,14 +134,15 @@ local function host_ca_certs()
   return table.concat(parts, "\n")
 end
 
--- Builds (or finds) the image `name`; returns its tag.
-local function ensure_builtin(eng, name, ctx)
+-- Builds (or finds) the image `name`; returns its tag. With `dry`, builds nothing:
+-- returns the tag when the image is present, else nil and the reason.
+local function ensure_builtin(eng, name, ctx, dry)
   local spec = images.BUILTIN[name]
   local parent, err
   if spec.parent == "@rootfs" then
-    parent, err = ensure_rootfs(eng, ctx)
+    parent, err = ensure_rootfs(eng, ctx, dry)
   else
-    parent, err = ensure_builtin(eng, spec.parent, ctx)
+    parent, err = ensure_builtin(eng, spec.parent, ctx, dry)
   end
   if not parent then return nil, err end
   local files = context_files(name)
@@ -156,6 +158,7 @@ local function ensure_builtin(eng, name, ctx)
     known[k] = true
     return tag
   end
+  if dry then return nil, "not built" end
   local ev = async.event()
   building[k] = ev
   local _ <close> = setmetatable({}, { __close = function() building[k] = nil; ev.set() end })
@@ -196,7 +199,13 @@ function images.ensure(eng, name, ctx)
     table.concat(names, ", "))
 end
 
---- Lists built-in images: {{name=, parent=, tag=?, built=bool}} (tag only when built).
+--- Whether a built-in image is present in the engine, without building anything.
+--- Returns its tag, or nil and "not built".
+function images.status(eng, name)
+  return ensure_builtin(eng, name, nil, true)
+end
+
+--- The names of the built-in images, sorted.
 function images.list()
   local names = {}
   for n in pairs(images.BUILTIN) do names[#names + 1] = n end

@@ -21,7 +21,14 @@ return function(args)
     local names = args[2] and { args[2] } or images.list()
     for _, name in ipairs(names) do
       if sub == "list" then
-        io.stdout:write(("%-10s %s\n"):format(name, images.BUILTIN[name] and ("built-in, from " .. images.BUILTIN[name].parent) or "?"))
+        local spec = images.BUILTIN[name]
+        if not spec then
+          io.stderr:write("demesne: no built-in image ", name, "\n")
+          status = 1
+        else
+          local tag = images.status(eng, name)
+          io.stdout:write(("%-18s %-34s from %s\n"):format(name, tag or "not built", spec.parent == "@rootfs" and "Debian root filesystem" or spec.parent))
+        end
       else
         local t0 = loop.hrtime()
         local img, berr = images.ensure(eng, name, nil) -- progress goes to the log on stderr
