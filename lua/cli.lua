@@ -12,6 +12,9 @@ Commands:
   check-config        print the effective configuration and where each value came from
   images list         list the built-in images and whether each is built
   images build [NAME] build an image (all when NAME is omitted)
+  policy list         list the egress policies and where each came from
+  policy test NAME HOST[:PORT]
+                      what egress policy NAME decides for HOST (or a URL)
   test DIR...         run the Lua tests in DIR inside this binary
   --help              show this help
   --version           print the version

@@ -13,6 +13,7 @@ static const luaL_Reg modules[] = {
   {"core.json", luaopen_core_json},
   {"core.text", luaopen_core_text},
   {"core.archive", luaopen_core_archive},
+  {"core.proxy", luaopen_core_proxy},
   {NULL, NULL},
 };
 

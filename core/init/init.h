@@ -50,6 +50,22 @@ int init_run(int argc, char **argv);
 /// Returns 0 when the group is gone, 1 when it remains, 2 on usage errors, 125 on I/O errors.
 int init_kill(int argc, char **argv);
 
+/// One relay route: 127.0.0.1:port inside the sandbox -> the unix socket at path.
+struct relay_route {
+	int port;
+	const char *path;
+};
+#define INIT_RELAY_MAX 8 // routes per demesne-init (proxy, vendor API, MCP, ...)
+
+/// Adds the route of a "--relay PORT=PATH" option (PATH absolute, shorter than a
+/// sockaddr_un path). Returns 0, or -1 (reported) for a malformed spec or too many routes.
+int relay_parse(const char *spec);
+
+/// Binds every route's listening socket, then forks the relay process that serves them
+/// (it dies with its parent: PR_SET_PDEATHSIG). Returns its pid, 0 when there is no route,
+/// or -1 when nothing could be started (reported; the sandbox then has no relay).
+pid_t relay_start(void);
+
 /// Matches "--name VALUE" or "--name=VALUE" at argv[*i]. Returns 1 (*value set, *i moved
 /// past the value), 0 (argv[*i] is something else) or -1 (value missing; reported).
 int opt_value(int argc, char **argv, int *i, const char *name, const char **value);

@@ -74,6 +74,12 @@ static int run_parse(struct run *r, int argc, char **argv)
 			r->kill_group_on_exit = true;
 			continue;
 		}
+		const char *relay = NULL;
+		if ((m = opt_value(argc, argv, &i, "--relay", &relay))) {
+			if (m < 0 || relay_parse(relay) < 0)
+				return -1;
+			continue;
+		}
 		if ((m = opt_value(argc, argv, &i, "--id", &r->id)) ||
 		    (m = opt_value(argc, argv, &i, "--dir", &r->dir)) ||
 		    (m = opt_value(argc, argv, &i, "--cwd", &r->cwd)) ||
@@ -516,6 +522,7 @@ int init_run(int argc, char **argv)
 	what = "cannot create a pipe";
 	if (pipe2(ep, O_CLOEXEC) < 0 || fcntl(ep[0], F_SETFL, O_NONBLOCK) < 0)
 		goto abort_errno;
+	(void)relay_start(); // --relay routes (egress): listening before the command starts
 	what = "cannot fork";
 	if ((pid = fork()) < 0)
 		goto abort_errno;

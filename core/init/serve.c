@@ -2,7 +2,7 @@
 //
 // Reaps every zombie; on SIGTERM/SIGINT/SIGQUIT sends SIGTERM to every process,
 // waits for them to go (5 s), SIGKILLs what is left and exits 0. The loop is poll()-based
-// on a signalfd so that the egress relay's sockets can join the same poll set later.
+// on a signalfd. The egress relay (--relay, relay.c) is a child process with its own loop.
 //
 // "Every process" is kill(-1) only when we really are PID 1 of a PID namespace. Started
 // any other way (tests on a host, an engine's --init in front of us) we signal only our
@@ -135,7 +135,12 @@ int init_serve(int argc, char **argv)
 			init_usage(1);
 			return INIT_EXIT_OK;
 		}
-		diag("serve: unexpected argument '%s'", argv[i]);
+		const char *relay = NULL;
+		int m = opt_value(argc, argv, &i, "--relay", &relay);
+		if (m > 0 && relay_parse(relay) == 0)
+			continue;
+		if (m == 0)
+			diag("serve: unexpected argument '%s'", argv[i]);
 		return INIT_EXIT_USAGE;
 	}
 	bool pid1 = getpid() == 1;
@@ -146,6 +151,7 @@ int init_serve(int argc, char **argv)
 		diag("serve: cannot set up signals: %s", strerror(errno));
 		return INIT_EXIT_FAILURE;
 	}
+	(void)relay_start(); // --relay routes (egress): a child process with its own poll loop
 	enum { RUNNING, STOPPING, KILLED } phase = RUNNING;
 	int64_t deadline = 0;
 	for (;;) {
@@ -164,10 +170,9 @@ int init_serve(int argc, char **argv)
 				deadline = now + INIT_SETTLE_MS;
 			}
 		}
-		int timeout = -1; // running: sleep until a signal (or, later, relay traffic)
+		int timeout = -1; // running: sleep until a signal
 		if (phase != RUNNING)
 			timeout = deadline - now <= 0 ? 0 : deadline - now < INIT_POLL_MS ? (int)(deadline - now) : INIT_POLL_MS;
-		// The egress relay's listening and connected sockets will join this set.
 		struct pollfd pfd[1] = { { .fd = sfd, .events = POLLIN } };
 		int n = poll(pfd, 1, timeout);
 		if (n < 0) {

@@ -1,0 +1,180 @@
+// demesne-init --relay PORT=PATH: the in-sandbox half of egress.
+//
+// The sandbox has no network interface but loopback. For each route, a relay process
+// forked by demesne-init listens on 127.0.0.1:PORT. For every connection it accepts, it
+// opens a connection to the unix socket PATH — a socket the host bind-mounts into the
+// sandbox (/.demesne/run/…), one folder per sandbox, so the host knows which sandbox is
+// calling without trusting anything it says — and hands the accepted TCP socket over it
+// (SCM_RIGHTS, with one byte), then closes its own copies. The host proxy then reads and
+// writes the sandbox's socket itself: no byte is copied here, and the relay keeps no state
+// per connection. A host that cannot be reached closes the sandbox's connection.
+#include "init.h"
+
+#include <errno.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
+#include <poll.h>
+#include <signal.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/prctl.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+static struct relay_route routes[INIT_RELAY_MAX];
+static size_t nroutes;
+
+int relay_parse(const char *spec)
+{
+	if (nroutes >= INIT_RELAY_MAX) {
+		diag("--relay: at most %d routes", INIT_RELAY_MAX);
+		return -1;
+	}
+	const char *eq = strchr(spec, '=');
+	char *end;
+	long port = eq ? strtol(spec, &end, 10) : 0;
+	if (!eq || end != eq || port < 1 || port > 65535 || eq[1] != '/' ||
+	    strlen(eq + 1) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
+		diag("--relay wants PORT=/path/to/unix.sock, not '%s'", spec);
+		return -1;
+	}
+	routes[nroutes].port = (int)port;
+	routes[nroutes].path = eq + 1;
+	nroutes++;
+	return 0;
+}
+
+static int listen_on(int port)
+{
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	if (fd < 0)
+		return -1;
+	int one = 1;
+	(void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
+	if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || listen(fd, 512) < 0) {
+		int e = errno;
+		(void)close(fd);
+		errno = e;
+		return -1;
+	}
+	return fd;
+}
+
+// Hands the accepted socket `a` to the host over a new connection to `path`.
+static void hand_over(int a, const char *path)
+{
+	int one = 1;
+	(void)setsockopt(a, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
+	int u = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
+	struct sockaddr_un addr = { .sun_family = AF_UNIX };
+	strcpy(addr.sun_path, path); // length checked by relay_parse
+	// non-blocking: a unix socket takes the connection at once or refuses it (EAGAIN when
+	// the host's backlog is full), and the send fits in an empty socket buffer
+	if (u < 0 || connect(u, (struct sockaddr *)&addr, sizeof addr) < 0) {
+		diag("relay: cannot reach %s: %s", path, strerror(errno));
+	} else {
+		char byte = 'F';
+		struct iovec iov = { .iov_base = &byte, .iov_len = 1 };
+		union {
+			struct cmsghdr h;
+			char space[CMSG_SPACE(sizeof(int))];
+		} ctl;
+		memset(&ctl, 0, sizeof ctl);
+		struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.space,
+				      .msg_controllen = sizeof ctl.space };
+		struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+		cm->cmsg_level = SOL_SOCKET;
+		cm->cmsg_type = SCM_RIGHTS;
+		cm->cmsg_len = CMSG_LEN(sizeof(int));
+		memcpy(CMSG_DATA(cm), &a, sizeof(int));
+		ssize_t n;
+		do
+			n = sendmsg(u, &msg, MSG_NOSIGNAL);
+		while (n < 0 && errno == EINTR);
+		if (n != 1)
+			diag("relay: cannot hand a connection to %s: %s", path, strerror(errno));
+	}
+	if (u >= 0)
+		(void)close(u);
+	(void)close(a); // the host holds its own reference now (or the sandbox sees a close)
+}
+
+static _Noreturn void relay_loop(const int *lfds)
+{
+	struct pollfd pfd[INIT_RELAY_MAX];
+	for (size_t i = 0; i < nroutes; i++)
+		pfd[i] = (struct pollfd){ .fd = lfds[i], .events = POLLIN };
+	for (;;) {
+		if (poll(pfd, nroutes, -1) < 0) {
+			if (errno != EINTR)
+				sleep_ms(INIT_POLL_MS);
+			continue;
+		}
+		for (size_t i = 0; i < nroutes; i++) {
+			if (!(pfd[i].revents & POLLIN))
+				continue;
+			for (;;) {
+				int a = accept4(lfds[i], NULL, NULL, SOCK_CLOEXEC | SOCK_NONBLOCK);
+				if (a < 0) {
+					if (errno == EMFILE || errno == ENFILE || errno == ENOBUFS || errno == ENOMEM)
+						sleep_ms(INIT_POLL_MS); // out of resources: let the host catch up
+					break;
+				}
+				hand_over(a, routes[i].path);
+			}
+		}
+	}
+}
+
+pid_t relay_start(void)
+{
+	if (nroutes == 0)
+		return 0;
+	int lfds[INIT_RELAY_MAX];
+	size_t ok = 0;
+	for (size_t i = 0; i < nroutes; i++) {
+		lfds[i] = listen_on(routes[i].port);
+		if (lfds[i] < 0)
+			diag("relay: cannot listen on 127.0.0.1:%d: %s", routes[i].port, strerror(errno));
+		else
+			ok++;
+	}
+	if (ok == 0)
+		return -1;
+	pid_t parent = getpid();
+	pid_t pid = fork();
+	if (pid < 0) {
+		diag("relay: cannot fork: %s", strerror(errno));
+		for (size_t i = 0; i < nroutes; i++)
+			if (lfds[i] >= 0)
+				(void)close(lfds[i]);
+		return -1;
+	}
+	if (pid == 0) {
+		signals_reset_for_exec();
+		(void)signal(SIGPIPE, SIG_IGN);
+		(void)prctl(PR_SET_PDEATHSIG, SIGKILL, 0, 0, 0);
+		if (getppid() != parent)
+			_exit(0); // the parent is already gone
+		(void)prctl(PR_SET_NAME, "demesne-relay", 0, 0, 0);
+		// keep only the listeners (and stdio for diagnostics): not the command's log files
+		// or demesne-init's own pipes, whose ends must close when their owners do
+		for (int fd = 3; fd < 1024; fd++) {
+			bool mine = false;
+			for (size_t i = 0; i < nroutes; i++)
+				mine = mine || lfds[i] == fd;
+			if (!mine)
+				(void)close(fd);
+		}
+		relay_loop(lfds);
+	}
+	// The listening sockets are bound before we return: a command started next can connect.
+	for (size_t i = 0; i < nroutes; i++)
+		if (lfds[i] >= 0)
+			(void)close(lfds[i]);
+	return pid;
+}

@@ -1,0 +1,241 @@
+-- Egress policies (matching, first decisive rule wins, hit counts, the cases C17 and C18 on
+-- the names the proxy would hand over) and one sandbox proxy end to end on loopback:
+-- core.proxy listening on a unix socket, verdicts from demesne.egress, egress.jsonl lines.
+local egress = require("demesne.egress")
+local json = require("demesne.json")
+local async = require("demesne.async")
+local proxy = require("core.proxy")
+local stream = require("core.stream")
+local fs = require("core.fs")
+local loop = require("core.loop")
+
+local T = {}
+
+local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
+
+local function tmpdir()
+  local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-egress-" .. hex(loop.random(6))
+  assert(fs.mkdir_p(dir))
+  return setmetatable({ path = dir }, { __close = function(d) fs.remove_tree(d.path) end })
+end
+
+local function policy(rules, name)
+  return assert(egress.compile(name or "t", { rules = rules }))
+end
+
+-- What the proxy hands Lua for a URL or HOST[:PORT] typed in the sandbox.
+local function req_of(target)
+  local scheme, rest = target:match("^(%a+)://(.*)$")
+  local default = scheme == "http" and 80 or 443
+  local host, port, ip = assert(proxy.split_authority((rest or target):match("^[^/]*"), default))
+  return { host = host, port = port, ip = ip }
+end
+
+local TEST_RULES = {
+  { egress.DENY, host = "blocked.allowed.test", name = "carve-out" },
+  { egress.ALLOW, host = { "allowed.test", "*.allowed.test" }, port = { 80, 443 }, name = "allowed" },
+  { egress.DENY, host = ".denied.test", name = "denied" },
+  { egress.ALLOW, cidr = "127.0.0.0/8", port = 8080, name = "loopback" },
+}
+
+function T.matching_exact_suffix_wildcard_port_cidr(t)
+  local p = policy({
+    { egress.ALLOW, host = "exact.test" },
+    { egress.ALLOW, host = ".suffix.test" },
+    { egress.ALLOW, host = "*.wild.test", port = 443 },
+    { egress.ALLOW, cidr = { "10.1.0.0/16", "fd00::/8" } },
+  })
+  local function v(target) return (egress.decide(p, req_of(target))) end
+  t:eq(v("exact.test"), "ALLOW", "exact")
+  t:eq(v("a.exact.test"), "DENY", "exact is not a suffix")
+  t:eq(v("suffix.test"), "ALLOW", "suffix: the domain")
+  t:eq(v("a.b.suffix.test"), "ALLOW", "suffix: a subdomain")
+  t:eq(v("xsuffix.test"), "DENY", "suffix on whole labels")
+  t:eq(v("a.wild.test"), "ALLOW", "wildcard")
+  t:eq(v("wild.test"), "DENY", "wildcard is not the domain")
+  t:eq(v("http://a.wild.test"), "DENY", "wildcard rule with port 443 only")
+  t:eq(v("10.1.2.3:22"), "ALLOW", "cidr")
+  t:eq(v("10.2.0.1"), "DENY", "outside the cidr")
+  t:eq(v("[fd00::1]:8080"), "ALLOW", "v6 cidr")
+  t:eq(v("nothing.test"), "DENY", "no match: deny")
+end
+
+function T.first_decisive_rule_wins_and_counts_hits(t)
+  local p = policy(TEST_RULES)
+  local verdict, label = egress.decide(p, req_of("https://blocked.allowed.test"))
+  t:eq(verdict, "DENY", "the earlier DENY wins over the later ALLOW")
+  t:eq(label, "t#1 carve-out", "label")
+  verdict, label = egress.decide(p, req_of("https://x.allowed.test"))
+  t:eq({ verdict, label }, { "ALLOW", "t#2 allowed" }, "the next rule decides")
+  egress.decide(p, req_of("https://allowed.test"))
+  egress.decide(p, req_of("http://allowed.test"))
+  verdict, label = egress.decide(p, req_of("https://nothing.test"))
+  t:eq(label, "t:default-deny", "default")
+  t:eq({ p.rules[1].hits, p.rules[2].hits, p.rules[3].hits, p.rules[4].hits }, { 1, 3, 0, 0 }, "hits")
+end
+
+function T.C17_every_spelling_of_a_denied_name_is_denied(t)
+  local p = policy(TEST_RULES)
+  local spellings = { "https://denied.test", "http://denied.test", "denied.test:8443", "DENIED.TEST",
+    "denied.test.", "allowed.test.denied.test", "denied-allowed.test" }
+  for round = 1, 50 do
+    for _, s in ipairs(spellings) do
+      local verdict, label = egress.decide(p, req_of(s))
+      if verdict ~= "DENY" then error(("round %d: %s was allowed by %s"):format(round, s, label)) end
+    end
+  end
+  t:eq(p.rules[2].hits, 0, "the allow rule never matched")
+end
+
+function T.C18_allowed_spellings_succeed(t)
+  local p = policy(TEST_RULES)
+  for _, s in ipairs({ "https://allowed.test", "https://allowed.test:443", "https://sub.allowed.test",
+      "http://allowed.test:80", "ALLOWED.TEST.", "https://a.b.allowed.test" }) do
+    t:eq((egress.decide(p, req_of(s))), "ALLOW", s)
+  end
+end
+
+function T.ip_literals_need_a_rule_that_names_them(t)
+  local p = policy({ { egress.ALLOW, host = "*" } })
+  for _, s in ipairs({ "1.2.3.4", "http://127.0.0.1", "[::1]:443", "2130706433:80", "0x7f.1", "169.254.169.254" }) do
+    t:eq((egress.decide(p, req_of(s))), "DENY", s .. " under host = '*'")
+  end
+  t:eq((egress.decide(p, req_of("example.test"))), "ALLOW", "names match '*'")
+  local q = policy({ { egress.ALLOW, host = "127.0.0.1", port = 8080 } })
+  t:eq((egress.decide(q, req_of("127.1:8080"))), "ALLOW", "an IP host rule is a /32")
+  t:eq(q.addr_rules, { { cidr = "127.0.0.1/32", allow = true, port = 8080, index = 1 } }, "address rules for C")
+end
+
+function T.bad_policies_are_refused_with_their_field(t)
+  local cases = {
+    { { { "MAYBE", host = "a" } }, "ALLOW or DENY" },
+    { { { egress.ALLOW } }, "either host or cidr" },
+    { { { egress.ALLOW, host = "a", cidr = "10.0.0.0/8" } }, "either host or cidr" },
+    { { { egress.ALLOW, host = "a*.test" } }, "only as a whole first label" },
+    { { { egress.ALLOW, host = "a b" } }, "invalid character" },
+    { { { egress.ALLOW, cidr = "10.0.0.0/99" } }, "not a CIDR" },
+    { { { egress.ALLOW, host = "a", port = 70000 } }, "not a port" },
+  }
+  for _, c in ipairs(cases) do
+    local p, err = egress.compile("bad", { rules = c[1] })
+    t:eq(p, nil, c[2])
+    t:match(err, c[2], "message")
+  end
+end
+
+function T.policy_files_load_without_raw_core(t)
+  local p, err = egress.load_source("x", 'local fs = require("core.fs") return { rules = {} }', "x.lua")
+  t:eq(p, nil, "core.* refused")
+  t:match(err, "not allowed", "why")
+  p = assert(egress.load_source("y", 'return { rules = { { ALLOW, host = sources and "ok.test" } } }', "y.lua"))
+  t:eq((egress.decide(p, req_of("ok.test"))), "ALLOW", "ALLOW, DENY and sources are there")
+end
+
+function T.builtin_policies(t)
+  egress.reload()
+  local pm = assert(egress.policy("package-managers"))
+  t:eq((egress.decide(pm, req_of("https://pypi.org"))), "ALLOW", "pypi")
+  t:eq((egress.decide(pm, req_of("https://files.pythonhosted.org"))), "ALLOW", "pypi files")
+  t:eq((egress.decide(pm, req_of("https://proxy.golang.org"))), "ALLOW", "go proxy")
+  t:eq((egress.decide(pm, req_of("https://sum.golang.org"))), "ALLOW", "go sumdb")
+  t:eq((egress.decide(pm, req_of("https://static.crates.io"))), "ALLOW", "crates")
+  t:eq((egress.decide(pm, req_of("https://rubygems.org"))), "ALLOW", "rubygems")
+  t:eq((egress.decide(pm, req_of("http://us.archive.ubuntu.com"))), "ALLOW", "ubuntu mirror")
+  t:eq((egress.decide(pm, req_of("http://pypi.org"))), "DENY", "pypi over port 80")
+  t:eq((egress.decide(pm, req_of("https://pypi.org.evil.test"))), "DENY", "look-alike")
+  t:eq((egress.decide(pm, req_of("https://169.254.169.254"))), "DENY", "metadata")
+  local none = assert(egress.policy("none"))
+  t:eq((egress.decide(none, req_of("https://pypi.org"))), "DENY", "none")
+  t:ok(assert(egress.policy("open")).open, "open")
+  local sel, err = egress.select("open", true)
+  t:eq(sel, nil, "open with inputs")
+  t:match(err, "exfiltration", "why")
+  t:ok(egress.select(nil, true), "the default is fine with inputs")
+  t:eq(egress.select(nil, false).name, "package-managers", "default")
+end
+
+function T.allowlist_entries(t)
+  local p = policy({
+    assert(egress.allow_entry("a.test")), assert(egress.allow_entry("*.b.test:8443")),
+    assert(egress.allow_entry("10.0.0.0/8:5432")), assert(egress.allow_entry("fd00::1")),
+  })
+  t:eq((egress.decide(p, req_of("a.test:1"))), "ALLOW", "host, any port")
+  t:eq((egress.decide(p, req_of("x.b.test:8443"))), "ALLOW", "wildcard with port")
+  t:eq((egress.decide(p, req_of("x.b.test:443"))), "DENY", "other port")
+  t:eq((egress.decide(p, req_of("10.9.9.9:5432"))), "ALLOW", "cidr with port")
+  t:eq((egress.decide(p, req_of("[fd00::1]:80"))), "ALLOW", "v6 literal")
+end
+
+function T.environment_points_tools_at_the_proxy(t)
+  local env = egress.env(assert(egress.policy("none")))
+  t:eq(env.HTTPS_PROXY, "http://127.0.0.1:3128", "HTTPS_PROXY")
+  t:eq(env.http_proxy, "http://127.0.0.1:3128", "http_proxy")
+  t:eq(env.no_proxy, "localhost,127.0.0.1,::1", "no_proxy")
+  t:eq(env.DO_NOT_TRACK, "1", "telemetry off")
+  t:eq(egress.env(assert(egress.policy("open"))).HTTPS_PROXY, nil, "open: no proxy")
+  t:eq(egress.relay_args(assert(egress.policy("none"))), { "--relay", "3128=/.demesne/run/egress.sock" }, "relay")
+end
+
+-- One exchange over the sandbox's socket: sends `req`, returns everything until EOF.
+local function exchange(path, req)
+  local c = assert(async.wrap(stream.connect_unix)(path))
+  local got, done = {}, async.event()
+  c:read_start(function(d)
+    if d then
+      got[#got + 1] = d
+      if d:find("200 Connection established", 1, true) then c:write("ping") end
+    else
+      done.set()
+    end
+  end)
+  c:write(req)
+  async.timeout(5000, done.wait)
+  c:close()
+  return table.concat(got)
+end
+
+function T.sandbox_proxy_end_to_end(t)
+  local dir <close> = tmpdir()
+  fs.mkdir_p(dir.path .. "/run")
+  fs.mkdir_p(dir.path .. "/out")
+  -- an upstream on loopback that answers "pong" to "ping" and closes
+  local upstream, port = assert(stream.listen_tcp("127.0.0.1", 0, function(c)
+    c:read_start(function(d)
+      if d and d:find("ping", 1, true) then c:write("pong", function() c:close() end)
+      elseif d and d:find("\r\n\r\n", 1, true) then
+        c:write("HTTP/1.1 200 OK\r\nContent-Length: 2\r\nConnection: close\r\n\r\nok", function() c:close() end)
+      elseif not d then c:close() end
+    end)
+  end))
+  local p = policy({
+    { egress.DENY, host = ".denied.test" },
+    { egress.ALLOW, cidr = "127.0.0.1/32", port = port, name = "upstream" },
+  }, "e2e")
+  local h = assert(egress.start({ run_id = "r1", run_dir = dir.path .. "/run", output_dir = dir.path .. "/out", policy = p }))
+  local sock = dir.path .. "/run/egress.sock"
+  t:eq(fs.stat(sock).type, "socket", "listening")
+  local out = exchange(sock, ("CONNECT 127.0.0.1:%d HTTP/1.1\r\nHost: elsewhere.test\r\n\r\n"):format(port))
+  t:match(out, "^HTTP/1.1 200 Connection established\r\n\r\npong$", "tunnel")
+  out = exchange(sock, ("GET http://127.0.0.1:%d/x HTTP/1.1\r\nHost: y\r\n\r\n"):format(port))
+  t:match(out, "^HTTP/1.1 200 OK.*ok$", "plain")
+  out = exchange(sock, "CONNECT exfil-1.denied.test:443 HTTP/1.1\r\n\r\n")
+  t:match(out, "^HTTP/1.1 403 Forbidden", "denied")
+  t:match(out, "e2e#1", "the rule is named")
+  out = exchange(sock, "CONNECT 127.0.0.1:1 HTTP/1.1\r\n\r\n")
+  t:match(out, "^HTTP/1.1 403", "loopback on another port: no rule allows it")
+  h:stop()
+  upstream:close()
+  t:eq(fs.stat(sock), nil, "socket removed")
+  local lines = {}
+  for line in (fs.read_file(dir.path .. "/out/egress.jsonl") or ""):gmatch("[^\n]+") do lines[#lines + 1] = json.decode(line) end
+  t:eq(#lines, 4, "one line per connection")
+  t:eq({ lines[1].method, lines[1].verdict, lines[1].rule, lines[1].status, lines[1].bytes_up, lines[1].bytes_down },
+    { "CONNECT", "allow", "e2e#2 upstream", 200, 4, 4 }, "tunnel line")
+  t:eq({ lines[2].method, lines[2].verdict, lines[2].path }, { "GET", "allow", "/x" }, "plain line")
+  t:eq({ lines[3].host, lines[3].verdict, lines[3].rule }, { "exfil-1.denied.test", "deny", "e2e#1" }, "denied line")
+  t:eq({ lines[4].verdict, lines[4].rule }, { "deny", "e2e:default-deny" }, "no rule for an IP literal")
+  t:eq(lines[1].sandbox, "r1", "sandbox id")
+  t:match(lines[1].time, "^%d%d%d%d%-%d%d%-%d%dT%d%d:%d%d:%d%d%.%d%d%dZ$", "time")
+end
+
+return T
