@@ -159,11 +159,13 @@ function async.timeout(ms, fn, ...)
   local child = async.spawn("timeout", fn, ...)
   local timed_out = false
   if not child.done then
+    local t
     local ok, err = pcall(async.await, function(cb)
-      local t = timer.after(ms, function() timed_out = true; cb() end)
+      t = timer.after(ms, function() timed_out = true; cb() end)
       child:on_done(function() cb() end)
       return function() t:close() end
     end)
+    if t then t:close() end -- the child may finish first: the timer must not outlive the call
     if not ok then
       async.cancel(child, "caller cancelled")
       if not child.done then pcall(child.wait, child) end

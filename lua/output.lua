@@ -40,4 +40,53 @@ function output.view(root, rel, head, tail)
   return s, truncated, size
 end
 
+--- Reads the part of `root/rel` that starts at byte `from`, at most `max` bytes, for a
+--- caller that reads a growing log incrementally. The part ends on a code-point boundary
+--- (a sequence still being written is left for the next read) unless `final` says the log
+--- is complete. Returns the text (invalid bytes replaced by U+FFFD), the offset to read
+--- from next (a byte offset into the file: concatenated parts never miss or repeat a
+--- byte), and the log's size. A missing log reads as empty. Opened beneath root: no link
+--- is followed.
+---@param root string
+---@param rel string
+---@param from integer  byte offset, >= 0
+---@param max integer   bytes, >= 4
+---@param final boolean|nil
+---@return string text, integer next, integer size
+function output.read_from(root, rel, from, max, final)
+  local f = fs.open_beneath(root, rel)
+  if not f then return "", from, 0 end
+  local size = f:size() or 0
+  if from >= size then
+    f:close()
+    return "", from, size
+  end
+  local s = f:read(math.min(max, size - from), from) or ""
+  f:close()
+  local cut = #s
+  if not (final and from + #s >= size) then cut = text.utf8_floor(s, #s) end
+  return text.utf8_clean(s:sub(1, cut)), from + cut, size
+end
+
+--- The last `max` bytes of `root/rel`, starting on a code-point boundary and, when the log
+--- is longer, after the first line break in them (no partial first line). Returns the
+--- text (invalid bytes replaced) and the log's size.
+---@param root string
+---@param rel string
+---@param max integer
+---@return string text, integer size
+function output.tail(root, rel, max)
+  local f = fs.open_beneath(root, rel)
+  if not f then return "", 0 end
+  local size = f:size() or 0
+  local from = math.max(size - max, 0)
+  local s = f:read(size - from, from) or ""
+  f:close()
+  if from > 0 then
+    local nl = s:find("\n", 1, true)
+    s = nl and s:sub(nl + 1) or s:sub(text.utf8_ceil(s, 1))
+  end
+  return text.utf8_clean(s), size
+end
+
 return output

@@ -4,9 +4,11 @@
 -- Host layout (DESIGN.md "State on the host"):
 --   <output_root>/<run id>/              = /out of that sandbox (stdout.log, stderr.log, exec/<n>/…)
 --   <state_dir>/run/<run id>/            = /.demesne/run (exec records written by demesne-init)
---   <state_dir>/run/<run id>/expires_at  = renewed expiry (labels are immutable)
+--   <state_dir>/expiry/<run id>          = renewed expiry (labels are immutable; kept outside
+--                                          the run folder, which the sandbox can write)
 local async = require("demesne.async")
 local config = require("demesne.config")
+local egress = require("demesne.egress")
 local engines = require("demesne.engines")
 local images = require("demesne.images")
 local json = require("demesne.json")
@@ -48,6 +50,7 @@ local function proc_start(pid)
   if not after then return nil end
   local fields = {}
   for x in after:gmatch("%S+") do fields[#fields + 1] = x end
+  if fields[1] == "Z" or fields[1] == "X" then return nil end -- exited, not yet reaped: gone
   return fields[20] -- field 22 overall: starttime
 end
 
@@ -148,6 +151,7 @@ local function container_spec(o)
     [LABEL .. "output_dir"] = o.output_dir,
     [LABEL .. "run_dir"] = o.run_dir,
     [LABEL .. "image"] = o.image_name,
+    [LABEL .. "egress"] = o.egress and o.egress.name or "none",
   }
   return {
     Image = o.image_ref,
@@ -160,7 +164,7 @@ local function container_spec(o)
     HostConfig = {
       Binds = binds,
       Tmpfs = tmpfs,
-      NetworkMode = "none",
+      NetworkMode = o.egress and o.egress.open and "bridge" or "none", -- egress goes through the proxy
       ReadonlyRootfs = config.get("readonly_rootfs") and true or false,
       SecurityOpt = { "no-new-privileges" },
       CapDrop = { "NET_RAW" },
@@ -173,13 +177,13 @@ local function container_spec(o)
   }
 end
 
-local function default_env(run_id)
-  return {
-    DEMESNE_RUN_ID = run_id,
-    DEMESNE_OUT = "/out",
-    HOME = "/root",
-    PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-  }
+local function default_env(run_id, pol)
+  local env = egress.env(pol) -- proxy variables, telemetry off
+  env.DEMESNE_RUN_ID = run_id
+  env.DEMESNE_OUT = "/out"
+  env.HOME = "/root"
+  env.PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+  return env
 end
 
 local function read_status(run_dir, exec_id)
@@ -187,7 +191,8 @@ local function read_status(run_dir, exec_id)
   if not f then return nil end
   local s = f:read(65536)
   f:close()
-  return json.decode(s or "")
+  local st = json.decode(s or "")
+  return type(st) == "table" and st or nil -- written inside the sandbox: untrusted
 end
 
 -- Bounded stdout/stderr of one command, from its log files under the output folder.
@@ -203,48 +208,99 @@ local function prepare(args, kind, tool, ttl)
   local eng = sandbox.engine()
   local lim = sandbox.limits(args.limits)
   local mounts = check(paths.inputs(args.files, args.directories))
+  local pol = check(egress.select(args.egress, #mounts > 0))
   local run_id = sandbox.new_run_id()
   local output_dir, run_dir = dirs(run_id)
   return {
-    engine = eng, limits = lim, mounts = mounts, run_id = run_id, output_dir = output_dir,
+    egress = pol, engine = eng, limits = lim, mounts = mounts, run_id = run_id, output_dir = output_dir,
     run_dir = run_dir, kind = kind, tool = tool, ttl = ttl,
   }
 end
 
 local function make_dirs(o)
-  check(fs.mkdir_p(o.output_dir, 0755))
-  check(fs.mkdir_p(o.run_dir .. "/exec", 0755))
+  check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
+  check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)
 end
 
---- Runs one command in a fresh container that is removed afterwards (sandbox_script).
---- args: command, image, files, directories, env, timeout_seconds, limits.
---- ctx: the MCP tool context (progress/log). Returns the result table.
-function sandbox.run_script(ctx, args)
+sandbox.read_status = read_status
+sandbox.collect = collect
+sandbox.owner_alive = owner_alive
+
+--- Checks a sandbox_script call and plans its run; nothing is created yet. `kind` is the
+--- container's kind label: "oneshot" (removed when the call ends, or by the reaper once its
+--- server is gone) or "job" (a background job's: left to lua/jobs.lua). Returns the plan
+--- {engine, run_id, name, output_dir, run_dir, exec_id, timeout, …} that script_start,
+--- script_wait and script_result take.
+---@param args table  command, image, files, directories, env, timeout_seconds, limits
+---@param kind string|nil
+---@return table plan
+function sandbox.script_prepare(args, kind)
   local timeout = sandbox.timeout(args.timeout_seconds)
-  local o = prepare(args, "oneshot", "sandbox_script", timeout + 600)
-  local env = sandbox.env(args.env, default_env(o.run_id))
-  local img = check(images.ensure(o.engine, args.image, ctx))
+  local o = prepare(args, kind or "oneshot", "sandbox_script", timeout + 600)
+  o.env = sandbox.env(args.env, default_env(o.run_id, o.egress))
+  o.timeout, o.exec_id, o.name = timeout, "main", "demesne-" .. o.run_id
+  o.image_arg, o.command = args.image, args.command
+  return o
+end
+
+--- Starts a planned one-shot run: image, folders, container (with `labels`, names without
+--- the io.demesne. prefix, added), start. Sets plan.id. ctx (may be nil) gets image progress.
+---@param ctx ToolContext|nil
+---@param o table  from script_prepare
+---@param labels table<string,string>|nil
+function sandbox.script_start(ctx, o, labels)
+  local img = check(images.ensure(o.engine, o.image_arg, ctx))
   make_dirs(o)
-  local exec_id = "main"
   o.image_ref, o.image_name = img.ref, img.name
-  o.env = env
-  o.cmd = { "run", "--id", exec_id, "--dir", RUN .. "/exec/" .. exec_id,
+  o.cmd = { "run", "--id", o.exec_id, "--dir", RUN .. "/exec/" .. o.exec_id,
     "--stdout", "/out/stdout.log", "--stderr", "/out/stderr.log",
-    "--cwd", "/out", "--timeout", tostring(timeout), "--", "/bin/sh", "-c", args.command }
-  local started = loop.hrtime()
-  local name = "demesne-" .. o.run_id
-  local id = check(o.engine:create(container_spec(o), name))
-  -- the container goes on success, failure, timeout and cancel alike
-  local _ <close> = setmetatable({}, { __close = function()
-    local ok, err = o.engine:remove(id)
-    if not ok then log.warning("demesne.sandbox", "remove %s: %s", name, tostring(err)) end
-    fs.remove_tree(o.run_dir)
-  end })
-  check(o.engine:start(id))
-  -- demesne-init enforces the timeout inside; this host-side guard covers a stuck engine
-  local code, err = async.timeout((timeout + 30) * 1000, function() return o.engine:wait(id) end)
-  local duration_ms = math.floor((loop.hrtime() - started) / 1e6)
-  local st = read_status(o.run_dir, exec_id)
+    "--cwd", "/out", "--timeout", tostring(o.timeout), "--", "/bin/sh", "-c", o.command }
+  for i, a in ipairs(egress.relay_args(o.egress)) do table.insert(o.cmd, 1 + i, a) end
+  o.egress_handle = check(egress.start(o)) -- stopped by script_remove
+  local spec = container_spec(o)
+  for k, v in pairs(labels or {}) do spec.Labels[LABEL .. k] = v end
+  -- the create runs in a task of its own: a cancel must not abort it half-way (the engine
+  -- may create the container anyway); script_remove waits for it and removes the result
+  o.creating = async.spawn("create " .. o.name, function() return o.engine:create(spec, o.name) end)
+  local _, id, err, code = o.creating:wait()
+  o.id = check(id, err, code)
+  check(o.engine:start(o.id))
+end
+
+--- Removes a one-shot run's container, if it was created (waiting for a create still in
+--- flight). Returns true, or nil and the engine's message.
+---@param o table  the plan
+---@return boolean|nil ok, string|nil err
+function sandbox.script_remove(o)
+  -- the proxy stops after the container, and waits for its connections: egress.jsonl is complete
+  local _eg <close> = o.egress_handle
+  if not o.id and o.creating then
+    local ok, id = o.creating:wait()
+    if ok then o.id = id end
+  end
+  if not o.id then return true end
+  local ok, err = o.engine:remove(o.id)
+  if not ok then log.warning("demesne.sandbox", "remove %s: %s", o.name or o.id, tostring(err)) end
+  return ok, err
+end
+
+--- Waits up to `ms` for a one-shot container to stop. Returns its exit code, or nil, message,
+--- code ("ETIMEDOUT", "ENOENT" when the container is gone, "ENOENGINE" …).
+---@param o table  a plan with id (a container id or name)
+---@param ms integer
+function sandbox.script_wait(o, ms)
+  return async.timeout(ms, function() return o.engine:wait(o.id) end)
+end
+
+--- The result table of a finished one-shot run, from demesne-init's status.json and the
+--- logs (bounded head and tail); `code, err` are what script_wait returned.
+---@param o table  the plan
+---@param code integer|nil
+---@param err string|nil
+---@param duration_ms integer
+---@return table result  exit_code, stdout, stderr, output_dir, run_id, duration_ms, timed_out, truncated
+function sandbox.script_result(o, code, err, duration_ms)
+  local st = read_status(o.run_dir, o.exec_id)
   local timed_out = (st and st.timed_out) or (code == nil and err and err:find("timed out") ~= nil) or false
   local stdout, stderr, truncated = collect(o.output_dir)
   local exit_code = st and st.exit_code or code
@@ -261,6 +317,24 @@ function sandbox.run_script(ctx, args)
   }
 end
 
+--- Runs one command in a fresh container that is removed afterwards (sandbox_script).
+--- args: command, image, files, directories, env, timeout_seconds, limits.
+--- ctx: the MCP tool context (progress/log). Returns the result table.
+function sandbox.run_script(ctx, args)
+  local o = sandbox.script_prepare(args)
+  local started = loop.hrtime()
+  -- the container goes on success, failure, timeout and cancel alike
+  local _ <close> = setmetatable({}, { __close = function()
+    sandbox.script_remove(o)
+    fs.remove_tree(o.run_dir)
+  end })
+  sandbox.script_start(ctx, o)
+  local _hb <close> = require("demesne.progress").heartbeat(ctx)
+  -- demesne-init enforces the timeout inside; this host-side guard covers a stuck engine
+  local code, err = sandbox.script_wait(o, (o.timeout + 30) * 1000)
+  return sandbox.script_result(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
+end
+
 --- Creates a persistent sandbox (sandbox_create). Returns {sandbox_id, output_dir, expires_at, image}.
 function sandbox.create(ctx, args)
   local ttl = args.ttl_seconds or config.get("ttl_default")
@@ -271,18 +345,21 @@ function sandbox.create(ctx, args)
   local img = check(images.ensure(o.engine, args.image, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
-  o.env = sandbox.env(args.env, default_env(o.run_id))
-  o.cmd = { "serve" }
+  o.env = sandbox.env(args.env, default_env(o.run_id, o.egress))
+  o.cmd = { "serve", table.unpack(egress.relay_args(o.egress)) }
+  local eg = check(egress.start(o)) -- lives as long as the sandbox (egress.stop in destroy/reap)
   local name = "demesne-" .. o.run_id
-  local id = check(o.engine:create(container_spec(o), name))
+  local id, cerr, ccode = o.engine:create(container_spec(o), name)
+  if not id then eg:stop() fail(cerr, ccode) end
   local ok, err = o.engine:start(id)
   if not ok then
     o.engine:remove(id)
+    eg:stop()
     fs.remove_tree(o.run_dir)
     fail(err)
   end
   local expires = math.floor(loop.time()) + ttl
-  fs.write_atomic(o.run_dir .. "/expires_at", tostring(expires))
+  sandbox.write_expiry(o.run_dir, expires)
   return {
     sandbox_id = o.run_id,
     output_dir = o.output_dir,
@@ -291,13 +368,25 @@ function sandbox.create(ctx, args)
   }
 end
 
+-- <state>/run/<id> -> <state>/expiry/<id>: out of the sandbox's reach.
+local function expiry_file(run_dir)
+  local state, id = tostring(run_dir):match("^(.*)/run/([^/]+)$")
+  return state and (state .. "/expiry/" .. id)
+end
+
+--- Records a renewed expiry (unix seconds) for the sandbox whose run folder is run_dir.
+function sandbox.write_expiry(run_dir, expires)
+  local f = expiry_file(run_dir)
+  if not f then return end
+  fs.mkdir_p(f:match("^(.*)/"), 448) -- 0700
+  fs.write_atomic(f, tostring(expires))
+end
+
 local function expiry_of(labels)
   local e = tonumber(labels[LABEL .. "expires_at"]) or 0
-  local rd = labels[LABEL .. "run_dir"]
-  if rd then
-    local s = fs.read_file(rd .. "/expires_at")
-    if s and tonumber(s) and tonumber(s) > e then e = tonumber(s) end
-  end
+  local f = expiry_file(labels[LABEL .. "run_dir"])
+  local s = f and fs.read_file(f)
+  if s and tonumber(s) and tonumber(s) > e then e = tonumber(s) end
   return e
 end
 
@@ -325,27 +414,35 @@ function sandbox.lookup(eng, sandbox_id)
 end
 
 -- Renews the TTL: never shortens it.
+-- Renews the TTL by the sandbox's own ttl_seconds from now; never shortens it.
 local function renew(sb)
-  local ttl = config.get("ttl_default")
   local created = tonumber(sb.labels[LABEL .. "created_at"]) or 0
-  local orig = (tonumber(sb.labels[LABEL .. "expires_at"]) or 0) - created
-  if orig > ttl then ttl = orig end
+  local ttl = (tonumber(sb.labels[LABEL .. "expires_at"]) or 0) - created
+  if ttl <= 0 then ttl = config.get("ttl_default") end
   local new = math.floor(loop.time()) + ttl
   if new > sb.expires_at then
-    fs.write_atomic(sb.run_dir .. "/expires_at", tostring(new))
+    sandbox.write_expiry(sb.run_dir, new)
     sb.expires_at = new
   end
 end
 
 local exec_seq = 0
 
---- Runs a command in a persistent sandbox (sandbox_exec).
---- args: sandbox_id, command, timeout_seconds, cwd, env. Returns the result table.
-function sandbox.exec(ctx, args)
+--- Checks a sandbox_exec call and plans it; nothing runs yet. Renews the sandbox's TTL.
+--- Returns the plan {engine, sb, container, exec_id, rel, dir, argv, env, timeout,
+--- output_dir, run_dir, log_dir} that exec_run, exec_kill and exec_result take.
+---@param args table  sandbox_id, command, timeout_seconds, cwd, env
+---@return table plan
+function sandbox.exec_prepare(args)
   local eng = sandbox.engine()
   local timeout = sandbox.timeout(args.timeout_seconds)
   local sb = sandbox.lookup(eng, args.sandbox_id)
   if not sb.running then fail(("sandbox_id: sandbox %s is not running"):format(args.sandbox_id)) end
+  local pol = sb.labels[LABEL .. "egress"]
+  if pol then -- after a server restart the sandbox's proxy has to be started again
+    local _, eerr = egress.ensure(args.sandbox_id, sb.run_dir, sb.output_dir, pol)
+    if eerr then log.warning("demesne.sandbox", "sandbox %s: %s", args.sandbox_id, eerr) end
+  end
   local cwd = args.cwd or "/out"
   if cwd:sub(1, 1) ~= "/" then fail("cwd: must be an absolute path inside the sandbox") end
   local env = sandbox.env(args.env)
@@ -353,33 +450,70 @@ function sandbox.exec(ctx, args)
   exec_seq = exec_seq + 1
   local exec_id = os.date("!%Y%m%dT%H%M%SZ") .. "-" .. exec_seq .. "-" .. hex(loop.random(2))
   local rel = "exec/" .. exec_id
-  local started = loop.hrtime()
   local dir = RUN .. "/exec/" .. exec_id
-  local finished = false
-  -- cancelling the call kills the command's whole process group inside the sandbox
-  local _ <close> = setmetatable({}, { __close = function()
-    if not finished then
-      eng:exec(sb.id, { INIT, "kill", "--dir", dir, "--signal", "TERM", "--grace", "2" })
-    end
-  end })
-  local code, err = eng:exec(sb.id, { INIT, "run", "--id", exec_id, "--dir", dir,
-    "--stdout", "/out/" .. rel .. "/stdout.log", "--stderr", "/out/" .. rel .. "/stderr.log",
-    "--cwd", cwd, "--timeout", tostring(timeout), "--", "/bin/sh", "-c", args.command }, { env = env })
-  finished = true
-  if code == nil then fail("sandbox_exec failed: " .. tostring(err)) end
-  local st = read_status(sb.run_dir, exec_id)
-  local stdout, stderr, truncated = collect(sb.output_dir, rel)
+  return {
+    engine = eng, sb = sb, container = sb.id, exec_id = exec_id, rel = rel, dir = dir, env = env,
+    timeout = timeout, output_dir = sb.output_dir, run_dir = sb.run_dir, log_dir = sb.output_dir .. "/" .. rel,
+    argv = { INIT, "run", "--id", exec_id, "--dir", dir,
+      "--stdout", "/out/" .. rel .. "/stdout.log", "--stderr", "/out/" .. rel .. "/stderr.log",
+      "--cwd", cwd, "--timeout", tostring(timeout), "--", "/bin/sh", "-c", args.command },
+  }
+end
+
+--- Runs a planned exec through the engine and waits for it. Returns the exec's exit code,
+--- or nil, message, code. Cancelling the task stops the wait only: call exec_kill.
+---@param e table  the plan from exec_prepare
+---@return integer|nil code, string|nil err, string|nil ecode
+function sandbox.exec_run(e)
+  return e.engine:exec(e.container, e.argv, { env = e.env })
+end
+
+--- Kills a planned exec's whole process group inside the sandbox (demesne-init kill:
+--- SIGTERM, SIGKILL after 2 s). Works after a restart: needs only the container and dir.
+---@param eng table       the engine adapter
+---@param container string
+---@param dir string      the exec's folder inside the sandbox (/.demesne/run/exec/<id>)
+function sandbox.exec_kill(eng, container, dir)
+  return eng:exec(container, { INIT, "kill", "--dir", dir, "--signal", "TERM", "--grace", "2" })
+end
+
+--- The result table of a finished exec, from status.json and its logs; `code` is what
+--- exec_run returned.
+---@param e table  the plan from exec_prepare
+---@param code integer
+---@param duration_ms integer
+---@return table result  exit_code, stdout, stderr, output_dir, log_dir, duration_ms, timed_out, truncated, expires_at
+function sandbox.exec_result(e, code, duration_ms)
+  local st = read_status(e.run_dir, e.exec_id)
+  local stdout, stderr, truncated = collect(e.output_dir, e.rel)
   return {
     exit_code = st and st.exit_code or code,
     stdout = stdout,
     stderr = stderr,
-    output_dir = sb.output_dir,
-    log_dir = sb.output_dir .. "/" .. rel,
-    duration_ms = math.floor((loop.hrtime() - started) / 1e6),
+    output_dir = e.output_dir,
+    log_dir = e.log_dir,
+    duration_ms = duration_ms,
     timed_out = st and st.timed_out or false,
     truncated = truncated,
-    expires_at = os.date("!%Y-%m-%dT%H:%M:%SZ", sb.expires_at),
+    expires_at = os.date("!%Y-%m-%dT%H:%M:%SZ", e.sb.expires_at),
   }
+end
+
+--- Runs a command in a persistent sandbox (sandbox_exec).
+--- args: sandbox_id, command, timeout_seconds, cwd, env. Returns the result table.
+function sandbox.exec(ctx, args)
+  local e = sandbox.exec_prepare(args)
+  local started = loop.hrtime()
+  local finished = false
+  -- cancelling the call kills the command's whole process group inside the sandbox
+  local _ <close> = setmetatable({}, { __close = function()
+    if not finished then sandbox.exec_kill(e.engine, e.container, e.dir) end
+  end })
+  local _hb <close> = require("demesne.progress").heartbeat(ctx)
+  local code, err = sandbox.exec_run(e)
+  finished = true
+  if code == nil then fail("sandbox_exec failed: " .. tostring(err)) end
+  return sandbox.exec_result(e, code, math.floor((loop.hrtime() - started) / 1e6))
 end
 
 local function tmp_file(suffix)
@@ -413,7 +547,7 @@ end
 -- sees nor writes tmpfs mounts (/tmp, /workspace), where an upload would vanish.
 local function xfer_paths(sb)
   local name = hex(loop.random(8)) .. ".tar"
-  check(fs.mkdir_p(sb.run_dir .. "/xfer", 0700))
+  check(fs.mkdir_p(sb.run_dir .. "/xfer", 448)) -- 0700
   return sb.run_dir .. "/xfer/" .. name, RUN .. "/xfer/" .. name
 end
 
@@ -473,7 +607,7 @@ function sandbox.download(ctx, args)
   end
   local tst = fs.lstat(host_tar)
   if not tst or tst.type ~= "file" then fail("download refused: the archive written in the sandbox is not a regular file") end
-  check(fs.mkdir_p(dl, 0755))
+  check(fs.mkdir_p(dl, 493)) -- 0755 (Lua has no octal literals)
   local staging = dl .. "/.incoming-" .. hex(loop.random(6))
   local _s <close> = temp_guard(staging)
   local stats, xerr = archive.extract(host_tar, staging, { max_bytes = config.get("download_max_bytes"), max_entries = 100000 })
@@ -497,33 +631,50 @@ function sandbox.destroy(ctx, args)
   end
   local removed, how = eng:remove(sb.id)
   if not removed then fail(how) end
-  if sb.run_dir then fs.remove_tree(sb.run_dir) end
+  egress.stop(args.sandbox_id)
+  if sb.run_dir then
+    fs.remove_tree(sb.run_dir)
+    local ef = expiry_file(sb.run_dir)
+    if ef then os.remove(ef) end
+  end
   return { sandbox_id = args.sandbox_id, status = how == "gone" and "already gone" or "destroyed",
     output_dir = sb.output_dir }
 end
 
---- Lists live persistent sandboxes: {sandboxes = {{sandbox_id, image, created_at, expires_at, output_dir, state}}}.
+--- Lists the live persistent sandboxes of this configuration (those whose run folder is
+--- under this state_dir): {sandboxes = {{sandbox_id, image, created_at, expires_at, output_dir, state}}}.
 function sandbox.list()
   local eng = sandbox.engine()
   local list = check(eng:list({ LABEL .. "managed=1", LABEL .. "kind=persistent" }))
   local out = json.array()
+  local mine = config.get("state_dir") .. "/run"
   for _, c in ipairs(list) do
     local l = c.Labels or {}
-    out[#out + 1] = {
+    if paths.within(tostring(l[LABEL .. "run_dir"]), mine) then out[#out + 1] = {
       sandbox_id = l[LABEL .. "run_id"],
       image = l[LABEL .. "image"],
       created_at = os.date("!%Y-%m-%dT%H:%M:%SZ", tonumber(l[LABEL .. "created_at"]) or 0),
       expires_at = os.date("!%Y-%m-%dT%H:%M:%SZ", expiry_of(l)),
       output_dir = l[LABEL .. "output_dir"],
       state = c.State,
-    }
+    } end
   end
   table.sort(out, function(a, b) return tostring(a.sandbox_id) < tostring(b.sandbox_id) end)
   return { sandboxes = out }
 end
 
+-- A background job's container is left to lua/jobs.lua while its record says running
+-- (the record's path is in the job_record label; labels cannot be changed from inside).
+local function job_running(labels)
+  local p = labels[LABEL .. "job_record"]
+  if type(p) ~= "string" or not p:match("/jobs/job%-[%w%-]+%.json$") then return false end
+  local rec = json.decode(fs.read_file(p, 0, 1024 * 1024) or "")
+  return type(rec) == "table" and rec.status == "running"
+end
+
 --- One reaper pass: removes containers past their expiry and one-shot containers whose
---- owner process is gone. Works from the engine's state. Returns the number removed.
+--- owner process is gone, but never a background job's container while its job record
+--- says running. Works from the engine's state. Returns the number removed.
 function sandbox.reap()
   local eng = engines.get()
   if not eng then return 0 end
@@ -533,13 +684,18 @@ function sandbox.reap()
   local n = 0
   for _, c in ipairs(list) do
     local l = c.Labels or {}
+    local kind = l[LABEL .. "kind"]
     local expired = expiry_of(l) < now
-    local orphan = l[LABEL .. "kind"] == "oneshot" and not owner_alive(l[LABEL .. "owner"])
-    if expired or orphan then
+    local orphan = (kind == "oneshot" or kind == "job") and not owner_alive(l[LABEL .. "owner"])
+    if (expired or orphan) and not (kind == "job" and job_running(l)) then
       if eng:remove(c.Id) then
         n = n + 1
+        if l[LABEL .. "run_id"] then egress.stop(l[LABEL .. "run_id"]) end
         local rd = l[LABEL .. "run_dir"]
-        if rd and paths.within(rd, config.get("state_dir") .. "/run") then fs.remove_tree(rd) end
+        if rd and paths.within(rd, config.get("state_dir") .. "/run") then
+          fs.remove_tree(rd)
+          os.remove(expiry_file(rd))
+        end
         log.info("demesne.reaper", "removed %s (%s)", l[LABEL .. "run_id"] or c.Id, expired and "expired" or "owner gone")
       end
     end

@@ -66,4 +66,69 @@ function schemas.run_text(r)
   return table.concat(lines, "\n")
 end
 
+schemas.background = { type = "boolean", default = false, description =
+  "Return at once with a job_id instead of waiting; follow the job with sandbox_status (read stdout "
+  .. "incrementally with `since`), sandbox_wait and sandbox_cancel. The job survives a server restart." }
+
+--- An outputSchema that is either `result` (the call ran to the end) or a started
+--- background job {job_id, status = "running", output_dir, …} (background = true).
+function schemas.or_job(result, extra)
+  local props = {}
+  for k, v in pairs(result.properties) do props[k] = v end
+  props.job_id = { type = "string", description = "background: the job's id, for sandbox_status/wait/cancel" }
+  props.status = { type = "string", description = "background: the job's status (running)" }
+  for k, v in pairs(extra or {}) do props[k] = v end
+  return { type = "object", properties = props,
+    anyOf = json.array({ { required = result.required }, { required = json.array({ "job_id", "status", "output_dir" }) } }) }
+end
+
+--------------------------------------------------------------------------------------------
+-- Background jobs (sandbox_status, sandbox_wait, sandbox_cancel, sandbox_jobs)
+
+schemas.job_id = { type = "string", minLength = 1,
+  description = "The job_id a call with background: true returned (job-…)." }
+
+schemas.job_status = { type = "string", enum = json.array({ "running", "succeeded", "failed", "cancelled", "lost" }) }
+
+--- The properties of a job's view (jobs.view), plus `extra`.
+function schemas.job_properties(extra)
+  local props = {
+    job_id = { type = "string" },
+    status = schemas.job_status,
+    tool = { type = "string", description = "the tool that started the job" },
+    started_at = { type = "string", description = "ISO 8601, UTC" },
+    finished_at = { type = "string", description = "ISO 8601, UTC; absent while running" },
+    elapsed_seconds = { type = "number", description = "seconds since the start; frozen once the job ended" },
+    exit_code = { type = "integer", description = "the command's exit status, once known" },
+    timed_out = { type = "boolean" },
+    reason = { type = "string", description = "why the job failed, was cancelled or was lost" },
+    output_dir = { type = "string", description = "host folder that is the sandbox's /out" },
+    log_dir = { type = "string", description = "folder of the job's stdout.log and stderr.log" },
+    run_id = { type = "string" },
+    sandbox_id = { type = "string" },
+    parent = { type = "string", description = "the job that started this one" },
+    children = { type = "array", items = { type = "string" }, description = "jobs this one started" },
+    message = { type = "string" },
+  }
+  for k, v in pairs(extra or {}) do props[k] = v end
+  return props
+end
+
+--- outputSchema of a job's status (sandbox_status, sandbox_wait, sandbox_cancel).
+function schemas.status_result(extra)
+  return { type = "object", properties = schemas.job_properties(extra),
+    required = json.array({ "job_id", "status", "elapsed_seconds", "started_at" }) }
+end
+
+--- Readable text for a job's view.
+function schemas.status_text(r)
+  local lines = { "job_id: " .. r.job_id, "status: " .. r.status }
+  if r.exit_code then lines[#lines + 1] = ("exit_code: %d%s"):format(r.exit_code, r.timed_out and " (timed out)" or "") end
+  lines[#lines + 1] = ("elapsed_seconds: %.1f"):format(r.elapsed_seconds)
+  if r.reason then lines[#lines + 1] = "reason: " .. r.reason end
+  if r.message then lines[#lines + 1] = "message: " .. r.message end
+  if r.output_dir then lines[#lines + 1] = "output_dir: " .. r.output_dir end
+  return table.concat(lines, "\n")
+end
+
 return schemas

@@ -36,6 +36,7 @@ local LOGGER = "demesne.tools"
 ---@field inputSchema table
 ---@field outputSchema table|nil
 ---@field annotations table|nil
+---@field execution table|nil  {taskSupport = "forbidden"|"optional"|"required"} (MCP 2025-11-25 tasks)
 ---@field run fun(ctx: ToolContext, args: table): any, string|nil
 ---@field origin string   where it was loaded from (set by the loader)
 
@@ -174,6 +175,13 @@ function tools.check_descriptor(d)
       if k == "title" and type(v) ~= "string" then return nil, "annotations.title: must be a string" end
     end
   end
+  if d.execution ~= nil then
+    if type(d.execution) ~= "table" then return nil, "execution: must be a table" end
+    local ts = d.execution.taskSupport
+    if ts ~= nil and ts ~= "forbidden" and ts ~= "optional" and ts ~= "required" then
+      return nil, 'execution.taskSupport: must be "forbidden", "optional" or "required"'
+    end
+  end
   if type(d.run) ~= "function" then return nil, "run: must be a function(ctx, args)" end
   return true
 end
@@ -256,6 +264,7 @@ function Registry:listing()
       inputSchema = schema.for_json(d.inputSchema),
       outputSchema = d.outputSchema and schema.for_json(d.outputSchema) or nil,
       annotations = d.annotations and schema.copy(d.annotations) or nil,
+      execution = d.execution and schema.copy(d.execution) or nil,
     }
   end
   self.listing_cache = out

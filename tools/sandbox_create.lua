@@ -8,7 +8,7 @@ return {
   title = "Create a persistent sandbox",
   description = "Creates a container that stays up for sandbox_exec, sandbox_upload and sandbox_download "
     .. "until sandbox_destroy or its TTL (renewed by each exec). Inputs are mounted read-only at /in; "
-    .. "/out is a host folder kept after the sandbox goes. No network.",
+    .. "/out is a host folder kept after the sandbox goes. Network access is decided by its egress policy.",
   inputSchema = {
     type = "object",
     additionalProperties = false,
@@ -17,6 +17,7 @@ return {
       files = schemas.files(),
       directories = schemas.directories(),
       env = schemas.env,
+      egress = require("demesne.egress").schema,
       limits = schemas.limits,
       ttl_seconds = { type = "integer", minimum = 60, description = "Seconds the sandbox lives without use. Default 48 h." },
     },

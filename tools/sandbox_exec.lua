@@ -18,11 +18,18 @@ return {
       timeout_seconds = schemas.timeout_seconds,
       cwd = { type = "string", description = "Absolute working directory in the sandbox. Default /out." },
       env = schemas.env,
+      background = schemas.background,
     },
   },
-  outputSchema = schemas.run_result({ log_dir = { type = "string" }, expires_at = { type = "string" } }),
+  outputSchema = schemas.or_job(schemas.run_result({ log_dir = { type = "string" }, expires_at = { type = "string" } })),
+  execution = { taskSupport = "optional" }, -- MCP tasks: runs as a background job
   annotations = { readOnlyHint = false, destructiveHint = true, idempotentHint = false, openWorldHint = false },
   run = function(ctx, args)
+    if args.background then
+      local jobs = require("demesne.jobs")
+      local j = jobs.start_exec(ctx, args)
+      return j, jobs.started_text(j)
+    end
     local r = sandbox.exec(ctx, args)
     return r, schemas.run_text(r)
   end,

@@ -5,7 +5,7 @@ local schemas = require("demesne.schemas")
 return {
   name = "sandbox_script",
   title = "Run a script in a fresh sandbox",
-  description = "Runs a shell command with /bin/sh -c in a new container with no network, "
+  description = "Runs a shell command with /bin/sh -c in a new container whose network access is decided by an egress policy, "
     .. "working directory /out (a host folder kept after the run). Host inputs are mounted read-only at /in. "
     .. "The container is removed afterwards. Returns the exit code and the head and tail of stdout and stderr; "
     .. "the full streams are in stdout.log and stderr.log in output_dir.",
@@ -19,13 +19,21 @@ return {
       files = schemas.files(),
       directories = schemas.directories(),
       env = schemas.env,
+      egress = require("demesne.egress").schema,
+      background = schemas.background,
       timeout_seconds = schemas.timeout_seconds,
       limits = schemas.limits,
     },
   },
-  outputSchema = schemas.run_result({ run_id = { type = "string" } }),
+  outputSchema = schemas.or_job(schemas.run_result({ run_id = { type = "string" } })),
+  execution = { taskSupport = "optional" }, -- MCP tasks: runs as a background job
   annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = false },
   run = function(ctx, args)
+    if args.background then
+      local jobs = require("demesne.jobs")
+      local j = jobs.start_script(ctx, args)
+      return j, jobs.started_text(j)
+    end
     local r = sandbox.run_script(ctx, args)
     return r, schemas.run_text(r)
   end,

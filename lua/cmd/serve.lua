@@ -26,8 +26,13 @@ return function(args, opts)
     io.stderr:write("demesne serve: unexpected argument '", args[1], "'\n")
     return 2
   end
+  log.set_level(config.get("log_level")) -- the config file may set it too
   local reaper = start_reaper()
+  -- background jobs: re-attach the ones a previous server left running; they outlive us too
+  local jobs = require("demesne.jobs")
+  jobs.start()
   local status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures })
+  jobs.stop()
   async.cancel(reaper, "shutdown")
   return status
 end

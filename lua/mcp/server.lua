@@ -24,7 +24,7 @@ local null = json.null
 --- Protocol revisions we speak, newest first. A client asking for one of these gets it;
 --- any other request gets the newest. Per-revision differences live in this table.
 server.VERSIONS = {
-  { version = "2025-11-25", server_description = true },
+  { version = "2025-11-25", server_description = true, tasks = true },
   { version = "2025-06-18", server_description = false },
 }
 
@@ -346,7 +346,8 @@ function methods.initialize(self, params)
   end
   return {
     protocolVersion = chosen.version,
-    capabilities = { tools = { listChanged = false }, logging = {} },
+    capabilities = { tools = { listChanged = false }, logging = {},
+      tasks = chosen.tasks and require("demesne.mcp.tasks").capability() or nil },
     serverInfo = info,
     instructions = self.instructions,
   }
@@ -440,6 +441,12 @@ methods["tools/call"] = function(self, params, entry)
     error(server.rpc_error(server.INVALID_PARAMS, ("Unknown tool: %s"):format(name)), 0)
   end
   local ctx = self:tool_context(tool, entry, meta)
+  -- task-augmented call (2025-11-25 experimental tasks): lua/mcp/tasks.lua
+  local task = params.task
+  if task == null then task = nil end
+  if task ~= nil or (type(tool.execution) == "table" and tool.execution.taskSupport == "required") then
+    return require("demesne.mcp.tasks").call(tool, ctx, args or {}, task), name
+  end
   local started = loop.hrtime()
   local result = tools.call(tool, ctx, args or {})
   if entry.progress_at then
@@ -450,6 +457,9 @@ methods["tools/call"] = function(self, params, entry)
     result.isError and " (isError)" or "")
   return result, name
 end
+
+-- tasks/get, tasks/result, tasks/list, tasks/cancel: lua/mcp/tasks.lua
+for m, fn in pairs(require("demesne.mcp.tasks").methods) do methods[m] = fn end
 
 --------------------------------------------------------------------------------------------
 -- Dispatch

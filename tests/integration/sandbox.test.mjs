@@ -321,6 +321,20 @@ test("C06: destroy twice at once, and destroy of a gone sandbox, both succeed", 
   assert.equal(c.status, "already gone");
 });
 
+test("a sandbox cannot extend its own life; exec renews by its own ttl_seconds", async () => {
+  const sb = await ok("sandbox_create", { image: "base", ttl_seconds: 600 });
+  try {
+    await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "echo 4102444800 > /.demesne/run/expires_at; true" });
+    const mine = (await ok("sandbox_list", {})).sandboxes.find((s) => s.sandbox_id === sb.sandbox_id);
+    const left = (Date.parse(mine.expires_at) - Date.now()) / 1000;
+    assert.ok(left > 500 && left <= 601, `expires in ${left} s`);
+    const st = lstatSync(sb.output_dir);
+    assert.equal(st.mode & 0o777, 0o755, "output folder is rwxr-xr-x");
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
 test("a persistent sandbox survives a server restart and is used again by id", async () => {
   const sb = await ok("sandbox_create", { image: "base" });
   await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "echo kept > /tmp/k" });
