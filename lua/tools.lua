@@ -271,7 +271,11 @@ function Registry:listing()
   return out
 end
 
-local function lua_files_in(dir)
+--- The plugin files of a user folder: its *.lua files (not hidden), sorted by name.
+--- A missing folder gives an empty list. Shared by the tool and provider loaders.
+---@param dir string
+---@return string[] paths
+function tools.lua_files_in(dir)
   local fs = require("core.fs")
   local st = fs.stat(dir)
   if not st or st.type ~= "directory" then return {} end
@@ -279,16 +283,22 @@ local function lua_files_in(dir)
   for _, n in ipairs(fs.readdir(dir) or {}) do
     if n:match("%.lua$") and not n:match("^%.") then out[#out + 1] = dir .. "/" .. n end
   end
+  table.sort(out)
   return out
 end
 
-local function read(path)
+--- Reads a whole file. Returns its contents, or nil and the error.
+---@param path string
+---@return string|nil contents, string|nil err
+function tools.read_file(path)
   local f, err = io.open(path, "rb")
   if not f then return nil, err end
   local s = f:read("a")
   f:close()
   return s
 end
+
+local lua_files_in, read = tools.lua_files_in, tools.read_file
 
 --- The folder users drop their own tools into: $XDG_CONFIG_HOME/demesne/tools.
 ---@return string

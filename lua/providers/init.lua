@@ -431,25 +431,8 @@ function providers.load_source(src, origin)
   return p
 end
 
-local function lua_files_in(dir)
-  local fs = require("core.fs")
-  local st = fs.stat(dir)
-  if not st or st.type ~= "directory" then return {} end
-  local out = {}
-  for _, n in ipairs(fs.readdir(dir) or {}) do
-    if n:match("%.lua$") and not n:match("^%.") then out[#out + 1] = dir .. "/" .. n end
-  end
-  table.sort(out)
-  return out
-end
-
-local function read(path)
-  local f, err = io.open(path, "rb")
-  if not f then return nil, err end
-  local s = f:read("a")
-  f:close()
-  return s
-end
+local function lua_files_in(dir) return require("demesne.tools").lua_files_in(dir) end
+local function read(path) return require("demesne.tools").read_file(path) end
 
 --- The folder users drop their own providers into: $XDG_CONFIG_HOME/demesne/providers.
 ---@return string
