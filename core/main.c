@@ -3,6 +3,7 @@
  * line, and exits with the status it returns. */
 #include "runtime.h"
 #include "embedded.h"
+#include <locale.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -31,6 +32,8 @@ static int traceback(lua_State *L) {
 
 int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
+  /* UTF-8 file names in tars (libarchive converts names through the locale's charset) */
+  if (!setlocale(LC_CTYPE, "C.UTF-8")) setlocale(LC_CTYPE, "");
   if (dm_runtime_init(LUA_MEM_CAP) != 0) return 70;
   lua_State *L = dm_rt.L;
   int status = 70;

@@ -66,6 +66,11 @@ int relay_parse(const char *spec);
 /// or -1 when nothing could be started (reported; the sandbox then has no relay).
 pid_t relay_start(void);
 
+/// Sends sig to every descendant of this process (found through /proc parent links), except
+/// `spare` (0 = none). Returns how many were signalled, -1 on error. Reaches processes that
+/// left the command's process group with setsid().
+int signal_descendants(int sig, pid_t spare);
+
 /// Matches "--name VALUE" or "--name=VALUE" at argv[*i]. Returns 1 (*value set, *i moved
 /// past the value), 0 (argv[*i] is something else) or -1 (value missing; reported).
 int opt_value(int argc, char **argv, int *i, const char *name, const char **value);

@@ -190,11 +190,16 @@ static void run_signal(struct run *r, int sig)
 
 // Asks the command to stop: sig to the group, then SIGKILL after the grace. A second
 // request, or SIGKILL, goes straight to SIGKILL.
+static pid_t relay_pid; // the egress relay we forked, if any: it is not part of the command
+
 static void run_stop(struct run *r, int sig)
 {
 	int64_t now = now_mono_ms();
 	if (r->phase == PH_KILLED)
 		return;
+	// Descendants that left the group with setsid() are reparented to us (we are a
+	// subreaper, or PID 1): a timeout or cancel reaches them too.
+	(void)signal_descendants(sig == SIGKILL || r->phase == PH_STOPPING ? SIGKILL : sig, relay_pid);
 	if (sig == SIGKILL || r->phase == PH_STOPPING) {
 		run_signal(r, SIGKILL);
 		r->phase = PH_KILLED;
@@ -522,7 +527,7 @@ int init_run(int argc, char **argv)
 	what = "cannot create a pipe";
 	if (pipe2(ep, O_CLOEXEC) < 0 || fcntl(ep[0], F_SETFL, O_NONBLOCK) < 0)
 		goto abort_errno;
-	(void)relay_start(); // --relay routes (egress): listening before the command starts
+	relay_pid = relay_start(); // --relay routes (egress): listening before the command starts
 	what = "cannot fork";
 	if ((pid = fork()) < 0)
 		goto abort_errno;

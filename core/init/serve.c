@@ -42,8 +42,9 @@ static pid_t read_ppid(pid_t pid)
 	return ppid;
 }
 
-// Sends sig to every descendant of this process. Returns how many were signalled, -1 on error.
-static int signal_descendants(int sig)
+// Sends sig to every descendant of this process except `spare` (and its own descendants
+// are still signalled). Returns how many were signalled, -1 on error.
+int signal_descendants(int sig, pid_t spare)
 {
 	DIR *d = opendir("/proc");
 	if (d == NULL) {
@@ -99,6 +100,8 @@ static int signal_descendants(int sig)
 				mine = v[j].mine && v[j].pid == v[i].ppid;
 			if (mine) {
 				v[i].mine = changed = true;
+				if (v[i].pid == spare)
+					continue;
 				if (kill(v[i].pid, sig) == 0)
 					rc++;
 				else if (errno != ESRCH)
@@ -116,7 +119,7 @@ static void forward(bool pid1, int sig)
 		if (kill(-1, sig) < 0 && errno != ESRCH)
 			diag("serve: kill(-1, %s): %s", signal_name(sig), strerror(errno));
 	} else {
-		(void)signal_descendants(sig);
+		(void)signal_descendants(sig, 0);
 	}
 }
 

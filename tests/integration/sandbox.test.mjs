@@ -288,6 +288,54 @@ test("C01: a timed-out exec kills its whole process group", async () => {
   }
 });
 
+test("C01 kind: a timeout also kills processes that left the group with setsid", async () => {
+  const sb = await ok("sandbox_create", { image: "base" });
+  try {
+    const r = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "setsid sh -c 'sleep 300' & sleep 60", timeout_seconds: 1 });
+    assert.equal(r.timed_out, true);
+    const k = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "ps -eo args | grep -c '^sleep 300' || true" });
+    assert.equal(k.stdout.trim(), "0");
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
+test("commands that cannot be run are refused with the field and reason", async () => {
+  assert.match(await err("sandbox_script", { command: "echo " + "a".repeat(140 * 1024) }), /command: \d+ bytes is more than/);
+  assert.match(await err("sandbox_script", { command: "echo a\u0000b" }), /command: contains a NUL byte/);
+  assert.match(await err("sandbox_script", { command: "true", env: { BIG: "x".repeat(200 * 1024) } }), /env\.BIG: \d+ bytes/);
+});
+
+test("uploads keep UTF-8 names and the mode of an existing folder; open sandboxes take no host files", async () => {
+  const sb = await ok("sandbox_create", { image: "base" });
+  try {
+    const f = path.join(allowed, "日本 🎉.txt");
+    writeFileSync(f, "utf8\n");
+    await ok("sandbox_upload", { sandbox_id: sb.sandbox_id, src: f, dst: "/tmp/日本 🎉.txt" });
+    const r = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "cat '/tmp/日本 🎉.txt'; stat -c %a /tmp" });
+    assert.equal(r.stdout, "utf8\n1777\n");
+    rmSync(f);
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+  const open = await ok("sandbox_create", { image: "base", egress: "open" });
+  try {
+    assert.match(await err("sandbox_upload", { sandbox_id: open.sandbox_id, src: path.join(allowed, "input.txt"), dst: "/tmp/x" }), /open egress/);
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: open.sandbox_id });
+  }
+});
+
+test("an exec longer than the sandbox's TTL keeps the sandbox alive", async () => {
+  const sb = await ok("sandbox_create", { image: "base", ttl_seconds: 60 });
+  try {
+    const r = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "true", timeout_seconds: 3600 });
+    assert.ok(Date.parse(r.expires_at) - Date.now() > 3600 * 1000, `expires_at ${r.expires_at}`);
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
 test("C04: cancelling a running exec kills the command in the container", async () => {
   const sb = await ok("sandbox_create", { image: "base" });
   try {
@@ -324,7 +372,7 @@ test("C06: destroy twice at once, and destroy of a gone sandbox, both succeed", 
 test("a sandbox cannot extend its own life; exec renews by its own ttl_seconds", async () => {
   const sb = await ok("sandbox_create", { image: "base", ttl_seconds: 600 });
   try {
-    await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "echo 4102444800 > /.demesne/run/expires_at; true" });
+    await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "echo 4102444800 > /.demesne/run/expires_at; true", timeout_seconds: 10 });
     const mine = (await ok("sandbox_list", {})).sandboxes.find((s) => s.sandbox_id === sb.sandbox_id);
     const left = (Date.parse(mine.expires_at) - Date.now()) / 1000;
     assert.ok(left > 500 && left <= 601, `expires in ${left} s`);
