@@ -250,6 +250,48 @@ kinds.script = {
   end,
 }
 
+-- Agent jobs (sandbox_agent, sandbox_research in the background): a one-shot container
+-- plus the run's vendor route, stopped once the container has; results.json is written
+-- before the terminal record. After a restart the vendor route is gone, so the agent's
+-- model calls fail and it ends; the job is then watched like a script job.
+kinds.agent = {
+  run = function(job, o)
+    job.after = function() fs.remove_tree(o.run_dir) end
+    local started = now_ms()
+    local out = script_watch(job, o)
+    local ok, err = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason, now_ms() - started)
+    if not ok then log.warning(LOGGER, "%s: results.json: %s", job.rec.job_id, tostring(err)) end
+    return out
+  end,
+  -- after a restart: the vendor route is started again with the token kept in the record
+  -- (a per-run token, not the credential), the container watched like a script job
+  attach = function(job)
+    local rec = job.rec
+    local providers = require("demesne.providers")
+    local p = rec.provider and providers.get(rec.provider)
+    local route
+    if p and rec.vendor_token then
+      local cred, why = providers.ready(p)
+      if cred then
+        local err
+        route, err = require("demesne.vendor").start({ run_id = rec.run_id, run_dir = rec.run_dir,
+          output_dir = rec.output_dir, provider = p, token = rec.vendor_token, credential = cred })
+        if not route then log.warning(LOGGER, "%s: vendor route: %s", rec.job_id, tostring(err)) end
+      else
+        log.warning(LOGGER, "%s: vendor route not restarted: %s", rec.job_id, tostring(why))
+      end
+    end
+    local out = kinds.script.attach(job)
+    if route then
+      local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
+        output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model }
+      local ok, err = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason, now_ms() - rec.started_ms)
+      if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(err)) end
+    end
+    return out
+  end,
+}
+
 -- Exec jobs: `demesne-init run` through the engine's exec API in a persistent sandbox.
 local function exec_outcome(rec, gone_reason)
   local st = sandbox.read_status(rec.run_dir, rec.exec_id)
@@ -606,6 +648,8 @@ function jobs.iso(ms)
 end
 
 local function log_rel(rec, stream)
+  -- agent jobs: the CLI's stdout is transcript.jsonl in the output folder
+  if stream == "stdout" and rec.stdout_file then return rec.stdout_file end
   local dir = rec.log_dir or rec.output_dir
   local rel = dir:sub(#rec.output_dir + 2)
   return (rel ~= "" and (rel .. "/") or "") .. stream .. ".log"
@@ -656,6 +700,12 @@ end
 
 --- The bounded head and tail of a job's stdout and stderr: stdout, stderr, truncated.
 function jobs.collect(rec)
+  if rec.stdout_file then
+    local head, tail = config.get("output_head_bytes"), config.get("output_tail_bytes")
+    local so, cut1 = output.view(rec.output_dir, rec.stdout_file, head, tail)
+    local se, cut2 = output.view(rec.output_dir, "stderr.log", head, tail)
+    return so, se, cut1 or cut2
+  end
   local rel = (rec.log_dir or rec.output_dir):sub(#rec.output_dir + 2)
   return sandbox.collect(rec.output_dir, rel ~= "" and rel or nil)
 end
@@ -693,6 +743,34 @@ function jobs.start_script(ctx, args)
     job_id = id, tool = "sandbox_script", kind = "script", command = short(args.command), timeout_seconds = o.timeout,
     output_dir = o.output_dir, log_dir = o.output_dir, run_dir = o.run_dir, exec_id = o.exec_id,
     container = o.name, run_id = o.run_id,
+  }, o, parent_of(ctx))
+  handed = true
+  return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }
+end
+
+--- sandbox_agent / sandbox_research with background = true: as start_script, for an agent
+--- run (lua/agent.lua). Returns {job_id, status = "running", output_dir, run_id}.
+---@param ctx ToolContext
+---@param args table
+---@param tool string
+function jobs.start_agent(ctx, args, tool)
+  local agent = require("demesne.agent")
+  local o = agent.prepare(args, tool, "job")
+  local id = new_id()
+  local handed = false
+  local _ <close> = closer(function()
+    if not handed then
+      sandbox.script_remove(o)
+      if o.vendor then o.vendor:stop() end
+      fs.remove_tree(o.run_dir)
+    end
+  end)
+  sandbox.script_start(ctx, o, { job_id = id, job_record = record_path(id) })
+  local rec = jobs.launch({
+    job_id = id, tool = tool, kind = "agent", command = short(args.prompt), timeout_seconds = o.timeout,
+    output_dir = o.output_dir, log_dir = o.output_dir, run_dir = o.run_dir, exec_id = o.exec_id,
+    container = o.name, run_id = o.run_id, provider = o.provider.name, model = o.model, vendor_token = o.token,
+    stdout_file = "transcript.jsonl",
   }, o, parent_of(ctx))
   handed = true
   return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }

@@ -21,6 +21,10 @@ local loop = require("core.loop")
 
 local sandbox = {}
 
+-- Linux refuses a single argv or environment string of 128 KiB or more (MAX_ARG_STRLEN),
+-- and the exec would fail with no output at all: refuse such values up front.
+local MAX_ARG_BYTES = 128 * 1024 - 1024
+
 local LABEL = "io.demesne."
 local INIT = "/.demesne/init"
 local RUN = "/.demesne/run"
@@ -103,10 +107,26 @@ function sandbox.env(env, extra)
     if k:match("^DEMESNE_") then fail(("env.%s: variables starting with DEMESNE_ are set by demesne and cannot be overridden"):format(k)) end
     if type(v) ~= "string" then fail(("env.%s: value must be a string"):format(k)) end
     if v:find("\0", 1, true) then fail(("env.%s: value contains a NUL byte"):format(k)) end
+    if #k + #v + 1 > MAX_ARG_BYTES then
+      fail(("env.%s: %d bytes is more than the %d one variable can hold; pass large data as a file"):format(k, #v, MAX_ARG_BYTES))
+    end
     list[#list + 1] = k .. "=" .. v
   end
   for k, v in pairs(extra or {}) do list[#list + 1] = k .. "=" .. v end
   return json.array(list)
+end
+
+--- Checks a shell command: a string without NUL bytes that fits in one argument.
+---@param field string
+---@param cmd string
+function sandbox.check_command(field, cmd)
+  if type(cmd) ~= "string" or cmd == "" then fail(field .. ": must be a non-empty string") end
+  if cmd:find("\0", 1, true) then fail(field .. ": contains a NUL byte, which a shell command cannot hold") end
+  if #cmd > MAX_ARG_BYTES then
+    fail(("%s: %d bytes is more than the %d a single argument can hold; put the script in a file "
+      .. "(mount it with files or upload it) and run that file"):format(field, #cmd, MAX_ARG_BYTES))
+  end
+  return cmd
 end
 
 --- Resolves timeout_seconds against the default and ceiling.
@@ -223,6 +243,9 @@ local function make_dirs(o)
 end
 
 sandbox.read_status = read_status
+sandbox.prepare = prepare
+sandbox.default_env = default_env
+sandbox.make_dirs = make_dirs
 sandbox.collect = collect
 sandbox.owner_alive = owner_alive
 
@@ -239,7 +262,7 @@ function sandbox.script_prepare(args, kind)
   local o = prepare(args, kind or "oneshot", "sandbox_script", timeout + 600)
   o.env = sandbox.env(args.env, default_env(o.run_id, o.egress))
   o.timeout, o.exec_id, o.name = timeout, "main", "demesne-" .. o.run_id
-  o.image_arg, o.command = args.image, args.command
+  o.image_arg, o.command = args.image, sandbox.check_command("command", args.command)
   return o
 end
 
@@ -253,9 +276,17 @@ function sandbox.script_start(ctx, o, labels)
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
   o.cmd = { "run", "--id", o.exec_id, "--dir", RUN .. "/exec/" .. o.exec_id,
-    "--stdout", "/out/stdout.log", "--stderr", "/out/stderr.log",
-    "--cwd", "/out", "--timeout", tostring(o.timeout), "--", "/bin/sh", "-c", o.command }
-  for i, a in ipairs(egress.relay_args(o.egress)) do table.insert(o.cmd, 1 + i, a) end
+    "--stdout", o.stdout_path or "/out/stdout.log", "--stderr", "/out/stderr.log",
+    "--cwd", o.cwd or "/out", "--timeout", tostring(o.timeout), "--" }
+  if o.argv then
+    for _, a in ipairs(o.argv) do o.cmd[#o.cmd + 1] = a end
+  else
+    for _, a in ipairs({ "/bin/sh", "-c", o.command }) do o.cmd[#o.cmd + 1] = a end
+  end
+  local relay = egress.relay_args(o.egress)
+  for _, a in ipairs(o.extra_relay or {}) do relay[#relay + 1] = a end
+  for i, a in ipairs(relay) do table.insert(o.cmd, 1 + i, a) end
+  if o.before_create then o.before_create(o) end -- e.g. the vendor route of an agent run
   o.egress_handle = check(egress.start(o)) -- stopped by script_remove
   local spec = container_spec(o)
   for k, v in pairs(labels or {}) do spec.Labels[LABEL .. k] = v end
@@ -413,12 +444,14 @@ function sandbox.lookup(eng, sandbox_id)
   }
 end
 
--- Renews the TTL: never shortens it.
--- Renews the TTL by the sandbox's own ttl_seconds from now; never shortens it.
-local function renew(sb)
+-- Renews the TTL by the sandbox's own ttl_seconds from now; never shortens it. `busy`
+-- (seconds) keeps it alive at least that long: an exec that may run for its whole timeout
+-- must not see its sandbox expire under it.
+local function renew(sb, busy)
   local created = tonumber(sb.labels[LABEL .. "created_at"]) or 0
   local ttl = (tonumber(sb.labels[LABEL .. "expires_at"]) or 0) - created
   if ttl <= 0 then ttl = config.get("ttl_default") end
+  if busy and busy + 60 > ttl then ttl = busy + 60 end
   local new = math.floor(loop.time()) + ttl
   if new > sb.expires_at then
     sandbox.write_expiry(sb.run_dir, new)
@@ -446,7 +479,8 @@ function sandbox.exec_prepare(args)
   local cwd = args.cwd or "/out"
   if cwd:sub(1, 1) ~= "/" then fail("cwd: must be an absolute path inside the sandbox") end
   local env = sandbox.env(args.env)
-  renew(sb)
+  sandbox.check_command("command", args.command)
+  renew(sb, timeout)
   exec_seq = exec_seq + 1
   local exec_id = os.date("!%Y%m%dT%H%M%SZ") .. "-" .. exec_seq .. "-" .. hex(loop.random(2))
   local rel = "exec/" .. exec_id
@@ -563,10 +597,15 @@ function sandbox.upload(ctx, args)
   if not base or base == "." or base == ".." then fail("dst: must name a file or folder, e.g. /out/data.csv") end
   if parent == "" then parent = "/" end
   local sb = sandbox.lookup(eng, args.sandbox_id)
+  if sb.labels[LABEL .. "egress"] == "open" then
+    -- host inputs plus open egress is the exfiltration shape sandbox_create refuses
+    fail(("sandbox_id: %s has open egress; host files cannot be uploaded into it"):format(args.sandbox_id))
+  end
   local host_tar, sandbox_tar = xfer_paths(sb)
   local _ <close> = temp_guard(host_tar)
   local stats = check(archive.pack(host_tar, { { src = src, name = base } }))
-  local code, msg = run_quiet(eng, sb, { "tar", "-x", "--no-same-owner", "-f", sandbox_tar, "-C", parent })
+  -- --no-overwrite-dir: uploading into an existing folder (/tmp) keeps its mode and owner
+  local code, msg = run_quiet(eng, sb, { "tar", "-x", "--no-same-owner", "--no-overwrite-dir", "-f", sandbox_tar, "-C", parent })
   if code ~= 0 then
     if msg:find("Cannot open: No such file", 1, true) or msg:find("Cannot chdir", 1, true) then
       fail(("dst: the folder %s does not exist in the sandbox"):format(parent))
@@ -589,7 +628,7 @@ function sandbox.download(ctx, args)
   end
   src = src:gsub("/+$", "")
   local parent, base = src:match("^(.*)/([^/]+)$")
-  if not base then fail("src: must name a file or folder, not /") end
+  if not base or base == "." then fail("src: must name a file or folder (not / and not ending in /.)") end
   if parent == "" then parent = "/" end
   local sb = sandbox.lookup(eng, args.sandbox_id)
   -- the sandbox can write its own /out: never follow a link it planted there

@@ -452,6 +452,92 @@ static int l_listen_tcp(lua_State *L) {
   return 2;
 }
 
+/* Relay listeners: demesne-init's relay in a sandbox connects to a unix socket and hands
+ * over the TCP socket it accepted (SCM_RIGHTS, with one byte), then hangs up. */
+typedef struct {
+  uv_pipe_t pipe; /* first member: the close callback frees the struct */
+  int cb_ref;
+} relay_conn;
+
+static void relay_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  static char byte[64];
+  (void)h;
+  (void)suggested;
+  *buf = uv_buf_init(byte, sizeof byte);
+}
+
+static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
+  relay_conn *rc = (relay_conn *)st;
+  lua_State *L = dm_rt.L;
+  (void)buf;
+  if (n == 0) return;
+  uv_read_stop(st);
+  uv_pipe_t *pipe = &rc->pipe;
+  int cb = rc->cb_ref;
+  rc->cb_ref = LUA_NOREF;
+  if (n > 0 && L && cb != LUA_NOREF && uv_pipe_pending_count(pipe) > 0 &&
+      uv_pipe_pending_type(pipe) == UV_TCP) {
+    uv_tcp_t *tcp = malloc(sizeof *tcp);
+    if (tcp) {
+      uv_tcp_init(dm_rt.loop, tcp);
+      dm_handle_count(1);
+      if (uv_accept(st, (uv_stream_t *)tcp) == 0) {
+        dm_push_ref(L, cb);
+        dm_unref(L, &cb);
+        dm_stream_push(L, (uv_stream_t *)tcp);
+        dm_call(L, 1);
+      } else {
+        uv_close((uv_handle_t *)tcp, on_close);
+      }
+    }
+  }
+  if (L) dm_unref(L, &cb);
+  if (!uv_is_closing((uv_handle_t *)st)) uv_close((uv_handle_t *)st, on_close);
+}
+
+static void on_relay_connection(uv_stream_t *server, int status) {
+  dm_stream *s = server->data;
+  lua_State *L = dm_rt.L;
+  if (!L || !s || s->server_ref == LUA_NOREF || status < 0) return;
+  relay_conn *rc = malloc(sizeof *rc);
+  if (!rc) return;
+  uv_pipe_init(dm_rt.loop, &rc->pipe, 1);
+  dm_handle_count(1);
+  rc->cb_ref = LUA_NOREF;
+  if (uv_accept(server, (uv_stream_t *)&rc->pipe) != 0) {
+    uv_close((uv_handle_t *)&rc->pipe, on_close);
+    return;
+  }
+  dm_push_ref(L, s->server_ref);
+  rc->cb_ref = dm_ref(L);
+  if (uv_read_start((uv_stream_t *)&rc->pipe, relay_alloc, relay_read) != 0) {
+    dm_unref(L, &rc->cb_ref);
+    uv_close((uv_handle_t *)&rc->pipe, on_close);
+  }
+}
+
+/// core.stream.listen_relay(path, callback) -> server | nil, msg, code.
+/// Like listen_unix, for demesne-init's --relay: each connection hands over one TCP
+/// socket (SCM_RIGHTS) and hangs up; callback(tcp_stream) gets the handed socket.
+/// Connections that hand nothing over are closed.
+static int l_listen_relay(lua_State *L) {
+  const char *path = luaL_checkstring(L, 1);
+  luaL_checktype(L, 2, LUA_TFUNCTION);
+  unlink(path);
+  uv_pipe_t *p = dm_pipe_new();
+  dm_stream *s = dm_stream_push(L, (uv_stream_t *)p);
+  int r = uv_pipe_bind(p, path);
+  if (!r) r = uv_listen((uv_stream_t *)p, 128, on_relay_connection);
+  if (r) {
+    l_close(L);
+    return dm_fail_uv(L, "listen", r);
+  }
+  lua_pushvalue(L, 2);
+  s->server_ref = dm_ref(L);
+  hold(L, s, -1);
+  return 1;
+}
+
 static const luaL_Reg methods[] = {
   {"read_start", l_read_start}, {"read_stop", l_read_stop}, {"write", l_write},
   {"write_queue_size", l_write_queue_size}, {"shutdown", l_shutdown}, {"close", l_close},
@@ -459,7 +545,7 @@ static const luaL_Reg methods[] = {
 };
 static const luaL_Reg funcs[] = {
   {"open_fd", l_open_fd}, {"connect_unix", l_connect_unix}, {"connect_tcp", l_connect_tcp},
-  {"listen_unix", l_listen_unix}, {"listen_tcp", l_listen_tcp}, {NULL, NULL},
+  {"listen_unix", l_listen_unix}, {"listen_relay", l_listen_relay}, {"listen_tcp", l_listen_tcp}, {NULL, NULL},
 };
 
 int luaopen_core_stream(lua_State *L) {

@@ -1,0 +1,266 @@
+-- Agent runs (sandbox_agent, sandbox_research): an AI coding agent CLI from a provider
+-- adapter (lua/providers) in a fresh sandbox of the provider's image, with the vendor route
+-- (lua/vendor.lua) as its only way to the model and the real credential kept on the host.
+--
+-- Layout inside the sandbox: /workspace (writable scratch, the agent's working folder),
+-- /out (deliverables; the host's output folder), /in (read-only host inputs, sandbox_agent
+-- only), /.demesne/agent (read-only: the prompt and the generated context file). The CLI's
+-- event stream goes to /out/transcript.jsonl while it runs; stderr to /out/stderr.log.
+-- After the run, results.json in the output folder holds the result the tool returns.
+local config = require("demesne.config")
+local fs = require("core.fs")
+local json = require("demesne.json")
+local loop = require("core.loop")
+local output = require("demesne.output")
+local providers = require("demesne.providers")
+local sandbox = require("demesne.sandbox")
+local vendor = require("demesne.vendor")
+
+local agent = {}
+
+local AGENT_DIR = "/.demesne/agent"
+local ANSWER_MAX = 16 * 1024
+local STDERR_MAX = 4 * 1024
+local TRANSCRIPT_MAX = 8 * 1024 * 1024
+
+local function fail(msg) sandbox.fail(msg) end
+
+--- The `model` parameter's schema: an enum of the models that can be used now (when any).
+function agent.model_schema()
+  local models = providers.available_models()
+  local s = { type = "string", minLength = 1, description =
+    "The model (it picks the provider); default: the first available provider's default model."
+    .. (#models > 0 and (" Available: " .. table.concat(models, ", ") .. ".") or " No provider has credentials now.") }
+  if #models > 0 then s.enum = json.array(models) end
+  return s
+end
+
+local EGRESS_TEXT = {
+  none = "There is no network access except the model API (used by your CLI itself). Package installs and "
+    .. "downloads will fail; work with what is in the image and the inputs.",
+  ["package-managers"] = "Outbound access is limited to package registries (npm, PyPI, Debian archives, …) "
+    .. "through an HTTP proxy already configured in the environment. Other hosts are refused.",
+  open = "Outbound network access is open (no host inputs are mounted).",
+}
+
+--- The context file's text.
+function agent.context_text(o, args)
+  local out = {}
+  local function add(s) out[#out + 1] = s end
+  if args.preamble and args.preamble ~= "" then add(args.preamble) add("") end
+  add("# Your environment")
+  add("")
+  add("You run with full autonomy inside a disposable Linux container that is removed when you finish. "
+    .. "Nobody answers questions: decide and proceed.")
+  add("")
+  add("- `/workspace`: your writable working folder (scratch; discarded after the run).")
+  add("- `/out`: the deliverables folder. Everything written here is kept on the host.")
+  add(("- `%s`: this file and the task (read-only)."):format(AGENT_DIR))
+  if #(o.mounts or {}) > 0 then
+    add("- `/in`: read-only inputs from the host:")
+    for _, m in ipairs(o.mounts) do
+      if m.target:sub(1, 4) == "/in/" or m.target == "/in" then add("  - `" .. m.target .. "`") end
+    end
+  end
+  add("")
+  add("## Network")
+  add("")
+  add(EGRESS_TEXT[o.egress.name] or ("Egress policy `" .. o.egress.name .. "`: other hosts are refused."))
+  add("")
+  add("## Definition of done")
+  add("")
+  local any = false
+  if args.success_criteria and #args.success_criteria > 0 then
+    for _, c in ipairs(args.success_criteria) do add("- [ ] " .. c) any = true end
+  end
+  if args.output_path then
+    add(("- [ ] The deliverable is written to `/out/%s`%s."):format(args.output_path,
+      args.output_format and (" as " .. args.output_format) or "")) any = true
+  elseif args.output_format then
+    add("- [ ] Deliverables in `/out` are in this format: " .. args.output_format) any = true
+  end
+  add("- [ ] Your final message summarises what you did and where the results are.")
+  if not any then add("- [ ] The task below is complete.") end
+  add("")
+  add("## Task")
+  add("")
+  add(args.prompt)
+  add("")
+  return table.concat(out, "\n")
+end
+
+--- Checks a call and plans the run (nothing started). `tool`: "sandbox_agent" or
+--- "sandbox_research". `kind`: the container kind ("oneshot" or "job").
+function agent.prepare(args, tool, kind)
+  local p, model, cred = providers.resolve(args.model)
+  if not p then fail(model) end
+  if tool == "sandbox_research" then
+    args.files, args.directories = nil, nil
+    args.egress = "open"
+  else
+    args.egress = args.egress or "none"
+    if args.egress ~= "none" and args.egress ~= "package-managers" then
+      fail(("egress: %q is not permitted for sandbox_agent (none or package-managers)"):format(args.egress))
+    end
+  end
+  if args.output_path and (args.output_path:find("^/") or args.output_path:find("%.%.")) then
+    fail("output_path: must be a relative path inside /out without '..'")
+  end
+  local timeout = sandbox.timeout(args.timeout_seconds)
+  local o = sandbox.prepare(args, kind or "oneshot", tool, timeout + 600)
+  o.provider, o.model, o.credential = p, model, cred
+  o.token = providers.new_token()
+  o.timeout, o.exec_id, o.name = timeout, "main", "demesne-" .. o.run_id
+  o.image_arg = p.image
+  o.stdout_path = "/out/transcript.jsonl"
+  o.cwd = "/workspace"
+  o.extra_relay = vendor.relay_args()
+  local run = {
+    prompt_file = AGENT_DIR .. "/prompt.md",
+    context_file = AGENT_DIR .. "/" .. p.context_file_name,
+    model = model, vendor_base_url = vendor.base_url(), token = o.token, workdir = "/workspace",
+    home = "/root", credential_kind = cred.kind, max_retries = 2,
+  }
+  o.run = run
+  o.argv = p.argv(run)
+  local env = sandbox.default_env(o.run_id, o.egress)
+  for k, v in pairs(p.env(run)) do env[k] = v end
+  o.env = sandbox.env(nil, env)
+  o.args = args
+  local host_agent_dir = o.run_dir .. "/agent"
+  o.before_create = function(plan)
+    assert(fs.mkdir_p(host_agent_dir, 493))
+    assert(fs.write_atomic(host_agent_dir .. "/prompt.md", args.prompt .. "\n"))
+    assert(fs.write_atomic(host_agent_dir .. "/" .. p.context_file_name, agent.context_text(plan, args)))
+    plan.mounts[#plan.mounts + 1] = { host = host_agent_dir, target = AGENT_DIR }
+    local route, verr = vendor.start({ run_id = plan.run_id, run_dir = plan.run_dir, output_dir = plan.output_dir,
+      provider = p, token = plan.token, credential = cred })
+    if not route then fail(verr) end
+    plan.vendor = route
+  end
+  return o
+end
+
+--- After the container stopped: stops the vendor route and builds the result (also written
+--- to results.json). `code, err` as script_wait returned them.
+function agent.finish(o, code, err, duration_ms)
+  if o.vendor then o.vendor:stop() end
+  local st = sandbox.read_status(o.run_dir, o.exec_id)
+  local exit_code = st and st.exit_code or code
+  local timed_out = (st and st.timed_out) or (code == nil and err and tostring(err):find("timed out") ~= nil) or false
+  local text = output.tail(o.output_dir, "transcript.jsonl", TRANSCRIPT_MAX)
+  local ok, answer, details = pcall(o.provider.parse_answer, providers.lines(text or ""))
+  if not ok then answer, details = nil, {} end
+  if type(answer) == "string" and #answer > ANSWER_MAX then
+    answer = answer:sub(1, require("core.text").utf8_floor(answer, ANSWER_MAX)) .. "\n[answer truncated]"
+  end
+  local stderr = output.tail(o.output_dir, "stderr.log", STDERR_MAX) or ""
+  local totals = o.vendor and o.vendor:totals() or { models = {}, cost_usd = 0 }
+  local r = {
+    exit_code = exit_code, answer = answer or "", stderr = stderr, output_dir = o.output_dir, run_id = o.run_id,
+    provider = o.provider.name, model = o.model, cost_usd = totals.cost_usd, usage = totals.models,
+    duration_ms = duration_ms, timed_out = timed_out and true or false,
+    is_error = type(details) == "table" and details.is_error or nil,
+    session_id = type(details) == "table" and details.session_id or nil,
+  }
+  if exit_code == nil then r.reason = "the agent run failed: " .. tostring(err) end
+  local jok, text_out = pcall(json.encode, r)
+  if jok then fs.write_atomic(o.output_dir .. "/results.json", text_out .. "\n") end
+  if r.exit_code == nil then r.exit_code = -1 end
+  return r
+end
+
+--- Runs an agent to the end (foreground). Returns the result.
+function agent.run(ctx, args, tool)
+  local o = agent.prepare(args, tool)
+  local started = loop.hrtime()
+  local _ <close> = setmetatable({}, { __close = function()
+    if not o.removed then sandbox.script_remove(o) end
+    if o.vendor then o.vendor:stop() end
+    fs.remove_tree(o.run_dir)
+  end })
+  sandbox.script_start(ctx, o)
+  local _hb <close> = require("demesne.progress").heartbeat(ctx)
+  local code, err = sandbox.script_wait(o, (o.timeout + 30) * 1000)
+  sandbox.script_remove(o)
+  o.removed = true
+  return agent.finish(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
+end
+
+--- Readable text of a result.
+function agent.text(r)
+  local lines = {
+    ("exit_code: %d%s"):format(r.exit_code, r.timed_out and " (timed out)" or ""),
+    "output_dir: " .. r.output_dir, "run_id: " .. r.run_id,
+    ("model: %s (%s)"):format(tostring(r.model), tostring(r.provider)),
+    ("cost_usd: %.4f (indicative)"):format(r.cost_usd or 0),
+    "--- answer ---", r.answer,
+  }
+  if r.exit_code ~= 0 and r.stderr ~= "" then
+    lines[#lines + 1] = "--- stderr (tail) ---"
+    lines[#lines + 1] = r.stderr
+  end
+  return table.concat(lines, "\n")
+end
+
+--- The outputSchema of both tools.
+function agent.result_schema()
+  return { type = "object", properties = {
+    exit_code = { type = "integer" }, answer = { type = "string", description = "the agent's final message (bounded)" },
+    stderr = { type = "string", description = "tail of the CLI's stderr" },
+    output_dir = { type = "string" }, run_id = { type = "string" }, provider = { type = "string" },
+    model = { type = "string" }, cost_usd = { type = "number", description = "indicative cost in USD" },
+    usage = { type = "object", description = "tokens by model (see usage.json)" },
+    duration_ms = { type = "integer" }, timed_out = { type = "boolean" },
+  }, required = json.array({ "exit_code", "answer", "stderr", "output_dir", "run_id", "cost_usd", "usage" }) }
+end
+
+--- The descriptor of sandbox_agent (research = false) or sandbox_research (true).
+function agent.descriptor(research)
+  local schemas = require("demesne.schemas")
+  local name = research and "sandbox_research" or "sandbox_agent"
+  local props = {
+    prompt = { type = "string", minLength = 1, description = "The task for the agent." },
+    model = agent.model_schema(),
+    preamble = { type = "string", description = "Text placed before everything else in the agent's context file." },
+    output_path = { type = "string", minLength = 1, description = "Where the deliverable goes, relative to /out." },
+    output_format = { type = "string", description = "The deliverable's format (e.g. 'markdown report', 'JSON')." },
+    success_criteria = { type = "array", items = { type = "string", minLength = 1 },
+      description = "Checks rendered as the definition of done in the context file." },
+    timeout_seconds = schemas.timeout_seconds,
+    background = schemas.background,
+  }
+  if not research then
+    props.files = schemas.files()
+    props.directories = schemas.directories()
+    props.egress = { type = "string", enum = json.array({ "none", "package-managers" }), default = "none",
+      description = "'none' (default): only the model API; 'package-managers': also package registries." }
+  end
+  return {
+    name = name,
+    title = research and "Research with an AI agent (open network)" or "Run an AI coding agent in a sandbox",
+    description = (research
+      and "Runs an AI agent CLI (Claude Code, Codex, …) with full autonomy in a fresh sandbox with open network "
+        .. "access and no host inputs, for web research. "
+      or "Runs an AI coding agent CLI (Claude Code, Codex, …) with full autonomy in a fresh sandbox: host inputs "
+        .. "read-only under /in, a writable /workspace, deliverables in /out (output_dir). ")
+      .. "The real vendor credential stays on the host: the agent reaches the model only through a per-run "
+      .. "token on a host-side vendor route that counts usage (usage.json). Returns the agent's final answer, "
+      .. "exit code, cost and usage; transcript.jsonl and results.json are in output_dir.",
+    inputSchema = { type = "object", additionalProperties = false, required = { "prompt" }, properties = props },
+    outputSchema = schemas.or_job(agent.result_schema()),
+    execution = { taskSupport = "optional" },
+    annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = true },
+    run = function(ctx, args)
+      if args.background then
+        local jobs = require("demesne.jobs")
+        local j = jobs.start_agent(ctx, args, name)
+        return j, jobs.started_text(j)
+      end
+      local r = agent.run(ctx, args, name)
+      return r, agent.text(r)
+    end,
+  }
+end
+
+return agent

@@ -1,0 +1,348 @@
+// sandbox_agent end to end with the real agent CLIs in their real images (agent-claude_code,
+// agent-codex) against a real engine (DEMESNE_ENGINE). No vendor is reachable: the vendor
+// route's upstream (DEMESNE_<PROVIDER>_UPSTREAM) is a scripted server on 127.0.0.1 in this
+// test that speaks the vendor's API (Anthropic Messages with SSE; OpenAI Responses) as
+// recorded in shared/reference/agent-clis.md. Turn 1 is a tool call running a shell
+// command (writes /out/answer.txt, scans the sandbox for the real credential, and probes
+// the vendor port with a wrong token and a disallowed path); turn 2 is the final message.
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import http from "node:http";
+import { randomBytes } from "node:crypto";
+import { mkdtempSync, readFileSync, readdirSync, statSync, existsSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { connect } from "./helpers.mjs";
+
+const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
+const work = mkdtempSync(path.join(tmpdir(), "demesne-agent-"));
+// the "real" credentials the host holds; the sandbox must never see them
+const SECRET_HEAD = "sk-test-real";
+const SECRET_TAIL = randomBytes(12).toString("hex");
+const SECRET = `${SECRET_HEAD}-${SECRET_TAIL}`;
+const FINAL = "The answer is done.";
+
+// The shell command of the scripted tool call. It rebuilds the secret from two parts, so
+// that the command (which ends up in the transcript) does not hold it as one string.
+// A control string (also built from parts) is written to /tmp/control.txt so the test can
+// tell that the filesystem scan reached files; the per-run token is the control for the
+// scan of process environments.
+function probeCommand(tokenVar, authHeader, authPrefix, routes) {
+  return [
+    "echo done > /out/answer.txt",
+    `S=$(printf '%s-%s' '${SECRET_HEAD}' '${SECRET_TAIL}')`,
+    "C=$(printf '%s-%s' 'demesne-control' 'c0ffee')",
+    'printf "%s" "$C" > /tmp/control.txt',
+    "env > /out/env.txt",
+    'grep -rlsF -e "$S" -e "$C" / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev > /out/found.txt 2>/dev/null',
+    'grep -lsaF "$S" /proc/[0-9]*/environ /proc/[0-9]*/cmdline > /out/found_proc.txt 2>/dev/null',
+    `grep -lsaF "$${tokenVar}" /proc/[0-9]*/environ | wc -l > /out/control_proc.txt`,
+    "echo scanned > /out/scan.done",
+    `curl -s -o /dev/null -w '%{http_code}' -X POST -H '${authHeader}: ${authPrefix}wrong-token' -H 'content-type: application/json' `
+      + `-d '{}' http://127.0.0.1:3129${routes.allowed} > /out/wrong_token.txt`,
+    `curl -s -o /dev/null -w '%{http_code}' -H "${authHeader}: ${authPrefix}$${tokenVar}" http://127.0.0.1:3129${routes.denied} > /out/bad_path.txt`,
+    "true",
+  ].join("; ");
+}
+
+// ---- the scripted upstream --------------------------------------------------------------
+
+const seen = []; // {provider, method, url, auth}
+let upstream, port;
+
+function sse(res, events, named = true) {
+  res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
+  for (const ev of events) {
+    res.write((named ? `event: ${ev.type}\n` : "") + `data: ${JSON.stringify(ev)}\n\n`);
+  }
+  res.end();
+}
+
+function anthropic(req, res, body) {
+  const msgs = body.messages || [];
+  const last = msgs[msgs.length - 1];
+  const hasResult = Array.isArray(last?.content) && last.content.some((b) => b.type === "tool_result");
+  const side = Array.isArray(body.tools) && body.tools.length === 0;
+  const model = "claude-sonnet-5";
+  const id = "msg_" + randomBytes(6).toString("hex");
+  let blocks, stop, usage;
+  if (side) {
+    blocks = [{ type: "text", text: "ok" }]; stop = "end_turn"; usage = { input: 1, output: 1 };
+  } else if (hasResult) {
+    blocks = [{ type: "text", text: FINAL }]; stop = "end_turn"; usage = { input: 200, output: 30 };
+  } else {
+    let cmd = probeCommand("ANTHROPIC_API_KEY", "x-api-key", "", { allowed: "/v1/messages", denied: "/v1/models" });
+    if (JSON.stringify(msgs).includes("SLOWLY")) cmd = `sleep 5; ${cmd}`; // room for a server restart
+    blocks = [{ type: "tool_use", id: "toolu_" + randomBytes(6).toString("hex"), name: "Bash",
+      input: { command: cmd, description: "write the answer" } }];
+    stop = "tool_use"; usage = { input: 100, output: 20 };
+  }
+  if (body.stream === false || body.stream === undefined) {
+    res.writeHead(200, { "content-type": "application/json" });
+    res.end(JSON.stringify({ id, type: "message", role: "assistant", model, content: blocks, stop_reason: stop,
+      usage: { input_tokens: usage.input, output_tokens: usage.output } }));
+    return;
+  }
+  const events = [{ type: "message_start", message: { id, type: "message", role: "assistant", content: [], model,
+    stop_reason: null, usage: { input_tokens: usage.input, output_tokens: 1 } } }];
+  blocks.forEach((b, index) => {
+    if (b.type === "text") {
+      events.push({ type: "content_block_start", index, content_block: { type: "text", text: "" } });
+      events.push({ type: "content_block_delta", index, delta: { type: "text_delta", text: b.text } });
+    } else {
+      events.push({ type: "content_block_start", index, content_block: { type: "tool_use", id: b.id, name: b.name, input: {} } });
+      events.push({ type: "content_block_delta", index, delta: { type: "input_json_delta", partial_json: JSON.stringify(b.input) } });
+    }
+    events.push({ type: "content_block_stop", index });
+  });
+  events.push({ type: "message_delta", delta: { stop_reason: stop, stop_sequence: null }, usage: { output_tokens: usage.output } });
+  events.push({ type: "message_stop" });
+  sse(res, events);
+}
+
+function openai(req, res, body) {
+  const input = body.input || [];
+  const hasResult = input.some((i) => i.type === "function_call_output");
+  const id = "resp_" + randomBytes(6).toString("hex");
+  const model = body.model;
+  let item, usage;
+  if (hasResult) {
+    item = { type: "message", role: "assistant", id: "msg_" + id, content: [{ type: "output_text", text: FINAL }] };
+    usage = { input: 300, output: 40 };
+  } else {
+    // exec_command takes `cmd` (agent-clis.md 3.2); other model families get other shell tools
+    const param = "cmd";
+    const cmd = probeCommand("AGENT_API_KEY", "authorization", "Bearer ", { allowed: "/v1/responses", denied: "/v1/models" });
+    item = { type: "function_call", id: "fc_" + id, call_id: "call_" + randomBytes(6).toString("hex"), name: "exec_command",
+      arguments: JSON.stringify({ [param]: cmd }) };
+    usage = { input: 150, output: 25 };
+  }
+  sse(res, [
+    { type: "response.created", response: { id, model } },
+    { type: "response.output_item.done", output_index: 0, item },
+    { type: "response.completed", response: { id, model, output: [item],
+      usage: { input_tokens: usage.input, input_tokens_details: { cached_tokens: 0 }, output_tokens: usage.output,
+        output_tokens_details: { reasoning_tokens: 0 }, total_tokens: usage.input + usage.output } } },
+  ], false);
+}
+
+before(async () => {
+  upstream = http.createServer((req, res) => {
+    const chunks = [];
+    req.on("data", (c) => chunks.push(c));
+    req.on("end", () => {
+      const provider = req.url.startsWith("/openai") ? "openai" : "anthropic";
+      seen.push({ provider, method: req.method, url: req.url,
+        auth: req.headers["x-api-key"] || req.headers.authorization || null });
+      if (req.method !== "POST") { res.writeHead(404); res.end(); return; }
+      let body = {};
+      try { body = JSON.parse(Buffer.concat(chunks).toString("utf8") || "{}"); } catch { /* empty */ }
+      if (provider === "openai") openai(req, res, body); else anthropic(req, res, body);
+    });
+  });
+  await new Promise((r) => upstream.listen(0, "127.0.0.1", r));
+  port = upstream.address().port;
+});
+
+after(async () => {
+  await new Promise((r) => upstream.close(r));
+  if (!process.env.DEMESNE_TEST_KEEP) rmSync(work, { recursive: true, force: true });
+});
+
+function serverEnv(extra) {
+  return {
+    DEMESNE_ENGINE: ENGINE, DEMESNE_OUTPUT_ROOT: path.join(work, "out"), DEMESNE_STATE_DIR: path.join(work, "state"),
+    DEMESNE_ALLOWED_PATHS: work, ...extra,
+  };
+}
+
+// Every file under dir, recursively.
+function filesUnder(dir) {
+  const out = [];
+  for (const n of readdirSync(dir)) {
+    const p = path.join(dir, n);
+    if (statSync(p).isDirectory()) out.push(...filesUnder(p)); else out.push(p);
+  }
+  return out;
+}
+
+function checkSandboxSide(outDir, tokenVar) {
+  assert.equal(readFileSync(path.join(outDir, "answer.txt"), "utf8"), "done\n", "the tool call wrote /out/answer.txt");
+  assert.ok(existsSync(path.join(outDir, "scan.done")), "the in-sandbox scan ran");
+  assert.equal(readFileSync(path.join(outDir, "found.txt"), "utf8"), "/tmp/control.txt\n",
+    "no file in the sandbox holds the real credential (and the scan found the control file)");
+  assert.equal(readFileSync(path.join(outDir, "found_proc.txt"), "utf8"), "",
+    "no process environment or command line in the sandbox holds the real credential");
+  assert.ok(Number(readFileSync(path.join(outDir, "control_proc.txt"), "utf8")) > 0, "the process scan sees the token");
+  const env = readFileSync(path.join(outDir, "env.txt"), "utf8");
+  assert.match(env, new RegExp(`^${tokenVar}=dmsn-[0-9a-f]{48}$`, "m"), "the sandbox holds the per-run token instead");
+  assert.equal(readFileSync(path.join(outDir, "wrong_token.txt"), "utf8"), "401", "a wrong token is refused");
+  assert.equal(readFileSync(path.join(outDir, "bad_path.txt"), "utf8"), "403", "a path outside the routes is refused");
+  for (const f of filesUnder(outDir)) {
+    assert.ok(!readFileSync(f).includes(SECRET), `${path.relative(outDir, f)} does not hold the credential`);
+  }
+}
+
+test("claude_code: scripted turn through the vendor route, credential swapped, usage counted", { timeout: 240_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv({
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+  }) });
+  try {
+    const { tools } = await conn.client.listTools();
+    const t = tools.find((x) => x.name === "sandbox_agent");
+    assert.ok(t, "sandbox_agent is listed");
+    assert.ok(t.inputSchema.properties.model.enum.includes("sonnet"));
+    assert.ok(!t.inputSchema.properties.model.enum.includes("gpt-5.6-sol"), "only providers with credentials");
+
+    const research = tools.find((x) => x.name === "sandbox_research");
+    assert.ok(research, "sandbox_research is listed");
+    for (const k of ["files", "directories", "egress"]) assert.ok(!(k in research.inputSchema.properties), `research has no ${k}`);
+    const open = await conn.client.callTool({ name: "sandbox_agent", arguments: { prompt: "x", egress: "open" } });
+    assert.equal(open.isError, true, "sandbox_agent refuses open egress");
+
+    const bad = await conn.client.callTool({ name: "sandbox_agent", arguments: { prompt: "x", model: "no-such-model" } });
+    assert.equal(bad.isError, true);
+    assert.match(bad.content[0].text, /sonnet.*no-such-model/s, "the error lists the known models");
+
+    const before = seen.length;
+    const res = await conn.client.callTool({ name: "sandbox_agent", arguments: {
+      prompt: "Write done to /out/answer.txt.", model: "sonnet", timeout_seconds: 180,
+      success_criteria: ["/out/answer.txt holds done"], output_path: "answer.txt",
+    } }, undefined, { timeout: 230_000 });
+    const r = res.structuredContent;
+    assert.ok(!res.isError, JSON.stringify(res.content) + "\n" + conn.stderr().slice(-3000));
+    assert.equal(r.exit_code, 0, r.stderr);
+    assert.equal(r.answer, FINAL);
+    const outDir = r.output_dir;
+    checkSandboxSide(outDir, "ANTHROPIC_API_KEY");
+
+    // the upstream saw only the real credential, on the two scripted turns
+    const mine = seen.slice(before).filter((s) => s.provider === "anthropic");
+    assert.equal(mine.filter((s) => s.method === "POST").length, 2, JSON.stringify(mine));
+    for (const s of mine) assert.equal(s.auth, SECRET);
+    assert.ok(mine.every((s) => s.url.startsWith("/v1/messages")), "the query is kept, the path mapped");
+
+    // usage: two turns, 100+200 input, 20+30 output, claude-sonnet-5 at 3/15 USD per million
+    const usage = JSON.parse(readFileSync(path.join(outDir, "usage.json"), "utf8"));
+    assert.equal(usage.models["claude-sonnet-5"].input, 300);
+    assert.equal(usage.models["claude-sonnet-5"].output, 50);
+    assert.equal(usage.models["claude-sonnet-5"].requests, 2);
+    const cost = (300 * 3 + 50 * 15) / 1e6;
+    assert.ok(Math.abs(usage.cost_usd - cost) < 1e-9, `cost ${usage.cost_usd}`);
+    assert.ok(Math.abs(r.cost_usd - cost) < 1e-9);
+    assert.equal(r.usage["claude-sonnet-5"].output, 50);
+    const lines = readFileSync(path.join(outDir, "usage.jsonl"), "utf8").trim().split("\n").map((l) => JSON.parse(l));
+    assert.equal(lines.filter((l) => l.verdict === "forward").length, 2);
+    assert.ok(lines.some((l) => l.verdict === "deny" && l.status === 401));
+    assert.ok(lines.some((l) => l.verdict === "deny" && l.status === 403));
+    const results = JSON.parse(readFileSync(path.join(outDir, "results.json"), "utf8"));
+    assert.equal(results.answer, FINAL);
+    assert.ok(existsSync(path.join(outDir, "transcript.jsonl")));
+    assert.ok(!conn.stderr().includes(SECRET), "the server log does not hold the credential");
+  } finally {
+    await conn.client.close();
+  }
+});
+
+test("codex: scripted turn through the vendor route, credential swapped, usage counted", { timeout: 240_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv({
+    OPENAI_API_KEY: SECRET, DEMESNE_CODEX_UPSTREAM: `http://127.0.0.1:${port}/openai/v1`,
+    DEMESNE_CLAUDE_CODE_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+    ANTHROPIC_API_KEY: "", CLAUDE_CODE_OAUTH_TOKEN: "", ANTHROPIC_AUTH_TOKEN: "",
+    CODEX_HOME: path.join(work, "no-codex-home"),
+  }) });
+  try {
+    const before = seen.length;
+    const res = await conn.client.callTool({ name: "sandbox_agent", arguments: {
+      prompt: "Write done to /out/answer.txt.", model: "gpt-5.6-sol", timeout_seconds: 180,
+    } }, undefined, { timeout: 230_000 });
+    const r = res.structuredContent;
+    assert.ok(!res.isError, JSON.stringify(res.content) + "\n" + conn.stderr().slice(-3000));
+    assert.equal(r.exit_code, 0, r.stderr);
+    assert.equal(r.answer, FINAL);
+    const outDir = r.output_dir;
+    checkSandboxSide(outDir, "AGENT_API_KEY");
+
+    const mine = seen.slice(before).filter((s) => s.provider === "openai");
+    assert.equal(mine.length, 2, JSON.stringify(mine));
+    for (const s of mine) {
+      assert.equal(s.auth, `Bearer ${SECRET}`);
+      assert.equal(s.url, "/openai/v1/responses");
+    }
+    // usage: 150+300 input, 25+40 output, gpt-5.6-sol at 5/30 USD per million
+    const usage = JSON.parse(readFileSync(path.join(outDir, "usage.json"), "utf8"));
+    assert.equal(usage.models["gpt-5.6-sol"].input, 450);
+    assert.equal(usage.models["gpt-5.6-sol"].output, 65);
+    const cost = (450 * 5 + 65 * 30) / 1e6;
+    assert.ok(Math.abs(usage.cost_usd - cost) < 1e-9, `cost ${usage.cost_usd}`);
+    assert.ok(Math.abs(r.cost_usd - cost) < 1e-9);
+    assert.ok(!conn.stderr().includes(SECRET), "the server log does not hold the credential");
+  } finally {
+    await conn.client.close();
+  }
+});
+
+test("claude_code in the background: the job ends, results.json and usage.json are written", { timeout: 240_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv({
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+  }) });
+  try {
+    const started = await conn.client.callTool({ name: "sandbox_agent", arguments: {
+      prompt: "Write done to /out/answer.txt.", timeout_seconds: 180, background: true,
+    } });
+    assert.ok(!started.isError, JSON.stringify(started.content));
+    const { job_id: jobId, output_dir: outDir } = started.structuredContent;
+    assert.match(jobId, /^job-/);
+    const done = await conn.client.callTool({ name: "sandbox_wait", arguments: { job_id: jobId, timeout_seconds: 200 } },
+      undefined, { timeout: 230_000 });
+    assert.equal(done.structuredContent.status, "succeeded", JSON.stringify(done.structuredContent));
+    assert.match(done.structuredContent.stdout, /"type":"result"/, "the job's stdout is the transcript");
+    assert.equal(readFileSync(path.join(outDir, "answer.txt"), "utf8"), "done\n");
+    const results = JSON.parse(readFileSync(path.join(outDir, "results.json"), "utf8"));
+    assert.equal(results.answer, FINAL);
+    assert.equal(results.model, "sonnet");
+    assert.ok(Math.abs(results.cost_usd - (300 * 3 + 50 * 15) / 1e6) < 1e-9);
+    const usage = JSON.parse(readFileSync(path.join(outDir, "usage.json"), "utf8"));
+    assert.equal(usage.models["claude-sonnet-5"].input, 300);
+  } finally {
+    await conn.client.close();
+  }
+});
+
+test("a background agent survives a server restart: the vendor route comes back, usage is kept", { timeout: 240_000 }, async () => {
+  const env = serverEnv({
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+    DEMESNE_STATE_DIR: path.join(work, "state-restart"),
+  });
+  const a = await connect({ fixtures: false, env });
+  const before = seen.length;
+  const started = await a.client.callTool({ name: "sandbox_agent", arguments: {
+    prompt: "Write done to /out/answer.txt, SLOWLY.", timeout_seconds: 180, background: true,
+  } });
+  assert.ok(!started.isError, JSON.stringify(started.content));
+  const { job_id: jobId, output_dir: outDir } = started.structuredContent;
+  // turn 1 (the tool call, which sleeps 5 s) has been answered: stop the server meanwhile
+  const t0 = Date.now();
+  while (!seen.slice(before).some((s) => s.method === "POST") && Date.now() - t0 < 60_000) {
+    await new Promise((r) => setTimeout(r, 100));
+  }
+  await a.client.close(); // a graceful stop leaves the job running
+  const b = await connect({ fixtures: false, env });
+  try {
+    const done = await b.client.callTool({ name: "sandbox_wait", arguments: { job_id: jobId, timeout_seconds: 200 } },
+      undefined, { timeout: 230_000 });
+    assert.equal(done.structuredContent.status, "succeeded", JSON.stringify(done.structuredContent));
+    assert.equal(readFileSync(path.join(outDir, "answer.txt"), "utf8"), "done\n");
+    const results = JSON.parse(readFileSync(path.join(outDir, "results.json"), "utf8"));
+    assert.equal(results.answer, FINAL);
+    const usage = JSON.parse(readFileSync(path.join(outDir, "usage.json"), "utf8"));
+    assert.equal(usage.models["claude-sonnet-5"].requests, 2, "turn 1 (first server) and turn 2 (second) both counted");
+    assert.equal(usage.models["claude-sonnet-5"].input, 300);
+    for (const s of seen.slice(before)) assert.equal(s.auth, SECRET);
+  } finally {
+    await b.client.close();
+  }
+});
