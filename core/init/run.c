@@ -378,6 +378,9 @@ static void run_loop(struct run *r, int sfd)
 // lives on (case C02) costs at most that long.
 static void linger(void)
 {
+	// the egress relay is ours, not the command's: it would keep the wait going to the end
+	if (relay_pid > 0 && kill(relay_pid, SIGKILL) == 0)
+		(void)waitpid(relay_pid, NULL, 0);
 	int64_t until = now_mono_ms() + INIT_LINGER_MS;
 	while (reap_children(0, NULL, NULL) > 0 && now_mono_ms() < until)
 		sleep_ms(5);
