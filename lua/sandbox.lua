@@ -444,6 +444,26 @@ function sandbox.lookup(eng, sandbox_id)
   }
 end
 
+--- Fails with a plain message when a persistent sandbox is no longer running (destroyed,
+--- expired or stopped while a command or transfer used it). Returns nothing otherwise.
+--- A removal can still be under way when the command's stream ends, so this watches the
+--- container for up to 2 s before concluding it is alive.
+function sandbox.check_alive(eng, sandbox_id)
+  for _ = 1, 10 do
+    local info, _, code = eng:inspect("demesne-" .. tostring(sandbox_id))
+    if not info and code == "ENOENT" then
+      fail(("sandbox_id: sandbox %s was destroyed (or expired) while the call was running"):format(sandbox_id), "ENOENT")
+    end
+    if info and not (info.State and info.State.Running) then
+      fail(("sandbox_id: sandbox %s stopped while the call was running"):format(sandbox_id))
+    end
+    if info and info.State and info.State.Status == "removing" then
+      fail(("sandbox_id: sandbox %s was destroyed while the call was running"):format(sandbox_id), "ENOENT")
+    end
+    async.sleep(200)
+  end
+end
+
 -- Renews the TTL by the sandbox's own ttl_seconds from now; never shortens it. `busy`
 -- (seconds) keeps it alive at least that long: an exec that may run for its whole timeout
 -- must not see its sandbox expire under it.
@@ -546,6 +566,8 @@ function sandbox.exec(ctx, args)
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
   local code, err = sandbox.exec_run(e)
   finished = true
+  -- a sandbox destroyed (or expired) under a running command: say so, not the engine's text
+  if not read_status(e.run_dir, e.exec_id) then sandbox.check_alive(e.engine, args.sandbox_id) end
   if code == nil then fail("sandbox_exec failed: " .. tostring(err)) end
   return sandbox.exec_result(e, code, math.floor((loop.hrtime() - started) / 1e6))
 end
@@ -569,7 +591,10 @@ local function run_quiet(eng, sb, argv)
   local cmd = { INIT, "run", "--id", id, "--dir", dir, "--timeout", "3600", "--" }
   for _, a in ipairs(argv) do cmd[#cmd + 1] = a end
   local code, err = eng:exec(sb.id, cmd, { env = json.array() })
-  if code == nil then fail("file transfer failed: " .. tostring(err)) end
+  if code == nil then
+    sandbox.check_alive(eng, sb.labels[LABEL .. "run_id"])
+    fail("file transfer failed: " .. tostring(err))
+  end
   local st = read_status(sb.run_dir, id)
   local msg = output.view(sb.run_dir, "exec/" .. id .. "/stderr.log", 2048, 2048)
   fs.remove_tree(sb.run_dir .. "/exec/" .. id)

@@ -357,6 +357,16 @@ test("C04: cancelling a running exec kills the command in the container", async 
   }
 });
 
+test("C06 kind: destroying a sandbox under a running exec says so", async () => {
+  const sb = await ok("sandbox_create", { image: "base" });
+  const running = call("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "sleep 30" });
+  await new Promise((r) => setTimeout(r, 1500));
+  await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  const res = await running;
+  assert.equal(res.isError, true, JSON.stringify(res.structuredContent));
+  assert.match(res.content[0].text, /was destroyed|stopped while/);
+});
+
 test("C06: destroy twice at once, and destroy of a gone sandbox, both succeed", async () => {
   const sb = await ok("sandbox_create", { image: "base" });
   const [a, b] = await Promise.all([
