@@ -159,25 +159,34 @@ local function ensure_builtin(eng, name, ctx, dry)
     return tag
   end
   if dry then return nil, "not built" end
+  -- The build runs in a task of its own: a caller that is cancelled stops waiting, but
+  -- the engine's build goes on, and the next caller joins it instead of starting another.
   local ev = async.event()
   building[k] = ev
-  local _ <close> = setmetatable({}, { __close = function() building[k] = nil; ev.set() end })
-  progress(ctx, ("building image %s (%s) — first use only"):format(name, tag))
-  files[#files + 1] = { name = "host-ca-certificates.crt", data = host_ca_certs(), mode = 420 }
-  local tar = tmp_path(".context.tar")
-  local _t <close> = setmetatable({}, { __close = function() os.remove(tar) end })
-  local ok, perr = archive.pack(tar, files)
-  if not ok then return nil, "packing the build context failed: " .. tostring(perr) end
-  local last = ""
-  ok, err = eng:build(tar, { tag = tag, buildargs = { BASE = parent }, networkmode = "host",
-    labels = { ["io.demesne.image"] = name } }, function(line)
-    if line.stream and line.stream:match("%S") then
-      last = line.stream:gsub("%s+$", "")
-      if last:match("^STEP") or last:match("^Step") then progress(ctx, name .. ": " .. last) end
-    end
+  local result = {}
+  async.spawn("build " .. name, function()
+    local _ <close> = setmetatable({}, { __close = function() building[k] = nil; ev.set() end })
+    progress(ctx, ("building image %s (%s) — first use only"):format(name, tag))
+    files[#files + 1] = { name = "host-ca-certificates.crt", data = host_ca_certs(), mode = 420 }
+    local tar = tmp_path(".context.tar")
+    local _t <close> = setmetatable({}, { __close = function() os.remove(tar) end })
+    local ok, perr = archive.pack(tar, files)
+    if not ok then result.err = "packing the build context failed: " .. tostring(perr) return end
+    local last = ""
+    local berr
+    ok, berr = eng:build(tar, { tag = tag, buildargs = { BASE = parent }, networkmode = "host",
+      labels = { ["io.demesne.image"] = name } }, function(line)
+      if line.stream and line.stream:match("%S") then
+        last = line.stream:gsub("%s+$", "")
+        if last:match("^STEP") or last:match("^Step") then progress(ctx, name .. ": " .. last) end
+      end
+    end)
+    if not ok then result.err = ("building image %s failed: %s (last output: %s)"):format(name, berr, last) return end
+    known[k] = true
   end)
-  if not ok then return nil, ("building image %s failed: %s (last output: %s)"):format(name, err, last) end
-  known[k] = true
+  ev.wait()
+  if result.err then return nil, result.err end
+  if not known[k] then return nil, ("building image %s did not finish"):format(name) end
   return tag
 end
 
