@@ -350,7 +350,9 @@ static void test_handover(const char *sock) {
   int acc = ok ? accept(l, NULL, NULL) : -1;
   int u = socket(AF_UNIX, SOCK_STREAM, 0);
   struct sockaddr_un ua = {.sun_family = AF_UNIX};
-  snprintf(ua.sun_path, sizeof ua.sun_path, "%s", sock);
+  size_t slen = strlen(sock);
+  ok = ok && slen < sizeof ua.sun_path;
+  if (ok) memcpy(ua.sun_path, sock, slen + 1);
   ok = ok && acc >= 0 && connect(u, (struct sockaddr *)&ua, sizeof ua) == 0;
   char byte = 'F';
   struct iovec iov = {.iov_base = &byte, .iov_len = 1};
