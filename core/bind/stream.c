@@ -399,17 +399,16 @@ static void on_connection(uv_stream_t *server, int status) {
   dm_call(L, 1);
 }
 
-/// core.stream.listen_unix(path, callback) -> server | nil, msg, code.
-/// Binds a unix socket at `path` (an existing socket file is replaced) and calls
-/// callback(client_stream) for each connection until server:close().
-static int l_listen_unix(lua_State *L) {
+/* Binds and listens on a unix socket at arg 1 (replacing an old socket file), with arg 2
+ * as the Lua callback and `cb` as the libuv connection callback. Pushes the server. */
+static int listen_unix_with(lua_State *L, uv_connection_cb cb) {
   const char *path = luaL_checkstring(L, 1);
   luaL_checktype(L, 2, LUA_TFUNCTION);
   unlink(path);
   uv_pipe_t *p = dm_pipe_new();
   dm_stream *s = dm_stream_push(L, (uv_stream_t *)p);
   int r = uv_pipe_bind(p, path);
-  if (!r) r = uv_listen((uv_stream_t *)p, 128, on_connection);
+  if (!r) r = uv_listen((uv_stream_t *)p, 128, cb);
   if (r) {
     l_close(L);
     return dm_fail_uv(L, "listen", r);
@@ -419,6 +418,11 @@ static int l_listen_unix(lua_State *L) {
   hold(L, s, -1);
   return 1;
 }
+
+/// core.stream.listen_unix(path, callback) -> server | nil, msg, code.
+/// Binds a unix socket at `path` (an existing socket file is replaced) and calls
+/// callback(client_stream) for each connection until server:close().
+static int l_listen_unix(lua_State *L) { return listen_unix_with(L, on_connection); }
 
 /// core.stream.listen_tcp(ip, port, callback) -> server, bound_port | nil, msg, code.
 /// port 0 picks a free port. callback(client_stream) per connection.
@@ -520,23 +524,7 @@ static void on_relay_connection(uv_stream_t *server, int status) {
 /// Like listen_unix, for demesne-init's --relay: each connection hands over one TCP
 /// socket (SCM_RIGHTS) and hangs up; callback(tcp_stream) gets the handed socket.
 /// Connections that hand nothing over are closed.
-static int l_listen_relay(lua_State *L) {
-  const char *path = luaL_checkstring(L, 1);
-  luaL_checktype(L, 2, LUA_TFUNCTION);
-  unlink(path);
-  uv_pipe_t *p = dm_pipe_new();
-  dm_stream *s = dm_stream_push(L, (uv_stream_t *)p);
-  int r = uv_pipe_bind(p, path);
-  if (!r) r = uv_listen((uv_stream_t *)p, 128, on_relay_connection);
-  if (r) {
-    l_close(L);
-    return dm_fail_uv(L, "listen", r);
-  }
-  lua_pushvalue(L, 2);
-  s->server_ref = dm_ref(L);
-  hold(L, s, -1);
-  return 1;
-}
+static int l_listen_relay(lua_State *L) { return listen_unix_with(L, on_relay_connection); }
 
 static const luaL_Reg methods[] = {
   {"read_start", l_read_start}, {"read_stop", l_read_stop}, {"write", l_write},
