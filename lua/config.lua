@@ -29,7 +29,7 @@ end
 -- name -> {default, env = variable, parse = function(string) -> value|nil, err, doc}
 local SPEC = {
   engine = { env = "DEMESNE_ENGINE", doc = "container engine socket (unix:///path); empty = discover" },
-  allowed_paths = { env = "DEMESNE_ALLOWED_PATHS", default = {}, list = true,
+  allowed_paths = { env = "DEMESNE_ALLOWED_PATHS", default = {}, list = true, absolute = true,
     doc = "host roots that files/directories/src may come from (':'-separated)" },
   output_root = { env = "DEMESNE_OUTPUT_ROOT", default = function() return xdg("XDG_DATA_HOME", ".local/share") .. "/demesne/out" end,
     doc = "where each run's output folder (/out) is kept" },
@@ -82,12 +82,20 @@ local function parse(spec, name, raw)
     local out = {}
     for part in tostring(raw):gmatch("[^" .. (spec.sep or ":") .. "]+") do
       part = part:match("^%s*(.-)%s*$")
-      if part ~= "" then out[#out + 1] = part end
+      if part ~= "" then
+        if spec.absolute and part:sub(1, 1) ~= "/" then
+          return nil, ("%s: %q is not an absolute path"):format(name, part)
+        end
+        out[#out + 1] = part
+      end
     end
     return out
   elseif spec.number then
     local n = tonumber(raw)
     if not n then return nil, ("%s must be a number, got %q"):format(name, tostring(raw)) end
+    -- every numeric setting is a size, a count or a duration: zero or less makes no sense
+    -- (a zero ceiling would refuse every call, zero head bytes would cut every result)
+    if n <= 0 or n ~= n then return nil, ("%s must be a positive number, got %s"):format(name, tostring(raw)) end
     return n
   elseif spec.bool then
     if type(raw) == "boolean" then return raw end

@@ -315,6 +315,10 @@ function egress.policy(name)
   local names = {}
   for n in pairs(all) do names[#names + 1] = n end
   table.sort(names)
+  if name == "allowlist" then
+    return nil, ("egress: the allowlist policy needs hosts: set DEMESNE_EGRESS_ALLOW (or egress_allow in config.lua); known now: %s")
+      :format(table.concat(names, ", "))
+  end
   return nil, ("egress: no policy %q (known: %s)"):format(tostring(name), table.concat(names, ", "))
 end
 
