@@ -475,7 +475,10 @@ function Server:handle_request(msg)
   local id = msg.id
   local key = id_key(id)
   if self.inflight[key] then
-    return self:respond_error(id, server.INVALID_REQUEST, "Invalid Request: id " .. tostring(id) .. " is already in use by a request in progress")
+    -- answered with a null id: an error under the same id would read as the answer to the
+    -- request that is still running (JSON-RPC 2.0 §5: null when the id cannot be used)
+    local shown = (math.type(id) == "float" and id == math.floor(id)) and ("%d"):format(id) or tostring(id)
+    return self:respond_error(json.null, server.INVALID_REQUEST, "Invalid Request: id " .. shown .. " is already in use by a request in progress")
   end
   local handler = methods[msg.method]
   if not handler then

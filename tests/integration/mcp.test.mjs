@@ -255,6 +255,16 @@ describe("raw frames", () => {
   });
   test("an array batch -> -32600", () =>
     expectError('[{"jsonrpc":"2.0","id":5,"method":"ping"},{"jsonrpc":"2.0","id":6,"method":"ping"}]', -32600, null, /batch/));
+  test("a reused id of a request in progress -> -32600 with a null id; the first still answers", async () => {
+    raw.send({ jsonrpc: "2.0", id: 41, method: "tools/call", params: { name: "fixture_sleep", arguments: { seconds: 1 } } });
+    raw.send({ jsonrpc: "2.0", id: 41, method: "ping" });
+    const e = await raw.next((x) => x.error !== undefined);
+    assert.equal(e.error.code, -32600);
+    assert.equal(e.id, null);
+    assert.match(e.error.message, /id 41 is already in use/);
+    const first = await raw.next((x) => x.id === 41);
+    assert.ok(first.result, JSON.stringify(first));
+  });
   test("unknown method -> -32601", () => expectError('{"jsonrpc":"2.0","id":7,"method":"no/such"}', -32601, 7));
   test("wrong param types -> -32602 naming the field", async () => {
     await expectError('{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{"name":42}}', -32602, 8, /params\.name/);
