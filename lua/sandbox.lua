@@ -87,7 +87,10 @@ function sandbox.limits(l)
   for _, k in ipairs({ "memory_mb", "cpus", "pids" }) do
     local v = l[k] or config.get(k .. "_default")
     local max = config.get(k .. "_max")
-    if v > max then fail(("limits.%s: %s is above the ceiling of %s set in the configuration"):format(k, v, max)) end
+    if v > max then
+      local function num(x) return x == math.floor(x) and ("%d"):format(x) or tostring(x) end
+      fail(("limits.%s: %s is above the ceiling of %s set in the configuration"):format(k, num(v), num(max)))
+    end
     if v <= 0 then fail(("limits.%s: must be positive"):format(k)) end
     out[k] = v
   end
@@ -112,7 +115,10 @@ function sandbox.env(env, extra)
     end
     list[#list + 1] = k .. "=" .. v
   end
-  for k, v in pairs(extra or {}) do list[#list + 1] = k .. "=" .. v end
+  -- demesne's defaults (PATH, HOME, proxy settings) yield to the caller's own value
+  for k, v in pairs(extra or {}) do
+    if env == nil or env[k] == nil or k:match("^DEMESNE_") then list[#list + 1] = k .. "=" .. v end
+  end
   return json.array(list)
 end
 

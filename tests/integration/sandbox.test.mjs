@@ -119,6 +119,8 @@ test("env is passed; demesne's own variables cannot be overridden", async () => 
   const r = await ok("sandbox_script", { command: 'echo "$GREETING $DEMESNE_RUN_ID"', env: { GREETING: "hello" }, image: "base" });
   assert.equal(r.stdout, `hello ${r.run_id}\n`);
   assert.match(await err("sandbox_script", { command: "true", env: { DEMESNE_RUN_ID: "x" } }), /env\.DEMESNE_RUN_ID/);
+  const p = await ok("sandbox_script", { command: 'echo "$PATH"', env: { PATH: "/usr/bin:/bin" }, image: "base" });
+  assert.equal(p.stdout, "/usr/bin:/bin\n", "the caller's PATH wins over demesne's default");
 });
 
 test("invalid arguments name the field", async () => {
