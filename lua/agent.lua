@@ -120,6 +120,8 @@ function agent.prepare(args, tool, kind)
     context_file = AGENT_DIR .. "/" .. p.context_file_name,
     model = model, vendor_base_url = vendor.base_url(), token = o.token, workdir = "/workspace",
     home = "/root", credential_kind = cred.kind, max_retries = 2,
+    -- the vendor route may hold a rate-limited request until the reset: the CLI must not give up first
+    request_timeout_ms = (math.min(tonumber(config.get("agent_rate_limit_max_wait_seconds")) or 3600, timeout) + 600) * 1000,
   }
   o.run = run
   o.argv = p.argv(run)
@@ -134,11 +136,19 @@ function agent.prepare(args, tool, kind)
     assert(fs.write_atomic(host_agent_dir .. "/" .. p.context_file_name, agent.context_text(plan, args)))
     plan.mounts[#plan.mounts + 1] = { host = host_agent_dir, target = AGENT_DIR }
     local route, verr = vendor.start({ run_id = plan.run_id, run_dir = plan.run_dir, output_dir = plan.output_dir,
-      provider = p, token = plan.token, credential = cred })
+      provider = p, token = plan.token, credential = cred, deadline = loop.time() + plan.timeout })
     if not route then fail(verr) end
     plan.vendor = route
   end
   return o
+end
+
+--- The final reason of a run that ended rate limited. `rate`: {budget, reset_at, why}.
+function agent.rate_reason(rate)
+  local why = rate.why or ("retry budget of %d exhausted"):format(rate.budget or 0)
+  local at = ""
+  if type(rate.reset_at) == "number" then at = os.date("!(reset at %Y-%m-%dT%H:%M:%SZ)", math.floor(rate.reset_at)) end
+  return ("rate limited by the vendor; %s%s"):format(why, at ~= "" and (" " .. at) or "")
 end
 
 --- After the container stopped: stops the vendor route and builds the result (also written
@@ -164,6 +174,17 @@ function agent.finish(o, code, err, duration_ms)
     session_id = type(details) == "table" and details.session_id or nil,
   }
   if exit_code == nil then r.reason = "the agent run failed: " .. tostring(err) end
+  local rate = totals.rate_limited
+  if type(rate) == "table" then
+    r.rate_limited = { answers = rate.answers, retried = rate.retried, budget = rate.budget }
+    local limited_end = type(details) == "table" and details.rate_limited
+    if r.reason == nil and (limited_end or (exit_code ~= 0 and rate.why)) then
+      r.reason = agent.rate_reason(rate)
+    end
+  elseif r.reason == nil and type(details) == "table" and details.rate_limited then
+    r.reason = agent.rate_reason({ budget = require("demesne.vendor").rate_budget(),
+      reset_at = details.resets_at })
+  end
   local jok, text_out = pcall(json.encode, r)
   if jok then fs.write_atomic(o.output_dir .. "/results.json", text_out .. "\n") end
   if r.exit_code == nil then r.exit_code = -1 end
@@ -194,8 +215,10 @@ function agent.text(r)
     "output_dir: " .. r.output_dir, "run_id: " .. r.run_id,
     ("model: %s (%s)"):format(tostring(r.model), tostring(r.provider)),
     ("cost_usd: %.4f (indicative)"):format(r.cost_usd or 0),
-    "--- answer ---", r.answer,
   }
+  if r.reason then lines[#lines + 1] = "reason: " .. r.reason end
+  lines[#lines + 1] = "--- answer ---"
+  lines[#lines + 1] = r.answer
   if r.exit_code ~= 0 and r.stderr ~= "" then
     lines[#lines + 1] = "--- stderr (tail) ---"
     lines[#lines + 1] = r.stderr
@@ -212,6 +235,8 @@ function agent.result_schema()
     model = { type = "string" }, cost_usd = { type = "number", description = "indicative cost in USD" },
     usage = { type = "object", description = "tokens by model (see usage.json)" },
     duration_ms = { type = "integer" }, timed_out = { type = "boolean" },
+    reason = { type = "string", description = "why the run ended abnormally (e.g. rate limited by the vendor)" },
+    rate_limited = { type = "object", description = "vendor 429 answers, how many were waited out and retried, the budget" },
   }, required = json.array({ "exit_code", "answer", "stderr", "output_dir", "run_id", "cost_usd", "usage" }) }
 end
 

@@ -148,11 +148,104 @@ Route.__index = Route
 
 local active = {} -- run_id -> route
 
+--------------------------------------------------------------------------------------------
+-- Rate limits: an upstream 429 with a reset time is waited out here (up to a per-run budget
+-- of retries, each wait at most agent_rate_limit_max_wait_seconds and before the run's
+-- deadline) and the same request is sent again; the agent sees a slow answer. Otherwise
+-- the 429 goes to the agent as is.
+
+function vendor.rate_budget(n)
+  n = n or require("demesne.config").get("agent_rate_limit_retries")
+  return math.max(0, math.floor(tonumber(n) or 0))
+end
+
+local function utc_epoch(y, mo, d, h, mi, sec)
+  -- days from civil (proleptic Gregorian), independent of the local time zone
+  y = mo <= 2 and y - 1 or y
+  local era = (y >= 0 and y or y - 399) // 400
+  local yoe = y - era * 400
+  local doy = (153 * (mo + (mo > 2 and -3 or 9)) + 2) // 5 + d - 1
+  local doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
+  return (era * 146097 + doe - 719468) * 86400 + h * 3600 + mi * 60 + sec
+end
+
+local MONTHS = { jan = 1, feb = 2, mar = 3, apr = 4, may = 5, jun = 6, jul = 7, aug = 8, sep = 9, oct = 10, nov = 11, dec = 12 }
+
+--- Seconds until a reset from one header value: an RFC 3339 time, an HTTP date, delta
+--- seconds, or an OpenAI-style duration ("1m30s", "250ms"). nil when unreadable.
+function vendor.parse_reset(value, now)
+  if type(value) ~= "string" then return nil end
+  value = value:match("^%s*(.-)%s*$")
+  if value:match("^%d+%.?%d*$") then return tonumber(value) end
+  local y, mo, d, h, mi, sec, frac, zone = value:match("^(%d%d%d%d)%-(%d%d)%-(%d%d)[Tt ](%d%d):(%d%d):(%d%d)(%.?%d*)(.*)$")
+  if y then
+    local t = utc_epoch(tonumber(y), tonumber(mo), tonumber(d), tonumber(h), tonumber(mi), tonumber(sec))
+      + (tonumber("0" .. frac) or 0)
+    local sign, zh, zm = zone:match("^([+-])(%d%d):?(%d%d)$")
+    if sign then t = t - (sign == "+" and 1 or -1) * (tonumber(zh) * 3600 + tonumber(zm) * 60)
+    elseif zone ~= "" and zone ~= "Z" and zone ~= "z" then return nil end
+    return t - now
+  end
+  local dd, mon, yy, hh, mm, ss = value:match("^%a+, (%d%d?) (%a%a%a) (%d%d%d%d) (%d%d):(%d%d):(%d%d) GMT$")
+  if dd and MONTHS[mon:lower()] then
+    return utc_epoch(tonumber(yy), MONTHS[mon:lower()], tonumber(dd), tonumber(hh), tonumber(mm), tonumber(ss)) - now
+  end
+  local total, any = 0, false
+  local rest = value:gsub("(%d+%.?%d*)(%a+)", function(n, unit)
+    local f = ({ h = 3600, m = 60, s = 1, ms = 0.001 })[unit]
+    if not f then return nil end
+    total, any = total + tonumber(n) * f, true
+    return ""
+  end)
+  if any and rest == "" then return total end
+  return nil
+end
+
+--- Seconds to wait before a rate-limited request may be sent again, from a 429's headers
+--- (retry-after first, else the latest anthropic-ratelimit-*-reset / x-ratelimit-reset-*).
+--- nil when no header names a reset.
+function vendor.reset_wait(headers, now)
+  headers = headers or {}
+  now = now or loop.time()
+  local ra = vendor.parse_reset(headers["retry-after"], now)
+  if ra then return math.max(0, ra) end
+  local best
+  for k, v in pairs(headers) do
+    if type(k) == "string" and (k:match("^anthropic%-ratelimit%-.+%-reset$") or k:match("^x%-ratelimit%-reset")) then
+      local w = vendor.parse_reset(v, now)
+      if w and (not best or w > best) then best = w end
+    end
+  end
+  return best and math.max(0, best) or nil
+end
+
+--- Whether a 429 with these headers is waited out: the wait in ms, or nil and why not.
+function Route:rate_wait(headers)
+  local now = loop.time()
+  local w = vendor.reset_wait(headers, now)
+  local rate = self.rate
+  rate.limited = rate.limited + 1
+  if w then rate.reset_at = now + w end
+  if rate.used >= rate.budget then return nil, ("retry budget of %d exhausted"):format(rate.budget) end
+  if not w then return nil, "no reset time in the answer" end
+  local max = tonumber(require("demesne.config").get("agent_rate_limit_max_wait_seconds")) or 3600
+  if w > max then return nil, ("reset in %d s is beyond the longest wait (%d s)"):format(math.ceil(w), max) end
+  if self.deadline and now + w >= self.deadline then return nil, "reset is after the run's timeout" end
+  rate.used = rate.used + 1
+  return math.max(1, math.ceil(w * 1000) + 250)
+end
+
+--- The rate-limit state of the run: {budget, used, limited, reset_at, why} (why: the
+--- reason the last 429 was passed to the agent).
+function Route:rate_state() return self.rate end
+
 --- Starts the vendor route of one run. `o`: {run_id, run_dir, output_dir, provider, token,
 --- credential}. Returns the route (route:stop() ends it) or nil, err.
 function vendor.start(o)
   local r = setmetatable({ run_id = o.run_id, provider = o.provider, token = o.token, credential = o.credential,
     output_dir = o.output_dir, conns = {}, nconns = 0, models = {}, requests = 0, closed = false,
+    deadline = o.deadline, waits = {},
+    rate = { budget = vendor.rate_budget(o.rate_limit_retries), used = 0, limited = 0 },
     total = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 } }, Route)
   -- a route started again (a background job re-attached after a restart) keeps the totals
   local prev = fs.read_file(o.output_dir .. "/usage.json", 0, 1 << 20)
@@ -208,6 +301,8 @@ function Route:totals()
     provider = self.provider.name, requests = self.requests, models = models,
     input = t.input, output = t.output, cache_creation = t.cache_creation, cache_read = t.cache_read,
     cost_usd = t.cost_usd, indicative = true,
+    rate_limited = self.rate and self.rate.limited > 0 and { answers = self.rate.limited, retried = self.rate.used,
+      budget = self.rate.budget, reset_at = self.rate.reset_at, why = self.rate.why } or nil,
   }
 end
 
@@ -348,77 +443,118 @@ function Route:handle(conn, req, body, state)
     if not HOP[k] then headers[k] = val end
   end
   rec.verdict = "forward"
-  local counter
-  local head_sent = false
-  local function send_head(status, h)
-    head_sent = true
-    rec.status = status
-    local lines = { ("HTTP/1.1 %d %s"):format(status, REASONS[status] or "Status") }
-    for k, val in pairs(h or {}) do
-      if not HOP[k] and k ~= "content-encoding" then lines[#lines + 1] = k .. ": " .. val end
-    end
-    lines[#lines + 1] = "connection: close"
-    conn:write(table.concat(lines, "\r\n") .. "\r\n\r\n")
-    counter = providers.usage_counter(p, h and h["content-type"])
-  end
-  local opts = {
-    url = v.url, method = req.method, headers = headers, timeout_ms = UPSTREAM_TIMEOUT_MS,
-    connect_timeout_ms = 30000,
-    on_headers = send_head,
-    on_data = function(chunk)
-      if counter then counter:feed(chunk) end
-      if state.client_gone then return end
-      local ok = conn:write(chunk, function(wok)
-        if not wok and not state.client_gone then
-          state.client_gone = true -- the agent hung up: stop the upstream call too
-          if state.upstream then state.upstream:cancel() end
+  local attempt
+  local function issue()
+    local counter
+    local head_sent = false
+    local retry_ms
+    local function send_head(status, h)
+      if status == 429 and not state.client_gone then
+        local why
+        retry_ms, why = self:rate_wait(h)
+        rec.rate_limited = true
+        if retry_ms then
+          rec.status, rec.retry_in_ms = status, retry_ms
+          return -- the answer is dropped; the same request goes again after the reset
         end
-      end)
-      if not ok then state.client_gone = true end
-    end,
-  }
-  if req.method ~= "GET" and req.method ~= "HEAD" then opts.body = body or "" end
-  local started = loop.hrtime()
-  local upstream, serr = http.request(opts, function(res, msg, code)
-    rec.duration_ms = math.floor((loop.hrtime() - started) / 1e6)
-    if self.upstreams and state.upstream then self.upstreams[state.upstream] = nil end
-    if not res then
-      rec.error = tostring(msg)
-      if not head_sent then
-        rec.status = code == "ETIMEDOUT" and 504 or 502
-        reply(conn, rec.status, error_body(p, rec.status, "upstream failed: " .. tostring(msg)))
+        rec.rate_limit = why
+        self.rate.why = why
+      end
+      head_sent = true
+      rec.status = status
+      local lines = { ("HTTP/1.1 %d %s"):format(status, REASONS[status] or "Status") }
+      for k, val in pairs(h or {}) do
+        if not HOP[k] and k ~= "content-encoding" then lines[#lines + 1] = k .. ": " .. val end
+      end
+      lines[#lines + 1] = "connection: close"
+      conn:write(table.concat(lines, "\r\n") .. "\r\n\r\n")
+      counter = providers.usage_counter(p, h and h["content-type"])
+    end
+    local opts = {
+      url = v.url, method = req.method, headers = headers, timeout_ms = UPSTREAM_TIMEOUT_MS,
+      connect_timeout_ms = 30000,
+      on_headers = send_head,
+      on_data = function(chunk)
+        if retry_ms then return end
+        if counter then counter:feed(chunk) end
+        if state.client_gone then return end
+        local ok = conn:write(chunk, function(wok)
+          if not wok and not state.client_gone then
+            state.client_gone = true -- the agent hung up: stop the upstream call too
+            if state.upstream then state.upstream:cancel() end
+          end
+        end)
+        if not ok then state.client_gone = true end
+      end,
+    }
+    if req.method ~= "GET" and req.method ~= "HEAD" then opts.body = body or "" end
+    local started = loop.hrtime()
+    local upstream, serr = http.request(opts, function(res, msg, code)
+      rec.duration_ms = math.floor((loop.hrtime() - started) / 1e6)
+      if self.upstreams and state.upstream then self.upstreams[state.upstream] = nil end
+      if retry_ms and res and not self.closed and not state.client_gone then
+        -- rate limited: log this answer, wait for the reset, send the request again
+        self:log_line(rec)
+        self:write_totals()
+        log.info(LOGGER, "%s: rate limited (429); retrying %s in %d ms", self.run_id, path, retry_ms)
+        rec = { time = iso_now(), method = req.method, path = path, verdict = "forward", retry = true }
+        self.inflight = (self.inflight or 1) - 1
+        local t
+        t = timer.after(retry_ms, function()
+          self.waits[t] = nil
+          if self.closed or state.client_gone then
+            state.finish()
+            if self.closed and (self.inflight or 0) <= 0 and self.on_idle then self.on_idle() end
+            return
+          end
+          attempt()
+        end)
+        self.waits[t] = true
+        return
+      end
+      if not res then
+        rec.error = tostring(msg)
+        if not head_sent then
+          rec.status = code == "ETIMEDOUT" and 504 or 502
+          reply(conn, rec.status, error_body(p, rec.status, "upstream failed: " .. tostring(msg)))
+        else
+          conn:close()
+        end
       else
-        conn:close()
+        if not head_sent then -- a dropped 429 whose retry cannot happen: the agent gets a 429
+          reply(conn, 429, error_body(p, 429, "rate limited by the vendor"))
+        end
+        conn:shutdown(function() conn:close() end)
       end
-    else
-      conn:shutdown(function() conn:close() end)
-    end
-    if counter then
-      local usage = counter:finish()
-      if usage then
-        rec.model = usage.model
-        rec.id = usage.id
-        for _, k in ipairs({ "input", "output", "cache_creation", "cache_read", "reasoning" }) do rec[k] = usage[k] end
-        self.requests = self.requests + 1
-        rec.cost_usd = self:count(usage)
+      if counter then
+        local usage = counter:finish()
+        if usage then
+          rec.model = usage.model
+          rec.id = usage.id
+          for _, k in ipairs({ "input", "output", "cache_creation", "cache_read", "reasoning" }) do rec[k] = usage[k] end
+          self.requests = self.requests + 1
+          rec.cost_usd = self:count(usage)
+        end
       end
+      self:log_line(rec)
+      self:write_totals()
+      state.finish()
+      self.inflight = (self.inflight or 1) - 1
+      if self.closed and self.inflight <= 0 and self.on_idle then self.on_idle() end
+    end)
+    state.upstream = upstream
+    if not upstream then
+      rec.status, rec.error = 502, tostring(serr)
+      self:log_line(rec)
+      reply(conn, 502, error_body(p, 502, "cannot start the upstream request"))
+      return state.finish()
     end
-    self:log_line(rec)
-    self:write_totals()
-    state.finish()
-    self.inflight = (self.inflight or 1) - 1
-    if self.closed and self.inflight <= 0 and self.on_idle then self.on_idle() end
-  end)
-  state.upstream = upstream
-  if not upstream then
-    rec.status, rec.error = 502, tostring(serr)
-    self:log_line(rec)
-    reply(conn, 502, error_body(p, 502, "cannot start the upstream request"))
-    return state.finish()
+    self.inflight = (self.inflight or 0) + 1
+    self.upstreams = self.upstreams or {}
+    self.upstreams[upstream] = true
   end
-  self.inflight = (self.inflight or 0) + 1
-  self.upstreams = self.upstreams or {}
-  self.upstreams[upstream] = true
+  attempt = issue
+  return issue()
 end
 
 --- Stops the route: no new connections; inside a task waits up to 5 s for requests in
@@ -435,6 +571,8 @@ function Route:stop()
     local ok, err = pcall(async.timeout, 5000, ev.wait)
     if not ok and err == async.CANCELLED then error(err, 0) end
   end
+  for t in pairs(self.waits or {}) do pcall(t.stop, t) end
+  self.waits = {}
   for u in pairs(self.upstreams or {}) do pcall(u.cancel, u) end
   for c in pairs(self.conns) do pcall(c.close, c) end
   self:write_totals()

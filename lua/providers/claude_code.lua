@@ -93,6 +93,7 @@ function claude.env(run)
     no_proxy = "127.0.0.1,localhost",
   }
   if run.max_retries then env.CLAUDE_CODE_MAX_RETRIES = tostring(math.floor(run.max_retries)) end
+  if run.request_timeout_ms then env.API_TIMEOUT_MS = tostring(math.floor(run.request_timeout_ms)) end
   return env
 end
 

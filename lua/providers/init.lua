@@ -46,6 +46,7 @@ local LOGGER = "demesne.providers"
 ---@field credential_kind string|nil  kind of the real credential (default: credentials().kind)
 ---@field resume_session string|nil  a session/thread id to resume (quota retries) instead of starting afresh
 ---@field max_retries integer|nil  bound on the CLI's own retries of failed API calls
+---@field request_timeout_ms integer|nil  how long the CLI waits for one API answer (the vendor route may hold a rate-limited request until its reset)
 
 ---@class ProviderUsage
 ---@field model string|nil

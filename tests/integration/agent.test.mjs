@@ -58,8 +58,25 @@ function sse(res, events, named = true) {
   res.end();
 }
 
+// Rate limits: a prompt holding RATELIMIT_ONCE gets one 429 (reset 2 s ahead) on its first
+// turn; RATELIMIT_ALWAYS gets 429 on every turn (reset 1 s ahead).
+let limitedOnce = 0;
+const limited = []; // times of the 429 answers
+function rateLimit(res, seconds) {
+  const reset = new Date(Date.now() + seconds * 1000).toISOString().replace(/\.\d+Z$/, "Z");
+  limited.push(Date.now());
+  res.writeHead(429, { "content-type": "application/json", "retry-after": String(seconds),
+    "anthropic-ratelimit-requests-reset": reset, "anthropic-ratelimit-requests-remaining": "0" });
+  res.end(JSON.stringify({ type: "error", error: { type: "rate_limit_error", message: "Number of requests has exceeded your rate limit" } }));
+}
+
 function anthropic(req, res, body) {
   const msgs = body.messages || [];
+  const text = JSON.stringify(msgs);
+  if (!(Array.isArray(body.tools) && body.tools.length === 0)) {
+    if (text.includes("RATELIMIT_ALWAYS")) return rateLimit(res, 1);
+    if (text.includes("RATELIMIT_ONCE") && limitedOnce++ === 0) return rateLimit(res, 2);
+  }
   const last = msgs[msgs.length - 1];
   const hasResult = Array.isArray(last?.content) && last.content.some((b) => b.type === "tool_result");
   const side = Array.isArray(body.tools) && body.tools.length === 0;
@@ -240,6 +257,67 @@ test("claude_code: scripted turn through the vendor route, credential swapped, u
     assert.equal(results.answer, FINAL);
     assert.ok(existsSync(path.join(outDir, "transcript.jsonl")));
     assert.ok(!conn.stderr().includes(SECRET), "the server log does not hold the credential");
+  } finally {
+    await conn.client.close();
+  }
+});
+
+test("claude_code: a vendor 429 is waited out until its reset and the run goes on", { timeout: 240_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv({
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+  }) });
+  try {
+    limitedOnce = 0;
+    const n0 = limited.length;
+    const res = await conn.client.callTool({ name: "sandbox_agent", arguments: {
+      prompt: "RATELIMIT_ONCE: write done to /out/answer.txt.", model: "sonnet", timeout_seconds: 180,
+    } }, undefined, { timeout: 230_000 });
+    const r = res.structuredContent;
+    assert.ok(!res.isError, JSON.stringify(res.content) + "\n" + conn.stderr().slice(-3000));
+    assert.equal(r.exit_code, 0, r.stderr);
+    assert.equal(r.answer, FINAL);
+    assert.equal(r.reason, undefined);
+    assert.equal(limited.length - n0, 1, "one 429 was answered");
+    assert.deepEqual(r.rate_limited, { answers: 1, retried: 1, budget: 3 });
+    const lines = readFileSync(path.join(r.output_dir, "usage.jsonl"), "utf8").trim().split("\n").map((l) => JSON.parse(l));
+    const first = lines.findIndex((l) => l.status === 429);
+    assert.ok(first >= 0, "the 429 is in usage.jsonl");
+    assert.equal(lines[first].rate_limited, true);
+    assert.ok(lines[first].retry_in_ms >= 1000, JSON.stringify(lines[first]));
+    assert.equal(lines[first + 1].status, 200);
+    assert.equal(lines[first + 1].retry, true, "the same request was sent again after the reset");
+    const usage = JSON.parse(readFileSync(path.join(r.output_dir, "usage.json"), "utf8"));
+    assert.equal(usage.rate_limited.answers, 1);
+    assert.equal(usage.models["claude-sonnet-5"].requests, 2, "the 429 is not a counted model request");
+    const transcript = readFileSync(path.join(r.output_dir, "transcript.jsonl"), "utf8");
+    assert.ok(!transcript.includes('"api_retry"'), "the CLI never saw the 429");
+  } finally {
+    await conn.client.close();
+  }
+});
+
+test("claude_code: a vendor that keeps answering 429 ends the run with a clear reason", { timeout: 240_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv({
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+    DEMESNE_AGENT_RATE_LIMIT_RETRIES: "1",
+  }) });
+  try {
+    const res = await conn.client.callTool({ name: "sandbox_agent", arguments: {
+      prompt: "RATELIMIT_ALWAYS: write done to /out/answer.txt.", model: "sonnet", timeout_seconds: 180,
+    } }, undefined, { timeout: 230_000 });
+    const r = res.structuredContent;
+    assert.notEqual(r.exit_code, 0);
+    assert.match(r.reason, /^rate limited by the vendor; retry budget of 1 exhausted \(reset at \d{4}-\d\d-\d\dT\d\d:\d\d:\d\dZ\)$/,
+      JSON.stringify(r));
+    assert.match(res.content[0].text, /reason: rate limited by the vendor/);
+    assert.equal(r.rate_limited.retried, 1);
+    assert.ok(r.rate_limited.answers >= 2);
+    const results = JSON.parse(readFileSync(path.join(r.output_dir, "results.json"), "utf8"));
+    assert.equal(results.reason, r.reason);
+    const lines = readFileSync(path.join(r.output_dir, "usage.jsonl"), "utf8").trim().split("\n").map((l) => JSON.parse(l));
+    assert.ok(lines.some((l) => l.status === 429 && l.rate_limit === "retry budget of 1 exhausted"));
   } finally {
     await conn.client.close();
   }
