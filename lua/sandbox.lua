@@ -632,6 +632,16 @@ function sandbox.upload(ctx, args)
     -- host inputs plus open egress is the exfiltration shape sandbox_create refuses
     fail(("sandbox_id: %s has open egress; host files cannot be uploaded into it"):format(args.sandbox_id))
   end
+  -- tar would silently replace an existing file with a folder, or an empty folder with a file
+  if fs.stat(src).type == "directory" then
+    local code = run_quiet(eng, sb, { "/bin/sh", "-c", '[ ! -e "$1" ] || [ -d "$1" ]', "sh", dst })
+    if code ~= 0 then fail(("dst: %s exists in the sandbox and is not a folder; a folder cannot replace it"):format(dst)) end
+  else
+    local code = run_quiet(eng, sb, { "/bin/sh", "-c", '[ ! -d "$1" ]', "sh", dst })
+    if code ~= 0 then
+      fail(("dst: %s is a folder in the sandbox; name the file's own path inside it (e.g. %s/%s)"):format(dst, dst, src:match("[^/]+$")))
+    end
+  end
   local host_tar, sandbox_tar = xfer_paths(sb)
   local _ <close> = temp_guard(host_tar)
   local stats = check(archive.pack(host_tar, { { src = src, name = base } }))
@@ -640,6 +650,9 @@ function sandbox.upload(ctx, args)
   if code ~= 0 then
     if msg:find("Cannot open: No such file", 1, true) or msg:find("Cannot chdir", 1, true) then
       fail(("dst: the folder %s does not exist in the sandbox"):format(parent))
+    end
+    if msg:find("File exists", 1, true) or msg:find("Is a directory", 1, true) then
+      fail(("dst: %s is a folder in the sandbox; name the file's own path inside it (e.g. %s/%s)"):format(dst, dst, src:match("[^/]+$")))
     end
     fail(("upload to %s failed (tar exit %d): %s"):format(dst, code, msg))
   end

@@ -216,6 +216,12 @@ test("persistent sandbox: create, exec, upload, download, list, destroy", async 
     assert.equal(e3.stdout, "x,y\n1,2\ninput-contents\n");
     const d0 = await ok("sandbox_download", { sandbox_id: sb.sandbox_id, src: "/tmp/made.txt" });
     assert.equal(readFileSync(d0.path, "utf8"), "t\n");
+    await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "mkdir -p /tmp/adir; echo keep > /tmp/afile" });
+    assert.match(await err("sandbox_upload", { sandbox_id: sb.sandbox_id, src: path.join(allowed, "input.txt"), dst: "/tmp/adir" }),
+      /dst: \/tmp\/adir is a folder/);
+    assert.match(await err("sandbox_upload", { sandbox_id: sb.sandbox_id, src: path.join(allowed, "data"), dst: "/tmp/afile" }),
+      /dst: \/tmp\/afile exists .* not a folder/);
+    assert.equal((await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "cat /tmp/afile" })).stdout, "keep\n");
     assert.match(await err("sandbox_upload", { sandbox_id: sb.sandbox_id, src: path.join(allowed, "input.txt"), dst: "/nonexistent/x" }),
       /dst: the folder \/nonexistent does not exist/);
     assert.match(await err("sandbox_download", { sandbox_id: sb.sandbox_id, src: "/nonexistent" }), /src: \/nonexistent does not exist/);
