@@ -256,7 +256,10 @@ kinds.script = {
 -- model calls fail and it ends; the job is then watched like a script job.
 kinds.agent = {
   run = function(job, o)
-    job.after = function() fs.remove_tree(o.run_dir) end
+    job.after = function()
+      fs.remove_tree(o.run_dir)
+      require("demesne.vendor").forget(o.run_id)
+    end
     local started = now_ms()
     local out = script_watch(job, o)
     local ok, err = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason, now_ms() - started)
@@ -275,13 +278,20 @@ kinds.agent = {
       if cred then
         local err
         route, err = require("demesne.vendor").start({ run_id = rec.run_id, run_dir = rec.run_dir,
-          output_dir = rec.output_dir, provider = p, token = rec.vendor_token, credential = cred })
+          output_dir = rec.output_dir, provider = p, token = rec.vendor_token, credential = cred,
+          deadline = rec.started_ms / 1000 + rec.timeout_seconds,
+          decide = require("demesne.agent").decider(p, rec.output_dir) })
         if not route then log.warning(LOGGER, "%s: vendor route: %s", rec.job_id, tostring(err)) end
       else
         log.warning(LOGGER, "%s: vendor route not restarted: %s", rec.job_id, tostring(why))
       end
     end
     local out = kinds.script.attach(job)
+    local after = job.after
+    job.after = function()
+      if after then after() end
+      require("demesne.vendor").forget(rec.run_id)
+    end
     if route then
       local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
         output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model }

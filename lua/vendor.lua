@@ -149,10 +149,16 @@ Route.__index = Route
 local active = {} -- run_id -> route
 
 --------------------------------------------------------------------------------------------
--- Rate limits: an upstream 429 with a reset time is waited out here (up to a per-run budget
--- of retries, each wait at most agent_rate_limit_max_wait_seconds and before the run's
--- deadline) and the same request is sent again; the agent sees a slow answer. Otherwise
--- the 429 goes to the agent as is.
+-- Rate limits. An upstream 429 is read whole (its reset time may be in the headers, or only
+-- in the JSON body as with a ChatGPT plan's usage limit). Within a per-run budget
+-- (agent_rate_limit_retries) a reset at most agent_rate_limit_hold_seconds away is waited out
+-- here and the same request sent again: the agent sees a slow answer. A later reset (up to
+-- agent_rate_limit_max_wait_seconds, before the run's deadline) goes to the agent marked
+-- `x-should-retry: false`, so its CLI ends the attempt at once; the agent's wrapper then
+-- asks POST /.demesne/attempt, and the route answers `resume <session>` after the reset
+-- (lua/agent.lua decides) or `stop`. Holds and resumes draw on the same budget. The state
+-- is kept in <state_dir>/vendor/<run_id>.json (out of the sandbox's reach) so a restarted
+-- server neither forgets the retries spent nor grants one twice.
 
 function vendor.rate_budget(n)
   n = n or require("demesne.config").get("agent_rate_limit_retries")
@@ -219,33 +225,118 @@ function vendor.reset_wait(headers, now)
   return best and math.max(0, best) or nil
 end
 
---- Whether a 429 with these headers is waited out: the wait in ms, or nil and why not.
-function Route:rate_wait(headers)
+--- Seconds until a reset named in a 429's JSON body, or nil. Reads `resets_at` (epoch
+--- seconds, or an RFC 3339 time) and `resets_in_seconds`, under `error` or at the top level:
+--- the shape of OpenAI's `usage_limit_reached` answer to a ChatGPT-plan login, which has no
+--- reset header.
+---@param body string|nil
+---@param now number  epoch seconds
+---@return number|nil
+function vendor.body_reset(body, now)
+  if type(body) ~= "string" or body == "" or #body > 65536 then return nil end
+  local ok, v = pcall(json.decode, body)
+  if not ok or type(v) ~= "table" then return nil end
+  for _, t in ipairs({ type(v.error) == "table" and v.error or {}, v }) do
+    local at = t.resets_at
+    if type(at) == "number" and at > 0 then return math.max(0, at - now) end
+    if type(at) == "string" then
+      local w = vendor.parse_reset(at, now)
+      if w and not at:match("^%s*%d+%.?%d*%s*$") then return math.max(0, w) end
+      local n = tonumber(at)
+      if n and n > 0 then return math.max(0, n - now) end
+    end
+    local inn = tonumber(t.resets_in_seconds)
+    if inn and inn >= 0 then return inn end
+  end
+  return nil
+end
+
+local function setting(name, default) return tonumber(require("demesne.config").get(name)) or default end
+
+--- How a 429 is handled, from its headers and body. Returns the wait in ms when the route
+--- holds the request and sends it again; else nil, why, resumable (true when the run's
+--- session is to be resumed after the reset: the agent is told not to retry by itself).
+---@param headers table<string,string>|nil
+---@param body string|nil
+---@return integer|nil ms, string|nil why, boolean|nil resumable
+function Route:rate_wait(headers, body)
   local now = loop.time()
-  local w = vendor.reset_wait(headers, now)
+  local w = vendor.reset_wait(headers, now) or vendor.body_reset(body, now)
   local rate = self.rate
   rate.limited = rate.limited + 1
-  if w then rate.reset_at = now + w end
-  if rate.used >= rate.budget then return nil, ("retry budget of %d exhausted"):format(rate.budget) end
-  if not w then return nil, "no reset time in the answer" end
-  local max = tonumber(require("demesne.config").get("agent_rate_limit_max_wait_seconds")) or 3600
-  if w > max then return nil, ("reset in %d s is beyond the longest wait (%d s)"):format(math.ceil(w), max) end
-  if self.deadline and now + w >= self.deadline then return nil, "reset is after the run's timeout" end
+  rate.passed_at = now -- provisional: cleared below when the request is held
+  rate.reset_at = w and (now + w) or nil -- the latest answer's reset (none: unknown)
+  local function no(why, resumable)
+    self:save_rate()
+    return nil, why, resumable
+  end
+  if rate.used >= rate.budget then return no(("retry budget of %d exhausted"):format(rate.budget)) end
+  if not w then return no("no reset time in the answer") end
+  local max = setting("agent_rate_limit_max_wait_seconds", 3600)
+  if w > max then return no(("reset in %d s is beyond the longest wait (%d s)"):format(math.ceil(w), max)) end
+  if self.deadline and now + w >= self.deadline then return no("reset is after the run's timeout") end
+  local hold = setting("agent_rate_limit_hold_seconds", 60)
+  if w > hold or not self.holds then
+    return no(("reset in %d s: the attempt ends and the session is resumed after it"):format(math.ceil(w)), true)
+  end
   rate.used = rate.used + 1
+  rate.held = (rate.held or 0) + 1
+  rate.passed_at = nil
+  self:save_rate()
   return math.max(1, math.ceil(w * 1000) + 250)
 end
 
---- The rate-limit state of the run: {budget, used, limited, reset_at, why} (why: the
---- reason the last 429 was passed to the agent).
+--- The rate-limit state of the run (saved in <state_dir>/vendor/<run_id>.json): budget,
+--- used (holds + resumes), held, resumed, limited (429 answers seen), reset_at (epoch s),
+--- passed_at (when a 429 last went to the agent), why (the reason a rate-limited run
+--- ended), decided (attempt number -> the answer given to the agent's wrapper).
 function Route:rate_state() return self.rate end
 
+local function rate_file(run_id)
+  return require("demesne.config").get("state_dir") .. "/vendor/" .. run_id .. ".json"
+end
+
+function Route:save_rate()
+  local f = rate_file(self.run_id)
+  fs.mkdir_p(f:match("^(.*)/"), 448) -- 0700
+  local ok, text = pcall(json.encode, self.rate)
+  if ok then
+    local w, err = fs.write_atomic(f, text .. "\n")
+    if not w then log.warning(LOGGER, "%s: %s: %s", self.run_id, f, tostring(err)) end
+  end
+end
+
+--- Forgets the saved rate-limit state of a finished run.
+---@param run_id string
+function vendor.forget(run_id)
+  if type(run_id) == "string" and run_id ~= "" then os.remove(rate_file(run_id)) end
+end
+
+local function load_rate(run_id, budget)
+  local rate = { budget = budget, used = 0, limited = 0, held = 0, resumed = 0 }
+  local text = fs.read_file(rate_file(run_id), 0, 1 << 20)
+  local prev = text and json.decode(text)
+  if type(prev) ~= "table" then return rate end
+  for _, k in ipairs({ "used", "limited", "held", "resumed", "reset_at", "passed_at", "attempt_started" }) do
+    if type(prev[k]) == "number" then rate[k] = prev[k] end
+  end
+  if type(prev.why) == "string" then rate.why = prev.why end
+  if type(prev.decided) == "table" then rate.decided = prev.decided end
+  return rate
+end
+
 --- Starts the vendor route of one run. `o`: {run_id, run_dir, output_dir, provider, token,
---- credential}. Returns the route (route:stop() ends it) or nil, err.
+--- credential, deadline (epoch s, optional), decide (optional: function(route, {attempt,
+--- exit_code}) -> {action = "resume", session, at} | {action = "stop", why}; answers the
+--- agent wrapper's POST /.demesne/attempt, see lua/agent.lua), holds (false: never hold a
+--- rate-limited request; default true)}. A route started again for the same run (a
+--- restarted server) takes up its usage totals and rate-limit state. Returns the route
+--- (route:stop() ends it) or nil, err.
 function vendor.start(o)
   local r = setmetatable({ run_id = o.run_id, provider = o.provider, token = o.token, credential = o.credential,
     output_dir = o.output_dir, conns = {}, nconns = 0, models = {}, requests = 0, closed = false,
-    deadline = o.deadline, waits = {},
-    rate = { budget = vendor.rate_budget(o.rate_limit_retries), used = 0, limited = 0 },
+    deadline = o.deadline, waits = {}, decide = o.decide, holds = o.holds ~= false,
+    rate = load_rate(o.run_id, vendor.rate_budget(o.rate_limit_retries)),
     total = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 } }, Route)
   -- a route started again (a background job re-attached after a restart) keeps the totals
   local prev = fs.read_file(o.output_dir .. "/usage.json", 0, 1 << 20)
@@ -302,6 +393,7 @@ function Route:totals()
     input = t.input, output = t.output, cache_creation = t.cache_creation, cache_read = t.cache_read,
     cost_usd = t.cost_usd, indicative = true,
     rate_limited = self.rate and self.rate.limited > 0 and { answers = self.rate.limited, retried = self.rate.used,
+      held = self.rate.held or 0, resumed = self.rate.resumed or 0,
       budget = self.rate.budget, reset_at = self.rate.reset_at, why = self.rate.why } or nil,
   }
 end
@@ -418,10 +510,59 @@ function Route:accept(conn)
   end)
 end
 
+--- The path on the vendor port where an agent's wrapper reports that an attempt of its CLI
+--- ended: POST with `Authorization: Bearer <run token>` and a JSON body {attempt (1, 2, …),
+--- exit_code}. The answer (text/plain) is `resume <session>`, sent once the rate limit has
+--- reset, or `stop`.
+vendor.ATTEMPT_PATH = "/.demesne/attempt"
+
+function Route:attempt_end(conn, req, body, state, rec)
+  local function answer(status, text)
+    rec.status = status
+    self:log_line(rec)
+    reply(conn, status, text, "text/plain; charset=utf-8")
+    state.finish()
+  end
+  rec.verdict = "local"
+  if not providers.token_equal(providers.bearer(req.headers), self.token) then
+    rec.verdict, rec.reason = "deny", "the request does not carry this run's token"
+    return answer(401, "the request does not carry this run's token\n")
+  end
+  if req.method ~= "POST" then return answer(405, "POST only\n") end
+  local ok, info = pcall(json.decode, body or "")
+  local n = ok and type(info) == "table" and math.tointeger(info.attempt)
+  local code = ok and type(info) == "table" and math.tointeger(info.exit_code)
+  if not n or n < 1 or not code then
+    return answer(400, "body: must be JSON {attempt: integer >= 1, exit_code: integer}\n")
+  end
+  info = { attempt = n, exit_code = code }
+  rec.attempt, rec.exit_code = info.attempt, info.exit_code
+  local d = { action = "stop" }
+  if self.decide then
+    local dok, got = pcall(self.decide, self, { attempt = info.attempt, exit_code = info.exit_code })
+    if dok and type(got) == "table" then d = got
+    else log.warning(LOGGER, "%s: deciding on attempt %d: %s", self.run_id, info.attempt, tostring(got)) end
+  end
+  rec.decision = d.action
+  if d.action ~= "resume" then return answer(200, "stop\n") end
+  local wait_ms = math.max(0, math.ceil(((d.at or 0) - loop.time()) * 1000))
+  rec.resume_in_ms = wait_ms
+  log.info(LOGGER, "%s: attempt %d ended rate limited; resuming session %s in %d ms", self.run_id,
+    info.attempt, d.session, wait_ms)
+  local t
+  t = timer.after(wait_ms, function()
+    self.waits[t] = nil
+    if self.closed then return end
+    answer(200, "resume " .. d.session .. "\n")
+  end)
+  self.waits[t] = true
+end
+
 function Route:handle(conn, req, body, state)
   local p = self.provider
   local path = req.target:match("^[^?#]*")
   local rec = { time = iso_now(), method = req.method, path = path }
+  if path == vendor.ATTEMPT_PATH then return self:attempt_end(conn, req, body, state, rec) end
   local v = providers.vendor_decide(p, { method = req.method, target = req.target, headers = req.headers },
     self.token, self.credential)
   if v.action == "local" then
@@ -448,18 +589,8 @@ function Route:handle(conn, req, body, state)
     local counter
     local head_sent = false
     local retry_ms
-    local function send_head(status, h)
-      if status == 429 and not state.client_gone then
-        local why
-        retry_ms, why = self:rate_wait(h)
-        rec.rate_limited = true
-        if retry_ms then
-          rec.status, rec.retry_in_ms = status, retry_ms
-          return -- the answer is dropped; the same request goes again after the reset
-        end
-        rec.rate_limit = why
-        self.rate.why = why
-      end
+    local limited -- a 429 being read whole before it is decided on: {headers, parts, size}
+    local function write_head(status, h)
       head_sent = true
       rec.status = status
       local lines = { ("HTTP/1.1 %d %s"):format(status, REASONS[status] or "Status") }
@@ -468,14 +599,56 @@ function Route:handle(conn, req, body, state)
       end
       lines[#lines + 1] = "connection: close"
       conn:write(table.concat(lines, "\r\n") .. "\r\n\r\n")
+    end
+    local function send_head(status, h)
+      if status == 429 and not state.client_gone then
+        limited = { headers = h or {}, parts = {}, size = 0 }
+        rec.rate_limited = true
+        return
+      end
+      write_head(status, h)
       counter = providers.usage_counter(p, h and h["content-type"])
+    end
+    -- the 429 read whole: hold the request (true) or pass the answer to the agent
+    local function decide_429()
+      local body = table.concat(limited.parts)
+      local why, resumable
+      retry_ms, why, resumable = self:rate_wait(limited.headers, body)
+      if retry_ms then
+        rec.status, rec.retry_in_ms = 429, retry_ms
+        return true
+      end
+      rec.rate_limit = why
+      local h = limited.headers
+      if resumable then
+        -- the host waits for the reset and resumes the session: the CLI must not retry first
+        rec.resume = true
+        local copy = {}
+        for k, v in pairs(h) do
+          if k ~= "retry-after" and k ~= "x-should-retry" then copy[k] = v end
+        end
+        copy["x-should-retry"] = "false"
+        h = copy
+      else
+        self.rate.why = why
+        self:save_rate()
+      end
+      write_head(429, h)
+      conn:write(body)
+      return false
     end
     local opts = {
       url = v.url, method = req.method, headers = headers, timeout_ms = UPSTREAM_TIMEOUT_MS,
       connect_timeout_ms = 30000,
       on_headers = send_head,
       on_data = function(chunk)
-        if retry_ms then return end
+        if limited then
+          if limited.size < 65536 then
+            limited.parts[#limited.parts + 1] = chunk
+            limited.size = limited.size + #chunk
+          end
+          return
+        end
         if counter then counter:feed(chunk) end
         if state.client_gone then return end
         local ok = conn:write(chunk, function(wok)
@@ -492,7 +665,7 @@ function Route:handle(conn, req, body, state)
     local upstream, serr = http.request(opts, function(res, msg, code)
       rec.duration_ms = math.floor((loop.hrtime() - started) / 1e6)
       if self.upstreams and state.upstream then self.upstreams[state.upstream] = nil end
-      if retry_ms and res and not self.closed and not state.client_gone then
+      if limited and res and not self.closed and not state.client_gone and decide_429() then
         -- rate limited: log this answer, wait for the reset, send the request again
         self:log_line(rec)
         self:write_totals()
@@ -521,7 +694,7 @@ function Route:handle(conn, req, body, state)
           conn:close()
         end
       else
-        if not head_sent then -- a dropped 429 whose retry cannot happen: the agent gets a 429
+        if not head_sent then -- a 429 to an agent that hung up, or a route closing meanwhile
           reply(conn, 429, error_body(p, 429, "rate limited by the vendor"))
         end
         conn:shutdown(function() conn:close() end)

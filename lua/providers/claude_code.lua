@@ -40,7 +40,8 @@ end
 
 -- The command: a small sh script so the prompt can come from a file, the context file is
 -- linked into the working folder and stdin is /dev/null (an open stdin stalls the CLI).
--- $1 prompt file, $2 context file, $3 workdir, $4 model, $5 session to resume (or empty).
+-- $1 prompt file, $2 context file, $3 workdir, $4 model, $5 session to resume (or empty),
+-- $6 the prompt that resumes it.
 local SCRIPT = [[
 set -eu
 mkdir -p "$3"
@@ -48,7 +49,7 @@ cd "$3"
 if [ -n "$2" ] && [ "$2" != "$3/CLAUDE.md" ]; then ln -sf "$2" CLAUDE.md; fi
 if [ -n "${5:-}" ]; then
   exec claude --resume "$5" -p --output-format stream-json --verbose --dangerously-skip-permissions \
-    --model "$4" -- continue </dev/null
+    --model "$4" -- "${6:-continue}" </dev/null
 fi
 prompt=$(cat "$1")
 exec claude -p --output-format stream-json --verbose --dangerously-skip-permissions --model "$4" -- "$prompt" </dev/null
@@ -68,7 +69,7 @@ for _, m in ipairs(MODELS) do MODEL_ARG[m.name] = m.arg end
 ---@return string[]
 function claude.argv(run)
   return { "/bin/sh", "-c", SCRIPT, "claude-run", run.prompt_file, run.context_file or "", run.workdir or "/workspace",
-    MODEL_ARG[run.model] or run.model, run.resume_session or "" }
+    MODEL_ARG[run.model] or run.model, run.resume_session or "", run.resume_prompt or "continue" }
 end
 
 --- The environment for a run: the vendor port, the per-run token under the variable of the
@@ -111,6 +112,8 @@ function claude.parse_answer(lines)
     if ev.session_id and type(ev.session_id) == "string" then details.session_id = ev.session_id end
     if ev.type == "result" then
       result = ev
+    elseif ev.type == "system" and ev.subtype == "init" then -- a new attempt (a resumed session)
+      details.rate_limited, details.resets_at = nil, nil
     elseif ev.type == "assistant" and type(ev.message) == "table" then
       local id = ev.message.id or last_id
       for _, block in ipairs(type(ev.message.content) == "table" and ev.message.content or {}) do

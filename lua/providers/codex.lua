@@ -71,7 +71,8 @@ end
 -- The command: a small sh script that writes config.toml into a fresh CODEX_HOME, links the
 -- context file into the working folder, reads the prompt from its file and keeps stdin on
 -- /dev/null (Codex reads a non-TTY stdin to EOF and appends it to the prompt).
--- $1 prompt file, $2 context file, $3 workdir, $4 model, $5 config.toml text, $6 thread to resume.
+-- $1 prompt file, $2 context file, $3 workdir, $4 model, $5 config.toml text, $6 thread to resume,
+-- $7 the prompt that resumes it.
 local SCRIPT = [[
 set -eu
 mkdir -p "$3" "$CODEX_HOME"
@@ -79,7 +80,7 @@ cd "$3"
 if [ -n "$2" ] && [ "$2" != "$3/AGENTS.md" ]; then ln -sf "$2" AGENTS.md; fi
 printf '%s' "$5" > "$CODEX_HOME/config.toml"
 if [ -n "${6:-}" ]; then
-  exec codex exec resume "$6" --json --skip-git-repo-check -m "$4" -- continue </dev/null
+  exec codex exec resume "$6" --json --skip-git-repo-check -m "$4" -- "${7:-continue}" </dev/null
 fi
 prompt=$(cat "$1")
 exec codex exec --json --skip-git-repo-check -m "$4" -- "$prompt" </dev/null
@@ -99,8 +100,8 @@ function codex.parse_answer(lines)
   P.each_event(lines, function(ev)
     if ev.type == "thread.started" and type(ev.thread_id) == "string" then
       details.session_id = ev.thread_id
-    elseif ev.type == "turn.started" then
-      details.is_error, details.error = false, nil
+    elseif ev.type == "turn.started" then -- a resumed thread starts a new turn
+      details.is_error, details.error, details.rate_limited = false, nil, nil
     elseif ev.type == "item.completed" and type(ev.item) == "table" then
       if ev.item.type == "agent_message" and type(ev.item.text) == "string" then answer = ev.item.text end
     elseif ev.type == "turn.completed" then
@@ -259,7 +260,8 @@ function codex.make(opts)
     credentials = opts.credentials,
     argv = function(run)
       return { "/bin/sh", "-c", SCRIPT, "codex-run", run.prompt_file, run.context_file or "",
-        run.workdir or "/workspace", run.model, codex.config_toml(run), run.resume_session or "" }
+        run.workdir or "/workspace", run.model, codex.config_toml(run), run.resume_session or "",
+        run.resume_prompt or "continue" }
     end,
     env = function(run)
       local home = run.home or "/root"

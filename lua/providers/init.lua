@@ -44,7 +44,8 @@ local LOGGER = "demesne.providers"
 ---@field workdir string           the agent's working folder, e.g. "/workspace"
 ---@field home string|nil          a writable home for the CLI's own state (default "/root")
 ---@field credential_kind string|nil  kind of the real credential (default: credentials().kind)
----@field resume_session string|nil  a session/thread id to resume (quota retries) instead of starting afresh
+---@field resume_session string|nil  a session/thread id to resume (after a rate limit reset) instead of starting afresh; the adapter must pass it as an argument of its own
+---@field resume_prompt string|nil   the prompt sent when resuming (says the rate limit has reset)
 ---@field max_retries integer|nil  bound on the CLI's own retries of failed API calls
 ---@field request_timeout_ms integer|nil  how long the CLI waits for one API answer (the vendor route may hold a rate-limited request until its reset)
 

@@ -34,6 +34,7 @@ function probeCommand(tokenVar, authHeader, authPrefix, routes) {
     "C=$(printf '%s-%s' 'demesne-control' 'c0ffee')",
     'printf "%s" "$C" > /tmp/control.txt',
     "env > /out/env.txt",
+    "ls /sys/class/net > /out/ifaces.txt",
     'grep -rlsF -e "$S" -e "$C" / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev > /out/found.txt 2>/dev/null',
     'grep -lsaF "$S" /proc/[0-9]*/environ /proc/[0-9]*/cmdline > /out/found_proc.txt 2>/dev/null',
     `grep -lsaF "$${tokenVar}" /proc/[0-9]*/environ | wc -l > /out/control_proc.txt`,
@@ -70,15 +71,26 @@ function rateLimit(res, seconds) {
   res.end(JSON.stringify({ type: "error", error: { type: "rate_limit_error", message: "Number of requests has exceeded your rate limit" } }));
 }
 
+// A prompt holding LIMIT_UNTIL_RESUMED gets 429 (reset 3 s ahead, longer than the route holds
+// a request in those tests) on its tool-result turn until a request carries the prompt that
+// demesne resumes a session with (lua/agent.lua RESUME_PROMPT).
+const RESUME_TEXT = "rate limit that has now reset";
+const resumedRequests = []; // {provider, history}: requests that carried the resume prompt
+
 function anthropic(req, res, body) {
   const msgs = body.messages || [];
   const text = JSON.stringify(msgs);
+  const last = msgs[msgs.length - 1];
+  const resumed = text.includes(RESUME_TEXT);
+  if (resumed) resumedRequests.push({ provider: "anthropic", history: text.includes("tool_result") && text.includes("toolu_") });
   if (!(Array.isArray(body.tools) && body.tools.length === 0)) {
     if (text.includes("RATELIMIT_ALWAYS")) return rateLimit(res, 1);
     if (text.includes("RATELIMIT_ONCE") && limitedOnce++ === 0) return rateLimit(res, 2);
+    if (text.includes("LIMIT_UNTIL_RESUMED") && text.includes("tool_result") && !resumed) {
+      return rateLimit(res, text.includes("LIMIT_UNTIL_RESUMED_SLOWLY") ? 10 : 3);
+    }
   }
-  const last = msgs[msgs.length - 1];
-  const hasResult = Array.isArray(last?.content) && last.content.some((b) => b.type === "tool_result");
+  const hasResult = resumed || (Array.isArray(last?.content) && last.content.some((b) => b.type === "tool_result"));
   const side = Array.isArray(body.tools) && body.tools.length === 0;
   const model = "claude-sonnet-5";
   const id = "msg_" + randomBytes(6).toString("hex");
@@ -119,7 +131,18 @@ function anthropic(req, res, body) {
 
 function openai(req, res, body) {
   const input = body.input || [];
-  const hasResult = input.some((i) => i.type === "function_call_output");
+  const text = JSON.stringify(input);
+  const resumed = text.includes(RESUME_TEXT);
+  if (resumed) resumedRequests.push({ provider: "openai", history: input.some((i) => i.type === "function_call_output") });
+  if (text.includes("LIMIT_UNTIL_RESUMED") && input.some((i) => i.type === "function_call_output") && !resumed) {
+    // a ChatGPT-plan usage limit: the reset is only in the body
+    limited.push(Date.now());
+    res.writeHead(429, { "content-type": "application/json" });
+    res.end(JSON.stringify({ error: { type: "usage_limit_reached", message: "The usage limit has been reached",
+      plan_type: "plus", resets_in_seconds: 3 } }));
+    return;
+  }
+  const hasResult = resumed || input.some((i) => i.type === "function_call_output");
   const id = "resp_" + randomBytes(6).toString("hex");
   const model = body.model;
   let item, usage;
@@ -233,6 +256,7 @@ test("claude_code: scripted turn through the vendor route, credential swapped, u
     assert.equal(r.answer, FINAL);
     const outDir = r.output_dir;
     checkSandboxSide(outDir, "ANTHROPIC_API_KEY");
+    assert.equal(readFileSync(path.join(outDir, "ifaces.txt"), "utf8").trim(), "lo", "egress none: no network device but lo");
 
     // the upstream saw only the real credential, on the two scripted turns
     const mine = seen.slice(before).filter((s) => s.provider === "anthropic");
@@ -279,7 +303,7 @@ test("claude_code: a vendor 429 is waited out until its reset and the run goes o
     assert.equal(r.answer, FINAL);
     assert.equal(r.reason, undefined);
     assert.equal(limited.length - n0, 1, "one 429 was answered");
-    assert.deepEqual(r.rate_limited, { answers: 1, retried: 1, budget: 3 });
+    assert.deepEqual(r.rate_limited, { answers: 1, retried: 1, held: 1, resumed: 0, budget: 3 });
     const lines = readFileSync(path.join(r.output_dir, "usage.jsonl"), "utf8").trim().split("\n").map((l) => JSON.parse(l));
     const first = lines.findIndex((l) => l.status === 429);
     assert.ok(first >= 0, "the 429 is in usage.jsonl");
@@ -321,6 +345,63 @@ test("claude_code: a vendor that keeps answering 429 ends the run with a clear r
   } finally {
     await conn.client.close();
   }
+});
+
+// The CLI's attempt ends on a 429 whose reset is longer than the route holds a request; the
+// host waits for the reset and runs the CLI again resuming its session.
+async function resumeRun(t, { model, env, provider }) {
+  const conn = await connect({ fixtures: false, env: serverEnv({ DEMESNE_AGENT_RATE_LIMIT_HOLD_SECONDS: "1", ...env }) });
+  try {
+    const n0 = limited.length;
+    const r0 = resumedRequests.length;
+    const started = Date.now();
+    const res = await conn.client.callTool({ name: "sandbox_agent", arguments: {
+      prompt: "LIMIT_UNTIL_RESUMED: write done to /out/answer.txt.", model, timeout_seconds: 180,
+    } }, undefined, { timeout: 230_000 });
+    const r = res.structuredContent;
+    assert.ok(!res.isError, JSON.stringify(res.content) + "\n" + conn.stderr().slice(-3000));
+    assert.equal(r.exit_code, 0, JSON.stringify(r) + "\n" + conn.stderr().slice(-3000));
+    assert.equal(r.answer, FINAL);
+    assert.equal(r.reason, undefined);
+    assert.equal(readFileSync(path.join(r.output_dir, "answer.txt"), "utf8"), "done\n", "turn 1's work is kept");
+    assert.ok(limited.length - n0 >= 1, "the vendor answered 429");
+    assert.equal(r.rate_limited.resumed, 1, JSON.stringify(r.rate_limited));
+    assert.equal(r.rate_limited.held, 0, "a 3 s reset is longer than the 1 s hold");
+    assert.equal(r.rate_limited.retried, 1);
+    const mine = resumedRequests.slice(r0).filter((x) => x.provider === provider);
+    assert.ok(mine.length >= 1, "the CLI ran again with the resume prompt");
+    assert.ok(mine.every((x) => x.history), "the resumed request carries the session's history (turn 1's tool call)");
+    const firstLimit = limited[n0];
+    assert.ok(Date.now() - started >= 3000 && Date.now() - firstLimit >= 3000, "the resume waited for the reset");
+    const stderr = readFileSync(path.join(r.output_dir, "stderr.log"), "utf8");
+    assert.match(stderr, /resuming session \S+ \(attempt 2\)/);
+    const lines = readFileSync(path.join(r.output_dir, "usage.jsonl"), "utf8").trim().split("\n").map((l) => JSON.parse(l));
+    const att = lines.filter((l) => l.path === "/.demesne/attempt");
+    assert.deepEqual(att.map((l) => [l.attempt, l.decision]), [[1, "resume"], [2, "stop"]], JSON.stringify(att));
+    assert.ok(att[0].resume_in_ms >= 1000, JSON.stringify(att[0]));
+    assert.ok(lines.some((l) => l.status === 429 && l.resume === true), "the 429 went to the CLI marked for a resume");
+    const results = JSON.parse(readFileSync(path.join(r.output_dir, "results.json"), "utf8"));
+    assert.equal(results.rate_limited.resumed, 1);
+    return r;
+  } finally {
+    await conn.client.close();
+  }
+}
+
+test("claude_code: a rate limit longer than the hold ends the attempt; the session is resumed after the reset", { timeout: 240_000 }, async (t) => {
+  await resumeRun(t, { model: "sonnet", provider: "anthropic", env: {
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+  } });
+});
+
+test("codex: a usage limit whose reset is only in the body is waited out by resuming the thread", { timeout: 240_000 }, async (t) => {
+  await resumeRun(t, { model: "gpt-5.6-sol", provider: "openai", env: {
+    OPENAI_API_KEY: SECRET, DEMESNE_CODEX_UPSTREAM: `http://127.0.0.1:${port}/openai/v1`,
+    DEMESNE_CLAUDE_CODE_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+    ANTHROPIC_API_KEY: "", CLAUDE_CODE_OAUTH_TOKEN: "", ANTHROPIC_AUTH_TOKEN: "",
+    CODEX_HOME: path.join(work, "no-codex-home"),
+  } });
 });
 
 test("codex: scripted turn through the vendor route, credential swapped, usage counted", { timeout: 240_000 }, async () => {
@@ -422,5 +503,77 @@ test("a background agent survives a server restart: the vendor route comes back,
     for (const s of seen.slice(before)) assert.equal(s.auth, SECRET);
   } finally {
     await b.client.close();
+  }
+});
+
+test("a server restart while a session resume waits for the reset: the wait is kept, the budget drawn on once", { timeout: 240_000 }, async () => {
+  const env = serverEnv({
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+    DEMESNE_STATE_DIR: path.join(work, "state-resume-restart"), DEMESNE_AGENT_RATE_LIMIT_HOLD_SECONDS: "1",
+  });
+  const a = await connect({ fixtures: false, env });
+  const n0 = limited.length;
+  const r0 = resumedRequests.length;
+  const started = await a.client.callTool({ name: "sandbox_agent", arguments: {
+    prompt: "LIMIT_UNTIL_RESUMED_SLOWLY: write done to /out/answer.txt.", timeout_seconds: 180, background: true,
+  } });
+  assert.ok(!started.isError, JSON.stringify(started.content));
+  const { job_id: jobId, output_dir: outDir } = started.structuredContent;
+  // the 429 (reset 10 s ahead) has gone to the CLI: give the wrapper a moment to ask, then restart
+  const t0 = Date.now();
+  while (limited.length === n0 && Date.now() - t0 < 90_000) await new Promise((r) => setTimeout(r, 100));
+  assert.ok(limited.length > n0, "the vendor answered 429");
+  await new Promise((r) => setTimeout(r, 2000));
+  await a.client.close();
+  const b = await connect({ fixtures: false, env });
+  try {
+    const done = await b.client.callTool({ name: "sandbox_wait", arguments: { job_id: jobId, timeout_seconds: 200 } },
+      undefined, { timeout: 230_000 });
+    assert.equal(done.structuredContent.status, "succeeded", JSON.stringify(done.structuredContent) + b.stderr().slice(-3000));
+    const results = JSON.parse(readFileSync(path.join(outDir, "results.json"), "utf8"));
+    assert.equal(results.answer, FINAL);
+    assert.equal(results.rate_limited.resumed, 1, JSON.stringify(results.rate_limited));
+    assert.equal(results.rate_limited.retried, 1, "the resume granted before the restart is not granted twice");
+    assert.ok(Date.now() - limited[n0] >= 10_000, "the reset was waited for");
+    assert.ok(resumedRequests.slice(r0).length >= 1);
+    assert.ok(!existsSync(path.join(work, "state-resume-restart", "vendor", `${results.run_id}.json`)),
+      "the saved rate-limit state is removed with the run");
+  } finally {
+    await b.client.close();
+  }
+});
+
+// Open egress gives the sandbox a bridge network. Nothing here connects anywhere: the CLIs
+// make no connection but the model calls (CLAUDE_CODE_DISABLE_NONESSENTIAL_TRAFFIC, see
+// agent-clis.md), which go over the vendor port's relay to this test's loopback upstream,
+// and the scripted tool call only reads and writes files.
+test("sandbox_research: the same agent run with open egress and no host inputs", { timeout: 240_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv({
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+  }) });
+  try {
+    const files = await conn.client.callTool({ name: "sandbox_research", arguments: { prompt: "x", files: [work] } });
+    assert.equal(files.isError, true, "sandbox_research takes no host inputs");
+    assert.match(files.content[0].text, /files/);
+    const res = await conn.client.callTool({ name: "sandbox_research", arguments: {
+      prompt: "Write done to /out/answer.txt.", model: "sonnet", timeout_seconds: 180,
+    } }, undefined, { timeout: 230_000 });
+    const r = res.structuredContent;
+    assert.ok(!res.isError, JSON.stringify(res.content) + "\n" + conn.stderr().slice(-3000));
+    assert.equal(r.exit_code, 0, r.stderr);
+    assert.equal(r.answer, FINAL);
+    checkSandboxSide(r.output_dir, "ANTHROPIC_API_KEY");
+    const ifaces = readFileSync(path.join(r.output_dir, "ifaces.txt"), "utf8").trim().split("\n");
+    assert.ok(ifaces.some((i) => i !== "lo"), `open egress: a network device besides lo (${ifaces})`);
+    const env = readFileSync(path.join(r.output_dir, "env.txt"), "utf8");
+    assert.ok(!/^HTTPS?_PROXY=/m.test(env), "open egress: no proxy in the way");
+    const usage = JSON.parse(readFileSync(path.join(r.output_dir, "usage.json"), "utf8"));
+    assert.equal(usage.models["claude-sonnet-5"].requests, 2);
+    const context = readdirSync(r.output_dir);
+    assert.ok(context.includes("results.json"));
+  } finally {
+    await conn.client.close();
   }
 });

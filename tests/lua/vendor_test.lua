@@ -142,8 +142,9 @@ end
 
 -- One route against an upstream that answers the first `limited` POSTs with 429
 -- (retry-after: 1). Returns the status the agent saw, usage.jsonl's lines and the route.
-local function rate_run(limited, budget)
+local function rate_run(limited, budget, holds)
   local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-vendor-" .. hex(loop.random(6))
+  local run_id = "vr-" .. hex(loop.random(4)) -- the rate state is saved by run id
   assert(fs.mkdir_p(dir .. "/run", 493))
   assert(fs.mkdir_p(dir .. "/out", 493))
   local up = upstream(limited)
@@ -152,8 +153,8 @@ local function rate_run(limited, budget)
   local cred = setmetatable({ present = true, kind = "api_key", value = function() return "real-secret" end }, {})
   local saved = p.vendor.upstream
   p.vendor.upstream = "http://127.0.0.1:" .. up.port
-  local route = assert(vendor.start({ run_id = "vr", run_dir = dir .. "/run", output_dir = dir .. "/out", provider = p,
-    token = "dmsn-good", credential = cred, rate_limit_retries = budget }))
+  local route = assert(vendor.start({ run_id = run_id, run_dir = dir .. "/run", output_dir = dir .. "/out", provider = p,
+    token = "dmsn-good", credential = cred, rate_limit_retries = budget, holds = holds }))
   local front, fport = assert(stream.listen_tcp("127.0.0.1", 0, function(c) route:accept(c) end))
   local ok, res = pcall(request, { url = "http://127.0.0.1:" .. fport .. "/v1/messages", method = "POST",
     headers = { ["x-api-key"] = "dmsn-good", ["content-type"] = "application/json" }, body = '{"stream":true}' })
@@ -165,8 +166,9 @@ local function rate_run(limited, budget)
   for l in (fs.read_file(dir .. "/out/usage.jsonl") or ""):gmatch("[^\n]+") do lines[#lines + 1] = json.decode(l) end
   local usage = json.decode(fs.read_file(dir .. "/out/usage.json") or "{}")
   fs.remove_tree(dir)
+  vendor.forget(run_id)
   if not ok then error(res, 0) end
-  return res.status, lines, usage, #up.seen
+  return res.status, lines, usage, #up.seen, res, route
 end
 
 function tests.route_waits_out_a_429_and_sends_the_request_again(t)
@@ -195,6 +197,120 @@ function tests.route_passes_the_429_on_when_the_budget_is_spent(t)
   t:eq(usage.rate_limited.why, "retry budget of 1 exhausted")
   t:eq(require("demesne.agent").rate_reason(usage.rate_limited):match("^(.-) %("),
     "rate limited by the vendor; retry budget of 1 exhausted")
+end
+
+function tests.body_reset_reads_a_usage_limit_body(t)
+  local now = 1800000000
+  t:eq(vendor.body_reset('{"error":{"type":"usage_limit_reached","plan_type":"plus","resets_at":1800000090}}', now), 90)
+  t:eq(vendor.body_reset('{"error":{"type":"usage_limit_reached","resets_in_seconds":120}}', now), 120)
+  t:eq(vendor.body_reset('{"error":{"resets_at":"2027-01-15T08:00:30Z"}}', now), 30)
+  t:eq(vendor.body_reset('{"resets_in_seconds":5}', now), 5)
+  t:eq(vendor.body_reset('{"error":{"type":"rate_limit_error","message":"slow down"}}', now), nil)
+  t:eq(vendor.body_reset("not json", now), nil)
+  t:eq(vendor.body_reset(nil, now), nil)
+end
+
+function tests.route_passes_a_long_429_on_for_a_session_resume(t)
+  if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
+  -- holds = false: every reset is "longer than a request is held"
+  local status, lines, usage, n, res, route = rate_run(1, 3, false)
+  t:eq(status, 429, "the agent gets the 429 at once")
+  t:eq(n, 1, "the route did not send the request again")
+  t:eq(res.headers["x-should-retry"], "false", "the CLI is told not to retry by itself")
+  t:eq(res.headers["retry-after"], nil)
+  t:ok(res.body:find("rate_limit_error", 1, true), "the vendor's body is passed on")
+  t:eq(lines[1].resume, true)
+  t:eq(usage.rate_limited.answers, 1)
+  t:eq(usage.rate_limited.retried, 0, "nothing spent until a resume is granted")
+  t:eq(usage.rate_limited.why, nil, "not a reason to end the run")
+  t:ok(type(route.rate.passed_at) == "number")
+  t:ok(type(route.rate.reset_at) == "number")
+end
+
+-- A route stand-in for agent.decide: the rate state and a save that counts.
+local function fake_route(rate, deadline)
+  local r = { rate = rate, deadline = deadline, saves = 0 }
+  function r.save_rate(self) self.saves = self.saves + 1 end
+  return r
+end
+
+local function with_transcript(name, fn)
+  local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-decide-" .. hex(loop.random(6))
+  assert(fs.mkdir_p(dir, 493))
+  local src = os.getenv("DEMESNE_SOURCE_DIR") or "."
+  local text = name and assert(fs.read_file(src .. "/tests/fixtures/providers/" .. name)) or ""
+  assert(fs.write_atomic(dir .. "/transcript.jsonl", text))
+  local ok, err = pcall(fn, dir)
+  fs.remove_tree(dir)
+  if not ok then error(err, 0) end
+end
+
+function tests.decide_resumes_a_rate_limited_session_once_per_attempt(t)
+  local agent = require("demesne.agent")
+  local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
+  with_transcript("claude_code_transcript_429.jsonl", function(dir)
+    local now = loop.time()
+    local route = fake_route({ budget = 2, used = 0, limited = 3, reset_at = now + 5, passed_at = now }, now + 600)
+    local d = agent.decide(p, dir, route, { attempt = 1, exit_code = 1 })
+    t:eq(d.action, "resume")
+    t:eq(d.session, "77e1c0aa-2f44-4d0b-8c1e-6a1b2c3d4e5f")
+    t:ok(d.at >= now + 5 and d.at <= now + 7, "after the reset")
+    t:eq(route.rate.used, 1)
+    t:eq(route.rate.resumed, 1)
+    local again = agent.decide(p, dir, route, { attempt = 1, exit_code = 1 })
+    t:eq(again.session, d.session, "asked again (a restarted server): the same answer")
+    t:eq(route.rate.used, 1, "and the budget is drawn on once")
+    -- attempt 2 ends rate limited again: the budget of 2 allows one more
+    route.rate.passed_at = loop.time() + 10
+    t:eq(agent.decide(p, dir, route, { attempt = 2, exit_code = 1 }).action, "resume")
+    route.rate.passed_at = loop.time() + 20
+    local spent = agent.decide(p, dir, route, { attempt = 3, exit_code = 1 })
+    t:eq(spent.action, "stop")
+    t:eq(spent.why, "retry budget of 2 exhausted")
+    t:eq(route.rate.why, "retry budget of 2 exhausted", "the run's reason")
+  end)
+end
+
+function tests.decide_stops_when_a_resume_cannot_help(t)
+  local agent = require("demesne.agent")
+  local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
+  with_transcript("claude_code_transcript_429.jsonl", function(dir)
+    local now = loop.time()
+    local ok0 = fake_route({ budget = 3, used = 0, limited = 1, reset_at = now + 5, passed_at = now }, now + 600)
+    t:eq(agent.decide(p, dir, ok0, { attempt = 1, exit_code = 0 }).action, "stop", "a clean exit is final")
+    local late = fake_route({ budget = 3, used = 0, limited = 1, reset_at = now + 500, passed_at = now }, now + 300)
+    local d = agent.decide(p, dir, late, { attempt = 1, exit_code = 1 })
+    t:eq(d.action, "stop")
+    t:eq(d.why, "reset is after the run's timeout")
+    local unknown = fake_route({ budget = 3, used = 0, limited = 1, passed_at = now }, now + 600)
+    t:eq(agent.decide(p, dir, unknown, { attempt = 1, exit_code = 1 }).why, "no reset time in the answer")
+  end)
+  with_transcript("claude_code_transcript.jsonl", function(dir)
+    local now = loop.time()
+    local other = fake_route({ budget = 3, used = 0, limited = 0 }, now + 600)
+    local d = agent.decide(p, dir, other, { attempt = 1, exit_code = 1 })
+    t:eq(d.action, "stop", "a failure that is not a rate limit is final")
+    t:eq(d.why, nil)
+  end)
+  with_transcript(nil, function(dir)
+    local now = loop.time()
+    local nosession = fake_route({ budget = 3, used = 0, limited = 1, reset_at = now + 5, passed_at = now }, now + 600)
+    t:eq(agent.decide(p, dir, nosession, { attempt = 1, exit_code = 1 }).why, "the CLI named no session to resume")
+  end)
+end
+
+function tests.wrapper_quotes_the_cli_and_resumes_the_session(t)
+  local agent = require("demesne.agent")
+  local p = { name = "echoer", argv = function(run)
+    return { "printf", "%s|%s|%s\\n", "it's \"quoted\" $HOME", run.resume_session or "fresh", run.resume_prompt or "-" }
+  end }
+  local script = agent.wrapper(p, { model = "m" })
+  t:ok(script:find([['printf' '%s|%s|%s\n' 'it'\''s "quoted" $HOME' 'fresh' '-']], 1, true), script)
+  t:ok(script:find([['printf' '%s|%s|%s\n' 'it'\''s "quoted" $HOME' "$session" ']], 1, true), script)
+  local bad = { name = "bad", argv = function(run) return { "x", "--resume=" .. (run.resume_session or "") } end }
+  local ok, err = pcall(agent.wrapper, bad, {})
+  t:eq(ok, false)
+  t:ok(tostring(err):find("an argument of its own", 1, true))
 end
 
 return tests
