@@ -317,7 +317,10 @@ local function load_rate(run_id, budget)
   local text = fs.read_file(rate_file(run_id), 0, 1 << 20)
   local prev = text and json.decode(text)
   if type(prev) ~= "table" then return rate end
-  for _, k in ipairs({ "used", "limited", "held", "resumed", "reset_at", "passed_at", "attempt_started" }) do
+  for _, k in ipairs({ "used", "limited", "held", "resumed" }) do
+    if type(prev[k]) == "number" then rate[k] = math.tointeger(math.floor(prev[k])) end
+  end
+  for _, k in ipairs({ "reset_at", "passed_at", "attempt_started" }) do
     if type(prev[k]) == "number" then rate[k] = prev[k] end
   end
   if type(prev.why) == "string" then rate.why = prev.why end
