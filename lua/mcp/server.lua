@@ -229,11 +229,23 @@ end
 -- Logging to the client
 
 local LEVELS = log.LEVELS
+local EARLY_LOGS_MAX = 256 -- job-end records kept for a client that has not finished connecting
 
 --- The log sink: forwards a record as notifications/message when the session is
 --- initialised and the record is at or above the level the client set.
 function Server:forward_log(level, logger, msg, data)
-  if self.in_forward or self.closing or not self.session.announced then return end
+  if self.in_forward or self.closing then return end
+  if not self.session.announced then
+    -- a background job that ends before the client is connected: keep its one terminal
+    -- notification (bounded) and send it once initialize is answered
+    if logger == "demesne.jobs" and type(data) == "table" and data.job_id and data.status then
+      self.early_logs = self.early_logs or {}
+      if #self.early_logs < EARLY_LOGS_MAX then
+        self.early_logs[#self.early_logs + 1] = { level, logger, msg, data }
+      end
+    end
+    return
+  end
   local n = LEVELS[level]
   if not n or n < (LEVELS[self.session.log_level] or 0) then return end
   if (self.backlog() or 0) > LOG_DROP_BACKLOG then
@@ -501,7 +513,12 @@ function Server:handle_request(msg)
     end
     if ok then
       self:respond(id, res, tool)
-      if msg.method == "initialize" then self.session.announced = true end
+      if msg.method == "initialize" then
+        self.session.announced = true
+        local early = self.early_logs or {}
+        self.early_logs = nil
+        for _, r in ipairs(early) do self:forward_log(r[1], r[2], r[3], r[4]) end
+      end
     elseif res == async.CANCELLED then
       log.debug(LOGGER, "%s %s cancelled", msg.method, tostring(id))
     elseif type(res) == "table" and res.rpc_error then

@@ -356,6 +356,21 @@ function tests.no_log_notifications_before_initialize(t)
   t:eq(#h.take(), 0)
 end
 
+function tests.a_job_end_before_initialize_is_sent_after_it(t)
+  local h <close> = harness()
+  local log = require("demesne.log")
+  log.log("info", "demesne.jobs", "background job job-x succeeded", { job_id = "job-x", status = "succeeded", exit_code = 0 })
+  log.info("demesne.jobs", "job-y: re-attaching")
+  t:eq(#h.take(), 0, "nothing goes out before initialize")
+  h.call(0, "initialize", { protocolVersion = "2025-11-25", capabilities = {}, clientInfo = { name = "test", version = "1" } })
+  local got = {}
+  for _, m in ipairs(h.take()) do
+    if m.method == "notifications/message" and m.params.logger == "demesne.jobs" then got[#got + 1] = m.params end
+  end
+  t:eq(#got, 1, "the job end, once; not the other records")
+  t:eq(got[1].data.data, { job_id = "job-x", status = "succeeded", exit_code = 0 })
+end
+
 function tests.oversized_result_becomes_is_error(t)
   -- case C10: control bytes grow six-fold when JSON-escaped
   local h <close> = harness({
