@@ -280,7 +280,7 @@ kinds.agent = {
         route, err = require("demesne.vendor").start({ run_id = rec.run_id, run_dir = rec.run_dir,
           output_dir = rec.output_dir, provider = p, token = rec.vendor_token, credential = cred,
           deadline = rec.started_ms / 1000 + rec.timeout_seconds,
-          decide = require("demesne.agent").decider(p, rec.output_dir) })
+          decide = require("demesne.agent").decider(p, rec.output_dir, rec.resumable) })
         if not route then log.warning(LOGGER, "%s: vendor route: %s", rec.job_id, tostring(err)) end
       else
         log.warning(LOGGER, "%s: vendor route not restarted: %s", rec.job_id, tostring(why))
@@ -438,11 +438,31 @@ function jobs.launch(rec, plan, parent)
   return rec
 end
 
+-- The claim on adopting a job from one (gone) owner: <jobs>/<id>.adopt-<hash of owner>,
+-- created exclusively. Of several servers that find the same orphan at once, only the one
+-- that creates it adopts; a later orphaning (the adopter gone too) has another owner and
+-- so another claim file. Removed with the record by jobs.prune.
+local function claim(rec)
+  local path = ("%s/%s.adopt-%s"):format(jobs.dir(), rec.job_id, require("core.text").hash(tostring(rec.owner)))
+  local f = fs.open(path, "wx", 384) -- 0600
+  if not f then return false end
+  f:write(sandbox.owner() .. "\n")
+  f:close()
+  -- the record may have moved on between our read and the claim (finished, or adopted
+  -- from this same owner by a server that has since written it)
+  local now = read_record(rec.job_id)
+  return now ~= nil and now.status == "running" and now.owner == rec.owner
+end
+
 -- Takes over a running record whose server is gone and re-attaches to it.
 local function adopt(rec)
   local kind = kinds[rec.kind]
   if not kind then
     log.warning(LOGGER, "%s: no way to re-attach a job of kind %q; left as it is", rec.job_id, tostring(rec.kind))
+    return nil
+  end
+  if not claim(rec) then
+    log.debug(LOGGER, "%s: another server re-attached it first", rec.job_id)
     return nil
   end
   log.info(LOGGER, "%s: re-attaching (%s, started by %s)", rec.job_id, rec.tool or rec.kind, tostring(rec.owner))
@@ -466,6 +486,7 @@ function jobs.get(id)
   if rec.status == "running" and not sandbox.owner_alive(rec.owner) then
     local job = adopt(rec)
     if job then return job.rec end
+    return read_record(id) or rec -- another server took it over: its view
   end
   return rec
 end
@@ -594,6 +615,17 @@ function jobs.prune()
         n = n + 1
       end
     end
+  end
+  -- adoption claims whose record is gone
+  local names = fs.readdir(jobs.dir()) or {}
+  local have = {}
+  for _, name in ipairs(names) do
+    local id = name:match("^(job%-[%w%-]+)%.json$")
+    if id then have[id] = true end
+  end
+  for _, name in ipairs(names) do
+    local id = name:match("^(job%-[%w%-]+)%.adopt%-%x+$")
+    if id and not have[id] then fs.unlink(jobs.dir() .. "/" .. name) end
   end
   return n
 end
@@ -780,6 +812,7 @@ function jobs.start_agent(ctx, args, tool)
     job_id = id, tool = tool, kind = "agent", command = short(args.prompt), timeout_seconds = o.timeout,
     output_dir = o.output_dir, log_dir = o.output_dir, run_dir = o.run_dir, exec_id = o.exec_id,
     container = o.name, run_id = o.run_id, provider = o.provider.name, model = o.model, vendor_token = o.token,
+    resumable = o.resumable,
     stdout_file = "transcript.jsonl",
   }, o, parent_of(ctx))
   handed = true

@@ -161,6 +161,35 @@ function tests.a_dead_servers_running_job_is_adopted(t)
   teardown(env)
 end
 
+function tests.only_one_server_adopts_an_orphan(t)
+  local env = setup()
+  assert(fs.mkdir_p(jobs.dir()))
+  local text = require("core.text")
+  local dead = loop.hostname() .. "/999999998/1"
+  local function orphan(id)
+    assert(fs.write_atomic(jobs.dir() .. "/" .. id .. ".json", json.encode({ job_id = id, tool = "fixture", kind = "fake",
+      status = "running", owner = dead, started_ms = math.floor(loop.time() * 1000) - 5000, children = json.array(),
+      output_dir = env.dir .. "/out", timeout_seconds = 60 })))
+  end
+  local taken, free = "job-20260101T000000Z-1111111111", "job-20260101T000000Z-2222222222"
+  orphan(taken)
+  orphan(free)
+  -- another server has claimed `taken` from the dead owner first (it is still writing the record)
+  assert(fs.write_atomic(jobs.dir() .. "/" .. taken .. ".adopt-" .. text.hash(dead), "other/1/1\n"))
+  -- a claim from an earlier owner does not block a later adoption
+  assert(fs.write_atomic(jobs.dir() .. "/" .. free .. ".adopt-" .. text.hash("earlier/2/2"), "x\n"))
+  t:eq(jobs.resume(), 1, "only the unclaimed orphan is adopted")
+  t:eq(jobs.wait(free, 5000).status, "failed")
+  t:eq(on_disk(taken).status, "running", "the claimed one is left to the server that claimed it")
+  t:eq(on_disk(taken).owner, dead)
+  t:ok(fs.stat(jobs.dir() .. "/" .. free .. ".adopt-" .. text.hash(dead)), "the adoption left its claim")
+  -- once a record is pruned its claims go too
+  fs.unlink(jobs.dir() .. "/" .. taken .. ".json")
+  jobs.prune()
+  t:eq(fs.stat(jobs.dir() .. "/" .. taken .. ".adopt-" .. text.hash(dead)), nil)
+  teardown(env)
+end
+
 function tests.prune_keeps_running_and_recent(t)
   local env = setup()
   local old = jobs.wait(fake(env, {}).job_id, 5000)
