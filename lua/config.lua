@@ -28,7 +28,10 @@ end
 
 -- name -> {default, env = variable, parse = function(string) -> value|nil, err, doc}
 local SPEC = {
-  engine = { env = "DEMESNE_ENGINE", doc = "container engine socket (unix:///path); empty = discover" },
+  engine = { env = "DEMESNE_ENGINE", doc = "container engine socket (unix:///path); empty = discover. With another "
+    .. "engine_adapter: that adapter's endpoint" },
+  engine_adapter = { env = "DEMESNE_ENGINE_ADAPTER", default = "docker",
+    doc = "the engine adapter: docker (the Docker Engine API: Docker, Podman) or a file engines/<name>.lua in the config folder" },
   allowed_paths = { env = "DEMESNE_ALLOWED_PATHS", default = {}, list = true, absolute = true,
     doc = "host roots that files/directories/src may come from (':'-separated)" },
   output_root = { env = "DEMESNE_OUTPUT_ROOT", default = function() return xdg("XDG_DATA_HOME", ".local/share") .. "/demesne/out" end,

@@ -14,7 +14,13 @@ return function()
     io.stdout:write(("%-20s = %-40s (%s)\n"):format(k, tostring(v), d[k].origin))
   end
   local ok, engines = pcall(require, "demesne.engines")
-  if ok then
+  local adapter = config.get("engine_adapter") or "docker"
+  if ok and adapter ~= "docker" then
+    local mod, aerr = engines.load_user(adapter)
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine adapter file", mod and mod.origin or "not loaded",
+      mod and "loaded" or tostring(aerr)))
+    if not mod then err = err or aerr end
+  elseif ok then
     local sock, tried = engines.discover()
     io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine socket", tostring(sock or "none found"),
       sock and "discovered" or ("tried " .. table.concat(tried or {}, ", "))))

@@ -39,9 +39,58 @@ end
 
 local current
 
---- The engine adapter for the discovered socket (cached), or nil and a message that says
---- which sockets were tried and how to start an engine.
+-- User adapters: $XDG_CONFIG_HOME/demesne/engines/<name>.lua returns a module table with
+-- `new(endpoint) -> engine | nil, err` (the engine object implements the adapter interface
+-- in docs/reference/engines.md; wrapping require("demesne.engines.docker") is the usual way).
+-- The file is trusted like config.lua: it runs with the runtime's full environment.
+local user_modules = {}
+
+--- The module of a user engine adapter, or nil, err. `name`: letters, digits, '_' and '-'.
+---@param name string
+---@return table|nil module, string|nil err
+function engines.load_user(name)
+  if not tostring(name):match("^[%w_%-]+$") then
+    return nil, ("engine_adapter: %q is not a valid adapter name (letters, digits, '_', '-')"):format(tostring(name))
+  end
+  if user_modules[name] then return user_modules[name] end
+  local path = config.dir() .. "/engines/" .. name .. ".lua"
+  local chunk, err = loadfile(path, "t")
+  if not chunk then
+    if not fs.stat(path) then
+      return nil, ("engine_adapter: no adapter %q (built in: docker; no file %s)"):format(name, path)
+    end
+    return nil, "engine_adapter: " .. tostring(err)
+  end
+  local ok, mod = pcall(chunk)
+  if not ok then return nil, ("engine_adapter: %s: %s"):format(path, tostring(mod)) end
+  if type(mod) ~= "table" or type(mod.new) ~= "function" then
+    return nil, ("engine_adapter: %s must return a table with a function new(endpoint)"):format(path)
+  end
+  mod.origin = path
+  user_modules[name] = mod
+  return mod
+end
+
+--- The engine adapter: for engine_adapter "docker" (the default) the Docker Engine API at
+--- the discovered socket; otherwise the user adapter's new(endpoint) with the `engine`
+--- setting as is. Cached while the socket (or adapter) stays the same. Returns the adapter,
+--- or nil, a message (which sockets were tried and how to start an engine; or why the
+--- adapter cannot be loaded) and "ENOENGINE".
 function engines.get()
+  local which = config.get("engine_adapter") or "docker"
+  if which ~= "docker" then
+    if current and current.adapter_name == which then return current end
+    local mod, err = engines.load_user(which)
+    if not mod then return nil, err, "ENOENGINE" end
+    local ok, eng, nerr = pcall(mod.new, config.get("engine"))
+    if not ok or not eng then
+      return nil, ("engine_adapter %s: %s"):format(which, tostring(ok and nerr or eng)), "ENOENGINE"
+    end
+    eng.adapter_name = which
+    eng.socket = eng.socket or ("adapter:" .. which) -- lua/images.lua keys its cache by it
+    current = eng
+    return current
+  end
   local path, tried = engines.discover()
   if not path then
     current = nil
@@ -49,7 +98,7 @@ function engines.get()
       .. "(Podman) or `dockerd &` (Docker), or set DEMESNE_ENGINE=unix:///path/to/socket"):format(table.concat(tried, ", ")),
       "ENOENGINE"
   end
-  if not current or current.socket ~= path then
+  if not current or current.socket ~= path or current.adapter_name then
     current = require("demesne.engines.docker").new(path)
   end
   return current

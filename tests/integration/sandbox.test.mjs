@@ -458,3 +458,36 @@ test("no engine: the tools answer with the sockets tried and how to start one", 
     await c2.client.close();
   }
 });
+
+// A user engine adapter: a Lua file in $XDG_CONFIG_HOME/demesne/engines/ chosen with
+// DEMESNE_ENGINE_ADAPTER. tests/fixtures/engines/recording.lua (the example in
+// docs/reference/engines.md) wraps the Docker Engine API adapter and writes each container
+// call it sees to a file, so the test can tell that sandboxes went through it.
+const RECORDING_ADAPTER = readFileSync(new URL("../fixtures/engines/recording.lua", import.meta.url), "utf8");
+
+test("a user engine adapter file is loaded and used; a missing one is a clear error", async () => {
+  const xdg = mkdtempSync(path.join(tmpdir(), "demesne-xdg-engine-"));
+  mkdirSync(path.join(xdg, "demesne", "engines"), { recursive: true });
+  writeFileSync(path.join(xdg, "demesne", "engines", "recording.lua"), RECORDING_ADAPTER);
+  const logPath = path.join(xdg, "calls.log");
+  const c2 = await connect({ env: { ...env, XDG_CONFIG_HOME: xdg, DEMESNE_ENGINE_ADAPTER: "recording",
+    RECORDING_ADAPTER_LOG: logPath }, fixtures: false });
+  try {
+    const res = await c2.client.callTool({ name: "sandbox_script", arguments: { command: "echo via-adapter" } },
+      undefined, LONG);
+    assert.ok(!res.isError, res.content?.[0]?.text);
+    assert.equal(res.structuredContent.stdout, "via-adapter\n");
+    assert.deepEqual(readFileSync(logPath, "utf8").trim().split("\n"), ["create", "start", "remove"]);
+  } finally {
+    await c2.client.close();
+  }
+  const c3 = await connect({ env: { ...env, XDG_CONFIG_HOME: xdg, DEMESNE_ENGINE_ADAPTER: "nosuch" }, fixtures: false });
+  try {
+    const res = await c3.client.callTool({ name: "sandbox_script", arguments: { command: "true" } });
+    assert.equal(res.isError, true);
+    assert.match(res.content[0].text, /engine_adapter: no adapter "nosuch" \(built in: docker; no file .*engines\/nosuch\.lua\)/);
+  } finally {
+    await c3.client.close();
+    rmSync(xdg, { recursive: true, force: true });
+  }
+});

@@ -106,4 +106,22 @@ function tests.every_core_heading_names_a_binding(t)
   t:ok(true)
 end
 
+-- Worked examples marked `<!-- tested copy: tests/fixtures/<path> -->` in the reference are
+-- the fixture files the tests run, byte for byte (the providers' are checked in
+-- providers_test).
+function tests.engine_adapter_example_is_the_tested_fixture(t)
+  local root = source_root()
+  local function read(p)
+    local f = assert(io.open(root .. "/" .. p, "r"))
+    local s = f:read("a")
+    f:close()
+    return s
+  end
+  local doc = read("docs/reference/engines.md")
+  local marker = "<!-- tested copy: tests/fixtures/engines/recording.lua -->"
+  local at = doc:find(marker, 1, true)
+  t:ok(at, "engines.md marks the example")
+  t:eq(doc:match("```lua\n(.-)```", at), read("tests/fixtures/engines/recording.lua"))
+end
+
 return tests
