@@ -256,6 +256,11 @@ function agent.prepare(args, tool, kind)
     fail("output_path: must be a relative path inside /out without '..'")
   end
   local timeout = sandbox.timeout(args.timeout_seconds)
+  if p.refresh then -- a login kept on the host (Codex's ChatGPT login) is renewed before the run
+    local rok, ok, rerr = pcall(p.refresh, cred, timeout + 600)
+    if not rok then ok, rerr = nil, tostring(ok) end
+    if not ok then fail(("model: provider %s: %s"):format(p.name, tostring(rerr))) end
+  end
   local o = sandbox.prepare(args, kind or "oneshot", tool, timeout + 600)
   o.provider, o.model, o.credential = p, model, cred
   o.token = providers.new_token()

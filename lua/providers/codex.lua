@@ -211,7 +211,7 @@ function codex.credentials()
   end
   local tokens = type(auth.tokens) == "table" and auth.tokens or {}
   if type(tokens.access_token) == "string" and tokens.access_token ~= "" then
-    return { present = true, kind = "chatgpt", source = path,
+    return { present = true, kind = "chatgpt", source = path, path = path,
       account_id = type(tokens.account_id) == "string" and tokens.account_id or nil,
       value = function()
         local a = read_auth()
@@ -219,6 +219,89 @@ function codex.credentials()
       end }
   end
   return { present = false, hint = ("%s holds neither an API key nor ChatGPT tokens: %s"):format(path, hint) }
+end
+
+-- The ChatGPT login's refresh, as the Codex CLI does it (codex-rs login): the OAuth
+-- refresh-token grant at auth.openai.com with Codex's public client id, due when
+-- last_refresh is 8 days old or the access token (a JWT) expires before the run can end.
+codex.REFRESH_URL = "https://auth.openai.com/oauth/token"
+codex.CLIENT_ID = "app_EMoamEEZ73f0CkXaXp7hrann"
+local REFRESH_INTERVAL = 8 * 24 * 3600
+
+local function epoch_of(rfc3339)
+  if type(rfc3339) ~= "string" then return nil end
+  local y, mo, d, h, mi, sec = rfc3339:match("^(%d%d%d%d)%-(%d%d)%-(%d%d)[Tt ](%d%d):(%d%d):(%d%d)")
+  if not y then return nil end
+  -- os.time reads local time: correct by the zone's offset at that moment
+  local t = os.time({ year = tonumber(y), month = tonumber(mo), day = tonumber(d), hour = tonumber(h),
+    min = tonumber(mi), sec = tonumber(sec), isdst = false })
+  local utc = os.date("!*t", t)
+  utc.isdst = false
+  return t + (t - os.time(utc))
+end
+
+--- Whether a ChatGPT login needs a refresh before a run of `need` seconds: true and why,
+--- or false. `now`: epoch seconds.
+---@param auth table  the decoded auth.json
+---@param need number
+---@param now number
+---@return boolean due, string|nil why
+function codex.refresh_due(auth, need, now)
+  local tokens = type(auth.tokens) == "table" and auth.tokens or {}
+  local claims = require("demesne.oauth").jwt_claims(tokens.access_token)
+  local exp = claims and tonumber(claims.exp)
+  if exp and exp <= now + need then return true, "the access token expires before the run can end" end
+  local last = epoch_of(auth.last_refresh)
+  if last and now - last >= REFRESH_INTERVAL then return true, "the login was last refreshed 8 or more days ago" end
+  return false
+end
+
+--- Refreshes a ChatGPT login in its auth.json on the host when due (codex.refresh_due),
+--- keeping every other field, mode 0600. Other credential kinds need nothing. Runs inside a
+--- task. Returns true, or nil and an error that says to run `codex login`.
+---@param cred ProviderCredential
+---@param need number  seconds the run may last
+---@return boolean|nil ok, string|nil err
+function codex.refresh(cred, need)
+  if cred.kind ~= "chatgpt" or type(cred.path) ~= "string" then return true end
+  local oauth = require("demesne.oauth")
+  local function read()
+    local f = io.open(cred.path, "rb")
+    if not f then return nil end
+    local text = f:read("a")
+    f:close()
+    local ok, t = pcall(json.decode, text or "")
+    return ok and type(t) == "table" and t or nil
+  end
+  local auth = read()
+  if not auth then return nil, ("cannot read %s: run `codex login` on the host"):format(cred.path) end
+  local due, why = codex.refresh_due(auth, need, os.time())
+  if not due then return true end
+  local tokens = type(auth.tokens) == "table" and auth.tokens or {}
+  if type(tokens.refresh_token) ~= "string" or tokens.refresh_token == "" then
+    return nil, ("%s: %s and there is no refresh_token: run `codex login` on the host"):format(cred.path, why)
+  end
+  local url = os.getenv("DEMESNE_CODEX_REFRESH_URL")
+  if not url or url == "" then url = P.settings("codex").refresh_url end
+  if type(url) ~= "string" or url == "" then url = codex.REFRESH_URL end
+  local got, err = oauth.refresh({ url = url, json = true, client_id = codex.CLIENT_ID,
+    refresh_token = tokens.refresh_token, scope = "openid profile email" })
+  if not got then
+    -- a refresh running alongside (another run, or the Codex CLI on the host) may have won
+    local now = read()
+    if now and not codex.refresh_due(now, need, os.time()) then return true end
+    return nil, ("codex login refresh failed (%s): the refresh token may be spent; run `codex login` on the host")
+      :format(err)
+  end
+  auth = read() or auth -- keep what others wrote meanwhile
+  auth.tokens = type(auth.tokens) == "table" and auth.tokens or {}
+  auth.tokens.access_token = got.access_token
+  if type(got.id_token) == "string" then auth.tokens.id_token = got.id_token end
+  if type(got.refresh_token) == "string" and got.refresh_token ~= "" then auth.tokens.refresh_token = got.refresh_token end
+  auth.last_refresh = os.date("!%Y-%m-%dT%H:%M:%SZ")
+  local ok, werr = oauth.write_private_json(cred.path, auth)
+  if not ok then return nil, ("codex login refreshed but %s could not be written: %s"):format(cred.path, tostring(werr)) end
+  return true
 end
 
 local function bearer_swap(headers, cred)
@@ -238,6 +321,7 @@ codex.bearer_swap = bearer_swap
 ---@field models (string|ProviderModel)[]
 ---@field prices table|nil                 USD per million tokens by model prefix (default: none, cost 0)
 ---@field credentials fun(): ProviderCredential
+---@field refresh nil|fun(cred: ProviderCredential, need: number): boolean|nil, string|nil  renews a login before a run
 ---@field upstream string|fun(cred: ProviderCredential): string  a Responses API base URL (…/v1)
 ---@field label string|nil                 how the context file names the API
 ---@field context_file_name string|nil     default AGENTS.md
@@ -274,6 +358,7 @@ function codex.make(opts)
         no_proxy = "127.0.0.1,localhost",
       }
     end,
+    refresh = opts.refresh,
     parse_answer = codex.parse_answer,
     usage_from_json = codex.usage_from_json,
     usage_from_sse = codex.usage_from_sse,
@@ -301,6 +386,7 @@ codex.adapter = codex.make({
     { name = "gpt-5.4-mini", description = "cheapest" },
   },
   credentials = codex.credentials,
+  refresh = codex.refresh,
   -- an API key goes to the Responses API; a ChatGPT login to the ChatGPT backend's Codex
   -- endpoint with its account header (that path was not exercised on these machines)
   upstream = function(cred)
@@ -319,5 +405,6 @@ codex.adapter = codex.make({
 })
 codex.adapter.make = codex.make
 codex.adapter.config_toml = codex.config_toml
+codex.adapter.refresh_due = codex.refresh_due
 
 return codex.adapter

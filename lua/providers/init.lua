@@ -396,6 +396,9 @@ function providers.check(p)
     end
   end
   if p.cost ~= nil and type(p.cost) ~= "function" then return nil, "cost: must be a function(usage)" end
+  if p.refresh ~= nil and type(p.refresh) ~= "function" then
+    return nil, "refresh: must be a function(credential, seconds) returning true or nil, err"
+  end
   return true
 end
 

@@ -9,7 +9,7 @@ import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import http from "node:http";
 import { randomBytes } from "node:crypto";
-import { mkdtempSync, readFileSync, readdirSync, statSync, existsSync, rmSync } from "node:fs";
+import { mkdtempSync, readFileSync, readdirSync, statSync, existsSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { connect } from "./helpers.mjs";
@@ -48,7 +48,8 @@ function probeCommand(tokenVar, authHeader, authPrefix, routes) {
 
 // ---- the scripted upstream --------------------------------------------------------------
 
-const seen = []; // {provider, method, url, auth}
+const seen = []; // {provider, method, url, auth, account}
+const tokenRequests = []; // bodies POSTed to /oauth/token
 let upstream, port;
 
 function sse(res, events, named = true) {
@@ -171,9 +172,17 @@ before(async () => {
     const chunks = [];
     req.on("data", (c) => chunks.push(c));
     req.on("end", () => {
+      if (req.url === "/oauth/token") { // the ChatGPT login's token endpoint
+        const body = JSON.parse(Buffer.concat(chunks).toString("utf8") || "{}");
+        tokenRequests.push(body);
+        res.writeHead(200, { "content-type": "application/json" });
+        res.end(JSON.stringify({ access_token: SECRET, id_token: "id-new", refresh_token: "rt-new" }));
+        return;
+      }
       const provider = req.url.startsWith("/openai") ? "openai" : "anthropic";
       seen.push({ provider, method: req.method, url: req.url,
-        auth: req.headers["x-api-key"] || req.headers.authorization || null });
+        auth: req.headers["x-api-key"] || req.headers.authorization || null,
+        account: req.headers["chatgpt-account-id"] || null });
       if (req.method !== "POST") { res.writeHead(404); res.end(); return; }
       let body = {};
       try { body = JSON.parse(Buffer.concat(chunks).toString("utf8") || "{}"); } catch { /* empty */ }
@@ -573,6 +582,53 @@ test("sandbox_research: the same agent run with open egress and no host inputs",
     assert.equal(usage.models["claude-sonnet-5"].requests, 2);
     const context = readdirSync(r.output_dir);
     assert.ok(context.includes("results.json"));
+  } finally {
+    await conn.client.close();
+  }
+});
+
+// A ChatGPT login (auth.json with OAuth tokens, no API key) whose access token has expired:
+// the host refreshes it before the run, as the Codex CLI would, and writes it back. The
+// refreshed token is the real credential here: the upstream must see it, the sandbox never.
+test("codex with a ChatGPT login: an expired access token is refreshed on the host, never seen in the sandbox", { timeout: 240_000 }, async () => {
+  const b64 = (o) => Buffer.from(JSON.stringify(o)).toString("base64url");
+  const authFile = path.join(work, "codex-auth.json");
+  writeFileSync(authFile, JSON.stringify({ OPENAI_API_KEY: null, auth_mode: "chatgpt",
+    tokens: { id_token: "id-old", access_token: `${b64({ alg: "none" })}.${b64({ exp: Math.floor(Date.now() / 1000) - 60 })}.x`,
+      refresh_token: "rt-old", account_id: "acct-test" }, last_refresh: "2026-01-01T00:00:00Z" }), { mode: 0o600 });
+  const conn = await connect({ fixtures: false, env: serverEnv({
+    OPENAI_API_KEY: "", DEMESNE_CODEX_AUTH_FILE: authFile,
+    DEMESNE_CODEX_REFRESH_URL: `http://127.0.0.1:${port}/oauth/token`,
+    DEMESNE_CODEX_UPSTREAM: `http://127.0.0.1:${port}/openai/v1`,
+    DEMESNE_CLAUDE_CODE_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+  }) });
+  try {
+    const before = seen.length;
+    const t0 = tokenRequests.length;
+    const res = await conn.client.callTool({ name: "sandbox_agent", arguments: {
+      prompt: "Write done to /out/answer.txt.", model: "gpt-5.6-sol", timeout_seconds: 180,
+    } }, undefined, { timeout: 230_000 });
+    const r = res.structuredContent;
+    assert.ok(!res.isError, JSON.stringify(res.content) + "\n" + conn.stderr().slice(-3000));
+    assert.equal(r.exit_code, 0, r.stderr);
+    assert.equal(r.answer, FINAL);
+    assert.deepEqual(tokenRequests.slice(t0), [{ grant_type: "refresh_token", refresh_token: "rt-old",
+      client_id: "app_EMoamEEZ73f0CkXaXp7hrann", scope: "openid profile email" }]);
+    const auth = JSON.parse(readFileSync(authFile, "utf8"));
+    assert.equal(auth.tokens.access_token, SECRET);
+    assert.equal(auth.tokens.refresh_token, "rt-new");
+    assert.equal(auth.tokens.account_id, "acct-test");
+    assert.equal(auth.auth_mode, "chatgpt");
+    assert.ok(Date.parse(auth.last_refresh) > Date.now() - 600_000, auth.last_refresh);
+    assert.equal(statSync(authFile).mode & 0o777, 0o600);
+    const mine = seen.slice(before).filter((x) => x.provider === "openai");
+    assert.equal(mine.length, 2);
+    for (const x of mine) {
+      assert.equal(x.auth, `Bearer ${SECRET}`, "the upstream sees the refreshed token");
+      assert.equal(x.account, "acct-test");
+    }
+    checkSandboxSide(r.output_dir, "AGENT_API_KEY");
+    assert.ok(!conn.stderr().includes(SECRET), "the server log does not hold the token");
   } finally {
     await conn.client.close();
   }
