@@ -217,13 +217,16 @@ function agent.decide(provider, output_dir, route, info, resumable)
     if wait > max + 1 then
       return stop(("reset in %d s is beyond the longest wait (%d s)"):format(math.ceil(wait), max))
     end
-    if route.deadline and now + wait >= route.deadline - 10 then return stop("reset is after the run's timeout") end
+    if route.deadline and now + wait >= route.deadline - vendor.DEADLINE_MARGIN then
+      return stop("reset is after the run's timeout")
+    end
     rate.used = rate.used + 1
     rate.resumed = (rate.resumed or 0) + 1
     rate.why = nil
     return { action = "resume", session = session, at = now + wait }
   end)()
-  rate.decided[key] = d
+  -- only a granted resume is kept (the budget is drawn on once): at most `budget` entries
+  if d.action == "resume" then rate.decided[key] = d end
   rate.attempt_started = d.at or now
   route:save_rate()
   return d
@@ -316,8 +319,9 @@ function agent.rate_reason(rate)
 end
 
 --- After the container stopped: stops the vendor route and builds the result (also written
---- to results.json). `code, err` as script_wait returned them.
-function agent.finish(o, code, err, duration_ms)
+--- to results.json). `code, err` as script_wait returned them; `reason` (optional) says why
+--- the run ended early (a cancel), replacing the message built from `err`.
+function agent.finish(o, code, err, duration_ms, reason)
   if o.vendor then o.vendor:stop() end
   local st = sandbox.read_status(o.run_dir, o.exec_id)
   local exit_code = st and st.exit_code or code
@@ -337,7 +341,8 @@ function agent.finish(o, code, err, duration_ms)
     is_error = type(details) == "table" and details.is_error or nil,
     session_id = type(details) == "table" and details.session_id or nil,
   }
-  if exit_code == nil then r.reason = "the agent run failed: " .. tostring(err) end
+  if reason then r.reason = reason
+  elseif exit_code == nil then r.reason = "the agent run failed: " .. tostring(err) end
   local rate = totals.rate_limited
   if type(rate) == "table" then
     r.rate_limited = { answers = rate.answers, retried = rate.retried, held = rate.held, resumed = rate.resumed,
@@ -361,9 +366,15 @@ end
 function agent.run(ctx, args, tool)
   local o = agent.prepare(args, tool)
   local started = loop.hrtime()
+  local finished = false
   local _ <close> = setmetatable({}, { __close = function()
     if not o.removed then sandbox.script_remove(o) end
+    if not finished and o.vendor then -- cancelled or failed on the way: still say so in results.json
+      pcall(agent.finish, o, nil, nil, math.floor((loop.hrtime() - started) / 1e6),
+        "the call ended before the agent did (cancelled by the client, or the server stopped)")
+    end
     if o.vendor then o.vendor:stop() end
+    vendor.forget(o.run_id)
     fs.remove_tree(o.run_dir)
   end })
   sandbox.script_start(ctx, o)
@@ -371,6 +382,7 @@ function agent.run(ctx, args, tool)
   local code, err = sandbox.script_wait(o, (o.timeout + 30) * 1000)
   sandbox.script_remove(o)
   o.removed = true
+  finished = true
   return agent.finish(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
 end
 

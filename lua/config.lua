@@ -57,13 +57,13 @@ local SPEC = {
   cpus_max = { default = function() return nproc() end, number = true, doc = "ceiling for limits.cpus" },
   pids_default = { default = 1024, number = true, doc = "process limit per sandbox" },
   pids_max = { default = 32768, number = true, doc = "ceiling for limits.pids" },
-  agent_rate_limit_retries = { env = "DEMESNE_AGENT_RATE_LIMIT_RETRIES", default = 3, number = true,
-    doc = "times per agent run a vendor 429 is waited out until its reset (a held request or a resumed session)" },
+  agent_rate_limit_retries = { env = "DEMESNE_AGENT_RATE_LIMIT_RETRIES", default = 3, number = true, zero = true,
+    doc = "times per agent run a vendor 429 is waited out until its reset (a held request or a resumed session); 0: never" },
   agent_rate_limit_max_wait_seconds = { env = "DEMESNE_AGENT_RATE_LIMIT_MAX_WAIT_SECONDS", default = 3600, number = true,
     doc = "longest wait for a vendor rate-limit reset; a later reset ends the run" },
   agent_rate_limit_hold_seconds = { env = "DEMESNE_AGENT_RATE_LIMIT_HOLD_SECONDS", default = 60, number = true,
-    doc = "longest reset the vendor route waits out holding the request; a later one ends the CLI's attempt "
-      .. "and its session is resumed after the reset" },
+    zero = true, doc = "longest reset the vendor route waits out holding the request; a later one ends the CLI's "
+      .. "attempt and its session is resumed after the reset; 0: never hold" },
   output_head_bytes = { env = "DEMESNE_OUTPUT_HEAD_BYTES", default = 32768, number = true,
     doc = "bytes of the start of each stream kept in a result" },
   output_tail_bytes = { env = "DEMESNE_OUTPUT_TAIL_BYTES", default = 32768, number = true,
@@ -103,9 +103,12 @@ local function parse(spec, name, raw)
   elseif spec.number then
     local n = tonumber(raw)
     if not n then return nil, ("%s must be a number, got %q"):format(name, tostring(raw)) end
-    -- every numeric setting is a size, a count or a duration: zero or less makes no sense
-    -- (a zero ceiling would refuse every call, zero head bytes would cut every result)
-    if n <= 0 or n ~= n then return nil, ("%s must be a positive number, got %s"):format(name, tostring(raw)) end
+    -- numeric settings are sizes, counts and durations: zero makes sense only where it
+    -- switches something off (spec.zero), less never (a zero ceiling would refuse every
+    -- call, zero head bytes would cut every result)
+    if n ~= n or n < 0 or (n == 0 and not spec.zero) then
+      return nil, ("%s must be a %s number, got %s"):format(name, spec.zero and "non-negative" or "positive", tostring(raw))
+    end
     return n
   elseif spec.bool then
     if type(raw) == "boolean" then return raw end

@@ -261,7 +261,18 @@ kinds.agent = {
       require("demesne.vendor").forget(o.run_id)
     end
     local started = now_ms()
+    local finished = false
+    -- a cancel: the container goes first (script_watch), then the vendor route stops (its
+    -- held requests and timers with it) and results.json says the run was cancelled
+    local _ <close> = closer(function()
+      if finished then return end
+      local ok, err = pcall(require("demesne.agent").finish, o, nil, nil, now_ms() - started,
+        "cancelled: " .. tostring(job.cancel_reason or "cancelled"))
+      if not ok then log.warning(LOGGER, "%s: results.json: %s", job.rec.job_id, tostring(err)) end
+      if o.vendor then o.vendor:stop() end
+    end)
     local out = script_watch(job, o)
+    finished = true
     local ok, err = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason, now_ms() - started)
     if not ok then log.warning(LOGGER, "%s: results.json: %s", job.rec.job_id, tostring(err)) end
     return out
@@ -286,7 +297,19 @@ kinds.agent = {
         log.warning(LOGGER, "%s: vendor route not restarted: %s", rec.job_id, tostring(why))
       end
     end
+    local finished = false
+    local _ <close> = closer(function()
+      if finished or not route then return end
+      local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
+        output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model }
+      local ok, err = pcall(require("demesne.agent").finish, o, nil, nil, now_ms() - rec.started_ms,
+        "cancelled: " .. tostring(job.cancel_reason or "cancelled"))
+      if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(err)) end
+      route:stop()
+      require("demesne.vendor").forget(rec.run_id)
+    end)
     local out = kinds.script.attach(job)
+    finished = true
     local after = job.after
     job.after = function()
       if after then after() end
@@ -720,7 +743,29 @@ function jobs.view(rec)
     sandbox_id = rec.sandbox_id,
     parent = rec.parent,
     children = json.array({ table.unpack(rec.children or {}) }),
+    agent = rec.kind == "agent" and TERMINAL[rec.status] and jobs.agent_result(rec) or nil,
   }
+end
+
+local AGENT_FIELDS = { "answer", "reason", "cost_usd", "usage", "rate_limited", "model", "provider", "session_id", "is_error" }
+
+--- An ended agent job's result, from results.json in its output folder (written by
+--- lua/agent.lua; read without following links, at most 256 KiB), reduced to
+--- AGENT_FIELDS. nil when there is none.
+---@param rec JobRecord
+---@return table|nil
+function jobs.agent_result(rec)
+  local f = rec.output_dir and fs.open_beneath(rec.output_dir, "results.json")
+  if not f then return nil end
+  local text = f:read(256 * 1024)
+  f:close()
+  local ok, r = pcall(json.decode, text or "")
+  if not ok or type(r) ~= "table" then return nil end
+  local out = {}
+  for _, k in ipairs(AGENT_FIELDS) do
+    if r[k] ~= nil and r[k] ~= json.null then out[k] = r[k] end
+  end
+  return out
 end
 
 --- Reads a job's stdout.log from byte `since`, at most `max` bytes, ending on a code-point

@@ -109,6 +109,8 @@ function schemas.job_properties(extra)
     parent = { type = "string", description = "the job that started this one" },
     children = { type = "array", items = { type = "string" }, description = "jobs this one started" },
     message = { type = "string" },
+    agent = { type = "object", description = "an ended agent job's result (from results.json in output_dir): "
+      .. "answer, reason, cost_usd, usage, rate_limited, model, session_id" },
   }
   for k, v in pairs(extra or {}) do props[k] = v end
   return props
@@ -128,6 +130,11 @@ function schemas.status_text(r)
   if r.reason then lines[#lines + 1] = "reason: " .. r.reason end
   if r.message then lines[#lines + 1] = "message: " .. r.message end
   if r.output_dir then lines[#lines + 1] = "output_dir: " .. r.output_dir end
+  if type(r.agent) == "table" then
+    if type(r.agent.cost_usd) == "number" then lines[#lines + 1] = ("cost_usd: %.4f (indicative)"):format(r.agent.cost_usd) end
+    if type(r.agent.reason) == "string" and r.agent.reason ~= r.reason then lines[#lines + 1] = "agent reason: " .. r.agent.reason end
+    if type(r.agent.answer) == "string" then lines[#lines + 1] = "--- answer ---\n" .. r.agent.answer end
+  end
   return table.concat(lines, "\n")
 end
 

@@ -253,6 +253,10 @@ end
 
 local function setting(name, default) return tonumber(require("demesne.config").get(name)) or default end
 
+--- Seconds before the run's deadline after which no wait for a reset is started (the
+--- agent needs some time to finish after it).
+vendor.DEADLINE_MARGIN = 10
+
 --- How a 429 is handled, from its headers and body. Returns the wait in ms when the route
 --- holds the request and sends it again; else nil, why, resumable (true when the run's
 --- session is to be resumed after the reset: the agent is told not to retry by itself).
@@ -274,16 +278,20 @@ function Route:rate_wait(headers, body)
   if not w then return no("no reset time in the answer") end
   local max = setting("agent_rate_limit_max_wait_seconds", 3600)
   if w > max then return no(("reset in %d s is beyond the longest wait (%d s)"):format(math.ceil(w), max)) end
-  if self.deadline and now + w >= self.deadline then return no("reset is after the run's timeout") end
+  if self.deadline and now + w >= self.deadline - vendor.DEADLINE_MARGIN then
+    return no("reset is after the run's timeout")
+  end
   local hold = setting("agent_rate_limit_hold_seconds", 60)
-  if w > hold or not self.holds then
+  if hold <= 0 or w > hold or not self.holds then
     return no(("reset in %d s: the attempt ends and the session is resumed after it"):format(math.ceil(w)), true)
   end
   rate.used = rate.used + 1
   rate.held = (rate.held or 0) + 1
   rate.passed_at = nil
+  local ms = math.max(1, math.ceil(w * 1000) + 250)
+  rate.holding_until = now + ms / 1000 -- a restarted route waits for it too
   self:save_rate()
-  return math.max(1, math.ceil(w * 1000) + 250)
+  return ms
 end
 
 --- The rate-limit state of the run (saved in <state_dir>/vendor/<run_id>.json): budget,
@@ -320,7 +328,7 @@ local function load_rate(run_id, budget)
   for _, k in ipairs({ "used", "limited", "held", "resumed" }) do
     if type(prev[k]) == "number" then rate[k] = math.tointeger(math.floor(prev[k])) end
   end
-  for _, k in ipairs({ "reset_at", "passed_at", "attempt_started" }) do
+  for _, k in ipairs({ "reset_at", "passed_at", "attempt_started", "holding_until" }) do
     if type(prev[k]) == "number" then rate[k] = prev[k] end
   end
   if type(prev.why) == "string" then rate.why = prev.why end
@@ -518,6 +526,7 @@ end
 --- exit_code}. The answer (text/plain) is `resume <session>`, sent once the rate limit has
 --- reset, or `stop`.
 vendor.ATTEMPT_PATH = "/.demesne/attempt"
+vendor.ATTEMPTS_MAX = 1000
 
 function Route:attempt_end(conn, req, body, state, rec)
   local function answer(status, text)
@@ -533,10 +542,10 @@ function Route:attempt_end(conn, req, body, state, rec)
   end
   if req.method ~= "POST" then return answer(405, "POST only\n") end
   local ok, info = pcall(json.decode, body or "")
-  local n = ok and type(info) == "table" and math.tointeger(info.attempt)
-  local code = ok and type(info) == "table" and math.tointeger(info.exit_code)
-  if not n or n < 1 or not code then
-    return answer(400, "body: must be JSON {attempt: integer >= 1, exit_code: integer}\n")
+  local n = ok and type(info) == "table" and type(info.attempt) == "number" and math.tointeger(info.attempt)
+  local code = ok and type(info) == "table" and type(info.exit_code) == "number" and math.tointeger(info.exit_code)
+  if not n or n < 1 or n > vendor.ATTEMPTS_MAX or not code then
+    return answer(400, ("body: must be JSON {attempt: integer 1..%d, exit_code: integer}\n"):format(vendor.ATTEMPTS_MAX))
   end
   info = { attempt = n, exit_code = code }
   rec.attempt, rec.exit_code = info.attempt, info.exit_code
@@ -623,16 +632,19 @@ function Route:handle(conn, req, body, state)
       end
       rec.rate_limit = why
       local h = limited.headers
-      if resumable then
-        -- the host waits for the reset and resumes the session: the CLI must not retry first
-        rec.resume = true
+      -- the host waits for the reset and resumes the session, or the run cannot wait for
+      -- it: either way the CLI must not retry into the limit (without a reset time its own
+      -- short backoff may still help)
+      if resumable then rec.resume = true end
+      if resumable or why ~= "no reset time in the answer" then
         local copy = {}
         for k, v in pairs(h) do
           if k ~= "retry-after" and k ~= "x-should-retry" then copy[k] = v end
         end
         copy["x-should-retry"] = "false"
         h = copy
-      else
+      end
+      if not resumable then
         self.rate.why = why
         self:save_rate()
       end
@@ -683,6 +695,8 @@ function Route:handle(conn, req, body, state)
             if self.closed and (self.inflight or 0) <= 0 and self.on_idle then self.on_idle() end
             return
           end
+          self.rate.holding_until = nil
+          rec.time = iso_now() -- when it is sent again
           attempt()
         end)
         self.waits[t] = true
@@ -730,6 +744,23 @@ function Route:handle(conn, req, body, state)
     self.upstreams[upstream] = true
   end
   attempt = issue
+  -- a hold that a previous server started (the agent's held connection dropped with it and
+  -- the CLI sent the request again): wait for the same reset before sending it
+  local until_ = self.rate.holding_until
+  local left = type(until_) == "number" and until_ - loop.time() or 0
+  if left > 0 then
+    rec.held_ms = math.ceil(left * 1000)
+    local t
+    t = timer.after(rec.held_ms, function()
+      self.waits[t] = nil
+      if self.closed then return state.finish() end
+      self.rate.holding_until = nil
+      rec.time = iso_now()
+      issue()
+    end)
+    self.waits[t] = true
+    return
+  end
   return issue()
 end
 

@@ -86,6 +86,7 @@ function anthropic(req, res, body) {
   if (resumed) resumedRequests.push({ provider: "anthropic", history: text.includes("tool_result") && text.includes("toolu_") });
   if (!(Array.isArray(body.tools) && body.tools.length === 0)) {
     if (text.includes("RATELIMIT_ALWAYS")) return rateLimit(res, 1);
+    if (text.includes("RATELIMIT_LONG_HOLD")) return rateLimit(res, 8);
     if (text.includes("RATELIMIT_ONCE") && limitedOnce++ === 0) return rateLimit(res, 2);
     if (text.includes("LIMIT_UNTIL_RESUMED") && text.includes("tool_result") && !resumed) {
       return rateLimit(res, text.includes("LIMIT_UNTIL_RESUMED_SLOWLY") ? 10 : 3);
@@ -467,6 +468,9 @@ test("claude_code in the background: the job ends, results.json and usage.json a
       undefined, { timeout: 230_000 });
     assert.equal(done.structuredContent.status, "succeeded", JSON.stringify(done.structuredContent));
     assert.match(done.structuredContent.stdout, /"type":"result"/, "the job's stdout is the transcript");
+    assert.equal(done.structuredContent.agent.answer, FINAL, "sandbox_wait carries the agent's answer");
+    assert.ok(Math.abs(done.structuredContent.agent.cost_usd - (300 * 3 + 50 * 15) / 1e6) < 1e-9);
+    assert.match(done.content[0].text, /--- answer ---\nThe answer is done\./);
     assert.equal(readFileSync(path.join(outDir, "answer.txt"), "utf8"), "done\n");
     const results = JSON.parse(readFileSync(path.join(outDir, "results.json"), "utf8"));
     assert.equal(results.answer, FINAL);
@@ -629,6 +633,35 @@ test("codex with a ChatGPT login: an expired access token is refreshed on the ho
     }
     checkSandboxSide(r.output_dir, "AGENT_API_KEY");
     assert.ok(!conn.stderr().includes(SECRET), "the server log does not hold the token");
+  } finally {
+    await conn.client.close();
+  }
+});
+
+test("cancelling a background agent while the route holds a rate-limited request stops the route", { timeout: 240_000 }, async () => {
+  const stateDir = path.join(work, "state-cancel-hold");
+  const conn = await connect({ fixtures: false, env: serverEnv({
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false", DEMESNE_STATE_DIR: stateDir,
+  }) });
+  try {
+    const n0 = limited.length;
+    const started = await conn.client.callTool({ name: "sandbox_agent", arguments: {
+      prompt: "RATELIMIT_LONG_HOLD: write done to /out/answer.txt.", timeout_seconds: 180, background: true,
+    } });
+    assert.ok(!started.isError, JSON.stringify(started.content));
+    const { job_id: jobId, output_dir: outDir, run_id: runId } = started.structuredContent;
+    const t0 = Date.now();
+    while (limited.length === n0 && Date.now() - t0 < 90_000) await new Promise((r) => setTimeout(r, 100));
+    assert.ok(limited.length > n0, "the vendor answered 429 (reset 8 s ahead: held in the route)");
+    const cancelled = await conn.client.callTool({ name: "sandbox_cancel", arguments: { job_id: jobId } });
+    assert.equal(cancelled.structuredContent.status, "cancelled", JSON.stringify(cancelled.structuredContent));
+    const seenAtCancel = seen.length;
+    await new Promise((r) => setTimeout(r, 10_000)); // past the reset
+    assert.equal(seen.length, seenAtCancel, "the held request was not sent after the cancel");
+    const results = JSON.parse(readFileSync(path.join(outDir, "results.json"), "utf8"));
+    assert.match(results.reason, /^cancelled/);
+    assert.ok(!existsSync(path.join(stateDir, "vendor", `${runId}.json`)), "the rate-limit state is gone with the run");
   } finally {
     await conn.client.close();
   }

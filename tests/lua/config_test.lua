@@ -25,6 +25,20 @@ function tests.invalid_numbers_keep_the_default_and_say_why(t)
   end)
 end
 
+function tests.zero_switches_off_only_where_it_means_never(t)
+  with_env({ DEMESNE_AGENT_RATE_LIMIT_RETRIES = "0", DEMESNE_AGENT_RATE_LIMIT_HOLD_SECONDS = "0" }, function()
+    t:eq(config.get("agent_rate_limit_retries"), 0)
+    t:eq(config.get("agent_rate_limit_hold_seconds"), 0)
+    local _, err = config.describe()
+    t:eq(err, nil)
+  end)
+  with_env({ DEMESNE_AGENT_RATE_LIMIT_RETRIES = "-1" }, function()
+    t:eq(config.get("agent_rate_limit_retries"), 3)
+    local _, err = config.describe()
+    t:match(err, "agent_rate_limit_retries must be a non%-negative number, got %-1")
+  end)
+end
+
 function tests.allowed_paths_must_be_absolute(t)
   with_env({ DEMESNE_ALLOWED_PATHS = "/srv/data:relative/dir" }, function()
     t:eq(config.get("allowed_paths"), {})

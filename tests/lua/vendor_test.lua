@@ -189,7 +189,9 @@ end
 
 function tests.route_passes_the_429_on_when_the_budget_is_spent(t)
   if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
-  local status, lines, usage, n = rate_run(5, 1)
+  local status, lines, usage, n, res = rate_run(5, 1)
+  t:eq(res.headers["x-should-retry"], "false", "the run cannot wait: the CLI must not retry into the limit")
+  t:eq(res.headers["retry-after"], nil)
   t:eq(status, 429, "the budget of 1 is spent: the agent gets the 429")
   t:eq(n, 2)
   t:eq(lines[#lines].status, 429)
@@ -324,6 +326,77 @@ function tests.wrapper_quotes_the_cli_and_resumes_the_session(t)
   local ok, err = pcall(agent.wrapper, bad, {})
   t:eq(ok, false)
   t:ok(tostring(err):find("an argument of its own", 1, true))
+end
+
+-- A route on loopback with no upstream call expected; returns route, base URL, closer.
+local function bare_route(run_id, extra)
+  local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-vendor-" .. hex(loop.random(6))
+  assert(fs.mkdir_p(dir .. "/run", 493))
+  assert(fs.mkdir_p(dir .. "/out", 493))
+  local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
+  local cred = setmetatable({ present = true, kind = "api_key", value = function() return "real-secret" end }, {})
+  local o = { run_id = run_id, run_dir = dir .. "/run", output_dir = dir .. "/out", provider = p, token = "dmsn-good",
+    credential = cred }
+  for k, v in pairs(extra or {}) do o[k] = v end
+  local route = assert(vendor.start(o))
+  local front, fport = assert(stream.listen_tcp("127.0.0.1", 0, function(c) route:accept(c) end))
+  return route, "http://127.0.0.1:" .. fport, function()
+    route:stop()
+    front:close()
+    fs.remove_tree(dir)
+    vendor.forget(run_id)
+  end, dir, p
+end
+
+function tests.attempt_endpoint_checks_its_caller_and_body(t)
+  local run_id = "va-" .. hex(loop.random(4))
+  local route, base, close = bare_route(run_id)
+  local ok, err = pcall(function()
+    local function post(body, auth)
+      return assert(request({ url = base .. vendor.ATTEMPT_PATH, method = "POST", body = body,
+        headers = { authorization = auth or "Bearer dmsn-good", ["content-type"] = "application/json" } }))
+    end
+    t:eq(post('{"attempt":1,"exit_code":1}', "Bearer wrong").status, 401)
+    t:eq(post('{"attempt":"1","exit_code":"1"}').status, 400, "strings are not numbers")
+    t:eq(post('{"attempt":1001,"exit_code":1}').status, 400, "attempt numbers are bounded")
+    t:eq(post('{"attempt":1.5,"exit_code":1}').status, 400)
+    local r = post('{"attempt":1,"exit_code":0}')
+    t:eq(r.status, 200)
+    t:eq(r.body, "stop\n", "no decider: stop")
+  end)
+  close()
+  if not ok then error(err, 0) end
+end
+
+function tests.a_restarted_route_keeps_a_hold_in_progress(t)
+  if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
+  local run_id = "vh-" .. hex(loop.random(4))
+  -- the previous server held a request until 1.5 s from now
+  local state = require("demesne.config").get("state_dir") .. "/vendor"
+  assert(fs.mkdir_p(state, 448))
+  assert(fs.write_atomic(state .. "/" .. run_id .. ".json",
+    json.encode({ used = 1, held = 1, limited = 1, holding_until = loop.time() + 1.5 })))
+  local up = upstream(0)
+  local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
+  local saved = p.vendor.upstream
+  p.vendor.upstream = "http://127.0.0.1:" .. up.port
+  local route, base, close, dir = bare_route(run_id, { provider = p })
+  local started = loop.hrtime()
+  local ok, res = pcall(request, { url = base .. "/v1/messages", method = "POST",
+    headers = { ["x-api-key"] = "dmsn-good", ["content-type"] = "application/json" }, body = '{"stream":true}' })
+  local waited = (loop.hrtime() - started) / 1e6
+  local used = route.rate.used
+  local lines = {}
+  for l in (fs.read_file(dir .. "/out/usage.jsonl") or ""):gmatch("[^\n]+") do lines[#lines + 1] = json.decode(l) end
+  close()
+  up.listener:close()
+  p.vendor.upstream = saved
+  if not ok then error(res, 0) end
+  t:eq(res.status, 200)
+  t:ok(waited >= 1200, ("the request waited for the reset (%.0f ms)"):format(waited))
+  t:eq(#up.seen, 1)
+  t:eq(used, 1, "the same hold: the budget is not drawn on again")
+  t:ok(lines[1].held_ms >= 1000, json.encode(lines[1]))
 end
 
 return tests
