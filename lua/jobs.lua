@@ -465,10 +465,30 @@ end
 -- created exclusively. Of several servers that find the same orphan at once, only the one
 -- that creates it adopts; a later orphaning (the adopter gone too) has another owner and
 -- so another claim file. Removed with the record by jobs.prune.
-local function claim(rec)
+-- A claim whose holder died before it took the record over (it still names the gone owner)
+-- is stale: it is moved aside (rename: of two servers doing this at once, one wins) and the
+-- claim is tried once more.
+local function claim(rec, retried)
   local path = ("%s/%s.adopt-%s"):format(jobs.dir(), rec.job_id, require("core.text").hash(tostring(rec.owner)))
   local f = fs.open(path, "wx", 384) -- 0600
-  if not f then return false end
+  if not f then
+    if retried then return false end
+    local holder = (fs.read_file(path, 0, 4096) or ""):match("^%s*(.-)%s*$")
+    if holder == "" or sandbox.owner_alive(holder) then return false end
+    local now = read_record(rec.job_id)
+    if not (now and now.status == "running" and now.owner == rec.owner) then return false end
+    local aside = ("%s.stale-%s"):format(path, hex(loop.random(4)))
+    if not fs.rename(path, aside) then return false end
+    -- what was moved aside may be a fresh claim made meanwhile: then put it back
+    local moved = (fs.read_file(aside, 0, 4096) or ""):match("^%s*(.-)%s*$")
+    if moved ~= holder then
+      fs.rename(aside, path)
+      return false
+    end
+    fs.unlink(aside)
+    log.info(LOGGER, "%s: the server that claimed it (%s) is gone; claiming it again", rec.job_id, holder)
+    return claim(rec, true)
+  end
   f:write(sandbox.owner() .. "\n")
   f:close()
   -- the record may have moved on between our read and the claim (finished, or adopted
@@ -571,7 +591,11 @@ function jobs.cancel(id, reason, cancelled)
   if TERMINAL[rec.status] then return rec, cancelled end
   local job = live[id]
   if not job then
-    fail(("job %s is watched by another demesne server (%s) that is still running; cancel it there")
+    if sandbox.owner_alive(rec.owner) then
+      fail(("job %s is watched by another demesne server (%s) that is still running; cancel it there")
+        :format(id, tostring(rec.owner)))
+    end
+    fail(("job %s is left by a server that is gone (%s) and could not be taken over yet; try again")
       :format(id, tostring(rec.owner)))
   end
   job.cancel_reason = reason or "cancelled by sandbox_cancel"
@@ -647,7 +671,7 @@ function jobs.prune()
     if id then have[id] = true end
   end
   for _, name in ipairs(names) do
-    local id = name:match("^(job%-[%w%-]+)%.adopt%-%x+$")
+    local id = name:match("^(job%-[%w%-]+)%.adopt%-%x+$") or name:match("^(job%-[%w%-]+)%.adopt%-%x+%.stale%-%x+$")
     if id and not have[id] then fs.unlink(jobs.dir() .. "/" .. name) end
   end
   return n

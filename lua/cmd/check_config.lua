@@ -17,6 +17,10 @@ return function()
   local adapter = config.get("engine_adapter") or "docker"
   if ok and adapter ~= "docker" then
     local mod, aerr = engines.load_user(adapter)
+    if mod then -- new() only builds the object; it must not contact the engine yet
+      local eng, nerr = engines.new_user(adapter, mod, config.get("engine"))
+      if not eng then mod, aerr = nil, nerr end
+    end
     io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine adapter file", mod and mod.origin or "not loaded",
       mod and "loaded" or tostring(aerr)))
     if not mod then err = err or aerr end

@@ -71,6 +71,35 @@ function engines.load_user(name)
   return mod
 end
 
+--- The methods the runtime calls on an engine (docs/reference/engines.md, "Adding another adapter").
+engines.METHODS = { "create", "start", "wait", "remove", "inspect", "list", "exec", "image_inspect", "build",
+  "import", "pull" }
+
+--- Builds a user adapter's engine: mod.new(endpoint), checked. Returns the engine, or nil
+--- and a message naming the adapter and what is wrong.
+---@param name string
+---@param mod table
+---@param endpoint string|nil
+---@return table|nil engine, string|nil err
+function engines.new_user(name, mod, endpoint)
+  local ok, eng, nerr = pcall(mod.new, endpoint)
+  if not ok then return nil, ("engine_adapter %s: new() failed: %s"):format(name, tostring(eng)) end
+  if eng == nil then
+    return nil, ("engine_adapter %s: %s"):format(name, nerr ~= nil and tostring(nerr) or "new() returned nothing")
+  end
+  if type(eng) ~= "table" then
+    return nil, ("engine_adapter %s: new() returned a %s, not an engine object"):format(name, type(eng))
+  end
+  local missing = {}
+  for _, m in ipairs(engines.METHODS) do
+    if type(eng[m]) ~= "function" then missing[#missing + 1] = m end
+  end
+  if #missing > 0 then
+    return nil, ("engine_adapter %s: the engine new() returned has no method %s"):format(name, table.concat(missing, ", "))
+  end
+  return eng
+end
+
 --- The engine adapter: for engine_adapter "docker" (the default) the Docker Engine API at
 --- the discovered socket; otherwise the user adapter's new(endpoint) with the `engine`
 --- setting as is. Cached while the socket (or adapter) stays the same. Returns the adapter,
@@ -82,10 +111,8 @@ function engines.get()
     if current and current.adapter_name == which then return current end
     local mod, err = engines.load_user(which)
     if not mod then return nil, err, "ENOENGINE" end
-    local ok, eng, nerr = pcall(mod.new, config.get("engine"))
-    if not ok or not eng then
-      return nil, ("engine_adapter %s: %s"):format(which, tostring(ok and nerr or eng)), "ENOENGINE"
-    end
+    local eng, nerr = engines.new_user(which, mod, config.get("engine"))
+    if not eng then return nil, nerr, "ENOENGINE" end
     eng.adapter_name = which
     eng.socket = eng.socket or ("adapter:" .. which) -- lua/images.lua keys its cache by it
     current = eng

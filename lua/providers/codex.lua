@@ -204,7 +204,15 @@ function codex.credentials()
     return type(t) == "table" and t or nil
   end
   local auth = read_auth()
-  if not auth then return { present = false, hint = hint } end
+  if not auth then
+    local f = io.open(path, "rb")
+    if f then
+      f:close()
+      return { present = false, hint = ("%s exists but is not a JSON object: run `codex login` on the host, or set OPENAI_API_KEY")
+        :format(path) }
+    end
+    return { present = false, hint = hint }
+  end
   if type(auth.OPENAI_API_KEY) == "string" and auth.OPENAI_API_KEY ~= "" then
     return { present = true, kind = "api_key", source = path,
       value = function() local a = read_auth() return a and a.OPENAI_API_KEY end }
@@ -271,35 +279,46 @@ function codex.refresh(cred, need)
     local text = f:read("a")
     f:close()
     local ok, t = pcall(json.decode, text or "")
-    return ok and type(t) == "table" and t or nil
+    return ok and type(t) == "table" and t or nil, text
   end
-  local auth = read()
-  if not auth then return nil, ("cannot read %s: run `codex login` on the host"):format(cred.path) end
+  local auth, text = read()
+  if not auth then return nil, ("cannot read %s as JSON: run `codex login` on the host"):format(cred.path) end
   local due, why = codex.refresh_due(auth, need, os.time())
   if not due then return true end
   local tokens = type(auth.tokens) == "table" and auth.tokens or {}
   if type(tokens.refresh_token) ~= "string" or tokens.refresh_token == "" then
     return nil, ("%s: %s and there is no refresh_token: run `codex login` on the host"):format(cred.path, why)
   end
+  -- a refresh token may be good for one use: never spend it when the result cannot be kept
+  local writable, werr0 = oauth.check_writable(cred.path)
+  if not writable then return nil, ("the ChatGPT login needs a refresh (%s) but %s"):format(why, werr0) end
   local url = os.getenv("DEMESNE_CODEX_REFRESH_URL")
   if not url or url == "" then url = P.settings("codex").refresh_url end
   if type(url) ~= "string" or url == "" then url = codex.REFRESH_URL end
-  local got, err = oauth.refresh({ url = url, json = true, client_id = codex.CLIENT_ID,
+  local got, err, status = oauth.refresh({ url = url, json = true, client_id = codex.CLIENT_ID,
     refresh_token = tokens.refresh_token, scope = "openid profile email" })
   if not got then
-    -- a refresh running alongside (another run, or the Codex CLI on the host) may have won
+    -- a refresh running alongside (another server, or the Codex CLI on the host) may have won
     local now = read()
     if now and not codex.refresh_due(now, need, os.time()) then return true end
-    return nil, ("codex login refresh failed (%s): the refresh token may be spent; run `codex login` on the host")
-      :format(err)
+    if status == 400 or status == 401 then
+      return nil, ("codex login refresh refused (%s): the refresh token may be spent; run `codex login` on the host")
+        :format(err)
+    end
+    return nil, ("codex login refresh failed (%s): the token endpoint %s did not answer; try again later")
+      :format(err, url)
   end
-  auth = read() or auth -- keep what others wrote meanwhile
+  local changes = { access_token = got.access_token, last_refresh = os.date("!%Y-%m-%dT%H:%M:%SZ") }
+  if type(got.id_token) == "string" then changes.id_token = got.id_token end
+  if type(got.refresh_token) == "string" and got.refresh_token ~= "" then changes.refresh_token = got.refresh_token end
+  local latest, latest_text = read()
+  if latest then auth, text = latest, latest_text end -- keep what others wrote meanwhile
   auth.tokens = type(auth.tokens) == "table" and auth.tokens or {}
-  auth.tokens.access_token = got.access_token
-  if type(got.id_token) == "string" then auth.tokens.id_token = got.id_token end
-  if type(got.refresh_token) == "string" and got.refresh_token ~= "" then auth.tokens.refresh_token = got.refresh_token end
-  auth.last_refresh = os.date("!%Y-%m-%dT%H:%M:%SZ")
-  local ok, werr = oauth.write_private_json(cred.path, auth)
+  for _, k in ipairs({ "access_token", "id_token", "refresh_token" }) do
+    if changes[k] then auth.tokens[k] = changes[k] end
+  end
+  auth.last_refresh = changes.last_refresh
+  local ok, werr = oauth.write_private_json(cred.path, auth, text, changes)
   if not ok then return nil, ("codex login refreshed but %s could not be written: %s"):format(cred.path, tostring(werr)) end
   return true
 end

@@ -183,6 +183,13 @@ function tests.only_one_server_adopts_an_orphan(t)
   t:eq(on_disk(taken).status, "running", "the claimed one is left to the server that claimed it")
   t:eq(on_disk(taken).owner, dead)
   t:ok(fs.stat(jobs.dir() .. "/" .. free .. ".adopt-" .. text.hash(dead)), "the adoption left its claim")
+  -- a claim whose holder died before it took the record over is stale: the job is adopted
+  local stale = "job-20260101T000000Z-3333333333"
+  orphan(stale)
+  assert(fs.write_atomic(jobs.dir() .. "/" .. stale .. ".adopt-" .. text.hash(dead), loop.hostname() .. "/999999997/1\n"))
+  t:eq(jobs.resume(), 1, "the stale claim is taken over")
+  t:eq(jobs.wait(stale, 5000).status, "failed")
+  t:eq(on_disk(stale).owner, require("demesne.sandbox").owner())
   -- once a record is pruned its claims go too
   fs.unlink(jobs.dir() .. "/" .. taken .. ".json")
   jobs.prune()

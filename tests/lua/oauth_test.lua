@@ -142,9 +142,78 @@ function tests.a_refused_codex_refresh_says_run_codex_login(t)
   local p = providers.load({ user_dir = false, quiet = true }):get("codex")
   local ok, err = p.refresh(providers.credential(p), 600)
   t:eq(ok, nil)
-  t:match(err, "codex login refresh failed %(HTTP 400: invalid_grant: refresh token already used%)")
+  t:match(err, "codex login refresh refused %(HTTP 400: invalid_grant: refresh token already used%)")
   t:match(err, "run `codex login` on the host")
   t:eq(json.decode(assert(fs.read_file(s.path))), before, "the file is left as it was")
+  loop.setenv("OPENAI_API_KEY", saved_key)
+end
+
+function tests.codex_refresh_writes_through_a_symlink_keeping_the_files_form(t)
+  local saved_key = os.getenv("OPENAI_API_KEY")
+  local now = os.time()
+  local s <close> = scene({}, function() return 200, { access_token = "at-2", refresh_token = "rt-2" } end)
+  -- the real file elsewhere, with values a decode/encode would change; the configured path a link
+  local real = s.dir .. "/real-auth.json"
+  local original = '{\n  "tokens": {"access_token": "' .. jwt({ exp = now - 1 }) .. '", "refresh_token": "rt-1",'
+    .. ' "account_id": "acct"},\n  "big": 12345678901234567890,\n  "list": [],\n  "last_refresh": "2020-01-01T00:00:00Z"\n}\n'
+  assert(fs.write_atomic(real, original, 384))
+  os.remove(s.path)
+  assert(os.execute(("ln -s %q %q"):format(real, s.path)))
+  local p = providers.load({ user_dir = false, quiet = true }):get("codex")
+  t:eq(p.refresh(providers.credential(p), 600), true)
+  t:eq(fs.lstat(s.path).type, "link", "the link stays a link")
+  local text = assert(fs.read_file(real))
+  t:ok(text:find('"big": 12345678901234567890', 1, true), "a big number is kept as written")
+  t:ok(text:find('"list": []', 1, true), "an empty array stays an array")
+  t:ok(text:find('"access_token": "at-2"', 1, true), text)
+  t:ok(text:find('"refresh_token": "rt-2"', 1, true), text)
+  t:ok(not text:find("2020-01-01", 1, true), "last_refresh is new")
+  t:eq(fs.stat(real).mode & 511, 384)
+  loop.setenv("OPENAI_API_KEY", saved_key)
+end
+
+function tests.codex_refresh_spends_nothing_when_the_file_cannot_be_kept(t)
+  local saved_key = os.getenv("OPENAI_API_KEY")
+  local s <close> = scene({ tokens = { access_token = jwt({ exp = os.time() - 1 }), refresh_token = "rt-keep" } },
+    function() return 200, { access_token = "at-x" } end)
+  -- the probe file name is taken by a folder: creating it fails, as on a read-only mount
+  local probe = ("%s/.demesne-write-check.%d"):format(s.dir, loop.getpid())
+  assert(fs.mkdir_p(probe .. "/x", 448))
+  local p = providers.load({ user_dir = false, quiet = true }):get("codex")
+  local ok, err = p.refresh(providers.credential(p), 600)
+  fs.remove_tree(probe)
+  t:eq(ok, nil)
+  t:match(err, "needs a refresh .* cannot be rewritten")
+  t:eq(#s.srv.seen, 0, "the refresh token was not spent")
+  loop.setenv("OPENAI_API_KEY", saved_key)
+end
+
+function tests.a_cancelled_caller_does_not_fail_the_shared_refresh(t)
+  local saved_key = os.getenv("OPENAI_API_KEY")
+  local s <close> = scene({ tokens = { access_token = jwt({ exp = os.time() - 1 }), refresh_token = "rt-c" } },
+    function() return 200, { access_token = "at-c" } end)
+  local p = providers.load({ user_dir = false, quiet = true }):get("codex")
+  local cred = providers.credential(p)
+  local a = async.spawn("first", function() return p.refresh(cred, 600) end)
+  local b = async.spawn("second", function() return p.refresh(cred, 600) end)
+  async.sleep(10)
+  async.cancel(a, "gone")
+  local _, ok = b:wait()
+  t:eq(ok, true, "the other caller still gets the refresh")
+  t:eq(#s.srv.seen, 1)
+  t:eq(json.decode(assert(fs.read_file(s.path))).tokens.access_token, "at-c")
+  loop.setenv("OPENAI_API_KEY", saved_key)
+end
+
+function tests.a_failing_token_endpoint_says_try_again(t)
+  local saved_key = os.getenv("OPENAI_API_KEY")
+  local s <close> = scene({ tokens = { access_token = jwt({ exp = os.time() - 1 }), refresh_token = "rt-5" } },
+    function() return 503, { error = "unavailable" } end)
+  local p = providers.load({ user_dir = false, quiet = true }):get("codex")
+  local ok, err = p.refresh(providers.credential(p), 600)
+  t:eq(ok, nil)
+  t:match(err, "codex login refresh failed %(HTTP 503: unavailable%): the token endpoint .* did not answer; try again later")
+  t:eq(#s.srv.seen, 1)
   loop.setenv("OPENAI_API_KEY", saved_key)
 end
 
