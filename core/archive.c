@@ -308,6 +308,9 @@ int dm_archive_pack(const char *out_path, const dm_archive_entry *entries, size_
     set_err(err, "ENOMEM", "out of memory");
     rc = -1;
   } else if (archive_write_set_format_pax_restricted(p.a) != ARCHIVE_OK ||
+             // names as the bytes they are: a file name that is not UTF-8 is still a
+             // valid name on Linux (pax "hdrcharset=BINARY", POSIX.1-2008 pax format)
+             archive_write_set_format_option(p.a, "pax", "hdrcharset", "BINARY") != ARCHIVE_OK ||
              archive_write_open_fd(p.a, fd) != ARCHIVE_OK) {
     set_archive_err(err, p.a, "EIO", out_path);
     rc = -1;
@@ -523,10 +526,6 @@ static int check_entry(struct archive_entry *e, const char *raw, char *rel, size
     set_err(err, "EUNSAFE", "unsafe entry '%s': '..' component", raw);
     return -1;
   }
-  if (archive_entry_hardlink(e)) {
-    set_err(err, "EUNSAFE", "unsafe entry '%s': hardlinks are refused", raw);
-    return -1;
-  }
   mode_t t = archive_entry_filetype(e);
   if (t != AE_IFREG && t != AE_IFDIR && t != AE_IFLNK) {
     set_err(err, "EUNSAFE", "unsafe entry '%s': devices, fifos and sockets are refused", raw);
@@ -566,6 +565,36 @@ static int check_parents(const char *raw, const char *rel, dm_archive_err *err) 
     }
     *p = '/';
     if (r != 0) break;
+  }
+  return 0;
+}
+
+/* A hard link entry (the cwd is the destination): allowed only to a regular file that an
+ * earlier entry extracted inside the destination, neither name passing through a symlink;
+ * made with link(2), so both names share the data as they did in the sandbox. */
+static int extract_hardlink(struct archive_entry *e, const char *raw, char *rel, size_t rlen,
+                            dm_archive_err *err) {
+  const char *target = archive_entry_hardlink(e);
+  char trel[PATH_MAX];
+  if (!raw || !*raw || raw[0] == '/' || normalize(raw, rel, rlen) != 0 || !*rel) {
+    set_err(err, "EUNSAFE", "unsafe entry '%s': bad name for a hard link", raw ? raw : "");
+    return -1;
+  }
+  if (!target || !*target || target[0] == '/' || normalize(target, trel, sizeof trel) != 0 || !*trel) {
+    set_err(err, "EUNSAFE", "unsafe entry '%s': hard link to '%s' leads outside the destination", raw,
+            target ? target : "");
+    return -1;
+  }
+  if (check_parents(raw, rel, err) != 0 || check_parents(raw, trel, err) != 0) return -1;
+  struct stat ts;
+  if (lstat(trel, &ts) != 0 || !S_ISREG(ts.st_mode)) {
+    set_err(err, "EUNSAFE", "unsafe entry '%s': hard link to '%s', which is not a file extracted before it", raw,
+            target);
+    return -1;
+  }
+  if (link(trel, rel) != 0) {
+    set_errno(err, errno, "link", raw);
+    return -1;
   }
   return 0;
 }
@@ -672,6 +701,19 @@ int dm_archive_extract(const char *tar_path, const char *dest_dir, const dm_arch
               (unsigned long long)lim->max_entries);
       rc = -1;
       break;
+    }
+    if (archive_entry_hardlink(e)) {
+      if (extract_hardlink(e, raw, rel, sizeof rel, err) != 0) {
+        rc = -1;
+        break;
+      }
+      if (strvec_push(&all, raw) != 0) {
+        set_err(err, "ENOMEM", "out of memory");
+        rc = -1;
+        break;
+      }
+      st->files++;
+      continue;
     }
     if (check_entry(e, raw, rel, sizeof rel, err) != 0 || check_parents(raw, rel, err) != 0) {
       rc = -1;

@@ -167,6 +167,8 @@ local function outcome_of(st, timeout)
     out.status = "succeeded"
   elseif code then
     out.status, out.reason = "failed", ("the command exited with code %d"):format(code)
+    local oom = require("demesne.sandbox").oom_note(st)
+    if oom then out.reason = out.reason .. "; " .. oom end
   else
     out.status, out.reason = "failed", "demesne-init recorded no exit code"
   end
@@ -372,8 +374,15 @@ local function exec_watch(job, eng, first_run, e)
     if code ~= nil then
       out = exec_outcome(rec, "the command recorded no exit status")
       if out.status == "lost" then
-        out = { status = code == 0 and "succeeded" or "failed", exit_code = math.tointeger(code),
-          reason = "demesne-init recorded no exit status" }
+        -- no status.json: most likely the sandbox went away under the command (as a
+        -- synchronous sandbox_exec says through check_alive)
+        local ok, gone = pcall(sandbox.check_alive, eng, rec.sandbox_id)
+        if not ok then
+          out = { status = "lost", reason = type(gone) == "table" and tostring(gone.message) or tostring(gone) }
+        else
+          out = { status = code == 0 and "succeeded" or "failed", exit_code = math.tointeger(code),
+            reason = "demesne-init recorded no exit status" }
+        end
       end
     elseif ecode == "ENOENGINE" then
       out = exec_poll(job, eng) -- the engine went away: the command may well still run

@@ -80,6 +80,16 @@ function sandbox.engine()
   return check(engines.get())
 end
 
+--- A number for a message: integral values without a fraction (also beyond the 64-bit
+--- range, where "%d" cannot print them), others as Lua writes them.
+---@param x number
+---@return string
+function sandbox.num(x)
+  if math.tointeger(x) then return ("%d"):format(x) end
+  if x == math.floor(x) and x > -math.huge and x < math.huge then return ("%.0f"):format(x) end
+  return tostring(x)
+end
+
 --- Resolves limits against defaults and ceilings. Returns {memory_mb, cpus, pids}.
 function sandbox.limits(l)
   l = l or {}
@@ -88,8 +98,7 @@ function sandbox.limits(l)
     local v = l[k] or config.get(k .. "_default")
     local max = config.get(k .. "_max")
     if v > max then
-      local function num(x) return x == math.floor(x) and ("%d"):format(x) or tostring(x) end
-      fail(("limits.%s: %s is above the ceiling of %s set in the configuration"):format(k, num(v), num(max)))
+      fail(("limits.%s: %s is above the ceiling of %s set in the configuration"):format(k, sandbox.num(v), sandbox.num(max)))
     end
     if v <= 0 then fail(("limits.%s: must be positive"):format(k)) end
     out[k] = v
@@ -139,7 +148,7 @@ end
 function sandbox.timeout(t)
   t = t or config.get("timeout_default")
   local max = config.get("timeout_max")
-  if t > max then fail(("timeout_seconds: %d is above the ceiling of %d"):format(t, max)) end
+  if t > max then fail(("timeout_seconds: %s is above the ceiling of %s"):format(sandbox.num(t), sandbox.num(max))) end
   if t < 1 then fail("timeout_seconds: must be at least 1") end
   return math.floor(t)
 end
@@ -210,6 +219,20 @@ local function default_env(run_id, pol)
   env.HOME = "/root"
   env.PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
   return env
+end
+
+--- What a status.json says about the OOM killer: a sentence for the result when it killed a
+--- process in the sandbox while the command ran (demesne-init's "oom_kills"), else nil.
+--- `memory_mb`: the sandbox's limit when known.
+---@param st table|nil
+---@param memory_mb number|nil
+---@return string|nil
+function sandbox.oom_note(st, memory_mb)
+  local n = st and math.tointeger(st.oom_kills)
+  if not n or n <= 0 then return nil end
+  return ("the kernel killed %d process%s in the sandbox for lack of memory%s; files in /tmp and /workspace "
+    .. "count against the limit"):format(n, n == 1 and "" or "es",
+    memory_mb and (" (its limit is %d MiB)"):format(math.floor(memory_mb)) or "")
 end
 
 local function read_status(run_dir, exec_id)
@@ -351,6 +374,7 @@ function sandbox.script_result(o, code, err, duration_ms)
     duration_ms = duration_ms,
     timed_out = timed_out and true or false,
     truncated = truncated,
+    oom_killed = sandbox.oom_note(st, o.limits and o.limits.memory_mb),
   }
 end
 
@@ -376,7 +400,7 @@ end
 function sandbox.create(ctx, args)
   local ttl = args.ttl_seconds or config.get("ttl_default")
   if ttl > config.get("ttl_max") then
-    fail(("ttl_seconds: %d is above the ceiling of %d"):format(ttl, config.get("ttl_max")))
+    fail(("ttl_seconds: %s is above the ceiling of %s"):format(sandbox.num(ttl), sandbox.num(config.get("ttl_max"))))
   end
   local o = prepare(args, "persistent", "sandbox_create", ttl)
   local img = check(images.ensure(o.engine, args.image, ctx))
@@ -447,6 +471,8 @@ function sandbox.lookup(eng, sandbox_id)
     output_dir = labels[LABEL .. "output_dir"], run_dir = labels[LABEL .. "run_dir"],
     running = info.State and info.State.Running,
     expires_at = expiry_of(labels),
+    memory_mb = type((info.HostConfig or {}).Memory) == "number" and info.HostConfig.Memory > 0
+      and info.HostConfig.Memory / (1024 * 1024) or nil,
   }
 end
 
@@ -556,6 +582,7 @@ function sandbox.exec_result(e, code, duration_ms)
     timed_out = st and st.timed_out or false,
     truncated = truncated,
     expires_at = os.date("!%Y-%m-%dT%H:%M:%SZ", e.sb.expires_at),
+    oom_killed = sandbox.oom_note(st, e.sb.memory_mb),
   }
 end
 
@@ -604,7 +631,19 @@ local function run_quiet(eng, sb, argv)
   local st = read_status(sb.run_dir, id)
   local msg = output.view(sb.run_dir, "exec/" .. id .. "/stderr.log", 2048, 2048)
   fs.remove_tree(sb.run_dir .. "/exec/" .. id)
-  return st and st.exit_code or code, (msg:gsub("%s+$", ""))
+  return st and st.exit_code or code, (msg:gsub("%s+$", "")), st
+end
+
+-- A transfer step that failed in an unexpected way: says when the sandbox is gone or ran
+-- out of memory (its tmpfs folders count against the limit), else the exit code and stderr.
+local function transfer_failure(eng, sb, what, code, msg, st)
+  sandbox.check_alive(eng, sb.labels[LABEL .. "run_id"])
+  local oom = sandbox.oom_note(st, sb.memory_mb)
+  if not oom and code == 137 then
+    oom = "it was killed (exit 137): out of memory or out of processes, most likely"
+  end
+  fail(("%s failed (exit %s)%s%s"):format(what, tostring(code), msg ~= "" and (": " .. msg) or "",
+    oom and ("; " .. oom) or ""))
 end
 
 -- Transfers go through a tar in the sandbox's run folder (bind-mounted at /.demesne/run)
@@ -633,20 +672,23 @@ function sandbox.upload(ctx, args)
     fail(("sandbox_id: %s has open egress; host files cannot be uploaded into it"):format(args.sandbox_id))
   end
   -- tar would silently replace an existing file with a folder, or an empty folder with a file
+  -- (the checks exit 1 for a clash; anything else is a failure of the check itself)
   if fs.stat(src).type == "directory" then
-    local code = run_quiet(eng, sb, { "/bin/sh", "-c", '[ ! -e "$1" ] || [ -d "$1" ]', "sh", dst })
-    if code ~= 0 then fail(("dst: %s exists in the sandbox and is not a folder; a folder cannot replace it"):format(dst)) end
+    local code, msg, st = run_quiet(eng, sb, { "/bin/sh", "-c", '[ ! -e "$1" ] || [ -d "$1" ]', "sh", dst })
+    if code == 1 then fail(("dst: %s exists in the sandbox and is not a folder; a folder cannot replace it"):format(dst)) end
+    if code ~= 0 then transfer_failure(eng, sb, "checking dst in the sandbox", code, msg, st) end
   else
-    local code = run_quiet(eng, sb, { "/bin/sh", "-c", '[ ! -d "$1" ]', "sh", dst })
-    if code ~= 0 then
+    local code, msg, st = run_quiet(eng, sb, { "/bin/sh", "-c", '[ ! -d "$1" ]', "sh", dst })
+    if code == 1 then
       fail(("dst: %s is a folder in the sandbox; name the file's own path inside it (e.g. %s/%s)"):format(dst, dst, src:match("[^/]+$")))
     end
+    if code ~= 0 then transfer_failure(eng, sb, "checking dst in the sandbox", code, msg, st) end
   end
   local host_tar, sandbox_tar = xfer_paths(sb)
   local _ <close> = temp_guard(host_tar)
   local stats = check(archive.pack(host_tar, { { src = src, name = base } }))
   -- --no-overwrite-dir: uploading into an existing folder (/tmp) keeps its mode and owner
-  local code, msg = run_quiet(eng, sb, { "tar", "-x", "--no-same-owner", "--no-overwrite-dir", "-f", sandbox_tar, "-C", parent })
+  local code, msg, st = run_quiet(eng, sb, { "tar", "-x", "--no-same-owner", "--no-overwrite-dir", "-f", sandbox_tar, "-C", parent })
   if code ~= 0 then
     if msg:find("Cannot open: No such file", 1, true) or msg:find("Cannot chdir", 1, true) then
       fail(("dst: the folder %s does not exist in the sandbox"):format(parent))
@@ -654,7 +696,7 @@ function sandbox.upload(ctx, args)
     if msg:find("File exists", 1, true) or msg:find("Is a directory", 1, true) then
       fail(("dst: %s is a folder in the sandbox; name the file's own path inside it (e.g. %s/%s)"):format(dst, dst, src:match("[^/]+$")))
     end
-    fail(("upload to %s failed (tar exit %d): %s"):format(dst, code, msg))
+    transfer_failure(eng, sb, "upload to " .. dst, code, msg, st)
   end
   renew(sb)
   return { sandbox_id = args.sandbox_id, src = src, dst = dst, files = stats.files, bytes = stats.bytes }
@@ -671,6 +713,12 @@ function sandbox.download(ctx, args)
     if c == ".." then fail("src: must not contain '..'") end
   end
   src = src:gsub("/+$", "")
+  local top = src:match("^/+([^/]+)")
+  if top == "proc" or top == "sys" then
+    -- kernel files claim a size of 0 (or 4096) whatever they hold: a copy would be empty or cut
+    fail(("src: %s is under /%s, whose files are generated by the kernel; copy one first "
+      .. "(e.g. sandbox_exec 'cat %s > /out/x') and download that"):format(src, top, src))
+  end
   local parent, base = src:match("^(.*)/([^/]+)$")
   if not base or base == "." then fail("src: must name a file or folder (not / and not ending in /.)") end
   if parent == "" then parent = "/" end
@@ -683,10 +731,10 @@ function sandbox.download(ctx, args)
   end
   local host_tar, sandbox_tar = xfer_paths(sb)
   local _ <close> = temp_guard(host_tar)
-  local code, msg = run_quiet(eng, sb, { "tar", "-c", "-f", sandbox_tar, "-C", parent, "--", base })
+  local code, msg, xst = run_quiet(eng, sb, { "tar", "-c", "-f", sandbox_tar, "-C", parent, "--", base })
   if code ~= 0 then
     if msg:find("No such file", 1, true) then fail(("src: %s does not exist in the sandbox"):format(src)) end
-    fail(("download of %s failed (tar exit %d): %s"):format(src, code, msg))
+    transfer_failure(eng, sb, "download of " .. src, code, msg, xst)
   end
   local tst = fs.lstat(host_tar)
   if not tst or tst.type ~= "file" then fail("download refused: the archive written in the sandbox is not a regular file") end

@@ -45,6 +45,8 @@ function schemas.run_result(extra)
     duration_ms = { type = "integer" },
     timed_out = { type = "boolean" },
     truncated = { type = "boolean", description = "true when stdout or stderr was cut; the logs hold everything" },
+    oom_killed = { type = "string", description = "present when the kernel killed a process in the sandbox for "
+      .. "lack of memory while the command ran: says so, with the sandbox's memory limit" },
   }
   for k, v in pairs(extra or {}) do props[k] = v end
   return { type = "object", properties = props,
@@ -58,6 +60,7 @@ function schemas.run_text(r)
     "output_dir: " .. r.output_dir,
   }
   if r.run_id then lines[#lines + 1] = "run_id: " .. r.run_id end
+  if r.oom_killed then lines[#lines + 1] = "oom_killed: " .. r.oom_killed end
   lines[#lines + 1] = ("duration_ms: %d"):format(r.duration_ms)
   lines[#lines + 1] = "--- stdout ---"
   lines[#lines + 1] = r.stdout

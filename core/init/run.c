@@ -47,6 +47,7 @@ struct run {
 	int wstatus;
 	int fail_stage, fail_errno; // fail_stage 0: the child reported no failure
 	bool timed_out, cancelled;
+	long long oom_before; // the sandbox cgroup's OOM-kill count at the start; -1: unknown
 	enum phase phase;
 	int64_t start_real, start_mono, end_real, end_mono;
 	int64_t timeout_at, kill_at, give_up_at;
@@ -404,6 +405,30 @@ static void kill_everything(void)
 	}
 }
 
+// The number of processes the kernel's OOM killer has killed in this sandbox's memory
+// cgroup: the "oom_kill" line of memory.events (cgroup v2) or of memory/memory.oom_control
+// (cgroup v1, Linux >= 4.13), as seen from inside the container's cgroup namespace.
+// Returns -1 when neither file can be read.
+static long long oom_kills(void)
+{
+	static const char *const files[] = { "/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control" };
+	for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+		FILE *f = fopen(files[i], "re");
+		if (!f)
+			continue;
+		char line[128];
+		long long n = -1;
+		while (fgets(line, sizeof line, f)) {
+			if (sscanf(line, "oom_kill %lld", &n) == 1)
+				break;
+		}
+		fclose(f);
+		if (n >= 0)
+			return n;
+	}
+	return -1;
+}
+
 static void run_write_status(const struct run *r, int code, int sig, const char *error)
 {
 	char mem[8192];
@@ -419,6 +444,9 @@ static void run_write_status(const struct run *r, int code, int sig, const char 
 	sb_printf(&b, ",\"timed_out\":%s,\"cancelled\":%s,\"started_at\":%lld,\"finished_at\":%lld,\"duration_ms\":%lld",
 		  r->timed_out ? "true" : "false", r->cancelled ? "true" : "false", (long long)r->start_real,
 		  (long long)r->end_real, (long long)(r->end_mono - r->start_mono));
+	long long oom_after = r->oom_before >= 0 ? oom_kills() : -1;
+	if (oom_after >= 0)
+		sb_printf(&b, ",\"oom_kills\":%lld", oom_after > r->oom_before ? oom_after - r->oom_before : 0LL);
 	if (error && *error) {
 		sb_puts(&b, ",\"error\":");
 		sb_json_string(&b, error, strlen(error));
@@ -494,10 +522,11 @@ static int open_log(const char *dir, const char *name, const char *file)
 
 int init_run(int argc, char **argv)
 {
-	struct run r = { .ep = -1 };
+	struct run r = { .ep = -1, .oom_before = -1 };
 	int rc = run_parse(&r, argc, argv);
 	if (rc != 0)
 		return rc > 0 ? INIT_EXIT_OK : INIT_EXIT_USAGE;
+	r.oom_before = oom_kills();
 	r.start_real = now_real_ms();
 	r.start_mono = now_mono_ms();
 	// Signals first: a SIGTERM that arrives during setup waits in the signalfd and cancels

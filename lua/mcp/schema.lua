@@ -30,7 +30,9 @@ function schema.type_of(v)
   if v == nil or v == null then return "null" end
   if t == "boolean" or t == "string" then return t end
   if t == "number" then
-    if math.type(v) == "integer" or (v == math.floor(v) and v > -math.huge and v < math.huge) then return "integer" end
+    -- an integral float counts as an integer only within the 64-bit range the runtime can
+    -- use as one (1e20 is a number here, so a field typed integer refuses it)
+    if math.type(v) == "integer" or math.tointeger(v) then return "integer" end
     return "number"
   end
   if t == "table" then

@@ -254,11 +254,18 @@ static void test_unsafe_entries(void) {
   spec through[] = {{"sub/", 'd', NULL, NULL}, {"a", 'l', "sub", NULL}, {"a/x", 'f', NULL, "x"}};
   expect_unsafe("through-symlink", through, 3, "a/x");
 
-  spec hard[] = {{"file", 'f', NULL, "data"}, {"h", 'h', "file", NULL}};
-  expect_unsafe("hardlink", hard, 2, "'h'");
-
+  /* a hard link only to a regular file extracted before it, inside the destination */
   spec hard_out[] = {{"h", 'h', "/etc/passwd", NULL}};
   expect_unsafe("hardlink-outside", hard_out, 1, "'h'");
+
+  spec hard_up[] = {{"h", 'h', "../x", NULL}};
+  expect_unsafe("hardlink-dotdot", hard_up, 1, "'h'");
+
+  spec hard_later[] = {{"h", 'h', "file", NULL}, {"file", 'f', NULL, "data"}};
+  expect_unsafe("hardlink-before-target", hard_later, 2, "'h'");
+
+  spec hard_sym[] = {{"l", 'l', "x", NULL}, {"h", 'h', "l", NULL}};
+  expect_unsafe("hardlink-to-symlink", hard_sym, 2, "'h'");
 
   spec fifo[] = {{"p", 'p', NULL, NULL}};
   expect_unsafe("fifo", fifo, 1, "'p'");

@@ -49,7 +49,8 @@ status_ok() {
 import json, sys
 s = json.load(open(sys.argv[1]))
 keys = {"id", "exit_code", "signal", "timed_out", "cancelled", "started_at", "finished_at", "duration_ms"}
-assert keys <= set(s) <= keys | {"error"}, sorted(s)
+assert keys <= set(s) <= keys | {"error", "oom_kills"}, sorted(s)
+assert "oom_kills" not in s or (isinstance(s["oom_kills"], int) and s["oom_kills"] >= 0), s
 assert isinstance(s["exit_code"], int) and (s["signal"] is None or isinstance(s["signal"], int))
 assert isinstance(s["timed_out"], bool) and isinstance(s["cancelled"], bool)
 assert s["started_at"] > 1.6e12 and s["finished_at"] >= s["started_at"] and s["duration_ms"] >= 0

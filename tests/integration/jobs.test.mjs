@@ -403,6 +403,16 @@ test("a job whose container was removed while no server ran is lost, with the re
   }
 });
 
+test("a background exec whose sandbox is destroyed under it is lost, with the reason", async () => {
+  const sb = await ok("sandbox_create", { image: "base" });
+  const started = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "sleep 60", background: true });
+  await sleep(1000);
+  await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  const done = await ok("sandbox_wait", { job_id: started.job_id, timeout_seconds: 60 });
+  assert.equal(done.status, "lost", JSON.stringify(done));
+  assert.match(done.reason, /destroyed|removed|no longer exists|stopped/);
+});
+
 test("no container is left behind", async () => {
   await sleep(500);
   assert.deepEqual((await ours()).map((c) => c.Names), []);

@@ -236,6 +236,60 @@ test("persistent sandbox: create, exec, upload, download, list, destroy", async 
   assert.match(await err("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "true" }), /no sandbox/);
 });
 
+test("an out-of-memory kill is named in the result, for a script and an exec", async () => {
+  const hog = "head -c 300M /dev/zero | tail > /dev/null; echo after";
+  const r = await ok("sandbox_script", { command: hog, limits: { memory_mb: 64 } });
+  assert.equal(r.stdout, "after\n", "the shell itself went on");
+  assert.match(r.oom_killed, /^the kernel killed 1 process in the sandbox for lack of memory \(its limit is 64 MiB\)/);
+  const calm = await ok("sandbox_script", { command: "echo calm", limits: { memory_mb: 64 } });
+  assert.equal(calm.oom_killed, undefined);
+  const sb = await ok("sandbox_create", { image: "base", limits: { memory_mb: 64 } });
+  try {
+    const e = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "head -c 300M /dev/zero | tail > /dev/null" });
+    assert.equal(e.exit_code, 137);
+    assert.match(e.oom_killed, /lack of memory \(its limit is 64 MiB\); files in \/tmp and \/workspace count/);
+    const fine = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "echo fine" });
+    assert.equal(fine.oom_killed, undefined, "counted per command");
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
+test("numbers beyond any ceiling are refused naming the field, not with a runtime error", async () => {
+  for (const [name, args, field] of [
+    ["sandbox_script", { command: "true", timeout_seconds: 1e20 }, "timeout_seconds"],
+    ["sandbox_script", { command: "true", limits: { memory_mb: 1e20 } }, "limits.memory_mb"],
+    ["sandbox_script", { command: "true", limits: { pids: 1e300 } }, "limits.pids"],
+    ["sandbox_create", { ttl_seconds: 1e20 }, "ttl_seconds"],
+    ["sandbox_status", { job_id: "job-20260101T000000Z-0123456789", since: 1e20 }, "since"],
+  ]) {
+    const text = await err(name, args);
+    assert.ok(text.includes(field), `${name} ${JSON.stringify(args)}: ${text}`);
+    assert.ok(!/lua\/|no integer representation/.test(text), `${name}: ${text}`);
+  }
+});
+
+test("transfers: non-UTF-8 names, hard links inside a tree, and /proc files", async () => {
+  const odd = path.join(allowed, "odd");
+  mkdirSync(odd, { recursive: true });
+  writeFileSync(Buffer.concat([Buffer.from(odd + "/bad"), Buffer.from([0xff]), Buffer.from(".txt")]), "latin\n");
+  const sb = await ok("sandbox_create", { image: "base" });
+  try {
+    const up = await ok("sandbox_upload", { sandbox_id: sb.sandbox_id, src: odd, dst: "/tmp/odd" });
+    assert.equal(up.files, 1);
+    const ls = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "cat /tmp/odd/bad*.txt; ls /tmp/odd | od -An -tx1 | tr -d ' \n'" });
+    assert.equal(ls.stdout, "latin\n626164ff2e7478740a", "the name arrives byte for byte");
+    await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "mkdir -p /out/h && echo shared > /out/h/orig && ln /out/h/orig /out/h/link" });
+    const d = await ok("sandbox_download", { sandbox_id: sb.sandbox_id, src: "/out/h" });
+    assert.equal(readFileSync(path.join(d.path, "link"), "utf8"), "shared\n");
+    assert.equal(lstatSync(path.join(d.path, "link")).ino, lstatSync(path.join(d.path, "orig")).ino, "still one file");
+    assert.match(await err("sandbox_download", { sandbox_id: sb.sandbox_id, src: "/proc/self/status" }),
+      /src: \/proc\/self\/status is under \/proc/);
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
 test("C11: uploads of 0 B to 64 MiB arrive with the same sha256", async () => {
   const sb = await ok("sandbox_create", { image: "base" });
   try {

@@ -107,7 +107,8 @@ function tests.unsafe_archives_are_refused_whole(t)
   expect_unsafe(t, d, "symlink-abs", { ok, member("l", "2", nil, "/etc") }, "'l'")
   expect_unsafe(t, d, "symlink-up", { member("d/", "5"), member("d/l", "2", nil, "../../x") }, "d/l")
   expect_unsafe(t, d, "symlink-chain", { member("l", "2", nil, "s/.."), member("s", "2", nil, ".") }, "'l'")
-  expect_unsafe(t, d, "hardlink", { ok, member("h", "1", nil, "good.txt") }, "'h'")
+  expect_unsafe(t, d, "hardlink-outside", { ok, member("h", "1", nil, "/etc/passwd") }, "'h'")
+  expect_unsafe(t, d, "hardlink-first", { member("h", "1", nil, "good.txt"), ok }, "'h'")
   expect_unsafe(t, d, "fifo", { member("p", "6") }, "'p'")
   t:eq(fs.lstat(d.path .. "/evil"), nil, "no escape happened")
   t:eq(fs.lstat("/tmp/demesne-evil"), nil, "no absolute write happened")
@@ -148,6 +149,20 @@ function tests.bad_arguments_raise(t)
   t:ok(not pcall(archive.extract, "/tmp/x.tar", "/tmp/y", { max_bytes = -1 }), "negative cap")
   t:ok(not pcall(archive.extract, "/tmp/x.tar"), "dest required")
   t:ok(not pcall(archive.list), "path required")
+end
+
+function tests.a_hard_link_to_a_file_inside_is_kept(t)
+  local d <close> = tmpdir()
+  local file = d.path .. "/hard.tar"
+  tar(file, { member("dir/", "5"), member("dir/orig", "0", "shared"), member("dir/link", "1", nil, "dir/orig") })
+  local res, msg = archive.extract(file, d.path .. "/x")
+  t:ok(res, msg)
+  t:eq(res.files, 2)
+  t:eq(fs.read_file(d.path .. "/x/dir/link"), "shared")
+  local f = assert(io.open(d.path .. "/x/dir/link", "a"))
+  f:write("+")
+  f:close()
+  t:eq(fs.read_file(d.path .. "/x/dir/orig"), "shared+", "one file, two names")
 end
 
 return tests
