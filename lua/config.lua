@@ -70,6 +70,8 @@ local SPEC = {
     doc = "bytes of the end of each stream kept in a result" },
   download_max_bytes = { env = "DEMESNE_DOWNLOAD_MAX_BYTES", default = 1024 * 1024 * 1024, number = true,
     doc = "ceiling on the unpacked size of one sandbox_download" },
+  upload_max_bytes = { env = "DEMESNE_UPLOAD_MAX_BYTES", default = 4 * 1024 * 1024 * 1024, number = true,
+    doc = "ceiling on the size of the files one sandbox_upload copies (sparse files count in full)" },
   reap_interval = { default = 300, number = true, doc = "seconds between reaper passes" },
   progress_interval = { env = "DEMESNE_PROGRESS_INTERVAL", default = 10, number = true,
     doc = "seconds between notifications/progress while a call waits (when the caller sent a progressToken)" },

@@ -657,6 +657,27 @@ end
 
 --- Copies a host file or folder into a sandbox (sandbox_upload).
 --- args: sandbox_id, src (host path inside an allowed root), dst (absolute path in the sandbox).
+-- The bytes of the regular files under `path` (symlinks not followed), counting stops once
+-- over `limit`: what archive.pack would copy. Sparse files count their full size, as the
+-- archive holds them in full.
+local function tree_bytes(path, limit)
+  local total = 0
+  local function walk(p)
+    local st = fs.lstat(p)
+    if not st then return end
+    if st.type == "file" then
+      total = total + (st.size or 0)
+    elseif st.type == "directory" then
+      for _, n in ipairs(fs.readdir(p) or {}) do
+        if total > limit then return end
+        walk(p .. "/" .. n)
+      end
+    end
+  end
+  walk(path)
+  return total
+end
+
 function sandbox.upload(ctx, args)
   local eng = sandbox.engine()
   local src = check(paths.check("src", args.src, "any"))
@@ -683,6 +704,12 @@ function sandbox.upload(ctx, args)
       fail(("dst: %s is a folder in the sandbox; name the file's own path inside it (e.g. %s/%s)"):format(dst, dst, src:match("[^/]+$")))
     end
     if code ~= 0 then transfer_failure(eng, sb, "checking dst in the sandbox", code, msg, st) end
+  end
+  local max = config.get("upload_max_bytes")
+  local size = tree_bytes(src, max)
+  if size > max then
+    fail(("src: %s holds more than %s bytes of files, over upload_max_bytes (%s); raise it with "
+      .. "DEMESNE_UPLOAD_MAX_BYTES or upload less"):format(src, sandbox.num(max), sandbox.num(max)))
   end
   local host_tar, sandbox_tar = xfer_paths(sb)
   local _ <close> = temp_guard(host_tar)

@@ -4,7 +4,7 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { createHash, randomBytes } from "node:crypto";
-import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, existsSync, symlinkSync, readdirSync, rmSync, lstatSync } from "node:fs";
+import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, existsSync, symlinkSync, readdirSync, rmSync, lstatSync, truncateSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import http from "node:http";
@@ -287,6 +287,29 @@ test("transfers: non-UTF-8 names, hard links inside a tree, and /proc files", as
       /src: \/proc\/self\/status is under \/proc/);
   } finally {
     await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
+test("an upload over upload_max_bytes is refused before anything is copied (sparse files count in full)", async () => {
+  const big = path.join(allowed, "sparse-big");
+  writeFileSync(big, "");
+  truncateSync(big, 8 * 1024 * 1024); // 8 MiB apparent, nothing on disk
+  const c2 = await connect({ env: { ...env, DEMESNE_UPLOAD_MAX_BYTES: String(1024 * 1024) }, fixtures: false });
+  try {
+    const sb = (await c2.client.callTool({ name: "sandbox_create", arguments: { image: "base" } }, undefined, LONG)).structuredContent;
+    try {
+      const r = await c2.client.callTool({ name: "sandbox_upload", arguments: { sandbox_id: sb.sandbox_id, src: big, dst: "/tmp/big" } });
+      assert.equal(r.isError, true);
+      assert.match(r.content[0].text, /src: .*sparse-big holds more than 1048576 bytes of files, over upload_max_bytes/);
+      const small = await c2.client.callTool({ name: "sandbox_upload", arguments: { sandbox_id: sb.sandbox_id,
+        src: path.join(allowed, "input.txt"), dst: "/tmp/in.txt" } });
+      assert.ok(!small.isError, small.content?.[0]?.text);
+    } finally {
+      await c2.client.callTool({ name: "sandbox_destroy", arguments: { sandbox_id: sb.sandbox_id } });
+    }
+  } finally {
+    await c2.client.close();
+    rmSync(big, { force: true });
   }
 });
 
