@@ -156,4 +156,36 @@ function tests.demesne_init_is_looked_for_beside_the_binary_then_in_libexec(t)
   t:eq(c[2], dir:gsub("/[^/]*$", "") .. "/libexec/demesne/demesne-init")
 end
 
+-- images.readiness, the images check's answer, without an engine to build in: an engine
+-- object that knows only which references exist (the check never builds or pulls).
+function tests.images_are_ready_when_built_or_buildable_without_a_registry(t)
+  local images = require("demesne.images")
+  local present = {}
+  local eng = { socket = "doctor-test-" .. hex(loop.random(4)),
+    image_inspect = function(_, ref) return present[ref] and { Id = ref } or nil end }
+  local d <close> = tmpdir()
+  local path = os.getenv("PATH")
+  local ok, err = pcall(function()
+    loop.setenv("PATH", d.path) -- no mmdebstrap here
+    local st, reason, fix = images.readiness(eng, "default")
+    t:eq(st, nil, "nothing built, nothing to build with")
+    t:match(reason, "^image default is not built, no Debian root filesystem image is in the engine, and mmdebstrap is not installed")
+    t:match(fix, "^apt%-get install mmdebstrap, then `demesne images build`")
+    assert(fs.write_atomic(d.path .. "/mmdebstrap", "#!/bin/sh\nexit 1\n"))
+    assert(fs.chmod(d.path .. "/mmdebstrap", tonumber("755", 8)))
+    st = images.readiness(eng, "default")
+    t:eq(st and st.state, "buildable", "buildable with mmdebstrap")
+    t:eq(st and st.mmdebstrap, d.path .. "/mmdebstrap")
+    present["demesne/debian-rootfs:bookworm"] = true
+    t:eq(images.readiness(eng, "default"), { state = "buildable", from = "demesne/debian-rootfs:bookworm" })
+    st, reason, fix = images.readiness(eng, "example/own:1")
+    t:eq(reason, 'image "example/own:1" is neither built-in nor present in the engine')
+    t:match(fix, "set default_image to a built%-in image")
+    present["example/own:1"] = true
+    t:eq(images.readiness(eng, "example/own:1"), { state = "built", ref = "example/own:1" })
+  end)
+  loop.setenv("PATH", path)
+  if not ok then error(err, 0) end
+end
+
 return tests
