@@ -1,4 +1,4 @@
--- The command line: demesne [serve] | tools | check-config | images | test | --help | --version
+-- The command line: demesne [serve] | tools | check-config | doctor | images | policy | test | --help | --version
 local loop = require("core.loop")
 
 local cli = {}
@@ -10,6 +10,7 @@ Commands:
   serve               run the MCP server over stdio (the default)
   tools               list the loaded tools and where each came from
   check-config        print the effective configuration and where each value came from
+  doctor              check the engine, images, config, folders and demesne-init; say how to fix each problem
   images list         list the built-in images and whether each is built
   images build [NAME] build an image (all when NAME is omitted)
   policy list         list the egress policies and where each came from

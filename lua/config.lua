@@ -2,6 +2,7 @@
 -- table), then environment variables. Every other module asks this one, and
 -- `demesne check-config` prints each value with where it came from.
 local fs = require("core.fs")
+local loop = require("core.loop")
 
 local config = {}
 
@@ -178,19 +179,41 @@ function config.describe()
   return out, file_error
 end
 
---- Path of the demesne-init binary to mount into sandboxes.
----@return string|nil path, string|nil err
+--- The places demesne-init is looked for when `init_path` is unset, in order: beside the
+--- `demesne` binary (the build tree, or both copied into one folder), then the installed
+--- layout's libexec folder (`<bindir>/../libexec/demesne`, compiled in as
+--- core.loop.libexec_dir). Empty when the binary's own path is unknown.
+---@return string[] paths
+function config.init_candidates()
+  local exe = loop.exepath()
+  if not exe then return {} end
+  local dir = exe:gsub("/[^/]*$", "")
+  local out = { dir .. "/demesne-init" }
+  local rel = loop.libexec_dir
+  if rel and rel ~= "" and rel ~= "." then
+    -- the binary's path is already resolved (/proc/self/exe), so ".." is removed by text
+    local parts = {}
+    for c in ((rel:sub(1, 1) == "/" and "" or dir .. "/") .. rel):gmatch("[^/]+") do
+      if c == ".." then parts[#parts] = nil elseif c ~= "." then parts[#parts + 1] = c end
+    end
+    out[#out + 1] = "/" .. table.concat(parts, "/") .. "/demesne-init"
+  end
+  return out
+end
+
+--- Path of the demesne-init binary to mount into sandboxes: `init_path` (DEMESNE_INIT)
+--- when set, else the first of config.init_candidates() that is a regular file.
+---@return string|nil path, string|nil err  err names every path that was tried
 function config.init_path()
   local p = config.get("init_path")
-  if not p then
-    local exe = require("core.loop").exepath()
-    p = exe and exe:gsub("/[^/]*$", "") .. "/demesne-init"
+  local tried = p and { p } or config.init_candidates()
+  for _, c in ipairs(tried) do
+    local st = fs.stat(c)
+    if st and st.type == "file" then return c end
   end
-  local st = p and fs.stat(p)
-  if not st or st.type ~= "file" then
-    return nil, ("demesne-init not found at %s (set DEMESNE_INIT)"):format(tostring(p))
-  end
-  return p
+  if p then return nil, ("demesne-init not found at %s (set DEMESNE_INIT)"):format(p) end
+  return nil, ("demesne-init not found at %s (set DEMESNE_INIT)"):format(
+    #tried > 0 and table.concat(tried, " or ") or "(the demesne binary's path is unknown)")
 end
 
 return config

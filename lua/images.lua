@@ -214,6 +214,67 @@ function images.status(eng, name)
   return ensure_builtin(eng, name, nil, true)
 end
 
+-- The first executable file `prog` in $PATH, or nil.
+local function on_path(prog)
+  for dir in (os.getenv("PATH") or "/usr/local/bin:/usr/bin:/bin"):gmatch("[^:]+") do
+    local st = fs.stat(dir .. "/" .. prog)
+    if st and st.type == "file" and st.mode & 73 ~= 0 then return dir .. "/" .. prog end -- 73 = 0111
+  end
+end
+
+-- Whether an apt sources file names at least one binary ("deb") source, in the one-line
+-- format (sources.list(5): "deb URI SUITE ...") or deb822 ("Types: deb ...").
+local function has_deb_source(path)
+  local data = fs.read_file(path, 0, 1024 * 1024)
+  if not data then return false end
+  for line in data:gmatch("[^\n]+") do
+    if line:match("^%s*deb%s") or line:match("^%s*deb%[") then return true end
+    local types = line:match("^[Tt]ypes:%s*(.*)$")
+    if types then
+      for w in types:gmatch("%S+") do if w == "deb" then return true end end
+    end
+  end
+  return false
+end
+
+--- Whether image `name` (a built-in name or an image reference) can be used here, without
+--- building or pulling anything. Returns one of
+---   {state = "built", ref = tag}                  the image is in the engine
+---   {state = "buildable", from = ref}             the Debian root filesystem image is in the engine
+---   {state = "buildable", from = "mmdebstrap", mmdebstrap = path, sources = path|nil}
+---                                                 mmdebstrap can make the root filesystem from
+---                                                 this machine's apt sources (nil: its default mirror)
+--- or nil, the reason and the fix. A registry that would serve debian:bookworm-slim is not
+--- asked (that would need the network): without mmdebstrap the answer is nil.
+---@param eng table  an engine adapter
+---@param name string
+---@return table|nil state, string|nil reason, string|nil fix
+function images.readiness(eng, name)
+  if not images.BUILTIN[name] then
+    if eng:image_inspect(name) then return { state = "built", ref = name } end
+    return nil, ("image %q is neither built-in nor present in the engine"):format(name),
+      ("pull or build %s into the engine, or set default_image to a built-in image (%s)"):format(name,
+        table.concat(images.list(), ", "))
+  end
+  local tag = images.status(eng, name)
+  if tag then return { state = "built", ref = tag } end
+  local rootfs = ensure_rootfs(eng, nil, true)
+  if rootfs then return { state = "buildable", from = rootfs } end
+  local mm = on_path("mmdebstrap")
+  if not mm then
+    return nil, ("image %s is not built, no Debian root filesystem image is in the engine, and mmdebstrap is not "
+      .. "installed to make one"):format(name),
+      "apt-get install mmdebstrap, then `demesne images build` (or run `demesne images build` where a registry "
+      .. "serving " .. REGISTRY_BASE .. " is reachable)"
+  end
+  local sources = apt_sources()
+  if sources and not has_deb_source(sources) then
+    return nil, ("image %s is not built and mmdebstrap would use %s, which names no \"deb\" source"):format(name,
+      sources), "add a Debian mirror to " .. sources .. " (see sources.list(5)), then `demesne images build`"
+  end
+  return { state = "buildable", from = "mmdebstrap", mmdebstrap = mm, sources = sources }
+end
+
 --- The names of the built-in images, sorted.
 function images.list()
   local names = {}

@@ -137,5 +137,11 @@ int luaopen_core_loop(lua_State *L) {
   luaL_newlib(L, funcs);
   lua_pushstring(L, DEMESNE_VERSION);
   lua_setfield(L, -2, "version");
+#ifndef DEMESNE_LIBEXEC_REL
+#define DEMESNE_LIBEXEC_REL "../libexec/demesne"
+#endif
+  /* where `cmake --install` puts demesne-init, relative to the folder of `demesne` */
+  lua_pushstring(L, DEMESNE_LIBEXEC_REL);
+  lua_setfield(L, -2, "libexec_dir");
   return 1;
 }

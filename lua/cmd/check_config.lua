@@ -1,5 +1,6 @@
 -- `demesne check-config`: the effective configuration and where each value came from.
 local config = require("demesne.config")
+local engines = require("demesne.engines")
 
 return function()
   local d, err = config.describe()
@@ -13,18 +14,12 @@ return function()
     if v == nil then v = "(unset)" end
     io.stdout:write(("%-20s = %-40s (%s)\n"):format(k, tostring(v), d[k].origin))
   end
-  local ok, engines = pcall(require, "demesne.engines")
-  local adapter = config.get("engine_adapter") or "docker"
-  if ok and adapter ~= "docker" then
-    local mod, aerr = engines.load_user(adapter)
-    if mod then -- new() only builds the object; it must not contact the engine yet
-      local eng, nerr = engines.new_user(adapter, mod, config.get("engine"))
-      if not eng then mod, aerr = nil, nerr end
-    end
-    io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine adapter file", mod and mod.origin or "not loaded",
-      mod and "loaded" or tostring(aerr)))
-    if not mod then err = err or aerr end
-  elseif ok then
+  if (config.get("engine_adapter") or "docker") ~= "docker" then
+    local adapter, aerr = engines.check_adapter()
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine adapter file", adapter and adapter.origin or "not loaded",
+      adapter and "loaded" or tostring(aerr)))
+    err = err or aerr
+  else
     local sock, tried = engines.discover()
     io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine socket", tostring(sock or "none found"),
       sock and "discovered" or ("tried " .. table.concat(tried or {}, ", "))))

@@ -23,15 +23,17 @@ local function candidates()
   return list
 end
 
---- Finds the engine socket. Returns path, or nil and the list of sockets tried.
----@return string|nil path, string[] tried
+--- Finds the engine socket. Returns path, the sockets tried and why the path was a
+--- candidate ("DEMESNE_ENGINE", "DOCKER_HOST", "rootful Podman", "rootless Podman",
+--- "Docker"), or nil and the sockets tried.
+---@return string|nil path, string[] tried, string|nil why
 function engines.discover()
   local tried = {}
   local explicit = config.get("engine")
   for _, c in ipairs(candidates()) do
     tried[#tried + 1] = c.path
     local st = fs.stat(c.path)
-    if st and st.type == "socket" then return c.path, tried end
+    if st and st.type == "socket" then return c.path, tried, c.why end
     if explicit and c.why == "DEMESNE_ENGINE" then return nil, tried end
   end
   return nil, tried
@@ -98,6 +100,21 @@ function engines.new_user(name, mod, endpoint)
     return nil, ("engine_adapter %s: the engine new() returned has no method %s"):format(name, table.concat(missing, ", "))
   end
   return eng
+end
+
+--- Checks the configured engine adapter without contacting an engine (what
+--- `demesne check-config` and `demesne doctor` report): "docker" is built in; a user
+--- adapter's file must load and its new(endpoint) build a whole engine.
+--- Returns {name = adapter name, origin = "built-in" | file path}, or nil and the reason.
+---@return {name: string, origin: string}|nil adapter, string|nil err
+function engines.check_adapter()
+  local which = config.get("engine_adapter") or "docker"
+  if which == "docker" then return { name = which, origin = "built-in" } end
+  local mod, err = engines.load_user(which)
+  if not mod then return nil, err end
+  local eng, nerr = engines.new_user(which, mod, config.get("engine")) -- new() must not contact the engine yet
+  if not eng then return nil, nerr end
+  return { name = which, origin = mod.origin }
 end
 
 --- The engine adapter: for engine_adapter "docker" (the default) the Docker Engine API at

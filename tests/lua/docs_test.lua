@@ -124,4 +124,66 @@ function tests.engine_adapter_example_is_the_tested_fixture(t)
   t:eq(doc:match("```lua\n(.-)```", at), read("tests/fixtures/engines/recording.lua"))
 end
 
+-- The man page (docs/man/demesne.1, installed as demesne(1)) is written by hand: it must
+-- name every command and option of docs/reference/cli.md's usage block, every setting
+-- that has an environment variable, and the binary's version.
+local function man_page_text(root)
+  local f = assert(io.open(root .. "/docs/man/demesne.1", "r"))
+  local s = f:read("a")
+  f:close()
+  -- roff to plain words: \- is a hyphen, \fX font changes and quotes go
+  return (s:gsub("\\%-", "-"):gsub("\\f[BIRP]", ""):gsub('"', ""))
+end
+
+function tests.man_page_follows_the_cli_reference(t)
+  local root = source_root()
+  local man = man_page_text(root)
+  local items = {} -- the first line after each .TP, without its macro
+  for item in man:gmatch("\n%.TP\n%.?%a*%s*([^\n]*)") do items[#items + 1] = " " .. item .. " " end
+  local f = assert(io.open(root .. "/docs/reference/cli.md", "r"))
+  local cli = f:read("a")
+  f:close()
+  local usage = assert(cli:match("```\n(.-)```"), "cli.md starts with a usage block")
+  local names, missing = {}, {}
+  for line in usage:gmatch("[^\n]+") do
+    -- "  images build [NAME] build …" -> "images build"; "  --help, -h  show …" -> "--help"
+    local synopsis = line:match("^  (%S.-)%s%s") or line:match("^  (%S.*)$")
+    local words
+    for w in (synopsis or ""):gmatch("%S+") do
+      w = w:gsub(",$", "")
+      if not w:match("^%-?%-?%l[%l%-]*$") then break end
+      words = words and (words .. " " .. w) or w
+      if w:sub(1, 1) == "-" then break end -- "--help, -h": the long name is enough
+    end
+    if words then
+      names[#names + 1] = words
+      local found = false
+      for _, it in ipairs(items) do
+        if it:find(" " .. words .. " ", 1, true) then found = true break end
+      end
+      if not found then missing[#missing + 1] = words end
+    end
+  end
+  -- the options table: | `--source-dir DIR` | where | meaning |
+  for opt in cli:match("\n## Options\n(.-)\n## "):gmatch("\n| `(%-%-[%l%-]+)") do
+    names[#names + 1] = opt
+    local found = false
+    for _, it in ipairs(items) do
+      if it:find(" " .. opt .. " ", 1, true) then found = true break end
+    end
+    if not found then missing[#missing + 1] = opt end
+  end
+  t:ok(#names >= 14, "read the commands and options of cli.md (" .. table.concat(names, ", ") .. ")")
+  t:eq(missing, {}, "commands and options of cli.md with no .TP item in demesne.1")
+  local config = require("demesne.config")
+  local vars = {}
+  for _, d in pairs(config.describe()) do
+    if d.env and not man:find(d.env, 1, true) then vars[#vars + 1] = d.env end
+  end
+  table.sort(vars)
+  t:eq(vars, {}, "setting variables demesne.1 does not name")
+  local version = man:match("\n%.TH DEMESNE 1 %S+ demesne (%S+)")
+  t:eq(version, require("core.loop").version, "the version in demesne.1's .TH line")
+end
+
 return tests

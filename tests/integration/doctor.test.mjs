@@ -1,0 +1,58 @@
+// `demesne doctor` against a real container engine: the engine it names is the one behind
+// DEMESNE_ENGINE (tests/run runs this file once per engine, after `demesne images build`),
+// every check passes and the exit status is 0; with no engine it names the problem and the
+// fix and exits 1. The problems each check finds are tested in tests/lua/doctor_test.lua,
+// and doctor inside a fresh Debian root in tests/package/run.
+import { test } from "node:test";
+import assert from "node:assert/strict";
+import { execFile } from "node:child_process";
+import { mkdtempSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { BIN, serverEnv } from "./helpers.mjs";
+
+const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
+const SOCKET = ENGINE.replace(/^unix:\/\//, "");
+const KIND = SOCKET.includes("podman") ? "podman" : "docker";
+
+function doctor(env) {
+  return new Promise((resolve) => {
+    execFile(BIN, ["doctor"], { env: serverEnv(env), timeout: 60_000 }, (err, stdout, stderr) => {
+      resolve({ status: err ? err.code : 0, stdout, stderr });
+    });
+  });
+}
+
+test(`doctor finds ${KIND} at ${SOCKET} and passes every check`, async () => {
+  const work = mkdtempSync(path.join(tmpdir(), "demesne-doctor-"));
+  try {
+    const r = await doctor({ DEMESNE_ENGINE: ENGINE, DEMESNE_STATE_DIR: path.join(work, "state"),
+      DEMESNE_OUTPUT_ROOT: path.join(work, "out") });
+    const lines = r.stdout.trimEnd().split("\n");
+    const engine = lines.find((l) => /^\S+\s+engine\s/.test(l));
+    assert.match(engine ?? "", new RegExp(`^ok\\s+engine\\s+${KIND} \\S+, Docker Engine API 1\\.\\d+, at ${ENGINE.replace(/[.*+?^${}()|[\]\\/]/g, "\\$&")} \\(the engine setting\\)$`), r.stdout);
+    const verdicts = lines.filter((l) => !/^\s/.test(l) && !l.startsWith("demesne doctor:")).map((l) => l.split(/\s+/).slice(0, 2).join(" "));
+    assert.deepEqual(verdicts, ["ok engine", "ok images", "ok config", "ok folders", "ok demesne-init"], r.stdout);
+    assert.equal(lines.at(-1), "demesne doctor: all 5 checks passed");
+    assert.equal(r.status, 0, r.stdout + r.stderr);
+  } finally {
+    rmSync(work, { recursive: true, force: true });
+  }
+});
+
+test("doctor without an engine names the problem and the fix and exits 1", async () => {
+  const work = mkdtempSync(path.join(tmpdir(), "demesne-doctor-"));
+  try {
+    const sock = path.join(work, "no-engine.sock");
+    const r = await doctor({ DEMESNE_ENGINE: `unix://${sock}`, DEMESNE_STATE_DIR: path.join(work, "state"),
+      DEMESNE_OUTPUT_ROOT: path.join(work, "out") });
+    const lines = r.stdout.trimEnd().split("\n");
+    assert.equal(lines[0], `FAIL  engine        the engine setting ($DEMESNE_ENGINE) names ${sock}, which is not a socket`);
+    assert.match(lines[1], /^\s+fix: start the engine there, or correct the setting/);
+    assert.equal(lines[2], "skip  images        needs an engine");
+    assert.equal(lines.at(-1), "demesne doctor: 1 problem (engine)");
+    assert.equal(r.status, 1);
+  } finally {
+    rmSync(work, { recursive: true, force: true });
+  }
+});
