@@ -97,6 +97,10 @@ function engines.new_user(name, mod, endpoint)
   if #missing > 0 then
     return nil, ("engine_adapter %s: the engine new() returned has no method %s"):format(name, table.concat(missing, ", "))
   end
+  if type(eng.capabilities) ~= "table" then
+    return nil, ("engine_adapter %s: the engine new() returned has no capabilities table "
+      .. "(docs/reference/engines.md, \"Capabilities\")"):format(name)
+  end
   return eng
 end
 

@@ -13,6 +13,9 @@ function tests.a_user_adapter_must_build_a_whole_engine(t)
   for _, m in ipairs(engines.METHODS) do partial[m] = function() end end
   partial.pull = nil
   t:eq(try(function() return partial end), "engine_adapter mine: the engine new() returned has no method pull")
+  partial.pull = function() end
+  t:eq(try(function() return partial end), "engine_adapter mine: the engine new() returned has no capabilities table "
+    .. '(docs/reference/engines.md, "Capabilities")')
   local docker = require("demesne.engines.docker")
   local eng = engines.new_user("mine", { new = function(e) return docker.new(e:gsub("^unix://", ""), nil) end },
     "unix:///x.sock")
