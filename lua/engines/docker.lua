@@ -229,7 +229,11 @@ function Engine:create(s)
   if not ok then return nil, "create container: " .. cerr, ccode end
   local t, err, code = ok_json(self, "POST", "/containers/create", s.name and { name = s.name } or nil,
     docker.create_body(s), "create container")
-  if not t then return nil, err, code end
+  if not t then
+    -- Podman 4 answers a taken name with HTTP 500 ("… is already in use"), Docker with 409
+    if code == "EENGINE" and tostring(err):find("already in use", 1, true) then code = "ECONFLICT" end
+    return nil, err, code
+  end
   return t.Id
 end
 
@@ -312,7 +316,16 @@ function Engine:exec(id, argv, opts)
     Cmd = argv, Env = opts.env, WorkingDir = opts.workdir, User = opts.user,
     AttachStdout = true, AttachStderr = true, AttachStdin = false, Tty = false,
   }, "create exec")
-  if not t then return nil, err, code end
+  if not t then
+    -- a stopped container: Docker answers 409, Podman 4 500 ("container state improper")
+    if code == "EENGINE" then
+      local info = self:inspect(id)
+      if info and info.state ~= "running" then
+        return nil, ("create exec: container %s is not running"):format(id), "ECONFLICT"
+      end
+    end
+    return nil, err, code
+  end
   local exec_id = t.Id
   local res
   res, err, code = self:call("POST", "/exec/" .. exec_id .. "/start", nil, { Detach = false, Tty = false },

@@ -49,13 +49,19 @@ local function positive(field, v, integer)
   return true
 end
 
--- Each check returns true, or nil, message, code; `all` stops at the first failure.
+-- Runs checks {fn, args...} in order; returns the first failure (nil, message, code) or true.
 local function all(...)
   for i = 1, select("#", ...) do
-    local ok, err, code = (select(i, ...))()
+    local c = select(i, ...)
+    local ok, err, code = c[1](table.unpack(c, 2))
     if not ok then return nil, err, code end
   end
   return true
+end
+
+local function optional(check, field, v, ...)
+  if v == nil then return true end
+  return check(field, v, ...)
 end
 
 --- Checks a sandbox spec, and that an adapter with capabilities `caps` can honour all of it:
@@ -75,11 +81,8 @@ function spec.check(s, caps)
   if s.name ~= nil and (type(s.name) ~= "string" or not s.name:match("^[%w][%w_.%-]*$")) then
     return bad("name", "must be letters, digits, '_', '.' and '-', starting with a letter or digit")
   end
-  local ok, err, code = all(
-    function() return string_list("entrypoint", s.entrypoint) end,
-    function() return string_list("command", s.command) end,
-    function() return string_list("env", s.env) end,
-    function() return s.workdir == nil or absolute("workdir", s.workdir) end)
+  local ok, err, code = all({ string_list, "entrypoint", s.entrypoint }, { string_list, "command", s.command },
+    { string_list, "env", s.env }, { optional, absolute, "workdir", s.workdir })
   if not ok then return nil, err, code end
   for i, e in ipairs(s.env or {}) do
     if not e:match("^[^=]+=") then return bad(("env[%d]"):format(i), 'must be "NAME=value"') end
@@ -105,9 +108,7 @@ function spec.check(s, caps)
   for i, m in ipairs(s.mounts or {}) do
     local f = ("mounts[%d]"):format(i)
     if type(m) ~= "table" then return bad(f, "must be a table {source, target, mode}") end
-    ok, err, code = all(
-      function() return absolute(f .. ".source", m.source) end,
-      function() return target(f .. ".target", m.target) end)
+    ok, err, code = all({ absolute, f .. ".source", m.source }, { target, f .. ".target", m.target })
     if not ok then return nil, err, code end
     if m.mode ~= "ro" and m.mode ~= "rw" then return bad(f .. ".mode", 'must be "ro" or "rw"') end
     if m.relay ~= nil and type(m.relay) ~= "boolean" then return bad(f .. ".relay", "must be a boolean") end
@@ -136,10 +137,8 @@ function spec.check(s, caps)
     for k in pairs(s.limits) do
       if k ~= "memory_bytes" and k ~= "cpus" and k ~= "pids" then return bad("limits." .. tostring(k), "unknown field") end
     end
-    ok, err, code = all(
-      function() return s.limits.memory_bytes == nil or positive("limits.memory_bytes", s.limits.memory_bytes, true) end,
-      function() return s.limits.cpus == nil or positive("limits.cpus", s.limits.cpus) end,
-      function() return s.limits.pids == nil or positive("limits.pids", s.limits.pids, true) end)
+    ok, err, code = all({ optional, positive, "limits.memory_bytes", s.limits.memory_bytes, true },
+      { optional, positive, "limits.cpus", s.limits.cpus }, { optional, positive, "limits.pids", s.limits.pids, true })
     if not ok then return nil, err, code end
   end
   local net = s.network or "none"
