@@ -486,11 +486,12 @@ function sandbox.check_alive(eng, sandbox_id)
     if not info and code == "ENOENT" then
       fail(("sandbox_id: sandbox %s was destroyed (or expired) while the call was running"):format(sandbox_id), "ENOENT")
     end
-    if info and info.state ~= "running" then
-      fail(("sandbox_id: sandbox %s stopped while the call was running"):format(sandbox_id))
-    end
+    -- (a container being removed is not running either: ask about removal first)
     if info and info.state == "removing" then
       fail(("sandbox_id: sandbox %s was destroyed while the call was running"):format(sandbox_id), "ENOENT")
+    end
+    if info and info.state ~= "running" then
+      fail(("sandbox_id: sandbox %s stopped while the call was running"):format(sandbox_id))
     end
     async.sleep(200)
   end
