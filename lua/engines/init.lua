@@ -71,7 +71,8 @@ function engines.load_user(name)
   return mod
 end
 
---- The methods the runtime calls on an engine (docs/reference/engines.md, "Adding another adapter").
+--- The methods the runtime calls on an engine (docs/reference/engines.md, "Methods"); an
+--- engine also carries a `capabilities` table ("Capabilities").
 engines.METHODS = { "create", "start", "wait", "remove", "inspect", "list", "exec", "image_inspect", "build",
   "import", "pull" }
 
