@@ -174,10 +174,10 @@ local function ensure_builtin(eng, name, ctx, dry)
     if not ok then result.err = "packing the build context failed: " .. tostring(perr) return end
     local last = ""
     local berr
-    ok, berr = eng:build(tar, { tag = tag, buildargs = { BASE = parent }, networkmode = "host",
+    ok, berr = eng:build(tar, { tag = tag, buildargs = { BASE = parent }, network = "host",
       labels = { ["io.demesne.image"] = name } }, function(line)
-      if line.stream and line.stream:match("%S") then
-        last = line.stream:gsub("%s+$", "")
+      if line:match("%S") then
+        last = line:gsub("%s+$", "")
         if last:match("^STEP") or last:match("^Step") then progress(ctx, name .. ": " .. last) end
       end
     end)
