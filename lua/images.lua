@@ -23,6 +23,10 @@ images.BUILTIN = {
   default = { parent = "base" },
   ["agent-claude_code"] = { parent = "base" },
   ["agent-codex"] = { parent = "base" },
+  browser = { parent = "base" },
+  media = { parent = "base" },
+  webgamedev = { parent = "browser" },
+  twine = { parent = "browser" },
 }
 
 local ROOTFS_REPO, ROOTFS_TAG = "demesne/debian-rootfs", "bookworm"
