@@ -30,7 +30,10 @@ export function watch(page) {
   page.on("console", (m) => {
     const line = `${m.type()}: ${m.text()}`;
     if (seen.console.length < 500) seen.console.push(line);
-    if (m.type() === "error") seen.console_errors.push(m.text());
+    if (m.type() === "error") {
+      const where = m.location()?.url;
+      seen.console_errors.push(where && !m.text().includes(where) ? `${m.text()} (${where})` : m.text());
+    }
   });
   page.on("pageerror", (e) => seen.page_errors.push(String(e && e.stack || e)));
   page.on("requestfailed", (r) => seen.failed_requests.push(`${r.url()}: ${r.failure()?.errorText}`));
@@ -63,7 +66,12 @@ export function serve(dir) {
     if (file !== root && !file.startsWith(root + path.sep)) { res.writeHead(403).end(); return; }
     try { if (statSync(file).isDirectory()) file = path.join(file, "index.html"); } catch { /* 404 below */ }
     let st;
-    try { st = statSync(file); } catch { res.writeHead(404).end("not found"); return; }
+    try { st = statSync(file); } catch {
+      // Chromium asks for /favicon.ico on its own; a game without one is not broken
+      if (rel === "/favicon.ico") { res.writeHead(204).end(); return; }
+      res.writeHead(404).end("not found");
+      return;
+    }
     if (!st.isFile()) { res.writeHead(404).end("not found"); return; }
     res.writeHead(200, { "Content-Type": TYPES[path.extname(file).toLowerCase()] || "application/octet-stream",
       "Content-Length": st.size, "Cache-Control": "no-store" });
