@@ -226,6 +226,17 @@ function Engine:image_inspect(ref)
   return ok_json(self, "GET", "/images/" .. ref .. "/json", nil, nil, "inspect image")
 end
 
+--- The labels of an image (its Config.Labels): a table of strings, empty when it has none;
+--- or nil, msg, "ENOENT". Optional for adapters: lua/images.lua reads image notes with it.
+---@param ref string
+---@return table<string,string>|nil labels, string|nil msg, string|nil code
+function Engine:image_labels(ref)
+  local t, err, code = self:image_inspect(ref)
+  if not t then return nil, err, code end
+  local labels = type(t.Config) == "table" and t.Config.Labels
+  return type(labels) == "table" and labels or {}
+end
+
 -- Streams the engine's JSON progress lines (build, import, pull) to on_line(table).
 local function progress_stream(on_line, state)
   local buf = ""
