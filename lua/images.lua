@@ -480,7 +480,7 @@ function images.ensure(eng, name, ctx)
     return { name = name, ref = ref }
   end
   if eng:image_inspect(name) then return { name = name, ref = name } end
-  return nil, ("image: %q is neither a demesne image (%s) nor an image present in the engine"):format(name,
+  return nil, ("image: %q is neither a built-in or user image (%s) nor an image present in the engine"):format(name,
     table.concat(images.list(), ", "))
 end
 
