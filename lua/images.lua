@@ -327,7 +327,8 @@ local function build(eng, plan, ctx, dry)
         for l in line.stream:gmatch("[^\r\n]+") do
           if l:match("%S") then last = l end
           local note = l:match(NOTE_PATTERN)
-          if note and note ~= "" then
+          if note and note ~= "" and not notes[note] then
+            notes[note] = true
             notes[#notes + 1] = note
             progress(ctx, name .. ": " .. note)
           elseif l:match("^%[%d+/%d+%] STEP %d") or l:match("^STEP %d") or l:match("^Step %d") then
@@ -338,6 +339,9 @@ local function build(eng, plan, ctx, dry)
     if not ok then result.err = ("building image %s failed: %s (last output: %s)"):format(name, berr, last) return end
     -- Notes the build printed ("demesne-note: …") become a label of the image, so that they
     -- can be shown for it later: a second, one-line build on top of it, under the same tag.
+    -- A step the engine takes from its cache prints nothing: an image prints its notes in
+    -- a step after `ARG DEMESNE_TAG` (the build argument is the tag), which runs on every
+    -- build of a new tag.
     if #notes > 0 then
       local labels = { [NOTES_LABEL] = table.concat(notes, "\n") }
       for lk, lv in pairs(plan.labels) do labels[lk] = lv end
@@ -390,7 +394,8 @@ local function ensure_builtin(eng, name, ctx, dry, visiting)
   end
   local key = { parent }
   for _, f in ipairs(files) do key[#key + 1] = f.name .. "\0" .. f.data end
-  return build(eng, { name = name, tag = tag_of(name, key), files = files, buildargs = { BASE = parent },
+  local tag = tag_of(name, key)
+  return build(eng, { name = name, tag = tag, files = files, buildargs = { BASE = parent, DEMESNE_TAG = tag },
     labels = { ["io.demesne.image"] = name, ["io.demesne.origin"] = "built-in" } }, ctx, dry)
 end
 
@@ -435,7 +440,9 @@ local function ensure_user(eng, name, dir, ctx, dry, visiting)
       out[#out + 1] = f
     end
   end
-  return build(eng, { name = name, tag = tag_of(name, key), files = out, buildargs = buildargs,
+  local tag = tag_of(name, key)
+  buildargs.DEMESNE_TAG = tag
+  return build(eng, { name = name, tag = tag, files = out, buildargs = buildargs,
     labels = { ["io.demesne.image"] = name, ["io.demesne.origin"] = "user" } }, ctx, dry)
 end
 

@@ -5,12 +5,15 @@
 #  2. the official Harlowe and SugarCube, as the Twine 2 application ships them, from Twine's
 #     repository at a pinned commit, when the build host can reach it and the user has not
 #     put the same folder in; an unreachable host is no error: the image then holds fewer
-#     formats, and the notes printed at the end say which it holds.
+#     formats. What could not be fetched is written to /usr/local/share/twine/fetch-notes.txt
+#     as "demesne-note: …" lines (the Containerfile prints them on every build).
 # usage: install-storyformats.sh CONTEXT_STORYFORMATS_DIR
 set -eu
 src=$1
 dest=/usr/local/share/twine/storyformats
 mkdir -p "$dest"
+notes=/usr/local/share/twine/fetch-notes.txt
+: > "$notes"
 for f in "$src"/*/format.js; do
   [ -f "$f" ] || continue
   d=$(basename "$(dirname "$f")")
@@ -29,10 +32,10 @@ fetch() { # folder version url
       mv /tmp/format.js "$dest/$1/format.js"
       echo official > "$dest/$1/ORIGIN"
     else
-      echo "demesne-note: official $1: the downloaded file is not that story format; left out"
+      echo "demesne-note: official $1: the downloaded file is not that story format; left out" >> "$notes"
     fi
   else
-    echo "demesne-note: official $1: not fetched (the build host could not reach it)"
+    echo "demesne-note: official $1: not fetched (the build host could not reach it)" >> "$notes"
   fi
   rm -f /tmp/format.js
 }
@@ -42,4 +45,3 @@ if [ "${TWINE_FETCH_OFFICIAL:-1}" = 1 ]; then
   fetch "sugarcube-$SUGARCUBE_VERSION" "$SUGARCUBE_VERSION" \
     "$TWINE_FORMATS_URL/$SUGARCUBE_COMMIT/public/story-formats/sugarcube-$SUGARCUBE_VERSION/format.js"
 fi
-twine-compile --list --notes

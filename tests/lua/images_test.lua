@@ -49,9 +49,13 @@ local function engine(opts)
     for _, n in ipairs(res.entries) do files[n] = fs.read_file(dest .. "/" .. n) end
     fs.remove_tree(dest)
     local name = o.labels["io.demesne.image"]
-    self.builds[#self.builds + 1] = { name = name, tag = o.tag, base = o.buildargs.BASE, files = files, labels = o.labels }
+    self.builds[#self.builds + 1] = { name = name, tag = o.tag, base = o.buildargs.BASE, args = o.buildargs,
+      files = files, labels = o.labels }
     if (opts.fail or {})[name] then return nil, "image build failed: " .. opts.fail[name], "EBUILD" end
-    if on_line and (opts.notes or {})[name] then on_line({ stream = "demesne-note: " .. opts.notes[name] .. "\n" }) end
+    if on_line and (opts.notes or {})[name] then -- printed twice: kept once
+      on_line({ stream = "demesne-note: " .. opts.notes[name] .. "\n" })
+      on_line({ stream = "Step 9/9 : RUN x\n  demesne-note: " .. opts.notes[name] .. "  \n" })
+    end
     self.present[o.tag] = true
     self.labels[o.tag] = o.labels
     return true
@@ -164,6 +168,7 @@ function tests.twine_takes_the_users_story_formats_and_keeps_its_notes(t)
     t:ok(img.ref ~= plain, "the formats are part of the tag")
     local last = eng.builds[#eng.builds - 1] -- the last build only stamps the notes
     t:eq(last.files["storyformats/minimal-1.0.0/format.js"], "window.storyFormat({});\n")
+    t:eq(last.args.DEMESNE_TAG, img.ref, "the tag is passed, so the step printing notes is not cached")
     t:ok(last.files["storyformats/README.md"] ~= nil, "the built-in placeholder stays")
     local stamp = eng.builds[#eng.builds]
     t:eq(stamp.base, img.ref)
