@@ -81,6 +81,11 @@ local SPEC = {
     doc = "seconds between checks of a re-attached exec job's status file" },
   jobs_tail_bytes = { default = 16384, number = true, doc = "bytes of stdout in sandbox_status's stdout_tail" },
   jobs_read_bytes = { default = 65536, number = true, doc = "default bytes of stdout one sandbox_status `since` read returns" },
+  http_max_body_bytes = { env = "DEMESNE_HTTP_MAX_BODY_BYTES", default = 4 * 1024 * 1024, number = true,
+    doc = "largest request body `serve --http` accepts (413 above, refused before it is read)" },
+  http_max_sessions = { env = "DEMESNE_HTTP_MAX_SESSIONS", default = 1000, number = true,
+    doc = "MCP sessions (2025 revisions) `serve --http` keeps at once; past it the longest-idle one without a "
+      .. "request in progress or an open stream goes, else initialize gets 503" },
   readonly_rootfs = { env = "DEMESNE_READONLY_ROOTFS", default = true, bool = true,
     doc = "mount each sandbox's root filesystem read-only (tmpfs on /tmp, /var/tmp, /root, /run)" },
 }
