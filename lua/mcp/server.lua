@@ -517,18 +517,22 @@ end
 
 function legacy.ping() return {} end
 
+-- 2026-07-28 CacheableResult fields: job status changes at any moment, the template never
+local function cacheable(entry, r, ttl_ms)
+  if entry.modern then
+    r.ttlMs = ttl_ms
+    r.cacheScope = "private"
+  end
+  return r
+end
+
 local function tools_list(self, params, entry)
   if params.cursor ~= nil and params.cursor ~= null and type(params.cursor) ~= "string" then
     invalid_params("params.cursor: expected a string, got " .. describe(params.cursor))
   end
   -- one page: nextCursor is never set
-  local r = { tools = self.registry:listing() }
-  if entry.modern then
-    -- the list is the same for every caller and changes only with a restart
-    r.ttlMs = 300000
-    r.cacheScope = "private"
-  end
-  return r
+  -- the list is the same for every caller and changes only with a restart
+  return cacheable(entry, { tools = self.registry:listing() }, 300000)
 end
 legacy["tools/list"], modern["tools/list"] = tools_list, tools_list
 
@@ -542,14 +546,14 @@ legacy["logging/setLevel"] = function(self, params)
   return {}
 end
 
-local function resources_list(_, params)
+local function resources_list(_, params, entry)
   if params.cursor ~= nil and params.cursor ~= null and type(params.cursor) ~= "string" then
     invalid_params("params.cursor: expected a string, got " .. describe(params.cursor))
   end
-  return resources.list()
+  return cacheable(entry, resources.list(), 0)
 end
 legacy["resources/list"], modern["resources/list"] = resources_list, resources_list
-legacy["resources/templates/list"] = function() return resources.templates() end
+legacy["resources/templates/list"] = function(_, _, entry) return cacheable(entry, resources.templates(), 300000) end
 modern["resources/templates/list"] = legacy["resources/templates/list"]
 
 local function resources_read(_, params, entry)
@@ -559,7 +563,7 @@ local function resources_read(_, params, entry)
     error(server.rpc_error(entry.modern and server.INVALID_PARAMS or server.RESOURCE_NOT_FOUND, err,
       { uri = params.uri }), 0)
   end
-  return r
+  return cacheable(entry, r, 0)
 end
 legacy["resources/read"], modern["resources/read"] = resources_read, resources_read
 
