@@ -90,7 +90,8 @@ export function spawnRaw({ env = {}, args = [], fixtures = true } = {}) {
       const line = buf.slice(0, nl);
       buf = buf.slice(nl + 1);
       if (!line.trim()) continue;
-      queue.push(JSON.parse(line)); // stdout must carry only JSON-RPC: anything else fails the test
+      // stdout must carry only JSON-RPC: anything else fails the test; .raw keeps the text
+      queue.push(Object.defineProperty(JSON.parse(line), "raw", { value: line }));
       deliver();
     }
   });

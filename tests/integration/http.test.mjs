@@ -261,6 +261,14 @@ describe("bad input over HTTP", () => {
     assert.deepEqual([r.status, JSON.parse(r.text).error.code], [400, -32020]);
   });
 
+  test("JSON-RPC ids beyond 2^53 come back exactly, in both eras", async () => {
+    const init = await raw(srv, { body: `{"jsonrpc":"2.0","id":9007199254740993,"method":"initialize","params":{"protocolVersion":"2025-11-25","capabilities":{},"clientInfo":{"name":"r","version":"1"}}}` });
+    assert.match(init.text, /"id":9007199254740993[,}]/);
+    const m = modern("tools/list");
+    const r = await raw(srv, { headers: m.headers, body: JSON.stringify(m.body).replace('"id":1', '"id":18446744073709551617') });
+    assert.match(r.text, /"id":18446744073709551617[,}]/);
+  });
+
   test("a 10 MB body: 413, refused before it is read; the server keeps serving", async () => {
     const r = await raw(srv, { body: JSON.stringify({ jsonrpc: "2.0", id: 1, method: "x", params: { pad: "a".repeat(10 * 1024 * 1024) } }) });
     assert.equal(r.status, 413);

@@ -265,6 +265,13 @@ describe("raw frames", () => {
     const first = await raw.next((x) => x.id === 41);
     assert.ok(first.result, JSON.stringify(first));
   });
+  test("ids beyond 2^53, fractions and strings come back exactly as sent (not as rounded floats)", async () => {
+    for (const id of ["9007199254740993", "123456789012345678901234567890", "-9007199254740995", "1.25", "1e3", '"id-\\u00e9"']) {
+      raw.send(`{"jsonrpc":"2.0","id":${id},"method":"ping"}\n`);
+      const m = await raw.next((x) => x.method === undefined);
+      assert.ok(m.raw.includes(`"id":${id.startsWith('"') ? '"id-é"' : id}`), `${id} -> ${m.raw}`);
+    }
+  });
   test("unknown method -> -32601", () => expectError('{"jsonrpc":"2.0","id":7,"method":"no/such"}', -32601, 7));
   test("wrong param types -> -32602 naming the field", async () => {
     await expectError('{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{"name":42}}', -32602, 8, /params\.name/);
