@@ -411,8 +411,9 @@ function http.start(o)
       if not ch.done and sse_ok then ch.start_sse() end
       return
     end
-    -- 2025-11-25 and 2025-06-18
-    if pv and not server.is_supported(pv) then
+    -- 2025-11-25 and 2025-06-18 (2025-03-26, the first Streamable HTTP revision, is served as
+    -- the session negotiated: its header is accepted, as the SDKs do)
+    if pv and not server.is_supported(pv) and pv ~= "2025-03-26" then
       return reply(conn, 400, server.INVALID_REQUEST, ("Unsupported MCP-Protocol-Version: %s (supported: %s)"):format(
         pv, table.concat(server.SUPPORTED_VERSIONS, ", ")))
     end

@@ -647,6 +647,23 @@ local function tools_call(self, params, entry)
   if not tool then
     error(server.rpc_error(server.INVALID_PARAMS, ("Unknown tool: %s"):format(name)), 0)
   end
+  if entry.modern and tool.clientCapabilities then
+    local missing
+    for _, cap in ipairs(tool.clientCapabilities) do
+      if entry.modern.capabilities[cap] == nil then
+        missing = missing or {}
+        missing[cap] = {}
+      end
+    end
+    if missing then
+      local names = {}
+      for k in pairs(missing) do names[#names + 1] = k end
+      table.sort(names)
+      error(server.rpc_error(server.MISSING_CLIENT_CAPABILITY, ("Missing required client capability: tool %s needs %s, "
+        .. "which the request's clientCapabilities do not declare"):format(name, table.concat(names, ", ")),
+        { requiredCapabilities = missing }), 0)
+    end
+  end
   local ctx = self:tool_context(tool, entry, meta)
   -- task-augmented call (2025-11-25 experimental tasks): lua/mcp/tasks.lua
   local task = params.task
