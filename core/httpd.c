@@ -100,6 +100,7 @@ struct dm_httpd {
   size_t nconns;
   int closing;
   int open_listeners;
+  struct relay *relays; /* relay connections waiting for their handed socket */
   uv_timer_t closer; /* closed last, so on_closed always comes from the loop */
 };
 
@@ -113,6 +114,7 @@ typedef struct {
 static llhttp_settings_t settings;
 static int settings_ready;
 
+struct relay;
 static void conn_close(dm_httpd_conn *c, const char *why);
 static void process_held(dm_httpd_conn *c);
 static void start_reading(dm_httpd_conn *c);
@@ -953,17 +955,17 @@ static void start_reading(dm_httpd_conn *c) {
 /* ------------------------------------------------------------------------------------ */
 /* Listeners                                                                              */
 
-static void on_connection(uv_stream_t *server, int status) {
-  listener *l = server->data;
+/* Accepts a connection from `from` (a listening socket, or a relay pipe holding a handed
+ * TCP socket) as a new HTTP connection of listener l. */
+static void accept_conn(listener *l, uv_stream_t *from, int tcp) {
   dm_httpd *s = l->s;
-  if (status < 0 || s->closing) return;
   dm_httpd_conn *c = calloc(1, sizeof *c);
   if (!c) return;
   c->s = s;
   c->l = l;
   c->state = S_READ;
-  if (l->is_unix) uv_pipe_init(s->loop, &c->h.pipe, 0);
-  else uv_tcp_init(s->loop, &c->h.tcp);
+  if (tcp) uv_tcp_init(s->loop, &c->h.tcp);
+  else uv_pipe_init(s->loop, &c->h.pipe, 0);
   uv_timer_init(s->loop, &c->timer);
   c->h.pipe.data = c;
   c->timer.data = c;
@@ -975,17 +977,78 @@ static void on_connection(uv_stream_t *server, int status) {
   init_settings();
   llhttp_init(&c->parser, HTTP_REQUEST, &settings);
   c->parser.data = c;
-  if (uv_accept(server, (uv_stream_t *)&c->h) != 0) {
+  if (uv_accept(from, (uv_stream_t *)&c->h) != 0) {
     conn_close(c, NULL);
     return;
   }
-  if (!l->is_unix) uv_tcp_nodelay(&c->h.tcp, 1);
+  if (tcp) uv_tcp_nodelay(&c->h.tcp, 1);
   if (s->nconns > s->o.max_conns) {
     refuse(c, 503, "too many connections", 0);
     return;
   }
   uv_timer_start(&c->timer, on_timeout, s->o.idle_timeout_ms, 0);
   start_reading(c);
+}
+
+static void on_connection(uv_stream_t *server, int status) {
+  listener *l = server->data;
+  if (status < 0 || l->s->closing) return;
+  accept_conn(l, server, !l->is_unix);
+}
+
+/* Relay listeners: demesne-init's relay in a sandbox connects to the unix socket and hands
+ * over the TCP socket it accepted (SCM_RIGHTS, with one byte), then hangs up. The handed
+ * socket becomes an HTTP connection of the listener, so its identity is the socket it came
+ * through, never anything the client says. */
+struct relay {
+  uv_pipe_t pipe; /* first member: the close callback frees the struct */
+  listener *l;
+  struct relay *prev, *next;
+};
+
+static void relay_closed(uv_handle_t *h) {
+  struct relay *r = (struct relay *)h;
+  dm_httpd *s = r->l->s;
+  if (r->prev) r->prev->next = r->next;
+  else s->relays = r->next;
+  if (r->next) r->next->prev = r->prev;
+  free(r);
+  s->open_listeners--;
+  maybe_free_server(s);
+}
+
+static void relay_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  static char byte[64];
+  (void)h;
+  (void)suggested;
+  *buf = uv_buf_init(byte, sizeof byte);
+}
+
+static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
+  struct relay *r = (struct relay *)st;
+  (void)buf;
+  if (n == 0) return;
+  uv_read_stop(st);
+  if (n > 0 && !r->l->s->closing && uv_pipe_pending_count(&r->pipe) > 0 && uv_pipe_pending_type(&r->pipe) == UV_TCP)
+    accept_conn(r->l, st, 1);
+  if (!uv_is_closing((uv_handle_t *)st)) uv_close((uv_handle_t *)st, relay_closed);
+}
+
+static void on_relay_connection(uv_stream_t *server, int status) {
+  listener *l = server->data;
+  dm_httpd *s = l->s;
+  if (status < 0 || s->closing) return;
+  struct relay *r = calloc(1, sizeof *r);
+  if (!r) return;
+  r->l = l;
+  uv_pipe_init(s->loop, &r->pipe, 1);
+  s->open_listeners++;
+  r->next = s->relays;
+  if (s->relays) s->relays->prev = r;
+  s->relays = r;
+  if (uv_accept(server, (uv_stream_t *)&r->pipe) != 0 ||
+      uv_read_start((uv_stream_t *)&r->pipe, relay_alloc, relay_read) != 0)
+    uv_close((uv_handle_t *)&r->pipe, relay_closed);
 }
 
 static listener *listener_new(dm_httpd *s, const dm_httpd_listen_opts *o) {
@@ -1043,7 +1106,7 @@ int dm_httpd_listen_tcp(dm_httpd *s, const char *ip, int port, const dm_httpd_li
   return 0;
 }
 
-int dm_httpd_listen_unix(dm_httpd *s, const char *path, const dm_httpd_listen_opts *o) {
+static int listen_unix_with(dm_httpd *s, const char *path, const dm_httpd_listen_opts *o, uv_connection_cb cb) {
   if (strlen(path) > 107) return UV_ENAMETOOLONG;
   struct stat st;
   if (lstat(path, &st) == 0) {
@@ -1059,7 +1122,7 @@ int dm_httpd_listen_unix(dm_httpd *s, const char *path, const dm_httpd_listen_op
   mode_t old = umask(0177);
   int r = uv_pipe_bind(&l->h.pipe, path);
   umask(old);
-  if (!r) r = uv_listen((uv_stream_t *)&l->h.pipe, 511, on_connection);
+  if (!r) r = uv_listen((uv_stream_t *)&l->h.pipe, 511, cb);
   if (r) {
     uv_close((uv_handle_t *)&l->h.pipe, listener_free_cb);
     return r;
@@ -1073,6 +1136,14 @@ int dm_httpd_listen_unix(dm_httpd *s, const char *path, const dm_httpd_listen_op
   s->listeners = l;
   s->open_listeners++;
   return 0;
+}
+
+int dm_httpd_listen_unix(dm_httpd *s, const char *path, const dm_httpd_listen_opts *o) {
+  return listen_unix_with(s, path, o, on_connection);
+}
+
+int dm_httpd_listen_relay(dm_httpd *s, const char *path, const dm_httpd_listen_opts *o) {
+  return listen_unix_with(s, path, o, on_relay_connection);
 }
 
 dm_httpd *dm_httpd_new(uv_loop_t *loop, const dm_httpd_opts *opts, const dm_httpd_handler *handler, void *ud) {
@@ -1118,6 +1189,8 @@ void dm_httpd_close(dm_httpd *s) {
     next = c->next;
     conn_close(c, "server closing");
   }
+  for (struct relay *r = s->relays; r; r = r->next)
+    if (!uv_is_closing((uv_handle_t *)&r->pipe)) uv_close((uv_handle_t *)&r->pipe, relay_closed);
   /* on_closed comes from the loop, after this handle's close callback at the latest */
   s->open_listeners++;
   uv_close((uv_handle_t *)&s->closer, listener_closed);

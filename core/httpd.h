@@ -105,6 +105,12 @@ int dm_httpd_listen_tcp(dm_httpd *s, const char *ip, int port, const dm_httpd_li
 /// is still the one bound. Returns 0 or a libuv error (UV_ENAMETOOLONG over 107 bytes).
 int dm_httpd_listen_unix(dm_httpd *s, const char *path, const dm_httpd_listen_opts *o);
 
+/// Listens on a unix socket for demesne-init's relay (`--relay PORT=PATH`): each connection
+/// hands over one accepted TCP socket (SCM_RIGHTS, with one byte) and hangs up; the handed
+/// socket becomes an HTTP connection of this listener, tagged with its identity. A
+/// connection that hands nothing over is closed. Socket file rules as listen_unix.
+int dm_httpd_listen_relay(dm_httpd *s, const char *path, const dm_httpd_listen_opts *o);
+
 /// Stops every listener, removes their socket files, aborts every connection (each
 /// handed one gets on_close "server closing"); on_closed follows. Idempotent.
 void dm_httpd_close(dm_httpd *s);

@@ -294,6 +294,23 @@ static int l_listen_unix(lua_State *L) {
   return 1;
 }
 
+/// server:listen_relay(path, lopts) -> true | nil, msg, code. Listens on a unix socket for
+/// demesne-init's relay: each connection hands over one TCP socket (SCM_RIGHTS) and hangs
+/// up; the handed socket is served as an HTTP connection of this listener (its tag is the
+/// caller's identity). lopts and socket file rules as listen_unix.
+static int l_listen_relay(lua_State *L) {
+  lserver *ls = check_server(L);
+  const char *path = luaL_checkstring(L, 2);
+  dm_httpd_listen_opts o;
+  const char **hosts = listen_opts(L, 3, &o);
+  int r = dm_httpd_listen_relay(ls->s, path, &o);
+  free(hosts);
+  if (r == UV_EEXIST) return dm_fail(L, "listen: the path exists and is not a socket", "EEXIST");
+  if (r) return dm_fail_uv(L, "listen", r);
+  lua_pushboolean(L, 1);
+  return 1;
+}
+
 /// server:connections() -> integer: connections open now (0 once closed).
 static int l_connections(lua_State *L) {
   server_ud *u = luaL_checkudata(L, 1, SERVER_MT);
@@ -485,7 +502,8 @@ static int l_token_equal(lua_State *L) {
 }
 
 static const luaL_Reg server_methods[] = {
-  {"listen_tcp", l_listen_tcp}, {"listen_unix", l_listen_unix}, {"connections", l_connections},
+  {"listen_tcp", l_listen_tcp}, {"listen_unix", l_listen_unix}, {"listen_relay", l_listen_relay},
+  {"connections", l_connections},
   {"close", l_server_close}, {NULL, NULL},
 };
 static const luaL_Reg conn_methods[] = {

@@ -10,6 +10,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/socket.h>
+#include <sys/un.h>
 #include <unistd.h>
 
 static int failures;
@@ -201,9 +202,90 @@ static void test_exchanges(void) {
   CHECK(uv_loop_close(&loop) == 0, "every handle closed");
 }
 
+/* ---- a relay hands over a TCP socket; the request is tagged with the relay's listener ---- */
+
+typedef struct {
+  char path[108];
+  char got[2048];
+  size_t len;
+  int done;
+} relay_t;
+
+static void *relay_client(void *arg) {
+  relay_t *x = arg;
+  /* a TCP connection on loopback: we keep one end and hand the other over */
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  socklen_t al = sizeof a;
+  bind(lfd, (struct sockaddr *)&a, sizeof a);
+  listen(lfd, 1);
+  getsockname(lfd, (struct sockaddr *)&a, &al);
+  int cfd = socket(AF_INET, SOCK_STREAM, 0);
+  connect(cfd, (struct sockaddr *)&a, sizeof a);
+  int sfd = accept(lfd, NULL, NULL);
+  close(lfd);
+  int ufd = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un un = {.sun_family = AF_UNIX};
+  snprintf(un.sun_path, sizeof un.sun_path, "%s", x->path);
+  if (connect(ufd, (struct sockaddr *)&un, sizeof un) == 0) {
+    char byte = 'x';
+    struct iovec iov = {&byte, 1};
+    char ctl[CMSG_SPACE(sizeof(int))];
+    memset(ctl, 0, sizeof ctl);
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof ctl};
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &sfd, sizeof(int));
+    sendmsg(ufd, &m, 0);
+  }
+  close(ufd);
+  close(sfd);
+  const char *req = "GET /via-relay HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+  if (write(cfd, req, strlen(req)) < 0) x->len = 0;
+  struct timeval tv = {5, 0};
+  setsockopt(cfd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ssize_t r;
+  while (x->len < sizeof x->got - 1 && (r = read(cfd, x->got + x->len, sizeof x->got - 1 - x->len)) > 0) x->len += (size_t)r;
+  x->got[x->len] = '\0';
+  close(cfd);
+  x->done = 1;
+  return NULL;
+}
+
+static void test_relay(void) {
+  uv_loop_init(&loop);
+  closed = 0;
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  srv = dm_httpd_new(&loop, NULL, &h, NULL);
+  relay_t x = {0};
+  snprintf(x.path, sizeof x.path, "/tmp/demesne-httpd-relay-%d.sock", (int)getpid());
+  dm_httpd_listen_opts lo = {.tag = "sandbox-42"};
+  CHECK(dm_httpd_listen_relay(srv, x.path, &lo) == 0, "listen_relay");
+  pthread_t t;
+  pthread_create(&t, NULL, relay_client, &x);
+  while (!x.done) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  pthread_join(t, NULL);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK") && strstr(x.got, "/via-relay"), "answered through the relay: %s", x.got);
+  CHECK(!strcmp(last_listener, "sandbox-42"), "tagged with the relay's listener: %s", last_listener);
+  dm_httpd_close(srv);
+  while (!closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(access(x.path, F_OK) != 0, "socket file removed");
+  CHECK(uv_loop_close(&loop) == 0, "every handle closed");
+}
+
 int main(void) {
   test_token_equal();
   test_exchanges();
+  test_relay();
   if (failures) fprintf(stderr, "%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }
