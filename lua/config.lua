@@ -85,7 +85,7 @@ local SPEC = {
     doc = "largest request body `serve --http` accepts (413 above, refused before it is read)" },
   http_max_sessions = { env = "DEMESNE_HTTP_MAX_SESSIONS", default = 1000, number = true,
     doc = "MCP sessions (2025 revisions) `serve --http` keeps at once; past it the longest-idle one without a "
-      .. "request in progress or an open stream goes, else initialize gets 503" },
+      .. "request in progress, an open stream or a job or sandbox it started goes, else initialize gets 503" },
   readonly_rootfs = { env = "DEMESNE_READONLY_ROOTFS", default = true, bool = true,
     doc = "mount each sandbox's root filesystem read-only (tmpfs on /tmp, /var/tmp, /root, /run)" },
 }

@@ -23,8 +23,8 @@
 --     subscriptions/listen holds its stream open for job-end resource updates.
 --
 -- Sessions never expire on a timer (clients that lose one do not re-initialize); past
--- http_max_sessions the longest-idle session with no request in progress and no open stream
--- goes. A slow client cannot make the server hold much for it: progress and log
+-- http_max_sessions the longest-idle session with no request in progress, no open stream,
+-- and no job or sandbox it started, goes. A slow client cannot make the server hold much for it: progress and log
 -- notifications are dropped while over NOTIFY_HIGH bytes wait on its socket, and C cuts a
 -- connection whose queue passes max_output.
 local async = require("demesne.async")
@@ -217,7 +217,7 @@ function http.start(o)
       -- room: the longest-idle session with nothing in progress and no open stream goes
       local victim
       for _, s in pairs(self.sessions) do
-        if s.srv:pending() == 0 and not (s.get_conn and s.get_conn:is_open())
+        if s.srv:pending() == 0 and not s.owns_work and not (s.get_conn and s.get_conn:is_open())
           and loop.now() - s.seen >= IDLE_EVICT_MS and (not victim or s.seen < victim.seen) then
           victim = s
         end
@@ -268,6 +268,11 @@ function http.start(o)
     end
     function ch:write(line, kind)
       if ch.done or ch.gone or not conn:is_open() then return nil, "the request's stream is closed" end
+      if kind == "response" and opts.session and (line:find('"job_id":"', 1, true) or line:find('"sandbox_id":"', 1, true)) then
+        -- a session that started a job or made a sandbox is never evicted (its client may come
+        -- back for them; clients do not re-initialize after a 404)
+        opts.session.owns_work = true
+      end
       if kind == "response" then
         if ch.sse then
           conn:write(sse_event(line))

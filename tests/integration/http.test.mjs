@@ -15,7 +15,8 @@ import { Client as ClientV1 } from "@modelcontextprotocol/sdk/client/index.js";
 import { StreamableHTTPClientTransport as TransportV1 } from "@modelcontextprotocol/sdk/client/streamableHttp.js";
 import { LoggingMessageNotificationSchema } from "@modelcontextprotocol/sdk/types.js";
 import { Client as ClientV2, StreamableHTTPClientTransport as TransportV2 } from "@modelcontextprotocol/client";
-import { startHttp } from "./helpers.mjs";
+import { execFileSync } from "node:child_process";
+import { startHttp, BIN, serverEnv } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const SOCKET = ENGINE.replace(/^unix:\/\//, "");
@@ -344,6 +345,16 @@ describe("bad input over HTTP", () => {
     assert.equal((await raw(srv, { body: initialize(), headers: { Accept: "text/html" } })).status, 406);
     assert.equal((await raw(srv, { method: "GET", headers: { "MCP-Protocol-Version": "2026-07-28" } })).status, 405);
   });
+});
+
+test("check-config names where the token comes from, never the token", () => {
+  const state = path.join(work, "cc-state");
+  let out = execFileSync(BIN, ["check-config"], { env: serverEnv({ DEMESNE_STATE_DIR: state }), encoding: "utf8" });
+  assert.match(out, new RegExp(`^http token\\s+= ${state}/http-token\\s`, "m"));
+  const secret = "check-config-secret-0123456789";
+  out = execFileSync(BIN, ["check-config"], { env: serverEnv({ DEMESNE_STATE_DIR: state, DEMESNE_HTTP_TOKEN: secret }), encoding: "utf8" });
+  assert.match(out, /^http token\s+= \(set\)\s+\(\$DEMESNE_HTTP_TOKEN\)/m);
+  assert.ok(!out.includes(secret));
 });
 
 test("a non-loopback address is refused unless --http-allow-remote", async () => {

@@ -6,7 +6,9 @@ import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { LoggingMessageNotificationSchema, McpError } from "@modelcontextprotocol/sdk/types.js";
-import { connect, spawnRaw } from "./helpers.mjs";
+import { Client as ClientV2 } from "@modelcontextprotocol/client";
+import { StdioClientTransport as StdioV2 } from "@modelcontextprotocol/client/stdio";
+import { connect, spawnRaw, BIN, FIXTURES, ROOT, serverEnv } from "./helpers.mjs";
 
 const work = mkdtempSync(path.join(tmpdir(), "demesne-mcp-it-"));
 after(() => rmSync(work, { recursive: true, force: true }));
@@ -299,6 +301,29 @@ describe("raw frames", () => {
     const m = await raw.next();
     assert.equal(m.id, "after");
   });
+});
+
+test("SDK v2 client over stdio: probes with server/discover and speaks 2026-07-28 (stateless)", async () => {
+  const transport = new StdioV2({ command: BIN, args: ["--fixtures", FIXTURES, "serve"], env: serverEnv(), cwd: ROOT, stderr: "ignore" });
+  const client = new ClientV2({ name: "demesne-stdio-v2", version: "2" }, { versionNegotiation: { mode: "auto" } });
+  await client.connect(transport);
+  try {
+    assert.equal(client.getNegotiatedProtocolVersion(), "2026-07-28");
+    const { tools } = await client.listTools();
+    assert.ok(tools.some((t) => t.name === "fixture_echo"));
+    const seen = [];
+    const r = await client.callTool({ name: "fixture_progress", arguments: { steps: 3, delay_ms: 20 } },
+      { onprogress: (p) => seen.push(p.progress) });
+    assert.deepEqual(r.structuredContent, { steps: 3, sent: 3 });
+    assert.deepEqual(seen, [1, 2, 3]);
+    const ac = new AbortController();
+    const slow = client.callTool({ name: "fixture_sleep", arguments: { seconds: 30 } }, { signal: ac.signal });
+    setTimeout(() => ac.abort(), 200);
+    await assert.rejects(slow);
+    assert.equal((await client.callTool({ name: "fixture_echo", arguments: { text: "after" } })).structuredContent.text, "after");
+  } finally {
+    await client.close();
+  }
 });
 
 test("a line over the configured cap is discarded with -32600 and the server keeps serving", async () => {
