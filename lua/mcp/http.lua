@@ -241,7 +241,13 @@ function http.start(o)
     self.sessions[sess.id] = nil
     self.nsessions = self.nsessions - 1
     log.info(LOGGER, "session %s ended (%s)", sess.id, why)
-    if sess.get_conn and sess.get_conn:is_open() then sess.get_conn:finish() end
+    local c = sess.get_conn
+    sess.get_conn = nil
+    if c then
+      self.streams[c] = nil
+      self.channels[c] = nil
+      if c:is_open() then c:finish() end
+    end
     async.spawn("end session", function() sess.srv:shutdown(o.shutdown_timeout_ms or 20000) end)
   end
 
