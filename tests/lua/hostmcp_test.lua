@@ -1,0 +1,349 @@
+-- Host MCP servers (lua/hostmcp, lua/mcp/client.lua) against REAL MCP servers from the npm
+-- registry, installed by tests/integration's package.json (npm ci):
+-- @modelcontextprotocol/server-everything (stdio, and Streamable HTTP on loopback) and
+-- @modelcontextprotocol/server-memory (stdio). They run offline. Each test writes its own
+-- config.lua (XDG_CONFIG_HOME in a temporary folder), and stops every upstream at its end.
+local async = require("demesne.async")
+local config = require("demesne.config")
+local json = require("demesne.json")
+local hostmcp = require("demesne.hostmcp")
+local client = require("demesne.mcp.client")
+local fs = require("core.fs")
+local loop = require("core.loop")
+local process = require("core.process")
+local stream = require("core.stream")
+local timer = require("core.timer")
+
+local tests = {}
+
+local SRC = os.getenv("DEMESNE_SOURCE_DIR") or "."
+local MODULES = SRC .. "/tests/integration/node_modules/@modelcontextprotocol"
+local EVERYTHING = MODULES .. "/server-everything/dist/index.js"
+local MEMORY = MODULES .. "/server-memory/dist/index.js"
+
+local function need_servers()
+  for _, p in ipairs({ EVERYTHING, MEMORY }) do
+    if not fs.stat(p) then
+      error(p .. " is missing: run `npm ci` in tests/integration (the real MCP servers these tests use)", 0)
+    end
+  end
+end
+
+local function hex(n) return (loop.random(n):gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
+
+-- Lua source for a value (config.lua is Lua).
+local function lua_value(v, indent)
+  indent = indent or ""
+  if type(v) == "string" then return ("%q"):format(v) end
+  if type(v) ~= "table" then return tostring(v) end
+  local parts = {}
+  if #v > 0 then
+    for _, x in ipairs(v) do parts[#parts + 1] = lua_value(x, indent .. "  ") end
+    return "{ " .. table.concat(parts, ", ") .. " }"
+  end
+  local keys = {}
+  for k in pairs(v) do keys[#keys + 1] = k end
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    parts[#parts + 1] = indent .. "  [" .. ("%q"):format(k) .. "] = " .. lua_value(v[k], indent .. "  ")
+  end
+  return "{\n" .. table.concat(parts, ",\n") .. "\n" .. indent .. "}"
+end
+
+-- Runs fn(dir) with a fresh configuration: `cfg` becomes config.lua, `env` are set. Every
+-- upstream is stopped and the environment restored afterwards, whatever happens.
+local function with_config(cfg, env, fn)
+  need_servers()
+  local dir = "/tmp/demesne-hostmcp-test-" .. hex(6)
+  assert(fs.mkdir_p(dir .. "/xdg/demesne"))
+  local text = ("return " .. lua_value(cfg) .. "\n"):gsub("%$DIR", dir)
+  assert(fs.write_atomic(dir .. "/xdg/demesne/config.lua", text))
+  local vars = { XDG_CONFIG_HOME = dir .. "/xdg", DEMESNE_STATE_DIR = dir .. "/state" }
+  for k, v in pairs(env or {}) do vars[k] = v end
+  local saved = {}
+  for k, v in pairs(vars) do
+    saved[k] = os.getenv(k) or false
+    loop.setenv(k, v ~= false and v:gsub("%$DIR", dir) or nil)
+  end
+  config.load()
+  hostmcp.shutdown()
+  local ok, err = xpcall(fn, debug.traceback, dir)
+  hostmcp.shutdown()
+  for k, v in pairs(saved) do loop.setenv(k, v or nil) end
+  config.load()
+  fs.remove_tree(dir)
+  if not ok then error(err, 0) end
+end
+
+local function everything(tools, extra)
+  local e = { command = "node", args = { EVERYTHING, "stdio" }, tools = tools }
+  for k, v in pairs(extra or {}) do e[k] = v end
+  return e
+end
+
+local function names_of(list)
+  local out = {}
+  for _, t in ipairs(list) do out[#out + 1] = t.name end
+  table.sort(out)
+  return out
+end
+
+local function text_of(res)
+  local parts = {}
+  for _, c in ipairs(res.content or {}) do if c.type == "text" then parts[#parts + 1] = c.text end end
+  return table.concat(parts, "\n")
+end
+
+-- Whether a process (by pid) still exists and is not a zombie.
+local function alive(pid)
+  local f = io.open("/proc/" .. pid .. "/stat")
+  if not f then return false end
+  local s = f:read("a")
+  f:close()
+  local state = s:match("%) (%a)")
+  return state ~= nil and state ~= "Z" and state ~= "X"
+end
+
+-- The pids of this process's children running `comm` (from /proc: a leftover is visible
+-- even when demesne has lost track of it).
+local function children_named(comm)
+  local me, out = loop.getpid(), {}
+  for _, d in ipairs(fs.readdir("/proc") or {}) do
+    if d:match("^%d+$") then
+      local f = io.open("/proc/" .. d .. "/stat")
+      local st = f and f:read("a")
+      if f then f:close() end
+      local name, state, ppid = (st or ""):match("^%d+ %((.-)%) (%a) (%d+)")
+      if name == comm and tonumber(ppid) == me and state ~= "Z" then out[#out + 1] = tonumber(d) end
+    end
+  end
+  return out
+end
+
+-- The raw listing of a server, straight from a client session of our own (to compare the
+-- filtered listing with).
+local function raw_listing(file, args)
+  local s = assert(client.spawn({ file = file, args = args, name = "raw" }))
+  assert(s:initialize(20000))
+  local tools = assert(s:list_tools(20000))
+  s:close(2000)
+  return tools
+end
+
+function tests.an_allowed_tool_is_listed_and_called_and_get_env_is_not(t)
+  with_config({ host_mcp = { everything = everything({ "echo", "get-sum" }) } }, nil, function()
+    local tools = assert(hostmcp.list_tools("everything"))
+    t:eq(names_of(tools), { "echo", "get-sum" }, "allowed tools")
+    for _, tool in ipairs(tools) do t:eq(type(tool.inputSchema), "table", tool.name .. " inputSchema") end
+    local res, err = hostmcp.call("everything", "get-sum", { a = 2, b = 40 })
+    t:ok(res, tostring(err))
+    t:match(text_of(res), "42", "the real sum")
+    res = assert(hostmcp.call("everything", "echo", { message = "hello from the host" }))
+    t:match(text_of(res), "hello from the host")
+    -- get-env is marked read-only, returns the host's environment, and is not allowed here
+    local forged, ferr, fcode = hostmcp.call("everything", "get-env", {})
+    t:eq(forged, nil, "a direct call of get-env")
+    t:eq(fcode, "EPERM")
+    t:match(ferr, "get%-env of host MCP server everything is not allowed")
+  end)
+end
+
+-- Sleeps inside a task.
+local function sleep(ms) async.sleep(ms) end
+
+-- Runs a program to its end (inside a task); returns its exit status.
+local function run(file, args)
+  return async.await(function(cb)
+    local proc = process.spawn({ file = file, args = args }, function(status) cb(status) end)
+    if not proc then cb(127) end
+  end)
+end
+
+-- Waits until pred() is true, at most `ms`; returns pred()'s last value.
+local function eventually(ms, pred)
+  local deadline = loop.now() + ms
+  while not pred() and loop.now() < deadline do sleep(50) end
+  return pred()
+end
+
+function tests.read_only_keeps_exactly_the_tools_marked_readOnlyHint(t)
+  local raw_memory = raw_listing("node", { MEMORY })
+  local raw_everything = raw_listing("node", { EVERYTHING, "stdio" })
+  local function read_only(list)
+    local out = {}
+    for _, tool in ipairs(list) do
+      if type(tool.annotations) == "table" and tool.annotations.readOnlyHint == true then out[#out + 1] = tool.name end
+    end
+    table.sort(out)
+    return out
+  end
+  -- the raw listings hold both kinds, so the filter has something to drop
+  t:eq(read_only(raw_memory), { "open_nodes", "read_graph", "search_nodes" }, "server-memory's read-only tools")
+  t:ok(#raw_memory > 3, "server-memory lists write tools too")
+  t:ok(#read_only(raw_everything) > 0 and #read_only(raw_everything) < #raw_everything, "server-everything has both")
+  with_config({ host_mcp = {
+    memory = { command = "node", args = { MEMORY }, env = { MEMORY_FILE_PATH = "$DIR/memory.jsonl" }, tools = "read-only" },
+    everything = everything("read-only"),
+  } }, nil, function(dir)
+    local tools = assert(hostmcp.list_tools("memory"))
+    t:eq(names_of(tools), read_only(raw_memory), "memory, read-only")
+    t:eq(names_of(assert(hostmcp.list_tools("everything"))), read_only(raw_everything), "everything, read-only")
+    t:ok(names_of(assert(hostmcp.list_tools("everything")))[1] ~= nil, "not empty")
+    local res = assert(hostmcp.call("memory", "read_graph", {}))
+    t:eq(res.isError, nil, "read_graph")
+    local denied, _, code = hostmcp.call("memory", "create_entities",
+      { entities = { { name = "x", entityType = "t", observations = {} } } })
+    t:eq(denied, nil)
+    t:eq(code, "EPERM", "create_entities is not read-only")
+    t:eq(fs.stat(dir .. "/memory.jsonl"), nil, "nothing was written")
+  end)
+end
+
+function tests.star_offers_the_whole_live_listing(t)
+  local raw = raw_listing("node", { EVERYTHING, "stdio" })
+  with_config({ host_mcp = { everything = everything("*") } }, nil, function()
+    -- server-everything registers more tools once initialized and says so with
+    -- notifications/tools/list_changed: the listing follows
+    local changed = false
+    local unsubscribe = hostmcp.on_tools_changed(function(name) if name == "everything" then changed = true end end)
+    local first = assert(hostmcp.list_tools("everything"))
+    t:ok(#first > 0)
+    eventually(3000, function() return changed end)
+    unsubscribe()
+    t:ok(changed, "list_changed was seen")
+    t:eq(names_of(assert(hostmcp.list_tools("everything"))), names_of(raw), "the whole listing")
+  end)
+end
+
+function tests.servers_for_narrows_and_a_child_gets_at_most_its_parents(t)
+  with_config({ host_mcp = {
+    everything = everything({ "echo" }),
+    memory = { command = "node", args = { MEMORY }, tools = "read-only" },
+  } }, nil, function()
+    t:eq(assert(hostmcp.servers_for(nil)), { "everything", "memory" }, "default: all")
+    t:eq(assert(hostmcp.servers_for({ host_mcp = { "memory" } })), { "memory" })
+    t:eq(assert(hostmcp.servers_for({ parent = { "memory" } })), { "memory" }, "a child inherits its parent's set")
+    local none, err, code = hostmcp.servers_for({ host_mcp = { "everything" }, parent = { "memory" } })
+    t:eq(none, nil)
+    t:eq(code, "EINVAL")
+    t:match(err, "host_mcp%[1%]: host MCP server everything is not offered to the parent run")
+    none, err = hostmcp.servers_for({ host_mcp = { "nosuch" } })
+    t:eq(none, nil)
+    t:match(err, 'no host MCP server is named "nosuch" %(offered: everything, memory%)')
+    t:eq(hostmcp.pid("everything"), nil, "nothing was started to answer")
+  end)
+end
+
+function tests.an_upstream_that_crashes_mid_call_errors_and_is_restarted(t)
+  with_config({ host_mcp = { everything = everything({ "trigger-long-running-operation", "get-sum" }) } }, nil, function()
+    t:ok(hostmcp.call("everything", "get-sum", { a = 1, b = 1 }))
+    local pid = hostmcp.pid("everything")
+    t:ok(pid and alive(pid), "running")
+    local call = async.spawn("long call", function()
+      return hostmcp.call("everything", "trigger-long-running-operation", { duration = 20, steps = 20 })
+    end)
+    sleep(500)
+    t:ok(not call.done, "the long call runs")
+    t:eq(run("kill", { "-KILL", tostring(pid) }), 0, "kill -KILL")
+    local _, res, err, code = call:wait()
+    t:eq(res, nil, "the call that saw the crash")
+    t:eq(code, "ECONNRESET")
+    t:match(err, "killed by signal 9")
+    local again = assert(hostmcp.call("everything", "get-sum", { a = 20, b = 22 }))
+    t:match(text_of(again), "42", "the next call works")
+    t:ok(hostmcp.pid("everything") ~= pid, "a new process")
+  end)
+end
+
+function tests.an_upstream_that_never_answers_times_out_and_is_not_left_running(t)
+  with_config({ host_mcp_startup_timeout_seconds = 1,
+    host_mcp = { sleeper = { command = "sleep", args = { "600" }, tools = "*" } } }, nil, function()
+    local t0 = loop.now()
+    local tools, err, code = hostmcp.list_tools("sleeper")
+    t:eq(tools, nil)
+    t:eq(code, "ETIMEDOUT")
+    t:match(err, "no answer to initialize within 1000 ms")
+    t:ok(loop.now() - t0 < 10000, "not stuck")
+    t:eq(hostmcp.pid("sleeper"), nil)
+    t:ok(eventually(3000, function() return #children_named("sleep") == 0 end), "no sleep process is left")
+    local res, _, ccode = hostmcp.call("sleeper", "x", {})
+    t:eq(res, nil)
+    t:eq(ccode, "ETIMEDOUT", "each use tries again and times out again")
+    t:ok(eventually(3000, function() return #children_named("sleep") == 0 end), "still none")
+  end)
+end
+
+function tests.a_stopped_upstream_times_out_is_killed_and_the_next_call_works(t)
+  with_config({ host_mcp_timeout_seconds = 1, host_mcp = { everything = everything({ "get-sum" }) } }, nil, function()
+    t:ok(hostmcp.call("everything", "get-sum", { a = 1, b = 2 }))
+    local pid = hostmcp.pid("everything")
+    t:eq(run("kill", { "-STOP", tostring(pid) }), 0, "kill -STOP")
+    local t0 = loop.now()
+    local res, err, code = hostmcp.call("everything", "get-sum", { a = 1, b = 2 })
+    t:eq(res, nil)
+    t:eq(code, "ETIMEDOUT")
+    t:match(err, "no answer to tools/%a+ within 1000 ms")
+    t:ok(loop.now() - t0 < 5000, "not stuck")
+    -- it does not answer ping either: demesne kills it
+    t:ok(eventually(5000, function() return not alive(pid) end), "the hung process is gone")
+    local again = assert(hostmcp.call("everything", "get-sum", { a = 40, b = 2 }))
+    t:match(text_of(again), "42")
+  end)
+end
+
+function tests.an_idle_upstream_is_stopped_and_started_again_on_use(t)
+  with_config({ host_mcp_idle_seconds = 1, host_mcp = { everything = everything({ "echo" }) } }, nil, function()
+    assert(hostmcp.call("everything", "echo", { message = "a" }))
+    local pid = hostmcp.pid("everything")
+    t:ok(alive(pid))
+    t:ok(eventually(5000, function() return not alive(pid) end), "stopped after 1 s idle")
+    t:eq(hostmcp.pid("everything"), nil)
+    t:match(text_of(assert(hostmcp.call("everything", "echo", { message = "b" }))), "b")
+  end)
+end
+
+function tests.shutdown_leaves_no_upstream_process_nor_its_children(t)
+  local pids = {}
+  with_config({ host_mcp = {
+    everything = everything({ "echo" }),
+    -- a shell that keeps its node child: the whole process group must go
+    wrapped = { command = "sh", args = { "-c", 'exec 3<&0; node "$0" <&3 3<&- & echo $! > "$1"; wait', MEMORY, "$DIR/child.pid" },
+      tools = "read-only" },
+  } }, nil, function(dir)
+    assert(hostmcp.call("everything", "echo", { message = "x" }))
+    assert(hostmcp.list_tools("wrapped"))
+    pids = { hostmcp.pid("everything"), hostmcp.pid("wrapped"), tonumber(fs.read_file(dir .. "/child.pid"):match("%d+")) }
+    for _, p in ipairs(pids) do t:ok(alive(p), "running: " .. p) end
+    hostmcp.shutdown()
+    for _, p in ipairs(pids) do t:ok(not alive(p), "gone after shutdown: " .. p) end
+  end)
+  t:eq(#pids, 3)
+end
+
+function tests.cancel_ends_a_call_and_the_upstream_goes_on(t)
+  with_config({ host_mcp = { everything = everything({ "trigger-long-running-operation", "echo" }) } }, nil, function()
+    local ev = async.event()
+    local tm = timer.after(300, function() ev.set() end)
+    local t0 = loop.now()
+    local res, err, code = hostmcp.call("everything", "trigger-long-running-operation", { duration = 30, steps = 30 },
+      { cancel = ev })
+    tm:close()
+    t:eq(res, nil)
+    t:eq(code, "ECANCELED")
+    t:eq(err, "cancelled")
+    t:ok(loop.now() - t0 < 5000)
+    t:match(text_of(assert(hostmcp.call("everything", "echo", { message = "still here" }))), "still here")
+  end)
+end
+
+function tests.progress_of_the_upstream_reaches_the_caller(t)
+  with_config({ host_mcp = { everything = everything({ "trigger-long-running-operation" }) } }, nil, function()
+    local seen = {}
+    local res = assert(hostmcp.call("everything", "trigger-long-running-operation", { duration = 1, steps = 3 },
+      { on_progress = function(p) seen[#seen + 1] = p.progress end }))
+    t:match(text_of(res), "Long running operation completed")
+    t:eq(seen, { 1, 2, 3 })
+  end)
+end
+
+return tests
