@@ -346,4 +346,170 @@ function tests.progress_of_the_upstream_reaches_the_caller(t)
   end)
 end
 
+-- Runs a program to its end (inside a task); returns its exit status and stdout.
+local function capture(file, args, env)
+  local parts = {}
+  local status = async.await(function(cb)
+    local waiting, st = 2, nil
+    local proc, pipes = process.spawn({ file = file, args = args, env = env, stdout = true }, function(s)
+      st = s
+      waiting = waiting - 1
+      if waiting == 0 then cb(st) end
+    end)
+    if not proc then cb(127) return end
+    pipes.stdout:read_start(function(data)
+      if data then parts[#parts + 1] = data return end
+      pipes.stdout:close()
+      waiting = waiting - 1
+      if waiting == 0 then cb(st) end
+    end)
+  end)
+  return status, table.concat(parts)
+end
+
+-- The import fixtures: a ~/.claude.json and a Codex config.toml as the clients write them.
+local function write_client_configs(dir)
+  assert(fs.mkdir_p(dir .. "/home/.codex"))
+  assert(fs.mkdir_p(dir .. "/proj"))
+  local claude = {
+    numStartups = 3,
+    mcpServers = {
+      everything = { type = "stdio", command = "node", args = { "${HOSTMCP_TEST_EVERYTHING}", "stdio" }, env = {} },
+      demesne = { command = "/usr/bin/demesne", args = { "serve" } },
+      itself = { command = loop.exepath(), args = { "serve" } },
+      broken = { type = "stdio", command = 42 },
+      ["needs-env"] = { command = "x", env = { TOKEN = "${HOSTMCP_TEST_UNSET_VAR}" } },
+      ["old-sse"] = { type = "sse", url = "http://127.0.0.1:9/sse" },
+    },
+    projects = {
+      [dir .. "/proj"] = {
+        allowedTools = {},
+        mcpServers = {
+          memory = { command = "node", args = { MEMORY },
+            env = { MEMORY_FILE_PATH = "${HOSTMCP_TEST_UNSET_VAR:-" .. dir .. "/memory.jsonl}" } },
+        },
+      },
+    },
+  }
+  assert(fs.write_atomic(dir .. "/home/.claude.json", json.encode(claude)))
+  local toml = ([[
+model = "gpt-5"
+
+[mcp_servers.memory2]
+command = "node"
+args = ["%s"]
+env = { MEMORY_FILE_PATH = "%s/memory2.jsonl" }
+
+[mcp_servers.remote]
+url = "http://127.0.0.1:9/mcp"
+bearer_token_env_var = "HOSTMCP_TEST_TOKEN"
+http_headers = { "X-Team" = "docs" }
+tool_timeout_sec = 60.0
+
+[mcp_servers.off]
+command = "node"
+enabled = false
+
+[mcp_servers.bad]
+command = "node"
+url = "http://127.0.0.1:9/mcp"
+
+[mcp_servers.inline]
+url = "http://127.0.0.1:9/mcp"
+bearer_token = "not-in-a-file-please"
+
+[mcp_servers.demesne-http]
+url = "http://127.0.0.1:8080/mcp"
+bearer_token_env_var = "DEMESNE_HTTP_TOKEN"
+]]):format(MEMORY, dir)
+  assert(fs.write_atomic(dir .. "/home/.codex/config.toml", toml))
+end
+
+local IMPORT_ENV = { HOME = "$DIR/home", CLAUDE_CONFIG_DIR = false, CODEX_HOME = false,
+  HOSTMCP_TEST_EVERYTHING = EVERYTHING, HOSTMCP_TEST_UNSET_VAR = false, HOSTMCP_TEST_TOKEN = "t0ken" }
+
+function tests.import_from_claude_code_and_codex_offers_nothing_until_named(t)
+  local cfg = { host_mcp_import = { "claude_code", "codex" }, host_mcp = { memory2 = { tools = { "read_graph" } } } }
+  local dir0 = "/tmp/demesne-hostmcp-test-" .. hex(6) -- written before the config is read
+  with_config(cfg, IMPORT_ENV, function(dir)
+    write_client_configs(dir)
+    local rows, problems = hostmcp.describe()
+    local by = {}
+    for _, r in ipairs(rows) do by[r.name] = r end
+    t:eq(names_of(rows), { "everything", "memory", "memory2", "remote" }, "imported servers")
+    t:eq(by.everything.transport, "stdio")
+    t:eq(by.everything.target, "node " .. EVERYTHING .. " stdio", "${VAR} expanded")
+    t:eq(by.everything.tools, "none")
+    t:match(by.memory.origin, "projects%[" .. dir:gsub("%p", "%%%0") .. "/proj%]%.mcpServers")
+    t:eq(by.memory2.tools, "read_graph")
+    t:eq(by.remote.transport, "http")
+    t:eq(by.remote.target, "http://127.0.0.1:9/mcp")
+    local text = {}
+    for _, p in ipairs(problems) do text[#text + 1] = p.message end
+    text = table.concat(text, "\n")
+    local claude = dir .. "/home/.claude.json mcpServers"
+    local codex = dir .. "/home/.codex/config.toml"
+    local function has(s) t:ok(text:find(s, 1, true), "a problem: " .. s .. "\n--- got:\n" .. text) end
+    has(claude .. ': server "broken": field command: must be a string')
+    has(claude .. ': server "needs-env": field env.TOKEN: ${HOSTMCP_TEST_UNSET_VAR} is not set in demesne\'s environment')
+    has(claude .. ': server "old-sse": field type: "sse" is not supported')
+    has(claude .. ': server "demesne": skipped: the name demesne')
+    has(claude .. ': server "itself": skipped: its command is the demesne binary')
+    has(codex .. ': server "bad": field url: a server has either command (stdio) or url (HTTP), not both')
+    has(codex .. ': server "inline": field bearer_token: an inline token is refused')
+    has(codex .. ': server "off": field enabled: false: not imported')
+    has(codex .. ' [mcp_servers.demesne-http]: server "demesne-http": skipped: it authenticates with demesne\'s own token')
+    for _, p in ipairs(problems) do t:eq(p.level, "warning", "an imported file's problem is a warning: " .. p.message) end
+
+    -- offered: only the imported server whose tools config.lua names
+    t:eq(assert(hostmcp.servers_for(nil)), { "memory2" })
+    t:eq(#assert(hostmcp.list_tools("everything")), 0, "no tool named: none listed")
+    t:eq(hostmcp.pid("everything"), nil, "and nothing started for it")
+    local res, err, code = hostmcp.call("everything", "echo", { message = "x" })
+    t:eq(res, nil)
+    t:eq(code, "EPERM")
+    t:match(err, "offers no tools %(it is imported: name its tools in host_mcp")
+    t:eq(names_of(assert(hostmcp.list_tools("memory2"))), { "read_graph" })
+    local graph = assert(hostmcp.call("memory2", "read_graph", {}))
+    t:match(text_of(graph), "entities", "the real server-memory answered")
+  end)
+  t:eq(fs.stat(dir0), nil)
+end
+
+function tests.check_config_shows_what_will_be_offered(t)
+  local cfg = { host_mcp_import = { "claude_code", "codex" }, host_mcp = {
+    memory2 = { tools = { "read_graph" } },
+    local_everything = everything({ "echo", "get-sum" }),
+  } }
+  with_config(cfg, IMPORT_ENV, function(dir)
+    write_client_configs(dir)
+    local env = {}
+    for _, kv in ipairs(loop.environ()) do env[#env + 1] = kv end
+    local status, out = capture(loop.exepath(), { "check-config" }, env)
+    t:eq(status, 0, "check-config exits 0: imported files' problems are notes\n" .. out)
+    t:match(out, "host MCP servers %(offered to agent sandboxes; import: claude_code, codex%)")
+    t:match(out, "\n  local_everything  stdio  node [^\n]*server%-everything/dist/index%.js stdio\n    from:  [^\n]*/config%.lua\n    tools: echo, get%-sum\n")
+    t:match(out, "\n  everything  stdio  node [^\n]*\n    from:  [^\n]*%.claude%.json mcpServers\n    tools: none %(imported: name its tools in host_mcp in config%.lua%)\n")
+    t:match(out, "\n  memory2  stdio  node [^\n]*\n    from:  [^\n]*config%.toml %[mcp_servers%.memory2%]\n    tools: read_graph\n")
+    t:match(out, "\n  remote  http  http://127%.0%.0%.1:9/mcp\n")
+    t:match(out, 'note: [^\n]*server "broken": field command: must be a string')
+    t:ok(not out:find("t0ken", 1, true), "no secret printed")
+    t:eq(hostmcp.pid("local_everything"), nil)
+  end)
+  -- an error in config.lua itself: refused, named, and check-config fails; the rest loads
+  with_config({ host_mcp = { good = everything({ "echo" }), typo = { command = "node", tool = { "echo" } },
+    notools = { command = "node" }, ["bad name"] = { command = "node", tools = "*" } } }, nil, function(dir)
+    local env = {}
+    for _, kv in ipairs(loop.environ()) do env[#env + 1] = kv end
+    local status, out = capture(loop.exepath(), { "check-config" }, env)
+    t:eq(status, 1, "check-config fails on a refused config.lua entry\n" .. out)
+    local file = dir .. "/xdg/demesne/config.lua"
+    t:ok(out:find("refused: " .. file .. ': server "typo": field tool: is not a host_mcp field', 1, true), out)
+    t:ok(out:find("refused: " .. file .. ': server "notools": field tools: is required', 1, true), out)
+    t:ok(out:find("refused: " .. file .. ': server "bad name": the name must be', 1, true), out)
+    t:match(out, "\n  good  stdio  node ")
+    t:eq(assert(hostmcp.servers_for(nil)), { "good" }, "the good entry still loads")
+  end)
+end
+
 return tests
