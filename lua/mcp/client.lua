@@ -497,6 +497,7 @@ function client.http(opts)
     local h = {}
     for k, v in pairs(opts.headers or {}) do h[k] = v end
     h["Accept"] = accept
+    if accept ~= "text/event-stream" then h["Content-Type"] = "application/json" end
     if session_id then h["Mcp-Session-Id"] = session_id end
     if version then h["MCP-Protocol-Version"] = version end
     return h

@@ -512,4 +512,163 @@ function tests.check_config_shows_what_will_be_offered(t)
   end)
 end
 
+-- server-everything in its Streamable HTTP mode on a free loopback port; returns the URL
+-- and a function that stops it (its whole process group).
+local function start_http_everything()
+  local probe, port = stream.listen_tcp("127.0.0.1", 0, function(c) c:close() end)
+  assert(probe, port)
+  probe:close()
+  local env = {}
+  for _, kv in ipairs(loop.environ()) do env[#env + 1] = kv end
+  env[#env + 1] = "PORT=" .. port
+  local exited = async.event()
+  local proc, pipes = process.spawn({ file = "node", args = { EVERYTHING, "streamableHttp" }, env = env, detached = true,
+    stdout = true, stderr = true }, function() exited.set() end)
+  assert(proc, pipes)
+  local ready = false
+  for _, k in ipairs({ "stdout", "stderr" }) do
+    pipes[k]:read_start(function(data)
+      if not data then pipes[k]:close() return end
+      if data:find("listening on port", 1, true) then ready = true end
+    end)
+  end
+  eventually(15000, function() return ready or exited.is_set() end)
+  assert(ready, "server-everything streamableHttp did not start")
+  return ("http://127.0.0.1:%d/mcp"):format(port), function()
+    proc:kill("KILL", true)
+    exited.wait()
+    eventually(2000, function() return false end)
+  end, proc
+end
+
+function tests.a_streamable_http_upstream_is_listed_called_and_filtered(t)
+  local url, stop, proc = start_http_everything()
+  local ok, err = pcall(function()
+    -- the raw listing, from a client session of our own over HTTP
+    local raw_s = client.http({ url = url, name = "raw" })
+    assert(raw_s:initialize(10000))
+    local raw = assert(raw_s:list_tools(10000))
+    raw_s:close()
+    t:ok(#raw > 5, "server-everything lists its tools over HTTP")
+    local ro = {}
+    for _, tool in ipairs(raw) do
+      if type(tool.annotations) == "table" and tool.annotations.readOnlyHint == true then ro[#ro + 1] = tool.name end
+    end
+    table.sort(ro)
+    with_config({ host_mcp_timeout_seconds = 1, host_mcp = {
+      web = { url = url, env_http_headers = { ["X-Demesne-Test"] = "HOSTMCP_TEST_HEADER" }, tools = { "echo", "get-sum" } },
+      webro = { url = url, tools = "read-only" },
+      nohdr = { url = url, bearer_token_env_var = "HOSTMCP_TEST_UNSET_VAR", tools = "*" },
+    } }, { HOSTMCP_TEST_HEADER = "yes", HOSTMCP_TEST_UNSET_VAR = false }, function()
+      t:eq(names_of(assert(hostmcp.list_tools("web"))), { "echo", "get-sum" })
+      local res = assert(hostmcp.call("web", "get-sum", { a = 40, b = 2 }))
+      t:match(text_of(res), "42", "the real sum over HTTP")
+      local denied, _, code = hostmcp.call("web", "get-env", {})
+      t:eq(denied, nil)
+      t:eq(code, "EPERM", "get-env refused over HTTP too")
+      t:eq(names_of(assert(hostmcp.list_tools("webro"))), ro, "read-only over HTTP")
+      local none, herr, hcode = hostmcp.list_tools("nohdr")
+      t:eq(none, nil)
+      t:eq(hcode, "EINVAL")
+      t:match(herr, "bearer_token_env_var: environment variable HOSTMCP_TEST_UNSET_VAR is not set")
+      -- a server that stops answering: the call times out, and once it answers again a
+      -- later call works (in a new session if the old one was dropped)
+      t:eq(run("kill", { "-STOP", "--", "-" .. proc:pid() }), 0, "kill -STOP the server's group")
+      local t0 = loop.now()
+      local r2, _, c2 = hostmcp.call("web", "get-sum", { a = 1, b = 1 })
+      t:eq(r2, nil)
+      t:eq(c2, "ETIMEDOUT")
+      t:ok(loop.now() - t0 < 5000, "not stuck")
+      sleep(1500)
+      run("kill", { "-CONT", "--", "-" .. proc:pid() })
+      local r3 = assert(hostmcp.call("web", "get-sum", { a = 2, b = 40 }))
+      t:match(text_of(r3), "42", "works again")
+    end)
+  end)
+  run("kill", { "-CONT", "--", "-" .. proc:pid() })
+  stop()
+  if not ok then error(err, 0) end
+end
+
+local function read_lines(path)
+  local out = {}
+  local f = io.open(path)
+  if not f then return out end
+  for line in f:lines() do out[#out + 1] = assert(json.decode(line)) end
+  f:close()
+  return out
+end
+
+function tests.each_proxied_call_is_one_line_of_mcp_jsonl(t)
+  with_config({ host_mcp = { everything = everything({ "get-sum" }) } }, nil, function(dir)
+    local out = dir .. "/out"
+    assert(fs.mkdir_p(out))
+    assert(hostmcp.call("everything", "get-sum", { a = 1, b = 2 }, { output_dir = out }))
+    local refused = hostmcp.call("everything", "get-env", {}, { output_dir = out })
+    t:eq(refused, nil)
+    local lines = read_lines(out .. "/mcp.jsonl")
+    t:eq(#lines, 2, "one line per call")
+    local a, b = lines[1], lines[2]
+    t:eq(a.server, "everything")
+    t:eq(a.tool, "get-sum")
+    t:eq(a.ok, true)
+    t:eq(a.error, nil)
+    t:eq(a.request_bytes, #json.encode({ a = 1, b = 2 }))
+    t:ok(a.response_bytes > 10, "response size")
+    t:ok(a.duration_ms >= 0 and a.duration_ms < 60000, "duration")
+    t:match(a.time, "^%d%d%d%d%-%d%d%-%d%dT%d%d:%d%d:%d%d%.%d%d%dZ$")
+    t:eq(a.arguments, nil, "arguments only when the operator turns that on")
+    t:eq(b.tool, "get-env")
+    t:eq(b.ok, false)
+    t:match(b.error, "not allowed")
+    t:eq(b.response_bytes, 0)
+  end)
+  with_config({ host_mcp_record_arguments = true, host_mcp = { everything = everything({ "get-sum" }) } }, nil,
+    function(dir)
+      local out = dir .. "/out"
+      assert(fs.mkdir_p(out))
+      assert(hostmcp.call("everything", "get-sum", { a = 5, b = 6 }, { output_dir = out }))
+      t:eq(read_lines(out .. "/mcp.jsonl")[1].arguments, { a = 5, b = 6 })
+    end)
+end
+
+function tests.mcp_jsonl_planted_by_the_sandbox_is_not_followed(t)
+  with_config({ host_mcp = { everything = everything({ "get-sum" }) } }, nil, function(dir)
+    -- the output folder is the sandbox's: it plants a link to a host file, a FIFO, and a
+    -- link in place of a child's folder
+    local victim = dir .. "/host-file"
+    assert(fs.write_atomic(victim, "precious\n"))
+    local out1, out2, out3 = dir .. "/out1", dir .. "/out2", dir .. "/out3"
+    for _, d in ipairs({ out1, out2, out3 .. "/child" }) do assert(fs.mkdir_p(d)) end
+    t:eq(run("ln", { "-s", victim, out1 .. "/mcp.jsonl" }), 0)
+    t:eq(run("mkfifo", { out2 .. "/mcp.jsonl" }), 0)
+    t:eq(run("ln", { "-s", dir, out3 .. "/child/x" }), 0)
+    for _, o in ipairs({ out1, out2, out3 .. "/child/x" }) do
+      local t0 = loop.now()
+      local res = hostmcp.call("everything", "get-sum", { a = 1, b = 1 }, { output_dir = o })
+      t:match(text_of(assert(res)), "2", "the call itself still answers")
+      t:ok(loop.now() - t0 < 10000, "nothing blocked")
+    end
+    t:eq(fs.read_file(victim), "precious\n", "the host file is untouched")
+    t:eq(fs.lstat(out2 .. "/mcp.jsonl").type, "other", "the FIFO is left as it was")
+    t:eq(fs.stat(dir .. "/mcp.jsonl"), nil, "nothing written through the linked folder")
+    local ok, err, code = hostmcp.record(out1, { server = "s", tool = "t" })
+    t:eq(ok, nil)
+    t:eq(code, "EINVAL")
+    t:match(err, "exists and is not a regular file %(link%)")
+  end)
+end
+
+function tests.json_decode_arrays_keeps_empty_arrays_apart_from_empty_objects(t)
+  local v = assert(json.decode_arrays('{"a":[],"b":{},"c":[ \n],"d":"[]","e":[[],{"f":[]}],"g":"x\\"[]"}'))
+  t:eq(json.encode(v.a), "[]")
+  t:eq(json.encode(v.b), "{}")
+  t:eq(json.encode(v.c), "[]")
+  t:eq(v.d, "[]", "inside a string it stays text")
+  t:eq(json.encode(v.e), "[[],{\"f\":[]}]")
+  t:eq(v.g, 'x"[]')
+  t:eq(json.encode(assert(json.decode_arrays("[]"))), "[]")
+  t:eq(json.decode_arrays('{"a":'), nil, "malformed JSON is still an error")
+end
+
 return tests
