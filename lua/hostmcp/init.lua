@@ -231,6 +231,12 @@ end
 function Upstream:ensure()
   local s = self.session
   if s and not s.closed then return s end
+  if s then
+    -- the transport failed (an HTTP server ended the session): drop what is left of it
+    self.session, self.tools = nil, nil
+    self.stopping = s
+    s:close(500)
+  end
   if self.shut then return nil, self.name .. ": demesne is shutting down", "ECANCELED" end
   local t = self.starting
   if not t then
@@ -357,9 +363,15 @@ function hostmcp.list_tools(server)
   local out = json.array()
   if up.decl.tools.mode == "none" then return out end
   up.inflight = up.inflight + 1
-  local tools, lerr, lcode = up:listing(false, up.decl.timeout_ms or ms_setting("host_mcp_timeout_seconds"))
-  up.inflight = up.inflight - 1
-  up:arm_idle()
+  if up.idle_timer then up.idle_timer:close(); up.idle_timer = nil end
+  local tools, lerr, lcode
+  do
+    local _ <close> = setmetatable({}, { __close = function()
+      up.inflight = up.inflight - 1
+      up:arm_idle()
+    end })
+    tools, lerr, lcode = up:listing(false, up.decl.timeout_ms or ms_setting("host_mcp_timeout_seconds"))
+  end
   if not tools then return nil, lerr, lcode end
   for _, t in ipairs(tools) do
     if allowed(up.decl.tools, t) then out[#out + 1] = t end
