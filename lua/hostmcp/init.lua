@@ -38,7 +38,9 @@
 -- Codes: ENOENT (no such server / tool), EPERM (tool not allowed), EINVAL (bad run
 -- options), ETIMEDOUT, ECANCELED, ECONNRESET (the upstream died during the call: it is
 -- started again on the next call), EAGAIN (it keeps failing to start), E2BIG, EPROTO,
--- ERPC (the upstream's JSON-RPC error).
+-- ERPC (the upstream's JSON-RPC error), ECONNREFUSED and the like (an HTTP upstream that
+-- cannot be reached). An HTTP upstream that forgot its session (it restarted) gets a new
+-- one and the request is sent once more, since it was not processed.
 local async = require("demesne.async")
 local config = require("demesne.config")
 local json = require("demesne.json")
@@ -513,6 +515,10 @@ function hostmcp.call(server, tool, arguments, opts)
   local deadline = loop.now() + timeout
   local function remaining() return math.max(1, deadline - loop.now()) end
   local tools, s, lcode = up:listing(false, timeout)
+  if not tools and lcode == "ESESSION" then
+    -- an HTTP server that forgot the session (it restarted) processed nothing: once more
+    tools, s, lcode = up:listing(true, remaining())
+  end
   if not tools then
     err, code = s, lcode
     return finish()
@@ -539,7 +545,13 @@ function hostmcp.call(server, tool, arguments, opts)
   end
 
   local child = async.spawn("host MCP call: " .. server .. "/" .. tool, function()
-    return s:call_tool(tool, arguments, { timeout_ms = remaining(), on_progress = opts.on_progress })
+    local r, e, c, x = s:call_tool(tool, arguments, { timeout_ms = remaining(), on_progress = opts.on_progress })
+    if r or c ~= "ESESSION" then return r, e, c, x end
+    -- the server forgot the session before processing the call: a new session, once
+    local s2, e2, c2 = up:ensure()
+    if not s2 then return nil, e2, c2 end
+    s = s2
+    return s2:call_tool(tool, arguments, { timeout_ms = remaining(), on_progress = opts.on_progress })
   end)
   local watcher = opts.cancel and async.spawn("host MCP cancel: " .. server .. "/" .. tool, function()
     opts.cancel.wait()

@@ -23,7 +23,9 @@
 -- Every message is bounded by opts.max_message_bytes in both directions. Failures return
 -- nil, message, code: ETIMEDOUT (no answer in time), ECANCELED, ECONNRESET (the process
 -- exited or the stream ended), E2BIG (a message over the bound), EPROTO (not MCP),
--- ERPC (the server answered with a JSON-RPC error; the error object is the 4th value).
+-- ERPC (the server answered with a JSON-RPC error; the error object is the 4th value),
+-- ESESSION (an HTTP server no longer knows the session: the request was not processed,
+-- and a new session is needed).
 local async = require("demesne.async")
 local json = require("demesne.json")
 local framing = require("demesne.mcp.framing")
@@ -566,9 +568,11 @@ function client.http(opts)
       if self.pending[id] == nil then return end -- answered on this stream (or abandoned)
       if ok then
         self:fail(id, ("%s: the server ended its answer stream without answering"):format(self.name), "ECONNRESET")
-      elseif status == 404 and session_id then
-        -- the spec: a 404 to a request carrying a session id means the session is gone
-        self:fail_all(("%s: the server ended the session (HTTP 404)"):format(self.name), "ECONNRESET")
+      elseif (status == 404 or status == 400) and session_id then
+        -- the spec: a 404 to a request carrying a session id means the session is gone and
+        -- the client starts a new one; the SDK's servers answer an unknown session with
+        -- 400 ("No valid session ID provided"), after a restart for instance
+        self:fail_all(("%s: the server no longer knows the session (HTTP %d)"):format(self.name, status), "ESESSION")
       elseif status then
         self:fail(id, ("%s: HTTP %d from the server%s"):format(self.name, status,
           (snippet and snippet ~= "") and (": " .. snippet:gsub("%s+", " ")) or ""), status == 401 and "EACCES" or "EPROTO")

@@ -514,10 +514,13 @@ end
 
 -- server-everything in its Streamable HTTP mode on a free loopback port; returns the URL
 -- and a function that stops it (its whole process group).
-local function start_http_everything()
-  local probe, port = stream.listen_tcp("127.0.0.1", 0, function(c) c:close() end)
-  assert(probe, port)
-  probe:close()
+local function start_http_everything(port)
+  if not port then
+    local probe
+    probe, port = stream.listen_tcp("127.0.0.1", 0, function(c) c:close() end)
+    assert(probe, port)
+    probe:close()
+  end
   local env = {}
   for _, kv in ipairs(loop.environ()) do env[#env + 1] = kv end
   env[#env + 1] = "PORT=" .. port
@@ -538,11 +541,11 @@ local function start_http_everything()
     proc:kill("KILL", true)
     exited.wait()
     eventually(2000, function() return false end)
-  end, proc
+  end, proc, port
 end
 
 function tests.a_streamable_http_upstream_is_listed_called_and_filtered(t)
-  local url, stop, proc = start_http_everything()
+  local url, stop, proc, port = start_http_everything()
   local ok, err = pcall(function()
     -- the raw listing, from a client session of our own over HTTP
     local raw_s = client.http({ url = url, name = "raw" })
@@ -583,6 +586,12 @@ function tests.a_streamable_http_upstream_is_listed_called_and_filtered(t)
       run("kill", { "-CONT", "--", "-" .. proc:pid() })
       local r3 = assert(hostmcp.call("web", "get-sum", { a = 2, b = 40 }))
       t:match(text_of(r3), "42", "works again")
+      -- the server restarts and forgets every session: the next call gets a new one
+      stop()
+      url, stop, proc = start_http_everything(port)
+      local r4, e4 = hostmcp.call("web", "get-sum", { a = 30, b = 12 })
+      t:ok(r4, "a call after the server restarted: " .. tostring(e4))
+      t:match(text_of(r4), "42")
     end)
   end)
   run("kill", { "-CONT", "--", "-" .. proc:pid() })
