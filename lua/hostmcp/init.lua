@@ -666,12 +666,21 @@ function hostmcp.shutdown()
   local ups = upstreams
   upstreams = {}
   for _, up in pairs(ups) do up.shut = true end
+  -- in parallel: each may take its grace periods
+  local stoppers = {}
   for _, up in pairs(ups) do
-    if up.starting then
-      async.cancel(up.starting, "shutdown")
-      if not up.starting.done then pcall(up.starting.wait, up.starting) end
-    end
-    up:stop()
+    stoppers[#stoppers + 1] = async.spawn("host MCP stop: " .. up.name, function()
+      local starting = up.starting
+      if starting then
+        async.cancel(starting, "shutdown")
+        if not starting.done then pcall(starting.wait, starting) end
+      end
+      up:stop()
+    end)
+  end
+  for _, st in ipairs(stoppers) do
+    local ok, err = st:wait()
+    if not ok then log.error(LOGGER, "stopping a host MCP server: %s", tostring(err)) end
   end
   if loading then async.cancel(loading, "shutdown") end
   loaded, loading = nil, nil
@@ -680,7 +689,7 @@ end
 --- hostmcp.shutdown() for a caller outside any task, after the loop stopped (`demesne
 --- serve` once its transport has closed): runs the loop until every upstream is gone.
 function hostmcp.shutdown_outside_task()
-  if next(upstreams) == nil then
+  if next(upstreams) == nil and not loading then
     loaded = nil
     return
   end
