@@ -513,10 +513,10 @@ function M.read_codex_toml(path)
   local env = { "PATH=" .. (os.getenv("PATH") or "/usr/bin:/bin"), "LC_ALL=C.UTF-8" }
   local status, sig
   local r = table.pack(async.await(function(cb)
-    local waiting, exited, outs = 2, false, 0
+    local waiting, outs = 2, 0
     local proc, pipes_or_err, code = process.spawn({ file = "python3", args = { "-I", "-c", TOML_HELPER, path },
       env = env, stdout = true, stderr = true }, function(st, sg)
-      status, sig, exited = st, sg, true
+      status, sig = st, sg
       waiting = waiting - 1
       if waiting == 0 then cb(true) end
     end)
