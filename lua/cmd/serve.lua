@@ -5,6 +5,7 @@
 -- DEMESNE_LOG_LEVEL). `--fixtures DIR` also loads the tool files in DIR (test fixtures).
 local async = require("demesne.async")
 local config = require("demesne.config")
+local hostmcp = require("demesne.hostmcp")
 local log = require("demesne.log")
 
 -- The reaper: at start and every reap_interval seconds, remove expired sandboxes and
@@ -58,6 +59,11 @@ return function(args, opts)
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
   local jobs = require("demesne.jobs")
   jobs.start()
+  -- host MCP servers: their declaration problems are logged now; they start on first use
+  async.spawn("host MCP configuration", function()
+    local ok, err = pcall(hostmcp.load)
+    if not ok and err ~= async.CANCELLED then log.error("demesne.hostmcp", "%s", tostring(err)) end
+  end)
   local status
   if #addrs > 0 then
     status = require("demesne.mcp.http").serve({ addrs = addrs, allow_remote = allow_remote, fixtures = opts.fixtures })
@@ -65,6 +71,8 @@ return function(args, opts)
     status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures })
   end
   jobs.stop()
+  -- no host MCP server outlives the server
+  hostmcp.shutdown_outside_task()
   async.cancel(reaper, "shutdown")
   return status
 end
