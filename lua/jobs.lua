@@ -635,13 +635,15 @@ end
 
 --- Lists jobs, running first, then newest first. `status` (optional) keeps one status.
 --- Returns at most `limit` records and the number that matched.
+--- `visible` (optional) keeps only the jobs a scoped caller may see (a sandbox's subtree).
 ---@param status string|nil
 ---@param limit integer|nil
+---@param visible (fun(job_id: string): boolean)|nil
 ---@return JobRecord[] list, integer matched
-function jobs.list(status, limit)
+function jobs.list(status, limit, visible)
   local list = {}
   for _, rec in ipairs(all_records()) do
-    if not status or rec.status == status then list[#list + 1] = rec end
+    if (not status or rec.status == status) and (not visible or visible(rec.job_id)) then list[#list + 1] = rec end
   end
   table.sort(list, function(a, b)
     local ra, rb = a.status == "running", b.status == "running"
