@@ -58,12 +58,22 @@ return function(args, opts)
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
   local jobs = require("demesne.jobs")
   jobs.start()
+  local registry = require("demesne.tools").load({ fixtures = opts.fixtures })
+  -- nested sandboxes: the in-sandbox MCP endpoint, and the trees a previous server left
+  local limits = require("demesne.mcp.stdio").limits()
+  local tree, endpoint = require("demesne.tree"), require("demesne.tree.endpoint")
+  local ok, eerr = endpoint.start(registry, limits)
+  if not ok then log.error("demesne.tree", "the in-sandbox MCP endpoint cannot start: %s", tostring(eerr)) end
+  tree.start()
+  local function on_stop(timeout_ms) endpoint.stop(timeout_ms) end
   local status
   if #addrs > 0 then
-    status = require("demesne.mcp.http").serve({ addrs = addrs, allow_remote = allow_remote, fixtures = opts.fixtures })
+    status = require("demesne.mcp.http").serve({ addrs = addrs, allow_remote = allow_remote, registry = registry,
+      on_stop = on_stop })
   else
-    status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures })
+    status = require("demesne.mcp.stdio").serve({ registry = registry, on_stop = on_stop })
   end
+  tree.stop_service()
   jobs.stop()
   async.cancel(reaper, "shutdown")
   return status

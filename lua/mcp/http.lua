@@ -650,7 +650,8 @@ end
 
 --- Runs `demesne serve --http`: the MCP server on the given addresses until SIGINT,
 --- SIGTERM or SIGHUP (stdin is not read: it may be /dev/null). Returns the exit status.
----@param opts {addrs: string[], allow_remote: boolean|nil, fixtures: string|nil, registry: ToolRegistry|nil}
+--- `opts.on_stop(timeout_ms)` (optional) runs in the shutdown task beside the server's own stop.
+---@param opts {addrs: string[], allow_remote: boolean|nil, fixtures: string|nil, registry: ToolRegistry|nil, on_stop: fun(timeout_ms: integer)|nil}
 ---@return integer
 function http.serve(opts)
   local limits = require("demesne.mcp.stdio").limits()
@@ -670,8 +671,13 @@ function http.serve(opts)
   unwatch = mcp_transport.watch_signals(function(name)
     log.info(LOGGER, "shutting down (SIG%s), %d session(s)", name, handle.sessions())
     async.spawn("http shutdown", function()
+      local other = opts.on_stop and async.spawn("stop", opts.on_stop, limits.shutdown_timeout_ms)
       local ok, e = pcall(handle.stop, limits.shutdown_timeout_ms)
       if not ok then log.error(LOGGER, "shutdown: %s", tostring(e)) end
+      if other then
+        local sok, serr = other:wait()
+        if not sok then log.error(LOGGER, "shutdown: %s", tostring(serr)) end
+      end
       if unwatch then unwatch() end
       loop.stop()
     end)
