@@ -34,6 +34,10 @@ typedef struct listener {
     uv_pipe_t pipe;
   } h;
   int is_unix, open;
+  int removed;       /* dm_httpd_unlisten: freed once its handle, connections and relays are gone */
+  size_t nconns;     /* connections of this listener now (handed relays included) */
+  size_t nrelays;    /* relay hand-overs in progress */
+  size_t max_conns;  /* 0: no cap of its own */
   char *path;
   dev_t dev;
   ino_t ino;
@@ -115,6 +119,7 @@ static llhttp_settings_t settings;
 static int settings_ready;
 
 struct relay;
+static void listener_release(listener *l);
 static void conn_close(dm_httpd_conn *c, const char *why);
 static void process_held(dm_httpd_conn *c);
 static void start_reading(dm_httpd_conn *c);
@@ -202,15 +207,18 @@ static void maybe_free_server(dm_httpd *s) {
 static void conn_finalize(dm_httpd_conn *c) {
   if (c->open_handles) return;
   dm_httpd *s = c->s;
+  listener *l = c->l;
   if (c->handed && s->cb.on_close) s->cb.on_close(s->ud, c, c->why);
   if (c->prev) c->prev->next = c->next;
   else s->conns = c->next;
   if (c->next) c->next->prev = c->prev;
   s->nconns--;
+  l->nconns--;
   free(c->hb);
   free(c->body);
   free(c->held);
   free(c);
+  listener_release(l);
   maybe_free_server(s);
 }
 
@@ -974,6 +982,7 @@ static void accept_conn(listener *l, uv_stream_t *from, int tcp) {
   if (s->conns) s->conns->prev = c;
   s->conns = c;
   s->nconns++;
+  l->nconns++;
   init_settings();
   llhttp_init(&c->parser, HTTP_REQUEST, &settings);
   c->parser.data = c;
@@ -982,7 +991,7 @@ static void accept_conn(listener *l, uv_stream_t *from, int tcp) {
     return;
   }
   if (tcp) uv_tcp_nodelay(&c->h.tcp, 1);
-  if (s->nconns > s->o.max_conns) {
+  if (s->nconns > s->o.max_conns || (l->max_conns && l->nconns > l->max_conns)) {
     refuse(c, 503, "too many connections", 0);
     return;
   }
@@ -992,7 +1001,7 @@ static void accept_conn(listener *l, uv_stream_t *from, int tcp) {
 
 static void on_connection(uv_stream_t *server, int status) {
   listener *l = server->data;
-  if (status < 0 || l->s->closing) return;
+  if (status < 0 || l->s->closing || l->removed) return;
   accept_conn(l, server, !l->is_unix);
 }
 
@@ -1008,12 +1017,15 @@ struct relay {
 
 static void relay_closed(uv_handle_t *h) {
   struct relay *r = (struct relay *)h;
-  dm_httpd *s = r->l->s;
+  listener *l = r->l;
+  dm_httpd *s = l->s;
   if (r->prev) r->prev->next = r->next;
   else s->relays = r->next;
   if (r->next) r->next->prev = r->prev;
   free(r);
+  l->nrelays--;
   s->open_listeners--;
+  listener_release(l);
   maybe_free_server(s);
 }
 
@@ -1029,7 +1041,7 @@ static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   (void)buf;
   if (n == 0) return;
   uv_read_stop(st);
-  if (n > 0 && !r->l->s->closing && uv_pipe_pending_count(&r->pipe) > 0 && uv_pipe_pending_type(&r->pipe) == UV_TCP)
+  if (n > 0 && !r->l->s->closing && !r->l->removed && uv_pipe_pending_count(&r->pipe) > 0 && uv_pipe_pending_type(&r->pipe) == UV_TCP)
     accept_conn(r->l, st, 1);
   if (!uv_is_closing((uv_handle_t *)st)) uv_close((uv_handle_t *)st, relay_closed);
 }
@@ -1037,10 +1049,11 @@ static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
 static void on_relay_connection(uv_stream_t *server, int status) {
   listener *l = server->data;
   dm_httpd *s = l->s;
-  if (status < 0 || s->closing) return;
+  if (status < 0 || s->closing || l->removed) return;
   struct relay *r = calloc(1, sizeof *r);
   if (!r) return;
   r->l = l;
+  l->nrelays++;
   uv_pipe_init(s->loop, &r->pipe, 1);
   s->open_listeners++;
   r->next = s->relays;
@@ -1055,6 +1068,7 @@ static listener *listener_new(dm_httpd *s, const dm_httpd_listen_opts *o) {
   listener *l = calloc(1, sizeof *l);
   if (!l) return NULL;
   l->s = s;
+  l->max_conns = o->max_conns;
   l->tag = dupstr(o->tag ? o->tag : "");
   l->token = o->token && *o->token ? dupstr(o->token) : NULL;
   if (o->hosts && o->nhosts) {
@@ -1068,6 +1082,7 @@ static listener *listener_new(dm_httpd *s, const dm_httpd_listen_opts *o) {
 static void listener_free(listener *l) {
   for (size_t i = 0; i < l->nhosts; i++) free(l->hosts[i]);
   free(l->hosts);
+  if (l->token) memset(l->token, 0, strlen(l->token));
   free(l->token);
   free(l->tag);
   free(l->path);
@@ -1146,6 +1161,52 @@ int dm_httpd_listen_relay(dm_httpd *s, const char *path, const dm_httpd_listen_o
   return listen_unix_with(s, path, o, on_relay_connection);
 }
 
+/* An unlistened listener leaves the server's list and is freed once its handle is closed
+ * and no connection or relay hand-over refers to it any more. */
+static void listener_release(listener *l) {
+  if (!l->removed || l->open || l->nconns || l->nrelays) return;
+  dm_httpd *s = l->s;
+  for (listener **p = &s->listeners; *p; p = &(*p)->next) {
+    if (*p == l) {
+      *p = l->next;
+      break;
+    }
+  }
+  listener_free(l);
+}
+
+static void unlisten_closed(uv_handle_t *h) {
+  listener *l = h->data;
+  dm_httpd *s = l->s;
+  l->open = 0;
+  s->open_listeners--;
+  listener_release(l);
+  maybe_free_server(s);
+}
+
+int dm_httpd_unlisten(dm_httpd *s, const char *tag) {
+  int n = 0;
+  if (s->closing) return 0;
+  for (listener *l = s->listeners; l; l = l->next) {
+    if (l->removed || !l->open || strcmp(l->tag, tag) != 0) continue;
+    l->removed = 1;
+    n++;
+    if (l->is_unix && l->path) {
+      struct stat st;
+      if (lstat(l->path, &st) == 0 && st.st_dev == l->dev && st.st_ino == l->ino) unlink(l->path);
+    }
+    /* l->open stays 1 until the handle is closed: listener_release waits for it */
+    uv_close((uv_handle_t *)&l->h, unlisten_closed);
+    for (dm_httpd_conn *c = s->conns, *next; c; c = next) {
+      next = c->next;
+      if (c->l == l) conn_close(c, "listener closed");
+    }
+    for (struct relay *r = s->relays; r; r = r->next)
+      if (r->l == l && !uv_is_closing((uv_handle_t *)&r->pipe)) uv_close((uv_handle_t *)&r->pipe, relay_closed);
+  }
+  return n;
+}
+
 dm_httpd *dm_httpd_new(uv_loop_t *loop, const dm_httpd_opts *opts, const dm_httpd_handler *handler, void *ud) {
   dm_httpd *s = calloc(1, sizeof *s);
   if (!s) return NULL;
@@ -1177,7 +1238,7 @@ void dm_httpd_close(dm_httpd *s) {
   if (s->closing) return;
   s->closing = 1;
   for (listener *l = s->listeners; l; l = l->next) {
-    if (!l->open) continue;
+    if (!l->open || l->removed) continue; /* an unlistened one is already closing */
     l->open = 0;
     if (l->is_unix && l->path) {
       struct stat st;

@@ -91,6 +91,7 @@ typedef struct dm_httpd_listen_opts {
   const char *const *hosts;       ///< accepted Host names ("localhost", "127.0.0.1", "[::1]"), or NULL: any
   size_t nhosts;
   int ipv6_only;                  ///< TCP on an IPv6 address: do not also take IPv4
+  size_t max_conns;               ///< connections of this listener at once (503 above); 0: only the server's cap
 } dm_httpd_listen_opts;
 
 /// Creates a server with no listener yet. Returns NULL when out of memory.
@@ -110,6 +111,11 @@ int dm_httpd_listen_unix(dm_httpd *s, const char *path, const dm_httpd_listen_op
 /// socket becomes an HTTP connection of this listener, tagged with its identity. A
 /// connection that hands nothing over is closed. Socket file rules as listen_unix.
 int dm_httpd_listen_relay(dm_httpd *s, const char *path, const dm_httpd_listen_opts *o);
+
+/// Stops the listeners tagged `tag` (their socket files removed, as at close) and cuts
+/// their connections and relay hand-overs in progress (each handed connection gets
+/// on_close "listener closed"); the others go on. Returns how many listeners it stopped.
+int dm_httpd_unlisten(dm_httpd *s, const char *tag);
 
 /// Stops every listener, removes their socket files, aborts every connection (each
 /// handed one gets on_close "server closing"); on_closed follows. Idempotent.

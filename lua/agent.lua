@@ -10,6 +10,7 @@
 local config = require("demesne.config")
 local fs = require("core.fs")
 local json = require("demesne.json")
+local log = require("demesne.log")
 local loop = require("core.loop")
 local output = require("demesne.output")
 local providers = require("demesne.providers")
@@ -17,6 +18,10 @@ local sandbox = require("demesne.sandbox")
 local vendor = require("demesne.vendor")
 
 local agent = {}
+
+--- Hooks of the layer above (nested sandboxes, lua/tree): result(o, r) runs when a run's
+--- result is built, before results.json is written (it may add fields: children, reason).
+agent.hooks = { result = {} }
 
 local AGENT_DIR = "/.demesne/agent"
 local ANSWER_MAX = 16 * 1024
@@ -355,6 +360,10 @@ function agent.finish(o, code, err, duration_ms, reason)
     r.reason = agent.rate_reason({ budget = require("demesne.vendor").rate_budget(),
       reset_at = details.resets_at })
   end
+  for _, fn in ipairs(agent.hooks.result) do
+    local hok, herr = pcall(fn, o, r)
+    if not hok then log.warning("demesne.agent", "result hook: %s", tostring(herr)) end
+  end
   local jok, text_out = pcall(json.encode, r)
   if jok then fs.write_atomic(o.output_dir .. "/results.json", text_out .. "\n") end
   vendor.forget(o.run_id)
@@ -416,6 +425,9 @@ function agent.result_schema()
     reason = { type = "string", description = "why the run ended abnormally (e.g. rate limited by the vendor)" },
     rate_limited = { type = "object", description = "vendor 429 answers; how many were waited out (retried = held "
       .. "requests + resumed sessions) and the budget" },
+    children = { type = "array", items = { type = "object" }, description = "the child sandboxes it spawned: name, "
+      .. "kind, status, exit_code, reason, cost_usd (own), total_cost_usd (its subtree), output_dir, run_id, job_id" },
+    total_cost_usd = { type = "number", description = "this run's cost and that of every sandbox below it" },
   }, required = json.array({ "exit_code", "answer", "stderr", "output_dir", "run_id", "cost_usd", "usage" }) }
 end
 
@@ -433,6 +445,8 @@ function agent.descriptor(research)
       description = "Checks rendered as the definition of done in the context file." },
     timeout_seconds = schemas.timeout_seconds,
     background = schemas.background,
+    budget_usd = schemas.budget_usd,
+    tree = schemas.tree,
   }
   if not research then
     props.files = schemas.files()

@@ -105,6 +105,24 @@ local SPEC = {
       .. "request in progress, an open stream or a job or sandbox it started goes, else initialize gets 503" },
   readonly_rootfs = { env = "DEMESNE_READONLY_ROOTFS", default = true, bool = true,
     doc = "mount each sandbox's root filesystem read-only (tmpfs on /tmp, /var/tmp, /root, /run)" },
+  -- nested sandboxes (lua/tree): a host call's `tree` and `budget_usd` override the defaults within the ceilings
+  tree_depth_default = { default = 3, number = true,
+    doc = "deepest level of a sandbox tree: the host's run is level 0, its children level 1, …" },
+  tree_depth_max = { env = "DEMESNE_TREE_DEPTH_MAX", default = 5, number = true, doc = "ceiling for tree.depth" },
+  tree_children_default = { default = 32, number = true,
+    doc = "children one run may spawn in its life (every name counts, even a spawn that failed)" },
+  tree_children_max = { env = "DEMESNE_TREE_CHILDREN_MAX", default = 256, number = true,
+    doc = "ceiling for tree.children" },
+  tree_running_default = { default = 8, number = true,
+    doc = "sandboxes of one tree running at once, its root included; a spawn past it waits its turn" },
+  tree_running_max = { env = "DEMESNE_TREE_RUNNING_MAX", default = 32, number = true, doc = "ceiling for tree.running" },
+  tree_budget_usd_default = { env = "DEMESNE_TREE_BUDGET_USD", default = 0, number = true, zero = true,
+    doc = "USD a tree's model requests may spend when the call names no budget_usd; 0: no budget" },
+  tree_budget_usd_max = { env = "DEMESNE_TREE_BUDGET_USD_MAX", default = 0, number = true, zero = true,
+    doc = "ceiling for budget_usd; 0: none. With a ceiling, a tree without a budget gets the ceiling" },
+  tree_wait_seconds = { env = "DEMESNE_TREE_WAIT_SECONDS", default = 240, number = true,
+    doc = "longest a call from inside a sandbox blocks on sandbox_wait or on a free slot (then it returns running "
+      .. "or is refused), so that no MCP client timeout is hit" },
 }
 
 local values, origins

@@ -66,6 +66,22 @@ local KNOWN = { running = true, succeeded = true, failed = true, cancelled = tru
 ---@field parent string|nil     the job that started this one
 ---@field children string[]     jobs this one started
 
+--- Hooks of the layer above (nested sandboxes, lua/tree), each called with the record:
+---   launch(rec)          a job was started (its record saved)
+---   cancel(rec, reason)  a job is about to be cancelled (what it started goes first)
+---   finish(rec)          a job reached its terminal status (record saved, before waiters wake)
+---   view(rec, v)         jobs.view is building `v` (may add fields)
+jobs.hooks = { launch = {}, cancel = {}, finish = {}, view = {} }
+local function run_hooks(name, ...)
+  for _, fn in ipairs(jobs.hooks[name]) do
+    local ok, err = pcall(fn, ...)
+    if not ok then
+      if err == async.CANCELLED then error(err, 0) end
+      log.warning(LOGGER, "%s hook: %s", name, tostring(type(err) == "table" and err.message or err))
+    end
+  end
+end
+
 -- job_id -> {rec = JobRecord, task = Task, done = event, cancel_reason = string|nil}
 -- for the jobs this process watches
 local live = {}
@@ -146,6 +162,7 @@ function jobs.finish(job, status, fields)
   local msg = ("background job %s %s"):format(rec.job_id, status)
   if rec.exit_code then msg = msg .. (" (exit code %d)"):format(rec.exit_code) end
   if rec.reason and status ~= "succeeded" then msg = msg .. ": " .. rec.reason end
+  run_hooks("finish", rec)
   log.log("info", LOGGER, msg .. "; sandbox_status or sandbox_wait give the result",
     { job_id = rec.job_id, status = status, exit_code = rec.exit_code })
   job.done.set(rec) -- last: waiters resume at once, and the notification goes out before their answers
@@ -237,7 +254,7 @@ kinds.script = {
   attach = function(job)
     local rec = job.rec
     local o = { engine = sandbox.engine(), id = rec.container, run_dir = rec.run_dir, exec_id = rec.exec_id,
-      output_dir = rec.output_dir }
+      output_dir = rec.output_dir, tree = rec.run_id }
     job.after = function() fs.remove_tree(o.run_dir) end
     local info, err, ecode
     repeat info, err, ecode = o.engine:inspect(rec.container) until info or not engine_retry(ecode)
@@ -464,6 +481,7 @@ function jobs.launch(rec, plan, parent)
     save(p)
   end
   if not save(rec) then fail("cannot write the job record in " .. jobs.dir()) end
+  run_hooks("launch", rec)
   local job = new_job(rec)
   live[rec.job_id] = job
   spawn(job, kinds[rec.kind].run, plan)
@@ -592,6 +610,7 @@ end
 function jobs.cancel(id, reason, cancelled)
   cancelled = cancelled or json.array()
   local rec = jobs.must_get(id)
+  if not TERMINAL[rec.status] then run_hooks("cancel", rec, reason or "cancelled by sandbox_cancel") end
   for _, child in ipairs(rec.children or {}) do
     if jobs.valid_id(child) and jobs.get(child) then
       jobs.cancel(child, "its parent job " .. id .. " was cancelled", cancelled)
@@ -635,13 +654,15 @@ end
 
 --- Lists jobs, running first, then newest first. `status` (optional) keeps one status.
 --- Returns at most `limit` records and the number that matched.
+--- `visible` (optional) keeps only the jobs a scoped caller may see (a sandbox's subtree).
 ---@param status string|nil
 ---@param limit integer|nil
+---@param visible (fun(job_id: string): boolean)|nil
 ---@return JobRecord[] list, integer matched
-function jobs.list(status, limit)
+function jobs.list(status, limit, visible)
   local list = {}
   for _, rec in ipairs(all_records()) do
-    if not status or rec.status == status then list[#list + 1] = rec end
+    if (not status or rec.status == status) and (not visible or visible(rec.job_id)) then list[#list + 1] = rec end
   end
   table.sort(list, function(a, b)
     local ra, rb = a.status == "running", b.status == "running"
@@ -760,7 +781,7 @@ end
 ---@return table
 function jobs.view(rec)
   local stop = rec.finished_ms or now_ms()
-  return {
+  local v = {
     job_id = rec.job_id,
     status = rec.status,
     tool = rec.tool,
@@ -778,6 +799,8 @@ function jobs.view(rec)
     children = json.array({ table.unpack(rec.children or {}) }),
     agent = rec.kind == "agent" and TERMINAL[rec.status] and jobs.agent_result(rec) or nil,
   }
+  run_hooks("view", rec, v)
+  return v
 end
 
 local AGENT_FIELDS = { "answer", "reason", "cost_usd", "usage", "rate_limited", "model", "provider", "session_id", "is_error" }

@@ -34,6 +34,27 @@ local RUN = "/.demesne/run"
 local function fail(msg, code) error({ demesne_error = true, message = msg, code = code }, 0) end
 sandbox.fail = fail
 
+--- Hooks of the layer above (nested sandboxes, lua/tree), run in order:
+---   plan(ctx, o, args)  before a sandbox is made (script_start, create): may change the plan
+---                       (output_dir, mounts, workspace, extra_relay, env; sets o.tree, o.endpoint)
+---   removing(run_id)    a persistent sandbox is about to be destroyed
+---   removed(o, why)     a sandbox's container is gone (script_remove of a plan with o.tree,
+---                       destroy, the reaper: o = {run_id})
+sandbox.hooks = { plan = {}, removing = {}, removed = {} }
+local function run_hooks(name, ...)
+  for _, fn in ipairs(sandbox.hooks[name]) do fn(...) end
+end
+-- removal hooks never stop the cleanup of the caller: a failure is logged
+local function run_removal_hooks(name, ...)
+  for _, fn in ipairs(sandbox.hooks[name]) do
+    local ok, err = pcall(fn, ...)
+    if not ok then
+      if err == async.CANCELLED then error(err, 0) end
+      log.warning("demesne.sandbox", "%s hook: %s", name, tostring(type(err) == "table" and err.message or err))
+    end
+  end
+end
+
 local function check(v, err, code)
   if v == nil then fail(err, code) end
   return v
@@ -170,7 +191,12 @@ local function container_spec(o)
     { source = o.output_dir, target = "/out", mode = "rw" },
   }
   for _, m in ipairs(o.mounts or {}) do mounts[#mounts + 1] = { source = m.host, target = m.target, mode = "ro" } end
-  local tmpfs = { { target = "/tmp", mode = "1777", exec = true }, { target = "/workspace", mode = "0777", exec = true } }
+  local tmpfs = { { target = "/tmp", mode = "1777", exec = true } }
+  if o.workspace then -- a run that can have children shares its /workspace with them: a host folder
+    mounts[#mounts + 1] = { source = o.workspace, target = "/workspace", mode = "rw" }
+  else
+    tmpfs[#tmpfs + 1] = { target = "/workspace", mode = "0777", exec = true }
+  end
   if config.get("readonly_rootfs") then
     tmpfs[#tmpfs + 1] = { target = "/var/tmp", mode = "1777", exec = true }
     tmpfs[#tmpfs + 1] = { target = "/root", mode = "0700", exec = true }
@@ -300,6 +326,7 @@ end
 ---@param o table  from script_prepare
 ---@param labels table<string,string>|nil
 function sandbox.script_start(ctx, o, labels)
+  run_hooks("plan", ctx, o, o.args)
   local img = check(images.ensure(o.engine, o.image_arg, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
@@ -333,6 +360,13 @@ end
 function sandbox.script_remove(o)
   -- the proxy stops after the container, and waits for its connections: egress.jsonl is complete
   local _eg <close> = o.egress_handle
+  -- a tree node's children end once it has (lua/tree), whatever the way out
+  local _tree <close> = setmetatable({}, { __close = function()
+    if o.tree and not o.tree_removed then
+      o.tree_removed = true
+      run_removal_hooks("removed", o)
+    end
+  end })
   if not o.id and o.creating then
     local ok, id = o.creating:wait()
     if ok then o.id = id end
@@ -402,11 +436,18 @@ function sandbox.create(ctx, args)
     fail(("ttl_seconds: %s is above the ceiling of %s"):format(sandbox.num(ttl), sandbox.num(config.get("ttl_max"))))
   end
   local o = prepare(args, "persistent", "sandbox_create", ttl)
+  o.env = sandbox.env(args.env, default_env(o.run_id, o.egress))
+  local started = false
+  -- a sandbox that never came up is no tree node either (lua/tree)
+  local _tree <close> = setmetatable({}, { __close = function()
+    if o.tree and not started then run_removal_hooks("removed", o, "the sandbox could not be started") end
+  end })
+  run_hooks("plan", ctx, o, args)
   local img = check(images.ensure(o.engine, args.image, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
-  o.env = sandbox.env(args.env, default_env(o.run_id, o.egress))
   o.cmd = { "serve", table.unpack(egress.relay_args(o.egress)) }
+  for _, a in ipairs(o.extra_relay or {}) do o.cmd[#o.cmd + 1] = a end
   o.name = "demesne-" .. o.run_id
   local spec = container_spec(o)
   local eg = check(egress.start(o)) -- lives as long as the sandbox (egress.stop in destroy/reap)
@@ -419,6 +460,7 @@ function sandbox.create(ctx, args)
     fs.remove_tree(o.run_dir)
     fail(err)
   end
+  started = true
   local expires = math.floor(loop.time()) + ttl
   sandbox.write_expiry(o.run_dir, expires)
   return {
@@ -426,6 +468,7 @@ function sandbox.create(ctx, args)
     output_dir = o.output_dir,
     expires_at = os.date("!%Y-%m-%dT%H:%M:%SZ", expires),
     image = img.name,
+    mcp = o.endpoint and { url = o.endpoint.url, token = o.endpoint.token } or nil,
   }
 end
 
@@ -788,8 +831,10 @@ function sandbox.destroy(ctx, args)
     end
     error(sb, 0)
   end
+  run_removal_hooks("removing", args.sandbox_id) -- its children go first (lua/tree)
   local removed, how = eng:remove(sb.id)
   if not removed then fail(how) end
+  run_removal_hooks("removed", { run_id = args.sandbox_id })
   egress.stop(args.sandbox_id)
   if sb.run_dir then
     fs.remove_tree(sb.run_dir)
@@ -849,7 +894,10 @@ function sandbox.reap()
     if (expired or orphan) and not (kind == "job" and job_running(l)) then
       if eng:remove(c.id) then
         n = n + 1
-        if l[LABEL .. "run_id"] then egress.stop(l[LABEL .. "run_id"]) end
+        if l[LABEL .. "run_id"] then
+          egress.stop(l[LABEL .. "run_id"])
+          run_removal_hooks("removed", { run_id = l[LABEL .. "run_id"] }, expired and "expired" or "its server is gone")
+        end
         local rd = l[LABEL .. "run_dir"]
         if rd and paths.within(rd, config.get("state_dir") .. "/run") then
           fs.remove_tree(rd)

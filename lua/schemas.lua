@@ -9,11 +9,57 @@ function schemas.string_list(desc)
 end
 
 function schemas.files()
-  return schemas.string_list("Host files mounted read-only at /in/<basename>. " .. paths.describe_roots())
+  --------------------------------------------------------------------------------------------
+-- Nested sandboxes (lua/tree): what a host call sets for the tree its run roots
+
+schemas.budget_usd = { type = "number", minimum = 0, description =
+  "USD the whole sandbox tree rooted here may spend on model requests (this run and every child it spawns). "
+  .. "Once spent, further model requests are refused and every run of the tree ends with reason "
+  .. "'budget of $X spent'. Default: tree_budget_usd_default (none); ceiling tree_budget_usd_max." }
+
+schemas.tree = { type = "object", additionalProperties = false, description =
+  "Limits of the sandbox tree rooted here (children spawned from inside through the in-sandbox MCP endpoint); "
+  .. "defaults and ceilings come from the configuration.",
+  properties = {
+    depth = { type = "integer", minimum = 1, description = "deepest level below this run (default 3)" },
+    children = { type = "integer", minimum = 1, description = "children one run may spawn in its life (default 32)" },
+    running = { type = "integer", minimum = 1,
+      description = "sandboxes of the tree running at once, this one included (default 8); further spawns wait" },
+  } }
+
+schemas.mcp = { type = "boolean", default = false, description =
+  "Serve demesne's MCP endpoint inside the sandbox (http://127.0.0.1:3130/mcp, bearer token in "
+  .. "$DEMESNE_MCP_TOKEN) so that commands in it can spawn child sandboxes; its /workspace is then shared "
+  .. "with its children and /out/child/<name> holds their outputs." }
+
+return schemas.string_list("Host files mounted read-only at /in/<basename>. " .. paths.describe_roots())
 end
 
 function schemas.directories()
-  return schemas.string_list("Host folders mounted read-only at /in/<basename>. " .. paths.describe_roots())
+  --------------------------------------------------------------------------------------------
+-- Nested sandboxes (lua/tree): what a host call sets for the tree its run roots
+
+schemas.budget_usd = { type = "number", minimum = 0, description =
+  "USD the whole sandbox tree rooted here may spend on model requests (this run and every child it spawns). "
+  .. "Once spent, further model requests are refused and every run of the tree ends with reason "
+  .. "'budget of $X spent'. Default: tree_budget_usd_default (none); ceiling tree_budget_usd_max." }
+
+schemas.tree = { type = "object", additionalProperties = false, description =
+  "Limits of the sandbox tree rooted here (children spawned from inside through the in-sandbox MCP endpoint); "
+  .. "defaults and ceilings come from the configuration.",
+  properties = {
+    depth = { type = "integer", minimum = 1, description = "deepest level below this run (default 3)" },
+    children = { type = "integer", minimum = 1, description = "children one run may spawn in its life (default 32)" },
+    running = { type = "integer", minimum = 1,
+      description = "sandboxes of the tree running at once, this one included (default 8); further spawns wait" },
+  } }
+
+schemas.mcp = { type = "boolean", default = false, description =
+  "Serve demesne's MCP endpoint inside the sandbox (http://127.0.0.1:3130/mcp, bearer token in "
+  .. "$DEMESNE_MCP_TOKEN) so that commands in it can spawn child sandboxes; its /workspace is then shared "
+  .. "with its children and /out/child/<name> holds their outputs." }
+
+return schemas.string_list("Host folders mounted read-only at /in/<basename>. " .. paths.describe_roots())
 end
 
 schemas.image = { type = "string", description =
@@ -118,6 +164,8 @@ function schemas.job_properties(extra)
     message = { type = "string" },
     agent = { type = "object", description = "an ended agent job's result (from results.json in output_dir): "
       .. "answer, reason, cost_usd, usage, rate_limited, model, session_id" },
+    tree = { type = "object", description = "when the job runs a sandbox tree (or a node of one): its live cost "
+      .. "(cost_usd of the subtree), nodes, running, and the tree's budget_usd and spent_usd" },
   }
   for k, v in pairs(extra or {}) do props[k] = v end
   return props
@@ -137,6 +185,11 @@ function schemas.status_text(r)
   if r.reason then lines[#lines + 1] = "reason: " .. r.reason end
   if r.message then lines[#lines + 1] = "message: " .. r.message end
   if r.output_dir then lines[#lines + 1] = "output_dir: " .. r.output_dir end
+  if type(r.tree) == "table" then
+    lines[#lines + 1] = ("tree: %d sandbox(es), %d running, cost_usd %.4f%s"):format(r.tree.nodes or 0,
+      r.tree.running or 0, r.tree.cost_usd or 0,
+      r.tree.budget_usd and (" of a budget of %.2f"):format(r.tree.budget_usd) or "")
+  end
   if type(r.agent) == "table" then
     if type(r.agent.cost_usd) == "number" then lines[#lines + 1] = ("cost_usd: %.4f (indicative)"):format(r.agent.cost_usd) end
     if type(r.agent.reason) == "string" and r.agent.reason ~= r.reason then lines[#lines + 1] = "agent reason: " .. r.agent.reason end
@@ -144,5 +197,28 @@ function schemas.status_text(r)
   end
   return table.concat(lines, "\n")
 end
+
+--------------------------------------------------------------------------------------------
+-- Nested sandboxes (lua/tree): what a host call sets for the tree its run roots
+
+schemas.budget_usd = { type = "number", minimum = 0, description =
+  "USD the whole sandbox tree rooted here may spend on model requests (this run and every child it spawns). "
+  .. "Once spent, further model requests are refused and every run of the tree ends with reason "
+  .. "'budget of $X spent'. Default: tree_budget_usd_default (none); ceiling tree_budget_usd_max." }
+
+schemas.tree = { type = "object", additionalProperties = false, description =
+  "Limits of the sandbox tree rooted here (children spawned from inside through the in-sandbox MCP endpoint); "
+  .. "defaults and ceilings come from the configuration.",
+  properties = {
+    depth = { type = "integer", minimum = 1, description = "deepest level below this run (default 3)" },
+    children = { type = "integer", minimum = 1, description = "children one run may spawn in its life (default 32)" },
+    running = { type = "integer", minimum = 1,
+      description = "sandboxes of the tree running at once, this one included (default 8); further spawns wait" },
+  } }
+
+schemas.mcp = { type = "boolean", default = false, description =
+  "Serve demesne's MCP endpoint inside the sandbox (http://127.0.0.1:3130/mcp, bearer token in "
+  .. "$DEMESNE_MCP_TOKEN) so that commands in it can spawn child sandboxes; its /workspace is then shared "
+  .. "with its children and /out/child/<name> holds their outputs." }
 
 return schemas

@@ -20,6 +20,9 @@ return {
       egress = require("demesne.egress").schema,
       limits = schemas.limits,
       ttl_seconds = { type = "integer", minimum = 60, description = "Seconds the sandbox lives without use. Default 48 h." },
+      mcp = schemas.mcp,
+      budget_usd = schemas.budget_usd,
+      tree = schemas.tree,
     },
   },
   outputSchema = {
@@ -30,6 +33,8 @@ return {
       output_dir = { type = "string" },
       expires_at = { type = "string", description = "UTC, RFC 3339" },
       image = { type = "string" },
+      mcp = { type = "object", description = "with mcp: true, the in-sandbox endpoint: url (inside the sandbox) and "
+        .. "the bearer token its commands find in $DEMESNE_MCP_TOKEN" },
     },
   },
   annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = false },

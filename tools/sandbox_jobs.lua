@@ -27,7 +27,8 @@ return {
   },
   annotations = { readOnlyHint = true, destructiveHint = false, idempotentHint = true, openWorldHint = false },
   run = function(ctx, args)
-    local list, matched = jobs.list(args.status, args.limit)
+    -- from inside a sandbox (ctx.caller, lua/tree/child.lua): only the jobs of its subtree
+    local list, matched = jobs.list(args.status, args.limit, ctx.caller and ctx.caller.sees_job)
     local out, lines = json.array(), {}
     for _, rec in ipairs(list) do
       local v = jobs.view(rec)

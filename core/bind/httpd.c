@@ -235,6 +235,13 @@ static const char **listen_opts(lua_State *L, int t, dm_httpd_listen_opts *o) {
   lua_getfield(L, t, "ipv6_only");
   o->ipv6_only = lua_toboolean(L, -1);
   lua_pop(L, 1);
+  lua_getfield(L, t, "max_conns");
+  if (!lua_isnil(L, -1)) {
+    lua_Integer n = luaL_checkinteger(L, -1);
+    luaL_argcheck(L, n >= 0, t, "max_conns must be >= 0");
+    o->max_conns = (size_t)n;
+  }
+  lua_pop(L, 1);
   lua_getfield(L, t, "hosts");
   const char **hosts = NULL;
   if (lua_istable(L, -1)) {
@@ -308,6 +315,16 @@ static int l_listen_relay(lua_State *L) {
   if (r == UV_EEXIST) return dm_fail(L, "listen: the path exists and is not a socket", "EEXIST");
   if (r) return dm_fail_uv(L, "listen", r);
   lua_pushboolean(L, 1);
+  return 1;
+}
+
+/// server:unlisten(tag) -> integer. Stops the listeners tagged `tag` (socket files
+/// removed) and cuts their connections (on_close(conn, "listener closed") for each handed
+/// one); the other listeners go on. Returns how many listeners it stopped (0 once closed).
+static int l_unlisten(lua_State *L) {
+  server_ud *u = luaL_checkudata(L, 1, SERVER_MT);
+  const char *tag = luaL_checkstring(L, 2);
+  lua_pushinteger(L, u->ls && !u->ls->closed ? dm_httpd_unlisten(u->ls->s, tag) : 0);
   return 1;
 }
 
@@ -503,6 +520,7 @@ static int l_token_equal(lua_State *L) {
 
 static const luaL_Reg server_methods[] = {
   {"listen_tcp", l_listen_tcp}, {"listen_unix", l_listen_unix}, {"listen_relay", l_listen_relay},
+  {"unlisten", l_unlisten},
   {"connections", l_connections},
   {"close", l_server_close}, {NULL, NULL},
 };

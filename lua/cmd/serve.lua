@@ -64,12 +64,22 @@ return function(args, opts)
     local ok, err = pcall(hostmcp.load)
     if not ok and err ~= async.CANCELLED then log.error("demesne.hostmcp", "%s", tostring(err)) end
   end)
+  local registry = require("demesne.tools").load({ fixtures = opts.fixtures })
+  -- nested sandboxes: the in-sandbox MCP endpoint, and the trees a previous server left
+  local limits = require("demesne.mcp.stdio").limits()
+  local tree, endpoint = require("demesne.tree"), require("demesne.tree.endpoint")
+  local ok, eerr = endpoint.start(registry, limits)
+  if not ok then log.error("demesne.tree", "the in-sandbox MCP endpoint cannot start: %s", tostring(eerr)) end
+  tree.start()
+  local function on_stop(timeout_ms) endpoint.stop(timeout_ms) end
   local status
   if #addrs > 0 then
-    status = require("demesne.mcp.http").serve({ addrs = addrs, allow_remote = allow_remote, fixtures = opts.fixtures })
+    status = require("demesne.mcp.http").serve({ addrs = addrs, allow_remote = allow_remote, registry = registry,
+      on_stop = on_stop })
   else
-    status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures })
+    status = require("demesne.mcp.stdio").serve({ registry = registry, on_stop = on_stop })
   end
+  tree.stop_service()
   jobs.stop()
   -- no host MCP server outlives the server
   hostmcp.shutdown_outside_task()

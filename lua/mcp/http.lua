@@ -160,14 +160,18 @@ end
 -- The HTTP server
 
 ---@class HttpServeOptions
----@field addrs string[]             listen addresses (http.parse_addr)
+---@field addrs string[]             listen addresses (http.parse_addr); may be empty (relay listeners only)
 ---@field allow_remote boolean|nil   allow non-loopback TCP addresses
 ---@field registry ToolRegistry
 ---@field max_message_bytes integer|nil
 ---@field shutdown_timeout_ms integer|nil
+---@field session_options (fun(listener: string): table|nil)|nil  extra ServerOptions for the sessions
+---   and 2026-07-28 requests of a listener (the in-sandbox endpoint: no host log records, a scope)
+---@field max_sessions_per_listener integer|nil  sessions one relay listener may hold (default 16)
 
 --- Creates the MCP HTTP server and starts listening. Returns a handle
---- {urls, token_origin, stop = fn(timeout_ms) (inside a task), sessions = fn() -> integer},
+--- {urls, token_origin, stop = fn(timeout_ms) (inside a task), sessions = fn() -> integer,
+--- listen_relay = fn(path, lopts) -> true | nil, err, unlisten = fn(tag) -> integer},
 --- or nil and why (a bad address, a non-loopback address without allow_remote, a port in use).
 ---@param o HttpServeOptions
 ---@return table|nil handle, string|nil err
@@ -183,9 +187,18 @@ function http.start(o)
     end
     addrs[#addrs + 1] = addr
   end
-  local token, origin = http.token(true)
-  if not token then return nil, origin end
+  local token, origin
+  if #addrs > 0 then
+    token, origin = http.token(true)
+    if not token then return nil, origin end
+  end
   local max_sessions = math.floor(config.get("http_max_sessions"))
+  local per_listener = o.max_sessions_per_listener or 16
+  local function server_opts(listener, base)
+    local extra = o.session_options and o.session_options(listener)
+    for k, v in pairs(extra or {}) do base[k] = v end
+    return base
+  end
   local self = {
     sessions = {},         -- id -> session
     nsessions = 0,
@@ -213,11 +226,17 @@ function http.start(o)
   end
 
   local function new_session(listener)
-    if self.nsessions >= max_sessions then
+    -- a relay listener (one sandbox) holds at most per_listener sessions of the table
+    local mine = 0
+    if listener ~= "host" then
+      for _, s in pairs(self.sessions) do if s.listener == listener then mine = mine + 1 end end
+    end
+    if self.nsessions >= max_sessions or mine >= per_listener then
       -- room: the longest-idle session with nothing in progress and no open stream goes
       local victim
       for _, s in pairs(self.sessions) do
         if s.srv:pending() == 0 and not s.owns_work and not (s.get_conn and s.get_conn:is_open())
+          and (mine < per_listener or s.listener == listener)
           and loop.now() - s.seen >= IDLE_EVICT_MS and (not victim or s.seen < victim.seen) then
           victim = s
         end
@@ -229,8 +248,8 @@ function http.start(o)
       victim.srv:close()
     end
     local sess = { id = hex(loop.random(16)), listener = listener, seen = loop.now() }
-    sess.srv = server.new({ transport = session_transport(sess), registry = o.registry,
-      max_message_bytes = o.max_message_bytes, listener = listener })
+    sess.srv = server.new(server_opts(listener, { transport = session_transport(sess), registry = o.registry,
+      max_message_bytes = o.max_message_bytes, listener = listener }))
     self.sessions[sess.id] = sess
     self.nsessions = self.nsessions + 1
     return sess
@@ -407,8 +426,8 @@ function http.start(o)
         conn:respond(202, {}, "")
         return
       end
-      local srv = server.new({ transport = mcp_transport.null(), registry = o.registry, forward_logs = false,
-        max_message_bytes = o.max_message_bytes, listener = conn:listener() })
+      local srv = server.new(server_opts(conn:listener(), { transport = mcp_transport.null(), registry = o.registry,
+        forward_logs = false, max_message_bytes = o.max_message_bytes, listener = conn:listener() }))
       self.modern[srv] = true
       local ch
       ch = channel(conn, {
@@ -585,6 +604,28 @@ function http.start(o)
 
   local handle = { urls = self.urls, token_origin = origin }
   function handle.sessions() return self.nsessions end
+  --- Listens on a unix socket for demesne-init's relay (core.httpd listen_relay): the
+  --- listener's `tag` names the caller of every request that arrives on it (never "host"),
+  --- `token` is required on each, Host must be loopback, and at most `max_conns`
+  --- (default 32) connections are open on it at once.
+  function handle.listen_relay(path, lopts)
+    assert(type(lopts.tag) == "string" and lopts.tag ~= "host", "listen_relay: a tag other than host")
+    if self.stopping then return nil, "the server is shutting down" end
+    local ok, err, code = self.http:listen_relay(path, { tag = lopts.tag, token = lopts.token, hosts = LOOPBACK_HOSTS,
+      max_conns = lopts.max_conns or 32 })
+    if not ok then return nil, ("listen on %s: %s"):format(path, tostring(err)), code end
+    return true
+  end
+  --- Stops the listeners tagged `tag`: their connections are cut (a 2026-07-28 request in
+  --- progress on one is cancelled) and their sessions end (their requests in progress are
+  --- cancelled). Returns how many listeners stopped.
+  function handle.unlisten(tag)
+    local n = self.http:unlisten(tag)
+    for _, sess in pairs(self.sessions) do
+      if sess.listener == tag then end_session(sess, "its listener closed") end
+    end
+    return n
+  end
   function handle.connections() return self.http:connections() end
   --- Stops (inside a task): new requests get 503, every session and request in progress is
   --- stopped (subscriptions get their completion result, other requests are cancelled and
@@ -609,7 +650,8 @@ end
 
 --- Runs `demesne serve --http`: the MCP server on the given addresses until SIGINT,
 --- SIGTERM or SIGHUP (stdin is not read: it may be /dev/null). Returns the exit status.
----@param opts {addrs: string[], allow_remote: boolean|nil, fixtures: string|nil, registry: ToolRegistry|nil}
+--- `opts.on_stop(timeout_ms)` (optional) runs in the shutdown task beside the server's own stop.
+---@param opts {addrs: string[], allow_remote: boolean|nil, fixtures: string|nil, registry: ToolRegistry|nil, on_stop: fun(timeout_ms: integer)|nil}
 ---@return integer
 function http.serve(opts)
   local limits = require("demesne.mcp.stdio").limits()
@@ -629,8 +671,13 @@ function http.serve(opts)
   unwatch = mcp_transport.watch_signals(function(name)
     log.info(LOGGER, "shutting down (SIG%s), %d session(s)", name, handle.sessions())
     async.spawn("http shutdown", function()
+      local other = opts.on_stop and async.spawn("stop", opts.on_stop, limits.shutdown_timeout_ms)
       local ok, e = pcall(handle.stop, limits.shutdown_timeout_ms)
       if not ok then log.error(LOGGER, "shutdown: %s", tostring(e)) end
+      if other then
+        local sok, serr = other:wait()
+        if not sok then log.error(LOGGER, "shutdown: %s", tostring(serr)) end
+      end
       if unwatch then unwatch() end
       loop.stop()
     end)

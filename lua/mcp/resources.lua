@@ -58,11 +58,13 @@ local function entry(rec)
   }
 end
 
---- resources/list: the newest jobs (running first), at most 100, one page.
+--- resources/list: the newest jobs (running first), at most 100, one page. `visible`
+--- (optional) keeps only the jobs a scoped caller may see.
+---@param visible (fun(job_id: string): boolean)|nil
 ---@return table ListResourcesResult
-function resources.list()
+function resources.list(visible)
   local out = json.array()
-  for _, rec in ipairs((jobs.list(nil, LIST_MAX))) do out[#out + 1] = entry(rec) end
+  for _, rec in ipairs((jobs.list(nil, LIST_MAX, visible))) do out[#out + 1] = entry(rec) end
   return { resources = out }
 end
 
@@ -82,9 +84,11 @@ end
 --- resources/read of a job URI. Returns the ReadResourceResult, or nil and why (unknown
 --- URI or job).
 ---@param uri any
+---@param visible (fun(job_id: string): boolean)|nil  a scoped caller's view: other jobs are not found
 ---@return table|nil result, string|nil err
-function resources.read(uri)
+function resources.read(uri, visible)
   local id = resources.job_of(uri)
+  if id and visible and not visible(id) then id = nil end
   local rec = id and jobs.get(id)
   if not rec then
     return nil, ("Resource not found: %s (job resources are %s<job id>)"):format(tostring(uri), PREFIX)

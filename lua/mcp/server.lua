@@ -177,6 +177,9 @@ end
 ---@field instructions string|nil
 ---@field forward_logs boolean|nil       send log records as notifications/message to a legacy session (default true)
 ---@field listener string|nil            the listener the session's requests arrive on (HTTP), given to tools
+---@field scope {job: fun(job_id: string): boolean}|nil  what the caller may see (the in-sandbox endpoint):
+---   only job-end records of jobs in scope are forwarded (no other host log record), resources
+---   list and read only jobs in scope, subscriptions hear only of them, and tasks are not offered
 
 ---@class McpServer
 local Server = {}
@@ -197,6 +200,7 @@ function server.new(opts)
     max_message = opts.max_message_bytes or server.DEFAULT_MAX_MESSAGE_BYTES,
     instructions = opts.instructions or server.INSTRUCTIONS,
     listener = opts.listener,
+    scope = opts.scope,
     inflight = {},   -- id key -> entry {id, method, task, cancelled, done, channel, modern, listen}
     outgoing = {},   -- our request id -> callback(result | nil, msg, error)
     next_out = 0,
@@ -352,6 +356,10 @@ end
 --- level the client set.
 function Server:forward_log(level, logger, msg, data)
   if self.in_forward or self.closing then return end
+  if self.scope and not (logger == "demesne.jobs" and type(data) == "table" and type(data.job_id) == "string"
+    and self.scope.job(data.job_id)) then
+    return -- a scoped session hears of its own jobs' ends, and nothing else of the host's
+  end
   if not self.session.announced then
     -- a background job that ends before the client is connected: keep its one terminal
     -- notification (bounded) and send it once initialize is answered
@@ -506,7 +514,7 @@ function legacy.initialize(self, params)
     info.description = "Runs commands, scripts and coding agents in disposable containers"
   end
   local caps = capabilities("legacy")
-  caps.tasks = chosen.tasks and tasks.capability() or nil
+  caps.tasks = chosen.tasks and not self.scope and tasks.capability() or nil
   return {
     protocolVersion = chosen.version,
     capabilities = caps,
@@ -546,19 +554,19 @@ legacy["logging/setLevel"] = function(self, params)
   return {}
 end
 
-local function resources_list(_, params, entry)
+local function resources_list(self, params, entry)
   if params.cursor ~= nil and params.cursor ~= null and type(params.cursor) ~= "string" then
     invalid_params("params.cursor: expected a string, got " .. describe(params.cursor))
   end
-  return cacheable(entry, resources.list(), 0)
+  return cacheable(entry, resources.list(self.scope and self.scope.job), 0)
 end
 legacy["resources/list"], modern["resources/list"] = resources_list, resources_list
 legacy["resources/templates/list"] = function(_, _, entry) return cacheable(entry, resources.templates(), 300000) end
 modern["resources/templates/list"] = legacy["resources/templates/list"]
 
-local function resources_read(_, params, entry)
+local function resources_read(self, params, entry)
   if type(params.uri) ~= "string" then invalid_params("params.uri: expected a string, got " .. describe(params.uri)) end
-  local r, err = resources.read(params.uri)
+  local r, err = resources.read(params.uri, self.scope and self.scope.job)
   if not r then
     error(server.rpc_error(entry.modern and server.INVALID_PARAMS or server.RESOURCE_NOT_FOUND, err,
       { uri = params.uri }), 0)
@@ -668,6 +676,9 @@ local function tools_call(self, params, entry)
   -- task-augmented call (2025-11-25 experimental tasks): lua/mcp/tasks.lua
   local task = params.task
   if task == null then task = nil end
+  if task ~= nil and self.scope then
+    invalid_params("params.task: tasks are not offered here; use background: true and sandbox_wait")
+  end
   if not entry.modern and (task ~= nil or (type(tool.execution) == "table" and tool.execution.taskSupport == "required")) then
     return tasks.call(tool, ctx, args or {}, task), name
   end
@@ -697,7 +708,8 @@ local function on_job_record(_, logger, _, data)
   if logger ~= "demesne.jobs" or type(data) ~= "table" or type(data.job_id) ~= "string" then return end
   if data.status == "running" then return end
   for entry, sub in pairs(subscriptions) do
-    for _, uri in ipairs(sub.uris) do
+    local scope = sub.server.scope
+    for _, uri in ipairs(scope and not scope.job(data.job_id) and {} or sub.uris) do
       if resources.covers(uri, data.job_id) then
         sub.server:notify("notifications/resources/updated", { uri = resources.job_uri(data.job_id),
           _meta = { [META.SUBSCRIPTION_ID] = entry.id } }, entry.channel)
@@ -739,7 +751,7 @@ modern["subscriptions/listen"] = function(self, params, entry)
   -- a job named by URI that has already ended gets its update at once
   for _, uri in ipairs(uris) do
     local id = resources.job_of(uri)
-    if id and resources.ended(id) then
+    if id and (not self.scope or self.scope.job(id)) and resources.ended(id) then
       self:notify("notifications/resources/updated", { uri = uri, _meta = sid }, entry.channel)
     end
   end
@@ -818,6 +830,7 @@ function Server:handle_request(msg, channel)
     env = e
   end
   local handler = era[msg.method]
+  if self.scope and msg.method:match("^tasks/") then handler = nil end -- no tasks where a scope applies
   if not handler then
     return self:respond_error(id, server.METHOD_NOT_FOUND, "Method not found: " .. msg.method
       .. (era == modern and legacy[msg.method] and " (not part of revision 2026-07-28)" or ""), nil, channel)

@@ -201,7 +201,9 @@ end
 
 --- Runs the MCP server on stdin/stdout until stdin closes or SIGINT, SIGTERM or SIGHUP
 --- arrives. Returns the process exit status (0 after a graceful stop).
----@param opts {fixtures: string|nil, registry: ToolRegistry|nil, input_fd: integer|nil, output_fd: integer|nil}|nil
+--- `opts.on_stop(timeout_ms)` (optional) runs in the shutdown task beside the session's
+--- own stop (the in-sandbox endpoint's server stops with it).
+---@param opts {fixtures: string|nil, registry: ToolRegistry|nil, input_fd: integer|nil, output_fd: integer|nil, on_stop: fun(timeout_ms: integer)|nil}|nil
 ---@return integer
 function stdio.serve(opts)
   opts = opts or {}
@@ -244,8 +246,13 @@ function stdio.serve(opts)
     log.info(LOGGER, "shutting down (%s), %d request(s) in progress", reason, srv:pending())
     if input then input.stop() end
     async.spawn("mcp shutdown", function()
+      local other = opts.on_stop and async.spawn("stop", opts.on_stop, limits.shutdown_timeout_ms)
       local ok, err = pcall(srv.shutdown, srv, limits.shutdown_timeout_ms)
       if not ok then log.error(LOGGER, "shutdown: %s", tostring(err)) end
+      if other then
+        local sok, serr = other:wait()
+        if not sok then log.error(LOGGER, "shutdown: %s", tostring(serr)) end
+      end
       pcall(out.flush, 2000)
       close_all()
       loop.stop()

@@ -282,10 +282,67 @@ static void test_relay(void) {
   CHECK(uv_loop_close(&loop) == 0, "every handle closed");
 }
 
+/* ---- unlisten: one listener goes (its held stream cut), the other goes on; a listener's
+ * own connection cap ---- */
+
+static void test_unlisten(void) {
+  uv_loop_init(&loop);
+  closed = 0;
+  streaming = NULL;
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  srv = dm_httpd_new(&loop, NULL, &h, NULL);
+  int port_a = 0, port_b = 0;
+  dm_httpd_listen_opts la = {.tag = "run-a", .max_conns = 1};
+  dm_httpd_listen_opts lb = {.tag = "run-b"};
+  CHECK(dm_httpd_listen_tcp(srv, "127.0.0.1", 0, &la, &port_a) == 0, "listen a");
+  CHECK(dm_httpd_listen_tcp(srv, "127.0.0.1", 0, &lb, &port_b) == 0, "listen b");
+  /* a stream held open on a: a's one connection */
+  pthread_t t;
+  port = port_a;
+  exchange_t hold = {.send = "GET /hold HTTP/1.1\r\nHost: localhost\r\n\r\n"};
+  pthread_create(&t, NULL, client, &hold);
+  while (!streaming) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  exchange_t x = {.send = "GET /second HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 503 ", 13), "a's second connection is over its cap: %s", x.got);
+  port = port_b;
+  x = (exchange_t){.send = "GET /on-b HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"};
+  exchange(&x);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK") && !strcmp(last_listener, "run-b"), "b serves beside it: %s", x.got);
+  int closes_before = closes;
+  CHECK(dm_httpd_unlisten(srv, "run-a") == 1, "one listener stopped");
+  CHECK(dm_httpd_unlisten(srv, "run-a") == 0, "a second unlisten finds none");
+  while (!hold.done) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  pthread_join(t, NULL);
+  for (int i = 0; i < 20; i++) uv_run(&loop, UV_RUN_NOWAIT);
+  CHECK(closes > closes_before && !streaming, "the held stream was cut (on_close %d)", closes - closes_before);
+  port = port_a;
+  x = (exchange_t){.send = "GET /gone HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"};
+  exchange(&x);
+  CHECK(x.len == 0, "a no longer accepts: %s", x.got);
+  port = port_b;
+  x = (exchange_t){.send = "GET /still HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"};
+  exchange(&x);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK") && strstr(x.got, "/still"), "b still serves: %s", x.got);
+  dm_httpd_close(srv);
+  while (!closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(uv_loop_close(&loop) == 0, "every handle closed");
+}
+
 int main(void) {
   test_token_equal();
   test_exchanges();
   test_relay();
+  test_unlisten();
   if (failures) fprintf(stderr, "%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }

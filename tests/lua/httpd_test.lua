@@ -251,6 +251,44 @@ function tests.unix_listener_is_private_and_removed(t)
   fs.remove_tree(dir)
 end
 
+function tests.unlisten_stops_one_listener_only(t)
+  local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-httpd-" .. hex(loop.random(4))
+  assert(fs.mkdir_p(dir))
+  local path = dir .. "/mcp.sock"
+  local why_closed = async.event()
+  local srv = httpd.new({}, function(conn, req)
+    if req.target == "/hold" then
+      assert(conn:start(200, {}))
+      assert(conn:write("held"))
+      return
+    end
+    conn:respond(200, {}, req.listener)
+  end, function(_, why) if why == "listener closed" then why_closed.set(why) end end)
+  t:ok(srv:listen_unix(path, { tag = "sandbox-1", hosts = HOSTS, max_conns = 1 }))
+  local port = assert(srv:listen_tcp("127.0.0.1", 0, { tag = "host" }))
+  local held = async.spawn("held", function()
+    return request({ url = "http://localhost/hold", unix_socket = path, timeout_ms = 5000 })
+  end)
+  async.sleep(100)
+  -- the listener's own cap: a second connection on it is refused, the other listener is not
+  local res = assert(request({ url = "http://localhost/x", unix_socket = path }))
+  t:eq(res.status, 503, "over the listener's max_conns")
+  res = assert(request({ url = "http://127.0.0.1:" .. port .. "/" }))
+  t:eq(res.body, "host")
+  t:eq(srv:unlisten("sandbox-1"), 1, "one listener stopped")
+  t:eq(async.timeout(3000, why_closed.wait), "listener closed", "its held stream was cut")
+  held:wait()
+  t:eq(fs.lstat(path), nil, "socket removed")
+  t:eq(srv:unlisten("sandbox-1"), 0, "none left with that tag")
+  res = assert(request({ url = "http://127.0.0.1:" .. port .. "/" }))
+  t:eq(res.body, "host", "the other listener goes on")
+  local done = async.event()
+  srv:close(function() done.set() end)
+  done.wait()
+  t:eq(srv:unlisten("host"), 0, "closed: nothing to stop")
+  fs.remove_tree(dir)
+end
+
 function tests.many_connections_at_once(t)
   local s <close> = server(function(conn, req)
     async.sleep(20)

@@ -51,6 +51,7 @@ local function harness(descs, opts)
     end,
     registry = reg,
     max_message_bytes = opts.max_message_bytes,
+    scope = opts.scope,
   })
   function h.send(msg) h.srv:receive(type(msg) == "string" and msg or json.encode(msg)) end
   function h.call(id, method, params) h.send({ jsonrpc = "2.0", id = id, method = method, params = params }) end
@@ -369,6 +370,28 @@ function tests.a_job_end_before_initialize_is_sent_after_it(t)
   end
   t:eq(#got, 1, "the job end, once; not the other records")
   t:eq(got[1].data.data, { job_id = "job-x", status = "succeeded", exit_code = 0 })
+end
+
+-- the in-sandbox endpoint: a scoped session hears of its own jobs' ends and of nothing else
+function tests.scoped_session_hears_only_its_jobs(t)
+  local log = require("demesne.log")
+  local h <close> = harness(nil, { scope = { job = function(id) return id == "job-mine" end } })
+  local init = h.init()
+  t:eq(init.result.capabilities.tasks, nil, "no tasks where a scope applies")
+  h.call(1, "logging/setLevel", { level = "debug" })
+  h.take()
+  log.warning("demesne.sandbox", "a host record")
+  log.log("info", "demesne.jobs", "background job job-other succeeded", { job_id = "job-other", status = "succeeded" })
+  log.log("info", "demesne.jobs", "background job job-mine succeeded", { job_id = "job-mine", status = "succeeded" })
+  local got = {}
+  for _, m in ipairs(h.take()) do
+    if m.method == "notifications/message" then got[#got + 1] = m.params.data.data.job_id end
+  end
+  t:eq(got, { "job-mine" })
+  h.call(2, "tasks/list", {})
+  t:eq(h.responses()[1].error.code, server.METHOD_NOT_FOUND)
+  h.call(3, "resources/read", { uri = "demesne://jobs/job-other-1" })
+  t:eq(h.responses()[1].error.code, server.RESOURCE_NOT_FOUND, "a job outside the scope is not found")
 end
 
 function tests.oversized_result_becomes_is_error(t)

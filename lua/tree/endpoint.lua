@@ -1,0 +1,79 @@
+-- The in-sandbox MCP endpoint: demesne's own Streamable HTTP server (lua/mcp/http.lua, the
+-- same session layer and revisions as `serve --http`) with one relay listener per tree node,
+-- serving the child tools (lua/tree/child.lua).
+--
+-- Inside a sandbox, demesne-init relays 127.0.0.1:3130 (tree.PORT) to
+-- /.demesne/run/mcp.sock, which is <run_dir>/mcp.sock on the host; each connection's TCP
+-- socket is handed over and served here (core.httpd listen_relay). No network interface is
+-- added. Identity is structural: the listener a connection arrived on is tagged with the
+-- calling run ("run:<run id>", tree.tag); the run's bearer token is required on every request
+-- as a second check (compared in C, in constant time); Host must be loopback. Nothing the
+-- sandbox sends can name another run. Everything on the socket is hostile input: bodies,
+-- heads, connections (32 per run), sessions (16 per run) and output are bounded in C and in
+-- lua/mcp/http.lua, and a session there is scoped (server option `scope`): it hears only of
+-- the ends of its own subtree's jobs, and no host log record.
+local child = require("demesne.tree.child")
+local fs = require("core.fs")
+local http = require("demesne.mcp.http")
+local log = require("demesne.log")
+local tree = require("demesne.tree")
+
+local endpoint = {}
+
+local LOGGER = "demesne.tree"
+local handle
+
+local function scope_of(listener)
+  local run_id = tree.run_of_tag(listener)
+  return { job = function(job_id) return run_id ~= nil and tree.sees_job(run_id, job_id) end }
+end
+
+--- Starts the endpoint's server for the tools of `registry` (the host's: the child tools
+--- are derived from it) and installs it in the tree (tree.set_endpoint). Returns the
+--- server's handle, or nil and why.
+---@param registry ToolRegistry
+---@param opts {max_message_bytes: integer|nil, shutdown_timeout_ms: integer|nil}|nil
+---@return table|nil handle, string|nil err
+function endpoint.start(registry, opts)
+  if handle then return handle end
+  opts = opts or {}
+  local h, err = http.start({ addrs = {}, registry = child.registry(registry),
+    max_message_bytes = opts.max_message_bytes, shutdown_timeout_ms = opts.shutdown_timeout_ms,
+    session_options = function(listener) return { scope = scope_of(listener) } end,
+    max_sessions_per_listener = 16 })
+  if not h then return nil, err end
+  handle = h
+  tree.set_endpoint({
+    open = function(n)
+      local ok, lerr = h.listen_relay(n.endpoint.socket, { tag = tree.tag(n.run_id), token = n.endpoint.token,
+        max_conns = 32 })
+      if not ok then return nil, lerr end
+      -- whatever user the image runs as may connect; the token and the socket folder are the checks
+      if fs.opendir then
+        local d = fs.opendir(n.run_dir)
+        if d then d:chmod(tree.SOCKET_NAME, 438) d:close() end
+      else
+        fs.chmod(n.endpoint.socket, 438)
+      end
+      return true
+    end,
+    close = function(run_id) h.unlisten(tree.tag(run_id)) end,
+  })
+  log.debug(LOGGER, "in-sandbox MCP endpoint ready (%s inside each sandbox)", tree.URL)
+  return h
+end
+
+--- Stops the endpoint (inside a task): every listener closes, the requests in progress on
+--- them are cancelled and their cleanup awaited (up to timeout_ms).
+---@param timeout_ms integer
+function endpoint.stop(timeout_ms)
+  local h = handle
+  handle = nil
+  tree.set_endpoint(nil)
+  if h then h.stop(timeout_ms) end
+end
+
+--- The running endpoint's handle (tests), or nil.
+function endpoint.handle() return handle end
+
+return endpoint

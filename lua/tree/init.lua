@@ -1,0 +1,1202 @@
+-- Nested sandboxes: the tree of runs that agents (and script orchestrators) inside sandboxes
+-- spawn through demesne's in-sandbox MCP endpoint (docs/explanation/nested-sandboxes.md).
+--
+-- API for the agent wiring (the vendor route and the agent CLIs' configuration):
+--
+--   * Endpoint on the run plan. Every sandbox_agent / sandbox_research run, and
+--     sandbox_create with mcp = true, is a tree node with an endpoint. By the time the plan's
+--     `before_create(o)` runs (lua/sandbox.lua script_start), `o.endpoint` is
+--       { url = "http://127.0.0.1:3130/mcp", port = 3130, token = "<64 hex>",
+--         socket = "<run_dir>/mcp.sock", sandbox_socket = "/.demesne/run/mcp.sock" }
+--     and the container's environment carries DEMESNE_MCP_URL and DEMESNE_MCP_TOKEN (the
+--     request must send `Authorization: Bearer <token>`). The URL and port never change, so
+--     an argv or a config file can name them as constants (tree.URL, tree.PORT); only the
+--     token is per run. `o.endpoint` is nil when no endpoint server is installed
+--     (tree.set_endpoint, done by `demesne serve`).
+--   * How a run registers as a node: nothing to call. The plan hook (tree.plan, run by
+--     sandbox.script_start and sandbox.create) makes a host call of those tools a root, and
+--     a call from inside a sandbox (ctx.spawn, set by tree.spawn) a child; `o.tree` then
+--     holds the node's run id. The node ends when its container goes (sandbox.script_remove,
+--     destroy, the reaper), and agent.finish reports its result and usage (tree.result).
+--   * Budget: tree.check(run_id) -> true | nil, "budget of $X spent" before forwarding a
+--     model request; tree.charge(run_id, usd, usage) -> true | nil, "budget of $X spent"
+--     after counting one (usage optional: {model, input, output, cache_creation,
+--     cache_read}); tree.spent(root_run_id) -> usd spent, budget (nil: none). The charge
+--     that reaches the budget starts the reaction: every run of the tree still going ends
+--     with reason "budget of $X spent" and no container is left.
+--
+-- Records: <state_dir>/tree/<run id>.json (0600, out of every sandbox's reach), one per
+-- node; a root's also holds the tree's limits, budget, spend and member list. Workspaces
+-- shared by a tree: <state_dir>/workspaces/<run id>/ (bind-mounted rw at /workspace, never
+-- read by the host, removed when the run that made it ends).
+local async = require("demesne.async")
+local config = require("demesne.config")
+local egress = require("demesne.egress")
+local jobs = require("demesne.jobs")
+local json = require("demesne.json")
+local log = require("demesne.log")
+local progress = require("demesne.progress")
+local sandbox = require("demesne.sandbox")
+local agent = require("demesne.agent")
+local fs = require("core.fs")
+local loop = require("core.loop")
+
+local tree = {}
+
+local LOGGER = "demesne.tree"
+local RECORD_MAX = 4 * 1024 * 1024
+
+--- The endpoint's port inside a sandbox, its URL, and its socket there and on the host.
+tree.PORT = 3130
+tree.URL = ("http://127.0.0.1:%d/mcp"):format(tree.PORT)
+tree.SANDBOX_SOCKET = "/.demesne/run/mcp.sock"
+tree.SOCKET_NAME = "mcp.sock"
+
+--- The kinds of node, by the tool that made them.
+tree.KIND_OF_TOOL = { sandbox_script = "script", sandbox_create = "create", sandbox_agent = "agent",
+  sandbox_research = "research" }
+
+local NAME_MAX = 40
+
+---@class TreeNode
+---@field run_id string
+---@field root string           the root's run id (itself for a root)
+---@field parent string|nil     the parent's run id
+---@field depth integer         0 for a root
+---@field name string|nil       the name its parent gave it (nil for a root)
+---@field kind string           script, create, agent or research
+---@field tool string
+---@field status string         running, succeeded, failed, cancelled, lost, destroyed
+---@field active boolean        its container is there (it holds a slot)
+---@field reason string|nil
+---@field exit_code integer|nil
+---@field owner string          the server process that runs it (host/pid/starttime)
+---@field started_ms integer
+---@field finished_ms integer|nil
+---@field job_id string|nil     the background job running it
+---@field output_dir string
+---@field run_dir string
+---@field egress string         its egress policy
+---@field inputs table[]        the host inputs its children inherit ({host, target})
+---@field workspace string|nil  the host folder that is its /workspace
+---@field owns_workspace boolean|nil  it made that folder (removed when it ends)
+---@field endpoint table|nil    {token, socket}
+---@field children table[]      {name, run_id|nil} in spawn order; a name is never reused
+---@field cost_usd number       its own model spend
+---@field usage table|nil       its own tokens: {models = {model = {requests, input, output, cache_creation, cache_read, cost_usd}}}
+---@field cancel_reason string|nil
+---@field limits table|nil      root: {depth, children, running}
+---@field budget_usd number|nil root: the tree's budget
+---@field spent_usd number|nil  root: the tree's spend
+---@field members string[]|nil  root: every node's run id
+
+local cache = {}     -- run_id -> TreeNode (this process's copy)
+local mem = {}       -- run_id -> {ended = event, reserved = n (roots), slot = event (roots)}
+local endpoint       -- {open = fn(node) -> ok, err; close = fn(run_id)} (tree.set_endpoint)
+local service        -- the resume task of tree.start
+
+local function now_ms() return math.floor(loop.time() * 1000) end
+local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
+local function fail(msg) sandbox.fail(msg) end
+local function closer(fn) return setmetatable({}, { __close = fn }) end
+
+local function m(id)
+  local x = mem[id]
+  if not x then
+    x = { ended = async.event(), reserved = 0 }
+    mem[id] = x
+  end
+  return x
+end
+
+--- The folder of the node records: <state_dir>/tree.
+---@return string
+function tree.dir() return config.get("state_dir") .. "/tree" end
+
+local function record_path(id) return tree.dir() .. "/" .. id .. ".json" end
+
+local function valid_id(id) return type(id) == "string" and #id <= 64 and id:match("^[%w][%w%-]*$") ~= nil end
+
+local function save(n)
+  n.updated_ms = now_ms()
+  local ok, err = fs.mkdir_p(tree.dir(), 448) -- 0700
+  if ok then ok, err = fs.write_atomic(record_path(n.run_id), json.encode(n) .. "\n", 384) end
+  if not ok then log.error(LOGGER, "cannot save the node %s: %s", n.run_id, tostring(err)) end
+  return ok
+end
+
+local INTS = { "depth", "exit_code", "started_ms", "finished_ms", "updated_ms" }
+
+--- The node of a run (nil when the run is no tree node).
+---@param run_id string
+---@return TreeNode|nil
+function tree.get(run_id)
+  if not valid_id(run_id) then return nil end
+  local n = cache[run_id]
+  if n then return n end
+  local s = fs.read_file(record_path(run_id), 0, RECORD_MAX)
+  n = s and json.decode(s)
+  if type(n) ~= "table" or n.run_id ~= run_id or type(n.root) ~= "string" then return nil end
+  for _, k in ipairs(INTS) do
+    if type(n[k]) == "number" then n[k] = math.tointeger(math.floor(n[k])) end
+  end
+  n.children = type(n.children) == "table" and n.children or {}
+  json.array(n.children)
+  n.inputs = type(n.inputs) == "table" and n.inputs or {}
+  json.array(n.inputs)
+  if n.members then json.array(n.members) end
+  n.cost_usd = tonumber(n.cost_usd) or 0
+  cache[run_id] = n
+  return n
+end
+
+local function must(run_id)
+  local n = tree.get(run_id)
+  if not n then error(("tree: no node %s"):format(tostring(run_id)), 2) end
+  return n
+end
+
+--- True when `id` is `of` itself or below it.
+---@param of string
+---@param id string
+---@return boolean
+function tree.within(of, id)
+  local n = tree.get(id)
+  for _ = 1, 64 do
+    if not n then return false end
+    if n.run_id == of then return true end
+    n = n.parent and tree.get(n.parent)
+  end
+  return false
+end
+
+local function below(of, id) return id ~= of and tree.within(of, id) end
+
+--- Whether the run `caller` may see the job `job_id`: a job whose run (or, for an exec,
+--- whose sandbox) is strictly below the caller in its tree. Everything else is "unknown".
+---@param caller string
+---@param job_id string
+---@return boolean
+function tree.sees_job(caller, job_id)
+  if not jobs.valid_id(job_id) then return false end
+  local rec = jobs.get(job_id)
+  if not rec then return false end
+  local node = rec.run_id or rec.sandbox_id
+  return type(node) == "string" and below(caller, node)
+end
+
+--- Whether the run `caller` may act on the persistent sandbox `sandbox_id` (one made in its
+--- subtree).
+---@param caller string
+---@param sandbox_id string
+---@return boolean
+function tree.sees_sandbox(caller, sandbox_id)
+  local n = tree.get(sandbox_id)
+  return n ~= nil and n.kind == "create" and below(caller, sandbox_id)
+end
+
+--- Whether the run `caller` may see the run `run_id` (itself or one below it).
+function tree.sees_run(caller, run_id) return tree.within(caller, run_id) end
+
+--------------------------------------------------------------------------------------------
+-- Limits and money
+
+local function money(x)
+  if x >= 0.01 or x == 0 then return ("%.2f"):format(x) end
+  return ("%.4f"):format(x)
+end
+
+--- The reason a run of a tree whose budget is spent ends with.
+---@param budget number
+---@return string
+function tree.budget_reason(budget) return ("budget of $%s spent"):format(money(budget)) end
+
+local function ceiling(field, v, max)
+  if v > max then
+    fail(("%s: %s is above the ceiling of %s set in the configuration"):format(field, sandbox.num(v), sandbox.num(max)))
+  end
+  if v < 1 then fail(field .. ": must be at least 1") end
+  return math.floor(v)
+end
+
+--- Resolves a host call's `tree` limits and `budget_usd` against the configuration:
+--- {depth, children, running}, budget (nil: none). Fails naming the field.
+---@param t table|nil
+---@param budget number|nil
+---@return table limits, number|nil budget
+function tree.limits(t, budget)
+  t = type(t) == "table" and t or {}
+  local l = {
+    depth = ceiling("tree.depth", t.depth or config.get("tree_depth_default"), config.get("tree_depth_max")),
+    children = ceiling("tree.children", t.children or config.get("tree_children_default"),
+      config.get("tree_children_max")),
+    running = ceiling("tree.running", t.running or config.get("tree_running_default"), config.get("tree_running_max")),
+  }
+  local max = config.get("tree_budget_usd_max")
+  local b = budget or config.get("tree_budget_usd_default")
+  if type(b) ~= "number" or b ~= b or b < 0 then fail("budget_usd: must be a non-negative number") end
+  if max > 0 and (b == 0 or b > max) then
+    if budget and b > max then
+      fail(("budget_usd: %s is above the ceiling of %s set in the configuration"):format(sandbox.num(b), sandbox.num(max)))
+    end
+    b = max
+  end
+  return l, b > 0 and b or nil
+end
+
+--- What the tree of `root` has spent and its budget (nil when it has none).
+---@param root string
+---@return number spent, number|nil budget
+function tree.spent(root)
+  local r = tree.get(root)
+  if not r then return 0, nil end
+  r = tree.get(r.root) or r
+  return tonumber(r.spent_usd) or 0, r.budget_usd
+end
+
+--- Checks before a model request of the run `run_id` is forwarded: true, or nil and
+--- "budget of $X spent" once its tree's budget is spent. A run that is no tree node passes.
+---@param run_id string
+---@return boolean|nil ok, string|nil why
+function tree.check(run_id)
+  local n = tree.get(run_id)
+  if not n then return true end
+  local r = tree.get(n.root)
+  if r and r.budget_usd and (r.budget_spent or (r.spent_usd or 0) >= r.budget_usd) then
+    return nil, tree.budget_reason(r.budget_usd)
+  end
+  return true
+end
+
+local function add_usage(n, usd, u)
+  n.usage = type(n.usage) == "table" and n.usage or { models = {} }
+  n.usage.models = type(n.usage.models) == "table" and n.usage.models or {}
+  local model = type(u) == "table" and type(u.model) == "string" and u.model or "unknown"
+  local row = n.usage.models[model]
+  if not row then
+    row = { requests = 0, input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 }
+    n.usage.models[model] = row
+  end
+  row.requests = row.requests + 1
+  for _, k in ipairs({ "input", "output", "cache_creation", "cache_read" }) do
+    local v = type(u) == "table" and tonumber(u[k]) or 0
+    if v and v > 0 then row[k] = row[k] + v end
+  end
+  row.cost_usd = row.cost_usd + usd
+end
+
+--- Counts `usd` (one model request, with its `usage` when known) against the run's own
+--- spend and its tree's budget. Returns true, or nil and "budget of $X spent" when the tree's
+--- budget is now spent: the reaction (every run of the tree ends with that reason) has then
+--- started. A run that is no tree node is not counted (true).
+---@param run_id string
+---@param usd number
+---@param usage table|nil  {model, input, output, cache_creation, cache_read}
+---@return boolean|nil ok, string|nil why
+function tree.charge(run_id, usd, usage)
+  local n = tree.get(run_id)
+  if not n then return true end
+  usd = tonumber(usd) or 0
+  if usd ~= usd or usd < 0 then usd = 0 end
+  n.cost_usd = (n.cost_usd or 0) + usd
+  add_usage(n, usd, usage)
+  local r = tree.get(n.root) or n
+  if r ~= n then r.spent_usd = (tonumber(r.spent_usd) or 0) + usd else n.spent_usd = (tonumber(n.spent_usd) or 0) + usd end
+  save(n)
+  if r ~= n then save(r) end
+  if r.budget_usd and r.spent_usd >= r.budget_usd then
+    local why = tree.budget_reason(r.budget_usd)
+    if not r.budget_spent then
+      r.budget_spent = true
+      save(r)
+      log.notice(LOGGER, "tree %s: %s ($%s); ending every run in it", r.run_id, why, money(r.spent_usd))
+      async.spawn("budget " .. r.run_id, function()
+        local ok, err = pcall(tree.stop, r.run_id, why)
+        if not ok and err ~= async.CANCELLED then log.warning(LOGGER, "tree %s: %s", r.run_id, tostring(err)) end
+      end)
+    end
+    return nil, why
+  end
+  return true
+end
+
+--------------------------------------------------------------------------------------------
+-- Folders
+
+-- Creates the folder `name` in the host folder `parent` without following a link anywhere
+-- the sandbox could have put one: `parent` is opened as a held folder and the new one made
+-- in it (EEXIST when anything is there). Returns the new folder's path.
+local function make_dir_in(parent, name, mode)
+  if fs.opendir then
+    local d, err = fs.opendir(parent)
+    if not d then fail(("cannot open %s: %s"):format(parent, tostring(err))) end
+    local ok, merr, code = d:mkdir(name, mode)
+    d:close()
+    if not ok then return nil, merr, code end
+    return parent .. "/" .. name
+  end
+  local st = fs.lstat(parent)
+  if not st or st.type ~= "directory" then fail(("%s is not a plain folder; refusing to write through it"):format(parent)) end
+  if fs.lstat(parent .. "/" .. name) then return nil, "exists", "EEXIST" end
+  local ok, err, code = fs.mkdir_p(parent .. "/" .. name, mode)
+  if not ok then return nil, err, code end
+  local st2 = fs.lstat(parent .. "/" .. name)
+  if not st2 or st2.type ~= "directory" then return nil, "not a folder", "EEXIST" end
+  return parent .. "/" .. name
+end
+
+local function new_workspace(run_id)
+  local base = config.get("state_dir") .. "/workspaces"
+  assert(fs.mkdir_p(base, 448)) -- 0700: no other host user reaches into it
+  local dir, err = make_dir_in(base, run_id, 511)
+  if not dir then fail(("cannot make the workspace of %s: %s"):format(run_id, tostring(err))) end
+  fs.chmod(dir, 511) -- 0777 as the tmpfs it replaces: whatever user the image runs as writes it
+  return dir
+end
+
+local function remove_workspace(n)
+  if not (n.owns_workspace and n.workspace) then return end
+  local base, id = n.workspace:match("^(.*)/workspaces/([^/]+)$")
+  if not base or id ~= n.run_id then return end
+  if fs.opendir then
+    local d = fs.opendir(base .. "/workspaces")
+    if d then
+      local done = async.event()
+      local w = d:remove_tree(id, function(ok, err) done.set(ok, err) end)
+      d:close()
+      if w then
+        local ok, err = done.wait()
+        if not ok then log.warning(LOGGER, "%s: workspace: %s", n.run_id, tostring(err)) end
+      end
+    end
+  else
+    fs.remove_tree(n.workspace) -- nftw FTW_PHYS: links are removed, never followed
+  end
+  n.owns_workspace = false
+end
+
+--------------------------------------------------------------------------------------------
+-- The endpoint
+
+--- Installs the in-sandbox endpoint server (lua/tree/endpoint.lua, by `demesne serve`):
+--- `impl.open(node)` listens on <run_dir>/mcp.sock for the node (true or nil, err) and
+--- `impl.close(run_id)` stops that listener and its sessions. nil uninstalls it.
+---@param impl {open: fun(node: TreeNode): boolean|nil, string|nil, close: fun(run_id: string)}|nil
+function tree.set_endpoint(impl) endpoint = impl end
+
+--- The listener tag of a node's endpoint ("run:<run id>"): the identity of every request
+--- that arrives on it.
+function tree.tag(run_id) return "run:" .. run_id end
+
+--- The run a listener tag names, or nil.
+function tree.run_of_tag(tag) return type(tag) == "string" and tag:match("^run:([%w][%w%-]*)$") or nil end
+
+local function open_endpoint(n)
+  if not endpoint or not n.endpoint then return nil, "no endpoint server" end
+  return endpoint.open(n)
+end
+
+local function close_endpoint(n)
+  if endpoint and n.endpoint then pcall(endpoint.close, n.run_id) end
+end
+
+--------------------------------------------------------------------------------------------
+-- The plan hook: a host call of an agent tool (or sandbox_create with mcp) becomes a root, a
+-- call from inside a sandbox (ctx.spawn) a child.
+
+local function copy_inputs(list)
+  local out = json.array()
+  for _, x in ipairs(list or {}) do out[#out + 1] = { host = x.host, target = x.target, kind = x.kind } end
+  return out
+end
+
+local function has_endpoint(kind, args)
+  return kind == "agent" or kind == "research" or (kind == "create" and type(args) == "table" and args.mcp == true)
+end
+
+-- Gives the plan its endpoint: the relay of tree.PORT to <run_dir>/mcp.sock, the listener,
+-- the environment, and /out/child read-only.
+local function plan_endpoint(n, o)
+  if not n.parent then assert(fs.mkdir_p(o.output_dir, 493)) end -- a root's: a new folder of its own
+  local child = make_dir_in(o.output_dir, "child", 493)
+  if not child then
+    local st = fs.lstat(o.output_dir .. "/child")
+    if not st or st.type ~= "directory" then fail("the output folder's child entry is not a plain folder") end
+    child = o.output_dir .. "/child"
+  end
+  -- the parent reads its children's /out here; read-only, so it can neither plant a link
+  -- the engine would follow when it mounts a child's folder nor swap one
+  o.mounts[#o.mounts + 1] = { host = child, target = "/out/child" }
+  n.endpoint = { token = hex(loop.random(32)), socket = o.run_dir .. "/" .. tree.SOCKET_NAME }
+  assert(fs.mkdir_p(o.run_dir, 493))
+  if endpoint then
+    local ok, err = open_endpoint(n)
+    if not ok then fail("the in-sandbox MCP endpoint: " .. tostring(err)) end
+    o.extra_relay = o.extra_relay or {}
+    o.extra_relay[#o.extra_relay + 1] = "--relay"
+    o.extra_relay[#o.extra_relay + 1] = ("%d=%s"):format(tree.PORT, tree.SANDBOX_SOCKET)
+    o.env = o.env or json.array()
+    o.env[#o.env + 1] = "DEMESNE_MCP_URL=" .. tree.URL
+    o.env[#o.env + 1] = "DEMESNE_MCP_TOKEN=" .. n.endpoint.token
+    o.endpoint = { url = tree.URL, port = tree.PORT, token = n.endpoint.token, socket = n.endpoint.socket,
+      sandbox_socket = tree.SANDBOX_SOCKET }
+  else
+    n.endpoint = nil
+  end
+end
+
+local function new_node(o, kind)
+  return {
+    run_id = o.run_id, kind = kind, tool = o.tool, status = "running", active = true, owner = sandbox.owner(),
+    started_ms = now_ms(), output_dir = o.output_dir, run_dir = o.run_dir,
+    egress = o.egress and o.egress.name or "none", children = json.array(), inputs = json.array(), cost_usd = 0,
+  }
+end
+
+--- The plan hook (sandbox.hooks.plan): called by sandbox.script_start and sandbox.create
+--- before anything is made. A host call of sandbox_agent / sandbox_research (or
+--- sandbox_create with mcp = true) becomes a root: its /workspace a host folder, its
+--- /out/child read-only, its endpoint open. A call from inside a sandbox (ctx.spawn) becomes
+--- a child of the caller, with the caller's inputs, workspace and earlier siblings' outputs
+--- (none for research), its /out in <caller out>/child/<name>. Other calls are left alone.
+---@param ctx ToolContext|nil
+---@param o table   the plan (sandbox.script_prepare, agent.prepare, sandbox.create)
+---@param args table|nil  the call's arguments (mcp, tree, budget_usd)
+function tree.plan(ctx, o, args)
+  local kind = tree.KIND_OF_TOOL[o.tool]
+  local spawn = type(ctx) == "table" and ctx.spawn or nil
+  if not kind then return end
+  args = args or o.args
+  local n
+  if spawn then
+    local parent = must(spawn.parent)
+    local root = must(parent.root)
+    n = new_node(o, kind)
+    n.root, n.parent, n.depth, n.name = root.run_id, parent.run_id, parent.depth + 1, spawn.name
+    o.output_dir = spawn.output_dir
+    n.output_dir = o.output_dir
+    o.mounts = {}
+    if kind ~= "research" then
+      -- the parent's host inputs, read-only; earlier siblings' outputs; the shared workspace
+      n.inputs = copy_inputs(parent.inputs)
+      for _, x in ipairs(n.inputs) do o.mounts[#o.mounts + 1] = { host = x.host, target = x.target } end
+      for _, c in ipairs(parent.children) do
+        local sib = c.run_id and tree.get(c.run_id)
+        if sib and c.name ~= spawn.name then
+          o.mounts[#o.mounts + 1] = { host = sib.output_dir, target = "/in/previous-jobs/" .. c.name }
+        end
+      end
+      n.workspace = parent.workspace
+    end
+    if has_endpoint(kind, args) and not n.workspace then
+      n.workspace, n.owns_workspace = new_workspace(n.run_id), true
+    end
+    spawn.run_id = n.run_id
+    root.members[#root.members + 1] = n.run_id
+    for _, c in ipairs(parent.children) do
+      if c.name == spawn.name then c.run_id = n.run_id end
+    end
+    local rm = m(root.run_id)
+    if spawn.reserved then
+      spawn.reserved = false
+      rm.reserved = math.max(rm.reserved - 1, 0)
+    end
+    save(parent)
+    save(root)
+  else
+    if not has_endpoint(kind, args) then return end
+    n = new_node(o, kind)
+    n.root, n.depth = n.run_id, 0
+    n.limits, n.budget_usd = tree.limits(args and args.tree, args and args.budget_usd)
+    n.spent_usd, n.members = 0, json.array({ n.run_id })
+    for _, x in ipairs(o.mounts or {}) do
+      if x.target == "/in/previous-jobs" then
+        fail("files/directories: the basename previous-jobs is kept for the outputs of a run's earlier children")
+      end
+    end
+    n.inputs = copy_inputs(o.mounts)
+    n.workspace, n.owns_workspace = new_workspace(n.run_id), true
+  end
+  cache[n.run_id] = n
+  m(n.run_id)
+  o.tree = n.run_id
+  o.workspace = n.workspace
+  if has_endpoint(kind, args) then plan_endpoint(n, o) end
+  save(n)
+  log.info(LOGGER, "%s: %s %s%s", n.run_id, n.parent and "child" or "root", kind,
+    n.parent and (" %q of %s (depth %d)"):format(n.name, n.parent, n.depth) or "")
+end
+
+--------------------------------------------------------------------------------------------
+-- Ending
+
+local FINAL = { succeeded = true, failed = true, cancelled = true, lost = true, destroyed = true }
+local RANK = { default = 1, result = 2, job = 3 }
+
+-- Records a node's outcome; a later source of higher rank (default < result < job) refines it.
+local function settle(n, status, fields, src)
+  fields = fields or {}
+  if n.settled and RANK[n.settled] > RANK[src] then return end
+  if n.cancel_reason and src ~= "job" then
+    status, fields.reason = "cancelled", n.cancel_reason -- the tree ended it: say why
+  end
+  n.status = status
+  n.settled = src
+  if math.type(fields.exit_code) == "integer" then n.exit_code = fields.exit_code end
+  if fields.reason ~= nil then n.reason = tostring(fields.reason) end
+  n.finished_ms = n.finished_ms or now_ms()
+end
+
+local function status_of(run_dir)
+  local st = run_dir and sandbox.read_status(run_dir, "main")
+  local code = st and math.tointeger(st.exit_code)
+  if not code then return "failed", nil, "the run recorded no exit status" end
+  if code == 0 then return "succeeded", 0 end
+  return "failed", code, ("exited with code %d"):format(code)
+end
+
+local function wake_root(root_id)
+  local rm = mem[root_id]
+  if rm and rm.slot then
+    local ev = rm.slot
+    rm.slot = nil
+    ev.set()
+  end
+end
+
+local write_usage -- below
+
+-- The node's container is gone: it frees its slot, its running children end ("parent
+-- ended"), its endpoint closes, its workspace goes when it made it.
+local function ended(n, why)
+  if not n.active then return end
+  n.active = false
+  save(n)
+  wake_root(n.root)
+  local ok, err = pcall(tree.stop_children, n.run_id, n.cancel_reason or "parent ended")
+  if not ok and err == async.CANCELLED then error(err, 0) end
+  if not ok then log.warning(LOGGER, "%s: ending its children: %s", n.run_id, tostring(err)) end
+  close_endpoint(n)
+  if not FINAL[n.status] or not n.settled then
+    if n.kind == "create" then
+      settle(n, n.cancel_reason and "cancelled" or "destroyed", { reason = why }, "default")
+    else
+      local status, code, reason = status_of(n.run_dir)
+      settle(n, status, { exit_code = code, reason = why or reason }, "default")
+    end
+  end
+  remove_workspace(n)
+  if #n.children > 0 and n.kind ~= "agent" and n.kind ~= "research" then pcall(write_usage, n) end
+  save(n)
+  m(n.run_id).ended.set()
+  log.info(LOGGER, "%s: ended (%s%s)", n.run_id, n.status, n.reason and (": " .. n.reason) or "")
+end
+
+--- The removed hook (sandbox.hooks.removed): a one-shot run's container is gone, or a
+--- persistent sandbox was destroyed or reaped. Ends the node (see above).
+---@param o table  the plan ({tree} or {run_id}); `why` optional
+---@param why string|nil
+function tree.removed(o, why)
+  local id = type(o) == "table" and (o.tree or o.run_id) or o
+  local n = id and tree.get(id)
+  if n then ended(n, why) end
+end
+
+--- The removing hook (sandbox.hooks.removing): a persistent sandbox is about to be
+--- destroyed: its children go first.
+---@param run_id string
+function tree.removing(run_id)
+  local n = tree.get(run_id)
+  if n and n.active then tree.stop_children(run_id, n.cancel_reason or "parent ended") end
+end
+
+--- Records the result of a run that came back to its caller: `r` as sandbox_script or an
+--- agent tool returns it ({exit_code, reason?, cost_usd?, usage?}).
+---@param run_id string
+---@param r table
+function tree.finish(run_id, r)
+  local n = tree.get(run_id)
+  if not n or type(r) ~= "table" then return end
+  if type(r.usage) == "table" then
+    n.usage = { models = r.usage }
+    n.cost_usd = math.max(tonumber(r.cost_usd) or 0, n.cost_usd or 0)
+  end
+  local code = math.tointeger(r.exit_code)
+  local status = code == 0 and not r.reason and "succeeded" or "failed"
+  settle(n, status, { exit_code = code, reason = r.reason }, "result")
+  save(n)
+end
+
+--- The job finish hook (jobs.hooks.finish): a background run's job ended.
+---@param rec JobRecord
+function tree.job_finished(rec)
+  local n = rec.run_id and tree.get(rec.run_id)
+  if not n then return end
+  n.job_id = n.job_id or rec.job_id
+  settle(n, rec.status, { exit_code = rec.exit_code, reason = rec.reason }, "job")
+  if n.active and (rec.status ~= "running") then ended(n) end
+  save(n)
+end
+
+--- The job launch hook (jobs.hooks.launch): a run handed to a background job records the
+--- job at once, so that a restart knows a job (not a call) watches it.
+---@param rec JobRecord
+function tree.job_launched(rec)
+  local n = rec.run_id and tree.get(rec.run_id)
+  if n and not n.job_id then
+    n.job_id = rec.job_id
+    save(n)
+  end
+end
+
+--- The job cancel hook (jobs.hooks.cancel): a cancelled job's run takes its children with
+--- it, children first.
+---@param rec JobRecord
+---@param reason string
+function tree.job_cancelling(rec, reason)
+  local n = rec.run_id and tree.get(rec.run_id)
+  if n and n.active then
+    n.cancel_reason = n.cancel_reason or reason
+    save(n)
+    tree.stop_children(n.run_id, reason)
+  end
+end
+
+-- Waits (bounded) until a node's container is gone.
+local function wait_ended(n, ms)
+  if not n.active then return true end
+  return async.timeout(ms, function() m(n.run_id).ended.wait() return true end)
+end
+
+local function stop_one(n, reason)
+  if not n.active then return end
+  n.cancel_reason = n.cancel_reason or reason
+  save(n)
+  local rec = n.job_id and jobs.get(n.job_id)
+  if rec and not jobs.is_terminal(rec.status) then
+    local ok, err = pcall(jobs.cancel, n.job_id, reason)
+    if not ok then log.warning(LOGGER, "%s: cancel of job %s: %s", n.run_id, n.job_id, tostring(err and err.message or err)) end
+  elseif n.kind == "create" then
+    local ok, err = pcall(sandbox.destroy, nil, { sandbox_id = n.run_id })
+    if not ok then log.warning(LOGGER, "%s: destroy: %s", n.run_id, tostring(err and err.message or err)) end
+    ended(n, reason)
+  else
+    -- a run a call is waiting for: its container goes, the call comes back and ends it
+    local eng = sandbox.engine()
+    eng:remove("demesne-" .. n.run_id)
+    if not wait_ended(n, 30000) or not sandbox.owner_alive(n.owner) or n.owner ~= sandbox.owner() then
+      ended(n, reason) -- nobody is waiting for it (its server is gone): end it here
+    end
+  end
+  if n.active and wait_ended(n, 60000) == nil then
+    log.warning(LOGGER, "%s: still not ended after cancel", n.run_id)
+  end
+end
+
+--- Ends the running children of a run (their own children first), each with `reason`.
+---@param run_id string
+---@param reason string
+function tree.stop_children(run_id, reason)
+  local n = tree.get(run_id)
+  if not n then return end
+  for i = #n.children, 1, -1 do
+    local c = n.children[i].run_id and tree.get(n.children[i].run_id)
+    if c and c.active then tree.stop(c.run_id, reason) end
+  end
+end
+
+--- Ends a run and everything below it, children first, each with `reason` ("parent
+--- ended", "budget of $X spent", …): background runs are cancelled as jobs, persistent
+--- sandboxes destroyed, runs a call waits for lose their container (the call then returns).
+---@param run_id string
+---@param reason string
+function tree.stop(run_id, reason)
+  local n = tree.get(run_id)
+  if not n then return end
+  tree.stop_children(run_id, reason)
+  stop_one(n, reason)
+end
+
+--------------------------------------------------------------------------------------------
+-- Spawning (from inside a sandbox: lua/tree/child.lua)
+
+local NAME_PATTERN = "^[a-z0-9][a-z0-9%-]*$"
+
+--- Checks a child's name: lowercase letters, digits and inner hyphens, at most 40 bytes.
+---@param name any
+---@return boolean|nil ok, string|nil why
+function tree.check_name(name)
+  if type(name) ~= "string" or name == "" then return nil, "name: required (the child's name)" end
+  if #name > NAME_MAX then return nil, ("name: %q is longer than %d characters"):format(name, NAME_MAX) end
+  if not name:match(NAME_PATTERN) or name:sub(-1) == "-" then
+    return nil, ("name: %q must be lowercase letters, digits and inner hyphens (e.g. \"fetch-data\")"):format(name)
+  end
+  return true
+end
+
+local function running_in(root)
+  local count = m(root.run_id).reserved
+  for _, id in ipairs(root.members or {}) do
+    local x = tree.get(id)
+    if x and x.active then count = count + 1 end
+  end
+  return count
+end
+
+-- Waits until the tree has a free slot and reserves it (released by tree.plan or by the
+-- caller). Sends progress while waiting; fails after tree_wait_seconds.
+local function reserve_slot(ctx, root)
+  local max = root.limits.running
+  if running_in(root) < max then
+    m(root.run_id).reserved = m(root.run_id).reserved + 1
+    return
+  end
+  local wait_s = config.get("tree_wait_seconds")
+  local _hb <close> = progress.heartbeat(ctx, { total = wait_s, message = function(s)
+    return ("waiting for a free slot: %d sandboxes of this tree run at once (its limit); waited %d s")
+      :format(max, math.floor(s))
+  end })
+  local deadline = loop.now() + wait_s * 1000
+  while running_in(root) >= max do
+    local left = deadline - loop.now()
+    if left <= 0 then
+      fail(("this tree already runs %d sandboxes at once, its limit (tree.running); waited %d s for one to end. "
+        .. "Wait for a child (sandbox_wait) and spawn again"):format(max, math.floor(wait_s)))
+    end
+    local rm = m(root.run_id)
+    rm.slot = rm.slot or async.event()
+    local ev = rm.slot
+    async.timeout(math.min(left, 5000), function() ev.wait() return true end)
+  end
+  m(root.run_id).reserved = m(root.run_id).reserved + 1
+end
+
+local function policy_open(name)
+  local pol = egress.policy(name)
+  return pol and pol.open == true
+end
+
+-- The child's egress: never wider than its parent's; open only for research (no inputs).
+local function child_egress(parent, kind, asked)
+  if kind == "research" then return "open" end
+  local tool = kind == "agent" and "sandbox_agent" or ("sandbox_" .. kind)
+  local name = asked
+  if name == nil then
+    if kind == "agent" then
+      name = "none"
+    elseif policy_open(parent.egress) then
+      name = config.get("egress_default") or "package-managers"
+      if policy_open(name) then name = "none" end
+    else
+      name = parent.egress
+    end
+  end
+  if policy_open(name) then
+    fail(("egress: %q is not permitted for a child %s: it would combine the parent's inputs with unrestricted "
+      .. "outbound access. Use sandbox_research (no inputs) for open egress"):format(name, tool))
+  end
+  if name ~= "none" and name ~= parent.egress and not policy_open(parent.egress) then
+    fail(("egress: %q is wider than this sandbox's own egress (%s); a child may have %s"):format(name,
+      parent.egress, parent.egress == "none" and "none" or ("none or " .. parent.egress)))
+  end
+  return name
+end
+
+--- Spawns a child of the run `parent_id` (the caller, known by the listener its request came
+--- on): checks the name (unique in the parent for its life), the depth, the number of
+--- children, the egress, waits for a free slot, makes <parent out>/child/<name>, then runs
+--- `run(ctx, args)` (the host tool's run) with ctx.spawn set so that the plan hook makes
+--- the child. Returns what `run` returns; a run that came back (not in the background) is
+--- recorded as the child's result.
+---@param ctx ToolContext
+---@param parent_id string
+---@param kind string  script, create, agent or research
+---@param args table   the call's arguments (name and the tool's own)
+---@param run fun(ctx: ToolContext, args: table): any, string|nil
+function tree.spawn(ctx, parent_id, kind, args, run)
+  local parent = tree.get(parent_id)
+  if not parent or not parent.active then fail("the calling sandbox is no longer running") end
+  local root = must(parent.root)
+  if root.budget_spent then fail(tree.budget_reason(root.budget_usd)) end
+  local ok, why = tree.check_name(args.name)
+  if not ok then fail(why) end
+  local name = args.name
+  for _, c in ipairs(parent.children) do
+    if c.name == name then
+      fail(("name: %q is already used by a child of this sandbox (names are unique for the sandbox's life)"):format(name))
+    end
+  end
+  if parent.depth + 1 > root.limits.depth then
+    fail(("depth: a child here would be at depth %d, below the tree's limit of %d (tree.depth); do the work in "
+      .. "this sandbox or in a shallower one"):format(parent.depth + 1, root.limits.depth))
+  end
+  if #parent.children >= root.limits.children then
+    fail(("this sandbox has spawned %d children, its limit (tree.children)"):format(#parent.children))
+  end
+  local eg = child_egress(parent, kind, args.egress)
+  if kind ~= "research" then args.egress = eg end
+  local call = {}
+  for k, v in pairs(args) do if k ~= "name" then call[k] = v end end
+  -- the name is taken from here on, even if the spawn fails
+  parent.children[#parent.children + 1] = { name = name }
+  save(parent)
+  reserve_slot(ctx, root)
+  local spawn = { parent = parent_id, name = name, kind = kind, reserved = true }
+  local _ <close> = closer(function()
+    if spawn.reserved then
+      local rm = m(root.run_id)
+      rm.reserved = math.max(rm.reserved - 1, 0)
+      wake_root(root.run_id)
+    end
+  end)
+  if not parent.active then fail("the calling sandbox ended") end
+  local out, err, code = make_dir_in(parent.output_dir .. "/child", name, 493)
+  if not out then
+    fail(("name: cannot make the child's output folder %s/child/%s: %s"):format(parent.output_dir, name,
+      code == "EEXIST" and "something is already there" or tostring(err)))
+  end
+  spawn.output_dir = out
+  ctx.spawn = spawn
+  ctx.job_id = parent.job_id
+  local res = table.pack(pcall(run, ctx, call))
+  local child = spawn.run_id and tree.get(spawn.run_id)
+  if not res[1] then
+    if res[2] == async.CANCELLED then error(res[2], 0) end
+    if child and not FINAL[child.status] then
+      settle(child, "failed", { reason = type(res[2]) == "table" and res[2].message or tostring(res[2]) }, "result")
+      save(child)
+    end
+    error(res[2], 0)
+  end
+  local r = res[2]
+  if child and type(r) == "table" then
+    if r.job_id and r.status == "running" then
+      child.job_id = r.job_id
+      save(child)
+    elseif kind ~= "create" then
+      tree.finish(child.run_id, r)
+    end
+  end
+  return table.unpack(res, 2, res.n)
+end
+
+--------------------------------------------------------------------------------------------
+-- Results and usage
+
+local TOKENS = { "input", "output", "cache_creation", "cache_read" }
+
+local function own_usage(n)
+  local t = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = tonumber(n.cost_usd) or 0,
+    models = {} }
+  local models = type(n.usage) == "table" and type(n.usage.models) == "table" and n.usage.models or {}
+  for model, row in pairs(models) do
+    if type(row) == "table" then
+      local r = { requests = math.tointeger(tonumber(row.requests) or 0) or 0, cost_usd = tonumber(row.cost_usd) or 0 }
+      for _, k in ipairs(TOKENS) do
+        r[k] = math.tointeger(tonumber(row[k]) or 0) or 0
+        t[k] = t[k] + r[k]
+      end
+      t.models[model] = r
+    end
+  end
+  return t
+end
+
+local function add_into(acc, u)
+  acc.cost_usd = acc.cost_usd + u.cost_usd
+  for _, k in ipairs(TOKENS) do acc[k] = acc[k] + u[k] end
+  for model, r in pairs(u.models) do
+    local a = acc.models[model]
+    if not a then
+      a = { requests = 0, input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 }
+      acc.models[model] = a
+    end
+    for k, v in pairs(r) do a[k] = (a[k] or 0) + v end
+  end
+end
+
+-- Every node of the subtree of `n`, depth first in spawn order: {node, rel_depth, path}.
+local function walk(n, out, depth, path)
+  out = out or {}
+  out[#out + 1] = { node = n, depth = depth or 0, path = path or "" }
+  for _, c in ipairs(n.children) do
+    local x = c.run_id and tree.get(c.run_id)
+    if x then walk(x, out, (depth or 0) + 1, (path and path ~= "" and (path .. "/") or "") .. c.name) end
+  end
+  return out
+end
+
+--- The subtree totals of a run (itself and everything below it): {cost_usd, input, output,
+--- cache_creation, cache_read, models = {model = {...}}, nodes, running}.
+---@param run_id string
+---@return table|nil
+function tree.totals(run_id)
+  local n = tree.get(run_id)
+  if not n then return nil end
+  local acc = { cost_usd = 0, input = 0, output = 0, cache_creation = 0, cache_read = 0, models = {}, nodes = 0,
+    running = 0 }
+  for _, w in ipairs(walk(n)) do
+    add_into(acc, own_usage(w.node))
+    acc.nodes = acc.nodes + 1
+    if w.node.active then acc.running = acc.running + 1 end
+  end
+  return acc
+end
+
+--- A run's children as results.json lists them: {name, kind, status, exit_code, reason,
+--- cost_usd (own), total_cost_usd (its subtree), output_dir, run_id, job_id}.
+---@param run_id string
+---@return table[]
+function tree.children(run_id)
+  local n = tree.get(run_id)
+  local out = json.array()
+  if not n then return out end
+  for _, c in ipairs(n.children) do
+    local x = c.run_id and tree.get(c.run_id)
+    if x then
+      local t = tree.totals(x.run_id)
+      out[#out + 1] = { name = c.name, kind = x.kind, status = x.status, exit_code = x.exit_code, reason = x.reason,
+        cost_usd = tonumber(x.cost_usd) or 0, total_cost_usd = t.cost_usd, output_dir = x.output_dir,
+        run_id = x.run_id, job_id = x.job_id }
+    else
+      out[#out + 1] = { name = c.name, status = "failed", reason = "the spawn failed before the sandbox existed" }
+    end
+  end
+  return out
+end
+
+-- Rewrites usage.json in the node's output folder with its own usage and its subtree's
+-- totals. Called once its container is gone, so nothing in the sandbox can redirect it.
+write_usage = function(n)
+  local own = own_usage(n)
+  local t = tree.totals(n.run_id)
+  local doc = {}
+  -- keep what the vendor route wrote (its own usage, rate limits) at the top level
+  local f = fs.open_beneath(n.output_dir, "usage.json")
+  if f then
+    local prev = json.decode(f:read(1 << 20) or "")
+    f:close()
+    if type(prev) == "table" then doc = prev end
+  end
+  if doc.models == nil and next(own.models) then
+    doc.models, doc.cost_usd = own.models, own.cost_usd
+    for _, k in ipairs(TOKENS) do doc[k] = own[k] end
+  end
+  doc.subtree = { cost_usd = t.cost_usd, input = t.input, output = t.output, cache_creation = t.cache_creation,
+    cache_read = t.cache_read, models = t.models, nodes = t.nodes }
+  local text = json.encode(doc) .. "\n"
+  if fs.opendir then
+    local d = fs.opendir(n.output_dir)
+    if d then
+      d:write_atomic("usage.json", text)
+      d:close()
+    end
+  else
+    local st = fs.lstat(n.output_dir .. "/usage.json")
+    if not st or st.type == "file" or st.type == "link" then fs.write_atomic(n.output_dir .. "/usage.json", text) end
+  end
+end
+
+--- The agent result hook (agent.hooks.result): before results.json is written, a tree
+--- node's result gains `children` (tree.children) and, when the tree ended it, its reason;
+--- its own usage is recorded and usage.json gains the subtree's totals.
+---@param o table  the agent plan
+---@param r table  the result
+function tree.result(o, r)
+  local n = o.tree and tree.get(o.tree)
+  if not n then return end
+  if n.cancel_reason then r.reason = n.cancel_reason end
+  tree.finish(n.run_id, r)
+  r.children = tree.children(n.run_id)
+  local t = tree.totals(n.run_id)
+  r.total_cost_usd = t.cost_usd
+  local ok, err = pcall(write_usage, n)
+  if not ok then log.warning(LOGGER, "%s: usage.json: %s", n.run_id, tostring(err)) end
+end
+
+--- The usage report of a run's subtree (sandbox_usage_report): total cost, tokens by type
+--- and by model, the cache-read share, and one row per node.
+---@param run_id string
+---@return table|nil report, string|nil err
+function tree.report(run_id)
+  local n = tree.get(run_id)
+  if not n then return nil, ("run %s is no part of a sandbox tree"):format(tostring(run_id)) end
+  local acc = { cost_usd = 0, input = 0, output = 0, cache_creation = 0, cache_read = 0, models = {} }
+  local rows = json.array()
+  for _, w in ipairs(walk(n)) do
+    local own = own_usage(w.node)
+    add_into(acc, own)
+    local tokens = own.input + own.output + own.cache_creation + own.cache_read
+    rows[#rows + 1] = { run_id = w.node.run_id, name = w.node.name or "", path = w.path, depth = w.depth,
+      kind = w.node.kind, status = w.node.status, cost_usd = own.cost_usd, tokens = tokens,
+      exit_code = w.node.exit_code, job_id = w.node.job_id, output_dir = w.node.output_dir }
+  end
+  local by_model = json.array()
+  local names = {}
+  for model in pairs(acc.models) do names[#names + 1] = model end
+  table.sort(names)
+  for _, model in ipairs(names) do
+    local r = acc.models[model]
+    by_model[#by_model + 1] = { model = model, requests = r.requests, input = r.input, output = r.output,
+      cache_creation = r.cache_creation, cache_read = r.cache_read, cost_usd = r.cost_usd }
+  end
+  local prompt = acc.input + acc.cache_creation + acc.cache_read
+  local root = tree.get(n.root)
+  local spent, budget = tree.spent(n.root)
+  return {
+    run_id = n.run_id, root = n.root, total_cost_usd = acc.cost_usd,
+    tokens = { input = acc.input, output = acc.output, cache_creation = acc.cache_creation, cache_read = acc.cache_read },
+    cache_read_share = prompt > 0 and acc.cache_read / prompt or 0,
+    by_model = by_model, nodes = rows,
+    budget_usd = budget, tree_spent_usd = spent, budget_spent = root and root.budget_spent or nil,
+  }
+end
+
+--- What a host's sandbox_status / sandbox_wait shows of a tree a job runs (jobs.hooks.view):
+--- {cost_usd (the subtree's), nodes, running, budget_usd, spent_usd}.
+---@param rec JobRecord
+---@param v table  the view being built
+function tree.view(rec, v)
+  local n = rec.run_id and tree.get(rec.run_id)
+  if not n then return end
+  local t = tree.totals(n.run_id)
+  local spent, budget = tree.spent(n.root)
+  v.tree = { run_id = n.run_id, root = n.root, cost_usd = t.cost_usd, nodes = t.nodes, running = t.running,
+    budget_usd = budget, spent_usd = spent }
+end
+
+--------------------------------------------------------------------------------------------
+-- After a restart
+
+-- Takes up a node a server that is gone left active.
+local function resume_node(n)
+  local eng = sandbox.engine()
+  local info, _, code = eng:inspect("demesne-" .. n.run_id)
+  local alive = info and info.state == "running"
+  if not info and code ~= "ENOENT" then return end -- the engine does not answer: next sweep
+  local rec = n.job_id and jobs.get(n.job_id)
+  if n.job_id then
+    if rec and jobs.is_terminal(rec.status) then
+      tree.job_finished(rec)
+      return ended(n)
+    end
+    if not rec and not info then
+      settle(n, "lost", { reason = "its job record and its container are gone" }, "job")
+      return ended(n)
+    end
+  elseif n.kind ~= "create" then
+    -- a run a call was waiting for: that call died with its server
+    if sandbox.owner_alive(n.owner) and n.owner ~= sandbox.owner() then return end
+    if n.owner ~= sandbox.owner() then
+      n.cancel_reason = n.cancel_reason or "lost: the server stopped while it ran"
+      if info then eng:remove(info.id) end
+      settle(n, "lost", { reason = "the server that ran it stopped while it ran" }, "job")
+      return ended(n)
+    end
+    return
+  elseif not info then
+    return ended(n, "the sandbox was removed while no server watched it")
+  end
+  if alive and n.endpoint and (n.owner ~= sandbox.owner()) and not sandbox.owner_alive(n.owner) then
+    n.owner = sandbox.owner()
+    save(n)
+    local ok, err = open_endpoint(n)
+    if ok then log.info(LOGGER, "%s: endpoint re-opened", n.run_id)
+    else log.warning(LOGGER, "%s: endpoint not re-opened: %s", n.run_id, tostring(err)) end
+  end
+end
+
+--- Loads the records: re-opens the endpoints of running nodes a server that is gone left,
+--- ends the nodes whose run is gone, and ends the running children of ended parents
+--- ("parent ended"). Returns the number of active nodes found.
+---@return integer
+function tree.resume()
+  local active = 0
+  local list = {}
+  for _, name in ipairs(fs.readdir(tree.dir()) or {}) do
+    local id = name:match("^([%w][%w%-]*)%.json$")
+    local n = id and tree.get(id)
+    if n and n.active then list[#list + 1] = n end
+  end
+  table.sort(list, function(a, b) return (a.depth or 0) < (b.depth or 0) end)
+  for _, n in ipairs(list) do
+    local ok, err = pcall(resume_node, n)
+    if not ok and err == async.CANCELLED then error(err, 0) end
+    if not ok then log.warning(LOGGER, "%s: %s", n.run_id, tostring(err and err.message or err)) end
+  end
+  for _, n in ipairs(list) do
+    local p = n.parent and tree.get(n.parent)
+    if n.active and p and not p.active then
+      pcall(tree.stop, n.run_id, p.cancel_reason or "parent ended")
+    end
+    if n.active then active = active + 1 end
+  end
+  tree.prune()
+  return active
+end
+
+--- Removes ended trees whose every node finished more than jobs_keep_seconds ago (their
+--- records, and any workspace left behind). Returns how many records went.
+---@return integer
+function tree.prune()
+  local keep_ms = config.get("jobs_keep_seconds") * 1000
+  local n = 0
+  for _, name in ipairs(fs.readdir(tree.dir()) or {}) do
+    local id = name:match("^([%w][%w%-]*)%.json$")
+    local r = id and tree.get(id)
+    if r and r.root == r.run_id and not r.active then
+      local all_old = true
+      for _, mid in ipairs(r.members or {}) do
+        local x = tree.get(mid)
+        if x and (x.active or (x.finished_ms or x.started_ms) + keep_ms > now_ms()) then all_old = false break end
+      end
+      if all_old then
+        for _, mid in ipairs(r.members or {}) do
+          local x = tree.get(mid)
+          if x then remove_workspace(x) end
+          if fs.unlink(record_path(mid)) then n = n + 1 end
+          cache[mid], mem[mid] = nil, nil
+        end
+      end
+    end
+  end
+  return n
+end
+
+--- Starts the service of `demesne serve`: resume at once, then a sweep every
+--- reap_interval seconds. Idempotent.
+function tree.start()
+  if service and not service.done then return service end
+  service = async.spawn("tree", function()
+    while true do
+      local ok, err = pcall(tree.resume)
+      if err == async.CANCELLED then return end
+      if not ok then log.warning(LOGGER, "%s", tostring(err)) end
+      async.sleep(math.floor(config.get("reap_interval") * 1000))
+    end
+  end)
+  return service
+end
+
+--- Stops the sweep. Running trees are left running: the next server takes them up.
+function tree.stop_service()
+  if service then async.cancel(service, "shutdown") end
+  service = nil
+end
+
+--- Forgets every node this process holds (tests only).
+function tree.reset()
+  cache, mem = {}, {}
+end
+
+-- The hooks of the layers below.
+sandbox.hooks.plan[#sandbox.hooks.plan + 1] = tree.plan
+sandbox.hooks.removed[#sandbox.hooks.removed + 1] = tree.removed
+sandbox.hooks.removing[#sandbox.hooks.removing + 1] = tree.removing
+jobs.hooks.launch[#jobs.hooks.launch + 1] = tree.job_launched
+jobs.hooks.finish[#jobs.hooks.finish + 1] = tree.job_finished
+jobs.hooks.cancel[#jobs.hooks.cancel + 1] = tree.job_cancelling
+jobs.hooks.view[#jobs.hooks.view + 1] = tree.view
+agent.hooks.result[#agent.hooks.result + 1] = tree.result
+
+return tree

@@ -1,0 +1,339 @@
+-- lua/tree on the fake engine (tests/fixtures/engines/fake.lua): roots and children, names,
+-- depth, children and running limits, egress never wider than the parent's, inheritance in
+-- the sandbox spec (/in, /workspace, previous jobs, /out/child read-only), scope, a parent
+-- that ends taking its children, the budget counter and its "spent" reaction, results and
+-- the usage report. The real endpoint is replaced by a stub that records what it is asked
+-- (tests/integration/tree.test.mjs drives the real one over MCP on real engines).
+local async = require("demesne.async")
+local config = require("demesne.config")
+local engines = require("demesne.engines")
+local sandbox = require("demesne.sandbox")
+local tree = require("demesne.tree")
+local child = require("demesne.tree.child")
+local tools = require("demesne.tools")
+local json = require("demesne.json")
+local fs = require("core.fs")
+local loop = require("core.loop")
+
+local here = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "."
+local FAKE = here .. "/../fixtures/engines/fake.lua"
+local IMAGE = "fake/base:1"
+
+local tests = {}
+
+local VARS = { "XDG_CONFIG_HOME", "DEMESNE_ENGINE_ADAPTER", "DEMESNE_ENGINE", "DEMESNE_STATE_DIR",
+  "DEMESNE_OUTPUT_ROOT", "DEMESNE_ALLOWED_PATHS", "DEMESNE_INIT", "DEMESNE_TREE_BUDGET_USD_MAX",
+  "DEMESNE_TREE_WAIT_SECONDS" }
+
+-- A scratch world on the fake engine, with a stub endpoint (opened and closed runs).
+local function world(extra_env)
+  local d = os.tmpname()
+  os.remove(d)
+  assert(fs.mkdir_p(d .. "/config/demesne/engines", 493))
+  assert(fs.mkdir_p(d .. "/host/data", 493))
+  assert(fs.write_atomic(d .. "/host/data/in.txt", "input\n"))
+  assert(fs.write_atomic(d .. "/config/demesne/engines/fake.lua", assert(fs.read_file(FAKE))))
+  assert(fs.write_atomic(d .. "/demesne-init", "not run: the fake engine models it"))
+  local saved = {}
+  local env = { XDG_CONFIG_HOME = d .. "/config", DEMESNE_ENGINE_ADAPTER = "fake", DEMESNE_ENGINE = "",
+    DEMESNE_STATE_DIR = d .. "/state", DEMESNE_OUTPUT_ROOT = d .. "/out", DEMESNE_ALLOWED_PATHS = d .. "/host",
+    DEMESNE_INIT = d .. "/demesne-init" }
+  for k, v in pairs(extra_env or {}) do env[k] = v end
+  for _, k in ipairs(VARS) do
+    saved[k] = os.getenv(k)
+    loop.setenv(k, env[k])
+  end
+  config.load()
+  tree.reset()
+  local eng = assert(engines.get())
+  local w = { dir = d, eng = eng, specs = {}, opened = {}, closed = {} }
+  local create = eng.create
+  eng.create = function(self, s)
+    w.specs[s.name] = s
+    return create(self, s)
+  end
+  tree.set_endpoint({
+    open = function(n) w.opened[n.run_id] = n.endpoint.token return true end,
+    close = function(id) w.closed[id] = true end,
+  })
+  return setmetatable(w, { __close = function()
+    eng.create = nil
+    for _, c in ipairs(eng:list({ "io.demesne.managed=1" })) do
+      local rid = c.labels["io.demesne.run_id"]
+      if rid then require("demesne.egress").stop(rid) end
+    end
+    eng:reset()
+    tree.set_endpoint(nil)
+    tree.reset()
+    for _, k in ipairs(VARS) do loop.setenv(k, saved[k]) end
+    config.load()
+    fs.remove_tree(d)
+  end })
+end
+
+local function failure(fn, ...)
+  local ok, e = pcall(fn, ...)
+  assert(not ok, "expected a failure")
+  return type(e) == "table" and e.message or tostring(e)
+end
+
+local function by_target(mounts)
+  local out = {}
+  for _, m in ipairs(mounts) do out[m.target] = m end
+  return out
+end
+
+-- A root: a persistent sandbox with the endpoint (sandbox_create, mcp = true).
+local function root(w, extra)
+  local args = { image = IMAGE, mcp = true, directories = { w.dir .. "/host/data" } }
+  for k, v in pairs(extra or {}) do args[k] = v end
+  return sandbox.create(nil, args)
+end
+
+-- What a call from inside the sandbox `caller` runs: tree.spawn with the host tool's run.
+local function spawn(caller, kind, args, run)
+  local ctx = { listener = tree.tag(caller) }
+  return tree.spawn(ctx, caller, kind, args, run or function(c, a)
+    if kind == "script" then return sandbox.run_script(c, a) end
+    if kind == "create" then return sandbox.create(c, a) end
+    error("no run for " .. kind)
+  end)
+end
+
+function tests.a_root_gets_its_endpoint_workspace_and_read_only_child_folder(t)
+  local w <close> = world()
+  local r = root(w)
+  local n = tree.get(r.sandbox_id)
+  t:eq({ n.depth, n.kind, n.root, n.active }, { 0, "create", r.sandbox_id, true })
+  t:ok(w.opened[r.sandbox_id], "endpoint opened")
+  t:eq(r.mcp.url, "http://127.0.0.1:3130/mcp")
+  t:eq(#r.mcp.token, 64)
+  local spec = w.specs["demesne-" .. r.sandbox_id]
+  local m = by_target(spec.mounts)
+  t:eq({ m["/out/child"].source, m["/out/child"].mode }, { r.output_dir .. "/child", "ro" })
+  t:eq({ m["/workspace"].source, m["/workspace"].mode }, { n.workspace, "rw" })
+  for _, x in ipairs(spec.tmpfs) do t:ok(x.target ~= "/workspace", "no tmpfs at /workspace") end
+  t:ok(table.concat(spec.command, " "):find("--relay 3130=/.demesne/run/mcp.sock", 1, true), "relay of the port")
+  local env = table.concat(spec.env, "\n")
+  t:ok(env:find("DEMESNE_MCP_URL=http://127.0.0.1:3130/mcp", 1, true), "url in env")
+  t:ok(env:find("DEMESNE_MCP_TOKEN=" .. r.mcp.token, 1, true), "token in env")
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+  t:eq({ n.active, n.status }, { false, "destroyed" })
+  t:ok(w.closed[r.sandbox_id], "endpoint closed")
+  t:eq(fs.lstat(n.workspace), nil, "workspace removed")
+end
+
+function tests.a_sandbox_without_mcp_is_no_tree_node(t)
+  local w <close> = world()
+  local r = sandbox.create(nil, { image = IMAGE })
+  t:eq(tree.get(r.sandbox_id), nil)
+  t:eq(r.mcp, nil)
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+end
+
+function tests.a_child_inherits_inputs_workspace_and_earlier_siblings(t)
+  local w <close> = world()
+  local r = root(w, { egress = "none" })
+  local rn = tree.get(r.sandbox_id)
+  local a = spawn(r.sandbox_id, "script", { name = "first", command = "echo one > /out/one.txt", image = IMAGE })
+  t:eq(a.exit_code, 0)
+  t:eq(a.output_dir, r.output_dir .. "/child/first")
+  t:eq(fs.read_file(a.output_dir .. "/one.txt"), "one\n")
+  local b = spawn(r.sandbox_id, "create", { name = "second", image = IMAGE })
+  local spec = w.specs["demesne-" .. b.sandbox_id]
+  local m = by_target(spec.mounts)
+  t:eq({ m["/out"].source, m["/out"].mode }, { r.output_dir .. "/child/second", "rw" })
+  t:eq({ m["/in/data"].source, m["/in/data"].mode }, { w.dir .. "/host/data", "ro" }, "the parent's input")
+  t:eq({ m["/in/previous-jobs/first"].source, m["/in/previous-jobs/first"].mode },
+    { r.output_dir .. "/child/first", "ro" }, "the earlier sibling's output")
+  t:eq({ m["/workspace"].source, m["/workspace"].mode }, { rn.workspace, "rw" }, "the shared workspace")
+  t:eq(m["/out/child"], nil, "no endpoint: no child folder")
+  t:eq(spec.network, "none")
+  local bn = tree.get(b.sandbox_id)
+  t:eq({ bn.parent, bn.depth, bn.name, bn.egress }, { r.sandbox_id, 1, "second", "none" })
+  t:eq({ tree.get(a.run_id).name, tree.get(a.run_id).status }, { "first", "succeeded" })
+  local kids = tree.children(r.sandbox_id)
+  t:eq({ kids[1].name, kids[1].kind, kids[1].status, kids[1].exit_code }, { "first", "script", "succeeded", 0 })
+  t:eq({ kids[2].name, kids[2].kind, kids[2].status }, { "second", "create", "running" })
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+  t:eq(tree.get(b.sandbox_id).status, "cancelled", "the child sandbox went with its parent")
+  t:eq(tree.get(b.sandbox_id).reason, "parent ended")
+  t:eq(w.eng:list({ "io.demesne.managed=1" }), {}, "no container left")
+end
+
+function tests.names_depth_children_and_egress_are_checked(t)
+  local w <close> = world()
+  local r = root(w, { egress = "none", tree = { depth = 1, children = 3 } })
+  local id = r.sandbox_id
+  t:match(failure(spawn, id, "script", { name = "Bad_Name", command = "true", image = IMAGE }), "lowercase letters")
+  t:match(failure(spawn, id, "script", { name = ("x"):rep(41), command = "true", image = IMAGE }), "longer than 40")
+  t:match(failure(spawn, id, "script", { name = "trailing-", command = "true", image = IMAGE }), "inner hyphens")
+  spawn(id, "script", { name = "once", command = "true", image = IMAGE })
+  t:match(failure(spawn, id, "script", { name = "once", command = "true", image = IMAGE }),
+    'name: "once" is already used by a child of this sandbox')
+  t:match(failure(spawn, id, "script", { name = "wide", command = "true", image = IMAGE, egress = "open" }),
+    "not permitted for a child sandbox_script.*sandbox_research")
+  t:match(failure(spawn, id, "script", { name = "wider", command = "true", image = IMAGE,
+    egress = "package-managers" }), "wider than this sandbox's own egress %(none%)")
+  -- a name is taken even when its spawn failed, and counts: the third is the last
+  t:match(failure(spawn, id, "script", { name = "broken", command = "true", image = IMAGE }, function()
+    error({ demesne_error = true, message = "image: no such image" }, 0)
+  end), "no such image")
+  t:match(failure(spawn, id, "script", { name = "broken", command = "true", image = IMAGE }), "already used")
+  spawn(id, "script", { name = "third", command = "true", image = IMAGE })
+  t:match(failure(spawn, id, "script", { name = "more", command = "true", image = IMAGE }), "spawned 3 children")
+  sandbox.destroy(nil, { sandbox_id = id })
+  local kids = tree.children(id)
+  t:eq({ kids[2].name, kids[2].status }, { "broken", "failed" })
+end
+
+function tests.depth_limit_refuses_a_grandchild(t)
+  local w <close> = world()
+  local r = root(w, { egress = "none", tree = { depth = 1 } })
+  local c = spawn(r.sandbox_id, "create", { name = "mid", image = IMAGE, mcp = true })
+  t:ok(tree.get(c.sandbox_id).endpoint, "a child with mcp gets its endpoint")
+  t:ok(w.opened[c.sandbox_id], "opened")
+  t:match(failure(spawn, c.sandbox_id, "script", { name = "low", command = "true", image = IMAGE }),
+    "depth 2, below the tree's limit of 1")
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+  t:ok(w.closed[c.sandbox_id], "the child's endpoint closed with it")
+end
+
+function tests.scope_is_the_callers_subtree(t)
+  local w <close> = world()
+  local r1 = root(w)
+  local r2 = root(w)
+  local c = spawn(r1.sandbox_id, "create", { name = "kid", image = IMAGE, mcp = true })
+  local g = spawn(c.sandbox_id, "create", { name = "grandkid", image = IMAGE })
+  t:ok(tree.sees_sandbox(r1.sandbox_id, c.sandbox_id), "its child")
+  t:ok(tree.sees_sandbox(r1.sandbox_id, g.sandbox_id), "its grandchild")
+  t:ok(not tree.sees_sandbox(c.sandbox_id, r1.sandbox_id), "not its parent")
+  t:ok(not tree.sees_sandbox(c.sandbox_id, c.sandbox_id), "not itself")
+  t:ok(not tree.sees_sandbox(r2.sandbox_id, c.sandbox_id), "not another tree's")
+  t:ok(not tree.sees_sandbox(r1.sandbox_id, "nosuch"), "not an unknown one")
+  -- the child tools refuse what is out of scope exactly as an unknown id
+  local host = tools.registry()
+  host:add({ name = "sandbox_destroy", description = "d", inputSchema = { type = "object", properties = {
+    sandbox_id = { type = "string" } } }, run = function(_, a) return sandbox.destroy(nil, a) end })
+  local reg = child.registry(host)
+  local d = reg:get("sandbox_destroy")
+  local res = tools.call(d, { listener = tree.tag(c.sandbox_id) }, { sandbox_id = r2.sandbox_id })
+  t:eq(res.isError, true)
+  t:eq(res.content[1].text, ("sandbox_id: no sandbox %s (it was destroyed or has expired)"):format(r2.sandbox_id))
+  res = tools.call(d, { listener = "run:nosuch" }, { sandbox_id = g.sandbox_id })
+  t:eq(res.content[1].text, "the calling sandbox is not a running sandbox of a tree")
+  res = tools.call(d, { listener = tree.tag(c.sandbox_id) }, { sandbox_id = g.sandbox_id })
+  t:eq(res.isError, false, res.content[1].text)
+  t:eq(res.structuredContent.output_dir, "/out/child/grandkid", "host paths as the caller sees them")
+  sandbox.destroy(nil, { sandbox_id = r1.sandbox_id })
+  sandbox.destroy(nil, { sandbox_id = r2.sandbox_id })
+end
+
+function tests.child_schemas_have_no_host_paths_and_a_required_name(t)
+  local w <close> = world()
+  local host = tools.load({ user_dir = false, quiet = true })
+  local reg = child.registry(host)
+  local names = {}
+  for _, d in ipairs(reg:list()) do names[#names + 1] = d.name end
+  t:eq(names, child.TOOLS)
+  for _, d in ipairs(reg:list()) do
+    local p = d.inputSchema.properties
+    t:eq({ p.files, p.directories, p.budget_usd, p.tree }, {}, d.name .. ": no host-only parameter")
+  end
+  for _, n in ipairs({ "sandbox_script", "sandbox_create", "sandbox_agent", "sandbox_research" }) do
+    local s = reg:get(n).inputSchema
+    t:eq(s.required[1], "name", n)
+    t:eq(s.properties.name.maxLength, 40)
+  end
+  t:eq(reg:get("sandbox_research").inputSchema.properties.egress, nil)
+  t:eq(reg:get("sandbox_wait").inputSchema.properties.timeout_seconds.maximum, 240)
+  t:ok(host:get("sandbox_agent").inputSchema.properties.budget_usd, "the host keeps budget_usd")
+  t:ok(host:get("sandbox_create").inputSchema.properties.mcp, "the host's sandbox_create has mcp")
+end
+
+function tests.limits_come_from_the_call_within_the_ceilings(t)
+  local w <close> = world({ DEMESNE_TREE_BUDGET_USD_MAX = "5" })
+  local l, b = tree.limits(nil, nil)
+  t:eq({ l.depth, l.children, l.running, b }, { 3, 32, 8, 5 }, "defaults; the ceiling is the budget of a tree without one")
+  l, b = tree.limits({ depth = 2, running = 4 }, 1.5)
+  t:eq({ l.depth, l.running, b }, { 2, 4, 1.5 })
+  t:match(failure(tree.limits, { depth = 99 }), "tree.depth: 99 is above the ceiling of 5")
+  t:match(failure(tree.limits, nil, 6), "budget_usd: 6 is above the ceiling of 5")
+end
+
+function tests.running_limit_makes_a_spawn_wait_then_refuses(t)
+  local w <close> = world({ DEMESNE_TREE_WAIT_SECONDS = "1" })
+  local r = root(w, { tree = { running = 2 } })
+  local a = spawn(r.sandbox_id, "create", { name = "holds-a-slot", image = IMAGE })
+  local started = loop.now()
+  t:match(failure(spawn, r.sandbox_id, "create", { name = "waits", image = IMAGE }),
+    "already runs 2 sandboxes at once, its limit")
+  t:ok(loop.now() - started >= 900, "it waited for a slot first")
+  -- a slot that frees while a spawn waits lets it go on
+  local waiter = async.spawn("spawn", function()
+    return spawn(r.sandbox_id, "create", { name = "gets-in", image = IMAGE })
+  end)
+  async.sleep(100)
+  sandbox.destroy(nil, { sandbox_id = a.sandbox_id })
+  local ok, got = waiter:wait()
+  t:ok(ok, tostring(got and got.message or got))
+  t:eq(tree.get(got.sandbox_id).name, "gets-in")
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+end
+
+function tests.budget_counter_and_the_spent_reaction(t)
+  local w <close> = world()
+  local r = root(w, { budget_usd = 1 })
+  local c = spawn(r.sandbox_id, "create", { name = "spender", image = IMAGE, mcp = true })
+  local g = spawn(c.sandbox_id, "create", { name = "below", image = IMAGE })
+  t:eq({ tree.check(c.sandbox_id) }, { true })
+  t:eq({ tree.charge(c.sandbox_id, 0.4, { model = "m1", input = 100, output = 10, cache_read = 300 }) }, { true })
+  t:eq({ tree.charge(r.sandbox_id, 0.3, { model = "m2", input = 50, output = 5 }) }, { true })
+  t:eq({ tree.spent(r.sandbox_id) }, { 0.7, 1 })
+  t:eq({ tree.spent(g.sandbox_id) }, { 0.7, 1 }, "the tree's counter, from any node")
+  -- persisted: a fresh load sees the same
+  tree.reset()
+  t:eq({ tree.spent(r.sandbox_id) }, { 0.7, 1 })
+  local ok, why = tree.charge(c.sandbox_id, 0.35, { model = "m1", input = 10, output = 1 })
+  t:eq({ ok, why }, { nil, "budget of $1.00 spent" })
+  t:eq({ tree.check(g.sandbox_id) }, { nil, "budget of $1.00 spent" })
+  -- the reaction: every run of the tree ends with the reason, no container left
+  local deadline = loop.now() + 10000
+  while tree.get(r.sandbox_id).active and loop.now() < deadline do async.sleep(20) end
+  for _, id in ipairs({ r.sandbox_id, c.sandbox_id, g.sandbox_id }) do
+    local n = tree.get(id)
+    t:eq({ n.active, n.status, n.reason }, { false, "cancelled", "budget of $1.00 spent" }, id)
+  end
+  t:eq(w.eng:list({ "io.demesne.managed=1" }), {}, "no container left")
+  local rep = tree.report(r.sandbox_id)
+  t:ok(math.abs(rep.total_cost_usd - 1.05) < 1e-9, "total " .. rep.total_cost_usd)
+  t:eq(rep.tokens, { input = 160, output = 16, cache_creation = 0, cache_read = 300 })
+  t:ok(math.abs(rep.cache_read_share - 300 / 460) < 1e-9, "cache-read share")
+  t:eq({ rep.by_model[1].model, rep.by_model[1].requests, rep.by_model[2].model }, { "m1", 2, "m2" })
+  t:eq(#rep.nodes, 3)
+  t:eq({ rep.nodes[2].path, rep.nodes[2].depth, rep.nodes[3].path, rep.nodes[3].depth },
+    { "spender", 1, "spender/below", 2 })
+  t:match(failure(spawn, r.sandbox_id, "script", { name = "late", command = "true", image = IMAGE }),
+    "calling sandbox is no longer running")
+end
+
+function tests.a_run_outside_a_tree_is_never_charged(t)
+  local w <close> = world()
+  t:eq({ tree.charge("20260101T000000Z-00000000", 5) }, { true })
+  t:eq({ tree.check("20260101T000000Z-00000000") }, { true })
+end
+
+function tests.a_planted_child_folder_is_refused(t)
+  local w <close> = world()
+  local r = root(w)
+  -- what a parent could try if /out/child were writable to it: a link where the child's
+  -- folder goes (here made on the host side, as the worst case)
+  assert(fs.mkdir_p(w.dir .. "/elsewhere", 493))
+  os.execute(("ln -s %q %q"):format(w.dir .. "/elsewhere", r.output_dir .. "/child/evil"))
+  t:match(failure(spawn, r.sandbox_id, "script", { name = "evil", command = "true", image = IMAGE }),
+    "cannot make the child's output folder .*something is already there")
+  t:eq(fs.readdir(w.dir .. "/elsewhere"), {}, "nothing was written through the link")
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+end
+
+return tests
