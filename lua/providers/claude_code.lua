@@ -41,18 +41,25 @@ end
 -- The command: a small sh script so the prompt can come from a file, the context file is
 -- linked into the working folder and stdin is /dev/null (an open stdin stalls the CLI).
 -- $1 prompt file, $2 context file, $3 workdir, $4 model, $5 session to resume (or empty),
--- $6 the prompt that resumes it.
+-- $6 the prompt that resumes it, $7 the MCP configuration file (or empty: no MCP server).
+-- --strict-mcp-config always: the CLI takes MCP servers from that file only, never from a
+-- .mcp.json in the (possibly shared) working folder or a settings file.
 local SCRIPT = [[
 set -eu
+model=$4 session=${5:-} again=${6:-continue} mcp=${7:-}
 mkdir -p "$3"
 cd "$3"
 if [ -n "$2" ] && [ "$2" != "$3/CLAUDE.md" ]; then ln -sf "$2" CLAUDE.md; fi
-if [ -n "${5:-}" ]; then
-  exec claude --resume "$5" -p --output-format stream-json --verbose --dangerously-skip-permissions \
-    --model "$4" -- "${6:-continue}" </dev/null
+if [ -n "$session" ]; then
+  prompt=$again
+  set -- --resume "$session" -p
+else
+  prompt=$(cat "$1")
+  set -- -p
 fi
-prompt=$(cat "$1")
-exec claude -p --output-format stream-json --verbose --dangerously-skip-permissions --model "$4" -- "$prompt" </dev/null
+if [ -n "$mcp" ]; then set -- "$@" --mcp-config "$mcp"; fi
+exec claude "$@" --strict-mcp-config --output-format stream-json --verbose --dangerously-skip-permissions \
+  --model "$model" -- "$prompt" </dev/null
 ]]
 
 local MODELS = {
@@ -64,12 +71,39 @@ local MODELS = {
 local MODEL_ARG = {}
 for _, m in ipairs(MODELS) do MODEL_ARG[m.name] = m.arg end
 
+-- The MCP configuration file, in run.agent_dir.
+claude.MCP_CONFIG = "mcp.json"
+
+local function mcp_servers(run)
+  return type(run.mcp_servers) == "table" and run.mcp_servers or {}
+end
+
 --- The command line for a run (see SCRIPT).
 ---@param run ProviderRun
 ---@return string[]
 function claude.argv(run)
+  local mcp = ""
+  if #mcp_servers(run) > 0 then mcp = (run.agent_dir or "/.demesne/agent") .. "/" .. claude.MCP_CONFIG end
   return { "/bin/sh", "-c", SCRIPT, "claude-run", run.prompt_file, run.context_file or "", run.workdir or "/workspace",
-    MODEL_ARG[run.model] or run.model, run.resume_session or "", run.resume_prompt or "continue" }
+    MODEL_ARG[run.model] or run.model, run.resume_session or "", run.resume_prompt or "continue", mcp }
+end
+
+--- The run's files: with MCP servers, mcp.json for --mcp-config in the shape of a project's
+--- .mcp.json: each server {type = "http", url, headers = {Authorization = "Bearer <token>"},
+--- timeout = the longest tool call in ms (a hard wall clock per call in Claude Code; it also
+--- raises the 60 s per-request timer and the idle watchdog)}. Claude Code then names the
+--- tools mcp__<server>__<tool>; --dangerously-skip-permissions lets it call them unasked.
+---@param run ProviderRun
+---@return table<string,string>
+function claude.files(run)
+  local servers = mcp_servers(run)
+  if #servers == 0 then return {} end
+  local conf = {}
+  for _, m in ipairs(servers) do
+    conf[m.name] = { type = "http", url = m.url, headers = { Authorization = "Bearer " .. m.token },
+      timeout = math.floor(m.tool_timeout_ms) }
+  end
+  return { [claude.MCP_CONFIG] = json.encode({ mcpServers = conf }) .. "\n" }
 end
 
 --- The environment for a run: the vendor port, the per-run token under the variable of the
@@ -95,6 +129,20 @@ function claude.env(run)
   }
   if run.max_retries then env.CLAUDE_CODE_MAX_RETRIES = tostring(math.floor(run.max_retries)) end
   if run.request_timeout_ms then env.API_TIMEOUT_MS = tostring(math.floor(run.request_timeout_ms)) end
+  local servers = mcp_servers(run)
+  if #servers > 0 then
+    -- the longest any call may take; the per-server timeout in mcp.json says the same
+    -- (versions before 2.1.206 ignore it there), and no call is aborted for a quiet spell
+    -- (a blocking child call sends progress only when the CLI asked for it)
+    local tool, startup = 0, 0
+    for _, m in ipairs(servers) do
+      tool = math.max(tool, math.floor(m.tool_timeout_ms))
+      startup = math.max(startup, math.floor(m.startup_timeout_ms))
+    end
+    env.MCP_TOOL_TIMEOUT = tostring(tool)
+    env.CLAUDE_CODE_MCP_TOOL_IDLE_TIMEOUT = tostring(tool)
+    env.MCP_TIMEOUT = tostring(startup)
+  end
   return env
 end
 
@@ -199,6 +247,8 @@ claude.adapter = {
   credentials = claude.credentials,
   argv = claude.argv,
   env = claude.env,
+  mcp = "http",
+  files = claude.files,
   parse_answer = claude.parse_answer,
   usage_from_json = claude.usage_from_json,
   usage_from_sse = claude.usage_from_sse,

@@ -38,6 +38,9 @@ end
 --- Responses API, the token read from AGENT_API_KEY, approvals and Codex's sandbox off,
 --- plugins and analytics off. With run.max_retries the provider's request and stream
 --- retries are bounded too (a refused connection is retried without bound regardless).
+--- Each of run.mcp_servers becomes an [mcp_servers.<name>] table (url, bearer_token_env_var,
+--- default_tools_approval_mode = "approve", startup_timeout_sec, tool_timeout_sec); Codex
+--- offers its tools to the model in a namespace "mcp__<name>".
 ---@param run ProviderRun
 ---@return string
 function codex.config_toml(run)
@@ -64,6 +67,19 @@ function codex.config_toml(run)
     local n = math.floor(run.max_retries)
     lines[#lines + 1] = ("request_max_retries = %d"):format(n)
     lines[#lines + 1] = ("stream_max_retries = %d"):format(n)
+  end
+  -- MCP servers (Streamable HTTP): the token from the environment (an inline token is not
+  -- taken for a URL server), every tool approved (in `exec`, a tool with destructiveHint is
+  -- refused otherwise even under approval_policy = "never"), timeouts that fit the longest
+  -- call (the tool timeout is a hard wall clock per call; progress does not extend it)
+  for _, m in ipairs(type(run.mcp_servers) == "table" and run.mcp_servers or {}) do
+    lines[#lines + 1] = ""
+    lines[#lines + 1] = ("[mcp_servers.%s]"):format(m.name:match("^[%w_%-]+$") and m.name or q(m.name))
+    lines[#lines + 1] = "url = " .. q(m.url)
+    lines[#lines + 1] = "bearer_token_env_var = " .. q(m.token_env)
+    lines[#lines + 1] = 'default_tools_approval_mode = "approve"'
+    lines[#lines + 1] = ("startup_timeout_sec = %d"):format(math.ceil(m.startup_timeout_ms / 1000))
+    lines[#lines + 1] = ("tool_timeout_sec = %d"):format(math.ceil(m.tool_timeout_ms / 1000))
   end
   return table.concat(lines, "\n") .. "\n"
 end
@@ -378,6 +394,7 @@ function codex.make(opts)
       }
     end,
     refresh = opts.refresh,
+    mcp = "http",
     parse_answer = codex.parse_answer,
     usage_from_json = codex.usage_from_json,
     usage_from_sse = codex.usage_from_sse,

@@ -48,6 +48,18 @@ local LOGGER = "demesne.providers"
 ---@field resume_prompt string|nil   the prompt sent when resuming (says the rate limit has reset)
 ---@field max_retries integer|nil  bound on the CLI's own retries of failed API calls
 ---@field request_timeout_ms integer|nil  how long the CLI waits for one API answer (the vendor route may hold a rate-limited request until its reset)
+---@field agent_dir string|nil     in-sandbox folder (read-only) holding the prompt, the context file and the adapter's files(run)
+---@field mcp_servers ProviderMcpServer[]|nil  MCP servers the CLI is to use (only for an adapter with
+---  mcp = "http"); nil or empty: none
+
+---@class ProviderMcpServer
+---@field name string              what the CLI calls the server ("demesne": Claude Code names its
+---  tools mcp__demesne__<tool>)
+---@field url string               its Streamable HTTP endpoint in the sandbox ("http://127.0.0.1:3130/mcp")
+---@field token string             the bearer token each request carries (Authorization: Bearer <token>)
+---@field token_env string         the variable holding the same token in the sandbox's environment
+---@field tool_timeout_ms integer  the longest one tool call may take (the CLI must not give up sooner)
+---@field startup_timeout_ms integer  how long the CLI may take to connect and list the tools
 
 ---@class ProviderUsage
 ---@field model string|nil
@@ -82,6 +94,10 @@ local LOGGER = "demesne.providers"
 ---@field usage_from_sse fun(event: string|nil, data: string): table|nil
 ---@field prices table<string, {input: number, output: number, cache_creation: number|nil, cache_read: number|nil}>
 ---@field cost fun(usage: ProviderUsage): number, boolean
+---@field mcp "http"|nil      how the CLI takes MCP servers: "http" = argv/env/files wire run.mcp_servers
+---  (Streamable HTTP with a bearer token) into it; nil = it takes none (its runs get no demesne tools)
+---@field files (fun(run: ProviderRun): table<string,string>)|nil  extra files of a run (name -> text),
+---  written read-only into run.agent_dir before the sandbox starts (an MCP configuration, say)
 ---@field origin string       where it was loaded from (set by the loader)
 
 --------------------------------------------------------------------------------------------
@@ -151,6 +167,37 @@ end
 ---@return string
 function providers.shell_quote(s)
   return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
+end
+
+local FILE_MAX = 1024 * 1024
+
+--- The extra files of a run (the adapter's files(run), checked): name -> text, each name a
+--- plain file name (letters, digits, `.`, `_`, `-`; at most 64) other than the names in
+--- `taken` (the runner's own files), each text a string of at most 1 MiB. An adapter
+--- without files gives {}. nil and "files: …" when the adapter's answer is unusable.
+---@param p ProviderAdapter
+---@param run ProviderRun
+---@param taken table<string, boolean>|nil
+---@return table<string,string>|nil files, string|nil err
+function providers.run_files(p, run, taken)
+  if p.files == nil then return {} end
+  local ok, files = pcall(p.files, run)
+  if not ok then return nil, "files: " .. tostring(files) end
+  if files == nil then return {} end
+  if type(files) ~= "table" then
+    return nil, ("files: must return a table of file name -> text, got %s"):format(type(files))
+  end
+  local out = {}
+  for name, text in pairs(files) do
+    if type(name) ~= "string" or #name > 64 or not name:match("^[%w][%w._%-]*$") then
+      return nil, ("files: %s is not a plain file name (letters, digits, . _ -)"):format(tostring(name))
+    end
+    if taken and taken[name] then return nil, ("files: %q is a file of the runner's own"):format(name) end
+    if type(text) ~= "string" then return nil, ("files[%q]: must be a string"):format(name) end
+    if #text > FILE_MAX then return nil, ("files[%q]: %d bytes is more than %d"):format(name, #text, FILE_MAX) end
+    out[name] = text
+  end
+  return out
 end
 
 --- Splits transcript text into its non-empty lines (for parse_answer).
@@ -398,6 +445,13 @@ function providers.check(p)
   if p.cost ~= nil and type(p.cost) ~= "function" then return nil, "cost: must be a function(usage)" end
   if p.refresh ~= nil and type(p.refresh) ~= "function" then
     return nil, "refresh: must be a function(credential, seconds) returning true or nil, err"
+  end
+  if p.mcp ~= nil and p.mcp ~= "http" then
+    return nil, ('mcp: must be "http" (the CLI takes Streamable HTTP MCP servers from run.mcp_servers) or nil, got %s')
+      :format(type(p.mcp) == "string" and ("%q"):format(p.mcp) or type(p.mcp))
+  end
+  if p.files ~= nil and type(p.files) ~= "function" then
+    return nil, "files: must be a function(run) returning {[file name] = text}"
   end
   return true
 end

@@ -425,8 +425,10 @@ function tests.claude_code_argv_and_env(t)
   for k, v in pairs(e) do t:ok(not v:find("REAL", 1, true), "env " .. k .. " holds no credential") end
   local ok, args, stdin, cwd = run_stub(dir, "claude", p.argv(run), e)
   t:ok(ok, "the script ran")
-  t:eq(args, { "-p", "--output-format", "stream-json", "--verbose", "--dangerously-skip-permissions", "--model",
-    "claude-fable-5", "--", prompt })
+  t:eq(args, { "-p", "--strict-mcp-config", "--output-format", "stream-json", "--verbose",
+    "--dangerously-skip-permissions", "--model", "claude-fable-5", "--", prompt })
+  t:eq(p.files(run), {}, "no MCP server: no files")
+  t:eq(e.MCP_TOOL_TIMEOUT, nil)
   t:eq(stdin, "/dev/null")
   t:eq(cwd, dir .. "/ws")
   t:eq(read(dir .. "/ws/CLAUDE.md"), "# context", "context file linked into the working folder")
@@ -436,8 +438,87 @@ function tests.claude_code_argv_and_env(t)
   t:eq(p.env(run).CLAUDE_CODE_MAX_RETRIES, "2")
   ok, args = run_stub(dir, "claude", p.argv(run), p.env(run))
   t:ok(ok, "the resume script ran")
-  t:eq(args, { "--resume", "5d2f7a0e", "-p", "--output-format", "stream-json", "--verbose",
+  t:eq(args, { "--resume", "5d2f7a0e", "-p", "--strict-mcp-config", "--output-format", "stream-json", "--verbose",
     "--dangerously-skip-permissions", "--model", "claude-fable-5", "--", "continue" })
+end
+
+-- demesne's in-sandbox MCP server as the runner lists it (lua/agent.lua agent.mcp_servers)
+local DEMESNE_MCP = { name = "demesne", url = "http://127.0.0.1:3130/mcp", token = "mcp-tok-0123",
+  token_env = "DEMESNE_MCP_TOKEN", tool_timeout_ms = 660000, startup_timeout_ms = 60000 }
+
+function tests.claude_code_takes_the_demesne_mcp_server_from_a_file(t)
+  local dir, env <close> = scene({ ANTHROPIC_API_KEY = "sk-ant-REAL" })
+  local p = reload().by_name.claude_code
+  t:eq(p.mcp, "http")
+  fs.mkdir_p(dir .. "/in")
+  write(dir .. "/in/prompt.txt", "spawn children")
+  local run = { prompt_file = dir .. "/in/prompt.txt", context_file = "", model = "sonnet", agent_dir = dir .. "/in",
+    vendor_base_url = "http://127.0.0.1:3129", token = "dmsn-tok", workdir = dir .. "/ws", home = dir .. "/home",
+    mcp_servers = { DEMESNE_MCP } }
+  local files = p.files(run)
+  t:eq(json.decode(files["mcp.json"]), { mcpServers = { demesne = { type = "http", url = "http://127.0.0.1:3130/mcp",
+    headers = { Authorization = "Bearer mcp-tok-0123" }, timeout = 660000 } } })
+  local e = p.env(run)
+  t:eq({ e.MCP_TIMEOUT, e.MCP_TOOL_TIMEOUT, e.CLAUDE_CODE_MCP_TOOL_IDLE_TIMEOUT }, { "60000", "660000", "660000" })
+  local ok, args = run_stub(dir, "claude", p.argv(run), e)
+  t:ok(ok, "the script ran")
+  t:eq(args, { "-p", "--mcp-config", dir .. "/in/mcp.json", "--strict-mcp-config", "--output-format", "stream-json",
+    "--verbose", "--dangerously-skip-permissions", "--model", "sonnet", "--", "spawn children" })
+  run.resume_session = "5d2f7a0e"
+  ok, args = run_stub(dir, "claude", p.argv(run), e)
+  t:ok(ok, "the resume script ran")
+  t:eq(args, { "--resume", "5d2f7a0e", "-p", "--mcp-config", dir .. "/in/mcp.json", "--strict-mcp-config",
+    "--output-format", "stream-json", "--verbose", "--dangerously-skip-permissions", "--model", "sonnet", "--",
+    "continue" }, "a resumed session keeps its MCP server")
+end
+
+function tests.codex_takes_the_demesne_mcp_server_in_its_config(t)
+  local _, env <close> = scene({ OPENAI_API_KEY = "sk-openai-REAL" })
+  local p = reload().by_name.codex
+  t:eq(p.mcp, "http")
+  local run = { prompt_file = "/p", model = "gpt-5.5", vendor_base_url = "http://127.0.0.1:3129", token = "dmsn-tok",
+    mcp_servers = { DEMESNE_MCP } }
+  local toml = p.config_toml(run)
+  t:match(toml, '\n%[mcp_servers%.demesne%]\nurl = "http://127%.0%.0%.1:3130/mcp"\nbearer_token_env_var = '
+    .. '"DEMESNE_MCP_TOKEN"\ndefault_tools_approval_mode = "approve"\nstartup_timeout_sec = 60\n'
+    .. 'tool_timeout_sec = 660\n$')
+  t:ok(not toml:find("mcp-tok-0123", 1, true), "the token stays in the environment (Codex takes no inline token)")
+  -- the top-level keys come before every table
+  t:ok(toml:find('model_provider = "demesne"', 1, true) < toml:find("[features]", 1, true))
+  run.mcp_servers = nil
+  t:ok(not p.config_toml(run):find("mcp_servers", 1, true), "no MCP server: no table")
+end
+
+function tests.an_adapters_mcp_and_files_are_checked(t)
+  local dir, env <close> = scene({ GATEWAY_API_KEY = "k" })
+  local good = fixture("user/gateway.lua")
+  local udir = dir .. "/config/demesne/providers"
+  write(udir .. "/a.lua", (good:gsub('name = "gateway"', 'name = "stdio_mcp"')
+    :gsub('"gw%-sonnet", "gw%-haiku"', '"a-1"'):gsub('mcp = "http"', 'mcp = "stdio"')))
+  write(udir .. "/b.lua", (good:gsub('name = "gateway"', 'name = "files_table"'):gsub('"gw%-sonnet", "gw%-haiku"',
+    '"b-1"'):gsub("files = function%(run%)", "files = {}, unused = function(run)")))
+  write(udir .. "/c.lua", good)
+  local reg = reload(true)
+  t:eq(#reg.errors, 2, json.encode(reg.errors))
+  t:match(reg.errors[1].message, 'a%.lua: mcp: must be "http"')
+  t:match(reg.errors[2].message, "b%.lua: files: must be a function")
+  -- what files(run) returns is checked when a run is planned
+  local p = { files = function() return { ["../escape"] = "x" } end }
+  t:match(select(2, providers.run_files(p, {})), "files: %.%./escape is not a plain file name")
+  p.files = function() return { ["run.sh"] = "x" } end
+  t:match(select(2, providers.run_files(p, {}, { ["run.sh"] = true })), 'files: "run.sh" is a file of the runner')
+  p.files = function() return { ["mcp.json"] = 1 } end
+  t:match(select(2, providers.run_files(p, {})), 'files%["mcp.json"%]: must be a string')
+  p.files = function() error("boom", 0) end
+  t:eq(select(2, providers.run_files(p, {})), "files: boom")
+  t:eq(providers.run_files({}, {}), {})
+  -- the worked example wires the server as the shipped adapter does
+  local gw = reg.by_name.gateway
+  local files = gw.files({ agent_dir = "/.demesne/agent", mcp_servers = { DEMESNE_MCP } })
+  t:eq(json.decode(files["mcp.json"]).mcpServers.demesne.headers, { Authorization = "Bearer mcp-tok-0123" })
+  local argv = gw.argv({ prompt_file = "/p", context_file = "/c", workdir = "/w", model = "gw-sonnet",
+    agent_dir = "/.demesne/agent", mcp_servers = { DEMESNE_MCP } })
+  t:eq(argv[9], "/.demesne/agent/mcp.json")
 end
 
 function tests.codex_argv_env_and_config(t)
