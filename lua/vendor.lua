@@ -26,6 +26,12 @@ local vendor = {}
 
 local LOGGER = "demesne.vendor"
 
+--- Hooks of the layer above (nested sandboxes, lua/tree), each called with the run id:
+---   admit(run_id) -> true | nil, why   before a model request is forwarded: a refusal (the
+---                                      tree's budget is spent) answers the agent with `why`
+---   charge(run_id, usd, usage)         after a model request was counted (usage: ProviderUsage)
+vendor.hooks = { admit = {}, charge = {} }
+
 --- The vendor port inside an agent sandbox.
 vendor.PORT = 3129
 vendor.SANDBOX_SOCKET = "/.demesne/run/vendor.sock"
@@ -436,11 +442,42 @@ function Route:count(usage)
   return usd, priced
 end
 
+-- Tells the charge hooks of one counted request.
+function Route:charge(usd, usage)
+  for _, fn in ipairs(vendor.hooks.charge) do
+    local ok, err = pcall(fn, self.run_id, usd, usage)
+    if not ok then log.warning(LOGGER, "%s: charge hook: %s", self.run_id, tostring(err)) end
+  end
+end
+
 local function reply(conn, status, body, ctype)
   body = body or ""
   local head = ("HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n")
     :format(status, REASONS[status] or "Error", ctype or "application/json", #body)
   conn:write(head .. body, function() conn:close() end)
+end
+
+-- A refusal of the layer above (a tree's budget is spent) in both vendors' error shape, with
+-- status 400 as the vendors answer a spent balance: neither CLI retries a 400 (both retry
+-- 402 and 403, and Claude Code reads 403 as a failed login), so the run ends at once with
+-- the message shown.
+local REFUSED_STATUS = 400
+local function refusal_body(message)
+  return json.encode({ type = "error", error = { type = "invalid_request_error", code = "budget_exceeded",
+    message = "demesne vendor route: " .. message .. "; no further model requests are sent for this tree" } })
+end
+
+-- The first refusal of an admit hook, or nil.
+local function refused(run_id)
+  for _, fn in ipairs(vendor.hooks.admit) do
+    local ok, yes, why = pcall(fn, run_id)
+    if not ok then
+      log.warning(LOGGER, "%s: admit hook: %s", run_id, tostring(yes))
+    elseif not yes then
+      return tostring(why or "refused")
+    end
+  end
+  return nil
 end
 
 local function error_body(p, status, message)
@@ -598,6 +635,15 @@ function Route:handle(conn, req, body, state)
   rec.verdict = "forward"
   local attempt
   local function issue()
+    -- the tree's budget (checked again when a held request is sent after its reset)
+    local refusal = refused(self.run_id)
+    if refusal then
+      rec.verdict, rec.status, rec.reason = "deny", REFUSED_STATUS, refusal
+      self:log_line(rec)
+      log.info(LOGGER, "%s: refused %s %s: %s", self.run_id, req.method, path, refusal)
+      reply(conn, REFUSED_STATUS, refusal_body(refusal))
+      return state.finish()
+    end
     local counter
     local head_sent = false
     local retry_ms
@@ -724,6 +770,7 @@ function Route:handle(conn, req, body, state)
           for _, k in ipairs({ "input", "output", "cache_creation", "cache_read", "reasoning" }) do rec[k] = usage[k] end
           self.requests = self.requests + 1
           rec.cost_usd = self:count(usage)
+          self:charge(rec.cost_usd, usage)
         end
       end
       self:log_line(rec)

@@ -171,6 +171,66 @@ local function rate_run(limited, budget, holds)
   return res.status, lines, usage, #up.seen, res, route
 end
 
+-- The tree's budget (lua/tree) through the route's hooks: each counted request is charged
+-- with its cost and usage; once admit says no, a model request is answered 400 in both
+-- vendors' error shape (neither CLI retries it) and never reaches the upstream.
+function tests.route_charges_each_request_and_refuses_once_the_budget_is_spent(t)
+  if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
+  local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-vendor-" .. hex(loop.random(6))
+  assert(fs.mkdir_p(dir .. "/run", 493))
+  assert(fs.mkdir_p(dir .. "/out", 493))
+  local up = upstream()
+  local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
+  local cred = setmetatable({ present = true, kind = "api_key", value = function() return "real-secret" end }, {})
+  local saved = p.vendor.upstream
+  p.vendor.upstream = "http://127.0.0.1:" .. up.port
+  local charged, spent = {}, nil
+  local admit = function(run_id)
+    if spent then return nil, spent end
+    return run_id == "vb" or nil, "not this run"
+  end
+  local charge = function(run_id, usd, usage) charged[#charged + 1] = { run_id = run_id, usd = usd, usage = usage } end
+  table.insert(vendor.hooks.admit, admit)
+  table.insert(vendor.hooks.charge, charge)
+  local route = assert(vendor.start({ run_id = "vb", run_dir = dir .. "/run", output_dir = dir .. "/out", provider = p,
+    token = "dmsn-good", credential = cred }))
+  local front, fport = assert(stream.listen_tcp("127.0.0.1", 0, function(c) route:accept(c) end))
+  local function post()
+    local chunks = {}
+    local res = assert(request({ url = "http://127.0.0.1:" .. fport .. "/v1/messages?beta=true", method = "POST",
+      headers = { ["x-api-key"] = "dmsn-good", ["content-type"] = "application/json" }, body = '{"stream":true}',
+      on_data = function(c) chunks[#chunks + 1] = c end }))
+    return res.status, table.concat(chunks)
+  end
+  local ok, err = pcall(function()
+    t:eq((post()), 200)
+    t:eq(#charged, 1, "the counted request was charged")
+    t:eq(charged[1].run_id, "vb")
+    t:ok(math.abs(charged[1].usd - (10 * 3 + 7 * 15) / 1e6) < 1e-15, "with its cost")
+    t:eq({ charged[1].usage.model, charged[1].usage.input, charged[1].usage.output }, { "claude-sonnet-5", 10, 7 })
+    spent = "budget of $0.0001 spent"
+    local status, body = post()
+    t:eq(status, 400, "refused with a status neither CLI retries")
+    t:eq(json.decode(body), { type = "error", error = { type = "invalid_request_error", code = "budget_exceeded",
+      message = "demesne vendor route: budget of $0.0001 spent; no further model requests are sent for this tree" } })
+    t:eq(#up.seen, 1, "the refused request never reached the upstream")
+    t:eq(#charged, 1, "nothing charged for it")
+  end)
+  route:stop()
+  front:close()
+  up.listener:close()
+  p.vendor.upstream = saved
+  for _, pair in ipairs({ { vendor.hooks.admit, admit }, { vendor.hooks.charge, charge } }) do
+    for i, fn in ipairs(pair[1]) do if fn == pair[2] then table.remove(pair[1], i) break end end
+  end
+  local lines = {}
+  for l in (fs.read_file(dir .. "/out/usage.jsonl") or ""):gmatch("[^\n]+") do lines[#lines + 1] = json.decode(l) end
+  fs.remove_tree(dir)
+  if not ok then error(err, 0) end
+  t:eq({ lines[2].verdict, lines[2].status, lines[2].reason }, { "deny", 400, "budget of $0.0001 spent" },
+    "usage.jsonl says why")
+end
+
 function tests.route_waits_out_a_429_and_sends_the_request_again(t)
   if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
   local started = loop.hrtime()
