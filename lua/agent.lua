@@ -48,6 +48,95 @@ local EGRESS_TEXT = {
   open = "Outbound network access is open (no host inputs are mounted).",
 }
 
+local function usd(x)
+  if x >= 0.01 or x == 0 then return ("$%.2f"):format(x) end
+  return ("$%.4f"):format(x)
+end
+
+--- Adds the context file's section on child sandboxes (through the `demesne` MCP server) to
+--- `add`, when the run's CLI is wired to its endpoint (o.run.mcp_servers). The limits come
+--- from o.endpoint.tree (lua/tree): {depth, depth_max, children_max, running_max,
+--- budget_usd, spent_usd}; missing ones are left out.
+---@param o table  the plan
+---@param add fun(line: string)
+function agent.context_children(o, add)
+  local servers = o.run and o.run.mcp_servers
+  if type(o.endpoint) ~= "table" then return end
+  if not servers or #servers == 0 then
+    add("## demesne")
+    add("")
+    add("demesne's MCP server (Streamable HTTP) is at `$DEMESNE_MCP_URL` with `Authorization: Bearer "
+      .. "$DEMESNE_MCP_TOKEN`; your CLI is not connected to it.")
+    add("")
+    return
+  end
+  local t = type(o.endpoint.tree) == "table" and o.endpoint.tree or {}
+  local depth, max = tonumber(t.depth), tonumber(t.depth_max)
+  add("## Child sandboxes (the `demesne` tools)")
+  add("")
+  add("You can hand work to child sandboxes with the tools of the MCP server `demesne` (already connected, no "
+    .. "approval needed). Each child is a fresh disposable container started by the host, not inside yours.")
+  add("")
+  add("- `sandbox_script`: run a shell command in a fresh sandbox (pick an `image`); returns its exit code and output.")
+  add("- `sandbox_agent`: another AI agent with a prompt of its own (and a `model`); `sandbox_research`: an agent "
+    .. "with open network access and no inputs, for web research.")
+  add("- `sandbox_create`, `sandbox_exec`, `sandbox_destroy`: a sandbox that stays up for several commands.")
+  add("- `sandbox_status`, `sandbox_wait`, `sandbox_cancel`, `sandbox_jobs`: children running in the background.")
+  add("- `sandbox_usage_report`: the cost and tokens of everything below you.")
+  add("")
+  add("How children relate to you:")
+  add("")
+  add("- Every spawning call takes a `name`: lowercase letters, digits and inner hyphens, at most 40 characters, "
+    .. "unique among your children for your whole run (a name is used up even when the spawn fails). Use "
+    .. "distinct, descriptive names (`fetch-data`, `review-2`).")
+  add("- A child's `/out` is your `/out/child/<name>/` (read-only for you): read its results there.")
+  add("- Script, create and agent children see your `/in` read-only and share your `/workspace` read-write: hand "
+    .. "them files through `/workspace` and give each child its own paths to write.")
+  add("- A child sees the output of each child you spawned before it at `/in/previous-jobs/<name>/`.")
+  add("- `sandbox_research` children get none of that (no `/in`, no `/workspace`, no previous jobs).")
+  add("- A child's egress is never wider than yours; `open` is only for `sandbox_research`.")
+  add("- Children you leave running are cancelled when you finish.")
+  add("")
+  add("Habits that work:")
+  add("")
+  add("- Fan out with `background: true`: each spawn answers at once with a `job_id`. Then call `sandbox_wait` "
+    .. "on every job as a barrier. From here `sandbox_wait` waits at most a few minutes and then answers "
+    .. "`status: running`: call it again until the status is final. Block (no `background`) only for short calls.")
+  add("- Check each child's `status` and `exit_code`; for a failed one read `/out/child/<name>/stderr.log` (a "
+    .. "script) or its `results.json` and `transcript.jsonl` (an agent).")
+  add("- Verify claims with a script child (build, run the tests) instead of trusting an answer.")
+  add("- Your caller reads your `/out` and your final message, not your children's answers: copy or summarise "
+    .. "what must surface into your own `/out` files yourself (a child cannot write there).")
+  add("")
+  add("Limits of this tree:")
+  add("")
+  if depth and max then
+    if depth >= max then
+      add(("- You are at depth %d, the deepest allowed (%d): you cannot spawn children; do the work yourself."):format(
+        depth, max))
+    else
+      add(("- You are at depth %d (the host's run is 0); children may go down to depth %d."):format(depth, max))
+    end
+  end
+  if tonumber(t.children_max) then
+    add(("- At most %d children in your run."):format(math.floor(t.children_max)))
+  end
+  if tonumber(t.running_max) then
+    add(("- At most %d sandboxes of the whole tree run at once (you included); a spawn past that waits its turn.")
+      :format(math.floor(t.running_max)))
+  end
+  local budget = tonumber(t.budget_usd)
+  if budget then
+    local spent = tonumber(t.spent_usd) or 0
+    add(("- The whole tree may spend %s on model requests (%s left when you started). Past it every model request "
+      .. "is refused and every run of the tree ends: prefer scripts to agents where a script will do, and a "
+      .. "cheaper model for simple work."):format(usd(budget), usd(math.max(budget - spent, 0))))
+  else
+    add("- No budget is set for the tree's model requests; spend with care all the same.")
+  end
+  add("")
+end
+
 --- The context file's text.
 function agent.context_text(o, args)
   local out = {}
@@ -58,7 +147,12 @@ function agent.context_text(o, args)
   add("You run with full autonomy inside a disposable Linux container that is removed when you finish. "
     .. "Nobody answers questions: decide and proceed.")
   add("")
-  add("- `/workspace`: your writable working folder (scratch; discarded after the run).")
+  if o.workspace and o.endpoint then
+    add("- `/workspace`: your writable working folder, shared with the child sandboxes of your tree (removed "
+      .. "when the run that made it ends).")
+  else
+    add("- `/workspace`: your writable working folder (scratch; discarded after the run).")
+  end
   add("- `/out`: the deliverables folder. Everything written here is kept on the host.")
   add(("- `%s`: this file and the task (read-only)."):format(AGENT_DIR))
   if #(o.mounts or {}) > 0 then
@@ -72,6 +166,7 @@ function agent.context_text(o, args)
   add("")
   add(EGRESS_TEXT[o.egress.name] or ("Egress policy `" .. o.egress.name .. "`: other hosts are refused."))
   add("")
+  agent.context_children(o, add)
   add("## Definition of done")
   add("")
   local any = false
@@ -246,6 +341,69 @@ function agent.decider(provider, output_dir, resumable)
   return function(route, info) return agent.decide(provider, output_dir, route, info, resumable) end
 end
 
+--- The name the agent CLIs know demesne's in-sandbox MCP server by (Claude Code's tools are
+--- then mcp__demesne__<tool>; Codex's sit in a namespace mcp__demesne).
+agent.MCP_SERVER = "demesne"
+--- The variable that holds the in-sandbox endpoint's token (set by lua/tree with the URL in
+--- DEMESNE_MCP_URL).
+agent.MCP_TOKEN_ENV = "DEMESNE_MCP_TOKEN"
+local MCP_STARTUP_MS = 60 * 1000
+local MCP_CALL_MARGIN_S = 60
+
+-- Sets (or replaces) variables in an environment list of "NAME=value" strings.
+local function set_env(list, vars)
+  local at = {}
+  for i, kv in ipairs(list) do
+    local k = kv:match("^([^=]+)=")
+    if k then at[k] = i end
+  end
+  local names = {}
+  for k in pairs(vars) do names[#names + 1] = k end
+  table.sort(names)
+  for _, k in ipairs(names) do
+    local kv = k .. "=" .. tostring(vars[k])
+    if at[k] then list[at[k]] = kv else list[#list + 1] = kv; at[k] = #list end
+  end
+end
+
+--- The MCP servers an agent run's CLI is given: demesne's in-sandbox endpoint when the run
+--- has one (o.endpoint, set by lua/tree's plan hook) and the provider takes MCP servers
+--- (mcp = "http"); else none. A call may take as long as the run may last (plus a margin):
+--- no CLI is to give up on a child call before its own run ends.
+---@param o table  the plan
+---@return ProviderMcpServer[]
+function agent.mcp_servers(o)
+  local e = o.endpoint
+  if type(e) ~= "table" or o.provider.mcp ~= "http" then return {} end
+  return { { name = agent.MCP_SERVER, url = e.url, token = e.token, token_env = agent.MCP_TOKEN_ENV,
+    tool_timeout_ms = (o.timeout + MCP_CALL_MARGIN_S) * 1000, startup_timeout_ms = MCP_STARTUP_MS } }
+end
+
+--- Wires the run's CLI from what the plan knows now: run.mcp_servers (agent.mcp_servers),
+--- the wrapper (o.wrapper, o.resumable), the provider's environment over o.env, and the
+--- provider's extra files. Called when the run is planned (no endpoint yet) and again just
+--- before the sandbox is made. Fails (sandbox.fail) naming the provider when its argv or
+--- files cannot be used. Returns the files to write into the agent folder (name -> text).
+---@param o table  the plan (agent.prepare)
+---@return table<string,string>
+function agent.wire(o)
+  local p, run = o.provider, o.run
+  local servers = agent.mcp_servers(o)
+  run.mcp_servers = #servers > 0 and servers or nil
+  local wok, script, resumable = pcall(agent.wrapper, p, run)
+  if not wok then fail(("provider %s: %s"):format(p.name, tostring(script))) end
+  o.wrapper, o.resumable = script, resumable
+  if o.env then
+    local eok, env = pcall(p.env, run)
+    if not eok or type(env) ~= "table" then fail(("provider %s: env: %s"):format(p.name, tostring(env))) end
+    set_env(o.env, env)
+  end
+  local files, ferr = providers.run_files(p, run, { ["prompt.md"] = true, ["run.sh"] = true,
+    [p.context_file_name] = true })
+  if not files then fail(("provider %s: %s"):format(p.name, ferr)) end
+  return files
+end
+
 --- Checks a call and plans the run (nothing started). `tool`: "sandbox_agent" or
 --- "sandbox_research". `kind`: the container kind ("oneshot" or "job").
 function agent.prepare(args, tool, kind)
@@ -286,10 +444,9 @@ function agent.prepare(args, tool, kind)
     request_timeout_ms = (math.min(tonumber(config.get("agent_rate_limit_hold_seconds")) or 60, timeout) + 600) * 1000,
   }
   o.run = run
-  local wok, script, resumable = pcall(agent.wrapper, p, run)
-  if not wok then fail(("provider %s: %s"):format(p.name, tostring(script))) end
-  o.wrapper, o.resumable = script, resumable
+  run.agent_dir = AGENT_DIR
   o.argv = { "/bin/sh", AGENT_DIR .. "/run.sh" }
+  agent.wire(o) -- refuses a provider whose argv cannot be run now, before anything is made
   local env = sandbox.default_env(o.run_id, o.egress)
   for k, v in pairs(p.env(run)) do env[k] = v end
   env.DEMESNE_VENDOR_URL, env.DEMESNE_VENDOR_TOKEN = vendor.base_url(), o.token
@@ -297,10 +454,13 @@ function agent.prepare(args, tool, kind)
   o.args = args
   local host_agent_dir = o.run_dir .. "/agent"
   o.before_create = function(plan)
+    -- the run's MCP endpoint is known now (the plan hooks ran): wire it into the CLI
+    local files = agent.wire(plan)
     assert(fs.mkdir_p(host_agent_dir, 493))
     assert(fs.write_atomic(host_agent_dir .. "/prompt.md", args.prompt .. "\n"))
     assert(fs.write_atomic(host_agent_dir .. "/" .. p.context_file_name, agent.context_text(plan, args)))
     assert(fs.write_atomic(host_agent_dir .. "/run.sh", plan.wrapper))
+    for name, text in pairs(files) do assert(fs.write_atomic(host_agent_dir .. "/" .. name, text)) end
     plan.mounts[#plan.mounts + 1] = { host = host_agent_dir, target = AGENT_DIR }
     local route, verr = vendor.start({ run_id = plan.run_id, run_dir = plan.run_dir, output_dir = plan.output_dir,
       provider = p, token = plan.token, credential = cred, deadline = loop.time() + plan.timeout,

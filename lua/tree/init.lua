@@ -7,7 +7,8 @@
 --     sandbox_create with mcp = true, is a tree node with an endpoint. By the time the plan's
 --     `before_create(o)` runs (lua/sandbox.lua script_start), `o.endpoint` is
 --       { url = "http://127.0.0.1:3130/mcp", port = 3130, token = "<64 hex>",
---         socket = "<run_dir>/mcp.sock", sandbox_socket = "/.demesne/run/mcp.sock" }
+--         socket = "<run_dir>/mcp.sock", sandbox_socket = "/.demesne/run/mcp.sock",
+--         tree = {depth, depth_max, children_max, running_max, budget_usd, spent_usd} }
 --     and the container's environment carries DEMESNE_MCP_URL and DEMESNE_MCP_TOKEN (the
 --     request must send `Authorization: Bearer <token>`). The URL and port never change, so
 --     an argv or a config file can name them as constants (tree.URL, tree.PORT); only the
@@ -38,6 +39,7 @@ local log = require("demesne.log")
 local progress = require("demesne.progress")
 local sandbox = require("demesne.sandbox")
 local agent = require("demesne.agent")
+local vendor = require("demesne.vendor")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
@@ -438,8 +440,13 @@ local function plan_endpoint(n, o)
     o.env = o.env or json.array()
     o.env[#o.env + 1] = "DEMESNE_MCP_URL=" .. tree.URL
     o.env[#o.env + 1] = "DEMESNE_MCP_TOKEN=" .. n.endpoint.token
+    local root = tree.get(n.root) or n
+    local limits = root.limits or {}
     o.endpoint = { url = tree.URL, port = tree.PORT, token = n.endpoint.token, socket = n.endpoint.socket,
-      sandbox_socket = tree.SANDBOX_SOCKET }
+      sandbox_socket = tree.SANDBOX_SOCKET,
+      -- what the agent's context file tells it (lua/agent.lua context_children)
+      tree = { depth = n.depth, depth_max = limits.depth, children_max = limits.children,
+        running_max = limits.running, budget_usd = root.budget_usd, spent_usd = tonumber(root.spent_usd) or 0 } }
   else
     n.endpoint = nil
   end
@@ -1198,5 +1205,8 @@ jobs.hooks.finish[#jobs.hooks.finish + 1] = tree.job_finished
 jobs.hooks.cancel[#jobs.hooks.cancel + 1] = tree.job_cancelling
 jobs.hooks.view[#jobs.hooks.view + 1] = tree.view
 agent.hooks.result[#agent.hooks.result + 1] = tree.result
+-- every model request of a tree's runs is charged to the tree, and refused once its budget is spent
+vendor.hooks.admit[#vendor.hooks.admit + 1] = tree.check
+vendor.hooks.charge[#vendor.hooks.charge + 1] = tree.charge
 
 return tree

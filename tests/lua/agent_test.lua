@@ -1,0 +1,114 @@
+-- The agent runner's wiring of demesne's in-sandbox MCP server into the CLIs (lua/agent.lua
+-- agent.wire, agent.mcp_servers) and the context file's section on child sandboxes, on
+-- plans made by hand (the endpoint as lua/tree's plan hook leaves it on the plan). The real
+-- CLIs run this wiring in tests/integration/agent-tree.test.mjs.
+local agent = require("demesne.agent")
+local providers = require("demesne.providers")
+local json = require("demesne.json")
+
+local tests = {}
+
+local ENDPOINT = { url = "http://127.0.0.1:3130/mcp", port = 3130, token = "feedc0de", socket = "/x/mcp.sock",
+  sandbox_socket = "/.demesne/run/mcp.sock",
+  tree = { depth = 1, depth_max = 3, children_max = 32, running_max = 8, budget_usd = 2.5, spent_usd = 0.75 } }
+
+-- A plan as agent.prepare leaves it, for provider `name`.
+local function plan(name, endpoint)
+  local p = providers.load({ user_dir = false, quiet = true }):get(name)
+  local run = { prompt_file = "/.demesne/agent/prompt.md", context_file = "/.demesne/agent/" .. p.context_file_name,
+    model = providers.models_of(p)[1].name, vendor_base_url = "http://127.0.0.1:3129", token = "dmsn-tok",
+    workdir = "/workspace", home = "/root", agent_dir = "/.demesne/agent", credential_kind = "api_key" }
+  return { provider = p, run = run, timeout = 600, endpoint = endpoint, egress = { name = "none" }, mounts = {},
+    env = json.array({ "PATH=/usr/bin:/bin", "DEMESNE_MCP_URL=http://127.0.0.1:3130/mcp",
+      "DEMESNE_MCP_TOKEN=feedc0de" }) }
+end
+
+local function env_of(list)
+  local m = {}
+  for _, kv in ipairs(list) do
+    local k, v = kv:match("^([^=]+)=(.*)$")
+    m[k] = v
+  end
+  return m
+end
+
+function tests.claude_code_is_wired_to_the_endpoint_of_its_run(t)
+  local o = plan("claude_code", ENDPOINT)
+  local files = agent.wire(o)
+  t:eq(#o.run.mcp_servers, 1)
+  t:eq(o.run.mcp_servers[1], { name = "demesne", url = "http://127.0.0.1:3130/mcp", token = "feedc0de",
+    token_env = "DEMESNE_MCP_TOKEN", tool_timeout_ms = 660000, startup_timeout_ms = 60000 },
+    "a call may last as long as the run, and a minute more")
+  local conf = json.decode(files["mcp.json"])
+  t:eq(conf.mcpServers.demesne.headers.Authorization, "Bearer feedc0de")
+  t:match(o.wrapper, "'/%.demesne/agent/mcp%.json'", "the wrapper runs the CLI with the configuration")
+  local env = env_of(o.env)
+  t:eq(env.MCP_TOOL_TIMEOUT, "660000")
+  t:eq(env.DEMESNE_MCP_TOKEN, "feedc0de", "what the tree put in the environment stays")
+  t:eq(env.PATH, "/usr/bin:/bin")
+  local n = 0
+  for _, kv in ipairs(o.env) do if kv:match("^MCP_TOOL_TIMEOUT=") then n = n + 1 end end
+  t:eq(n, 1, "wired twice, set once")
+  agent.wire(o)
+  n = 0
+  for _, kv in ipairs(o.env) do if kv:match("^MCP_TOOL_TIMEOUT=") then n = n + 1 end end
+  t:eq(n, 1)
+end
+
+function tests.codex_is_wired_through_its_config(t)
+  local o = plan("codex", ENDPOINT)
+  local files = agent.wire(o)
+  t:eq(files, {}, "Codex needs no extra file: config.toml carries the server")
+  t:match(o.wrapper, "%[mcp_servers%.demesne%]")
+  t:match(o.wrapper, 'bearer_token_env_var = "DEMESNE_MCP_TOKEN"')
+  t:match(o.wrapper, "tool_timeout_sec = 660")
+end
+
+function tests.no_endpoint_no_wiring(t)
+  local o = plan("claude_code", nil)
+  local files = agent.wire(o)
+  t:eq(o.run.mcp_servers, nil)
+  t:eq(files, {})
+  t:ok(not o.wrapper:find("'/.demesne/agent/mcp.json'", 1, true))
+  t:ok(not agent.context_text(o, { prompt = "p" }):find("sandbox_", 1, true),
+    "a run without an endpoint hears nothing of child sandboxes")
+end
+
+function tests.a_provider_that_takes_no_mcp_server_gets_none(t)
+  local o = plan("claude_code", ENDPOINT)
+  local p = {}
+  for k, v in pairs(o.provider) do p[k] = v end
+  p.mcp = nil
+  o.provider = p
+  agent.wire(o)
+  t:eq(o.run.mcp_servers, nil)
+  local text = agent.context_text(o, { prompt = "p" })
+  t:match(text, "your CLI is not connected to it")
+  t:ok(not text:find("sandbox_wait", 1, true))
+end
+
+function tests.the_context_file_tells_the_tools_the_habits_and_the_limits(t)
+  local o = plan("claude_code", ENDPOINT)
+  agent.wire(o)
+  local text = agent.context_text(o, { prompt = "Build the thing." })
+  for _, want in ipairs({ "## Child sandboxes (the `demesne` tools)", "`sandbox_script`", "`sandbox_agent`",
+    "`sandbox_research`", "`sandbox_wait`", "`sandbox_usage_report`", "unique among your children",
+    "`/out/child/<name>/`", "`/in/previous-jobs/<name>/`", "`background: true`", "call it again",
+    "copy or summarise what must surface into your own `/out`",
+    "You are at depth 1 (the host's run is 0); children may go down to depth 3.",
+    "At most 32 children in your run.", "At most 8 sandboxes of the whole tree run at once",
+    "The whole tree may spend $2.50 on model requests ($1.75 left when you started)" }) do
+    t:ok(text:find(want, 1, true), "the context file says: " .. want)
+  end
+  t:ok(text:find("## Child sandboxes", 1, true) < text:find("## Task", 1, true), "before the task")
+  -- at the deepest level: no children
+  local deep = plan("codex", { url = ENDPOINT.url, token = "t", tree = { depth = 3, depth_max = 3 } })
+  agent.wire(deep)
+  t:match(agent.context_text(deep, { prompt = "p" }), "You are at depth 3, the deepest allowed %(3%): you cannot spawn")
+  -- no budget
+  local free = plan("codex", { url = ENDPOINT.url, token = "t", tree = { depth = 0, depth_max = 3 } })
+  agent.wire(free)
+  t:match(agent.context_text(free, { prompt = "p" }), "No budget is set")
+end
+
+return tests
