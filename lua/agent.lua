@@ -76,6 +76,10 @@ function agent.context_children(o, add)
   add("")
   add("You can hand work to child sandboxes with the tools of the MCP server `demesne` (already connected, no "
     .. "approval needed). Each child is a fresh disposable container started by the host, not inside yours.")
+  if o.provider.mcp_hint then
+    local ok, hint = pcall(o.provider.mcp_hint, servers[1].name)
+    if ok and type(hint) == "string" and hint ~= "" then add(hint) end
+  end
   add("")
   add("- `sandbox_script`: run a shell command in a fresh sandbox (pick an `image`); returns its exit code and output.")
   add("- `sandbox_agent`: another AI agent with a prompt of its own (and a `model`); `sandbox_research`: an agent "

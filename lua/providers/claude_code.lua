@@ -249,6 +249,9 @@ claude.adapter = {
   env = claude.env,
   mcp = "http",
   files = claude.files,
+  mcp_hint = function(server)
+    return ("Claude Code lists them as `mcp__%s__<tool>` (`mcp__%s__sandbox_script`, …)."):format(server, server)
+  end,
   parse_answer = claude.parse_answer,
   usage_from_json = claude.usage_from_json,
   usage_from_sse = claude.usage_from_sse,

@@ -350,6 +350,19 @@ local function bearer_swap(headers, cred)
 end
 codex.bearer_swap = bearer_swap
 
+--- How Codex offers an MCP server's tools: as functions in a namespace mcp__<server>, or,
+--- for the models it runs in code mode (gpt-5.6-*), as nested tools of `exec` that are
+--- deferred (listed in ALL_TOOLS, not in the tool description), which `exec` yields on after
+--- 30 s unless told otherwise.
+---@param server string
+---@return string
+function codex.mcp_hint(server)
+  return ("Codex offers them as `mcp__%s__<tool>`. When your tools are nested in `exec` (code mode), call them "
+    .. "there as `await tools.mcp__%s__sandbox_script({...})` (they are listed in `ALL_TOOLS`) and `text(...)` "
+    .. "the result; for a call that may take minutes (`sandbox_wait`) start the code with "
+    .. "`// @exec: {\"yield_time_ms\": 300000}` or resume it with `wait`."):format(server, server)
+end
+
 ---@class CodexAdapterOptions
 ---@field name string
 ---@field title string|nil
@@ -395,6 +408,7 @@ function codex.make(opts)
     end,
     refresh = opts.refresh,
     mcp = "http",
+    mcp_hint = codex.mcp_hint,
     parse_answer = codex.parse_answer,
     usage_from_json = codex.usage_from_json,
     usage_from_sse = codex.usage_from_sse,

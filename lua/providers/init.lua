@@ -98,6 +98,8 @@ local LOGGER = "demesne.providers"
 ---  (Streamable HTTP with a bearer token) into it; nil = it takes none (its runs get no demesne tools)
 ---@field files (fun(run: ProviderRun): table<string,string>)|nil  extra files of a run (name -> text),
 ---  written read-only into run.agent_dir before the sandbox starts (an MCP configuration, say)
+---@field mcp_hint (fun(server: string): string)|nil  one sentence for the context file: how the CLI offers the
+---  tools of the MCP server named `server` to the model (their names, where they sit)
 ---@field origin string       where it was loaded from (set by the loader)
 
 --------------------------------------------------------------------------------------------
@@ -449,6 +451,9 @@ function providers.check(p)
   if p.mcp ~= nil and p.mcp ~= "http" then
     return nil, ('mcp: must be "http" (the CLI takes Streamable HTTP MCP servers from run.mcp_servers) or nil, got %s')
       :format(type(p.mcp) == "string" and ("%q"):format(p.mcp) or type(p.mcp))
+  end
+  if p.mcp_hint ~= nil and type(p.mcp_hint) ~= "function" then
+    return nil, "mcp_hint: must be a function(server name) returning a sentence"
   end
   if p.files ~= nil and type(p.files) ~= "function" then
     return nil, "files: must be a function(run) returning {[file name] = text}"

@@ -101,10 +101,13 @@ function tests.the_context_file_tells_the_tools_the_habits_and_the_limits(t)
     t:ok(text:find(want, 1, true), "the context file says: " .. want)
   end
   t:ok(text:find("## Child sandboxes", 1, true) < text:find("## Task", 1, true), "before the task")
+  t:ok(text:find("Claude Code lists them as `mcp__demesne__<tool>`", 1, true), "the provider's hint on tool names")
   -- at the deepest level: no children
   local deep = plan("codex", { url = ENDPOINT.url, token = "t", tree = { depth = 3, depth_max = 3 } })
   agent.wire(deep)
-  t:match(agent.context_text(deep, { prompt = "p" }), "You are at depth 3, the deepest allowed %(3%): you cannot spawn")
+  local deep_text = agent.context_text(deep, { prompt = "p" })
+  t:match(deep_text, "You are at depth 3, the deepest allowed %(3%): you cannot spawn")
+  t:ok(deep_text:find("`await tools.mcp__demesne__sandbox_script({...})`", 1, true), "Codex's code mode explained")
   -- no budget
   local free = plan("codex", { url = ENDPOINT.url, token = "t", tree = { depth = 0, depth_max = 3 } })
   agent.wire(free)

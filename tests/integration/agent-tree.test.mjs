@@ -1,0 +1,432 @@
+// Multi-agent trees with the real agent CLIs in their real images (agent-claude_code,
+// agent-codex) on a real engine (DEMESNE_ENGINE; run the file once per engine). The CLIs call
+// demesne's in-sandbox MCP server (server `demesne`: Claude Code's mcp__demesne__<tool>,
+// Codex's namespace mcp__demesne) to spawn children; the model is a scripted vendor on
+// 127.0.0.1 in this test (Anthropic Messages with SSE, OpenAI Responses), reached only
+// through each run's vendor route. Each agent's prompt names a plan (PLAN:<id>): the vendor
+// answers each turn with the plan's next step, chosen from the tool results in the history,
+// and bills every response with token counts unique to that plan and step, so a usage sum
+// that drops or repeats a request is wrong.
+//
+// Covered: a Claude Code and a Codex orchestrator each running a script child and a
+// background agent child that runs a script grandchild, waiting on both, reading
+// /out/child/… and writing a summary (results.json, usage.json and sandbox_usage_report on
+// the host, summed exactly); refusals through the CLI (depth, a duplicate name, open egress
+// for a non-research child, a job outside the subtree); a tree whose budget is spent
+// mid-run; a host cancel of the root; a server killed with SIGKILL mid-tree and started
+// again; and no container left behind.
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import http from "node:http";
+import { randomBytes } from "node:crypto";
+import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { connect } from "./helpers.mjs";
+
+const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
+const SOCKET = ENGINE.replace(/^unix:\/\//, "");
+const work = mkdtempSync(path.join(tmpdir(), "demesne-agent-tree-"));
+const SECRET = `sk-test-real-${randomBytes(12).toString("hex")}`;
+const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+const read = (...p) => readFileSync(path.join(...p), "utf8");
+const readJson = (...p) => JSON.parse(read(...p));
+
+// ---- plans: what the scripted model does for each agent ---------------------------------
+// A plan is a list of steps: {tool, args(ctx)} calls a demesne tool, {shell} runs a shell
+// command with the CLI's own shell tool, {final} ends the turn. A step with `again(text)`
+// is repeated while that holds for its result (a wait that answered `running`). ctx.result(i)
+// is the text of step i's last result.
+
+const plans = new Map(); // id -> {steps, tokens, served: [usage], results: [{text, error}], offered}
+
+function plan(id, steps, tokens) {
+  plans.set(id, { steps, tokens, served: [], results: [], offered: null });
+  return id;
+}
+
+const JOB = /job-[0-9]{8}T[0-9]{6}Z-[0-9a-f]+/;
+const jobOf = (text) => (text || "").match(JOB)?.[0] || "no-job-id-in-the-result";
+const TERMINAL = /"status":\s*"(succeeded|failed|cancelled|lost)"|status: (succeeded|failed|cancelled|lost)/;
+const stillRunning = (text) => !TERMINAL.test(text || "");
+
+// The step to take after `results` (texts of the tool results so far, in order).
+function nextStep(p, results) {
+  let i = 0;
+  const last = [];
+  let repeats = 0;
+  for (const r of results) {
+    last[i] = r;
+    const s = p.steps[i];
+    if (s?.again && s.again(r) && repeats < 30) { repeats++; continue; }
+    repeats = 0;
+    i++;
+  }
+  const ctx = { result: (k) => last[k] };
+  const s = p.steps[i] || { final: "done" };
+  return { index: i, step: s, args: s.args ? s.args(ctx) : undefined };
+}
+
+// The usage billed for step `i` of a plan: its tokens plus the step number, so each
+// response of each node is distinct.
+function usageOf(p, i) {
+  return { input: p.tokens.input + i, output: p.tokens.output + i, cache_read: p.tokens.cache_read + i };
+}
+
+// The demesne tool `want` among those the CLI offered (Codex: a namespace; Claude Code: a prefix).
+function toolName(tools, want) {
+  for (const t of tools || []) {
+    if (t?.type === "namespace" && /demesne/.test(t.name) && (t.tools || []).some((x) => x.name === want)) {
+      return { name: want, namespace: t.name };
+    }
+  }
+  const name = (tools || []).map((t) => t?.name).find((n) => typeof n === "string" && n === `mcp__demesne__${want}`);
+  return name ? { name } : null;
+}
+const offeredNames = (tools) => (tools || []).flatMap((t) => (t?.type === "namespace"
+  ? (t.tools || []).map((x) => `${t.name}:${x.name}`) : [t?.name]));
+
+const textOf = (x) => (typeof x === "string" ? x : Array.isArray(x)
+  ? x.map((b) => (typeof b?.text === "string" ? b.text : JSON.stringify(b))).join("\n") : JSON.stringify(x));
+
+// The plan a request belongs to: the first PLAN:<id> in its history (its own prompt comes
+// before any child prompt it wrote into a tool call).
+function planOf(history) {
+  const m = JSON.stringify(history).match(/PLAN:([a-z0-9-]+)/);
+  return m && plans.has(m[1]) ? plans.get(m[1]) : null;
+}
+
+// ---- the scripted vendor ------------------------------------------------------------------
+
+let vendor, vendorPort;
+const unplanned = []; // requests that named no plan (side calls)
+
+function anthropic(res, body) {
+  const msgs = body.messages || [];
+  const side = Array.isArray(body.tools) && body.tools.length === 0;
+  const p = side ? null : planOf(msgs);
+  const model = body.model || "claude-sonnet-5";
+  let blocks, stop, usage = { input: 1, output: 1, cache_read: 0 };
+  if (!p) {
+    unplanned.push(model);
+    blocks = [{ type: "text", text: "ok" }]; stop = "end_turn";
+  } else {
+    const results = [];
+    for (const m of msgs) {
+      if (m.role !== "user" || !Array.isArray(m.content)) continue;
+      for (const b of m.content) if (b.type === "tool_result") results.push(textOf(b.content));
+    }
+    p.results = results;
+    p.offered = offeredNames(body.tools);
+    const { index, step, args } = nextStep(p, results);
+    usage = usageOf(p, p.served.length);
+    p.served.push({ ...usage, model, step: index });
+    if (step.tool) {
+      const t = toolName(body.tools, step.tool);
+      blocks = [{ type: "tool_use", id: "toolu_" + randomBytes(6).toString("hex"), name: t?.name || `missing__${step.tool}`,
+        input: args }];
+      stop = "tool_use";
+    } else if (step.shell) {
+      blocks = [{ type: "tool_use", id: "toolu_" + randomBytes(6).toString("hex"), name: "Bash",
+        input: { command: step.shell, description: "step" } }];
+      stop = "tool_use";
+    } else {
+      blocks = [{ type: "text", text: step.final }]; stop = "end_turn";
+    }
+  }
+  const id = "msg_" + randomBytes(6).toString("hex");
+  const u = { input_tokens: usage.input, output_tokens: 1, cache_read_input_tokens: usage.cache_read,
+    cache_creation_input_tokens: 0 };
+  if (!body.stream) {
+    res.writeHead(200, { "content-type": "application/json" });
+    res.end(JSON.stringify({ id, type: "message", role: "assistant", model, content: blocks, stop_reason: stop,
+      usage: { ...u, output_tokens: usage.output } }));
+    return;
+  }
+  const events = [{ type: "message_start", message: { id, type: "message", role: "assistant", content: [], model,
+    stop_reason: null, usage: u } }];
+  blocks.forEach((b, index) => {
+    if (b.type === "text") {
+      events.push({ type: "content_block_start", index, content_block: { type: "text", text: "" } });
+      events.push({ type: "content_block_delta", index, delta: { type: "text_delta", text: b.text } });
+    } else {
+      events.push({ type: "content_block_start", index, content_block: { type: "tool_use", id: b.id, name: b.name, input: {} } });
+      events.push({ type: "content_block_delta", index, delta: { type: "input_json_delta", partial_json: JSON.stringify(b.input) } });
+    }
+    events.push({ type: "content_block_stop", index });
+  });
+  events.push({ type: "message_delta", delta: { stop_reason: stop, stop_sequence: null }, usage: { output_tokens: usage.output } });
+  events.push({ type: "message_stop" });
+  res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
+  for (const ev of events) res.write(`event: ${ev.type}\ndata: ${JSON.stringify(ev)}\n\n`);
+  res.end();
+}
+
+// Codex offers tools at the top level (`tools`, MCP servers as a namespace) or, for models
+// it runs in code mode (gpt-5.6-*), in an `additional_tools` input item whose `exec` tool
+// runs JavaScript with every nested tool on `tools` (MCP ones deferred: listed in ALL_TOOLS
+// only). The model then calls demesne as a real one would: a custom_tool_call of `exec`.
+function codexTools(body) {
+  const extra = (body.input || []).filter((i) => i?.type === "additional_tools").flatMap((i) => i.tools || []);
+  return [...(body.tools || []), ...extra];
+}
+const codeMode = (tools) => tools.some((t) => t?.type === "namespace" && (t.tools || []).some((x) => x.name === "exec"
+  && x.type === "custom"));
+
+function openai(res, body) {
+  const input = body.input || [];
+  const p = planOf(input.filter((i) => i?.type !== "additional_tools"));
+  const model = body.model;
+  let item, usage = { input: 1, output: 1, cache_read: 0 };
+  const callId = () => "call_" + randomBytes(6).toString("hex");
+  if (!p) {
+    unplanned.push(model);
+  } else {
+    const tools = codexTools(body);
+    const results = input.filter((i) => typeof i?.type === "string" && i.type.endsWith("_output") && i.call_id)
+      .map((i) => textOf(i.output));
+    p.results = results;
+    p.offered = offeredNames(tools);
+    const { index, step, args } = nextStep(p, results);
+    usage = usageOf(p, p.served.length);
+    p.served.push({ ...usage, model, step: index });
+    if (step.tool && codeMode(tools)) {
+      p.codeMode = true;
+      item = { type: "custom_tool_call", id: "ctc_" + randomBytes(6).toString("hex"), call_id: callId(), name: "exec",
+        input: `// @exec: {"yield_time_ms": 300000}\nconst r = await tools.mcp__demesne__${step.tool}(${JSON.stringify(args)});\n`
+          + "text(JSON.stringify(r));\n" };
+    } else if (step.tool) {
+      const t = toolName(tools, step.tool) || { name: `missing__${step.tool}` };
+      item = { type: "function_call", id: "fc_" + randomBytes(6).toString("hex"), call_id: callId(), name: t.name,
+        ...(t.namespace ? { namespace: t.namespace } : {}), arguments: JSON.stringify(args) };
+    } else if (step.shell) {
+      item = { type: "function_call", id: "fc_" + randomBytes(6).toString("hex"), call_id: callId(), name: "exec_command",
+        arguments: JSON.stringify({ cmd: step.shell }) };
+    } else {
+      item = { type: "message", role: "assistant", id: "msg_" + randomBytes(6).toString("hex"),
+        content: [{ type: "output_text", text: step.final }] };
+    }
+  }
+  if (!item) item = { type: "message", role: "assistant", id: "msg_x", content: [{ type: "output_text", text: "ok" }] };
+  const id = "resp_" + randomBytes(6).toString("hex");
+  res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
+  for (const ev of [
+    { type: "response.created", response: { id, model } },
+    { type: "response.output_item.done", output_index: 0, item },
+    { type: "response.completed", response: { id, model, output: [item], usage: {
+      input_tokens: usage.input + usage.cache_read, input_tokens_details: { cached_tokens: usage.cache_read },
+      output_tokens: usage.output, output_tokens_details: { reasoning_tokens: 0 },
+      total_tokens: usage.input + usage.cache_read + usage.output } } },
+  ]) res.write(`data: ${JSON.stringify(ev)}\n\n`);
+  res.end();
+}
+
+before(async () => {
+  vendor = http.createServer((req, res) => {
+    const chunks = [];
+    req.on("data", (c) => chunks.push(c));
+    req.on("end", () => {
+      if (req.method !== "POST") { res.writeHead(404); res.end(); return; }
+      const auth = req.headers["x-api-key"] || req.headers.authorization || "";
+      if (!auth.includes(SECRET)) { res.writeHead(401); res.end(); return; }
+      let body = {};
+      try { body = JSON.parse(Buffer.concat(chunks).toString("utf8") || "{}"); } catch { /* empty */ }
+      if (req.url.startsWith("/openai/")) openai(res, body); else anthropic(res, body);
+    });
+  });
+  await new Promise((r) => vendor.listen(0, "127.0.0.1", r));
+  vendorPort = vendor.address().port;
+});
+
+after(async () => {
+  await new Promise((r) => vendor.close(r));
+  const left = await containersUnder(work);
+  for (const c of left) await engine("DELETE", `/containers/${c.Id}?force=true`);
+  if (!process.env.DEMESNE_TEST_KEEP) rmSync(work, { recursive: true, force: true });
+  assert.deepEqual(left.map((c) => c.Names), [], "no sandbox of this file is left on the engine");
+});
+
+// ---- the engine and the server --------------------------------------------------------------
+
+function engine(method, p) {
+  return new Promise((resolve, reject) => {
+    const req = http.request({ socketPath: SOCKET, path: p, method }, (res) => {
+      let body = "";
+      res.on("data", (c) => (body += c));
+      res.on("end", () => resolve(body ? JSON.parse(body) : null));
+    });
+    req.on("error", reject);
+    req.end();
+  });
+}
+// demesne's containers whose output folder is under `dir`
+async function containersUnder(dir) {
+  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
+  const list = await engine("GET", `/containers/json?all=true&filters=${filters}`);
+  return (list || []).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir));
+}
+async function until(what, fn, ms = 120_000) {
+  const deadline = Date.now() + ms;
+  for (;;) {
+    const v = await fn();
+    if (v) return v;
+    if (Date.now() > deadline) throw new Error(`timed out waiting for ${what}`);
+    await sleep(200);
+  }
+}
+
+function serverEnv(name, extra = {}) {
+  return {
+    DEMESNE_ENGINE: ENGINE, DEMESNE_OUTPUT_ROOT: path.join(work, name, "out"),
+    DEMESNE_STATE_DIR: path.join(work, name, "state"), DEMESNE_ALLOWED_PATHS: work,
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${vendorPort}`,
+    OPENAI_API_KEY: SECRET, DEMESNE_CODEX_UPSTREAM: `http://127.0.0.1:${vendorPort}/openai/v1`,
+    CLAUDE_CODE_OAUTH_TOKEN: "", ANTHROPIC_AUTH_TOKEN: "", CODEX_HOME: path.join(work, "no-codex-home"),
+    DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false", DEMESNE_PROGRESS_INTERVAL: "1", DEMESNE_JOBS_POLL_INTERVAL: "0.5",
+    ...extra,
+  };
+}
+
+async function call(conn, name, args) {
+  const res = await conn.client.callTool({ name, arguments: args }, undefined, LONG);
+  assert.ok(!res.isError, `${name}: ${res.content?.[0]?.text}\n${conn.stderr().slice(-4000)}`);
+  return res.structuredContent;
+}
+
+// The tokens a plan's responses were billed with, in demesne's terms.
+function billed(...ids) {
+  const t = { input: 0, output: 0, cache_read: 0, requests: 0 };
+  for (const id of ids) {
+    for (const u of plans.get(id).served) {
+      t.input += u.input; t.output += u.output; t.cache_read += u.cache_read; t.requests++;
+    }
+  }
+  return t;
+}
+
+// ---- the tree ------------------------------------------------------------------------------
+
+// An orchestrator that runs a script child and an agent child in the background, waits on
+// both, and writes a summary from their outputs; the agent child runs a script grandchild.
+function treePlans(tag, childModel, tokens) {
+  const helper = plan(`${tag}-helper`, [
+    { tool: "sandbox_script", args: () => ({ name: "grand", image: "base",
+      command: "echo grand-ok > /out/grand.txt; echo shared-by-grand > /workspace/from-grand.txt; echo grand-stdout" }) },
+    { shell: "cp /out/child/grand/grand.txt /out/helper.txt && cp /in/previous-jobs/lint/result.txt /out/saw-lint.txt" },
+    { final: "helper done" },
+  ], tokens.helper);
+  const orch = plan(`${tag}-orch`, [
+    { tool: "sandbox_script", args: () => ({ name: "lint", image: "base", background: true,
+      command: "echo lint-ok > /out/result.txt" }) },
+    { tool: "sandbox_agent", args: () => ({ name: "helper", prompt: `PLAN:${helper} Run a script grandchild.`,
+      model: childModel, background: true }) },
+    { tool: "sandbox_wait", args: (c) => ({ job_id: jobOf(c.result(0)) }), again: stillRunning },
+    { tool: "sandbox_wait", args: (c) => ({ job_id: jobOf(c.result(1)) }), again: stillRunning },
+    { shell: "cat /out/child/lint/result.txt /out/child/helper/helper.txt /out/child/helper/child/grand/grand.txt "
+      + "/workspace/from-grand.txt > /out/summary.txt" },
+    { final: "orchestrated" },
+  ], tokens.orch);
+  return { orch, helper };
+}
+
+async function runTree(conn, { tag, model, childModel, tokens, price }) {
+  const { orch, helper } = treePlans(tag, childModel, tokens);
+  const started = await call(conn, "sandbox_agent", { prompt: `PLAN:${orch} Orchestrate.`, model, background: true,
+    timeout_seconds: 300 });
+  const done = await call(conn, "sandbox_wait", { job_id: started.job_id, timeout_seconds: 400 });
+  assert.equal(done.status, "succeeded", JSON.stringify(done) + conn.stderr().slice(-4000));
+  const out = started.output_dir;
+
+  // the CLIs saw demesne's tools under the server name `demesne`, and every call came back
+  const o = plans.get(orch);
+  // Claude Code offers mcp__demesne__<tool>; Codex in code mode nests them in `exec` (tools.mcp__demesne__<tool>)
+  assert.ok(o.codeMode || o.offered.some((n) => /^mcp__demesne(__|:)sandbox_agent$/.test(n)), `offered: ${o.offered}`);
+  assert.equal(o.served.length, 6, `one request per step: ${JSON.stringify(o.served)}`);
+  assert.equal(plans.get(helper).served.length, 3);
+  for (const r of [...o.results, ...plans.get(helper).results]) {
+    assert.doesNotMatch(r, /requires approval|user cancelled|not allowed/i, r.slice(0, 2000));
+  }
+  assert.match(o.results[3], /succeeded/, "the wait on the agent child saw it succeed");
+
+  // outputs, where the orchestrator read them
+  assert.equal(read(out, "summary.txt"), "lint-ok\ngrand-ok\ngrand-ok\nshared-by-grand\n");
+  assert.equal(read(out, "child/helper/saw-lint.txt"), "lint-ok\n", "an earlier sibling's output at /in/previous-jobs");
+  assert.equal(read(out, "child/helper/child/grand/stdout.log"), "grand-stdout\n");
+
+  // results.json lists the children, usage.json its own usage and the subtree's
+  const results = readJson(out, "results.json");
+  assert.equal(results.answer, "orchestrated");
+  const kids = Object.fromEntries(results.children.map((c) => [c.name, c]));
+  assert.deepEqual(Object.keys(kids).sort(), ["helper", "lint"]);
+  assert.equal(kids.lint.kind, "script");
+  assert.equal(kids.lint.status, "succeeded");
+  assert.equal(kids.helper.kind, "agent");
+  assert.equal(kids.helper.status, "succeeded");
+  const helperResults = readJson(out, "child/helper/results.json");
+  assert.deepEqual(helperResults.children.map((c) => [c.name, c.kind, c.status]), [["grand", "script", "succeeded"]]);
+
+  const own = billed(orch);
+  const sub = billed(orch, helper);
+  const usage = readJson(out, "usage.json");
+  assert.equal(usage.input, own.input, "usage.json: the orchestrator's own input tokens");
+  assert.equal(usage.output, own.output);
+  assert.equal(usage.cache_read, own.cache_read);
+  assert.equal(usage.subtree.input, sub.input, "usage.json: the subtree's input tokens");
+  assert.equal(usage.subtree.output, sub.output);
+  assert.equal(usage.subtree.cache_read, sub.cache_read);
+  const cost = price(orch) + price(helper);
+  assert.ok(Math.abs(usage.subtree.cost_usd - cost) < 1e-9, `subtree cost ${usage.subtree.cost_usd} vs ${cost}`);
+  assert.ok(Math.abs(results.total_cost_usd - cost) < 1e-9);
+
+  // the host's report of the tree
+  const rep = await call(conn, "sandbox_usage_report", { run_id: started.run_id });
+  assert.deepEqual(rep.tokens, { input: sub.input, output: sub.output, cache_creation: 0, cache_read: sub.cache_read });
+  assert.ok(Math.abs(rep.total_cost_usd - cost) < 1e-9);
+  const rows = Object.fromEntries(rep.nodes.map((n) => [n.path || "(root)", n]));
+  assert.deepEqual(Object.keys(rows).sort(), ["(root)", "helper", "helper/grand", "lint"]);
+  assert.deepEqual([rows["(root)"].depth, rows.helper.depth, rows["helper/grand"].depth, rows.lint.depth], [0, 1, 2, 1]);
+  assert.deepEqual([rows.helper.kind, rows["helper/grand"].kind, rows.lint.kind], ["agent", "script", "script"]);
+  assert.ok(Math.abs(rows.helper.cost_usd - price(helper)) < 1e-9, "the helper's own cost");
+  assert.equal(rows.lint.cost_usd, 0);
+  const byModel = Object.fromEntries(rep.by_model.map((m) => [m.model, m]));
+  return { started, rep, byModel, out, orch, helper };
+}
+
+// USD of a plan's responses at a price table (USD per million tokens)
+const priceOf = (rates) => (id) => plans.get(id).served.reduce((s, u) => {
+  const r = rates(u.model);
+  return s + (u.input * r.input + u.output * r.output + u.cache_read * r.cache_read) / 1e6;
+}, 0);
+const CLAUDE_RATES = (m) => (m.startsWith("claude-haiku-4-5") ? { input: 1, output: 5, cache_read: 0.10 }
+  : { input: 3, output: 15, cache_read: 0.30 });
+const CODEX_RATES = (m) => (m === "gpt-5.6-luna" ? { input: 1, output: 6, cache_read: 0.10 }
+  : { input: 5, output: 30, cache_read: 0.50 });
+
+test("Claude Code orchestrates a tree: a script child, an agent child with a script grandchild, a summary", { timeout: 600_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv("claude-tree") });
+  try {
+    const r = await runTree(conn, { tag: "claude", model: "sonnet", childModel: "haiku", price: priceOf(CLAUDE_RATES),
+      tokens: { orch: { input: 1100, output: 110, cache_read: 11 }, helper: { input: 2300, output: 230, cache_read: 23 } } });
+    assert.deepEqual(Object.keys(r.byModel).sort(), ["claude-haiku-4-5-20251001", "claude-sonnet-5"]);
+    assert.equal(r.byModel["claude-haiku-4-5-20251001"].input, billed(r.helper).input);
+    assert.equal(r.byModel["claude-sonnet-5"].input, billed(r.orch).input);
+  } finally {
+    await conn.client.close();
+  }
+});
+
+test("Codex orchestrates the same tree through its mcp__demesne namespace", { timeout: 600_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv("codex-tree") });
+  try {
+    const r = await runTree(conn, { tag: "codex", model: "gpt-5.6-sol", childModel: "gpt-5.6-luna",
+      price: priceOf(CODEX_RATES),
+      tokens: { orch: { input: 3700, output: 370, cache_read: 37 }, helper: { input: 4900, output: 490, cache_read: 49 } } });
+    assert.deepEqual(Object.keys(r.byModel).sort(), ["gpt-5.6-luna", "gpt-5.6-sol"]);
+    assert.equal(r.byModel["gpt-5.6-luna"].cache_read, billed(r.helper).cache_read);
+    assert.equal(r.byModel["gpt-5.6-sol"].output, billed(r.orch).output);
+  } finally {
+    await conn.client.close();
+  }
+});
+
