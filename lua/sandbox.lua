@@ -317,6 +317,7 @@ function sandbox.script_prepare(args, kind)
   o.env = sandbox.env(args.env, default_env(o.run_id, o.egress))
   o.timeout, o.exec_id, o.name = timeout, "main", "demesne-" .. o.run_id
   o.image_arg, o.command = args.image, sandbox.check_command("command", args.command)
+  o.args = args -- for the plan hooks (mcp, tree, budget_usd)
   return o
 end
 

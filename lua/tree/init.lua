@@ -411,7 +411,7 @@ local function copy_inputs(list)
 end
 
 local function has_endpoint(kind, args)
-  return kind == "agent" or kind == "research" or (kind == "create" and type(args) == "table" and args.mcp == true)
+  return kind == "agent" or kind == "research" or (type(args) == "table" and args.mcp == true)
 end
 
 -- Gives the plan its endpoint: the relay of tree.PORT to <run_dir>/mcp.sock, the listener,
@@ -564,7 +564,7 @@ local function wake_root(root_id)
   end
 end
 
-local write_usage -- below
+local write_usage, write_results, write_out -- below
 
 -- The node's container is gone: it frees its slot, its running children end ("parent
 -- ended"), its endpoint closes, its workspace goes when it made it.
@@ -586,7 +586,11 @@ local function ended(n, why)
     end
   end
   remove_workspace(n)
-  if #n.children > 0 and n.kind ~= "agent" and n.kind ~= "research" then pcall(write_usage, n) end
+  if n.endpoint and n.kind ~= "agent" and n.kind ~= "research" then
+    -- an agent run's results.json is written by lua/agent.lua (tree.result adds to it)
+    local ok2, werr = pcall(write_results, n)
+    if not ok2 then log.warning(LOGGER, "%s: results.json: %s", n.run_id, tostring(werr)) end
+  end
   save(n)
   m(n.run_id).ended.set()
   log.info(LOGGER, "%s: ended (%s%s)", n.run_id, n.status, n.reason and (": " .. n.reason) or "")
@@ -984,17 +988,30 @@ write_usage = function(n)
   end
   doc.subtree = { cost_usd = t.cost_usd, input = t.input, output = t.output, cache_creation = t.cache_creation,
     cache_read = t.cache_read, models = t.models, nodes = t.nodes }
-  local text = json.encode(doc) .. "\n"
+  write_out(n, "usage.json", json.encode(doc) .. "\n")
+end
+
+-- Writes `text` to `name` in the node's output folder, never through a link the sandbox left.
+write_out = function(n, name, text)
   if fs.opendir then
     local d = fs.opendir(n.output_dir)
     if d then
-      d:write_atomic("usage.json", text)
+      d:write_atomic(name, text)
       d:close()
     end
-  else
-    local st = fs.lstat(n.output_dir .. "/usage.json")
-    if not st or st.type == "file" or st.type == "link" then fs.write_atomic(n.output_dir .. "/usage.json", text) end
+    return
   end
+  local st = fs.lstat(n.output_dir .. "/" .. name)
+  if not st or st.type == "file" or st.type == "link" then fs.write_atomic(n.output_dir .. "/" .. name, text) end
+end
+
+-- results.json of a script or persistent sandbox that had an endpoint: its outcome and children.
+write_results = function(n)
+  local t = tree.totals(n.run_id)
+  write_out(n, "results.json", json.encode({ run_id = n.run_id, kind = n.kind, status = n.status,
+    exit_code = n.exit_code, reason = n.reason, children = tree.children(n.run_id),
+    total_cost_usd = t.cost_usd }) .. "\n")
+  if #n.children > 0 then write_usage(n) end
 end
 
 --- The agent result hook (agent.hooks.result): before results.json is written, a tree
