@@ -5,7 +5,12 @@
 -- DEMESNE_LOG_LEVEL). `--fixtures DIR` also loads the tool files in DIR (test fixtures).
 local async = require("demesne.async")
 local config = require("demesne.config")
+local hostmcp = require("demesne.hostmcp")
 local log = require("demesne.log")
+local stdio = require("demesne.mcp.stdio")
+local tools = require("demesne.tools")
+local tree = require("demesne.tree")
+local endpoint = require("demesne.tree.endpoint")
 
 -- The reaper: at start and every reap_interval seconds, remove expired sandboxes and
 -- one-shot containers whose server is gone. It works from the engine's labels.
@@ -58,10 +63,14 @@ return function(args, opts)
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
   local jobs = require("demesne.jobs")
   jobs.start()
-  local registry = require("demesne.tools").load({ fixtures = opts.fixtures })
+  -- host MCP servers: their declaration problems are logged now; they start on first use
+  async.spawn("host MCP configuration", function()
+    local ok, err = pcall(hostmcp.load)
+    if not ok and err ~= async.CANCELLED then log.error("demesne.hostmcp", "%s", tostring(err)) end
+  end)
+  local registry = tools.load({ fixtures = opts.fixtures })
   -- nested sandboxes: the in-sandbox MCP endpoint, and the trees a previous server left
-  local limits = require("demesne.mcp.stdio").limits()
-  local tree, endpoint = require("demesne.tree"), require("demesne.tree.endpoint")
+  local limits = stdio.limits()
   local ok, eerr = endpoint.start(registry, limits)
   if not ok then log.error("demesne.tree", "the in-sandbox MCP endpoint cannot start: %s", tostring(eerr)) end
   tree.start()
@@ -71,10 +80,12 @@ return function(args, opts)
     status = require("demesne.mcp.http").serve({ addrs = addrs, allow_remote = allow_remote, registry = registry,
       on_stop = on_stop })
   else
-    status = require("demesne.mcp.stdio").serve({ registry = registry, on_stop = on_stop })
+    status = stdio.serve({ registry = registry, on_stop = on_stop })
   end
   tree.stop_service()
   jobs.stop()
+  -- no host MCP server outlives the server
+  hostmcp.shutdown_outside_task()
   async.cancel(reaper, "shutdown")
   return status
 end
