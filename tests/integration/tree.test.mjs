@@ -161,6 +161,7 @@ test("host cancel of the root mid-run takes the whole tree within seconds", asyn
   assert.ok(took < 30_000, `the tree went in ${took} ms`);
   const child = await ok("sandbox_status", { job_id: bg.job_id });
   assert.equal(child.status, "cancelled");
+  assert.equal(child.reason, "parent cancelled");
   const r = await report(root.run_id);
   assert.deepEqual(r.nodes.map((n) => [n.path, n.status]),
     [["", "cancelled"], ["bg-sleeper", "cancelled"], ["fg-sleeper", "cancelled"]]);
