@@ -658,8 +658,15 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   local res = table.pack(pcall(run, ctx, call))
   local child = spawn.run_id and tree.get(spawn.run_id)
   if not res[1] then
-    if res[2] == async.CANCELLED then error(res[2], 0) end
-    if child and not FINAL[child.status] then
+    if res[2] == async.CANCELLED then
+      -- the caller's request was cancelled (or its session ended): the child went with it
+      if child then
+        settle(child, "cancelled", { reason = child.cancel_reason or "the call that spawned it was cancelled" }, "result")
+        save(child)
+      end
+      error(res[2], 0)
+    end
+    if child then
       settle(child, "failed", { reason = type(res[2]) == "table" and res[2].message or tostring(res[2]) }, "result")
       save(child)
     end
