@@ -1,8 +1,9 @@
 // Nested sandboxes over MCP (the official SDK client on the host, stdio) against a real
 // container engine, driven by SCRIPT orchestrators: sandboxes made with mcp: true whose
-// commands call the in-sandbox endpoint (tests/fixtures/tree/mcp-client.py, standard library
-// Python, over both Streamable HTTP revisions: the sandbox has no network) to spawn children
-// and grandchildren. Checks the tree's outputs (/out/child/<name>), inheritance (/in,
+// commands call the in-sandbox endpoint to spawn children and grandchildren, with the
+// official SDK client (tests/fixtures/tree/sdk-call.mjs, this suite's node_modules mounted
+// read-only: the sandbox has no network) and a standard-library Python client
+// (tests/fixtures/tree/mcp-client.py) for revision 2026-07-28, a wrong token and a forged header. Checks the tree's outputs (/out/child/<name>), inheritance (/in,
 // /workspace, /in/previous-jobs), results.json and sandbox_usage_report, the refusals (depth,
 // duplicate name, open egress, ids outside the subtree, a wrong or another run's token, a
 // forged header, a planted child/<name> link), a host cancel of the root, a parent that
@@ -27,13 +28,14 @@ const env = {
   DEMESNE_ENGINE: ENGINE,
   DEMESNE_OUTPUT_ROOT: path.join(work, "out"),
   DEMESNE_STATE_DIR: path.join(work, "state"),
-  DEMESNE_ALLOWED_PATHS: `${FIX}:${DATA}`,
+  DEMESNE_ALLOWED_PATHS: `${FIX}:${DATA}:${path.join(ROOT, "tests/integration/node_modules")}`,
   DEMESNE_PROGRESS_INTERVAL: "1",
   DEMESNE_JOBS_POLL_INTERVAL: "0.5",
 };
 const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
 const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
-const INPUTS = { directories: [FIX, DATA], image: "default" };
+const MODULES = path.join(ROOT, "tests/integration/node_modules"); // the official SDK, for sdk-call.mjs inside
+const INPUTS = { directories: [FIX, DATA, MODULES], image: "default" };
 
 let conn;
 before(async () => { conn = await connect({ env, fixtures: false }); });
