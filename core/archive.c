@@ -716,13 +716,16 @@ static int walk_create(xstate *x, const char *raw, const char *dir) {
     if (fd < 0) {
       int e = errno;
       struct stat st;
-      if ((e == ELOOP || e == ENOTDIR) && fstatat(cur, s, &st, AT_SYMLINK_NOFOLLOW) == 0) {
-        if (S_ISLNK(st.st_mode))
+      if (e == ELOOP || e == ENOTDIR) {
+        if (fstatat(cur, s, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISLNK(st.st_mode))
           set_err(x->err, "EUNSAFE", "unsafe entry '%s': would be written through the symlink '%s'",
                   shown(raw, cut, sizeof cut), buf);
-        else
+        else if (fstatat(cur, s, &st, AT_SYMLINK_NOFOLLOW) == 0 && !S_ISDIR(st.st_mode))
           set_err(x->err, "EUNSAFE", "unsafe entry '%s': '%s' is a %s, not a folder", shown(raw, cut, sizeof cut), buf,
                   dm_cf_type_name(st.st_mode));
+        else /* a link or a file a moment ago: someone swaps it */
+          set_err(x->err, "EUNSAFE", "unsafe entry '%s': the folder '%s' was swapped while being written into",
+                  shown(raw, cut, sizeof cut), buf);
       } else {
         set_errno(x->err, e, "open", buf);
       }

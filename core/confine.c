@@ -185,7 +185,15 @@ int dm_cf_openat(int dfd, const char *rel, int flags, mode_t mode) {
   return walk_open(dfd, rel, flags, mode);
 }
 
-int dm_cf_open_dir(int dfd, const char *rel) { return dm_cf_openat(dfd, rel, O_RDONLY | O_DIRECTORY, 0); }
+int dm_cf_open_dir(int dfd, const char *rel) {
+  int fd = dm_cf_openat(dfd, rel, O_RDONLY | O_DIRECTORY, 0);
+  if (fd < 0 && errno == ENOTDIR) { /* a symlink at the end says ENOTDIR: say what it is */
+    struct stat st;
+    if (dm_cf_lstat(dfd, rel, &st) == 0 && S_ISLNK(st.st_mode)) errno = ELOOP;
+    else errno = ENOTDIR;
+  }
+  return fd;
+}
 
 int dm_cf_parent(int dfd, const char *rel, char *base, size_t cap) {
   if (is_self(rel)) {

@@ -298,11 +298,12 @@ local function read_status(run_dir, exec_id)
     if code == "ENOENT" then return nil end
     fail(("cannot read the command's exit status: %s"):format(tostring(err)), code)
   end
-  local ok, t = pcall(json.decode, s)
-  local st, why = sandbox.check_status(ok and t or nil)
+  local t, jerr = json.decode(s)
+  local st, why = sandbox.check_status(t)
   if not st then
+    if t == nil then why = "it is not JSON: " .. tostring(jerr) end
     fail(("the command's exit status %s/%s is not valid (%s); it was written inside the sandbox"):format(run_dir, rel,
-      ok and why or "it is not JSON"), "EINVAL")
+      why), "EINVAL")
   end
   return st
 end
