@@ -96,6 +96,7 @@ typedef struct {
   char *buf;
   uint64_t max_bytes, max_depth;
   uint64_t counted; /* the sizing pass */
+  uint64_t max_entries, seen; /* entries of every type met in this pass */
   atomic_int *cancel;
 } packer;
 
@@ -199,8 +200,9 @@ static int pack_file(packer *p, int pfd, const char *n, const char *name, const 
 
 static int cmp_names(const void *a, const void *b) { return strcmp(*(char *const *)a, *(char *const *)b); }
 
-/* The names in folder fd, sorted, without "." and "..". */
-static char **list_names(int fd, size_t *n, dm_archive_err *err, const char *name) {
+/* The names in folder fd, sorted, without "." and "..": at most `max` (0 = no cap; more is
+ * E2BIG, so a folder of millions of names is refused before they are all held). */
+static char **list_names(int fd, size_t *n, uint64_t max, dm_archive_err *err, const char *name) {
   *n = 0;
   int d2 = dup(fd);
   DIR *d = d2 >= 0 ? fdopendir(d2) : NULL;
@@ -215,6 +217,14 @@ static char **list_names(int fd, size_t *n, dm_archive_err *err, const char *nam
   errno = 0;
   while ((de = readdir(d))) {
     if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+    if (max && *n >= max) {
+      closedir(d);
+      for (size_t i = 0; i < *n; i++) free(v[i]);
+      free(v);
+      *n = 0;
+      set_err(err, "E2BIG", "more than max_entries (%llu) entries", (unsigned long long)max);
+      return NULL;
+    }
     if (*n == cap) {
       size_t nc = cap ? cap * 2 : 32;
       char **nv = realloc(v, nc * sizeof *nv);
@@ -277,7 +287,12 @@ static int pack_at(packer *p, int pfd, const char *n, const char *name, uint64_t
       }
     }
     size_t cnt = 0;
-    char **names = rc == 0 ? list_names(fd, &cnt, p->err, name) : NULL;
+    uint64_t left = p->max_entries ? (p->seen < p->max_entries ? p->max_entries - p->seen : 0) : 0;
+    char **names = NULL;
+    if (rc == 0 && p->max_entries && !left) set_err(p->err, "E2BIG", "more than max_entries (%llu) entries",
+                                                    (unsigned long long)p->max_entries);
+    else if (rc == 0) names = list_names(fd, &cnt, left, p->err, name);
+    p->seen += cnt;
     if (!names) rc = -1;
     for (size_t i = 0; i < cnt; i++) {
       if (rc == 0) {
@@ -406,6 +421,7 @@ int dm_archive_pack_fd(int out_fd, const dm_archive_entry *entries, size_t n, co
   p.err = err;
   p.cancel = cancel;
   p.max_bytes = lim ? lim->max_bytes : 0;
+  p.max_entries = lim ? lim->max_entries : 0;
   p.max_depth = depth_limit(lim);
   int strict = lim && lim->strict_src;
   struct stat ost;
@@ -424,7 +440,7 @@ int dm_archive_pack_fd(int out_fd, const dm_archive_entry *entries, size_t n, co
       return -1;
     }
   }
-  if (p.max_bytes) {
+  if (p.max_bytes || p.max_entries) {
     for (size_t i = 0; i < n; i++) {
       normalize(entries[i].name, name, sizeof name);
       if (entries[i].src) {
@@ -435,6 +451,7 @@ int dm_archive_pack_fd(int out_fd, const dm_archive_entry *entries, size_t n, co
       }
     }
   }
+  p.seen = 0;
   p.buf = malloc(BLOCK);
   p.a = archive_write_new();
   int rc = 0;

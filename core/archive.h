@@ -46,7 +46,7 @@ typedef struct dm_archive_stats {
 /// fails with "E2BIG" and a message naming the entry or path.
 typedef struct dm_archive_limits {
   uint64_t max_bytes;   ///< total size of regular files, in bytes (apparent size: holes count)
-  uint64_t max_entries; ///< number of entries of any type (extract)
+  uint64_t max_entries; ///< number of entries of any type (extract; pack: below each src)
   uint64_t max_depth;   ///< folder levels below the top
   uint64_t max_archive_bytes; ///< extract: bytes of the tar itself read at most
   int strict_src;       ///< pack: resolve each src from "/" with no symlink on the way

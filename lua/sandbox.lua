@@ -830,10 +830,11 @@ function sandbox.upload(ctx, args)
   local max = config.get("upload_max_bytes")
   local xfer, name, sandbox_tar, guard = xfer_dir(sb)
   local _ <close> = guard
-  local f, ferr, fcode = xfer:open(name, "wx", 420) -- 0644
+  local f <close>, ferr, fcode = xfer:open(name, "wx", 420) -- 0644
   if not f then fail("file transfer: " .. tostring(ferr), fcode) end
   local stats, perr, pcode = await_work(function(cb)
-    return archive.pack_to(f, { { src = src, name = base } }, { max_bytes = max, strict = true }, cb)
+    return archive.pack_to(f, { { src = src, name = base } }, { max_bytes = max, max_entries = 1000000, strict = true },
+      cb)
   end)
   f:close()
   if not stats then

@@ -239,7 +239,7 @@ static char *own(pack_job *j, const char *s, size_t len) {
 /// core.archive.pack_to(file, entries, opts, callback) -> work | nil, msg, code. Writes a
 /// tar of `entries` (as for pack) to the open, writable core.fs.file `file`, off the loop.
 /// opts: max_bytes (sizes summed before anything is written, and enforced while writing),
-/// max_depth (folder levels, default 256), strict (resolve each src from "/" with no
+/// max_entries, max_depth (folder levels, default 256), strict (resolve each src from "/" with no
 /// symlink on the way). callback({files, bytes} | nil, msg, code).
 static int l_pack_to(lua_State *L) {
   int fd = dm_fs_check_file(L, 1);

@@ -374,7 +374,7 @@ static int lwork_call(lua_State *L) {
 static void lwork_done(dm_work *w) {
   dm_lwork *lw = (dm_lwork *)w;
   lua_State *L = dm_rt.L;
-  if (lw->ud) ((work_ud *)lw->ud)->lw = NULL;
+  if (L && lw->ud) ((work_ud *)lw->ud)->lw = NULL; /* after lua_close the handle is gone */
   if (L) {
     lua_pushcfunction(L, lwork_call);
     lua_pushlightuserdata(L, lw);

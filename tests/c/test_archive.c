@@ -650,6 +650,20 @@ static void test_pack_limits(void) {
   CHECK(ost.st_size == 0, "nothing written when over the cap: %lld bytes", (long long)ost.st_size);
   close(ofd);
   unlink(p);
+  /* an entry cap: refused in the sizing pass, nothing written */
+  ofd = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  for (int i = 0; i < 20; i++) {
+    snprintf(p, sizeof p, "%s/n%d", src, i);
+    int nf = open(p, O_WRONLY | O_CREAT, 0644);
+    if (nf >= 0) close(nf);
+  }
+  dm_archive_limits few = {.max_entries = 10};
+  rc = dm_archive_pack_fd(ofd, en, 1, &few, &st, &err, NULL);
+  fstat(ofd, &ost);
+  CHECK(rc == -1 && !strcmp(err.code, "E2BIG") && ost.st_size == 0, "max_entries: %s, %lld bytes written",
+        rc ? err.code : "ok", (long long)ost.st_size);
+  close(ofd);
+  snprintf(p, sizeof p, "%s/big", src);
   /* a source through a symlink is refused in strict mode */
   char link[PATH_MAX + 16], via[PATH_MAX + 32];
   snprintf(link, sizeof link, "%s/plink", base);
