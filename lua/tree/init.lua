@@ -114,24 +114,15 @@ end
 -- Folders
 
 -- Creates the folder `name` in the host folder `parent` without following a link anywhere
--- the sandbox could have put one: `parent` is opened as a held folder and the new one made
--- in it (EEXIST when anything is there). Returns the new folder's path.
+-- the sandbox could have put one: `parent` is held (core.fs.opendir: a final link is not
+-- followed) and the new folder made in it with mkdirat (EEXIST when anything, a link
+-- included, is there). Returns the new folder's path, or nil, err, code.
 local function make_dir_in(parent, name, mode)
-  if fs.opendir then
-    local d, err = fs.opendir(parent)
-    if not d then fail(("cannot open %s: %s"):format(parent, tostring(err))) end
-    local ok, merr, code = d:mkdir(name, mode)
-    d:close()
-    if not ok then return nil, merr, code end
-    return parent .. "/" .. name
-  end
-  local st = fs.lstat(parent)
-  if not st or st.type ~= "directory" then fail(("%s is not a plain folder; refusing to write through it"):format(parent)) end
-  if fs.lstat(parent .. "/" .. name) then return nil, "exists", "EEXIST" end
-  local ok, err, code = fs.mkdir_p(parent .. "/" .. name, mode)
-  if not ok then return nil, err, code end
-  local st2 = fs.lstat(parent .. "/" .. name)
-  if not st2 or st2.type ~= "directory" then return nil, "not a folder", "EEXIST" end
+  local d, err, code = fs.opendir(parent)
+  if not d then return nil, err, code end
+  local ok, merr, mcode = d:mkdir(name, mode)
+  d:close()
+  if not ok then return nil, merr, mcode end
   return parent .. "/" .. name
 end
 
@@ -140,27 +131,24 @@ local function new_workspace(run_id)
   assert(fs.mkdir_p(base, 448)) -- 0700: no other host user reaches into it
   local dir, err = make_dir_in(base, run_id, 511)
   if not dir then fail(("cannot make the workspace of %s: %s"):format(run_id, tostring(err))) end
-  fs.chmod(dir, 511) -- 0777 as the tmpfs it replaces: whatever user the image runs as writes it
+  local d = fs.opendir(base)
+  if d then
+    d:chmod(run_id, 511) -- 0777 as the tmpfs it replaces: whatever user the image runs as writes it
+    d:close()
+  end
   return dir
 end
 
+-- Removes a workspace the node made: unlinkat on held folders, never through a link, off
+-- the loop (sandbox.remove_in). The host never reads it.
 local function remove_workspace(n)
   if not (n.owns_workspace and n.workspace) then return end
-  local base, id = n.workspace:match("^(.*)/workspaces/([^/]+)$")
+  local base, id = n.workspace:match("^(.*/workspaces)/([^/]+)$")
   if not base or id ~= n.run_id then return end
-  if fs.opendir then
-    local d = fs.opendir(base .. "/workspaces")
-    if d then
-      local done = async.event()
-      local w = d:remove_tree(id, function(ok, err) done.set(ok, err) end)
-      d:close()
-      if w then
-        local ok, err = done.wait()
-        if not ok then log.warning(LOGGER, "%s: workspace: %s", n.run_id, tostring(err)) end
-      end
-    end
-  else
-    fs.remove_tree(n.workspace) -- nftw FTW_PHYS: links are removed, never followed
+  local d = fs.opendir(base)
+  if d then
+    sandbox.remove_in(d, id)
+    d:close()
   end
   n.owns_workspace = false
 end
@@ -208,12 +196,8 @@ end
 -- the environment, and /out/child read-only.
 local function plan_endpoint(n, o)
   if not n.parent then assert(fs.mkdir_p(o.output_dir, 493)) end -- a root's: a new folder of its own
-  local child = make_dir_in(o.output_dir, "child", 493)
-  if not child then
-    local st = fs.lstat(o.output_dir .. "/child")
-    if not st or st.type ~= "directory" then fail("the output folder's child entry is not a plain folder") end
-    child = o.output_dir .. "/child"
-  end
+  local child, cerr = make_dir_in(o.output_dir, "child", 493)
+  if not child then fail(("cannot make %s/child: %s"):format(o.output_dir, tostring(cerr))) end
   -- the parent reads its children's /out here; read-only, so it can neither plant a link
   -- the engine would follow when it mounts a child's folder nor swap one
   o.mounts[#o.mounts + 1] = { host = child, target = "/out/child" }
@@ -338,7 +322,8 @@ local function settle(n, status, fields, src)
 end
 
 local function status_of(run_dir)
-  local st = run_dir and sandbox.read_status(run_dir, "main")
+  local ok, st = pcall(sandbox.read_status, run_dir, "main")
+  if not ok then return "failed", nil, type(st) == "table" and st.message or tostring(st) end
   local code = st and math.tointeger(st.exit_code)
   if not code then return "failed", nil, "the run recorded no exit status" end
   if code == 0 then return "succeeded", 0 end
@@ -691,12 +676,11 @@ write_usage = function(n)
   local t = tree.totals(n.run_id)
   local doc = {}
   -- keep what the vendor route wrote (its own usage, rate limits) at the top level
-  local f = fs.open_beneath(n.output_dir, "usage.json")
-  if f then
-    local prev = json.decode(f:read(1 << 20) or "")
-    f:close()
-    if type(prev) == "table" then doc = prev end
-  end
+  local d = fs.opendir(n.output_dir)
+  local text = d and d:read("usage.json", 1 << 20)
+  if d then d:close() end
+  local prev = text and json.decode(text)
+  if type(prev) == "table" then doc = prev end
   if doc.models == nil and next(own.models) then
     doc.models, doc.cost_usd = own.models, own.cost_usd
     for _, k in ipairs(TOKENS) do doc[k] = own[k] end
@@ -708,16 +692,13 @@ end
 
 -- Writes `text` to `name` in the node's output folder, never through a link the sandbox left.
 write_out = function(n, name, text)
-  if fs.opendir then
-    local d = fs.opendir(n.output_dir)
-    if d then
-      d:write_atomic(name, text)
-      d:close()
-    end
-    return
+  local d, err = fs.opendir(n.output_dir)
+  local ok
+  if d then
+    ok, err = d:write_atomic(name, text)
+    d:close()
   end
-  local st = fs.lstat(n.output_dir .. "/" .. name)
-  if not st or st.type == "file" or st.type == "link" then fs.write_atomic(n.output_dir .. "/" .. name, text) end
+  if not ok then log.warning(LOGGER, "%s: %s: %s", n.run_id, name, tostring(err)) end
 end
 
 -- results.json of a script or persistent sandbox that had an endpoint: its outcome and children.
