@@ -18,6 +18,8 @@
 --     a call from inside a sandbox (ctx.spawn, set by tree.spawn) a child; `o.tree` then
 --     holds the node's run id. The node ends when its container goes (sandbox.script_remove,
 --     destroy, the reaper), and agent.finish reports its result and usage (tree.result).
+--   * What a run may do (for its context file): tree.info(run_id) -> {run_id, root, name,
+--     depth, limits = {depth, children, running}, children_used, budget_usd, spent_usd}.
 --   * Budget: tree.check(run_id) -> true | nil, "budget of $X spent" before forwarding a
 --     model request; tree.charge(run_id, usd, usage) -> true | nil, "budget of $X spent"
 --     after counting one (usage optional: {model, input, output, cache_creation,
@@ -503,6 +505,21 @@ end
 -- Spawning (from inside a sandbox: lua/tree/child.lua)
 
 local NAME_PATTERN = "^[a-z0-9][a-z0-9%-]*$"
+
+--- What a run of a tree may do, for its context file: {run_id, root, name, depth, limits =
+--- {depth, children, running}, children_used (names taken), budget_usd (nil: none),
+--- spent_usd}. nil when the run is no tree node.
+---@param run_id string
+---@return table|nil
+function tree.info(run_id)
+  local n = tree.get(run_id)
+  local r = n and tree.get(n.root)
+  if not n or not r then return nil end
+  local spent, budget = tree.spent(n.root)
+  return { run_id = n.run_id, root = n.root, name = n.name, depth = n.depth,
+    limits = { depth = r.limits.depth, children = r.limits.children, running = r.limits.running },
+    children_used = #n.children, budget_usd = budget, spent_usd = spent }
+end
 
 --- Checks a child's name: lowercase letters, digits and inner hyphens, at most 40 bytes.
 ---@param name any

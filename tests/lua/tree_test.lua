@@ -182,6 +182,8 @@ function tests.names_depth_children_and_egress_are_checked(t)
   t:match(failure(spawn, id, "script", { name = "broken", command = "true", image = IMAGE }), "already used")
   spawn(id, "script", { name = "third", command = "true", image = IMAGE })
   t:match(failure(spawn, id, "script", { name = "more", command = "true", image = IMAGE }), "spawned 3 children")
+  t:eq(tree.info(id), { run_id = id, root = id, depth = 0, limits = { depth = 1, children = 3, running = 8 },
+    children_used = 3, spent_usd = 0 })
   sandbox.destroy(nil, { sandbox_id = id })
   local kids = tree.children(id)
   t:eq({ kids[2].name, kids[2].status }, { "broken", "failed" })
