@@ -3,12 +3,12 @@
 --
 -- API for the agent wiring (the vendor route and the agent CLIs' configuration):
 --
---   * Endpoint on the run plan. Every sandbox_agent / sandbox_research run, and
---     sandbox_script / sandbox_create with mcp = true, is a tree node with an endpoint. By the time the plan's
---     `before_create(o)` runs (lua/sandbox.lua script_start), `o.endpoint` is
+--   * Endpoint on the run plan. Every sandbox_agent / sandbox_research run, and every
+--     sandbox_script / sandbox_create run with mcp = true, is a tree node with an endpoint.
+--     By the time the plan's `before_create(o)` runs (sandbox.script_start), `o.endpoint` is
 --       { url = "http://127.0.0.1:3130/mcp", port = 3130, token = "<64 hex>",
 --         socket = "<run_dir>/mcp.sock", sandbox_socket = "/.demesne/run/mcp.sock" }
---     and the container's environment carries DEMESNE_MCP_URL and DEMESNE_MCP_TOKEN (the
+--     and the container's environment carries DEMESNE_MCP_URL and DEMESNE_MCP_TOKEN (each
 --     request must send `Authorization: Bearer <token>`). The URL and port never change, so
 --     an argv or a config file can name them as constants (tree.URL, tree.PORT); only the
 --     token is per run. `o.endpoint` is nil when no endpoint server is installed
@@ -16,16 +16,18 @@
 --   * How a run registers as a node: nothing to call. The plan hook (tree.plan, run by
 --     sandbox.script_start and sandbox.create) makes a host call of those tools a root, and
 --     a call from inside a sandbox (ctx.spawn, set by tree.spawn) a child; `o.tree` then
---     holds the node's run id. The node ends when its container goes (sandbox.script_remove,
---     destroy, the reaper), and agent.finish reports its result and usage (tree.result).
+--     holds the node's run id (= o.run_id). The node ends when its container goes
+--     (script_remove, destroy, the reaper); agent.finish reports its result and usage
+--     (agent.hooks.result -> tree.result, which also adds `children` to results.json).
 --   * What a run may do (for its context file): tree.info(run_id) -> {run_id, root, name,
 --     depth, limits = {depth, children, running}, children_used, budget_usd, spent_usd}.
---   * Budget: tree.check(run_id) -> true | nil, "budget of $X spent" before forwarding a
---     model request; tree.charge(run_id, usd, usage) -> true | nil, "budget of $X spent"
---     after counting one (usage optional: {model, input, output, cache_creation,
---     cache_read}); tree.spent(root_run_id) -> usd spent, budget (nil: none). The charge
---     that reaches the budget starts the reaction: every run of the tree still going ends
---     with reason "budget of $X spent" and no container is left.
+--   * Budget, from the vendor route: tree.check(run_id) -> true | nil, "budget of $X spent"
+--     before forwarding a model request; tree.charge(run_id, usd, usage) -> true | nil,
+--     "budget of $X spent" after counting one (usage optional: {model, input, output,
+--     cache_creation, cache_read}; it feeds the live usage report); tree.spent(run_id) ->
+--     usd spent by its tree, budget (nil: none). The charge that reaches the budget starts
+--     the reaction: every run of the tree still going ends with reason "budget of $X spent",
+--     children first, and no container is left. A run that is no tree node always passes.
 --
 -- Records: <state_dir>/tree/<run id>.json (0600, out of every sandbox's reach), one per
 -- node; a root's also holds the tree's limits, budget, spend and member list. Workspaces
@@ -268,6 +270,7 @@ function tree.plan(ctx, o, args)
       n.workspace, n.owns_workspace = new_workspace(n.run_id), true
     end
     spawn.run_id = n.run_id
+    m(n.run_id).task = async.current() -- the spawning call's task (tree.stop may cancel it)
     root.members[#root.members + 1] = n.run_id
     for _, c in ipairs(parent.children) do
       if c.name == spawn.name then c.run_id = n.run_id end
@@ -466,10 +469,19 @@ local function stop_one(n, reason)
     ended(n, reason)
   else
     -- a run a call is waiting for: its container goes, the call comes back and ends it
+    local mine = n.owner == sandbox.owner()
     local eng = sandbox.engine()
     eng:remove("demesne-" .. n.run_id)
-    if not wait_ended(n, 30000) or not sandbox.owner_alive(n.owner) or n.owner ~= sandbox.owner() then
-      ended(n, reason) -- nobody is waiting for it (its server is gone): end it here
+    if mine and not wait_ended(n, 10000) then
+      -- no container yet (an image being built, a create in flight): a child's spawning call
+      -- is cancelled, its cleanup removes whatever it made (a root's call is the host's: it
+      -- must answer, so only its container goes)
+      local task = m(n.run_id).task
+      if n.parent and task and not task.done then async.cancel(task, reason) end
+      eng:remove("demesne-" .. n.run_id)
+    end
+    if not mine or not wait_ended(n, 30000) then
+      ended(n, reason) -- nobody is waiting for it (its server is gone), or it is stuck: end it here
     end
   end
   if n.active and wait_ended(n, 60000) == nil then
