@@ -395,6 +395,10 @@ Handle.__index = Handle
 
 --- Starts the proxy of one sandbox: listens on <run_dir>/egress.sock and appends to
 --- <output_dir>/egress.jsonl. `o`: {run_id, run_dir, output_dir, policy (or egress) = compiled policy}.
+--- The listener admits at most egress_max_connections connections whose descriptors stay
+--- within sandbox_max_descriptors (see core/proxy.h); a connection over either ceiling is
+--- answered 503 naming it, and egress.jsonl gets a "ceiling" line (at most one a second,
+--- with the count of refusals since the last one).
 --- Returns a handle (closing it — or egress.stop — stops the listener and waits for its
 --- connections to end), or a handle that does nothing for open egress; nil, err on failure.
 function egress.start(o)
@@ -413,7 +417,11 @@ function egress.start(o)
     .. "Acquire::https::Proxy \"http://127.0.0.1:%d\";\n"):format(egress.PORT, egress.PORT))
   local path = o.run_dir .. "/" .. egress.SOCKET_NAME
   local resolver = config.get("egress_resolver")
-  local listener, err, code = proxy.listen(path, { rules = pol.addr_rules, resolver = resolver ~= "" and resolver or nil },
+  local listener, err, code = proxy.listen(path, { rules = pol.addr_rules, resolver = resolver ~= "" and resolver or nil,
+      max_conns = math.floor(config.get("egress_max_connections")),
+      max_fds = math.floor(config.get("sandbox_max_descriptors")),
+      ceiling_hint = "(egress_max_connections / sandbox_max_descriptors in the demesne configuration)",
+      on_refused = function(info) h:on_refused(info) end },
     function(conn, req) h:on_request(conn, req) end,
     function(conn, res) h:on_done(conn, res) end)
   if not listener then
@@ -444,7 +452,9 @@ function Handle:on_done(conn, res)
   if not p then return end
   local allowed = p.verdict == egress.ALLOW and not res.denied
   local rule = p.rule
-  if p.verdict == egress.ALLOW and res.denied then
+  if res.code == "ELIMIT" then
+    allowed, rule = false, "ceiling" -- a descriptor ceiling stopped it while it dialled
+  elseif p.verdict == egress.ALLOW and res.denied then
     local r = res.rule and self.policy.rules[res.rule]
     rule = r and r.label or ("address:" .. tostring((res.error or ""):match("is (.*)$") or "refused"))
   end
@@ -458,6 +468,30 @@ function Handle:on_done(conn, res)
     local ok, line = pcall(json.encode, rec)
     if ok then self.file:write(line .. "\n") end
   end
+end
+
+-- Writes the pending "ceiling" line: the refusals since the last one, and why.
+function Handle:flush_refusals()
+  local r = self.refusals
+  if not r or r.count == 0 or not self.file then return end
+  local ok, line = pcall(json.encode, { time = iso_now(), sandbox = self.run_id, verdict = "deny", rule = "ceiling",
+    status = 503, refused = r.count, limit = r.limit, error = r.message })
+  if ok then self.file:write(line .. "\n") end
+  r.count, r.last = 0, loop.now()
+end
+
+--- core.proxy's on_refused: a connection over a ceiling. Counted, and written to
+--- egress.jsonl at most once a second (a flood must not become a flood of lines).
+---@param info table  {limit, active, ceiling, answered, message}
+function Handle:on_refused(info)
+  local r = self.refusals or { count = 0, last = -math.huge }
+  self.refusals = r
+  r.count, r.limit, r.message = r.count + 1, info.limit, info.message
+  if r.count == 1 and r.total == nil then
+    log.warning(LOGGER, "sandbox %s: egress connection refused: %s", self.run_id, tostring(info.message))
+  end
+  r.total = (r.total or 0) + 1
+  if loop.now() - r.last >= 1000 then self:flush_refusals() end
 end
 
 --- Stops the listener; inside a task, waits until every connection has ended (so
@@ -477,6 +511,7 @@ function Handle:stop()
       if not ok and err == async.CANCELLED then error(err, 0) end
     end
   end
+  self:flush_refusals()
   if self.file then self.file:close() self.file = nil end
 end
 Handle.__close = Handle.stop
