@@ -72,7 +72,12 @@ local function run(file, args)
   local tail = ""
   local code = async.await(function(cb)
     local proc, streams = process.spawn({ file = file, args = args, stderr = true, stdout = true }, function(c) cb(c) end)
-    if not proc then cb(127); return end
+    if not proc then
+      -- not started (EMFILE, ENOENT…): the reason is the error, never an empty tail
+      tail = ("cannot start %s: %s"):format(file, tostring(streams))
+      cb(127)
+      return
+    end
     for _, s in pairs(streams) do
       s:read_start(function(chunk)
         if chunk then tail = (tail .. chunk):sub(-2000) else s:close() end
