@@ -391,8 +391,9 @@ function sandbox.run_script(ctx, args)
   end })
   sandbox.script_start(ctx, o)
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
-  -- demesne-init enforces the timeout inside; this host-side guard covers a stuck engine
-  local code, err = sandbox.script_wait(o, (o.timeout + 30) * 1000)
+  -- demesne-init enforces the timeout inside; this host-side deadline covers a stuck engine
+  -- or sandbox (the container is removed on the way out either way)
+  local code, err = sandbox.script_wait(o, sandbox.deadline_ms(o.timeout))
   return sandbox.script_result(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
 end
 
@@ -546,21 +547,61 @@ function sandbox.exec_prepare(args)
   }
 end
 
---- Runs a planned exec through the engine and waits for it. Returns the exec's exit code,
---- or nil, message, code. Cancelling the task stops the wait only: call exec_kill.
+--- The host-side deadline of a command that may run `timeout_s` seconds in a sandbox: its
+--- timeout plus exec_grace_seconds, in ms. demesne-init enforces the timeout inside; this
+--- bounds the host's wait when demesne-init itself does not answer (stopped with SIGSTOP
+--- by the sandbox, or hung).
+---@param timeout_s number
+---@return integer ms
+function sandbox.deadline_ms(timeout_s)
+  return math.floor((timeout_s + config.get("exec_grace_seconds")) * 1000)
+end
+
+--- Stops a persistent sandbox that did not answer within a host-side deadline: the engine
+--- kills its container (every process in it; the container and its output folder stay
+--- until sandbox_destroy or expiry) and its egress proxy stops. Returns the sentence that
+--- says so, for the caller's error.
+---@param eng table
+---@param container string     container id or name
+---@param sandbox_id string|nil
+---@param what string          what overran, e.g. "the command did not end within its timeout (5 s) plus a grace of 30 s"
+---@return string message
+function sandbox.stop_unresponsive(eng, container, sandbox_id, what)
+  log.warning("demesne.sandbox", "sandbox %s: %s; stopping it as unresponsive", tostring(sandbox_id or container), what)
+  local ok, err = (eng.kill and eng.kill or eng.remove)(eng, container, "KILL")
+  if sandbox_id then egress.stop(sandbox_id) end
+  return ("%s: the sandbox's demesne-init is not responding (stopped or hung), so sandbox %s %s; its output "
+    .. "folder is kept. sandbox_destroy removes it; create a new sandbox to go on"):format(what,
+    tostring(sandbox_id or container), ok and "was stopped" or ("could not be stopped (" .. tostring(err) .. ")"))
+end
+
+--- Runs a planned exec through the engine and waits for it, at most its timeout plus
+--- exec_grace_seconds. Returns the exec's exit code, or nil, message, code ("ETIMEDOUT":
+--- the deadline passed and the sandbox did not answer). Cancelling the task stops the
+--- wait only: call exec_kill.
 ---@param e table  the plan from exec_prepare
 ---@return integer|nil code, string|nil err, string|nil ecode
 function sandbox.exec_run(e)
-  return e.engine:exec(e.container, e.argv, { env = e.env })
+  return e.engine:exec(e.container, e.argv, { env = e.env, timeout_ms = sandbox.deadline_ms(e.timeout) })
 end
 
 --- Kills a planned exec's whole process group inside the sandbox (demesne-init kill:
 --- SIGTERM, SIGKILL after 2 s). Works after a restart: needs only the container and dir.
+--- The kill itself has a host-side deadline (its own 5 s plus exec_grace_seconds): a
+--- sandbox that does not answer it is stopped (stop_unresponsive). Returns what the
+--- engine's exec returned, or nil, message, "ETIMEDOUT".
 ---@param eng table       the engine adapter
 ---@param container string
 ---@param dir string      the exec's folder inside the sandbox (/.demesne/run/exec/<id>)
-function sandbox.exec_kill(eng, container, dir)
-  return eng:exec(container, { INIT, "kill", "--dir", dir, "--signal", "TERM", "--grace", "2" })
+---@param sandbox_id string|nil
+function sandbox.exec_kill(eng, container, dir, sandbox_id)
+  local code, err, ecode = eng:exec(container, { INIT, "kill", "--dir", dir, "--signal", "TERM", "--grace", "2" },
+    { timeout_ms = sandbox.deadline_ms(5) })
+  if code == nil and ecode == "ETIMEDOUT" then
+    return nil, sandbox.stop_unresponsive(eng, container, sandbox_id,
+      ("cancelling the command: demesne-init kill did not end within %d s"):format(sandbox.deadline_ms(5) // 1000)), ecode
+  end
+  return code, err, ecode
 end
 
 --- The result table of a finished exec, from status.json and its logs; `code` is what
@@ -594,11 +635,16 @@ function sandbox.exec(ctx, args)
   local finished = false
   -- cancelling the call kills the command's whole process group inside the sandbox
   local _ <close> = setmetatable({}, { __close = function()
-    if not finished then sandbox.exec_kill(e.engine, e.container, e.dir) end
+    if not finished then sandbox.exec_kill(e.engine, e.container, e.dir, args.sandbox_id) end
   end })
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
-  local code, err = sandbox.exec_run(e)
+  local code, err, ecode = sandbox.exec_run(e)
   finished = true
+  if code == nil and ecode == "ETIMEDOUT" and not read_status(e.run_dir, e.exec_id) then
+    fail("sandbox_exec: " .. sandbox.stop_unresponsive(e.engine, e.container, args.sandbox_id,
+      ("the command did not end within its timeout (%d s) plus a grace of %s s"):format(e.timeout,
+        sandbox.num(config.get("exec_grace_seconds")))), "ETIMEDOUT")
+  end
   -- a sandbox destroyed (or expired) under a running command: say so, not the engine's text
   if not read_status(e.run_dir, e.exec_id) then sandbox.check_alive(e.engine, args.sandbox_id) end
   if code == nil then fail("sandbox_exec failed: " .. tostring(err)) end
@@ -623,7 +669,11 @@ local function run_quiet(eng, sb, argv)
   local dir = RUN .. "/exec/" .. id
   local cmd = { INIT, "run", "--id", id, "--dir", dir, "--timeout", "3600", "--" }
   for _, a in ipairs(argv) do cmd[#cmd + 1] = a end
-  local code, err = eng:exec(sb.id, cmd, { env = json.array() })
+  local code, err, ecode = eng:exec(sb.id, cmd, { env = json.array(), timeout_ms = sandbox.deadline_ms(3600) })
+  if code == nil and ecode == "ETIMEDOUT" then
+    fail("file transfer failed: " .. sandbox.stop_unresponsive(eng, sb.id, sb.labels[LABEL .. "run_id"],
+      "the transfer did not end within its hour plus the grace"), "ETIMEDOUT")
+  end
   if code == nil then
     sandbox.check_alive(eng, sb.labels[LABEL .. "run_id"])
     fail("file transfer failed: " .. tostring(err))
