@@ -27,6 +27,14 @@
 -- IP literals are judged by CIDR rules only; the same CIDR rules (with their ports) decide
 -- which resolved addresses may be dialled. Each rule counts the decisions it made (`hits`).
 -- A policy that returns { open = true } gives the sandbox a bridge network and no proxy.
+--
+-- "Open egress" is a property of the policy, not of its name: a compiled policy has
+-- `unrestricted = true` when it lets a sandbox reach hosts it does not name — a bridge
+-- network ({ open = true }), an ALLOW rule for every name (host = "*"), an ALLOW rule for
+-- a CIDR block of IPv4 /0–/7 or IPv6 /0–/15, whatever ports and DENY rules come with them
+-- — or when the file declares { unrestricted = true }. Host inputs plus such a policy is
+-- the exfiltration shape: egress.select refuses it for calls that mount files, and
+-- sandbox_upload for sandboxes created with it.
 local config = require("demesne.config")
 local json = require("demesne.json")
 local log = require("demesne.log")
@@ -87,7 +95,7 @@ function egress.compile(name, def, origin)
   origin = origin or name
   if type(def) ~= "table" then return nil, ("%s: a policy file must return a table"):format(origin) end
   local pol = { name = name, description = def.description or "", origin = origin, open = def.open == true,
-    rules = {}, addr_rules = {} }
+    unrestricted = def.open == true or def.unrestricted == true, rules = {}, addr_rules = {} }
   if pol.open then return pol end
   local rules = def.rules or def
   if type(rules) ~= "table" then return nil, ("%s: rules must be a list"):format(origin) end
@@ -110,6 +118,15 @@ function egress.compile(name, def, origin)
         return nil, where .. (".cidr: %q is not a CIDR (a.b.c.d/n or v6/n)"):format(tostring(c))
       end
       rule.cidrs[#rule.cidrs + 1] = c
+    end
+    if action == egress.ALLOW then
+      for _, pat in ipairs(rule.hosts) do
+        if pat.kind == "any" then pol.unrestricted = true end
+      end
+      for _, c in ipairs(rule.cidrs) do
+        local bits = tonumber(c:match("/(%d+)$") or "")
+        if bits and bits < (c:find(":", 1, true) and 16 or 8) then pol.unrestricted = true end
+      end
     end
     if r.port ~= nil then
       rule.ports = {}
@@ -322,17 +339,28 @@ function egress.policy(name)
   return nil, ("egress: no policy %q (known: %s)"):format(tostring(name), table.concat(names, ", "))
 end
 
---- Picks the policy for a new sandbox: `name` or the default, refusing `open` when host
---- inputs are mounted. Returns the policy or nil, err.
+--- Whether the policy called `name` gives open egress (its `unrestricted` property; see
+--- the top of this file). An unknown name counts as open: a check that cannot tell refuses.
+---@param name string
+---@return boolean
+function egress.is_unrestricted(name)
+  local pol = egress.policy(name)
+  return pol == nil or pol.unrestricted == true
+end
+
+--- Picks the policy for a new sandbox: `name` or the default, refusing an unrestricted
+--- one (open egress, whatever its name) when host inputs are mounted. Returns the policy
+--- or nil, err.
 ---@param name string|nil
 ---@param has_inputs boolean
 function egress.select(name, has_inputs)
   name = name or config.get("egress_default") or "package-managers"
   local pol, err = egress.policy(name)
   if not pol then return nil, err end
-  if pol.open and has_inputs then
-    return nil, ("egress: %q is not permitted for a call that mounts files or directories "
-      .. "(host inputs plus open egress is the exfiltration shape); use a restricted policy"):format(name)
+  if pol.unrestricted and has_inputs then
+    return nil, ("egress: %q is not permitted for a call that mounts files or directories: it gives open egress "
+      .. "(%s), and host inputs plus open egress is the exfiltration shape; use a restricted policy"):format(name,
+      pol.open and "a bridge network" or "an ALLOW rule for any host or a wide address block")
   end
   return pol
 end

@@ -187,6 +187,8 @@ local function container_spec(o)
     [LABEL .. "run_dir"] = o.run_dir,
     [LABEL .. "image"] = o.image_name,
     [LABEL .. "egress"] = o.egress and o.egress.name or "none",
+    -- open egress is a property of the policy, kept here as it was at create
+    [LABEL .. "egress_unrestricted"] = o.egress and o.egress.unrestricted and "1" or "0",
   }
   return {
     Image = o.image_ref,
@@ -738,9 +740,13 @@ function sandbox.upload(ctx, args)
   if not base or base == "." or base == ".." then fail("dst: must name a file or folder, e.g. /out/data.csv") end
   if parent == "" then parent = "/" end
   local sb = sandbox.lookup(eng, args.sandbox_id)
-  if sb.labels[LABEL .. "egress"] == "open" then
-    -- host inputs plus open egress is the exfiltration shape sandbox_create refuses
-    fail(("sandbox_id: %s has open egress; host files cannot be uploaded into it"):format(args.sandbox_id))
+  -- host inputs plus open egress is the exfiltration shape sandbox_create refuses: open as
+  -- the policy was at create (label), or as the policy of that name is now (the proxy of a
+  -- re-attached sandbox follows the current file)
+  local pol_name = sb.labels[LABEL .. "egress"] or "none"
+  if sb.labels[LABEL .. "egress_unrestricted"] == "1" or egress.is_unrestricted(pol_name) then
+    fail(("sandbox_id: %s has open egress (policy %q); host files cannot be uploaded into it"):format(args.sandbox_id,
+      pol_name))
   end
   -- tar would silently replace an existing file with a folder, or an empty folder with a file
   -- (the checks exit 1 for a clash; anything else is a failure of the check itself)

@@ -238,6 +238,35 @@ function T.sandbox_proxy_end_to_end(t)
   t:match(lines[1].time, "^%d%d%d%d%-%d%d%-%d%dT%d%d:%d%d:%d%d%.%d%d%dZ$", "time")
 end
 
+-- "Open egress" is a property of the policy, not its name (issue 10): a bridge network, an
+-- ALLOW for every name or a wide address block, or a declaration.
+function T.open_egress_is_a_property_not_a_name(t)
+  local function unrestricted(def) return assert(egress.compile("mine", def)).unrestricted end
+  t:eq(unrestricted({ open = true }), true, "bridge network")
+  t:eq(unrestricted({ rules = { { egress.ALLOW, host = "*" } } }), true, "any name")
+  t:eq(unrestricted({ rules = { { egress.DENY, host = ".evil.test" }, { egress.ALLOW, host = "*", port = 443 } } }),
+    true, "any name on one port, after a carve-out")
+  t:eq(unrestricted({ rules = { { egress.ALLOW, cidr = "0.0.0.0/0" } } }), true, "every IPv4 address")
+  t:eq(unrestricted({ rules = { { egress.ALLOW, cidr = { "0.0.0.0/1", "128.0.0.0/1" } } } }), true, "two halves")
+  t:eq(unrestricted({ rules = { { egress.ALLOW, cidr = "::/0" } } }), true, "every IPv6 address")
+  t:eq(unrestricted({ unrestricted = true, rules = {} }), true, "declared")
+  t:eq(unrestricted({ rules = { { egress.DENY, host = "*" } } }), false, "a DENY for every name is not open")
+  t:eq(unrestricted({ rules = { { egress.ALLOW, host = ".example.com" }, { egress.ALLOW, cidr = "10.0.0.0/8" } } }),
+    false, "named hosts and a private block")
+  t:eq(assert(egress.policy("package-managers")).unrestricted, false, "package-managers")
+  t:eq(assert(egress.policy("none")).unrestricted, false, "none")
+  t:eq(assert(egress.policy("open")).unrestricted, true, "open")
+  -- a user's open policy under another name is refused with host inputs
+  local all = egress.policies()
+  all.wideopen = assert(egress.compile("wideopen", { rules = { { egress.ALLOW, host = "*" } } }))
+  local pol, err = egress.select("wideopen", true)
+  all.wideopen = nil
+  t:eq(pol, nil, "refused with inputs")
+  t:match(err, "open egress", "the refusal says why")
+  t:ok(egress.select("package-managers", true), "a restricted policy is fine")
+  t:eq(egress.is_unrestricted("no-such-policy"), true, "an unknown name counts as open")
+end
+
 -- A sandbox over its ceiling gets a 503 that names it, and egress.jsonl says why.
 function T.sandbox_proxy_connection_ceiling(t)
   local config = require("demesne.config")
