@@ -446,8 +446,8 @@ function egress.start(o)
   local path = o.run_dir .. "/" .. egress.SOCKET_NAME
   local resolver = config.get("egress_resolver")
   local listener, err, code = proxy.listen(path, { rules = pol.addr_rules, resolver = resolver ~= "" and resolver or nil,
-      max_conns = math.floor(config.get("egress_max_connections")),
-      max_fds = math.floor(config.get("sandbox_max_descriptors")),
+      max_conns = math.max(1, math.floor(config.get("egress_max_connections"))),
+      max_fds = math.max(1, math.floor(config.get("sandbox_max_descriptors"))),
       ceiling_hint = "(egress_max_connections / sandbox_max_descriptors in the demesne configuration)",
       on_refused = function(info) h:on_refused(info) end },
     function(conn, req) h:on_request(conn, req) end,

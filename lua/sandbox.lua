@@ -6,6 +6,8 @@
 --   <state_dir>/run/<run id>/            = /.demesne/run (exec records written by demesne-init)
 --   <state_dir>/expiry/<run id>          = renewed expiry (labels are immutable; kept outside
 --                                          the run folder, which the sandbox can write)
+--   <state_dir>/claims/<run id>          = {engine, owner} of the run folder, for the reaper
+--                                          (also outside the sandbox's reach)
 local async = require("demesne.async")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
@@ -72,6 +74,11 @@ local function owner_alive(owner)
   local host, pid, start = tostring(owner):match("^(.*)/(%d+)/(%d+)$")
   if not host then return false end
   if host ~= loop.hostname() then return true end -- another host's: not ours to judge
+  -- only a process that is not there is gone: a server out of descriptors (EMFILE) that
+  -- cannot open /proc must not take live servers for dead and reap their sandboxes
+  local f, _, errno = io.open("/proc/" .. pid .. "/stat")
+  if not f then return errno ~= 2 and errno ~= 3 end -- ENOENT, ESRCH: gone
+  f:close()
   return proc_start(pid) == start
 end
 
@@ -268,9 +275,18 @@ local function prepare(args, kind, tool, ttl)
   }
 end
 
+-- <state>/claims/<run id>: which engine and which server a run folder belongs to, kept out
+-- of the sandbox's reach, so that the reaper can tell a folder a killed server left behind
+-- from one another live server (or another engine) still uses.
+local function claim_path(run_id) return config.get("state_dir") .. "/claims/" .. run_id end
+
 local function make_dirs(o)
   check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)
+  -- after the folder: a claim without its folder is always stale (a young folder without a
+  -- claim is left alone by the reaper)
+  check(fs.mkdir_p(config.get("state_dir") .. "/claims", 448)) -- 0700
+  check(fs.write_atomic(claim_path(o.run_id), json.encode({ engine = o.engine.socket, owner = sandbox.owner() }) .. "\n"))
 end
 
 sandbox.read_status = read_status
@@ -882,13 +898,103 @@ end
 local function job_running(labels)
   local p = labels[LABEL .. "job_record"]
   if type(p) ~= "string" or not p:match("/jobs/job%-[%w%-]+%.json$") then return false end
-  local rec = json.decode(fs.read_file(p, 0, 1024 * 1024) or "")
+  local text, _, code = fs.read_file(p, 0, 1024 * 1024)
+  if not text then return code ~= "ENOENT" end -- cannot tell (EMFILE…): keep the container
+  local rec = json.decode(text)
   return type(rec) == "table" and rec.status == "running"
+end
+
+-- Removes a tree a sandbox could once write (a run folder), never following a link in it.
+-- The one place such a removal happens in the reaper: switch it to core.fs's fd-relative
+-- tree removal when that lands.
+local function remove_leftover(path)
+  return fs.remove_tree(path)
+end
+
+-- A run folder older than this with no claim file (made before claims existed) and no
+-- container is taken for a leftover: longer than a one-shot may run.
+local function unclaimed_age() return config.get("timeout_max") + 3600 end
+local TMP_AGE = 24 * 3600 -- seconds: state_dir/tmp files (build contexts, transfers) older than this are leftovers
+
+-- What a server killed at the wrong moment (SIGKILL) leaves in the state folder: run
+-- folders (exec records, proxy sockets, transfer staging) whose sandbox has no container,
+-- their expiry and claim files, and old temporary files. A run folder is kept while a
+-- container on this engine names it, a running job record names it, this process runs
+-- its proxy, or the server that made it is alive (it cleans up itself); a folder claimed
+-- for another engine is never touched. `containers` is the engine's list of demesne
+-- containers (all states). Returns the number of run folders removed.
+local function reap_leftovers(eng, containers)
+  local state = config.get("state_dir")
+  local keep = {}
+  for _, c in ipairs(containers) do
+    local l = c.Labels or {}
+    if l[LABEL .. "run_id"] then keep[l[LABEL .. "run_id"]] = true end
+    local rd = tostring(l[LABEL .. "run_dir"] or "")
+    if rd:match("/run/([^/]+)$") then keep[rd:match("/run/([^/]+)$")] = true end
+  end
+  -- whatever cannot be read (EMFILE…) stops the pass: a folder is removed only on what is known
+  local job_names, _, jcode = fs.readdir(state .. "/jobs")
+  if not job_names and jcode ~= "ENOENT" then return 0 end
+  for _, name in ipairs(job_names or {}) do
+    if name:match("^job%-[%w%-]+%.json$") then
+      local text, _, rcode = fs.read_file(state .. "/jobs/" .. name, 0, 1024 * 1024)
+      if not text and rcode ~= "ENOENT" then return 0 end
+      local rec = json.decode(text or "")
+      if type(rec) == "table" and rec.status == "running" and type(rec.run_dir) == "string" then
+        local id = rec.run_dir:match("/run/([^/]+)$")
+        if id then keep[id] = true end
+      end
+    end
+  end
+  local now = loop.time()
+  local n = 0
+  for _, id in ipairs(fs.readdir(state .. "/run") or {}) do
+    local path = state .. "/run/" .. id
+    local st = fs.lstat(path)
+    if st and id:match("^[%w%-]+$") and not keep[id] and not egress.get(id) then
+      local text, _, ccode = fs.read_file(claim_path(id), 0, 4096)
+      local claim = json.decode(text or "")
+      local leftover
+      if type(claim) == "table" then
+        leftover = claim.engine == eng.socket and not owner_alive(claim.owner)
+      elseif not text and ccode == "ENOENT" then
+        local etext, _, ecode = fs.read_file(expiry_file(path), 0, 64)
+        local expires = tonumber(etext or "") or 0
+        leftover = (etext or ecode == "ENOENT") and now - (st.mtime or now) > unclaimed_age() and expires < now
+      end
+      if leftover then
+        local ok, err = remove_leftover(path)
+        if ok then
+          n = n + 1
+          os.remove(expiry_file(path))
+          os.remove(claim_path(id))
+          log.info("demesne.reaper", "removed the leftover run folder %s (no container, job or live server claims it)", id)
+        else
+          log.warning("demesne.reaper", "cannot remove the run folder %s: %s", id, tostring(err))
+        end
+      end
+    end
+  end
+  -- expiry and claim files whose run folder is gone (a claim is written after its folder)
+  for _, sub in ipairs({ "expiry", "claims" }) do
+    for _, id in ipairs(fs.readdir(state .. "/" .. sub) or {}) do
+      if id:match("^[%w%-]+$") and not keep[id] and not fs.lstat(state .. "/run/" .. id) then
+        fs.unlink(state .. "/" .. sub .. "/" .. id)
+      end
+    end
+  end
+  for _, name in ipairs(fs.readdir(state .. "/tmp") or {}) do
+    local st = fs.lstat(state .. "/tmp/" .. name)
+    if st and now - (st.mtime or now) > TMP_AGE then remove_leftover(state .. "/tmp/" .. name) end
+  end
+  return n
 end
 
 --- One reaper pass: removes containers past their expiry and one-shot containers whose
 --- owner process is gone, but never a background job's container while its job record
---- says running. Works from the engine's state. Returns the number removed.
+--- says running; then what a killed server left in the state folder (run folders without
+--- a container, their expiry and claim files, old temporary files). Works from the
+--- engine's state. Returns the number of containers removed.
 function sandbox.reap()
   local eng = engines.get()
   if not eng then return 0 end
@@ -907,13 +1013,17 @@ function sandbox.reap()
         if l[LABEL .. "run_id"] then egress.stop(l[LABEL .. "run_id"]) end
         local rd = l[LABEL .. "run_dir"]
         if rd and paths.within(rd, config.get("state_dir") .. "/run") then
-          fs.remove_tree(rd)
+          remove_leftover(rd)
           os.remove(expiry_file(rd))
+          os.remove(claim_path(rd:match("([^/]+)$")))
         end
         log.info("demesne.reaper", "removed %s (%s)", l[LABEL .. "run_id"] or c.Id, expired and "expired" or "owner gone")
       end
     end
   end
+  -- the list again: what was just removed no longer claims its folder
+  local now_list = eng:list({ LABEL .. "managed=1" })
+  if now_list then reap_leftovers(eng, now_list) end
   return n
 end
 

@@ -457,7 +457,7 @@ end
 ---@param conn userdata  a core.stream
 function Route:accept(conn)
   if self.closed then conn:close() return end
-  local max = math.floor(config.get("vendor_max_connections"))
+  local max = math.max(1, math.floor(config.get("vendor_max_connections")))
   if self.nconns >= max then
     local why = ("this sandbox has %d connections open on its vendor route, its ceiling "
       .. "(vendor_max_connections in the demesne configuration); close some and retry"):format(self.nconns)
