@@ -884,6 +884,11 @@ static void on_connection(uv_stream_t *server, int status) {
                           .answered = c != NULL, .message = why};
     p->cb.on_refused(p->ud, &r);
   }
+  if (c && p->closing) { /* the owner closed the listener from on_refused */
+    dm_proxy_head_free(&c->head);
+    free(c);
+    c = NULL;
+  }
   if (!c) {
     drop_connection(p, pipe);
     return;
