@@ -40,10 +40,12 @@ function serverEnv(extra = {}) {
 }
 
 let conn;
+const created = []; // sandboxes to destroy even when a test fails half-way
 before(async () => {
   conn = await connect({ fixtures: false, env: serverEnv(), wrap: ["prlimit", "--nofile=1024:"] });
 });
 after(async () => {
+  for (const id of created) await call(conn, "sandbox_destroy", { sandbox_id: id }).catch(() => {});
   await conn?.client.close();
   rmSync(work, { recursive: true, force: true });
 });
@@ -55,6 +57,7 @@ async function call(c, name, args, opts = {}) {
 async function ok(c, name, args) {
   const res = await call(c, name, args);
   assert.ok(!res.isError, `${name} failed: ${res.content?.[0]?.text}`);
+  if (name === "sandbox_create") created.push(res.structuredContent.sandbox_id);
   return res.structuredContent;
 }
 async function fails(c, name, args) {
@@ -111,6 +114,15 @@ time.sleep(float(sys.argv[1]))
 `;
 
 test("a connection flood on one sandbox's proxy: the server and another sandbox answer, the flooder is told the ceiling", async (t) => {
+  try {
+    await floodAndCheck(t);
+  } catch (e) {
+    t.diagnostic(`server stderr (end): ${conn.stderr().slice(-3000)}`); // which step stalled, if one did
+    throw e;
+  }
+});
+
+async function floodAndCheck(t) {
   const limits = readFileSync(`/proc/${conn.transport.pid}/limits`, "utf8");
   const hard = Number(execFileSync("sh", ["-c", "ulimit -Hn"]).toString().trim()) || 0;
   const soft = Number(limits.match(/Max open files\s+(\d+)/)?.[1]);
@@ -120,7 +132,7 @@ test("a connection flood on one sandbox's proxy: the server and another sandbox 
   const baseline = fds();
   const flooder = await ok(conn, "sandbox_create", { image: "python", egress: "none" });
   await ok(conn, "sandbox_upload", { sandbox_id: flooder.sandbox_id, src: writeFlood(), dst: "/tmp/flood.py" });
-  const flood = call(conn, "sandbox_exec", { sandbox_id: flooder.sandbox_id, command: "python3 /tmp/flood.py 25", timeout_seconds: 120 });
+  const floodRun = call(conn, "sandbox_exec", { sandbox_id: flooder.sandbox_id, command: "python3 /tmp/flood.py 25", timeout_seconds: 120 });
   // while it floods: another sandbox's script and a ping, again and again
   await sleep(3000);
   const pings = [];
@@ -129,13 +141,13 @@ test("a connection flood on one sandbox's proxy: the server and another sandbox 
   for (let i = 0; i < 3; i++) {
     peak = Math.max(peak, fds());
     const t0 = Date.now();
-    await conn.client.ping();
+    await conn.client.ping().catch((e) => { throw new Error(`ping ${i} during the flood: ${e.message}`); });
     pings.push(Date.now() - t0);
     const r = await ok(conn, "sandbox_script", { image: "python", egress: "none", command: `echo other-${i}; python3 -c 'print(6*7)'` });
     scripts.push(r);
     await sleep(1000);
   }
-  const fr = await flood;
+  const fr = await floodRun;
   assert.ok(!fr.isError, `the flooding exec ends normally: ${fr.content?.[0]?.text}`);
   const out = fr.structuredContent.stdout;
   assert.match(out, /opened \d+ failed \d+/, "the flood ran");
@@ -162,7 +174,7 @@ test("a connection flood on one sandbox's proxy: the server and another sandbox 
   assert.ok(ceiling.reduce((n, l) => n + l.refused, 0) >= 1, `refusals are counted: ${JSON.stringify(ceiling)}`);
   assert.equal(ceiling[0].limit, "connections");
   t.diagnostic(`refused: ${ceiling.reduce((n, l) => n + l.refused, 0)} in ${ceiling.length} egress.jsonl line(s)`);
-});
+}
 
 function writeFlood() {
   const p = path.join(inputs, "flood.py");
