@@ -15,6 +15,7 @@
 -- request's headers: it is never logged, written or put into the sandbox.
 local fs = require("core.fs")
 local http = require("core.http")
+local config = require("demesne.config")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local loop = require("core.loop")
@@ -471,8 +472,36 @@ local function error_body(p, status, message)
     code = tostring(status) } })
 end
 
+--- Takes one connection of the agent (from the relay). A route holds at most
+--- vendor_max_connections at once: one more is answered 503 naming the ceiling (each
+--- connection holds descriptors on the host; a sandbox must not starve the others).
+---@param conn userdata  a core.stream
 function Route:accept(conn)
   if self.closed then conn:close() return end
+  local max = math.max(1, math.floor(config.get("vendor_max_connections")))
+  if self.nconns >= max then
+    local why = ("this sandbox has %d connections open on its vendor route, its ceiling "
+      .. "(vendor_max_connections in the demesne configuration); close some and retry"):format(self.nconns)
+    -- answered before the request is read: the request is drained (for at most 2 s) so
+    -- that closing does not reset the connection under the answer
+    local body = error_body(self.provider, 503, why)
+    local closed = false
+    local function close()
+      if not closed then closed = true conn:close() end
+    end
+    local linger = timer.after(2000, close)
+    conn:read_start(function(data)
+      if data == nil then linger:close() close() end
+    end)
+    conn:write(("HTTP/1.1 503 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s")
+      :format(REASONS[503], #body, body), function() if not closed then conn:shutdown() end end)
+    self.refused = (self.refused or 0) + 1
+    if self.refused == 1 or loop.now() - (self.refused_logged or 0) >= 1000 then
+      self.refused_logged = loop.now()
+      self:log_line({ time = iso_now(), verdict = "deny", status = 503, reason = why, refused = self.refused })
+    end
+    return
+  end
   self.conns[conn] = true
   self.nconns = self.nconns + 1
   local state = { buf = "", started = loop.hrtime() }
