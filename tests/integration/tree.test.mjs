@@ -157,6 +157,9 @@ test("host cancel of the root mid-run takes the whole tree within seconds", asyn
   const out = root.output_dir;
   await until("three running sandboxes", async () => (await containersUnder(out)).filter((c) => c.State === "running").length === 3);
   const bg = JSON.parse(await until("the background child's job", () => existsSync(path.join(out, "bg.json")) && read(out, "bg.json")));
+  const live = await ok("sandbox_status", { job_id: root.job_id });
+  assert.deepEqual([live.tree.root, live.tree.nodes, live.tree.running, live.tree.cost_usd],
+    [root.run_id, 3, 3, 0], "the host sees the running tree and its live cost");
   const started = Date.now();
   const c = await ok("sandbox_cancel", { job_id: root.job_id });
   assert.equal(c.status, "cancelled");
