@@ -105,6 +105,8 @@ test("a script orchestrator runs a tree: children, a background child with a gra
   const first = JSON.parse(read(out, "first.json"));
   assert.equal(first.output_dir, "/out/child/first", "a child sees its children's folders as it mounts them");
   assert.match(read(out, "second.err"), /progress notifications: [1-9]/, "a blocking child call sent progress");
+  assert.equal(JSON.parse(read(out, "after-sessions.json")).jobs.length, 1,
+    "20 sessions left open by a client do not lock the endpoint");
 
   // refusals, each with a clear message
   assert.match(read(out, "refuse-duplicate.txt"), /name: "first" is already used by a child of this sandbox/);
