@@ -7,6 +7,10 @@ local async = require("demesne.async")
 local config = require("demesne.config")
 local hostmcp = require("demesne.hostmcp")
 local log = require("demesne.log")
+local stdio = require("demesne.mcp.stdio")
+local tools = require("demesne.tools")
+local tree = require("demesne.tree")
+local endpoint = require("demesne.tree.endpoint")
 
 -- The reaper: at start and every reap_interval seconds, remove expired sandboxes and
 -- one-shot containers whose server is gone. It works from the engine's labels.
@@ -64,10 +68,9 @@ return function(args, opts)
     local ok, err = pcall(hostmcp.load)
     if not ok and err ~= async.CANCELLED then log.error("demesne.hostmcp", "%s", tostring(err)) end
   end)
-  local registry = require("demesne.tools").load({ fixtures = opts.fixtures })
+  local registry = tools.load({ fixtures = opts.fixtures })
   -- nested sandboxes: the in-sandbox MCP endpoint, and the trees a previous server left
-  local limits = require("demesne.mcp.stdio").limits()
-  local tree, endpoint = require("demesne.tree"), require("demesne.tree.endpoint")
+  local limits = stdio.limits()
   local ok, eerr = endpoint.start(registry, limits)
   if not ok then log.error("demesne.tree", "the in-sandbox MCP endpoint cannot start: %s", tostring(eerr)) end
   tree.start()
@@ -77,7 +80,7 @@ return function(args, opts)
     status = require("demesne.mcp.http").serve({ addrs = addrs, allow_remote = allow_remote, registry = registry,
       on_stop = on_stop })
   else
-    status = require("demesne.mcp.stdio").serve({ registry = registry, on_stop = on_stop })
+    status = stdio.serve({ registry = registry, on_stop = on_stop })
   end
   tree.stop_service()
   jobs.stop()

@@ -232,12 +232,17 @@ function http.start(o)
       for _, s in pairs(self.sessions) do if s.listener == listener then mine = mine + 1 end end
     end
     if self.nsessions >= max_sessions or mine >= per_listener then
-      -- room: the longest-idle session with nothing in progress and no open stream goes
+      -- room: the longest-idle session with nothing in progress and no open stream goes.
+      -- Of a relay listener's own sessions any such one may go: what a sandbox started
+      -- belongs to its run, not to a session, and short-lived clients (a script per call)
+      -- often never DELETE theirs
+      local own = mine >= per_listener
       local victim
       for _, s in pairs(self.sessions) do
-        if s.srv:pending() == 0 and not s.owns_work and not (s.get_conn and s.get_conn:is_open())
-          and (mine < per_listener or s.listener == listener)
-          and loop.now() - s.seen >= IDLE_EVICT_MS and (not victim or s.seen < victim.seen) then
+        if s.srv:pending() == 0 and not (s.get_conn and s.get_conn:is_open())
+          and (own and s.listener == listener
+            or not own and not s.owns_work and loop.now() - s.seen >= IDLE_EVICT_MS)
+          and (not victim or s.seen < victim.seen) then
           victim = s
         end
       end

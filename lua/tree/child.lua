@@ -14,6 +14,7 @@
 --     /out/…).
 local config = require("demesne.config")
 local json = require("demesne.json")
+local progress = require("demesne.progress")
 local schema = require("demesne.mcp.schema")
 local tools = require("demesne.tools")
 local tree = require("demesne.tree")
@@ -155,20 +156,29 @@ local function wrap(host)
   d.run = function(ctx, args)
     local n = caller_of(ctx)
     ctx.caller = caller_view(n)
-    local r, text
-    if kind then
-      r, text = tree.spawn(ctx, n.run_id, kind, args, host.run)
-      if type(r) == "table" then r.mcp = nil end -- a child's endpoint is reachable only inside it
-    else
+    -- progress while any child call blocks (a spawn that waits for a slot, a cancel that
+    -- waits for cleanup), with the caller's token: its client's timeout is reset by it
+    local _hb <close> = progress.heartbeat(ctx)
+    local res = table.pack(pcall(function()
+      if kind then
+        local r, text = tree.spawn(ctx, n.run_id, kind, args, host.run)
+        if type(r) == "table" then r.mcp = nil end -- a child's endpoint is reachable only inside it
+        return r, text
+      end
       if BY_JOB[name] and not tree.sees_job(n.run_id, args.job_id) then unknown_job(args.job_id) end
       if BY_SANDBOX[name] and not tree.sees_sandbox(n.run_id, args.sandbox_id) then unknown_sandbox(args.sandbox_id) end
       if name == "sandbox_wait" then
         local max = config.get("tree_wait_seconds")
         args.timeout_seconds = math.min(args.timeout_seconds or max, max)
       end
-      r, text = host.run(ctx, args)
+      return host.run(ctx, args)
+    end))
+    if not res[1] then
+      local e = res[2]
+      if tools.is_fail(e) then e.message = rewrite_text(e.message, n.output_dir) end
+      error(e, 0)
     end
-    return rewrite(r, n.output_dir), rewrite_text(text, n.output_dir)
+    return rewrite(res[2], n.output_dir), rewrite_text(res[3], n.output_dir)
   end
   return d
 end

@@ -3,13 +3,13 @@
 --
 -- API for the agent wiring (the vendor route and the agent CLIs' configuration):
 --
---   * Endpoint on the run plan. Every sandbox_agent / sandbox_research run, and
---     sandbox_create with mcp = true, is a tree node with an endpoint. By the time the plan's
---     `before_create(o)` runs (lua/sandbox.lua script_start), `o.endpoint` is
+--   * Endpoint on the run plan. Every sandbox_agent / sandbox_research run, and every
+--     sandbox_script / sandbox_create run with mcp = true, is a tree node with an endpoint.
+--     By the time the plan's `before_create(o)` runs (sandbox.script_start), `o.endpoint` is
 --       { url = "http://127.0.0.1:3130/mcp", port = 3130, token = "<64 hex>",
 --         socket = "<run_dir>/mcp.sock", sandbox_socket = "/.demesne/run/mcp.sock",
---         tree = {depth, depth_max, children_max, running_max, budget_usd, spent_usd} }
---     and the container's environment carries DEMESNE_MCP_URL and DEMESNE_MCP_TOKEN (the
+--         tree = tree.info(run_id) }  (what the agent's context file tells it: see tree.info)
+--     and the container's environment carries DEMESNE_MCP_URL and DEMESNE_MCP_TOKEN (each
 --     request must send `Authorization: Bearer <token>`). The URL and port never change, so
 --     an argv or a config file can name them as constants (tree.URL, tree.PORT); only the
 --     token is per run. `o.endpoint` is nil when no endpoint server is installed
@@ -17,14 +17,18 @@
 --   * How a run registers as a node: nothing to call. The plan hook (tree.plan, run by
 --     sandbox.script_start and sandbox.create) makes a host call of those tools a root, and
 --     a call from inside a sandbox (ctx.spawn, set by tree.spawn) a child; `o.tree` then
---     holds the node's run id. The node ends when its container goes (sandbox.script_remove,
---     destroy, the reaper), and agent.finish reports its result and usage (tree.result).
---   * Budget: tree.check(run_id) -> true | nil, "budget of $X spent" before forwarding a
---     model request; tree.charge(run_id, usd, usage) -> true | nil, "budget of $X spent"
---     after counting one (usage optional: {model, input, output, cache_creation,
---     cache_read}); tree.spent(root_run_id) -> usd spent, budget (nil: none). The charge
---     that reaches the budget starts the reaction: every run of the tree still going ends
---     with reason "budget of $X spent" and no container is left.
+--     holds the node's run id (= o.run_id). The node ends when its container goes
+--     (script_remove, destroy, the reaper); agent.finish reports its result and usage
+--     (agent.hooks.result -> tree.result, which also adds `children` to results.json).
+--   * What a run may do (for its context file): tree.info(run_id) -> {run_id, root, name,
+--     depth, limits = {depth, children, running}, children_used, budget_usd, spent_usd}.
+--   * Budget, from the vendor route: tree.check(run_id) -> true | nil, "budget of $X spent"
+--     before forwarding a model request; tree.charge(run_id, usd, usage) -> true | nil,
+--     "budget of $X spent" after counting one (usage optional: {model, input, output,
+--     cache_creation, cache_read}; it feeds the live usage report); tree.spent(run_id) ->
+--     usd spent by its tree, budget (nil: none). The charge that reaches the budget starts
+--     the reaction: every run of the tree still going ends with reason "budget of $X spent",
+--     children first, and no container is left. A run that is no tree node always passes.
 --
 -- Records: <state_dir>/tree/<run id>.json (0600, out of every sandbox's reach), one per
 -- node; a root's also holds the tree's limits, budget, spend and member list. Workspaces
@@ -40,13 +44,20 @@ local progress = require("demesne.progress")
 local sandbox = require("demesne.sandbox")
 local agent = require("demesne.agent")
 local vendor = require("demesne.vendor")
+local store = require("demesne.tree.store")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
 local tree = {}
 
+-- the records (lua/tree/store.lua), re-exported: tree.get, tree.within, tree.sees_*, …
+local save, must, m = store.save, store.must, store.mem
+for _, k in ipairs({ "dir", "get", "within", "sees_job", "sees_sandbox", "sees_run", "budget_reason", "limits",
+  "spent", "check", "totals", "children", "report" }) do
+  tree[k] = store[k]
+end
+
 local LOGGER = "demesne.tree"
-local RECORD_MAX = 4 * 1024 * 1024
 
 --- The endpoint's port inside a sandbox, its URL, and its socket there and on the host.
 tree.PORT = 3130
@@ -59,233 +70,16 @@ tree.KIND_OF_TOOL = { sandbox_script = "script", sandbox_create = "create", sand
   sandbox_research = "research" }
 
 local NAME_MAX = 40
+local TOKENS = { "input", "output", "cache_creation", "cache_read" }
 
----@class TreeNode
----@field run_id string
----@field root string           the root's run id (itself for a root)
----@field parent string|nil     the parent's run id
----@field depth integer         0 for a root
----@field name string|nil       the name its parent gave it (nil for a root)
----@field kind string           script, create, agent or research
----@field tool string
----@field status string         running, succeeded, failed, cancelled, lost, destroyed
----@field active boolean        its container is there (it holds a slot)
----@field reason string|nil
----@field exit_code integer|nil
----@field owner string          the server process that runs it (host/pid/starttime)
----@field started_ms integer
----@field finished_ms integer|nil
----@field job_id string|nil     the background job running it
----@field output_dir string
----@field run_dir string
----@field egress string         its egress policy
----@field inputs table[]        the host inputs its children inherit ({host, target})
----@field workspace string|nil  the host folder that is its /workspace
----@field owns_workspace boolean|nil  it made that folder (removed when it ends)
----@field endpoint table|nil    {token, socket}
----@field children table[]      {name, run_id|nil} in spawn order; a name is never reused
----@field cost_usd number       its own model spend
----@field usage table|nil       its own tokens: {models = {model = {requests, input, output, cache_creation, cache_read, cost_usd}}}
----@field cancel_reason string|nil
----@field limits table|nil      root: {depth, children, running}
----@field budget_usd number|nil root: the tree's budget
----@field spent_usd number|nil  root: the tree's spend
----@field members string[]|nil  root: every node's run id
-
-local cache = {}     -- run_id -> TreeNode (this process's copy)
-local mem = {}       -- run_id -> {ended = event, reserved = n (roots), slot = event (roots)}
 local endpoint       -- {open = fn(node) -> ok, err; close = fn(run_id)} (tree.set_endpoint)
 local service        -- the resume task of tree.start
+
 
 local function now_ms() return math.floor(loop.time() * 1000) end
 local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
 local function fail(msg) sandbox.fail(msg) end
 local function closer(fn) return setmetatable({}, { __close = fn }) end
-
-local function m(id)
-  local x = mem[id]
-  if not x then
-    x = { ended = async.event(), reserved = 0 }
-    mem[id] = x
-  end
-  return x
-end
-
---- The folder of the node records: <state_dir>/tree.
----@return string
-function tree.dir() return config.get("state_dir") .. "/tree" end
-
-local function record_path(id) return tree.dir() .. "/" .. id .. ".json" end
-
-local function valid_id(id) return type(id) == "string" and #id <= 64 and id:match("^[%w][%w%-]*$") ~= nil end
-
-local function save(n)
-  n.updated_ms = now_ms()
-  local ok, err = fs.mkdir_p(tree.dir(), 448) -- 0700
-  if ok then ok, err = fs.write_atomic(record_path(n.run_id), json.encode(n) .. "\n", 384) end
-  if not ok then log.error(LOGGER, "cannot save the node %s: %s", n.run_id, tostring(err)) end
-  return ok
-end
-
-local INTS = { "depth", "exit_code", "started_ms", "finished_ms", "updated_ms" }
-
---- The node of a run (nil when the run is no tree node).
----@param run_id string
----@return TreeNode|nil
-function tree.get(run_id)
-  if not valid_id(run_id) then return nil end
-  local n = cache[run_id]
-  if n then return n end
-  local s = fs.read_file(record_path(run_id), 0, RECORD_MAX)
-  n = s and json.decode(s)
-  if type(n) ~= "table" or n.run_id ~= run_id or type(n.root) ~= "string" then return nil end
-  for _, k in ipairs(INTS) do
-    if type(n[k]) == "number" then n[k] = math.tointeger(math.floor(n[k])) end
-  end
-  n.children = type(n.children) == "table" and n.children or {}
-  json.array(n.children)
-  n.inputs = type(n.inputs) == "table" and n.inputs or {}
-  json.array(n.inputs)
-  if n.members then json.array(n.members) end
-  n.cost_usd = tonumber(n.cost_usd) or 0
-  cache[run_id] = n
-  return n
-end
-
-local function must(run_id)
-  local n = tree.get(run_id)
-  if not n then error(("tree: no node %s"):format(tostring(run_id)), 2) end
-  return n
-end
-
---- True when `id` is `of` itself or below it.
----@param of string
----@param id string
----@return boolean
-function tree.within(of, id)
-  local n = tree.get(id)
-  for _ = 1, 64 do
-    if not n then return false end
-    if n.run_id == of then return true end
-    n = n.parent and tree.get(n.parent)
-  end
-  return false
-end
-
-local function below(of, id) return id ~= of and tree.within(of, id) end
-
---- Whether the run `caller` may see the job `job_id`: a job whose run (or, for an exec,
---- whose sandbox) is strictly below the caller in its tree. Everything else is "unknown".
----@param caller string
----@param job_id string
----@return boolean
-function tree.sees_job(caller, job_id)
-  if not jobs.valid_id(job_id) then return false end
-  local rec = jobs.get(job_id)
-  if not rec then return false end
-  local node = rec.run_id or rec.sandbox_id
-  return type(node) == "string" and below(caller, node)
-end
-
---- Whether the run `caller` may act on the persistent sandbox `sandbox_id` (one made in its
---- subtree).
----@param caller string
----@param sandbox_id string
----@return boolean
-function tree.sees_sandbox(caller, sandbox_id)
-  local n = tree.get(sandbox_id)
-  return n ~= nil and n.kind == "create" and below(caller, sandbox_id)
-end
-
---- Whether the run `caller` may see the run `run_id` (itself or one below it).
-function tree.sees_run(caller, run_id) return tree.within(caller, run_id) end
-
---------------------------------------------------------------------------------------------
--- Limits and money
-
-local function money(x)
-  if x >= 0.01 or x == 0 then return ("%.2f"):format(x) end
-  return ("%.4f"):format(x)
-end
-
---- The reason a run of a tree whose budget is spent ends with.
----@param budget number
----@return string
-function tree.budget_reason(budget) return ("budget of $%s spent"):format(money(budget)) end
-
-local function ceiling(field, v, max)
-  if v > max then
-    fail(("%s: %s is above the ceiling of %s set in the configuration"):format(field, sandbox.num(v), sandbox.num(max)))
-  end
-  if v < 1 then fail(field .. ": must be at least 1") end
-  return math.floor(v)
-end
-
---- Resolves a host call's `tree` limits and `budget_usd` against the configuration:
---- {depth, children, running}, budget (nil: none). Fails naming the field.
----@param t table|nil
----@param budget number|nil
----@return table limits, number|nil budget
-function tree.limits(t, budget)
-  t = type(t) == "table" and t or {}
-  local l = {
-    depth = ceiling("tree.depth", t.depth or config.get("tree_depth_default"), config.get("tree_depth_max")),
-    children = ceiling("tree.children", t.children or config.get("tree_children_default"),
-      config.get("tree_children_max")),
-    running = ceiling("tree.running", t.running or config.get("tree_running_default"), config.get("tree_running_max")),
-  }
-  local max = config.get("tree_budget_usd_max")
-  local b = budget or config.get("tree_budget_usd_default")
-  if type(b) ~= "number" or b ~= b or b < 0 then fail("budget_usd: must be a non-negative number") end
-  if max > 0 and (b == 0 or b > max) then
-    if budget and b > max then
-      fail(("budget_usd: %s is above the ceiling of %s set in the configuration"):format(sandbox.num(b), sandbox.num(max)))
-    end
-    b = max
-  end
-  return l, b > 0 and b or nil
-end
-
---- What the tree of `root` has spent and its budget (nil when it has none).
----@param root string
----@return number spent, number|nil budget
-function tree.spent(root)
-  local r = tree.get(root)
-  if not r then return 0, nil end
-  r = tree.get(r.root) or r
-  return tonumber(r.spent_usd) or 0, r.budget_usd
-end
-
---- Checks before a model request of the run `run_id` is forwarded: true, or nil and
---- "budget of $X spent" once its tree's budget is spent. A run that is no tree node passes.
----@param run_id string
----@return boolean|nil ok, string|nil why
-function tree.check(run_id)
-  local n = tree.get(run_id)
-  if not n then return true end
-  local r = tree.get(n.root)
-  if r and r.budget_usd and (r.budget_spent or (r.spent_usd or 0) >= r.budget_usd) then
-    return nil, tree.budget_reason(r.budget_usd)
-  end
-  return true
-end
-
-local function add_usage(n, usd, u)
-  n.usage = type(n.usage) == "table" and n.usage or { models = {} }
-  n.usage.models = type(n.usage.models) == "table" and n.usage.models or {}
-  local model = type(u) == "table" and type(u.model) == "string" and u.model or "unknown"
-  local row = n.usage.models[model]
-  if not row then
-    row = { requests = 0, input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 }
-    n.usage.models[model] = row
-  end
-  row.requests = row.requests + 1
-  for _, k in ipairs({ "input", "output", "cache_creation", "cache_read" }) do
-    local v = type(u) == "table" and tonumber(u[k]) or 0
-    if v and v > 0 then row[k] = row[k] + v end
-  end
-  row.cost_usd = row.cost_usd + usd
-end
 
 --- Counts `usd` (one model request, with its `usage` when known) against the run's own
 --- spend and its tree's budget. Returns true, or nil and "budget of $X spent" when the tree's
@@ -301,7 +95,7 @@ function tree.charge(run_id, usd, usage)
   usd = tonumber(usd) or 0
   if usd ~= usd or usd < 0 then usd = 0 end
   n.cost_usd = (n.cost_usd or 0) + usd
-  add_usage(n, usd, usage)
+  store.add_usage(n, usd, usage)
   local r = tree.get(n.root) or n
   if r ~= n then r.spent_usd = (tonumber(r.spent_usd) or 0) + usd else n.spent_usd = (tonumber(n.spent_usd) or 0) + usd end
   save(n)
@@ -311,7 +105,7 @@ function tree.charge(run_id, usd, usage)
     if not r.budget_spent then
       r.budget_spent = true
       save(r)
-      log.notice(LOGGER, "tree %s: %s ($%s); ending every run in it", r.run_id, why, money(r.spent_usd))
+      log.notice(LOGGER, "tree %s: %s ($%s); ending every run in it", r.run_id, why, store.money(r.spent_usd))
       async.spawn("budget " .. r.run_id, function()
         local ok, err = pcall(tree.stop, r.run_id, why)
         if not ok and err ~= async.CANCELLED then log.warning(LOGGER, "tree %s: %s", r.run_id, tostring(err)) end
@@ -326,24 +120,15 @@ end
 -- Folders
 
 -- Creates the folder `name` in the host folder `parent` without following a link anywhere
--- the sandbox could have put one: `parent` is opened as a held folder and the new one made
--- in it (EEXIST when anything is there). Returns the new folder's path.
+-- the sandbox could have put one: `parent` is held (core.fs.opendir: a final link is not
+-- followed) and the new folder made in it with mkdirat (EEXIST when anything, a link
+-- included, is there). Returns the new folder's path, or nil, err, code.
 local function make_dir_in(parent, name, mode)
-  if fs.opendir then
-    local d, err = fs.opendir(parent)
-    if not d then fail(("cannot open %s: %s"):format(parent, tostring(err))) end
-    local ok, merr, code = d:mkdir(name, mode)
-    d:close()
-    if not ok then return nil, merr, code end
-    return parent .. "/" .. name
-  end
-  local st = fs.lstat(parent)
-  if not st or st.type ~= "directory" then fail(("%s is not a plain folder; refusing to write through it"):format(parent)) end
-  if fs.lstat(parent .. "/" .. name) then return nil, "exists", "EEXIST" end
-  local ok, err, code = fs.mkdir_p(parent .. "/" .. name, mode)
-  if not ok then return nil, err, code end
-  local st2 = fs.lstat(parent .. "/" .. name)
-  if not st2 or st2.type ~= "directory" then return nil, "not a folder", "EEXIST" end
+  local d, err, code = fs.opendir(parent)
+  if not d then return nil, err, code end
+  local ok, merr, mcode = d:mkdir(name, mode)
+  d:close()
+  if not ok then return nil, merr, mcode end
   return parent .. "/" .. name
 end
 
@@ -352,27 +137,24 @@ local function new_workspace(run_id)
   assert(fs.mkdir_p(base, 448)) -- 0700: no other host user reaches into it
   local dir, err = make_dir_in(base, run_id, 511)
   if not dir then fail(("cannot make the workspace of %s: %s"):format(run_id, tostring(err))) end
-  fs.chmod(dir, 511) -- 0777 as the tmpfs it replaces: whatever user the image runs as writes it
+  local d = fs.opendir(base)
+  if d then
+    d:chmod(run_id, 511) -- 0777 as the tmpfs it replaces: whatever user the image runs as writes it
+    d:close()
+  end
   return dir
 end
 
+-- Removes a workspace the node made: unlinkat on held folders, never through a link, off
+-- the loop (sandbox.remove_in). The host never reads it.
 local function remove_workspace(n)
   if not (n.owns_workspace and n.workspace) then return end
-  local base, id = n.workspace:match("^(.*)/workspaces/([^/]+)$")
+  local base, id = n.workspace:match("^(.*/workspaces)/([^/]+)$")
   if not base or id ~= n.run_id then return end
-  if fs.opendir then
-    local d = fs.opendir(base .. "/workspaces")
-    if d then
-      local done = async.event()
-      local w = d:remove_tree(id, function(ok, err) done.set(ok, err) end)
-      d:close()
-      if w then
-        local ok, err = done.wait()
-        if not ok then log.warning(LOGGER, "%s: workspace: %s", n.run_id, tostring(err)) end
-      end
-    end
-  else
-    fs.remove_tree(n.workspace) -- nftw FTW_PHYS: links are removed, never followed
+  local d = fs.opendir(base)
+  if d then
+    sandbox.remove_in(d, id)
+    d:close()
   end
   n.owns_workspace = false
 end
@@ -413,19 +195,15 @@ local function copy_inputs(list)
 end
 
 local function has_endpoint(kind, args)
-  return kind == "agent" or kind == "research" or (kind == "create" and type(args) == "table" and args.mcp == true)
+  return kind == "agent" or kind == "research" or (type(args) == "table" and args.mcp == true)
 end
 
 -- Gives the plan its endpoint: the relay of tree.PORT to <run_dir>/mcp.sock, the listener,
 -- the environment, and /out/child read-only.
 local function plan_endpoint(n, o)
   if not n.parent then assert(fs.mkdir_p(o.output_dir, 493)) end -- a root's: a new folder of its own
-  local child = make_dir_in(o.output_dir, "child", 493)
-  if not child then
-    local st = fs.lstat(o.output_dir .. "/child")
-    if not st or st.type ~= "directory" then fail("the output folder's child entry is not a plain folder") end
-    child = o.output_dir .. "/child"
-  end
+  local child, cerr = make_dir_in(o.output_dir, "child", 493)
+  if not child then fail(("cannot make %s/child: %s"):format(o.output_dir, tostring(cerr))) end
   -- the parent reads its children's /out here; read-only, so it can neither plant a link
   -- the engine would follow when it mounts a child's folder nor swap one
   o.mounts[#o.mounts + 1] = { host = child, target = "/out/child" }
@@ -440,13 +218,8 @@ local function plan_endpoint(n, o)
     o.env = o.env or json.array()
     o.env[#o.env + 1] = "DEMESNE_MCP_URL=" .. tree.URL
     o.env[#o.env + 1] = "DEMESNE_MCP_TOKEN=" .. n.endpoint.token
-    local root = tree.get(n.root) or n
-    local limits = root.limits or {}
     o.endpoint = { url = tree.URL, port = tree.PORT, token = n.endpoint.token, socket = n.endpoint.socket,
-      sandbox_socket = tree.SANDBOX_SOCKET,
-      -- what the agent's context file tells it (lua/agent.lua context_children)
-      tree = { depth = n.depth, depth_max = limits.depth, children_max = limits.children,
-        running_max = limits.running, budget_usd = root.budget_usd, spent_usd = tonumber(root.spent_usd) or 0 } }
+      sandbox_socket = tree.SANDBOX_SOCKET, tree = tree.info(n.run_id) } -- for the agent's context file
   else
     n.endpoint = nil
   end
@@ -499,6 +272,7 @@ function tree.plan(ctx, o, args)
       n.workspace, n.owns_workspace = new_workspace(n.run_id), true
     end
     spawn.run_id = n.run_id
+    m(n.run_id).task = async.current() -- the spawning call's task (tree.stop may cancel it)
     root.members[#root.members + 1] = n.run_id
     for _, c in ipairs(parent.children) do
       if c.name == spawn.name then c.run_id = n.run_id end
@@ -524,7 +298,7 @@ function tree.plan(ctx, o, args)
     n.inputs = copy_inputs(o.mounts)
     n.workspace, n.owns_workspace = new_workspace(n.run_id), true
   end
-  cache[n.run_id] = n
+  store.put(n)
   m(n.run_id)
   o.tree = n.run_id
   o.workspace = n.workspace
@@ -555,7 +329,8 @@ local function settle(n, status, fields, src)
 end
 
 local function status_of(run_dir)
-  local st = run_dir and sandbox.read_status(run_dir, "main")
+  local ok, st = pcall(sandbox.read_status, run_dir, "main")
+  if not ok then return "failed", nil, type(st) == "table" and st.message or tostring(st) end
   local code = st and math.tointeger(st.exit_code)
   if not code then return "failed", nil, "the run recorded no exit status" end
   if code == 0 then return "succeeded", 0 end
@@ -563,7 +338,7 @@ local function status_of(run_dir)
 end
 
 local function wake_root(root_id)
-  local rm = mem[root_id]
+  local rm = m(root_id)
   if rm and rm.slot then
     local ev = rm.slot
     rm.slot = nil
@@ -571,7 +346,7 @@ local function wake_root(root_id)
   end
 end
 
-local write_usage -- below
+local write_usage, write_results, write_out -- below
 
 -- The node's container is gone: it frees its slot, its running children end ("parent
 -- ended"), its endpoint closes, its workspace goes when it made it.
@@ -593,7 +368,11 @@ local function ended(n, why)
     end
   end
   remove_workspace(n)
-  if #n.children > 0 and n.kind ~= "agent" and n.kind ~= "research" then pcall(write_usage, n) end
+  if n.endpoint and n.kind ~= "agent" and n.kind ~= "research" then
+    -- an agent run's results.json is written by lua/agent.lua (tree.result adds to it)
+    local ok2, werr = pcall(write_results, n)
+    if not ok2 then log.warning(LOGGER, "%s: results.json: %s", n.run_id, tostring(werr)) end
+  end
   save(n)
   m(n.run_id).ended.set()
   log.info(LOGGER, "%s: ended (%s%s)", n.run_id, n.status, n.reason and (": " .. n.reason) or "")
@@ -663,9 +442,12 @@ end
 function tree.job_cancelling(rec, reason)
   local n = rec.run_id and tree.get(rec.run_id)
   if n and n.active then
+    -- a cancel from the tree (parent ended, budget spent) passes its reason down; one from
+    -- outside (sandbox_cancel) says the parent was cancelled
+    local down = n.cancel_reason or "parent cancelled"
     n.cancel_reason = n.cancel_reason or reason
     save(n)
-    tree.stop_children(n.run_id, reason)
+    tree.stop_children(n.run_id, down)
   end
 end
 
@@ -689,10 +471,19 @@ local function stop_one(n, reason)
     ended(n, reason)
   else
     -- a run a call is waiting for: its container goes, the call comes back and ends it
+    local mine = n.owner == sandbox.owner()
     local eng = sandbox.engine()
     eng:remove("demesne-" .. n.run_id)
-    if not wait_ended(n, 30000) or not sandbox.owner_alive(n.owner) or n.owner ~= sandbox.owner() then
-      ended(n, reason) -- nobody is waiting for it (its server is gone): end it here
+    if mine and not wait_ended(n, 10000) then
+      -- no container yet (an image being built, a create in flight): a child's spawning call
+      -- is cancelled, its cleanup removes whatever it made (a root's call is the host's: it
+      -- must answer, so only its container goes)
+      local task = m(n.run_id).task
+      if n.parent and task and not task.done then async.cancel(task, reason) end
+      eng:remove("demesne-" .. n.run_id)
+    end
+    if not mine or not wait_ended(n, 30000) then
+      ended(n, reason) -- nobody is waiting for it (its server is gone), or it is stuck: end it here
     end
   end
   if n.active and wait_ended(n, 60000) == nil then
@@ -728,6 +519,21 @@ end
 -- Spawning (from inside a sandbox: lua/tree/child.lua)
 
 local NAME_PATTERN = "^[a-z0-9][a-z0-9%-]*$"
+
+--- What a run of a tree may do, for its context file: {run_id, root, name, depth, limits =
+--- {depth, children, running}, children_used (names taken), budget_usd (nil: none),
+--- spent_usd}. nil when the run is no tree node.
+---@param run_id string
+---@return table|nil
+function tree.info(run_id)
+  local n = tree.get(run_id)
+  local r = n and tree.get(n.root)
+  if not n or not r then return nil end
+  local spent, budget = tree.spent(n.root)
+  return { run_id = n.run_id, root = n.root, name = n.name, depth = n.depth,
+    limits = { depth = r.limits.depth, children = r.limits.children, running = r.limits.running },
+    children_used = #n.children, budget_usd = budget, spent_usd = spent }
+end
 
 --- Checks a child's name: lowercase letters, digits and inner hyphens, at most 40 bytes.
 ---@param name any
@@ -868,8 +674,15 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   local res = table.pack(pcall(run, ctx, call))
   local child = spawn.run_id and tree.get(spawn.run_id)
   if not res[1] then
-    if res[2] == async.CANCELLED then error(res[2], 0) end
-    if child and not FINAL[child.status] then
+    if res[2] == async.CANCELLED then
+      -- the caller's request was cancelled (or its session ended): the child went with it
+      if child then
+        settle(child, "cancelled", { reason = child.cancel_reason or "the call that spawned it was cancelled" }, "result")
+        save(child)
+      end
+      error(res[2], 0)
+    end
+    if child then
       settle(child, "failed", { reason = type(res[2]) == "table" and res[2].message or tostring(res[2]) }, "result")
       save(child)
     end
@@ -887,121 +700,45 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   return table.unpack(res, 2, res.n)
 end
 
---------------------------------------------------------------------------------------------
--- Results and usage
-
-local TOKENS = { "input", "output", "cache_creation", "cache_read" }
-
-local function own_usage(n)
-  local t = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = tonumber(n.cost_usd) or 0,
-    models = {} }
-  local models = type(n.usage) == "table" and type(n.usage.models) == "table" and n.usage.models or {}
-  for model, row in pairs(models) do
-    if type(row) == "table" then
-      local r = { requests = math.tointeger(tonumber(row.requests) or 0) or 0, cost_usd = tonumber(row.cost_usd) or 0 }
-      for _, k in ipairs(TOKENS) do
-        r[k] = math.tointeger(tonumber(row[k]) or 0) or 0
-        t[k] = t[k] + r[k]
-      end
-      t.models[model] = r
-    end
-  end
-  return t
-end
-
-local function add_into(acc, u)
-  acc.cost_usd = acc.cost_usd + u.cost_usd
-  for _, k in ipairs(TOKENS) do acc[k] = acc[k] + u[k] end
-  for model, r in pairs(u.models) do
-    local a = acc.models[model]
-    if not a then
-      a = { requests = 0, input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 }
-      acc.models[model] = a
-    end
-    for k, v in pairs(r) do a[k] = (a[k] or 0) + v end
-  end
-end
-
--- Every node of the subtree of `n`, depth first in spawn order: {node, rel_depth, path}.
-local function walk(n, out, depth, path)
-  out = out or {}
-  out[#out + 1] = { node = n, depth = depth or 0, path = path or "" }
-  for _, c in ipairs(n.children) do
-    local x = c.run_id and tree.get(c.run_id)
-    if x then walk(x, out, (depth or 0) + 1, (path and path ~= "" and (path .. "/") or "") .. c.name) end
-  end
-  return out
-end
-
---- The subtree totals of a run (itself and everything below it): {cost_usd, input, output,
---- cache_creation, cache_read, models = {model = {...}}, nodes, running}.
----@param run_id string
----@return table|nil
-function tree.totals(run_id)
-  local n = tree.get(run_id)
-  if not n then return nil end
-  local acc = { cost_usd = 0, input = 0, output = 0, cache_creation = 0, cache_read = 0, models = {}, nodes = 0,
-    running = 0 }
-  for _, w in ipairs(walk(n)) do
-    add_into(acc, own_usage(w.node))
-    acc.nodes = acc.nodes + 1
-    if w.node.active then acc.running = acc.running + 1 end
-  end
-  return acc
-end
-
---- A run's children as results.json lists them: {name, kind, status, exit_code, reason,
---- cost_usd (own), total_cost_usd (its subtree), output_dir, run_id, job_id}.
----@param run_id string
----@return table[]
-function tree.children(run_id)
-  local n = tree.get(run_id)
-  local out = json.array()
-  if not n then return out end
-  for _, c in ipairs(n.children) do
-    local x = c.run_id and tree.get(c.run_id)
-    if x then
-      local t = tree.totals(x.run_id)
-      out[#out + 1] = { name = c.name, kind = x.kind, status = x.status, exit_code = x.exit_code, reason = x.reason,
-        cost_usd = tonumber(x.cost_usd) or 0, total_cost_usd = t.cost_usd, output_dir = x.output_dir,
-        run_id = x.run_id, job_id = x.job_id }
-    else
-      out[#out + 1] = { name = c.name, status = "failed", reason = "the spawn failed before the sandbox existed" }
-    end
-  end
-  return out
-end
-
 -- Rewrites usage.json in the node's output folder with its own usage and its subtree's
 -- totals. Called once its container is gone, so nothing in the sandbox can redirect it.
 write_usage = function(n)
-  local own = own_usage(n)
+  local own = store.own_usage(n)
   local t = tree.totals(n.run_id)
   local doc = {}
   -- keep what the vendor route wrote (its own usage, rate limits) at the top level
-  local f = fs.open_beneath(n.output_dir, "usage.json")
-  if f then
-    local prev = json.decode(f:read(1 << 20) or "")
-    f:close()
-    if type(prev) == "table" then doc = prev end
-  end
+  local d = fs.opendir(n.output_dir)
+  local text = d and d:read("usage.json", 1 << 20)
+  if d then d:close() end
+  local prev = text and json.decode(text)
+  if type(prev) == "table" then doc = prev end
   if doc.models == nil and next(own.models) then
     doc.models, doc.cost_usd = own.models, own.cost_usd
     for _, k in ipairs(TOKENS) do doc[k] = own[k] end
   end
   doc.subtree = { cost_usd = t.cost_usd, input = t.input, output = t.output, cache_creation = t.cache_creation,
     cache_read = t.cache_read, models = t.models, nodes = t.nodes }
-  local text = json.encode(doc) .. "\n"
-  if fs.opendir then
-    local d = fs.opendir(n.output_dir)
-    if d then
-      d:write_atomic("usage.json", text)
-      d:close()
-    end
-  else
-    local st = fs.lstat(n.output_dir .. "/usage.json")
-    if not st or st.type == "file" or st.type == "link" then fs.write_atomic(n.output_dir .. "/usage.json", text) end
+  write_out(n, "usage.json", json.encode(doc) .. "\n")
+end
+
+-- Writes `text` to `name` in the node's output folder, never through a link the sandbox left.
+write_out = function(n, name, text)
+  local d, err = fs.opendir(n.output_dir)
+  local ok
+  if d then
+    ok, err = d:write_atomic(name, text)
+    d:close()
   end
+  if not ok then log.warning(LOGGER, "%s: %s: %s", n.run_id, name, tostring(err)) end
+end
+
+-- results.json of a script or persistent sandbox that had an endpoint: its outcome and children.
+write_results = function(n)
+  local t = tree.totals(n.run_id)
+  write_out(n, "results.json", json.encode({ run_id = n.run_id, kind = n.kind, status = n.status,
+    exit_code = n.exit_code, reason = n.reason, children = tree.children(n.run_id),
+    total_cost_usd = t.cost_usd }) .. "\n")
+  if #n.children > 0 then write_usage(n) end
 end
 
 --- The agent result hook (agent.hooks.result): before results.json is written, a tree
@@ -1019,44 +756,6 @@ function tree.result(o, r)
   r.total_cost_usd = t.cost_usd
   local ok, err = pcall(write_usage, n)
   if not ok then log.warning(LOGGER, "%s: usage.json: %s", n.run_id, tostring(err)) end
-end
-
---- The usage report of a run's subtree (sandbox_usage_report): total cost, tokens by type
---- and by model, the cache-read share, and one row per node.
----@param run_id string
----@return table|nil report, string|nil err
-function tree.report(run_id)
-  local n = tree.get(run_id)
-  if not n then return nil, ("run %s is no part of a sandbox tree"):format(tostring(run_id)) end
-  local acc = { cost_usd = 0, input = 0, output = 0, cache_creation = 0, cache_read = 0, models = {} }
-  local rows = json.array()
-  for _, w in ipairs(walk(n)) do
-    local own = own_usage(w.node)
-    add_into(acc, own)
-    local tokens = own.input + own.output + own.cache_creation + own.cache_read
-    rows[#rows + 1] = { run_id = w.node.run_id, name = w.node.name or "", path = w.path, depth = w.depth,
-      kind = w.node.kind, status = w.node.status, cost_usd = own.cost_usd, tokens = tokens,
-      exit_code = w.node.exit_code, job_id = w.node.job_id, output_dir = w.node.output_dir }
-  end
-  local by_model = json.array()
-  local names = {}
-  for model in pairs(acc.models) do names[#names + 1] = model end
-  table.sort(names)
-  for _, model in ipairs(names) do
-    local r = acc.models[model]
-    by_model[#by_model + 1] = { model = model, requests = r.requests, input = r.input, output = r.output,
-      cache_creation = r.cache_creation, cache_read = r.cache_read, cost_usd = r.cost_usd }
-  end
-  local prompt = acc.input + acc.cache_creation + acc.cache_read
-  local root = tree.get(n.root)
-  local spent, budget = tree.spent(n.root)
-  return {
-    run_id = n.run_id, root = n.root, total_cost_usd = acc.cost_usd,
-    tokens = { input = acc.input, output = acc.output, cache_creation = acc.cache_creation, cache_read = acc.cache_read },
-    cache_read_share = prompt > 0 and acc.cache_read / prompt or 0,
-    by_model = by_model, nodes = rows,
-    budget_usd = budget, tree_spent_usd = spent, budget_spent = root and root.budget_spent or nil,
-  }
 end
 
 --- What a host's sandbox_status / sandbox_wait shows of a tree a job runs (jobs.hooks.view):
@@ -1161,8 +860,8 @@ function tree.prune()
         for _, mid in ipairs(r.members or {}) do
           local x = tree.get(mid)
           if x then remove_workspace(x) end
-          if fs.unlink(record_path(mid)) then n = n + 1 end
-          cache[mid], mem[mid] = nil, nil
+          if fs.unlink(store.record_path(mid)) then n = n + 1 end
+          store.forget(mid)
         end
       end
     end
@@ -1192,9 +891,7 @@ function tree.stop_service()
 end
 
 --- Forgets every node this process holds (tests only).
-function tree.reset()
-  cache, mem = {}, {}
-end
+function tree.reset() store.reset() end
 
 -- The hooks of the layers below.
 sandbox.hooks.plan[#sandbox.hooks.plan + 1] = tree.plan

@@ -10,7 +10,8 @@ local tests = {}
 
 local ENDPOINT = { url = "http://127.0.0.1:3130/mcp", port = 3130, token = "feedc0de", socket = "/x/mcp.sock",
   sandbox_socket = "/.demesne/run/mcp.sock",
-  tree = { depth = 1, depth_max = 3, children_max = 32, running_max = 8, budget_usd = 2.5, spent_usd = 0.75 } }
+  tree = { run_id = "r1", root = "r0", name = "helper", depth = 1, limits = { depth = 3, children = 32, running = 8 },
+    children_used = 0, budget_usd = 2.5, spent_usd = 0.75 } }
 
 -- A plan as agent.prepare leaves it, for provider `name`.
 local function plan(name, endpoint)
@@ -103,13 +104,13 @@ function tests.the_context_file_tells_the_tools_the_habits_and_the_limits(t)
   t:ok(text:find("## Child sandboxes", 1, true) < text:find("## Task", 1, true), "before the task")
   t:ok(text:find("Claude Code lists them as `mcp__demesne__<tool>`", 1, true), "the provider's hint on tool names")
   -- at the deepest level: no children
-  local deep = plan("codex", { url = ENDPOINT.url, token = "t", tree = { depth = 3, depth_max = 3 } })
+  local deep = plan("codex", { url = ENDPOINT.url, token = "t", tree = { depth = 3, limits = { depth = 3 } } })
   agent.wire(deep)
   local deep_text = agent.context_text(deep, { prompt = "p" })
   t:match(deep_text, "You are at depth 3, the deepest allowed %(3%): you cannot spawn")
   t:ok(deep_text:find("`await tools.mcp__demesne__sandbox_script({...})`", 1, true), "Codex's code mode explained")
   -- no budget
-  local free = plan("codex", { url = ENDPOINT.url, token = "t", tree = { depth = 0, depth_max = 3 } })
+  local free = plan("codex", { url = ENDPOINT.url, token = "t", tree = { depth = 0, limits = { depth = 3 } } })
   agent.wire(free)
   t:match(agent.context_text(free, { prompt = "p" }), "No budget is set")
 end

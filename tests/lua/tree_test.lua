@@ -11,7 +11,6 @@ local sandbox = require("demesne.sandbox")
 local tree = require("demesne.tree")
 local child = require("demesne.tree.child")
 local tools = require("demesne.tools")
-local json = require("demesne.json")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
@@ -124,7 +123,7 @@ function tests.a_root_gets_its_endpoint_workspace_and_read_only_child_folder(t)
 end
 
 function tests.a_sandbox_without_mcp_is_no_tree_node(t)
-  local w <close> = world()
+  local _w <close> = world()
   local r = sandbox.create(nil, { image = IMAGE })
   t:eq(tree.get(r.sandbox_id), nil)
   t:eq(r.mcp, nil)
@@ -182,6 +181,8 @@ function tests.names_depth_children_and_egress_are_checked(t)
   t:match(failure(spawn, id, "script", { name = "broken", command = "true", image = IMAGE }), "already used")
   spawn(id, "script", { name = "third", command = "true", image = IMAGE })
   t:match(failure(spawn, id, "script", { name = "more", command = "true", image = IMAGE }), "spawned 3 children")
+  t:eq(tree.info(id), { run_id = id, root = id, depth = 0, limits = { depth = 1, children = 3, running = 8 },
+    children_used = 3, spent_usd = 0 })
   sandbox.destroy(nil, { sandbox_id = id })
   local kids = tree.children(id)
   t:eq({ kids[2].name, kids[2].status }, { "broken", "failed" })
@@ -230,7 +231,7 @@ function tests.scope_is_the_callers_subtree(t)
 end
 
 function tests.child_schemas_have_no_host_paths_and_a_required_name(t)
-  local w <close> = world()
+  local _w <close> = world()
   local host = tools.load({ user_dir = false, quiet = true })
   local reg = child.registry(host)
   local names = {}
@@ -252,7 +253,7 @@ function tests.child_schemas_have_no_host_paths_and_a_required_name(t)
 end
 
 function tests.limits_come_from_the_call_within_the_ceilings(t)
-  local w <close> = world({ DEMESNE_TREE_BUDGET_USD_MAX = "5" })
+  local _w <close> = world({ DEMESNE_TREE_BUDGET_USD_MAX = "5" })
   local l, b = tree.limits(nil, nil)
   t:eq({ l.depth, l.children, l.running, b }, { 3, 32, 8, 5 }, "defaults; the ceiling is the budget of a tree without one")
   l, b = tree.limits({ depth = 2, running = 4 }, 1.5)
@@ -318,7 +319,7 @@ function tests.budget_counter_and_the_spent_reaction(t)
 end
 
 function tests.a_run_outside_a_tree_is_never_charged(t)
-  local w <close> = world()
+  local _w <close> = world()
   t:eq({ tree.charge("20260101T000000Z-00000000", 5) }, { true })
   t:eq({ tree.check("20260101T000000Z-00000000") }, { true })
 end
