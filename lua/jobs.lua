@@ -310,7 +310,8 @@ kinds.agent = {
     return out
   end,
   -- after a restart: the vendor route is started again with the token kept in the record
-  -- (a per-run token, not the credential), the container watched like a script job
+  -- (a per-run token, not the credential), the container watched like a script job; the
+  -- result names the run as a tree node (o.tree) so that results.json lists its children
   attach = function(job)
     local rec = job.rec
     local providers = require("demesne.providers")
@@ -333,7 +334,7 @@ kinds.agent = {
     local _ <close> = closer(function()
       if finished or not route then return end
       local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
-        output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model }
+        output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model, tree = rec.run_id }
       local ok, err = pcall(require("demesne.agent").finish, o, nil, nil, now_ms() - rec.started_ms,
         "cancelled: " .. tostring(job.cancel_reason or "cancelled"))
       if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(err)) end
@@ -349,7 +350,7 @@ kinds.agent = {
     end
     if route then
       local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
-        output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model }
+        output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model, tree = rec.run_id }
       local ok, err, read_error = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason,
         now_ms() - rec.started_ms)
       if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(err)) end

@@ -430,3 +430,180 @@ test("Codex orchestrates the same tree through its mcp__demesne namespace", { ti
   }
 });
 
+
+// ---- refusals through the CLI ---------------------------------------------------------------
+
+test("refusals reach the CLI as tool errors: a duplicate name, open egress, a job outside the subtree, depth", { timeout: 600_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv("refusals") });
+  try {
+    const outside = await call(conn, "sandbox_script", { image: "base", background: true, command: "sleep 30" });
+    const deep = plan("refuse-deep", [
+      { tool: "sandbox_script", args: () => ({ name: "too-deep", image: "base", command: "true" }) },
+      { final: "could not go deeper" },
+    ], { input: 510, output: 51, cache_read: 5 });
+    const orch = plan("refuse-orch", [
+      { tool: "sandbox_script", args: () => ({ name: "first", image: "base", command: "echo first" }) },
+      { tool: "sandbox_script", args: () => ({ name: "first", image: "base", command: "echo again" }) },
+      { tool: "sandbox_script", args: () => ({ name: "wide", image: "base", egress: "open", command: "true" }) },
+      { tool: "sandbox_status", args: () => ({ job_id: outside.job_id }) },
+      { tool: "sandbox_agent", args: () => ({ name: "deep", prompt: `PLAN:${deep} Spawn one more.`, model: "haiku" }) },
+      { final: "refusals seen" },
+    ], { input: 610, output: 61, cache_read: 6 });
+    const r = await call(conn, "sandbox_agent", { prompt: `PLAN:${orch} Try what is refused.`, model: "sonnet",
+      tree: { depth: 1 }, timeout_seconds: 300 });
+    assert.equal(r.exit_code, 0, r.stderr);
+    assert.equal(r.answer, "refusals seen");
+    const res = plans.get(orch).results;
+    assert.match(res[0], /first/, "the first spawn ran");
+    assert.match(res[1], /name: "first" is already used by a child of this sandbox/);
+    assert.match(res[2], /egress: "open" is not permitted for a child sandbox_script/);
+    assert.match(res[3], new RegExp(`job_id: no job ${outside.job_id} \\(unknown`), "a job outside the subtree is unknown");
+    assert.match(plans.get(deep).results[0], /depth: a child here would be at depth 2, below the tree's limit of 1/);
+    assert.match(res[4], /could not go deeper/, "the child agent ran and answered");
+    // what was refused left nothing: one script child and the agent child
+    assert.deepEqual(r.children.map((c) => [c.name, c.status]).sort(), [["deep", "succeeded"], ["first", "succeeded"]]);
+    assert.ok(!existsSync(path.join(r.output_dir, "child", "wide")), "no folder for a refused spawn");
+    await call(conn, "sandbox_cancel", { job_id: outside.job_id });
+  } finally {
+    await conn.client.close();
+  }
+});
+
+// ---- the budget ------------------------------------------------------------------------------
+
+test("a tree's budget spent mid-run: every run ends with the budget reason and no container is left", { timeout: 600_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv("budget") });
+  try {
+    // each response costs (100000 × 3 + 10000 × 15) / 1e6 = $0.45 at sonnet's prices: the
+    // fifth or so response of the tree crosses $2, while both agents still have steps to take
+    const steps = (n) => Array.from({ length: n }, () => ({ shell: "true" }));
+    const child = plan("budget-child", [...steps(12), { final: "never reached" }], { input: 100000, output: 10000, cache_read: 0 });
+    const orch = plan("budget-orch", [
+      { tool: "sandbox_agent", args: () => ({ name: "spender", prompt: `PLAN:${child} Spend.`, model: "sonnet",
+        background: true }) },
+      ...steps(12), { final: "never reached" },
+    ], { input: 100000, output: 10000, cache_read: 0 });
+    const started = await call(conn, "sandbox_agent", { prompt: `PLAN:${orch} Spend.`, model: "sonnet",
+      budget_usd: 2, background: true, timeout_seconds: 300 });
+    const done = await call(conn, "sandbox_wait", { job_id: started.job_id, timeout_seconds: 300 });
+    assert.notEqual(done.status, "succeeded", JSON.stringify(done).slice(0, 2000));
+    const out = started.output_dir;
+    await until("no container of the tree", async () => (await containersUnder(out)).length === 0, 60_000);
+    const results = readJson(out, "results.json");
+    assert.equal(results.reason, "budget of $2.00 spent", JSON.stringify(results).slice(0, 2000));
+    const spender = results.children.find((c) => c.name === "spender");
+    assert.equal(spender.reason, "budget of $2.00 spent", JSON.stringify(spender));
+    assert.equal(readJson(out, "child/spender/results.json").reason, "budget of $2.00 spent");
+    const rep = await call(conn, "sandbox_usage_report", { run_id: started.run_id });
+    assert.equal(rep.budget_usd, 2);
+    assert.equal(rep.budget_spent, true);
+    assert.ok(rep.tree_spent_usd >= 2, `spent ${rep.tree_spent_usd}`);
+    const served = billed(orch, child).requests;
+    assert.ok(served < 26, `the agents stopped before their plans' ends (${served} requests)`);
+    // every request that reached the vendor was counted; none went after the tree stopped
+    const cost = priceOf(CLAUDE_RATES)(orch) + priceOf(CLAUDE_RATES)(child);
+    assert.ok(Math.abs(rep.tree_spent_usd - cost) < 1e-9, `${rep.tree_spent_usd} for ${served} responses (${cost})`);
+    assert.ok(Math.abs(rep.total_cost_usd - cost) < 1e-9);
+    await sleep(2000);
+    assert.equal(billed(orch, child).requests, served, "no model request after the stop");
+    // a request that came in after the budget was spent got the vendor-shaped refusal
+    for (const f of [path.join(out, "usage.jsonl"), path.join(out, "child/spender/usage.jsonl")]) {
+      for (const l of read(f).split("\n").filter((x) => x).map((x) => JSON.parse(x))) {
+        if (l.verdict === "deny") assert.deepEqual([l.status, l.reason], [400, "budget of $2.00 spent"]);
+      }
+    }
+    const again = await conn.client.callTool({ name: "sandbox_agent", arguments: { prompt: "x", model: "sonnet",
+      budget_usd: 2, tree: { depth: 1 } } }, undefined, LONG);
+    assert.ok(!again.isError || !/budget/.test(again.content[0].text), "another tree has a budget of its own");
+  } finally {
+    await conn.client.close();
+  }
+});
+
+// ---- a host cancel -------------------------------------------------------------------------
+
+test("cancelling the root on the host takes the whole tree within seconds", { timeout: 600_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv("cancel") });
+  try {
+    const worker = plan("cancel-worker", [
+      { tool: "sandbox_script", args: () => ({ name: "grand", image: "base", command: "sleep 300" }) },
+      { final: "not reached" },
+    ], { input: 710, output: 71, cache_read: 7 });
+    const orch = plan("cancel-orch", [
+      { tool: "sandbox_script", args: () => ({ name: "sleeper", image: "base", background: true, command: "sleep 300" }) },
+      { tool: "sandbox_agent", args: () => ({ name: "worker", prompt: `PLAN:${worker} Work long.`, model: "gpt-5.6-luna",
+        background: true }) },
+      { tool: "sandbox_wait", args: (c) => ({ job_id: jobOf(c.result(1)) }), again: stillRunning },
+      { final: "not reached" },
+    ], { input: 810, output: 81, cache_read: 8 });
+    const started = await call(conn, "sandbox_agent", { prompt: `PLAN:${orch} Run long.`, model: "gpt-5.6-sol",
+      background: true, timeout_seconds: 300 });
+    const out = started.output_dir;
+    // the whole tree is up: the root, the sleeper, the worker and its grandchild
+    await until("four containers", async () => (await containersUnder(out)).length >= 4, 180_000);
+    const t0 = Date.now();
+    const cancelled = await call(conn, "sandbox_cancel", { job_id: started.job_id });
+    assert.equal(cancelled.status, "cancelled");
+    await until("no container of the tree", async () => (await containersUnder(out)).length === 0, 60_000);
+    const gone = (Date.now() - t0) / 1000;
+    console.log(`# the tree's four containers were gone ${gone.toFixed(1)} s after the cancel`);
+    assert.ok(gone < 30, `gone within seconds (${gone} s)`);
+    const rep = await call(conn, "sandbox_usage_report", { run_id: started.run_id });
+    const rows = Object.fromEntries(rep.nodes.map((n) => [n.path || "(root)", n.status]));
+    assert.deepEqual(rows, { "(root)": "cancelled", sleeper: "cancelled", worker: "cancelled", "worker/grand": "cancelled" });
+    assert.match(readJson(out, "results.json").reason, /^cancelled/);
+    assert.ok(existsSync(path.join(out, "child/worker/results.json")), "the worker's results.json says how it ended");
+  } finally {
+    await conn.client.close();
+  }
+});
+
+// ---- a server killed mid-tree ----------------------------------------------------------------
+// With Codex: its MCP client sees the call in flight fail at once ("Transport closed") and
+// the next call opens a new session on the new server. Claude Code 2.1.197 recovers too,
+// but reports the lost call only about 120 s later (measured here), too slow for CI.
+
+test("a server killed with SIGKILL mid-tree: the next server takes the tree up and it completes", { timeout: 600_000 }, async () => {
+  const env = serverEnv("restart");
+  let a = await connect({ fixtures: false, env });
+  let b;
+  try {
+    const helper = plan("restart-helper", [
+      { shell: "sleep 8; echo helped > /out/helped.txt" }, // within exec_command's first 10 s
+      { final: "helped" },
+    ], { input: 920, output: 92, cache_read: 9 });
+    const orch = plan("restart-orch", [
+      { tool: "sandbox_script", args: () => ({ name: "slow", image: "base", background: true,
+        command: "sleep 12; echo slow-done > /out/done.txt" }) },
+      { tool: "sandbox_agent", args: () => ({ name: "helper", prompt: `PLAN:${helper} Help slowly.`, model: "gpt-5.6-luna",
+        background: true }) },
+      { tool: "sandbox_wait", args: (c) => ({ job_id: jobOf(c.result(0)) }), again: stillRunning },
+      { tool: "sandbox_wait", args: (c) => ({ job_id: jobOf(c.result(1)) }), again: stillRunning },
+      { shell: "cat /out/child/slow/done.txt /out/child/helper/helped.txt > /out/summary.txt" },
+      { final: "survived" },
+    ], { input: 1020, output: 102, cache_read: 10 });
+    const started = await call(a, "sandbox_agent", { prompt: `PLAN:${orch} Survive.`, model: "gpt-5.6-sol",
+      background: true, timeout_seconds: 300 });
+    // the orchestrator waits on its children, the helper sleeps: kill the server now
+    await until("the orchestrator waiting", async () => plans.get(orch).served.length >= 3
+      && plans.get(helper).served.length >= 1, 180_000);
+    process.kill(a.transport.pid, "SIGKILL");
+    await a.client.close().catch(() => {});
+    a = null;
+    b = await connect({ fixtures: false, env });
+    const done = await call(b, "sandbox_wait", { job_id: started.job_id, timeout_seconds: 300 });
+    assert.equal(done.status, "succeeded", JSON.stringify(done).slice(0, 3000) + b.stderr().slice(-3000));
+    const out = started.output_dir;
+    assert.equal(read(out, "summary.txt"), "slow-done\nhelped\n");
+    const results = readJson(out, "results.json");
+    assert.equal(results.answer, "survived");
+    assert.deepEqual(results.children.map((c) => [c.name, c.status]).sort(), [["helper", "succeeded"], ["slow", "succeeded"]]);
+    const rep = await call(b, "sandbox_usage_report", { run_id: started.run_id });
+    const sub = billed(orch, helper);
+    assert.deepEqual(rep.tokens, { input: sub.input, output: sub.output, cache_creation: 0, cache_read: sub.cache_read },
+      "every response of both servers' time counted once");
+  } finally {
+    if (a) await a.client.close().catch(() => {});
+    if (b) await b.client.close();
+  }
+});
