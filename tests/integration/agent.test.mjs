@@ -155,8 +155,10 @@ function openai(req, res, body) {
     // exec_command takes `cmd` (agent-clis.md 3.2); other model families get other shell tools
     const param = "cmd";
     const cmd = probeCommand("AGENT_API_KEY", "authorization", "Bearer ", { allowed: "/v1/responses", denied: "/v1/models" });
+    // the scan of the whole filesystem can take more than exec_command's default 10 s on a
+    // loaded machine, after which Codex hands the still-running command back to the model
     item = { type: "function_call", id: "fc_" + id, call_id: "call_" + randomBytes(6).toString("hex"), name: "exec_command",
-      arguments: JSON.stringify({ [param]: cmd }) };
+      arguments: JSON.stringify({ [param]: cmd, yield_time_ms: 30000 }) };
     usage = { input: 150, output: 25 };
   }
   sse(res, [
