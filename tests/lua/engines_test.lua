@@ -105,6 +105,7 @@ function tests.docker_reads_inspect_and_list_into_neutral_info(t)
   t:eq(docker.container_summary({ Id = "3f9c", Names = { "/demesne-r1" }, Image = "demesne/default:3f9c0a1b2c4d",
     State = "exited", Labels = { a = "1" } }), { id = "3f9c", name = "demesne-r1", image = "demesne/default:3f9c0a1b2c4d",
     state = "exited", labels = { a = "1" } }, "a list entry")
+end
 
 -- Every value the adapter puts into an API path is one escaped segment: it cannot climb
 -- with "..", add segments or start a query (issue 10). A loopback engine records the
