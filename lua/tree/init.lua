@@ -727,7 +727,7 @@ end
 -- Takes up a node a server that is gone left active.
 local function resume_node(n)
   local eng = sandbox.engine()
-  local info, _, code = eng:inspect("demesne-" .. n.run_id)
+  local info, _, code = sandbox.state_of(eng, n.run_id) -- by list: no inspect (Podman 4.3 deadlock)
   local alive = info and info.state == "running"
   if not info and code ~= "ENOENT" then return end -- the engine does not answer: next sweep
   local rec = n.job_id and jobs.get(n.job_id)
