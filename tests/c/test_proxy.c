@@ -103,6 +103,37 @@ static void test_heads(void) {
   dm_proxy_head_free(&h);
 }
 
+/* Found by tests/fuzz/proxy_head (corpus file regression-obs-fold): llhttp reports a folded
+ * header value as two pieces with the CRLF between them skipped; kept as one span, the value
+ * took in the CRLF and the rewrite ended the head early, so the upstream read the headers
+ * after the fold (Content-Length among them) as the start of another request. */
+static void test_obs_fold_is_refused(void) {
+  const char *heads[] = {
+    "PUT http://registry.npmjs.org/x HTTP/1.1\r\nX-Long: a\r\n b\r\nContent-Length: 3\r\n\r\nabc",
+    "GET / HTTP/1.1\r\nHost: a.test\r\nX: one\r\n\ttwo three\r\n\r\n",
+  };
+  for (size_t k = 0; k < sizeof heads / sizeof heads[0]; k++) {
+    dm_proxy_head h;
+    dm_proxy_head_init(&h);
+    int r = 0;
+    for (size_t i = 0; i < strlen(heads[k]) && r == 0; i++) r = dm_proxy_head_feed(&h, heads[k] + i, 1);
+    CHECK(r == -1 && h.status == 400 && h.why && strstr(h.why, "obs-fold"), "folded header refused: %d %d %s", r,
+          h.status, h.why ? h.why : "");
+    dm_proxy_head_free(&h);
+  }
+  /* a value in pieces because the reads were split is one value */
+  const char *split = "GET / HTTP/1.1\r\nHost: a.test\r\nX-Split: abcdef\r\n\r\n";
+  dm_proxy_head h;
+  dm_proxy_head_init(&h);
+  int r = 0;
+  for (size_t i = 0; i < strlen(split) && r == 0; i++) r = dm_proxy_head_feed(&h, split + i, 1);
+  char out[512];
+  size_t n = r == 1 ? dm_proxy_head_rewrite(&h, out, sizeof out - 1) : 0;
+  out[n] = '\0';
+  CHECK(n && strstr(out, "\r\nX-Split: abcdef\r\nConnection: close\r\n\r\n"), "split reads: %d %s", r, out);
+  dm_proxy_head_free(&h);
+}
+
 static void test_hosts(void) {
   struct { const char *in; const char *out; int ip; } ok[] = {
     {"DENIED.TEST", "denied.test", 0}, {"denied.test.", "denied.test", 0}, {"a_b.test", "a_b.test", 0},
@@ -480,6 +511,7 @@ static void test_end_to_end(void) {
 
 int main(void) {
   test_heads();
+  test_obs_fold_is_refused();
   test_hosts();
   test_classes();
   test_dns_codec();
