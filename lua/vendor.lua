@@ -84,13 +84,66 @@ function vendor.parse_head(text)
   return { method = method, target = target, version = version, headers = headers }
 end
 
+-- One read of a chunked body: takes what `buf` holds (the bytes held over, then the new
+-- ones), appends the chunks' data to `got` and returns "more", "done" or "error" (r.why
+-- set). A chunk's data is taken as it arrives; only an unfinished size line (up to 1 KiB)
+-- or trailer (up to MAX_HEAD) is held over in r.buf to the next read.
+local function chunked_read(r, buf, got)
+  local pos, n = 1, #buf
+  local function hold(limit, why)
+    r.buf = buf:sub(pos)
+    if #r.buf > limit then r.why = why return "error" end
+    return "more"
+  end
+  while true do
+    if r.state == "size" then
+      local s, e, hex = buf:find("^([0-9a-fA-F]+)[^\r\n]*\r\n", pos)
+      if not s then return hold(1024, "bad chunk size") end
+      hex = hex:match("^0*(.*)$")
+      -- 12 hex digits are far above MAX_BODY; longer ones would wrap around in tonumber
+      local len = #hex <= 12 and tonumber(hex ~= "" and hex or "0", 16) or math.huge
+      if r.size + len > MAX_BODY then r.why = "request body too large" return "error" end
+      r.left = len
+      pos = e + 1
+      r.state = len == 0 and "trailer" or "data"
+    elseif r.state == "data" then
+      local take = math.min(r.left, n - pos + 1)
+      if take > 0 then
+        got[#got + 1] = buf:sub(pos, pos + take - 1)
+        r.size = r.size + take
+        r.left = r.left - take
+        pos = pos + take
+      end
+      if r.left > 0 then r.buf = "" return "more" end
+      r.state = "crlf"
+    elseif r.state == "crlf" then -- the CRLF that ends a chunk's data
+      if n - pos + 1 < 2 then return hold(1, "bad chunk framing") end
+      if buf:sub(pos, pos + 1) ~= "\r\n" then r.why = "bad chunk framing" return "error" end
+      pos = pos + 2
+      r.state = "size"
+    else -- trailer: lines until an empty one, MAX_HEAD bytes in all
+      local s, e = buf:find("\r\n", pos, true)
+      if not s then return hold(MAX_HEAD - r.trailer, "trailer too large") end
+      r.trailer = r.trailer + (e - pos + 1)
+      if r.trailer > MAX_HEAD then r.why = "trailer too large" return "error" end
+      local empty = s == pos
+      pos = e + 1
+      if empty then
+        r.buf = ""
+        return "done"
+      end
+    end
+  end
+end
+
 -- A body reader fed with bytes: returns "more", "done" or "error" and sets r.body / r.why.
+-- Its cost is linear in the bytes fed, however a sandbox splits them and sizes its chunks.
 local function body_reader(headers)
   local te = headers["transfer-encoding"]
   local r = { buf = "", parts = {}, size = 0 }
   if te then
     if te:lower():match("^%s*chunked%s*$") == nil then return nil, 501, "unsupported transfer-encoding" end
-    r.chunked, r.state = true, "size"
+    r.chunked, r.state, r.trailer = true, "size", 0
   else
     local cl = headers["content-length"]
     if cl and not cl:match("^%d+$") then return nil, 400, "bad Content-Length" end
@@ -107,35 +160,12 @@ local function body_reader(headers)
       end
       return "more"
     end
-    self.buf = self.buf .. data
-    while true do
-      if self.state == "size" then
-        local s, e, hex = self.buf:find("^([0-9a-fA-F]+)[^\r\n]*\r\n")
-        if not s then
-          if #self.buf > 1024 then self.why = "bad chunk size" return "error" end
-          return "more"
-        end
-        self.chunk = tonumber(hex, 16)
-        self.buf = self.buf:sub(e + 1)
-        if self.chunk == 0 then self.state = "trailer" else self.state = "data" end
-      elseif self.state == "data" then
-        if #self.buf < self.chunk + 2 then return "more" end
-        self.parts[#self.parts + 1] = self.buf:sub(1, self.chunk)
-        self.size = self.size + self.chunk
-        if self.size > MAX_BODY then self.why = "request body too large" return "error" end
-        self.buf = self.buf:sub(self.chunk + 3)
-        self.state = "size"
-      else -- trailer: lines until an empty one
-        local s, e = self.buf:find("\r\n", 1, true)
-        if not s then return "more" end
-        local line = self.buf:sub(1, s - 1)
-        self.buf = self.buf:sub(e + 1)
-        if line == "" then
-          self.body = table.concat(self.parts)
-          return "done"
-        end
-      end
-    end
+    -- one part per read, not per chunk: tiny chunks must not cost a table slot each
+    local got = {}
+    local st = chunked_read(self, self.buf .. data, got)
+    if #got > 0 then self.parts[#self.parts + 1] = table.concat(got) end
+    if st == "done" then self.body = table.concat(self.parts) end
+    return st
   end
   return r
 end
@@ -454,7 +484,7 @@ function Route:accept(conn)
   if self.closed then conn:close() return end
   self.conns[conn] = true
   self.nconns = self.nconns + 1
-  local state = { buf = "", started = loop.hrtime() }
+  local state = { started = loop.hrtime() }
   local done = false
   -- the request (head and body) must arrive within HEAD_TIMEOUT_MS
   local deadline = timer.after(HEAD_TIMEOUT_MS, function()
@@ -479,19 +509,28 @@ function Route:accept(conn)
       return finish()
     end
     if not state.req then
-      state.buf = state.buf .. data
-      local s, e = state.buf:find("\r?\n\r?\n")
+      -- the head's pieces are kept apart and only the new bytes, with the three before them,
+      -- are searched for its end: a head trickled in one byte per read costs linear time
+      local held = state.held or 0
+      local tail = state.tail or ""
+      local s, e = (tail .. data):find("\r?\n\r?\n")
       if not s then
-        if #state.buf > MAX_HEAD then
+        state.parts = state.parts or {}
+        state.parts[#state.parts + 1] = data
+        state.held = held + #data
+        state.tail = (tail .. data):sub(-3)
+        if state.held > MAX_HEAD then
           conn:read_stop()
           reply(conn, 431, error_body(self.provider, 431, "request head too large"))
           return finish()
         end
         return
       end
-      local req, status, why = vendor.parse_head(state.buf:sub(1, s - 1))
-      local rest = state.buf:sub(e + 1)
-      state.buf = ""
+      local whole = table.concat(state.parts or {}) .. data
+      s, e = s + held - #tail, e + held - #tail
+      state.parts, state.held, state.tail = nil, nil, nil
+      local req, status, why = vendor.parse_head(whole:sub(1, s - 1))
+      local rest = whole:sub(e + 1)
       if not req then
         conn:read_stop()
         reply(conn, status, error_body(self.provider, status, why))

@@ -368,6 +368,95 @@ function tests.attempt_endpoint_checks_its_caller_and_body(t)
   if not ok then error(err, 0) end
 end
 
+-- Sends raw bytes to the route in the given pieces (each written after the one before has
+-- gone out and the loop has turned, so the route mostly reads them apart) and returns what
+-- it answers up to EOF, or "" when it answers nothing within `wait_ms`.
+local function raw_exchange(base, pieces, wait_ms)
+  local port = tonumber(base:match(":(%d+)$"))
+  local conn = async.await(function(cb) assert(stream.connect_tcp("127.0.0.1", port, cb)) end)
+  assert(conn, "connect to the route")
+  local got, done = {}, async.event()
+  conn:read_start(function(data)
+    if data then got[#got + 1] = data else done.set() end
+  end)
+  for _, p in ipairs(pieces) do
+    async.await(function(cb) conn:write(p, cb) end)
+    async.sleep(1)
+  end
+  async.timeout(wait_ms or 2000, done.wait)
+  conn:close()
+  return table.concat(got)
+end
+
+local ATTEMPT_JSON = '{"attempt":1,"exit_code":0}'
+local ATTEMPT_HEX = ("%x"):format(#ATTEMPT_JSON)
+local function attempt_head(extra)
+  return "POST " .. vendor.ATTEMPT_PATH .. " HTTP/1.1\r\nAuthorization: Bearer dmsn-good\r\n" .. (extra or "")
+end
+
+-- The route read a request head by searching all it held after every read, and a chunked
+-- body by copying what was left after every chunk: a sandbox that sent its head a byte per
+-- read, or a body of tiny or huge chunks, held the host's loop for seconds to minutes
+-- (a 64 KiB head a byte per read: 47 s; a 16 MiB chunk in 64 KiB reads: 1.7 s, growing with
+-- the square). Both are now searched and taken in linear time; these check the answers.
+function tests.request_head_and_chunked_body_read_in_any_pieces(t)
+  local run_id = "vp-" .. hex(loop.random(4))
+  local route, base, close = bare_route(run_id)
+  local ok, err = pcall(function()
+    -- the head's blank line split over reads, then a body of one-byte chunks in odd reads
+    local chunks = {}
+    for i = 1, #ATTEMPT_JSON do chunks[#chunks + 1] = "1\r\n" .. ATTEMPT_JSON:sub(i, i) .. "\r\n" end
+    local body = table.concat(chunks) .. "0\r\nX-Trailer: t\r\n\r\n"
+    local head = attempt_head("Transfer-Encoding: chunked\r\n\r\n")
+    local pieces = { head:sub(1, -4), head:sub(-3, -2), head:sub(-1) }
+    for i = 1, #body, 7 do pieces[#pieces + 1] = body:sub(i, i + 6) end
+    local answer = raw_exchange(base, pieces)
+    t:match(answer, "^HTTP/1.1 200 ", "answered")
+    t:match(answer, "\r\n\r\nstop\n$", "the body was read whole")
+    -- a head trickled a byte per read
+    local trickle = {}
+    local whole = attempt_head(("Content-Length: %d\r\n\r\n"):format(#ATTEMPT_JSON)) .. ATTEMPT_JSON
+    for i = 1, #whole do trickle[i] = whole:sub(i, i) end
+    t:match(raw_exchange(base, trickle), "\r\n\r\nstop\n$", "a trickled request")
+  end)
+  close()
+  if not ok then error(err, 0) end
+end
+
+-- A chunk size of 17 hex digits wrapped around in tonumber: "1000000000000001b" was read as
+-- a 27-byte chunk. It is refused now, like any size above the body limit.
+function tests.chunk_size_that_wraps_around_is_refused(t)
+  local run_id = "vw-" .. hex(loop.random(4))
+  local route, base, close = bare_route(run_id)
+  local ok, err = pcall(function()
+    local answer = raw_exchange(base, { attempt_head("Transfer-Encoding: chunked\r\n\r\n"),
+      "100000000000000" .. ATTEMPT_HEX .. "\r\n" .. ATTEMPT_JSON .. "\r\n0\r\n\r\n" })
+    t:match(answer, "^HTTP/1.1 400 ", "refused")
+    t:match(answer, "request body too large", "names the reason")
+  end)
+  close()
+  if not ok then error(err, 0) end
+end
+
+-- A trailer line that never ended was held without bound until the 60 s deadline; the data
+-- of a chunk had two bytes skipped after it whatever they were.
+function tests.endless_trailer_and_bad_chunk_framing_are_refused(t)
+  local run_id = "vt-" .. hex(loop.random(4))
+  local route, base, close = bare_route(run_id)
+  local ok, err = pcall(function()
+    local answer = raw_exchange(base, { attempt_head("Transfer-Encoding: chunked\r\n\r\n"), "0\r\nX-T: ",
+      ("a"):rep(70000) })
+    t:match(answer, "^HTTP/1.1 400 ", "a trailer over 64 KiB is refused at once")
+    t:match(answer, "trailer too large")
+    answer = raw_exchange(base, { attempt_head("Transfer-Encoding: chunked\r\n\r\n"),
+      ATTEMPT_HEX .. "\r\n" .. ATTEMPT_JSON .. "XY0\r\n\r\n" })
+    t:match(answer, "^HTTP/1.1 400 ", "chunk data not followed by CRLF")
+    t:match(answer, "bad chunk framing")
+  end)
+  close()
+  if not ok then error(err, 0) end
+end
+
 function tests.a_restarted_route_keeps_a_hold_in_progress(t)
   if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
   local run_id = "vh-" .. hex(loop.random(4))
