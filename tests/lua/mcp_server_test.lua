@@ -90,6 +90,18 @@ function tests.version_negotiation(t)
   end
 end
 
+-- Found by tests/fuzz/mcp_server (corpus file regression-long-numeric-id): the answer to a
+-- numeric id of 15 digits or more carried another id (lua-cjson writes 14 significant
+-- digits), so the client never matched it.
+function tests.long_numeric_id_is_answered_unchanged(t)
+  local h <close> = harness()
+  for _, id in ipairs({ 123456789012345, 9007199254740991, 0.30000000000000004, 6.6666666666666666e55 }) do
+    h.send(('{"jsonrpc":"2.0","id":%s,"method":"ping"}'):format(("%.17g"):format(id)))
+    local r = h.responses()[1]
+    t:eq(r and r.id, id + 0.0, "the id of the answer to " .. ("%.17g"):format(id))
+  end
+end
+
 function tests.initialize_twice_is_refused(t)
   local h <close> = harness()
   h.init()
