@@ -31,8 +31,9 @@ function tests.parse_head_reads_request_line_and_headers(t)
   t:eq(s2, 400, "conflicting Content-Length")
 end
 
--- A scripted upstream: answers POST with an Anthropic SSE stream, records the x-api-key.
-local function upstream(limited)
+-- A scripted upstream: answers POST with an Anthropic SSE stream, records the x-api-key;
+-- the first `limited` POSTs get a 429 with `retry-after: <retry_after or 1>`.
+local function upstream(limited, retry_after)
   local seen = {}
   limited = limited or 0
   local srv = {}
@@ -50,8 +51,8 @@ local function upstream(limited)
       seen[#seen + 1] = { head = head, key = head:lower():match("\nx%-api%-key:%s*([^\r\n]+)") }
       if #seen <= limited then
         local eb = '{"type":"error","error":{"type":"rate_limit_error","message":"slow down"}}'
-        c:write(("HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-          .. "content-length: %d\r\n\r\n%s"):format(#eb, eb), function() c:close() end)
+        c:write(("HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: %s\r\n"
+          .. "content-length: %d\r\n\r\n%s"):format(retry_after or "1", #eb, eb), function() c:close() end)
         return
       end
       local events = {
@@ -141,13 +142,14 @@ function tests.parse_reset_reads_the_vendors_formats(t)
 end
 
 -- One route against an upstream that answers the first `limited` POSTs with 429
--- (retry-after: 1). Returns the status the agent saw, usage.jsonl's lines and the route.
-local function rate_run(limited, budget, holds)
+-- (retry-after: 1, or `retry_after`). Returns the status the agent saw, usage.jsonl's lines
+-- and the route.
+local function rate_run(limited, budget, holds, retry_after)
   local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-vendor-" .. hex(loop.random(6))
   local run_id = "vr-" .. hex(loop.random(4)) -- the rate state is saved by run id
   assert(fs.mkdir_p(dir .. "/run", 493))
   assert(fs.mkdir_p(dir .. "/out", 493))
-  local up = upstream(limited)
+  local up = upstream(limited, retry_after)
   local reg = providers.load({ user_dir = false, quiet = true })
   local p = reg:get("claude_code")
   local cred = setmetatable({ present = true, kind = "api_key", value = function() return "real-secret" end }, {})
@@ -156,7 +158,7 @@ local function rate_run(limited, budget, holds)
   local route = assert(vendor.start({ run_id = run_id, run_dir = dir .. "/run", output_dir = dir .. "/out", provider = p,
     token = "dmsn-good", credential = cred, rate_limit_retries = budget, holds = holds }))
   local front, fport = assert(stream.listen_tcp("127.0.0.1", 0, function(c) route:accept(c) end))
-  local ok, res = pcall(request, { url = "http://127.0.0.1:" .. fport .. "/v1/messages", method = "POST",
+  local ok, res = pcall(request, { url = "http://127.0.0.1:" .. fport .. "/v1/messages", method = "POST", timeout_ms = 20000,
     headers = { ["x-api-key"] = "dmsn-good", ["content-type"] = "application/json" }, body = '{"stream":true}' })
   route:stop()
   front:close()
@@ -199,6 +201,25 @@ function tests.route_passes_the_429_on_when_the_budget_is_spent(t)
   t:eq(usage.rate_limited.why, "retry budget of 1 exhausted")
   t:eq(require("demesne.agent").rate_reason(usage.rate_limited):match("^(.-) %("),
     "rate limited by the vendor; retry budget of 1 exhausted")
+end
+
+-- Found by tests/fuzz/vendor_usage (corpus file regression-endless-reset): a reset of
+-- 1e300 s, or 400 digits read as infinity, reached ("reset in %d s"):format(math.ceil(w)),
+-- which raises for a number with no integer form: the 429 answer died in the route's
+-- callback and the agent's request was never answered. Waits are now at most 2^31 s.
+function tests.reset_too_far_away_is_passed_on(t)
+  if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
+  for _, ra in ipairs({ "1" .. ("0"):rep(300), ("9"):rep(400) }) do
+    local status, lines, _, n, res = rate_run(1, 3, nil, ra)
+    t:eq(status, 429, "the agent gets the 429")
+    t:eq(n, 1, "not sent again")
+    t:eq(res.headers["x-should-retry"], "false")
+    t:match(lines[1].rate_limit, "^reset in 2147483648 s is beyond the longest wait")
+  end
+  local now = 1800000000
+  t:eq(vendor.reset_wait({ ["x-ratelimit-reset-requests"] = ("9"):rep(400) .. "h" }, now), 2 ^ 31)
+  t:eq(vendor.body_reset('{"error":{"resets_in_seconds":1e400}}', now), 2 ^ 31)
+  t:eq(vendor.body_reset('{"resets_at":1e308}', now), 2 ^ 31)
 end
 
 function tests.body_reset_reads_a_usage_limit_body(t)
