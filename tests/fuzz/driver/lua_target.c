@@ -94,8 +94,17 @@ static int rm_entry(const char *path, const struct stat *st, int flag, struct FT
   return 0;
 }
 
+/* The count goes to $FUZZ_LUA_STATS when set (tests/fuzz/run: libFuzzer's -close_fd_mask
+ * closes stderr), else to stderr. */
 static void at_exit(void) {
-  fprintf(stderr, "fuzz: Lua lines covered: %zu\n", lines_covered);
+  const char *stats = getenv("FUZZ_LUA_STATS");
+  FILE *f = stats && *stats ? fopen(stats, "w") : NULL;
+  if (f) {
+    fprintf(f, "%zu\n", lines_covered);
+    fclose(f);
+  } else {
+    fprintf(stderr, "fuzz: Lua lines covered: %zu\n", lines_covered);
+  }
   if (tmpdir[0]) nftw(tmpdir, rm_entry, 16, FTW_DEPTH | FTW_PHYS);
 }
 
