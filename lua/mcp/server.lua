@@ -489,7 +489,8 @@ function Server:handle_request(msg)
   if self.inflight[key] then
     -- answered with a null id: an error under the same id would read as the answer to the
     -- request that is still running (JSON-RPC 2.0 §5: null when the id cannot be used)
-    local shown = (math.type(id) == "float" and id == math.floor(id)) and ("%d"):format(id) or tostring(id)
+    local whole = type(id) == "number" and math.tointeger(id)
+    local shown = whole and ("%d"):format(whole) or type(id) == "number" and ("%.17g"):format(id) or tostring(id)
     return self:respond_error(json.null, server.INVALID_REQUEST, "Invalid Request: id " .. shown .. " is already in use by a request in progress")
   end
   local handler = methods[msg.method]
