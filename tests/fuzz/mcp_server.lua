@@ -6,9 +6,11 @@
 -- the server sends.
 --
 -- The tools are test fixtures that touch nothing outside the process (echo with a rich
--- schema, progress, sampling and elicitation requests to the client, a $ref schema). No
--- engine tool is loaded. A line over the cap (2 KiB here, so inputs reach it) takes the
--- overflow path; one outgoing message is capped at 8 KiB, so big results are replaced.
+-- schema, progress, sampling and elicitation requests to the client, a $ref schema), and
+-- the built-in tools with their real inputSchema (so the arguments a client sends them go
+-- through the same validation) but a run that only echoes: no engine is reached. A line
+-- over the cap (2 KiB here, so inputs reach it) takes the overflow path; one outgoing
+-- message is capped at 8 KiB, so big results are replaced.
 --
 -- Findings: a Lua error out of receive/overflow/shutdown (stdio would only log it and the
 -- client would wait for an answer forever), a message sent that is not one line of JSON-RPC
@@ -29,6 +31,12 @@ local MAX_MESSAGE = 8 * 1024
 local SHUTDOWN_MS = 2000
 
 local registry = tools.registry()
+for _, d in ipairs(tools.load({ user_dir = false, quiet = true }):list()) do
+  local stub = {}
+  for k, v in pairs(d) do stub[k] = v end
+  stub.run = function(_, args) return { content = { { type = "text", text = "stub" } }, structuredContent = args } end
+  registry:add(stub)
+end
 for _, name in ipairs({ "fixture_echo", "fixture_progress", "json_schema_2020_12_tool", "test_sampling",
   "test_elicitation", "test_elicitation_sep1034_defaults", "test_elicitation_sep1330_enums" }) do
   local path = FUZZ_SOURCE_DIR .. "/tests/fixtures/tools/" .. name .. ".lua"
