@@ -235,13 +235,33 @@ function sandbox.oom_note(st, memory_mb)
     memory_mb and (" (its limit is %d MiB)"):format(math.floor(memory_mb)) or "")
 end
 
+local function integer(v) return type(v) == "number" and math.tointeger(v) or nil end
+
+-- A command's status.json (docs/reference/demesne-init.md), read without following links,
+-- at most 64 KiB. It is written inside the sandbox, where any process of a persistent one can
+-- rewrite it: only the documented fields of the documented types are kept (a wrong type
+-- counts as absent, booleans are true only when true), so what it says cannot reach a tool
+-- result in a shape its outputSchema does not allow. nil when there is none or it is not
+-- JSON holding an object or an array (an array has none of the fields).
 local function read_status(run_dir, exec_id)
   local f = fs.open_beneath(run_dir, "exec/" .. exec_id .. "/status.json")
   if not f then return nil end
   local s = f:read(65536)
   f:close()
   local st = json.decode(s or "")
-  return type(st) == "table" and st or nil -- written inside the sandbox: untrusted
+  if type(st) ~= "table" then return nil end
+  return {
+    id = type(st.id) == "string" and st.id or nil,
+    exit_code = integer(st.exit_code),
+    signal = integer(st.signal),
+    timed_out = st.timed_out == true,
+    cancelled = st.cancelled == true,
+    started_at = integer(st.started_at),
+    finished_at = integer(st.finished_at),
+    duration_ms = integer(st.duration_ms),
+    oom_kills = integer(st.oom_kills),
+    error = type(st.error) == "string" and st.error or nil,
+  }
 end
 
 -- Bounded stdout/stderr of one command, from its log files under the output folder.
