@@ -294,6 +294,34 @@ function tests.decide_resumes_a_rate_limited_session_once_per_attempt(t)
   end)
 end
 
+-- Found by tests/fuzz/agent_transcript (corpus file regression-far-reset): a transcript's
+-- rate_limit_event with resetsAt 1e300 reached os.date(math.floor(x)) in agent.finish, which
+-- raises for a number with no integer form: the run's result and results.json were lost.
+-- A reset time is now used only from 0 to 2^33 s.
+function tests.far_reset_in_a_transcript_is_ignored(t)
+  local agent = require("demesne.agent")
+  local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-far-" .. hex(loop.random(6))
+  assert(fs.mkdir_p(dir .. "/out", 493))
+  assert(fs.mkdir_p(dir .. "/run", 493))
+  local ok, err = pcall(function()
+    local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
+    for _, at in ipairs({ "1e300", "1e400", "-5", "8589934592" }) do
+      assert(fs.write_atomic(dir .. "/out/transcript.jsonl",
+        '{"type":"system","subtype":"init","session_id":"s-1"}\n'
+        .. '{"type":"rate_limit_event","rate_limit_info":{"status":"rejected","resetsAt":' .. at .. '},"session_id":"s-1"}\n'))
+      local r = agent.finish({ provider = p, model = "claude-sonnet-5", output_dir = dir .. "/out", run_dir = dir .. "/run",
+        exec_id = "e1", run_id = "far-" .. hex(loop.random(4)) }, 1, nil, 10)
+      t:eq(r.reason, "rate limited by the vendor; the CLI gave up", "no reset time shown for " .. at)
+      t:ok(json.decode(assert(fs.read_file(dir .. "/out/results.json"))), "results.json written for " .. at)
+      local route = { rate = { budget = 3, used = 0, limited = 1, passed_at = 1, attempt_started = 0 },
+        save_rate = function() end }
+      t:eq(agent.decide(p, dir .. "/out", route, { attempt = 1, exit_code = 1 }).why, "no reset time in the answer")
+    end
+  end)
+  fs.remove_tree(dir)
+  if not ok then error(err, 0) end
+end
+
 function tests.decide_stops_when_a_resume_cannot_help(t)
   local agent = require("demesne.agent")
   local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
