@@ -21,8 +21,9 @@
  * ref and handle checks stand for it per input, and LeakSanitizer still runs at exit.
  *
  * Isolation: HOME, XDG_CONFIG_HOME, DEMESNE_STATE_DIR and DEMESNE_OUTPUT_ROOT point into a
- * fresh folder under $TMPDIR (removed at exit), so no user configuration, tool or state is
- * read and nothing outside it is written; logging is off unless DEMESNE_LOG_LEVEL is set. */
+ * fresh folder ($FUZZ_TMPDIR) under /dev/shm, or $TMPDIR when that cannot be written,
+ * removed at exit: no user configuration, tool or state is read and nothing outside it is
+ * written. Logging is off unless DEMESNE_LOG_LEVEL is set. */
 
 #include "embedded.h"
 #include "runtime.h"
@@ -150,7 +151,8 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
   default_flag(argc, argv, "-detect_leaks=0");
   signal(SIGPIPE, SIG_IGN);
   if (!setlocale(LC_CTYPE, "C.UTF-8")) setlocale(LC_CTYPE, "");
-  const char *t = getenv("TMPDIR");
+  /* harnesses write files per input (fsync included): on /dev/shm when it can be */
+  const char *t = access("/dev/shm", W_OK) == 0 ? "/dev/shm" : getenv("TMPDIR");
   snprintf(tmpdir, sizeof tmpdir, "%s/demesne-fuzz-XXXXXX", t && *t ? t : "/tmp");
   if (!mkdtemp(tmpdir)) {
     perror("fuzz: mkdtemp");
