@@ -392,6 +392,10 @@ static int build_request(dm_proxy_head *h) {
   r->method[h->method_len] = '\0';
   r->http_major = b->p.http_major;
   r->http_minor = b->p.http_minor;
+  /* llhttp also takes a request line without a version (HTTP/0.9) and versions such as
+   * HTTP/2.0, headers and all; forwarded as they came, servers would read them each their
+   * own way. Only what this proxy speaks goes on. */
+  if (r->http_major != 1 || r->http_minor > 1) return refuse(h, 505, "only HTTP/1.0 and HTTP/1.1 are proxied");
   const char *url = h->buf + h->url_off;
   size_t ulen = h->url_len;
   const char *host_val = NULL;

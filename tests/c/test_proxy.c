@@ -134,6 +134,32 @@ static void test_obs_fold_is_refused(void) {
   dm_proxy_head_free(&h);
 }
 
+/* Found by tests/fuzz/proxy_head (corpus file regression-http-version): llhttp takes a request
+ * line without a version as HTTP/0.9 (headers and all) and a version such as HTTP/2.0, and
+ * the proxy forwarded them rewritten as "GET / HTTP/0.9" with headers, which servers read
+ * each their own way. Only HTTP/1.0 and 1.1 are proxied; the rest gets 505. */
+static void test_only_http_1_is_proxied(void) {
+  const char *bad[] = {
+    "GET http://a.test/\r\nHost: a.test\r\nX: y\r\n\r\n",
+    "GET http://a.test/ HTTP/0.9\r\n\r\n",
+    "GET http://a.test/ HTTP/2.0\r\n\r\n",
+    "CONNECT a.test:443\r\n\r\n",
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    dm_proxy_head h;
+    int r = parse(&h, bad[k]);
+    CHECK(r == -1 && h.status == 505, "%s: %d %d %s", bad[k], r, h.status, h.why ? h.why : "");
+    dm_proxy_head_free(&h);
+  }
+  const char *good[] = {"GET http://a.test/ HTTP/1.0\r\n\r\n", "CONNECT a.test:443 HTTP/1.1\r\n\r\n"};
+  for (size_t k = 0; k < sizeof good / sizeof good[0]; k++) {
+    dm_proxy_head h;
+    int r = parse(&h, good[k]);
+    CHECK(r == 1, "%s: %d %s", good[k], r, h.why ? h.why : "");
+    dm_proxy_head_free(&h);
+  }
+}
+
 static void test_hosts(void) {
   struct { const char *in; const char *out; int ip; } ok[] = {
     {"DENIED.TEST", "denied.test", 0}, {"denied.test.", "denied.test", 0}, {"a_b.test", "a_b.test", 0},
@@ -512,6 +538,7 @@ static void test_end_to_end(void) {
 int main(void) {
   test_heads();
   test_obs_fold_is_refused();
+  test_only_http_1_is_proxied();
   test_hosts();
   test_classes();
   test_dns_codec();
