@@ -3,7 +3,8 @@
  * The input is what a sandbox sends to its proxy socket. It is read in the pieces a socket
  * might deliver (dm_proxy_head_space + dm_proxy_head_advance, as head_read does); a head
  * that parses is checked, rewritten for a plain request (dm_proxy_head_rewrite into the
- * buffer start_splice uses) and the rewrite parsed again: it must name the same target.
+ * buffer start_splice uses) and the rewrite parsed again: it must name the same target (it
+ * may add Host and Connection, so a head at the header-line limit is not parsed again).
  * What follows the head runs through dm_proxy_head_body in pieces, as dir_pump does. */
 #include "fuzz.h"
 #include "proxy.h"
@@ -46,6 +47,11 @@ static void check_rewrite(const dm_proxy_head *h) {
   dm_proxy_head again;
   FUZZ_CHECK(dm_proxy_head_init(&again) == 0, "out of memory");
   int r = n <= DM_PROXY_HEAD_MAX ? dm_proxy_head_feed(&again, out, n) : -2;
+  if (r == -1 && again.status == 431 && h->nhdr + 2 > DM_PROXY_HEADERS_MAX) {
+    /* the rewrite may add Host and Connection to a head at the limit: upstream's business */
+    dm_proxy_head_free(&again);
+    return;
+  }
   FUZZ_CHECK(r == 1, "the rewrite does not parse (%d: %s): %.*s", r, again.why ? again.why : "", (int)n, out);
   FUZZ_CHECK(again.head_len == n, "the rewrite has bytes after its head");
   FUZZ_CHECK(again.req.form == DM_FORM_ORIGIN, "the rewrite is not origin-form");
