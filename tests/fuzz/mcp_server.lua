@@ -10,8 +10,9 @@
 -- the built-in tools with their real inputSchema (so the arguments a client sends them go
 -- through the same validation) but a run that only echoes: no engine is reached. A line
 -- over the cap (2 KiB here, so inputs reach it) takes the overflow path; one outgoing
--- message is capped at 40 KiB: tools/list (32 KiB) fits, an echo of control characters
--- (six bytes each once escaped) can go over and be replaced.
+-- message is capped at 56 KiB: tools/list (44 KiB with the fixtures and the tree settings)
+-- fits, an echo of control characters (six bytes each once escaped) can go over and be
+-- replaced.
 --
 -- Findings: a Lua error out of receive/overflow/shutdown (stdio would only log it and the
 -- client would wait for an answer forever), a message sent that is not one line of JSON-RPC
@@ -28,7 +29,7 @@ local fuzz = require("fuzzlib")
 local check = fuzz.check
 
 local MAX_LINE = 2048
-local MAX_MESSAGE = 40 * 1024
+local MAX_MESSAGE = 56 * 1024
 local SHUTDOWN_MS = 2000
 
 local registry = tools.registry()
