@@ -9,57 +9,11 @@ function schemas.string_list(desc)
 end
 
 function schemas.files()
-  --------------------------------------------------------------------------------------------
--- Nested sandboxes (lua/tree): what a host call sets for the tree its run roots
-
-schemas.budget_usd = { type = "number", minimum = 0, description =
-  "USD the whole sandbox tree rooted here may spend on model requests (this run and every child it spawns). "
-  .. "Once spent, further model requests are refused and every run of the tree ends with reason "
-  .. "'budget of $X spent'. Default: tree_budget_usd_default (none); ceiling tree_budget_usd_max." }
-
-schemas.tree = { type = "object", additionalProperties = false, description =
-  "Limits of the sandbox tree rooted here (children spawned from inside through the in-sandbox MCP endpoint); "
-  .. "defaults and ceilings come from the configuration.",
-  properties = {
-    depth = { type = "integer", minimum = 1, description = "deepest level below this run (default 3)" },
-    children = { type = "integer", minimum = 1, description = "children one run may spawn in its life (default 32)" },
-    running = { type = "integer", minimum = 1,
-      description = "sandboxes of the tree running at once, this one included (default 8); further spawns wait" },
-  } }
-
-schemas.mcp = { type = "boolean", default = false, description =
-  "Serve demesne's MCP endpoint inside the sandbox (http://127.0.0.1:3130/mcp, bearer token in "
-  .. "$DEMESNE_MCP_TOKEN) so that commands in it can spawn child sandboxes; its /workspace is then shared "
-  .. "with its children and /out/child/<name> holds their outputs." }
-
-return schemas.string_list("Host files mounted read-only at /in/<basename>. " .. paths.describe_roots())
+  return schemas.string_list("Host files mounted read-only at /in/<basename>. " .. paths.describe_roots())
 end
 
 function schemas.directories()
-  --------------------------------------------------------------------------------------------
--- Nested sandboxes (lua/tree): what a host call sets for the tree its run roots
-
-schemas.budget_usd = { type = "number", minimum = 0, description =
-  "USD the whole sandbox tree rooted here may spend on model requests (this run and every child it spawns). "
-  .. "Once spent, further model requests are refused and every run of the tree ends with reason "
-  .. "'budget of $X spent'. Default: tree_budget_usd_default (none); ceiling tree_budget_usd_max." }
-
-schemas.tree = { type = "object", additionalProperties = false, description =
-  "Limits of the sandbox tree rooted here (children spawned from inside through the in-sandbox MCP endpoint); "
-  .. "defaults and ceilings come from the configuration.",
-  properties = {
-    depth = { type = "integer", minimum = 1, description = "deepest level below this run (default 3)" },
-    children = { type = "integer", minimum = 1, description = "children one run may spawn in its life (default 32)" },
-    running = { type = "integer", minimum = 1,
-      description = "sandboxes of the tree running at once, this one included (default 8); further spawns wait" },
-  } }
-
-schemas.mcp = { type = "boolean", default = false, description =
-  "Serve demesne's MCP endpoint inside the sandbox (http://127.0.0.1:3130/mcp, bearer token in "
-  .. "$DEMESNE_MCP_TOKEN) so that commands in it can spawn child sandboxes; its /workspace is then shared "
-  .. "with its children and /out/child/<name> holds their outputs." }
-
-return schemas.string_list("Host folders mounted read-only at /in/<basename>. " .. paths.describe_roots())
+  return schemas.string_list("Host folders mounted read-only at /in/<basename>. " .. paths.describe_roots())
 end
 
 schemas.image = { type = "string", description =
@@ -202,23 +156,19 @@ end
 -- Nested sandboxes (lua/tree): what a host call sets for the tree its run roots
 
 schemas.budget_usd = { type = "number", minimum = 0, description =
-  "USD the whole sandbox tree rooted here may spend on model requests (this run and every child it spawns). "
-  .. "Once spent, further model requests are refused and every run of the tree ends with reason "
-  .. "'budget of $X spent'. Default: tree_budget_usd_default (none); ceiling tree_budget_usd_max." }
+  "USD this run and every sandbox it spawns may spend on model requests together; once spent, every run of the "
+  .. "tree ends ('budget of $X spent'). Default and ceiling from the configuration." }
 
 schemas.tree = { type = "object", additionalProperties = false, description =
-  "Limits of the sandbox tree rooted here (children spawned from inside through the in-sandbox MCP endpoint); "
-  .. "defaults and ceilings come from the configuration.",
+  "Limits of the sandbox tree rooted here (defaults and ceilings from the configuration).",
   properties = {
-    depth = { type = "integer", minimum = 1, description = "deepest level below this run (default 3)" },
-    children = { type = "integer", minimum = 1, description = "children one run may spawn in its life (default 32)" },
-    running = { type = "integer", minimum = 1,
-      description = "sandboxes of the tree running at once, this one included (default 8); further spawns wait" },
+    depth = { type = "integer", minimum = 1, description = "deepest level below this run (3)" },
+    children = { type = "integer", minimum = 1, description = "children one run may spawn (32)" },
+    running = { type = "integer", minimum = 1, description = "sandboxes running at once, this one included (8)" },
   } }
 
 schemas.mcp = { type = "boolean", default = false, description =
-  "Serve demesne's MCP endpoint inside the sandbox (http://127.0.0.1:3130/mcp, bearer token in "
-  .. "$DEMESNE_MCP_TOKEN) so that commands in it can spawn child sandboxes; its /workspace is then shared "
-  .. "with its children and /out/child/<name> holds their outputs." }
+  "Serve demesne's MCP endpoint inside ($DEMESNE_MCP_URL, token in $DEMESNE_MCP_TOKEN) so its commands can spawn "
+  .. "child sandboxes; their outputs appear at /out/child/<name>." }
 
 return schemas

@@ -20,15 +20,17 @@
 --     holds the node's run id (= o.run_id). The node ends when its container goes
 --     (script_remove, destroy, the reaper); agent.finish reports its result and usage
 --     (agent.hooks.result -> tree.result, which also adds `children` to results.json).
---   * What a run may do (for its context file): tree.info(run_id) -> {run_id, root, name,
---     depth, limits = {depth, children, running}, children_used, budget_usd, spent_usd}.
---   * Budget, from the vendor route: tree.check(run_id) -> true | nil, "budget of $X spent"
---     before forwarding a model request; tree.charge(run_id, usd, usage) -> true | nil,
+--   * What a run may do, for its context file: info(run_id) -> {run_id, root, name, depth,
+--     limits = {depth, children, running}, children_used, budget_usd, spent_usd}.
+--   * Budget, from the vendor route: check(run_id) -> true | nil, "budget of $X spent"
+--     before forwarding a model request; charge(run_id, usd, usage) -> true | nil,
 --     "budget of $X spent" after counting one (usage optional: {model, input, output,
---     cache_creation, cache_read}; it feeds the live usage report); tree.spent(run_id) ->
---     usd spent by its tree, budget (nil: none). The charge that reaches the budget starts
---     the reaction: every run of the tree still going ends with reason "budget of $X spent",
+--     cache_creation, cache_read}; it feeds the live usage report); spent(run_id) -> usd
+--     spent by its tree, budget (nil: none). The charge that reaches the budget starts the
+--     reaction: every run of the tree still going ends with reason "budget of $X spent",
 --     children first, and no container is left. A run that is no tree node always passes.
+--   * info, check, charge and spent live in demesne.tree.store, which the agent and vendor
+--     layers can require (it sits below them); demesne.tree re-exports them.
 --
 -- Records: <state_dir>/tree/<run id>.json (0600, out of every sandbox's reach), one per
 -- node; a root's also holds the tree's limits, budget, spend and member list. Workspaces
@@ -53,7 +55,7 @@ local tree = {}
 -- the records (lua/tree/store.lua), re-exported: tree.get, tree.within, tree.sees_*, …
 local save, must, m = store.save, store.must, store.mem
 for _, k in ipairs({ "dir", "get", "within", "sees_job", "sees_sandbox", "sees_run", "budget_reason", "limits",
-  "spent", "check", "totals", "children", "report" }) do
+  "spent", "check", "charge", "info", "totals", "children", "report" }) do
   tree[k] = store[k]
 end
 
@@ -80,41 +82,6 @@ local function now_ms() return math.floor(loop.time() * 1000) end
 local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
 local function fail(msg) sandbox.fail(msg) end
 local function closer(fn) return setmetatable({}, { __close = fn }) end
-
---- Counts `usd` (one model request, with its `usage` when known) against the run's own
---- spend and its tree's budget. Returns true, or nil and "budget of $X spent" when the tree's
---- budget is now spent: the reaction (every run of the tree ends with that reason) has then
---- started. A run that is no tree node is not counted (true).
----@param run_id string
----@param usd number
----@param usage table|nil  {model, input, output, cache_creation, cache_read}
----@return boolean|nil ok, string|nil why
-function tree.charge(run_id, usd, usage)
-  local n = tree.get(run_id)
-  if not n then return true end
-  usd = tonumber(usd) or 0
-  if usd ~= usd or usd < 0 then usd = 0 end
-  n.cost_usd = (n.cost_usd or 0) + usd
-  store.add_usage(n, usd, usage)
-  local r = tree.get(n.root) or n
-  if r ~= n then r.spent_usd = (tonumber(r.spent_usd) or 0) + usd else n.spent_usd = (tonumber(n.spent_usd) or 0) + usd end
-  save(n)
-  if r ~= n then save(r) end
-  if r.budget_usd and r.spent_usd >= r.budget_usd then
-    local why = tree.budget_reason(r.budget_usd)
-    if not r.budget_spent then
-      r.budget_spent = true
-      save(r)
-      log.notice(LOGGER, "tree %s: %s ($%s); ending every run in it", r.run_id, why, store.money(r.spent_usd))
-      async.spawn("budget " .. r.run_id, function()
-        local ok, err = pcall(tree.stop, r.run_id, why)
-        if not ok and err ~= async.CANCELLED then log.warning(LOGGER, "tree %s: %s", r.run_id, tostring(err)) end
-      end)
-    end
-    return nil, why
-  end
-  return true
-end
 
 --------------------------------------------------------------------------------------------
 -- Folders
@@ -520,21 +487,6 @@ end
 
 local NAME_PATTERN = "^[a-z0-9][a-z0-9%-]*$"
 
---- What a run of a tree may do, for its context file: {run_id, root, name, depth, limits =
---- {depth, children, running}, children_used (names taken), budget_usd (nil: none),
---- spent_usd}. nil when the run is no tree node.
----@param run_id string
----@return table|nil
-function tree.info(run_id)
-  local n = tree.get(run_id)
-  local r = n and tree.get(n.root)
-  if not n or not r then return nil end
-  local spent, budget = tree.spent(n.root)
-  return { run_id = n.run_id, root = n.root, name = n.name, depth = n.depth,
-    limits = { depth = r.limits.depth, children = r.limits.children, running = r.limits.running },
-    children_used = #n.children, budget_usd = budget, spent_usd = spent }
-end
-
 --- Checks a child's name: lowercase letters, digits and inner hyphens, at most 40 bytes.
 ---@param name any
 ---@return boolean|nil ok, string|nil why
@@ -777,7 +729,7 @@ end
 -- Takes up a node a server that is gone left active.
 local function resume_node(n)
   local eng = sandbox.engine()
-  local info, _, code = eng:inspect("demesne-" .. n.run_id)
+  local info, _, code = sandbox.state_of(eng, n.run_id) -- by list: no inspect (Podman 4.3 deadlock)
   local alive = info and info.state == "running"
   if not info and code ~= "ENOENT" then return end -- the engine does not answer: next sweep
   local rec = n.job_id and jobs.get(n.job_id)
@@ -892,6 +844,14 @@ end
 
 --- Forgets every node this process holds (tests only).
 function tree.reset() store.reset() end
+
+-- The budget's reaction: the charge that reaches it (lua/tree/store.lua) ends the tree.
+store.on_budget_spent = function(root_id, why)
+  async.spawn("budget " .. root_id, function()
+    local ok, err = pcall(tree.stop, root_id, why)
+    if not ok and err ~= async.CANCELLED then log.warning(LOGGER, "tree %s: %s", root_id, tostring(err)) end
+  end)
+end
 
 -- The hooks of the layers below.
 sandbox.hooks.plan[#sandbox.hooks.plan + 1] = tree.plan

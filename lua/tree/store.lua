@@ -391,6 +391,59 @@ end
 ---@param n TreeNode
 function store.put(n) cache[n.run_id] = n end
 
+--- Counts `usd` (one model request, with its `usage` when known) against the run's own
+--- spend and its tree's budget. Returns true, or nil and "budget of $X spent" when the tree's
+--- budget is now spent: the reaction (store.on_budget_spent, set by lua/tree/init.lua: every
+--- run of the tree ends with that reason) has then started. A run that is no tree node is not
+--- counted (true). For the vendor route, which sits below lua/tree/init.lua.
+---@param run_id string
+---@param usd number
+---@param usage table|nil  {model, input, output, cache_creation, cache_read}
+---@return boolean|nil ok, string|nil why
+function store.charge(run_id, usd, usage)
+  local n = store.get(run_id)
+  if not n then return true end
+  usd = tonumber(usd) or 0
+  if usd ~= usd or usd < 0 then usd = 0 end
+  n.cost_usd = (n.cost_usd or 0) + usd
+  store.add_usage(n, usd, usage)
+  local r = store.get(n.root) or n
+  if r ~= n then r.spent_usd = (tonumber(r.spent_usd) or 0) + usd else n.spent_usd = (tonumber(n.spent_usd) or 0) + usd end
+  store.save(n)
+  if r ~= n then store.save(r) end
+  if r.budget_usd and r.spent_usd >= r.budget_usd then
+    local why = store.budget_reason(r.budget_usd)
+    if not r.budget_spent then
+      r.budget_spent = true
+      store.save(r)
+      log.notice(LOGGER, "tree %s: %s ($%s); ending every run in it", r.run_id, why, store.money(r.spent_usd))
+      if store.on_budget_spent then store.on_budget_spent(r.run_id, why) end
+    end
+    return nil, why
+  end
+  return true
+end
+
+
+--- What a run of a tree may do, for its context file: {run_id, root, name, depth, limits =
+--- {depth, children, running}, children_used (names taken), budget_usd (nil: none),
+--- spent_usd}. nil when the run is no tree node.
+---@param run_id string
+---@return table|nil
+function store.info(run_id)
+  local n = store.get(run_id)
+  local r = n and store.get(n.root)
+  if not n or not r then return nil end
+  local spent, budget = store.spent(n.root)
+  return { run_id = n.run_id, root = n.root, name = n.name, depth = n.depth,
+    limits = { depth = r.limits.depth, children = r.limits.children, running = r.limits.running },
+    children_used = #n.children, budget_usd = budget, spent_usd = spent }
+end
+
+--- Set by lua/tree/init.lua: called once with (root run id, reason) when a charge reaches
+--- the tree's budget.
+store.on_budget_spent = nil
+
 --- Forgets this process's copy of a run (its record is gone).
 ---@param id string
 function store.forget(id) cache[id], mem[id] = nil, nil end
