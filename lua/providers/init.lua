@@ -48,7 +48,7 @@ local LOGGER = "demesne.providers"
 ---@field resume_prompt string|nil   the prompt sent when resuming (says the rate limit has reset)
 ---@field max_retries integer|nil  bound on the CLI's own retries of failed API calls
 ---@field request_timeout_ms integer|nil  how long the CLI waits for one API answer (the vendor route may hold a rate-limited request until its reset)
----@field agent_dir string|nil     in-sandbox folder (read-only) holding the prompt, the context file and the adapter's files(run)
+---@field agent_dir string|nil     in-sandbox folder (read-only): the prompt, the context file, the adapter's files(run)
 ---@field mcp_servers ProviderMcpServer[]|nil  MCP servers the CLI is to use (only for an adapter with
 ---  mcp = "http"); nil or empty: none
 
