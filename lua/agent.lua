@@ -172,7 +172,12 @@ function agent.context_text(o, args)
   if #(o.mounts or {}) > 0 then
     add("- `/in`: read-only inputs from the host:")
     for _, m in ipairs(o.mounts) do
-      if m.target:sub(1, 4) == "/in/" or m.target == "/in" then add("  - `" .. m.target .. "`") end
+      local sibling = m.target:match("^/in/previous%-jobs/(.+)$")
+      if sibling then
+        add(("  - `%s` (the output of `%s`, a child your parent spawned before you)"):format(m.target, sibling))
+      elseif m.target:sub(1, 4) == "/in/" or m.target == "/in" then
+        add("  - `" .. m.target .. "`")
+      end
     end
   end
   add("")

@@ -90,8 +90,12 @@ end
 
 function tests.the_context_file_tells_the_tools_the_habits_and_the_limits(t)
   local o = plan("claude_code", ENDPOINT)
+  o.mounts = { { host = "/h/data", target = "/in/data" }, { host = "/h/out/child/lint", target = "/in/previous-jobs/lint" } }
   agent.wire(o)
   local text = agent.context_text(o, { prompt = "Build the thing." })
+  t:ok(text:find("  - `/in/data`\n", 1, true), "a host input")
+  t:ok(text:find("  - `/in/previous-jobs/lint` (the output of `lint`, a child your parent spawned before you)", 1, true),
+    "an earlier sibling's output")
   for _, want in ipairs({ "## Child sandboxes (the `demesne` tools)", "`sandbox_script`", "`sandbox_agent`",
     "`sandbox_research`", "`sandbox_wait`", "`sandbox_usage_report`", "unique among your children",
     "`/out/child/<name>/`", "`/in/previous-jobs/<name>/`", "`background: true`", "call it again",
