@@ -30,7 +30,10 @@
 --     reaction: every run of the tree still going ends with reason "budget of $X spent",
 --     children first, and no container is left. A run that is no tree node always passes.
 --   * info, check, charge and spent live in demesne.tree.store, which the agent and vendor
---     layers can require (it sits below them); demesne.tree re-exports them.
+--     layers can require (it sits below them); demesne.tree re-exports them. The vendor route
+--     reaches check and charge through vendor.hooks.admit/charge, registered at the end of
+--     this file (the route itself knows nothing of trees); the agent's context file gets
+--     info on the plan (o.endpoint.tree).
 --
 -- Records: <state_dir>/tree/<run id>.json (0600, out of every sandbox's reach), one per
 -- node; a root's also holds the tree's limits, budget, spend and member list. Workspaces
