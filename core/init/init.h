@@ -46,9 +46,57 @@ int init_serve(int argc, char **argv);
 /// Returns the process exit code (the command's exit code, or 2/125/126/127).
 int init_run(int argc, char **argv);
 
+/// `demesne-init wait --control PATH ...`: PID 1 of a warm one-shot sandbox; runs the one
+/// command the host sends over the control socket. argv[0] is "wait". Returns the process
+/// exit code (the command's, as init_run; 0 when stopped or abandoned before a command).
+int init_wait(int argc, char **argv);
+
 /// `demesne-init kill ...`: signals the process group recorded in --dir. argv[0] is "kill".
 /// Returns 0 when the group is gone, 1 when it remains, 2 on usage errors, 125 on I/O errors.
 int init_kill(int argc, char **argv);
+
+// The control socket (control.c). Reference: docs/reference/demesne-init.md.
+#define CONTROL_MAGIC "DMI1"
+#define CONTROL_MAX (4u << 20)      // bytes of one request's payload (argv + environment)
+#define CONTROL_ITEMS_MAX 16384     // arguments + variables of one request
+#define CONTROL_READ_MS 10000       // a request must arrive whole within this
+
+/// One parsed request. argv[0] is the op ("run" or "kill"); argv and env are
+/// NULL-terminated; all strings point into a static buffer (valid until the next read).
+struct control_request {
+	const char *op;
+	int argc;
+	char **argv;
+	int envc;
+	char **env;
+};
+
+/// Binds and listens on the unix socket at path (mode 0600; a file already there is
+/// unlinked first). Returns the non-blocking listening fd, or -1 (errno set).
+int control_listen(const char *path);
+
+/// Accepts the next connection from a peer allowed to give commands: as PID 1 only a
+/// process outside the sandbox's PID namespace (SO_PEERCRED pid 0), otherwise only our own
+/// uid; others are closed. Returns a blocking fd, or -1 (EAGAIN: no more pending).
+int control_accept(int lfd);
+
+/// Reads one request within timeout_ms. Returns 0, 1 when the peer hung up before sending
+/// anything, or -1 (errno: EPROTO for a malformed request, ETIMEDOUT, ECONNRESET, …).
+int control_read(int fd, struct control_request *req, int timeout_ms);
+
+/// Sends one printf-formatted line to the peer without blocking; errors are ignored.
+void control_reply(int fd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/// In a child forked by `serve` for connection fd: reads one request, answers "ok", runs
+/// it (`run` with the request's environment, or `kill`), answers "exit CODE" and exits.
+_Noreturn void control_child(int fd);
+
+/// Before init_run: use the relay already running as `relay` (0: none of ours) instead of
+/// starting one from --relay.
+void run_use_relay(pid_t relay);
+
+/// Before init_run: send "started PID" to fd once the command has its own process group.
+void run_notify_to(int fd);
 
 /// One relay route: 127.0.0.1:port inside the sandbox -> the unix socket at path.
 struct relay_route {

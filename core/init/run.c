@@ -11,11 +11,13 @@
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -176,6 +178,30 @@ fail:;
 	_exit(e == ENOENT || e == ENOTDIR ? INIT_EXIT_NOTFOUND : INIT_EXIT_NOEXEC);
 }
 
+// Hooks set by the control socket (control.c) before init_run: the relay that `wait` (or
+// `serve`) already runs, and the connection that hears "started PID" (control.c sends the
+// "exit CODE" line once init_run has returned).
+static pid_t given_relay = -1; // -1: start our own from --relay
+static int notify_fd = -1;
+
+void run_use_relay(pid_t relay) { given_relay = relay; }
+void run_notify_to(int fd) { notify_fd = fd; }
+
+// One line to the control connection, if there is one; never blocks, never fails.
+static void notify(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void notify(const char *fmt, ...)
+{
+	if (notify_fd < 0)
+		return;
+	char line[64];
+	va_list ap;
+	va_start(ap, fmt);
+	int n = vsnprintf(line, sizeof line, fmt, ap);
+	va_end(ap);
+	if (n > 0 && (size_t)n < sizeof line)
+		(void)send(notify_fd, line, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
 // Sends sig to the command's group; before the child has its own group, to the child alone.
 static void run_signal(struct run *r, int sig)
 {
@@ -222,6 +248,7 @@ static void run_session_ready(struct run *r)
 	int n = snprintf(buf, sizeof buf, "%d\n", (int)r->child);
 	if (atomic_write(r->dir, INIT_FILE_PID, buf, (size_t)n) < 0)
 		diag("run: cannot write %s/%s: %s", r->dir, INIT_FILE_PID, strerror(errno));
+	notify("started %d\n", (int)r->child);
 	if (read_small(r->dir, INIT_FILE_CANCEL, buf, sizeof buf) >= 0) {
 		buf[strcspn(buf, " \t\r\n")] = '\0';
 		int sig = signal_from_name(buf);
@@ -559,7 +586,8 @@ int init_run(int argc, char **argv)
 	what = "cannot create a pipe";
 	if (pipe2(ep, O_CLOEXEC) < 0 || fcntl(ep[0], F_SETFL, O_NONBLOCK) < 0)
 		goto abort_errno;
-	relay_pid = relay_start(); // --relay routes (egress): listening before the command starts
+	// --relay routes (egress): listening before the command starts, unless `wait` started them
+	relay_pid = given_relay >= 0 ? given_relay : relay_start();
 	what = "cannot fork";
 	if ((pid = fork()) < 0)
 		goto abort_errno;
