@@ -7,6 +7,7 @@
 --   <state_dir>/expiry/<run id>          = renewed expiry (labels are immutable; kept outside
 --                                          the run folder, which the sandbox can write)
 local async = require("demesne.async")
+local channel = require("demesne.channel")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
 local engines = require("demesne.engines")
@@ -16,11 +17,14 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local output = require("demesne.output")
 local paths = require("demesne.paths")
+local teardown = require("demesne.teardown")
 local fs = require("core.fs")
 local archive = require("core.archive")
 local loop = require("core.loop")
 
 local sandbox = {}
+
+local warm_pool -- [pool] set by sandbox.use_pool
 
 -- Linux refuses a single argv or environment string of 128 KiB or more (MAX_ARG_STRLEN),
 -- and the exec would fail with no output at all: refuse such values up front.
@@ -291,7 +295,25 @@ function sandbox.script_prepare(args, kind)
   o.env = sandbox.env(args.env, default_env(o.run_id, o.egress))
   o.timeout, o.exec_id, o.name = timeout, "main", "demesne-" .. o.run_id
   o.image_arg, o.command = args.image, sandbox.check_command("command", args.command)
+  o.caller_env = args.env -- [channel] sandbox.script_env: a warm sandbox gets it with its own run id
   return o
+end
+
+--- The environment of a planned one-shot's command: the caller's variables over demesne's
+--- own for the plan's run id and egress. A list of "K=V".
+---@param o table  the plan
+---@return string[]
+function sandbox.script_env(o)
+  return sandbox.env(o.caller_env, default_env(o.run_id, o.egress))
+end
+
+-- The words of `demesne-init run` (after "run") that run a planned one-shot's command.
+local function run_args(o)
+  local args = { "--id", o.exec_id, "--dir", RUN .. "/exec/" .. o.exec_id,
+    "--stdout", o.stdout_path or "/out/stdout.log", "--stderr", "/out/stderr.log",
+    "--cwd", o.cwd or "/out", "--timeout", tostring(o.timeout), "--" }
+  for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do args[#args + 1] = a end
+  return args
 end
 
 --- Starts a planned one-shot run: image, folders, container (with `labels`, names without
@@ -303,17 +325,15 @@ function sandbox.script_start(ctx, o, labels)
   local img = check(images.ensure(o.engine, o.image_arg, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
-  o.cmd = { "run", "--id", o.exec_id, "--dir", RUN .. "/exec/" .. o.exec_id,
-    "--stdout", o.stdout_path or "/out/stdout.log", "--stderr", "/out/stderr.log",
-    "--cwd", o.cwd or "/out", "--timeout", tostring(o.timeout), "--" }
-  if o.argv then
-    for _, a in ipairs(o.argv) do o.cmd[#o.cmd + 1] = a end
-  else
-    for _, a in ipairs({ "/bin/sh", "-c", o.command }) do o.cmd[#o.cmd + 1] = a end
-  end
   local relay = egress.relay_args(o.egress)
   for _, a in ipairs(o.extra_relay or {}) do relay[#relay + 1] = a end
-  for i, a in ipairs(relay) do table.insert(o.cmd, 1 + i, a) end
+  if o.control then
+    -- [channel] demesne-init waits for the command on its control socket (script_send)
+    o.cmd = { "wait", "--control", channel.PATH, table.unpack(relay) }
+  else
+    o.cmd = { "run", table.unpack(relay) }
+    for _, a in ipairs(run_args(o)) do o.cmd[#o.cmd + 1] = a end
+  end
   if o.before_create then o.before_create(o) end -- e.g. the vendor route of an agent run
   o.egress_handle = check(egress.start(o)) -- stopped by script_remove
   o.labels = labels
@@ -324,6 +344,33 @@ function sandbox.script_start(ctx, o, labels)
   local _, id, err, code = o.creating:wait()
   o.id = check(id, err, code)
   check(o.engine:start(o.id))
+  if o.control then
+    -- [channel] the connection demesne-init answers on; script_send hands it the command
+    local eng, cid = o.engine, o.id
+    o.conn = check(channel.connect_wait(o.run_dir, 30000, function()
+      local info = eng:inspect(cid)
+      if info and info.state ~= "running" and info.state ~= "created" then
+        return false, ("the sandbox stopped (%s) before demesne-init opened its control socket"):format(info.state)
+      end
+      return true
+    end))
+  end
+end
+
+--- [channel] Hands a started one-shot's command to demesne-init over the control socket
+--- (o.conn, from script_start or a warm sandbox): the command, its environment
+--- (script_env) and its timeout. Returns once demesne-init has accepted it; fails otherwise.
+---@param o table  the plan
+function sandbox.script_send(o)
+  o.env = sandbox.script_env(o)
+  local ok, err, code = o.conn:send("run", run_args(o), o.env)
+  if ok then
+    local r
+    r, err, code = o.conn:next(10000)
+    if r and r.kind == "ok" then return end
+    if r then err, code = "demesne-init refused the command: " .. tostring(r.text or r.kind), "EPROTO" end
+  end
+  fail("sandbox run failed: " .. tostring(err), code)
 end
 
 --- Removes a one-shot run's container, if it was created (waiting for a create still in
@@ -333,6 +380,9 @@ end
 function sandbox.script_remove(o)
   -- the proxy stops after the container, and waits for its connections: egress.jsonl is complete
   local _eg <close> = o.egress_handle
+  -- demesne-init's control connection closes after the removal: a `wait` that sees the
+  -- host hang up exits, and Podman refuses to remove a container caught stopping
+  local _conn <close> = o.conn
   if not o.id and o.creating then
     local ok, id = o.creating:wait()
     if ok then o.id = id end
@@ -348,6 +398,20 @@ end
 ---@param o table  a plan with id (a container id or name)
 ---@param ms integer
 function sandbox.script_wait(o, ms)
+  if o.conn then
+    -- [channel] demesne-init says "exit CODE" once status.json is written; no engine wait
+    -- (Podman's polls). A connection that ends without it: the container's state decides.
+    local deadline = loop.now() + ms
+    while true do
+      local r, err, code = o.conn:next(math.max(math.floor(deadline - loop.now()), 1))
+      if r and r.kind == "exit" then return r.code end
+      if not r then
+        if code == "ETIMEDOUT" then return nil, err, code end
+        return async.timeout(math.max(math.min(10000, math.floor(deadline - loop.now())), 1),
+          function() return o.engine:wait(o.id) end)
+      end
+    end
+  end
   return async.timeout(ms, function() return o.engine:wait(o.id) end)
 end
 
@@ -382,18 +446,45 @@ end
 --- ctx: the MCP tool context (progress/log). Returns the result table.
 function sandbox.run_script(ctx, args)
   local o = sandbox.script_prepare(args)
+  o.control = true -- [channel] the command goes to demesne-init over its control socket
   local started = loop.hrtime()
-  -- the container goes on success, failure, timeout and cancel alike
-  local _ <close> = setmetatable({}, { __close = function()
-    sandbox.script_remove(o)
-    fs.remove_tree(o.run_dir)
-  end })
-  sandbox.script_start(ctx, o)
+  -- the container goes on success, failure, timeout and cancel alike, after the answer
+  local _ <close> = setmetatable({}, { __close = function() sandbox.script_teardown(o) end })
+  -- [pool] a warm sandbox of the same kind when there is one (lua/pool.lua), else a new one
+  if not (warm_pool and warm_pool.claim(ctx, o)) then
+    sandbox.script_start(ctx, o)
+    sandbox.script_send(o)
+  end
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
   -- demesne-init enforces the timeout inside; this host-side guard covers a stuck engine
   local code, err = sandbox.script_wait(o, (o.timeout + 30) * 1000)
+  -- every process in the sandbox is gone: the proxy's last lines reach egress.jsonl now
+  if o.egress_handle then o.egress_handle:stop() end
   return sandbox.script_result(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
 end
+
+--- Removes a one-shot's container and run folder in a tracked task of its own
+--- (lua/teardown.lua), so the call's answer does not wait for the engine; a server that
+--- stops gracefully waits for it, and after a crash the reaper removes the container.
+--- `after` (optional) runs in the same task once the container is gone.
+---@param o table  the plan
+---@param after function|nil
+function sandbox.script_teardown(o, after)
+  teardown.spawn("remove " .. tostring(o.name), function()
+    sandbox.script_remove(o)
+    if o.run_dir then
+      fs.remove_tree(o.run_dir)
+      local ef = sandbox.expiry_file(o.run_dir)
+      if ef then os.remove(ef) end
+    end
+    if after then after() end
+  end)
+end
+
+--- [pool] The warm pool sandbox.run_script claims from: an object with claim(ctx, plan) ->
+--- boolean (lua/pool.lua registers itself when `demesne serve` starts it), or nil.
+---@param p table|nil
+function sandbox.use_pool(p) warm_pool = p end
 
 --- Creates a persistent sandbox (sandbox_create). Returns {sandbox_id, output_dir, expires_at, image}.
 function sandbox.create(ctx, args)
@@ -406,7 +497,7 @@ function sandbox.create(ctx, args)
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
   o.env = sandbox.env(args.env, default_env(o.run_id, o.egress))
-  o.cmd = { "serve", table.unpack(egress.relay_args(o.egress)) }
+  o.cmd = { "serve", "--control", channel.PATH, table.unpack(egress.relay_args(o.egress)) } -- [channel]
   o.name = "demesne-" .. o.run_id
   local spec = container_spec(o)
   local eg = check(egress.start(o)) -- lives as long as the sandbox (egress.stop in destroy/reap)
@@ -434,6 +525,12 @@ local function expiry_file(run_dir)
   local state, id = tostring(run_dir):match("^(.*)/run/([^/]+)$")
   return state and (state .. "/expiry/" .. id)
 end
+
+--- The file that holds a renewed expiry for the sandbox whose run folder is run_dir
+--- (<state>/expiry/<run id>), or nil for a run folder elsewhere.
+---@param run_dir string
+---@return string|nil
+sandbox.expiry_file = expiry_file
 
 --- Records a renewed expiry (unix seconds) for the sandbox whose run folder is run_dir.
 function sandbox.write_expiry(run_dir, expires)
@@ -538,30 +635,81 @@ function sandbox.exec_prepare(args)
   local exec_id = os.date("!%Y%m%dT%H%M%SZ") .. "-" .. exec_seq .. "-" .. hex(loop.random(2))
   local rel = "exec/" .. exec_id
   local dir = RUN .. "/exec/" .. exec_id
+  local run = { "--id", exec_id, "--dir", dir,
+    "--stdout", "/out/" .. rel .. "/stdout.log", "--stderr", "/out/" .. rel .. "/stderr.log",
+    "--cwd", cwd, "--timeout", tostring(timeout), "--", "/bin/sh", "-c", args.command }
   return {
     engine = eng, sb = sb, container = sb.id, exec_id = exec_id, rel = rel, dir = dir, env = env,
     timeout = timeout, output_dir = sb.output_dir, run_dir = sb.run_dir, log_dir = sb.output_dir .. "/" .. rel,
-    argv = { INIT, "run", "--id", exec_id, "--dir", dir,
-      "--stdout", "/out/" .. rel .. "/stdout.log", "--stderr", "/out/" .. rel .. "/stderr.log",
-      "--cwd", cwd, "--timeout", tostring(timeout), "--", "/bin/sh", "-c", args.command },
+    run_args = run, argv = { INIT, "run", table.unpack(run) },
+    started = async.event(), -- set(true) once the command runs, set(false) when that is not known
   }
 end
 
---- Runs a planned exec through the engine and waits for it. Returns the exec's exit code,
---- or nil, message, code. Cancelling the task stops the wait only: call exec_kill.
+--- Runs a planned exec and waits for it: through demesne-init's control socket when the
+--- sandbox has one (a few milliseconds to start), else through the engine's exec API.
+--- Returns the exit code `demesne-init run` reported, or nil, message, code. Sets
+--- e.started once the command runs. Cancelling the task stops the wait only: call exec_kill.
 ---@param e table  the plan from exec_prepare
 ---@return integer|nil code, string|nil err, string|nil ecode
 function sandbox.exec_run(e)
-  return e.engine:exec(e.container, e.argv, { env = e.env })
+  -- [channel] a sandbox made before the control socket existed (or one that removed it)
+  -- has none: the exec API then runs the same `demesne-init run`
+  local conn = channel.connect(e.run_dir)
+  if not conn then
+    e.started.set(false)
+    return e.engine:exec(e.container, e.argv, { env = e.env })
+  end
+  local _ <close> = conn
+  local ok, err, code = conn:send("run", e.run_args, e.env)
+  if not ok then
+    e.started.set(false)
+    return nil, "sandbox_exec: the control socket: " .. tostring(err), code
+  end
+  -- the command records its own end (status.json); the host waits at most as long as it may run
+  local deadline = loop.now() + (e.timeout + 60) * 1000
+  while true do
+    local r
+    r, err, code = conn:next(math.max(math.floor(deadline - loop.now()), 1))
+    if not r then
+      e.started.set(false)
+      return nil, "sandbox_exec: " .. tostring(err), code
+    end
+    if r.kind == "started" then e.started.set(true) end
+    if r.kind == "exit" then
+      e.started.set(true)
+      return r.code
+    end
+    if r.kind == "error" then
+      e.started.set(false)
+      return nil, "sandbox_exec: demesne-init refused the command: " .. r.text, "EPROTO"
+    end
+  end
 end
 
 --- Kills a planned exec's whole process group inside the sandbox (demesne-init kill:
---- SIGTERM, SIGKILL after 2 s). Works after a restart: needs only the container and dir.
+--- SIGTERM, SIGKILL after 2 s), through the control socket in `run_dir` when there is one,
+--- else through the engine's exec API. Works after a restart: needs only the container,
+--- the exec's folder and the run folder.
 ---@param eng table       the engine adapter
 ---@param container string
 ---@param dir string      the exec's folder inside the sandbox (/.demesne/run/exec/<id>)
-function sandbox.exec_kill(eng, container, dir)
-  return eng:exec(container, { INIT, "kill", "--dir", dir, "--signal", "TERM", "--grace", "2" })
+---@param run_dir string|nil  the sandbox's run folder on the host
+function sandbox.exec_kill(eng, container, dir, run_dir)
+  local args = { "--dir", dir, "--signal", "TERM", "--grace", "2" }
+  local conn = run_dir and channel.connect(run_dir) -- [channel]
+  if conn then
+    local _ <close> = conn
+    if conn:send("kill", args) then
+      local deadline = loop.now() + 15000
+      while true do
+        local r = conn:next(math.max(math.floor(deadline - loop.now()), 1))
+        if not r or r.kind == "error" then break end
+        if r.kind == "exit" then return r.code end
+      end
+    end
+  end
+  return eng:exec(container, { INIT, "kill", table.unpack(args) })
 end
 
 --- The result table of a finished exec, from status.json and its logs; `code` is what
@@ -595,7 +743,7 @@ function sandbox.exec(ctx, args)
   local finished = false
   -- cancelling the call kills the command's whole process group inside the sandbox
   local _ <close> = setmetatable({}, { __close = function()
-    if not finished then sandbox.exec_kill(e.engine, e.container, e.dir) end
+    if not finished then sandbox.exec_kill(e.engine, e.container, e.dir, e.run_dir) end
   end })
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
   local code, err = sandbox.exec_run(e)
@@ -854,6 +1002,14 @@ function sandbox.reap()
         if rd and paths.within(rd, config.get("state_dir") .. "/run") then
           fs.remove_tree(rd)
           os.remove(expiry_file(rd))
+          -- [pool] a warm sandbox no call claimed: its output folder holds nothing of anyone's
+          local rid, od = l[LABEL .. "run_id"], l[LABEL .. "output_dir"]
+          local mark = l[LABEL .. "pool"] and type(rid) == "string" and rid:match("^[%w%-]+$")
+            and (config.get("state_dir") .. "/pool/" .. rid)
+          if mark and fs.lstat(mark) then
+            if od and paths.within(od, config.get("output_root")) then fs.remove_tree(od) end
+            os.remove(mark)
+          end
         end
         log.info("demesne.reaper", "removed %s (%s)", l[LABEL .. "run_id"] or c.id, expired and "expired" or "owner gone")
       end

@@ -4,6 +4,7 @@
 local async = require("demesne.async")
 local config = require("demesne.config")
 local log = require("demesne.log")
+local teardown = require("demesne.teardown")
 
 -- The reaper: at start and every reap_interval seconds, remove expired sandboxes and
 -- one-shot containers whose server is gone. It works from the engine's labels.
@@ -35,7 +36,13 @@ return function(args, opts)
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
   local jobs = require("demesne.jobs")
   jobs.start()
-  local status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures })
+  local status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures, on_shutdown = function()
+    -- one-shot containers removed after their answers
+    if not teardown.wait(30000) then
+      log.warning("demesne.teardown", "%d container removal(s) still running at exit; the reaper of the next "
+        .. "server removes what is left", teardown.pending())
+    end
+  end })
   jobs.stop()
   async.cancel(reaper, "shutdown")
   return status

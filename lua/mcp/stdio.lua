@@ -194,7 +194,9 @@ end
 
 --- Runs the MCP server on stdin/stdout until stdin closes or SIGINT/SIGTERM arrives.
 --- Returns the process exit status (0 after a graceful stop).
----@param opts {fixtures: string|nil, registry: ToolRegistry|nil, input_fd: integer|nil, output_fd: integer|nil}|nil
+--- `opts.on_shutdown` (optional) runs inside the shutdown task once the requests in progress
+--- have been cancelled and cleaned up, before the loop stops.
+---@param opts {fixtures: string|nil, registry: ToolRegistry|nil, input_fd: integer|nil, output_fd: integer|nil, on_shutdown: function|nil}|nil
 ---@return integer
 function stdio.serve(opts)
   opts = opts or {}
@@ -241,6 +243,10 @@ function stdio.serve(opts)
     async.spawn("mcp shutdown", function()
       local ok, err = pcall(srv.shutdown, srv, limits.shutdown_timeout_ms)
       if not ok then log.error(LOGGER, "shutdown: %s", tostring(err)) end
+      if opts.on_shutdown then -- the caller's own cleanup (warm sandboxes, removals after answers)
+        ok, err = pcall(opts.on_shutdown)
+        if not ok then log.error(LOGGER, "shutdown: %s", tostring(err)) end
+      end
       pcall(out.flush, 2000)
       close_all()
       loop.stop()
