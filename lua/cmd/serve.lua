@@ -4,6 +4,7 @@
 local async = require("demesne.async")
 local config = require("demesne.config")
 local log = require("demesne.log")
+local pool = require("demesne.pool")
 local teardown = require("demesne.teardown")
 
 -- The reaper: at start and every reap_interval seconds, remove expired sandboxes and
@@ -36,8 +37,11 @@ return function(args, opts)
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
   local jobs = require("demesne.jobs")
   jobs.start()
+  -- warm sandboxes for sandbox_script (lua/pool.lua); removed again at shutdown
+  pool.start()
   local status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures, on_shutdown = function()
-    -- one-shot containers removed after their answers
+    pool.stop()
+    -- one-shot containers removed after their answers, warm sandboxes discarded just now
     if not teardown.wait(30000) then
       log.warning("demesne.teardown", "%d container removal(s) still running at exit; the reaper of the next "
         .. "server removes what is left", teardown.pending())
