@@ -5,7 +5,7 @@
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
 import { spawn } from "node:child_process";
-import { mkdtempSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
@@ -141,4 +141,17 @@ export function spawnRaw({ env = {}, args = [], fixtures = true } = {}) {
     clearTimeout(t);
   }
   return { proc, send, next, request, initialize, exited, stderr: () => err, close };
+}
+
+/**
+ * Whether an engine container (a /containers/json entry) is a warm sandbox of the pool that
+ * no call has claimed yet: it carries io.demesne.pool and its server still keeps the marker
+ * <state_dir>/pool/<run id> (lua/pool.lua). A live server keeps such sandboxes on purpose.
+ * @param {{Labels: Record<string,string>}} c
+ * @returns {boolean}
+ */
+export function isWarm(c) {
+  const l = c.Labels || {};
+  const m = /^(.*)\/run\/([^/]+)$/.exec(l["io.demesne.run_dir"] || "");
+  return Boolean(l["io.demesne.pool"] && m && existsSync(path.join(m[1], "pool", m[2])));
 }
