@@ -8,11 +8,16 @@ usage: demesne [COMMAND] [OPTIONS]
 
 Commands:
   serve               run the MCP server over stdio (the default)
+  serve --http ADDR   run it over Streamable HTTP on ADDR instead: 127.0.0.1:PORT,
+                      [::1]:PORT or unix:/path (repeatable; endpoint /mcp; bearer token
+                      from DEMESNE_HTTP_TOKEN or the file check-config names)
   tools               list the loaded tools and where each came from
   check-config        print the effective configuration and where each value came from
   doctor              check the engine, images, config, folders and demesne-init; say how to fix each problem
-  images list         list the built-in images and whether each is built
-  images build [NAME] build an image (all when NAME is omitted)
+  images list [NAME...]
+                      list the images (built-in and your own) and whether each is built
+  images build [--all | NAME...]
+                      build images ahead of use (all when no NAME is given)
   policy list         list the egress policies and where each came from
   policy test NAME HOST[:PORT]
                       what egress policy NAME decides for HOST (or a URL)
@@ -25,7 +30,7 @@ Options:
   --fixtures DIR      also load the tools in DIR (test fixtures)
 
 Environment: DEMESNE_ENGINE, DEMESNE_ALLOWED_PATHS, DEMESNE_OUTPUT_ROOT, DEMESNE_STATE_DIR,
-DEMESNE_LOG_LEVEL, DEMESNE_EGRESS_ALLOW (see `demesne check-config`).
+DEMESNE_LOG_LEVEL, DEMESNE_EGRESS_ALLOW, DEMESNE_HTTP_TOKEN (see `demesne check-config`).
 ]]
 
 local commands = {}

@@ -46,6 +46,19 @@ return function()
     if v == nil then v = "(unset)" end
     io.stdout:write(("%-20s = %-40s (%s)\n"):format(k, tostring(v), d[k].origin))
   end
+  -- the bearer token of `serve --http`: where it comes from, never its value
+  local http = require("demesne.mcp.http")
+  local tok, where = http.token(false)
+  if tok then
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("http token", where == "$DEMESNE_HTTP_TOKEN" and "(set)" or where,
+      where == "$DEMESNE_HTTP_TOKEN" and where or "file, mode 0600"))
+  elseif os.getenv("DEMESNE_HTTP_TOKEN") and os.getenv("DEMESNE_HTTP_TOKEN") ~= "" then
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("http token", "(unusable)", where))
+    err = err or where
+  else
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("http token", http.token_path(),
+      "created by the first `serve --http`; or set DEMESNE_HTTP_TOKEN"))
+  end
   if (config.get("engine_adapter") or "docker") ~= "docker" then
     local adapter, aerr = engines.check_adapter()
     io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine adapter file", adapter and adapter.origin or "not loaded",
