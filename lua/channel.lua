@@ -202,7 +202,7 @@ function channel.connect_wait(run_dir, ms, alive)
       if not ok then return nil, why or "the sandbox stopped before it was ready", "ENOENT" end
     end
     async.sleep(delay)
-    delay = math.min(delay * 2, 50)
+    delay = math.min(delay * 2, 10)
   end
 end
 

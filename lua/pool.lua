@@ -14,7 +14,10 @@
 --
 -- Lifecycle: `demesne serve` starts the pool (pool.start), which fills the kinds of
 -- `pool_images` (default egress and limits) when their images are built; a call of another
--- kind teaches the pool that kind. After a claim the kind refills in the background. A
+-- kind teaches the pool that kind. After a claim the kind refills in the background. Each
+-- kind keeps `pool_size` warm sandboxes; a call that finds none ready raises its kind's
+-- target by one (up to `pool_max` in all), and each minute without such a miss lowers it
+-- again by one, so bursts of calls find more warm sandboxes than the base size. A
 -- warm sandbox whose demesne-init goes away (killed, removed) is noticed at once through
 -- its held control connection, discarded and replaced. A kind unused for
 -- `pool_idle_seconds` is emptied. pool.stop (at shutdown) removes every warm sandbox.
@@ -36,10 +39,11 @@ local text = require("core.text")
 local pool = {}
 
 local LOGGER = "demesne.pool"
---- A warm sandbox's label lifetime (seconds): the reaper's safety net. The pool replaces
---- warm sandboxes well before it runs out.
-pool.TTL = 24 * 3600
-local RECYCLE_AFTER = pool.TTL - 3600
+--- How long a warm sandbox waits before the pool replaces it (seconds).
+local RECYCLE_AFTER = 23 * 3600
+--- A warm sandbox's label lifetime (seconds): the reaper's safety net, long enough for a
+--- command of the default timeout claimed just before the sandbox is recycled.
+pool.TTL = RECYCLE_AFTER + 3600 + 600
 
 local running = false
 local kinds = {}   -- key -> kind {key, hash, image, image_ref, policy, limits, engine, ready = {entry}, filler, last_used}
@@ -71,6 +75,8 @@ local function total()
 end
 
 local function size() return math.floor(config.get("pool_size") or 0) end
+local function max_total() return math.floor(config.get("pool_max") or 0) end
+local function target(k) return math.max(k.target or 0, size()) end
 
 -- Removes a warm sandbox that no call claimed: container, run folder, its (empty) output
 -- folder and its marker; in a tracked task, so shutdown waits for it.
@@ -107,10 +113,10 @@ local function fill_one(k)
   local o = {
     engine = k.engine, limits = k.limits, mounts = {}, egress = k.policy, run_id = run_id, output_dir = output_dir,
     run_dir = run_dir, kind = "oneshot", tool = "sandbox_script", ttl = pool.TTL, image_arg = k.image,
-    name = "demesne-" .. run_id, exec_id = "main", control = true,
+    name = "demesne-" .. run_id, exec_id = "main", control = true, background = true,
   }
   o.env = sandbox.env(nil, sandbox.default_env(run_id, k.policy))
-  local entry = { o = o, policy = k.policy, born = now() }
+  local entry = { o = o, policy = k.policy, born = now(), expires_at = math.floor(now()) + pool.TTL }
   -- the marker first: a crash from here on leaves a sandbox the reaper knows to be unused
   assert(fs.mkdir_p(config.get("state_dir") .. "/pool", 448)) -- 0700
   assert(fs.write_atomic(marker(run_id), "warm\n", 384))
@@ -129,11 +135,13 @@ local function err_text(e) return type(e) == "table" and tostring(e.message) or 
 -- sandboxes, one at a time, backing off after failures.
 refill = function(k)
   if not running or k.filler or kinds[k.key] ~= k then return end
-  if #k.ready >= size() then return end
+  if #k.ready >= target(k) then return end
   k.filler = async.spawn("pool fill " .. k.hash, function()
     local _ <close> = setmetatable({}, { __close = function() k.filler = nil end })
+    -- not before the loop's next turn: the call that started it answers (or creates) first
+    async.sleep(0)
     local backoff = 1000
-    while running and kinds[k.key] == k and #k.ready < size() and total() <= math.floor(config.get("pool_max")) do
+    while running and kinds[k.key] == k and #k.ready < target(k) and total() <= max_total() do
       local ok, entry = pcall(fill_one, k)
       if not ok then
         if entry == async.CANCELLED then error(entry, 0) end
@@ -149,7 +157,7 @@ refill = function(k)
         entry.conn:watch(function(why) on_dead(k, entry, why) end)
         k.ready[#k.ready + 1] = entry
         log.debug(LOGGER, "warm sandbox %s ready (%s, egress %s; %d of %d)", entry.o.run_id, k.image, k.policy.name,
-          #k.ready, size())
+          #k.ready, target(k))
       end
     end
   end)
@@ -170,7 +178,7 @@ local function kind_for(eng, image, image_ref, policy, lim)
   local key = key_of(eng, image_ref, policy, lim)
   local k = kinds[key]
   if k then return k end
-  local cap = math.max(math.floor(math.floor(config.get("pool_max")) / math.max(size(), 1)), 1)
+  local cap = math.max(math.floor(max_total() / math.max(size(), 1)), 1)
   local n, oldest = 0, nil
   for _, x in pairs(kinds) do
     n = n + 1
@@ -178,7 +186,7 @@ local function kind_for(eng, image, image_ref, policy, lim)
   end
   if n >= cap and oldest then drain(oldest, "a more recently used kind of sandbox needs the room") end
   k = { key = key, hash = text.hash(key):sub(1, 12), engine = eng, image = image, image_ref = image_ref, policy = policy,
-    limits = lim, ready = {}, last_used = now() }
+    limits = lim, ready = {}, last_used = now(), target = size(), misses = 0, learned = true }
   kinds[key] = k
   return k
 end
@@ -196,8 +204,10 @@ local function take(o, entry, img)
   entry.gone = true -- the call owns it now: its teardown is the call's
   entry.conn:watch(nil)
   os.remove(marker(o.run_id))
-  -- the label's expiry was set at the fill: the command may run its whole timeout
-  sandbox.write_expiry(o.run_dir, math.floor(now()) + o.timeout + 600)
+  -- the label's expiry, set at the fill, must cover the command's whole timeout (as a fresh
+  -- one-shot's does); a renewed expiry is written only when it would not (an fsync saved)
+  local need = math.floor(now()) + o.timeout + 600
+  if need > entry.expires_at then sandbox.write_expiry(o.run_dir, need) end
   local ok, err = pcall(sandbox.script_send, o)
   if ok then return true end
   if err == async.CANCELLED then error(err, 0) end -- o holds the sandbox: its teardown removes it
@@ -233,7 +243,19 @@ function pool.claim(ctx, o)
       discard(entry, "stale")
     end
   end
-  refill(k)
+  if k.learned then
+    k.learned = nil -- its first call: no miss, the kind was unknown
+  elseif not claimed then
+    -- a miss: this kind is asked for faster than it holds warm sandboxes
+    k.misses = k.misses + 1
+    k.target = math.min(target(k) + 1, max_total())
+  end
+  if claimed and #k.ready > 0 then
+    -- the kind refills once this call has answered, not while its command runs
+    o.after_call = function() refill(k) end
+  else
+    refill(k) -- empty: the next call needs one as soon as possible
+  end
   return claimed
 end
 
@@ -246,7 +268,9 @@ local function prewarm()
     if name ~= "none" then
       local ref = images.BUILTIN[name] and images.status(eng, name) or (eng:image_inspect(name) and name)
       if ref then
-        refill(kind_for(eng, name, ref, pol, lim))
+        local k = kind_for(eng, name, ref, pol, lim)
+        k.learned = nil
+        refill(k)
       else
         log.info(LOGGER, "image %s is not built yet: its warm sandboxes fill after its first call", name)
       end
@@ -280,6 +304,14 @@ function pool.start()
               refill(k)
             end
           end
+          -- a minute without a miss: one warm sandbox fewer, down to pool_size
+          if k.misses == 0 and now() - (k.shrunk_at or 0) >= 60 and target(k) > size() then
+            k.target, k.shrunk_at = target(k) - 1, now()
+            if #k.ready > target(k) then discard(table.remove(k.ready), "fewer calls") end
+          elseif k.misses > 0 then
+            k.shrunk_at = now()
+          end
+          k.misses = 0
         end
       end
     end
@@ -304,13 +336,14 @@ function pool.stop()
 end
 
 --- The pool as it is now: one row per kind {image, egress, memory_mb, cpus, pids, ready,
---- filling, idle_seconds}. For status views and tests.
+--- target (warm sandboxes it fills to), filling, idle_seconds}. For status views and tests.
 ---@return table[]
 function pool.status()
   local out = {}
   for _, k in pairs(kinds) do
     out[#out + 1] = { image = k.image, egress = k.policy.name, memory_mb = k.limits.memory_mb, cpus = k.limits.cpus,
-      pids = k.limits.pids, ready = #k.ready, filling = k.filler ~= nil, idle_seconds = math.floor(now() - k.last_used) }
+      pids = k.limits.pids, ready = #k.ready, target = target(k), filling = k.filler ~= nil,
+      idle_seconds = math.floor(now() - k.last_used) }
   end
   table.sort(out, function(a, b) return a.image .. a.egress < b.image .. b.egress end)
   return out

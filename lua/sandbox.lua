@@ -341,9 +341,13 @@ function sandbox.script_start(ctx, o, labels)
   -- the create runs in a task of its own: a cancel must not abort it half-way (the engine
   -- may create the container anyway); script_remove waits for it and removes the result
   o.creating = async.spawn("create " .. o.name, function() return o.engine:create(spec) end)
-  local _, id, err, code = o.creating:wait()
-  o.id = check(id, err, code)
-  check(o.engine:start(o.id))
+  local function create_and_start()
+    local _, id, err, code = o.creating:wait()
+    o.id = check(id, err, code)
+    check(o.engine:start(o.id))
+  end
+  -- a call waits for this: removals and warm fills hold back meanwhile (lua/teardown.lua)
+  if o.background then create_and_start() else teardown.urgent(create_and_start) end
   if o.control then
     -- [channel] the connection demesne-init answers on; script_send hands it the command
     local eng, cid = o.engine, o.id
@@ -466,10 +470,12 @@ end
 --- Removes a one-shot's container and run folder in a tracked task of its own
 --- (lua/teardown.lua), so the call's answer does not wait for the engine; a server that
 --- stops gracefully waits for it, and after a crash the reaper removes the container.
---- `after` (optional) runs in the same task once the container is gone.
+--- `after` (optional) runs in the same task once the container is gone; the plan's own
+--- `o.after_call` (optional, set by the pool) runs at once.
 ---@param o table  the plan
 ---@param after function|nil
 function sandbox.script_teardown(o, after)
+  if o.after_call then o.after_call() end -- [pool] e.g. the kind refills
   teardown.spawn("remove " .. tostring(o.name), function()
     sandbox.script_remove(o)
     if o.run_dir then

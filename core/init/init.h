@@ -143,6 +143,10 @@ int mkdir_p(const char *path, mode_t mode);
 /// Returns 0 or -1 (errno set; the temporary file is removed).
 int atomic_write(const char *dir, const char *name, const void *buf, size_t len);
 
+/// atomic_write, with the fsync only when `sync`: for a file that means nothing once the
+/// machine has crashed (the pid of a process that is gone with it).
+int atomic_write_sync(const char *dir, const char *name, const void *buf, size_t len, bool sync);
+
 /// Reads at most cap-1 bytes of dir/name into buf and NUL-terminates it. Returns the
 /// length, or -1 (errno set; ENOENT when the file does not exist).
 ssize_t read_small(const char *dir, const char *name, char *buf, size_t cap);

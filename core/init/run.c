@@ -246,7 +246,9 @@ static void run_session_ready(struct run *r)
 	char buf[32];
 	r->session_ready = true;
 	int n = snprintf(buf, sizeof buf, "%d\n", (int)r->child);
-	if (atomic_write(r->dir, INIT_FILE_PID, buf, (size_t)n) < 0)
+	// not fsynced: after a crash of the machine the process it names is gone anyway, and the
+	// fsync would sit on the path of every command's start
+	if (atomic_write_sync(r->dir, INIT_FILE_PID, buf, (size_t)n, false) < 0)
 		diag("run: cannot write %s/%s: %s", r->dir, INIT_FILE_PID, strerror(errno));
 	notify("started %d\n", (int)r->child);
 	if (read_small(r->dir, INIT_FILE_CANCEL, buf, sizeof buf) >= 0) {

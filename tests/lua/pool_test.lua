@@ -173,6 +173,16 @@ function tests.a_call_that_finds_the_pool_empty_makes_a_fresh_sandbox(t)
   t:ok(ids[ra.run_id] ~= ids[rb.run_id], "one warm, one fresh: " .. ra.run_id .. " " .. rb.run_id)
 end
 
+function tests.a_kind_whose_calls_find_it_empty_grows_up_to_pool_max(t)
+  local w <close> = world({ DEMESNE_POOL_SIZE = "1", DEMESNE_POOL_MAX = "3" })
+  warm(w, 1)
+  local tasks = {}
+  for i = 1, 4 do tasks[i] = async.spawn("c" .. i, sandbox.run_script, nil, { image = IMAGE, command = "sleep 0.1" }) end
+  for i = 1, 4 do tasks[i]:wait() end
+  t:eq(pool.status()[1].target, 3, "three misses raised the target from 1 to pool_max (3), not beyond")
+  t:eq(#warm(w, 3), 3, "and the kind fills to it: three warm sandboxes wait")
+end
+
 function tests.limits_and_egress_of_a_warm_sandbox_are_the_calls(t)
   local w <close> = world({ DEMESNE_MEMORY_MB_MAX = "4096" })
   local args = { image = IMAGE, egress = "none", limits = { memory_mb = 256, cpus = 1.5, pids = 100 },
