@@ -342,6 +342,7 @@ int init_wait(int argc, char **argv)
 			apply_env(&req);
 			run_use_relay(relay);
 			run_notify_to(host);
+			run_sync_status(false); // the host reads it at once and removes the sandbox after
 			control_reply(host, "ok\n");
 			code = init_run(req.argc, req.argv);
 			control_reply(host, "exit %d\n", code);

@@ -98,6 +98,10 @@ void run_use_relay(pid_t relay);
 /// Before init_run: send "started PID" to fd once the command has its own process group.
 void run_notify_to(int fd);
 
+/// Before init_run: whether status.json is fsynced (the default). `wait` turns it off: its
+/// host is connected, reads the record at once and removes the sandbox after.
+void run_sync_status(bool sync);
+
 /// One relay route: 127.0.0.1:port inside the sandbox -> the unix socket at path.
 struct relay_route {
 	int port;

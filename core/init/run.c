@@ -183,9 +183,11 @@ fail:;
 // "exit CODE" line once init_run has returned).
 static pid_t given_relay = -1; // -1: start our own from --relay
 static int notify_fd = -1;
+static bool sync_status = true;
 
 void run_use_relay(pid_t relay) { given_relay = relay; }
 void run_notify_to(int fd) { notify_fd = fd; }
+void run_sync_status(bool sync) { sync_status = sync; }
 
 // One line to the control connection, if there is one; never blocks, never fails.
 static void notify(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -483,7 +485,7 @@ static void run_write_status(const struct run *r, int code, int sig, const char 
 	sb_puts(&b, "}\n");
 	if (b.overflow) // cannot happen with the bounded id and error; keep the file valid anyway
 		diag("run: status too long");
-	else if (atomic_write(r->dir, INIT_FILE_STATUS, b.p, b.len) < 0)
+	else if (atomic_write_sync(r->dir, INIT_FILE_STATUS, b.p, b.len, sync_status) < 0)
 		diag("run: cannot write %s/%s: %s", r->dir, INIT_FILE_STATUS, strerror(errno));
 }
 
