@@ -20,7 +20,8 @@ local function show_pool()
   local task = async.spawn("check-config pool", function()
     local eng, eerr = engines.get()
     if not eng then err = eerr return end
-    rows, err = pool.on_engine(eng)
+    local r, e, code = async.timeout(10000, pool.on_engine, eng) -- an engine that hangs must not hang us
+    rows, err = r, (code == "ETIMEDOUT" and "the engine did not answer within 10 s" or e)
   end)
   if not task.done then loop.run() end
   if not rows then
