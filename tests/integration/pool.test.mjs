@@ -1,8 +1,10 @@
-// The warm pool (lua/pool.lua) over MCP against a real engine: a call takes a warm sandbox
-// and sees a fresh one, no sandbox is handed out twice, a warm sandbox that dies is
-// replaced, a call that finds the pool empty makes its own, a pooled sandbox has exactly
-// the egress and limits its call asked for, and a server killed with SIGKILL leaves
-// nothing behind once the next one has started. The engine comes from DEMESNE_ENGINE.
+// The warm pool (lua/pool.lua) and demesne-init's control socket over MCP against a real
+// engine: a call takes a warm sandbox and sees a fresh one, no sandbox is handed out
+// twice, a warm sandbox that dies is replaced, a call that finds the pool empty makes its
+// own, a pooled sandbox has exactly the egress and limits its call asked for, a server
+// killed with SIGKILL leaves nothing behind once the next one has started, and a sandbox
+// can neither use the control socket itself nor lead the host elsewhere through it. The
+// engine comes from DEMESNE_ENGINE.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { mkdtempSync, readFileSync, existsSync, rmSync } from "node:fs";
@@ -218,4 +220,31 @@ test("a server killed with SIGKILL leaves nothing behind once the next one has s
   const afterStop = (await containers("io.demesne.managed=1"))
     .filter((c) => (c.Labels["io.demesne.run_dir"] || "").startsWith(state));
   assert.deepEqual(afterStop.map((c) => c.Names), [], "a graceful stop removes the warm sandboxes");
+});
+
+test("the control socket: a process in the sandbox cannot use it, and a link planted there is never followed", async () => {
+  const sb = await ok(conn, "sandbox_create", { image: "base" });
+  try {
+    // a well-formed run request, sent from inside the sandbox
+    const inside = `perl -MIO::Socket::UNIX -e '
+      my $s = IO::Socket::UNIX->new(Peer => "/.demesne/run/init.sock") or do { print "noconnect\\n"; exit };
+      my @p = ("run", "7", "--id", "evil", "--dir", "/.demesne/run/exec/evil", "--", "touch", "/out/evil", "0");
+      my $pl = join("\\0", @p) . "\\0";
+      syswrite($s, "DMI1" . pack("N", length($pl)) . $pl);
+      my ($r, $b) = ("", "");
+      while (sysread($s, $b, 4096)) { $r .= $b }
+      print $r eq "" ? "refused\\n" : "answered: $r\\n";'`;
+    const r = await ok(conn, "sandbox_exec", { sandbox_id: sb.sandbox_id, command: inside });
+    assert.equal(r.stdout, "refused\n", r.stderr);
+    await sleep(300);
+    assert.ok(!existsSync(path.join(sb.output_dir, "evil")), "the request from inside ran nothing");
+    // the socket replaced by a link to another socket: the host never connects through it
+    await ok(conn, "sandbox_exec", { sandbox_id: sb.sandbox_id,
+      command: "rm /.demesne/run/init.sock && ln -s /.demesne/run/egress.sock /.demesne/run/init.sock" });
+    const after = await ok(conn, "sandbox_exec", { sandbox_id: sb.sandbox_id, command: "echo still; ls -l /.demesne/run/init.sock | cut -c1" });
+    assert.equal(after.stdout, "still\nl\n", "the command ran (through the engine's exec API) and the link is still a link");
+    assert.equal(after.exit_code, 0);
+  } finally {
+    await ok(conn, "sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
 });
