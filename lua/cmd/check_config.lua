@@ -1,8 +1,10 @@
 -- `demesne check-config`: the effective configuration and where each value came from,
--- the engine socket, and the warm sandboxes (lua/pool.lua) the engine holds.
+-- the engine socket, the warm sandboxes (lua/pool.lua) the engine holds, and the host MCP
+-- servers.
 local async = require("demesne.async")
 local config = require("demesne.config")
 local engines = require("demesne.engines")
+local hostmcp = require("demesne.hostmcp")
 local pool = require("demesne.pool")
 local loop = require("core.loop")
 
@@ -23,7 +25,10 @@ local function show_pool()
     local r, e, code = async.timeout(10000, pool.on_engine, eng) -- an engine that hangs must not hang us
     rows, err = r, (code == "ETIMEDOUT" and "the engine did not answer within 10 s" or e)
   end)
-  if not task.done then loop.run() end
+  if not task.done then
+    task:on_done(function() loop.stop() end)
+    loop.run()
+  end
   if not rows then
     io.stdout:write(("%-20s = %s\n"):format("warm sandboxes", "unknown (" .. tostring(err or task.result[2]) .. ")"))
     return
@@ -33,6 +38,35 @@ local function show_pool()
     io.stdout:write(("  %s  %-8s image %s, egress %s, %s, owner %s\n"):format(tostring(r.run_id), tostring(r.state),
       tostring(r.image), tostring(r.egress), r.claimed and "claimed by a call" or "waiting", tostring(r.owner)))
   end
+end
+
+-- The host MCP servers that will be offered to agent sandboxes (server, origin, transport,
+-- allowed tools) and the entries refused. Returns true when config.lua has an error there.
+local function host_mcp_section()
+  local t = async.spawn("check-config: host MCP", hostmcp.describe)
+  if not t.done then
+    t:on_done(function() loop.stop() end)
+    loop.run()
+  end
+  local ok, rows, problems = table.unpack(t.result, 1, 3)
+  if not ok then
+    io.stderr:write("demesne: host MCP servers: ", tostring(rows), "\n")
+    return true
+  end
+  local import = config.get("host_mcp_import") or {}
+  io.stdout:write(("\nhost MCP servers (offered to agent sandboxes; import: %s)\n"):format(
+    #import > 0 and table.concat(import, ", ") or "off"))
+  if #rows == 0 then io.stdout:write("  none\n") end
+  for _, r in ipairs(rows) do
+    io.stdout:write(("  %s  %s  %s\n    from:  %s\n    tools: %s%s\n"):format(r.name, r.transport, r.target, r.origin,
+      r.tools, r.source ~= "config" and r.tools == "none" and " (imported: name its tools in host_mcp in config.lua)" or ""))
+  end
+  local failed = false
+  for _, p in ipairs(problems) do
+    io.stdout:write(("  %s: %s\n"):format(p.level == "error" and "refused" or "note", p.message))
+    if p.level == "error" then failed = true end
+  end
+  return failed
 end
 
 return function()
@@ -71,6 +105,7 @@ return function()
       sock and "discovered" or ("tried " .. table.concat(tried or {}, ", "))))
   end
   show_pool()
+  if host_mcp_section() then err = err or "host_mcp has refused entries (see above)" end
   if err then
     io.stderr:write("demesne: config error: ", err, "\n")
     return 1

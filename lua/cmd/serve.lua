@@ -5,6 +5,7 @@
 -- DEMESNE_LOG_LEVEL). `--fixtures DIR` also loads the tool files in DIR (test fixtures).
 local async = require("demesne.async")
 local config = require("demesne.config")
+local hostmcp = require("demesne.hostmcp")
 local log = require("demesne.log")
 local pool = require("demesne.pool")
 local teardown = require("demesne.teardown")
@@ -70,6 +71,11 @@ return function(args, opts)
         .. "server removes what is left", teardown.pending())
     end
   end
+  -- host MCP servers: their declaration problems are logged now; they start on first use
+  async.spawn("host MCP configuration", function()
+    local ok, err = pcall(hostmcp.load)
+    if not ok and err ~= async.CANCELLED then log.error("demesne.hostmcp", "%s", tostring(err)) end
+  end)
   local status
   if #addrs > 0 then
     status = require("demesne.mcp.http").serve({ addrs = addrs, allow_remote = allow_remote, fixtures = opts.fixtures,
@@ -78,6 +84,8 @@ return function(args, opts)
     status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures, on_shutdown = on_shutdown })
   end
   jobs.stop()
+  -- no host MCP server outlives the server
+  hostmcp.shutdown_outside_task()
   async.cancel(reaper, "shutdown")
   return status
 end
