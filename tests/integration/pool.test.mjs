@@ -227,6 +227,7 @@ test("the control socket: a process in the sandbox cannot use it, and a link pla
   try {
     // a well-formed run request, sent from inside the sandbox
     const inside = `perl -MIO::Socket::UNIX -e '
+      $SIG{PIPE} = "IGNORE"; # demesne-init may have closed the connection before the write
       my $s = IO::Socket::UNIX->new(Peer => "/.demesne/run/init.sock") or do { print "noconnect\\n"; exit };
       my @p = ("run", "7", "--id", "evil", "--dir", "/.demesne/run/exec/evil", "--", "touch", "/out/evil", "0");
       my $pl = join("\\0", @p) . "\\0";
