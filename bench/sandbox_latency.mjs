@@ -13,9 +13,13 @@
 // inputs and sandbox_create p50 <= 1.0x raw run; exec p50 <= 0.2x raw exec; server memory
 // flat over 100 calls; 20 concurrent <= 0.8x 20 concurrent raw runs.
 //
-// "Paced" calls wait until the pool holds its warm sandboxes again before each call, as an
-// agent does that thinks between calls; "back to back" calls do not wait, so once the warm
-// sandboxes are used up the calls make their own (the engine's create rate is the limit).
+// "Paced" calls wait until the pool holds its warm sandboxes again and earlier containers
+// are removed, as between the calls of an agent that thinks; "back to back" calls do not
+// wait, so once the warm sandboxes are used up calls make their own (the engine's create
+// rate is the limit) and the pool grows with these misses (up to pool_max), which the 100
+// sequential and the 20 concurrent calls then find. An MCP ping, paced the same way, shows
+// this machine's own jitter: a p95/p50 of the warm path cannot be better than the floor's.
+// The 20 raw runs start once demesne's removals and refills are done.
 import { createRequire } from "node:module";
 import { execFileSync, execFile } from "node:child_process";
 import { readFileSync, writeFileSync, mkdtempSync, mkdirSync, rmSync, existsSync } from "node:fs";
