@@ -116,20 +116,29 @@ function Conn:watch(fn)
   self.on_hangup = fn
 end
 
---- Sends a request (channel.encode) and waits until it is written. Returns true, or nil,
---- message, code.
+--- Sends a request (channel.encode) and waits until it is written, at most `ms` (default
+--- 10 s: a peer that does not read a large request must not hold the caller; the
+--- connection is then closed). Returns true, or nil, message, code.
 ---@param op string
 ---@param args string[]
 ---@param env string[]|nil
-function Conn:send(op, args, env)
+---@param ms integer|nil
+function Conn:send(op, args, env, ms)
   local frame, err = channel.encode(op, args, env)
   if not frame then return nil, err, "EINVAL" end
   if not self.stream then return nil, self.closed or "not connected", self.closed_code or "EOF" end
   local s = self.stream
+  local t
   local ok, werr, wcode = async.await(function(cb)
     local queued, qerr, qcode = s:write(frame, cb)
-    if not queued then cb(nil, qerr, qcode) end
+    if not queued then return cb(nil, qerr, qcode) end
+    t = timer.after(ms or 10000, function()
+      self:hangup("the sandbox did not take the request on its control socket in time", "ETIMEDOUT")
+      cb(nil, self.closed, self.closed_code)
+    end)
+    return function() if t then t:close() t = nil end end
   end)
+  if t then t:close() end
   if not ok then return nil, werr, wcode end
   return true
 end

@@ -119,6 +119,23 @@ function tests.a_hostile_peer_is_cut_off(t)
   t:ok(loop.now() - t0 < 2000, "and not later")
 end
 
+function tests.a_peer_that_never_reads_cannot_hold_a_send(t)
+  local s <close> = scratch()
+  local conns = {}
+  local server = assert(stream.listen_unix(s.dir .. "/init.sock", function(c) conns[#conns + 1] = c end)) -- never reads
+  local _ <close> = setmetatable({}, { __close = function()
+    server:close()
+    for _, c in ipairs(conns) do c:close() end
+  end })
+  local conn <close> = assert(channel.connect(s.dir))
+  local t0 = loop.now()
+  local ok, err, code = conn:send("run", { "--", "true" }, { "BIG=" .. string.rep("x", 3 * 1024 * 1024) }, 300)
+  t:eq({ ok, code }, { nil, "ETIMEDOUT" }, "the send gives up")
+  t:match(err, "in time", "why")
+  t:ok(loop.now() - t0 < 2000, "at its deadline")
+  t:eq(conn:next(100), nil, "and the connection is over")
+end
+
 function tests.connect_wait_retries_until_the_socket_appears(t)
   local s <close> = scratch()
   local later = async.spawn("late server", function()
