@@ -87,7 +87,7 @@ local function discard(entry, why)
   local o = entry.o
   log.debug(LOGGER, "discarding warm sandbox %s: %s", o.run_id, why or "")
   sandbox.script_teardown(o, function()
-    fs.remove_tree(o.output_dir)
+    sandbox.remove_tree(o.output_dir)
     os.remove(marker(o.run_id))
   end)
 end
@@ -117,9 +117,12 @@ local function fill_one(k)
   }
   o.env = sandbox.env(nil, sandbox.default_env(run_id, k.policy))
   local entry = { o = o, policy = k.policy, born = now(), expires_at = math.floor(now()) + pool.TTL }
-  -- the marker first: a crash from here on leaves a sandbox the reaper knows to be unused
-  assert(fs.mkdir_p(config.get("state_dir") .. "/pool", 448)) -- 0700
-  assert(fs.write_atomic(marker(run_id), "warm\n", 384))
+  -- the marker once the folders exist and before the container does: a crash from there on
+  -- leaves a sandbox the reaper knows to be unused
+  o.before_create = function()
+    assert(fs.mkdir_p(config.get("state_dir") .. "/pool", 448)) -- 0700
+    assert(fs.write_atomic(marker(run_id), "warm\n", 384))
+  end
   local ok, err = pcall(sandbox.script_start, nil, o, { pool = k.hash })
   if not ok then
     discard(entry, "fill failed")

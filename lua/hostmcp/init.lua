@@ -404,22 +404,13 @@ end
 -- sandbox that swaps the file for a FIFO between the lstat and the open could still make
 -- the open wait for a reader; core.fs.dir closes that.
 local function open_record_file(output_dir)
-  local real = fs.realpath(output_dir)
-  local want = output_dir:gsub("/+$", "")
-  if real ~= want then
-    return nil, ("%s: not a folder reached without symlinks"):format(output_dir), "ELOOP"
-  end
-  local st = fs.lstat(output_dir)
-  if not st or st.type ~= "directory" then return nil, output_dir .. ": not a folder", "ENOTDIR" end
-  local path = want .. "/" .. hostmcp.RECORD_FILE
-  local f, err, code = fs.open(path, "wx", 420) -- 0644
-  if f then return f end
-  if code ~= "EEXIST" then return nil, err, code end
-  local fst = fs.lstat(path)
-  if not fst or fst.type ~= "file" then
-    return nil, ("%s exists and is not a regular file (%s)"):format(path, fst and fst.type or "gone"), "EINVAL"
-  end
-  return fs.open(path, "a")
+  -- the output folder is the sandbox's /out: held by descriptor, no link followed, a FIFO
+  -- or anything but a regular file at mcp.jsonl refused without being opened
+  local dir, err, code = fs.opendir(output_dir)
+  if not dir then return nil, err, code end
+  local f, ferr, fcode = dir:open(hostmcp.RECORD_FILE, "a", 420) -- 0644
+  dir:close()
+  return f, ferr, fcode
 end
 
 --- Appends one JSON line to <output_dir>/mcp.jsonl. `entry`: {server, tool, duration_ms,

@@ -252,6 +252,17 @@ function tests.the_reaper_removes_a_dead_servers_warm_sandboxes_and_their_folder
   t:eq({ fs.stat(w.dir .. "/out/warm-one") == nil, fs.stat(w.dir .. "/state/pool/warm-one") == nil }, { true, true },
     "an unclaimed warm sandbox leaves no output folder and no marker")
   t:eq(fs.read_file(w.dir .. "/out/claimed-one/result.txt"), "kept\n", "a claimed one's output is a call's: kept")
+  -- a warm sandbox whose container is already gone: its folders, claimed by the dead server
+  assert(fs.mkdir_p(w.dir .. "/state/run/gone-one", 493))
+  assert(fs.mkdir_p(w.dir .. "/out/gone-one", 493))
+  assert(fs.write_atomic(w.dir .. "/state/pool/gone-one", "warm\n"))
+  assert(fs.mkdir_p(w.dir .. "/state/claims", 448))
+  assert(fs.write_atomic(w.dir .. "/state/claims/gone-one", require("demesne.json").encode({ engine = w.eng.socket,
+    owner = dead })))
+  sandbox.reap()
+  t:eq({ fs.stat(w.dir .. "/state/run/gone-one") == nil, fs.stat(w.dir .. "/out/gone-one") == nil,
+    fs.stat(w.dir .. "/state/pool/gone-one") == nil }, { true, true, true },
+    "its run folder, its empty output folder and its marker go with the leftovers")
 end
 
 return tests
