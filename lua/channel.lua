@@ -72,7 +72,9 @@ local function new_conn(s)
   s:read_start(function(data, err, code)
     if data then
       c.seen = c.seen + #data
-      if c.seen > channel.MAX_REPLY then return c:hangup("the sandbox sent more than its control replies can hold", "EPROTO") end
+      if c.seen > channel.MAX_REPLY then
+        return c:hangup("the sandbox sent more than its control replies can hold", "EPROTO")
+      end
       c.buf = c.buf .. data
       while true do
         local nl = c.buf:find("\n", 1, true)

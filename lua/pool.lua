@@ -46,7 +46,9 @@ local RECYCLE_AFTER = 23 * 3600
 pool.TTL = RECYCLE_AFTER + 3600 + 600
 
 local running = false
-local kinds = {}   -- key -> kind {key, hash, image, image_ref, policy, limits, engine, ready = {entry}, filler, last_used}
+-- key -> kind {key, hash, image, image_ref, policy, limits, engine, ready = {entry}, filler,
+-- last_used, target, misses}
+local kinds = {}
 local sweeper      -- the idle sweep task
 
 local function now() return loop.time() end
@@ -188,8 +190,8 @@ local function kind_for(eng, image, image_ref, policy, lim)
     if not oldest or x.last_used < oldest.last_used then oldest = x end
   end
   if n >= cap and oldest then drain(oldest, "a more recently used kind of sandbox needs the room") end
-  k = { key = key, hash = text.hash(key):sub(1, 12), engine = eng, image = image, image_ref = image_ref, policy = policy,
-    limits = lim, ready = {}, last_used = now(), target = size(), misses = 0, learned = true }
+  k = { key = key, hash = text.hash(key):sub(1, 12), engine = eng, image = image, image_ref = image_ref,
+    policy = policy, limits = lim, ready = {}, last_used = now(), target = size(), misses = 0, learned = true }
   kinds[key] = k
   return k
 end
@@ -297,8 +299,8 @@ function pool.start()
       async.sleep(math.floor(math.max(math.min(idle > 0 and idle / 4 or 60, 60), 1) * 1000))
       for _, k in pairs(kinds) do
         if idle > 0 and now() - k.last_used > idle then
-          log.info(LOGGER, "no %s sandbox (egress %s) used for %d s: removing its warm sandboxes", k.image, k.policy.name,
-            math.floor(now() - k.last_used))
+          log.info(LOGGER, "no %s sandbox (egress %s) used for %d s: removing its warm sandboxes", k.image,
+            k.policy.name, math.floor(now() - k.last_used))
           drain(k, "idle")
         else
           for i = #k.ready, 1, -1 do

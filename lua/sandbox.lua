@@ -27,6 +27,8 @@ local loop = require("core.loop")
 local sandbox = {}
 
 local warm_pool -- [pool] set by sandbox.use_pool
+local seen = {}   -- [h10] sandbox_id -> {sb, engine, at (loop.now() ms)}: lookup_running
+local SEEN_MS = 30000
 
 -- Linux refuses a single argv or environment string of 128 KiB or more (MAX_ARG_STRLEN),
 -- and the exec would fail with no output at all: refuse such values up front.
@@ -478,9 +480,9 @@ function sandbox.script_start(ctx, o, labels)
   if o.background then create_and_start() else teardown.urgent(create_and_start) end
   if o.control then
     -- [channel] the connection demesne-init answers on; script_send hands it the command
-    local eng, cid = o.engine, o.id
+    local eng, rid = o.engine, o.run_id
     o.conn = check(channel.connect_wait(o.run_dir, 30000, function()
-      local info = eng:inspect(cid)
+      local info = sandbox.state_of(eng, rid) -- by list, not inspect: see state_of
       if info and info.state ~= "running" and info.state ~= "created" then
         return false, ("the sandbox stopped (%s) before demesne-init opened its control socket"):format(info.state)
       end
@@ -645,6 +647,13 @@ function sandbox.create(ctx, args)
     sandbox.remove_tree(o.run_dir)
     fail(err)
   end
+  -- [channel] answer once demesne-init listens on its control socket, so that the first
+  -- exec does not find it missing (and fall back to the exec API); a few ms at most
+  local conn, cerr2 = channel.connect_wait(o.run_dir, 5000, function()
+    local info = sandbox.state_of(o.engine, o.run_id)
+    return not info or info.state == "running" or info.state == "created"
+  end)
+  if conn then conn:close() else log.warning("demesne.sandbox", "sandbox %s: %s", o.run_id, tostring(cerr2)) end
   local expires = math.floor(loop.time()) + ttl
   sandbox.write_expiry(o.run_dir, expires)
   return {
@@ -731,6 +740,7 @@ end
 --- A removal can still be under way when the command's stream ends, so this watches the
 --- container for up to 2 s before concluding it is alive.
 function sandbox.check_alive(eng, sandbox_id)
+  seen[sandbox_id] = nil -- asked because something went wrong: look it up afresh next time
   for _ = 1, 10 do
     local info, _, code = sandbox.state_of(eng, tostring(sandbox_id))
     if not info and code == "ENOENT" then
@@ -756,13 +766,33 @@ local function renew(sb, busy)
   if ttl <= 0 then ttl = config.get("ttl_default") end
   if busy and busy + 60 > ttl then ttl = busy + 60 end
   local new = math.floor(loop.time()) + ttl
-  if new > sb.expires_at then
+  -- [h10] written (with an fsync) when it moves by a tenth of the TTL or a minute, not on
+  -- every exec: back-to-back execs would each pay for it
+  if new >= sb.expires_at + math.min(60, ttl // 10) and new > sb.expires_at then
     sandbox.write_expiry(sb.run_dir, new)
     sb.expires_at = new
   end
 end
 
 local exec_seq = 0
+
+-- [h10] sandbox_exec's lookups: a persistent sandbox found running is remembered for a
+-- while (its labels never change), so back-to-back execs do not each ask the engine. One
+-- that has gone or stopped meanwhile is found out as before: its control socket no longer
+-- answers, the exec API fails, and check_alive (which forgets it) says what happened.
+local function lookup_running(eng, id)
+  local s = seen[id]
+  if s and s.engine == eng and loop.now() - s.at < SEEN_MS then
+    s.sb.expires_at = expiry_of(s.sb.labels) -- the renewed expiry lives in a file
+    return s.sb
+  end
+  local sb = sandbox.lookup(eng, id)
+  for k, v in pairs(seen) do -- the stale ones go (the table holds the sandboxes of the last 30 s)
+    if loop.now() - v.at >= SEEN_MS then seen[k] = nil end
+  end
+  seen[id] = sb.running and { sb = sb, engine = eng, at = loop.now() } or nil
+  return sb
+end
 
 --- Checks a sandbox_exec call and plans it; nothing runs yet. Renews the sandbox's TTL.
 --- Returns the plan {engine, sb, container, exec_id, rel, dir, argv, env, timeout,
@@ -772,7 +802,7 @@ local exec_seq = 0
 function sandbox.exec_prepare(args)
   local eng = sandbox.engine()
   local timeout = sandbox.timeout(args.timeout_seconds)
-  local sb = sandbox.lookup(eng, args.sandbox_id)
+  local sb = lookup_running(eng, args.sandbox_id)
   if not sb.running then fail(("sandbox_id: sandbox %s is not running"):format(args.sandbox_id)) end
   local pol = sb.labels[LABEL .. "egress"]
   if pol then -- after a server restart the sandbox's proxy has to be started again
@@ -1199,6 +1229,7 @@ function sandbox.destroy(ctx, args)
   end
   local removed, how = eng:remove(sb.id)
   if not removed then fail(how) end
+  seen[args.sandbox_id] = nil
   egress.stop(args.sandbox_id)
   if sb.run_dir then
     sandbox.remove_tree(sb.run_dir)
