@@ -92,15 +92,16 @@ async function ours() {
   return (await engineGet(`/containers/json?all=true&filters=${f}`)).filter((c) =>
     (c.Labels["io.demesne.run_dir"] || "").startsWith(work));
 }
-const isWarm = (c) => c.Labels["io.demesne.pool"] && c.State === "running"
-  && existsSync(path.join(work, "state", "pool", c.Labels["io.demesne.run_id"]));
+const marker = (c) => { try { return readFileSync(path.join(work, "state", "pool", c.Labels["io.demesne.run_id"]), "utf8"); } catch { return ""; } };
+const isWarm = (c) => c.Labels["io.demesne.pool"] && c.State === "running" && marker(c) !== "";
+const isReady = (c) => isWarm(c) && marker(c) === "ready\n";
 async function warmNow() { return (await ours()).filter(isWarm); }
 // Paced calls: the pool holds its warm sandboxes again and earlier calls' containers are
 // removed (the server is idle, as between an agent's calls).
 async function untilWarm(n = Number(env.DEMESNE_POOL_SIZE)) {
   for (let i = 0; i < 400; i++) {
     const list = await ours();
-    if (list.filter(isWarm).length >= n && list.every(isWarm)) return;
+    if (list.filter(isReady).length >= n && list.every(isWarm)) return;
     await sleep(25);
   }
 }

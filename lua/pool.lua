@@ -24,8 +24,8 @@
 --
 -- Crash safety: warm sandboxes carry the labels of a one-shot run (owner, expiry) plus
 -- io.demesne.pool=<kind hash>, and <state_dir>/pool/<run id> marks one that no call has
--- claimed yet, so the reaper removes them (with their empty output folders) once their
--- server is gone.
+-- claimed yet ("filling" while it starts, "ready" once a call can take it), so the reaper
+-- removes them (with their empty output folders) once their server is gone.
 local async = require("demesne.async")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
@@ -123,7 +123,7 @@ local function fill_one(k)
   -- leaves a sandbox the reaper knows to be unused
   o.before_create = function()
     assert(fs.mkdir_p(config.get("state_dir") .. "/pool", 448)) -- 0700
-    assert(fs.write_atomic(marker(run_id), "warm\n", 384))
+    assert(fs.write_atomic(marker(run_id), "filling\n", 384))
   end
   local ok, err = pcall(sandbox.script_start, nil, o, { pool = k.hash })
   if not ok then
@@ -131,6 +131,8 @@ local function fill_one(k)
     error(err, 0)
   end
   entry.conn = o.conn
+  -- demesne-init listens and the pool holds its connection: from now on a call can take it
+  fs.write_atomic(marker(run_id), "ready\n", 384)
   return entry
 end
 
@@ -357,7 +359,8 @@ end
 --- The warm sandboxes an engine holds, whatever server made them (`demesne check-config`):
 --- one row per container labelled io.demesne.pool {run_id, image, egress, owner, state,
 --- created_at (Unix seconds), claimed (false while its server's marker says no call has
---- taken it)}, oldest first. Inside a task. Returns the list, or nil, message, code.
+--- taken it), starting (its marker says the pool is still starting it)}, oldest first.
+--- Inside a task. Returns the list, or nil, message, code.
 ---@param eng table  an engine adapter
 ---@return table[]|nil list, string|nil err, string|nil code
 function pool.on_engine(eng)
@@ -367,9 +370,10 @@ function pool.on_engine(eng)
   for _, c in ipairs(list) do
     local l = c.labels or {}
     local state_dir, rid = tostring(l["io.demesne.run_dir"]):match("^(.*)/run/([%w%-]+)$")
+    local mark = state_dir and fs.read_file(state_dir .. "/pool/" .. rid, 0, 64)
     out[#out + 1] = { run_id = l["io.demesne.run_id"], image = l["io.demesne.image"], egress = l["io.demesne.egress"],
       owner = l["io.demesne.owner"], state = c.state, created_at = tonumber(l["io.demesne.created_at"]) or 0,
-      claimed = not (state_dir and fs.lstat(state_dir .. "/pool/" .. rid)) }
+      claimed = not mark, starting = mark == "filling\n" }
   end
   table.sort(out, function(a, b) return a.created_at < b.created_at end)
   return out

@@ -14,9 +14,10 @@ local function show_pool()
   if size <= 0 then
     io.stdout:write(("%-20s = %s\n"):format("warm pool", "off (pool_size = 0)"))
   else
+    local idle = config.get("pool_idle_seconds")
     io.stdout:write(("%-20s = %d per kind, %d in all, idle after %s, warmed at start: %s\n"):format("warm pool", size,
-      math.floor(config.get("pool_max")), config.get("pool_idle_seconds") > 0 and (config.get("pool_idle_seconds") .. " s")
-        or "never", table.concat(config.get("pool_images") or {}, ",")))
+      math.floor(config.get("pool_max")), idle > 0 and (idle .. " s") or "never",
+      table.concat(config.get("pool_images") or {}, ",")))
   end
   local rows, err
   local task = async.spawn("check-config pool", function()
@@ -36,7 +37,8 @@ local function show_pool()
   io.stdout:write(("%-20s = %d on the engine\n"):format("warm sandboxes", #rows))
   for _, r in ipairs(rows) do
     io.stdout:write(("  %s  %-8s image %s, egress %s, %s, owner %s\n"):format(tostring(r.run_id), tostring(r.state),
-      tostring(r.image), tostring(r.egress), r.claimed and "claimed by a call" or "waiting", tostring(r.owner)))
+      tostring(r.image), tostring(r.egress),
+      r.claimed and "claimed by a call" or r.starting and "starting" or "waiting", tostring(r.owner)))
   end
 end
 

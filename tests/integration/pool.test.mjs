@@ -11,7 +11,7 @@ import { mkdtempSync, readFileSync, existsSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import http from "node:http";
-import { connect, isWarm } from "./helpers.mjs";
+import { connect, isReady } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const SOCKET = ENGINE.replace(/^unix:\/\//, "");
@@ -58,12 +58,12 @@ async function containers(label) {
 const ours = async () => (await containers("io.demesne.managed=1"))
   .filter((c) => (c.Labels["io.demesne.run_dir"] || "").startsWith(work));
 
-// The warm sandboxes of the server whose pid is `pid`, waiting for a call, whose labels
+// The warm sandboxes of the server whose pid is `pid`, ready for a call, whose labels
 // match `want`; waits (at most 60 s) until there are `n` of them.
 async function warm(n, want = {}, pid = conn.transport.pid) {
   let list = [];
   for (let i = 0; i < 240; i++) {
-    list = (await ours()).filter((c) => isWarm(c) && c.State === "running"
+    list = (await ours()).filter((c) => isReady(c) && c.State === "running"
       && (c.Labels["io.demesne.owner"] || "").split("/")[1] === String(pid)
       && Object.entries(want).every(([k, v]) => c.Labels[`io.demesne.${k}`] === v));
     if (list.length >= n) return list;
