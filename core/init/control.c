@@ -143,33 +143,6 @@ static int read_full(int fd, char *p, size_t n, int64_t deadline, bool first)
 	return 0;
 }
 
-// The next NUL-terminated string of the payload at *pos, or NULL when there is none.
-static char *next_string(size_t *pos, size_t len)
-{
-	if (*pos >= len)
-		return NULL;
-	char *s = buf + *pos;
-	char *nul = memchr(s, '\0', len - *pos);
-	if (nul == NULL)
-		return NULL;
-	*pos = (size_t)(nul - buf) + 1;
-	return s;
-}
-
-// A count: 1 to 5 decimal digits, at most max. Returns it, or -1.
-static int parse_count(const char *s, int max)
-{
-	if (s == NULL || s[0] == '\0' || strlen(s) > 5)
-		return -1;
-	int v = 0;
-	for (const char *p = s; *p; p++) {
-		if (*p < '0' || *p > '9')
-			return -1;
-		v = v * 10 + (*p - '0');
-	}
-	return v <= max ? v : -1;
-}
-
 int control_read(int fd, struct control_request *req, int timeout_ms)
 {
 	unsigned char head[8];
@@ -184,43 +157,10 @@ int control_read(int fd, struct control_request *req, int timeout_ms)
 	}
 	if (read_full(fd, buf, len, deadline, false) < 0)
 		return -1;
-	size_t pos = 0;
-	char *op = next_string(&pos, len);
-	int argc = parse_count(next_string(&pos, len), CONTROL_ITEMS_MAX);
-	if (op == NULL || (strcmp(op, "run") != 0 && strcmp(op, "kill") != 0) || argc < 0) {
+	if (control_request_parse(buf, len, items, req) < 0) {
 		errno = EPROTO;
 		return -1;
 	}
-	items[0] = op;
-	for (int i = 1; i <= argc; i++)
-		if ((items[i] = next_string(&pos, len)) == NULL) {
-			errno = EPROTO;
-			return -1;
-		}
-	items[argc + 1] = NULL;
-	int envc = parse_count(next_string(&pos, len), CONTROL_ITEMS_MAX - argc);
-	if (envc < 0) {
-		errno = EPROTO;
-		return -1;
-	}
-	char **env = items + argc + 2;
-	for (int i = 0; i < envc; i++) {
-		env[i] = next_string(&pos, len);
-		if (env[i] == NULL || env[i][0] == '=' || strchr(env[i], '=') == NULL) {
-			errno = EPROTO;
-			return -1;
-		}
-	}
-	env[envc] = NULL;
-	if (pos != len) { // trailing bytes: not a request we understand
-		errno = EPROTO;
-		return -1;
-	}
-	req->op = op;
-	req->argc = argc + 1;
-	req->argv = items;
-	req->envc = envc;
-	req->env = env;
 	return 0;
 }
 
@@ -262,31 +202,15 @@ _Noreturn void control_child(int fd)
 
 int init_wait(int argc, char **argv)
 {
-	const char *path = NULL;
-	for (int i = 1; i < argc; i++) {
-		if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-			init_usage(1);
-			return INIT_EXIT_OK;
-		}
-		const char *v = NULL;
-		int m;
-		if ((m = opt_value(argc, argv, &i, "--relay", &v)) != 0) {
-			if (m < 0 || relay_parse(v) < 0)
-				return INIT_EXIT_USAGE;
-			continue;
-		}
-		if ((m = opt_value(argc, argv, &i, "--control", &path)) != 0) {
-			if (m < 0)
-				return INIT_EXIT_USAGE;
-			continue;
-		}
-		diag("wait: unexpected argument '%s'", argv[i]);
-		return INIT_EXIT_USAGE;
+	struct wait_args a;
+	int rc0 = wait_args_parse(&a, argc, argv);
+	if (rc0 > 0) {
+		init_usage(1);
+		return INIT_EXIT_OK;
 	}
-	if (path == NULL || path[0] != '/') {
-		diag("wait: --control PATH (absolute) is required");
+	if (rc0 < 0)
 		return INIT_EXIT_USAGE;
-	}
+	const char *path = a.control;
 	if (getpid() != 1 && prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
 		diag("wait: cannot become a subreaper: %s", strerror(errno));
 	int sfd = signals_open();
@@ -294,7 +218,7 @@ int init_wait(int argc, char **argv)
 		diag("wait: cannot set up signals: %s", strerror(errno));
 		return INIT_EXIT_FAILURE;
 	}
-	pid_t relay = relay_start(); // listening before the host is told we are ready
+	pid_t relay = relay_start(a.relays, a.nrelays); // listening before the host is told we are ready
 	int lfd = control_listen(path);
 	if (lfd < 0) {
 		diag("wait: cannot listen on %s: %s", path, strerror(errno));
