@@ -21,6 +21,7 @@
 #include "init.h"
 
 #include <errno.h>
+#include <fcntl.h>
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
@@ -41,6 +42,29 @@
 static char buf[CONTROL_MAX];
 static char *items[CONTROL_ITEMS_MAX + 3];
 
+// The socket belongs to whoever owns the folder it is in: the run folder the host made
+// and bind-mounted, i.e. the host's user. So a server that is not root (a member of the
+// docker group, with no user namespace: the sandbox's root is the host's root) can connect
+// to its 0600 socket, and no other local user can. Without CAP_CHOWN it stays ours.
+static void give_to_folder_owner(const char *path)
+{
+	char dir[sizeof(((struct sockaddr_un *)0)->sun_path)];
+	const char *slash = strrchr(path, '/');
+	if (slash == NULL || (size_t)(slash - path) >= sizeof dir)
+		return;
+	size_t n = slash == path ? 1 : (size_t)(slash - path);
+	memcpy(dir, path, n);
+	dir[n] = '\0';
+	int dfd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+	struct stat st;
+	if (dfd < 0)
+		return;
+	if (fstat(dfd, &st) == 0 && (st.st_uid != geteuid() || st.st_gid != getegid()) &&
+	    fchownat(dfd, slash + 1, st.st_uid, st.st_gid, AT_SYMLINK_NOFOLLOW) < 0)
+		diag("control: cannot give %s to the owner of its folder (%d): %s", path, (int)st.st_uid, strerror(errno));
+	(void)close(dfd);
+}
+
 int control_listen(const char *path)
 {
 	struct sockaddr_un a = { .sun_family = AF_UNIX };
@@ -53,9 +77,11 @@ int control_listen(const char *path)
 	if (fd < 0)
 		return -1;
 	(void)unlink(path); // an earlier PID 1's socket (or whatever was put there)
-	mode_t old = umask(0177); // 0600: only the sandbox's own user (and the host's root)
+	mode_t old = umask(0177); // 0600: its owner only (and the host's root)
 	int rc = bind(fd, (struct sockaddr *)&a, sizeof a);
 	(void)umask(old);
+	if (rc == 0)
+		give_to_folder_owner(path);
 	if (rc < 0 || listen(fd, 16) < 0) {
 		int e = errno;
 		(void)close(fd);

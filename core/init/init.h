@@ -77,8 +77,9 @@ struct control_request {
 /// CONTROL_ITEMS_MAX + 3 slots) receives the pointers. Pure (parse.c). Returns 0, or -1.
 int control_request_parse(char *buf, size_t len, char **items, struct control_request *req);
 
-/// Binds and listens on the unix socket at path (mode 0600; a file already there is
-/// unlinked first). Returns the non-blocking listening fd, or -1 (errno set).
+/// Binds and listens on the unix socket at path (mode 0600, given to the owner of its
+/// folder: the host's user; a file already there is unlinked first). Returns the
+/// non-blocking listening fd, or -1 (errno set).
 int control_listen(const char *path);
 
 /// Accepts the next connection from a peer allowed to give commands: as PID 1 only a

@@ -343,6 +343,14 @@ check "a malformed request is refused" eq "$(ctl "$C/init.sock" raw 444d49310000
 check "an unknown op is refused" eq "$(ctl "$C/init.sock" raw 444d4931000000086578656300300030 | cut -c1-5)" "error"
 kill -TERM "$SP"; wait "$SP"
 check "serve removes the socket when it stops" sh -c '[ ! -e "$1" ]' _ "$C/init.sock"
+if id nobody >/dev/null 2>&1; then
+	mkdir -p "$C/owned"; chown nobody "$C/owned"
+	"$BIN" serve --control "$C/owned/init.sock" 2>/dev/null &
+	SP=$!; STRAYS="$STRAYS $SP"
+	wait_sock "$C/owned/init.sock"
+	check "the socket belongs to the owner of its folder (the host's user), mode 600" eq "$(stat -c %U/%a "$C/owned/init.sock")" nobody/600
+	kill -TERM "$SP"; wait "$SP"
+fi
 
 "$BIN" wait --control "$C/w.sock" 2>"$C/wait.err" &
 WP=$!; STRAYS="$STRAYS $WP"
