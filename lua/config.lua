@@ -105,6 +105,15 @@ local SPEC = {
     doc = "seconds between checks of a re-attached exec job's status file" },
   jobs_tail_bytes = { default = 16384, number = true, doc = "bytes of stdout in sandbox_status's stdout_tail" },
   jobs_read_bytes = { default = 65536, number = true, doc = "default bytes of stdout one sandbox_status `since` read returns" },
+  pool_size = { env = "DEMESNE_POOL_SIZE", default = 2, number = true, zero = true,
+    doc = "warm sandboxes kept started per kind of sandbox_script sandbox (image, egress, limits); 0 turns the pool off" },
+  pool_images = { env = "DEMESNE_POOL_IMAGES", default = { "default" }, list = true, sep = ",",
+    doc = "images whose pool (default egress and limits) fills when the server starts, if the image is built "
+      .. "(','-separated); other kinds fill after their first call" },
+  pool_idle_seconds = { env = "DEMESNE_POOL_IDLE_SECONDS", default = 600, number = true, zero = true,
+    doc = "a kind of sandbox no call has used for this long gives up its warm sandboxes; 0: never" },
+  pool_max = { env = "DEMESNE_POOL_MAX", default = 8, number = true, zero = true,
+    doc = "warm sandboxes in all kinds together; the least recently used kind gives way" },
   twine_official_formats = { env = "DEMESNE_TWINE_OFFICIAL_FORMATS", default = true, bool = true,
     doc = "when the twine image is built, also fetch the official Harlowe and SugarCube story formats "
       .. "(from the Twine repository on GitHub; skipped when unreachable)" },

@@ -47,6 +47,7 @@ local NOTES_LABEL = "io.demesne.notes"
 
 local building = {} -- "<engine socket>|<tag>" -> event, while a build runs
 local known = {}    -- "<engine socket>|<tag>" -> true once seen
+local resolved = setmetatable({}, { __mode = "k" }) -- engine -> built-in name -> tag, once images.ensure found it
 
 --- The folder users drop their own images into: $XDG_CONFIG_HOME/demesne/images.
 ---@return string
@@ -578,9 +579,20 @@ end
 ---@return {name: string, ref: string}|nil image, string|nil err
 function images.ensure(eng, name, ctx)
   name = name or config.get("default_image")
-  if images.origin(name) then
+  local origin = images.origin(name)
+  if origin then
+    -- a built-in image found once is not looked up again: its build context is embedded, so
+    -- its tag cannot change while this process runs (this saves the engine a round trip per
+    -- call). User images, and a source tree (DEMESNE_SOURCE_DIR), may change: looked up each time.
+    local cacheable = origin == "built-in" and not runtime.source_dir
+    local found = resolved[eng]
+    if cacheable and found and found[name] then return { name = name, ref = found[name] } end
     local ref, err = ensure_named(eng, name, ctx)
     if not ref then return nil, err end
+    if cacheable then
+      resolved[eng] = found or {}
+      resolved[eng][name] = ref
+    end
     return { name = name, ref = ref }
   end
   local ok, why = images.check_reference(name)

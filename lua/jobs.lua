@@ -407,6 +407,7 @@ local function exec_watch(job, eng, first_run, e)
   local finished = false
   -- a cancel kills the command's whole process group inside the sandbox
   local _ <close> = closer(function()
+    if e and e.started then e.started.set(false) end -- start_exec waits no longer
     if finished then return end
     local _, kerr, kcode = sandbox.exec_kill(eng, rec.container, "/.demesne/run/exec/" .. rec.exec_id, rec.sandbox_id)
     if kcode == "ETIMEDOUT" then job.cancel_reason = (job.cancel_reason or "cancelled") .. "; " .. tostring(kerr) end
@@ -985,11 +986,16 @@ function jobs.start_exec(ctx, args)
   local _ <close> = closer(function()
     if not returned then pcall(jobs.cancel, rec.job_id, "the call that started it was cancelled") end
   end)
-  local dir = "exec/" .. e.exec_id
-  local deadline = loop.now() + 10000
-  while rec.status == "running" and loop.now() < deadline
-    and not exists_in(e.run_dir, dir .. "/pid") and not exists_in(e.run_dir, dir .. "/status.json") do
-    async.sleep(20)
+  -- through the control socket demesne-init says when the command runs; through the exec
+  -- API only its pid file does
+  local started = async.timeout(10000, e.started.wait)
+  if started == false then
+    local dir = "exec/" .. e.exec_id
+    local deadline = loop.now() + 10000
+    while rec.status == "running" and loop.now() < deadline
+      and not exists_in(e.run_dir, dir .. "/pid") and not exists_in(e.run_dir, dir .. "/status.json") do
+      async.sleep(20)
+    end
   end
   returned = true
   return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, log_dir = rec.log_dir }

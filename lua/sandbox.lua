@@ -9,6 +9,7 @@
 --   <state_dir>/claims/<run id>          = {engine, owner} of the run folder, for the reaper
 --                                          (also outside the sandbox's reach)
 local async = require("demesne.async")
+local channel = require("demesne.channel")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
 local engines = require("demesne.engines")
@@ -18,11 +19,16 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local output = require("demesne.output")
 local paths = require("demesne.paths")
+local teardown = require("demesne.teardown")
 local fs = require("core.fs")
 local archive = require("core.archive")
 local loop = require("core.loop")
 
 local sandbox = {}
+
+local warm_pool -- [pool] set by sandbox.use_pool
+local seen = {}   -- [h10] sandbox_id -> {sb, engine, at (loop.now() ms)}: lookup_running
+local SEEN_MS = 30000
 
 -- Linux refuses a single argv or environment string of 128 KiB or more (MAX_ARG_STRLEN),
 -- and the exec would fail with no output at all: refuse such values up front.
@@ -446,7 +452,33 @@ function sandbox.script_prepare(args, kind)
   o.timeout, o.exec_id, o.name = timeout, "main", "demesne-" .. o.run_id
   o.image_arg, o.command = args.image, sandbox.check_command("command", args.command)
   o.args = args -- for the plan hooks (mcp, tree, budget_usd)
+  o.caller_env = args.env -- [channel] sandbox.script_env: a warm sandbox gets it with its own run id
   return o
+end
+
+--- The environment of a planned one-shot's command: the caller's variables over demesne's
+--- own for the plan's run id and egress. A list of "K=V".
+---@param o table  the plan
+---@return string[]
+function sandbox.script_env(o)
+  return sandbox.env(o.caller_env, default_env(o.run_id, o.egress))
+end
+
+-- The words of `demesne-init run` (after "run") that run a planned one-shot's command.
+local function run_args(o)
+  local args = { "--id", o.exec_id, "--dir", RUN .. "/exec/" .. o.exec_id,
+    "--stdout", o.stdout_path or "/out/stdout.log", "--stderr", "/out/stderr.log",
+    "--cwd", o.cwd or "/out", "--timeout", tostring(o.timeout), "--" }
+  for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do args[#args + 1] = a end
+  return args
+end
+
+-- Runs the plan hooks of a one-shot plan once (run_script runs them before the pool is
+-- asked: a tree node's plan changes its folders and relay, and is never pooled).
+local function plan_once(ctx, o)
+  if o.planned then return end
+  o.planned = true
+  run_hooks("plan", ctx, o, o.args)
 end
 
 --- Starts a planned one-shot run: image, folders, container (with `labels`, names without
@@ -455,21 +487,19 @@ end
 ---@param o table  from script_prepare
 ---@param labels table<string,string>|nil
 function sandbox.script_start(ctx, o, labels)
-  run_hooks("plan", ctx, o, o.args)
+  plan_once(ctx, o)
   local img = check(images.ensure(o.engine, o.image_arg, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
-  o.cmd = { "run", "--id", o.exec_id, "--dir", RUN .. "/exec/" .. o.exec_id,
-    "--stdout", o.stdout_path or "/out/stdout.log", "--stderr", "/out/stderr.log",
-    "--cwd", o.cwd or "/out", "--timeout", tostring(o.timeout), "--" }
-  if o.argv then
-    for _, a in ipairs(o.argv) do o.cmd[#o.cmd + 1] = a end
-  else
-    for _, a in ipairs({ "/bin/sh", "-c", o.command }) do o.cmd[#o.cmd + 1] = a end
-  end
   local relay = egress.relay_args(o.egress)
   for _, a in ipairs(o.extra_relay or {}) do relay[#relay + 1] = a end
-  for i, a in ipairs(relay) do table.insert(o.cmd, 1 + i, a) end
+  if o.control then
+    -- [channel] demesne-init waits for the command on its control socket (script_send)
+    o.cmd = { "wait", "--control", channel.PATH, table.unpack(relay) }
+  else
+    o.cmd = { "run", table.unpack(relay) }
+    for _, a in ipairs(run_args(o)) do o.cmd[#o.cmd + 1] = a end
+  end
   if o.before_create then o.before_create(o) end -- e.g. the vendor route of an agent run
   o.egress_handle = check(egress.start(o)) -- stopped by script_remove
   o.labels = labels
@@ -477,9 +507,40 @@ function sandbox.script_start(ctx, o, labels)
   -- the create runs in a task of its own: a cancel must not abort it half-way (the engine
   -- may create the container anyway); script_remove waits for it and removes the result
   o.creating = async.spawn("create " .. o.name, function() return o.engine:create(spec) end)
-  local _, id, err, code = o.creating:wait()
-  o.id = check(id, err, code)
-  check(o.engine:start(o.id))
+  local function create_and_start()
+    local _, id, err, code = o.creating:wait()
+    o.id = check(id, err, code)
+    check(o.engine:start(o.id))
+  end
+  -- a call waits for this: removals and warm fills hold back meanwhile (lua/teardown.lua)
+  if o.background then create_and_start() else teardown.urgent(create_and_start) end
+  if o.control then
+    -- [channel] the connection demesne-init answers on; script_send hands it the command
+    local eng, rid = o.engine, o.run_id
+    o.conn = check(channel.connect_wait(o.run_dir, 30000, function()
+      local info = sandbox.state_of(eng, rid) -- by list, not inspect: see state_of
+      if info and info.state ~= "running" and info.state ~= "created" then
+        return false, ("the sandbox stopped (%s) before demesne-init opened its control socket"):format(info.state)
+      end
+      return true
+    end))
+  end
+end
+
+--- [channel] Hands a started one-shot's command to demesne-init over the control socket
+--- (o.conn, from script_start or a warm sandbox): the command, its environment
+--- (script_env) and its timeout. Returns once demesne-init has accepted it; fails otherwise.
+---@param o table  the plan
+function sandbox.script_send(o)
+  o.env = sandbox.script_env(o)
+  local ok, err, code = o.conn:send("run", run_args(o), o.env)
+  if ok then
+    local r
+    r, err, code = o.conn:next(10000)
+    if r and r.kind == "ok" then return end
+    if r then err, code = "demesne-init refused the command: " .. tostring(r.text or r.kind), "EPROTO" end
+  end
+  fail("sandbox run failed: " .. tostring(err), code)
 end
 
 --- Removes a one-shot run's container, if it was created (waiting for a create still in
@@ -496,6 +557,9 @@ function sandbox.script_remove(o)
       run_removal_hooks("removed", o)
     end
   end })
+  -- demesne-init's control connection closes after the removal: a `wait` that sees the
+  -- host hang up exits, and Podman refuses to remove a container caught stopping
+  local _conn <close> = o.conn
   if not o.id and o.creating then
     local ok, id = o.creating:wait()
     if ok then o.id = id end
@@ -511,6 +575,20 @@ end
 ---@param o table  a plan with id (a container id or name)
 ---@param ms integer
 function sandbox.script_wait(o, ms)
+  if o.conn then
+    -- [channel] demesne-init says "exit CODE" once status.json is written; no engine wait
+    -- (Podman's polls). A connection that ends without it: the container's state decides.
+    local deadline = loop.now() + ms
+    while true do
+      local r, err, code = o.conn:next(math.max(math.floor(deadline - loop.now()), 1))
+      if r and r.kind == "exit" then return r.code end
+      if not r then
+        if code == "ETIMEDOUT" then return nil, err, code end
+        return async.timeout(math.max(math.min(10000, math.floor(deadline - loop.now())), 1),
+          function() return o.engine:wait(o.id) end)
+      end
+    end
+  end
   return async.timeout(ms, function() return o.engine:wait(o.id) end)
 end
 
@@ -545,19 +623,49 @@ end
 --- ctx: the MCP tool context (progress/log). Returns the result table.
 function sandbox.run_script(ctx, args)
   local o = sandbox.script_prepare(args)
+  o.control = true -- [channel] the command goes to demesne-init over its control socket
   local started = loop.hrtime()
-  -- the container goes on success, failure, timeout and cancel alike
-  local _ <close> = setmetatable({}, { __close = function()
-    sandbox.script_remove(o)
-    sandbox.remove_tree(o.run_dir)
-  end })
-  sandbox.script_start(ctx, o)
+  -- the container goes on success, failure, timeout and cancel alike, after the answer
+  local _ <close> = setmetatable({}, { __close = function() sandbox.script_teardown(o) end })
+  plan_once(ctx, o)
+  -- [pool] a warm sandbox of the same kind when there is one (lua/pool.lua), else a new one
+  if not (warm_pool and warm_pool.claim(ctx, o)) then
+    sandbox.script_start(ctx, o)
+    sandbox.script_send(o)
+  end
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
   -- demesne-init enforces the timeout inside; this host-side deadline covers a stuck engine
   -- or sandbox (the container is removed on the way out either way)
   local code, err = sandbox.script_wait(o, sandbox.deadline_ms(o.timeout))
+  -- every process in the sandbox is gone: the proxy's last lines reach egress.jsonl now
+  if o.egress_handle then o.egress_handle:stop() end
   return sandbox.script_result(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
 end
+
+--- Removes a one-shot's container and run folder in a tracked task of its own
+--- (lua/teardown.lua), so the call's answer does not wait for the engine; a server that
+--- stops gracefully waits for it, and after a crash the reaper removes the container.
+--- `after` (optional) runs in the same task once the container is gone; the plan's own
+--- `o.after_call` (optional, set by the pool) runs at once.
+---@param o table  the plan
+---@param after function|nil
+function sandbox.script_teardown(o, after)
+  if o.after_call then o.after_call() end -- [pool] e.g. the kind refills
+  teardown.spawn("remove " .. tostring(o.name), function()
+    sandbox.script_remove(o)
+    if o.run_dir then
+      sandbox.remove_tree(o.run_dir)
+      local ef = sandbox.expiry_file(o.run_dir)
+      if ef then os.remove(ef) end
+    end
+    if after then after() end
+  end)
+end
+
+--- [pool] The warm pool sandbox.run_script claims from: an object with claim(ctx, plan) ->
+--- boolean (lua/pool.lua registers itself when `demesne serve` starts it), or nil.
+---@param p table|nil
+function sandbox.use_pool(p) warm_pool = p end
 
 --- Creates a persistent sandbox (sandbox_create). Returns {sandbox_id, output_dir, expires_at, image}.
 function sandbox.create(ctx, args)
@@ -576,7 +684,7 @@ function sandbox.create(ctx, args)
   local img = check(images.ensure(o.engine, args.image, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
-  o.cmd = { "serve", table.unpack(egress.relay_args(o.egress)) }
+  o.cmd = { "serve", "--control", channel.PATH, table.unpack(egress.relay_args(o.egress)) } -- [channel]
   for _, a in ipairs(o.extra_relay or {}) do o.cmd[#o.cmd + 1] = a end
   o.name = "demesne-" .. o.run_id
   local spec = container_spec(o)
@@ -591,6 +699,13 @@ function sandbox.create(ctx, args)
     fail(err)
   end
   started = true
+  -- [channel] answer once demesne-init listens on its control socket, so that the first
+  -- exec does not find it missing (and fall back to the exec API); a few ms at most
+  local conn, cerr2 = channel.connect_wait(o.run_dir, 5000, function()
+    local info = sandbox.state_of(o.engine, o.run_id)
+    return not info or info.state == "running" or info.state == "created"
+  end)
+  if conn then conn:close() else log.warning("demesne.sandbox", "sandbox %s: %s", o.run_id, tostring(cerr2)) end
   local expires = math.floor(loop.time()) + ttl
   sandbox.write_expiry(o.run_dir, expires)
   return {
@@ -607,6 +722,12 @@ local function expiry_file(run_dir)
   local state, id = tostring(run_dir):match("^(.*)/run/([^/]+)$")
   return state and (state .. "/expiry/" .. id)
 end
+
+--- The file that holds a renewed expiry for the sandbox whose run folder is run_dir
+--- (<state>/expiry/<run id>), or nil for a run folder elsewhere.
+---@param run_dir string
+---@return string|nil
+sandbox.expiry_file = expiry_file
 
 --- Records a renewed expiry (unix seconds) for the sandbox whose run folder is run_dir.
 function sandbox.write_expiry(run_dir, expires)
@@ -672,6 +793,7 @@ end
 --- A removal can still be under way when the command's stream ends, so this watches the
 --- container for up to 2 s before concluding it is alive.
 function sandbox.check_alive(eng, sandbox_id)
+  seen[sandbox_id] = nil -- asked because something went wrong: look it up afresh next time
   for _ = 1, 10 do
     local info, _, code = sandbox.state_of(eng, tostring(sandbox_id))
     if not info and code == "ENOENT" then
@@ -697,13 +819,33 @@ local function renew(sb, busy)
   if ttl <= 0 then ttl = config.get("ttl_default") end
   if busy and busy + 60 > ttl then ttl = busy + 60 end
   local new = math.floor(loop.time()) + ttl
-  if new > sb.expires_at then
+  -- [h10] written (with an fsync) when it moves by a tenth of the TTL or a minute, not on
+  -- every exec: back-to-back execs would each pay for it
+  if new >= sb.expires_at + math.min(60, ttl // 10) and new > sb.expires_at then
     sandbox.write_expiry(sb.run_dir, new)
     sb.expires_at = new
   end
 end
 
 local exec_seq = 0
+
+-- [h10] sandbox_exec's lookups: a persistent sandbox found running is remembered for a
+-- while (its labels never change), so back-to-back execs do not each ask the engine. One
+-- that has gone or stopped meanwhile is found out as before: its control socket no longer
+-- answers, the exec API fails, and check_alive (which forgets it) says what happened.
+local function lookup_running(eng, id)
+  local s = seen[id]
+  if s and s.engine == eng and loop.now() - s.at < SEEN_MS then
+    s.sb.expires_at = expiry_of(s.sb.labels) -- the renewed expiry lives in a file
+    return s.sb
+  end
+  local sb = sandbox.lookup(eng, id)
+  for k, v in pairs(seen) do -- the stale ones go (the table holds the sandboxes of the last 30 s)
+    if loop.now() - v.at >= SEEN_MS then seen[k] = nil end
+  end
+  seen[id] = sb.running and { sb = sb, engine = eng, at = loop.now() } or nil
+  return sb
+end
 
 --- Checks a sandbox_exec call and plans it; nothing runs yet. Renews the sandbox's TTL.
 --- Returns the plan {engine, sb, container, exec_id, rel, dir, argv, env, timeout,
@@ -713,7 +855,7 @@ local exec_seq = 0
 function sandbox.exec_prepare(args)
   local eng = sandbox.engine()
   local timeout = sandbox.timeout(args.timeout_seconds)
-  local sb = sandbox.lookup(eng, args.sandbox_id)
+  local sb = lookup_running(eng, args.sandbox_id)
   if not sb.running then fail(("sandbox_id: sandbox %s is not running"):format(args.sandbox_id)) end
   local pol = sb.labels[LABEL .. "egress"]
   if pol then -- after a server restart the sandbox's proxy has to be started again
@@ -729,12 +871,14 @@ function sandbox.exec_prepare(args)
   local exec_id = os.date("!%Y%m%dT%H%M%SZ") .. "-" .. exec_seq .. "-" .. hex(loop.random(2))
   local rel = "exec/" .. exec_id
   local dir = RUN .. "/exec/" .. exec_id
+  local run = { "--id", exec_id, "--dir", dir,
+    "--stdout", "/out/" .. rel .. "/stdout.log", "--stderr", "/out/" .. rel .. "/stderr.log",
+    "--cwd", cwd, "--timeout", tostring(timeout), "--", "/bin/sh", "-c", args.command }
   return {
     engine = eng, sb = sb, container = sb.id, exec_id = exec_id, rel = rel, dir = dir, env = env,
     timeout = timeout, output_dir = sb.output_dir, run_dir = sb.run_dir, log_dir = sb.output_dir .. "/" .. rel,
-    argv = { INIT, "run", "--id", exec_id, "--dir", dir,
-      "--stdout", "/out/" .. rel .. "/stdout.log", "--stderr", "/out/" .. rel .. "/stderr.log",
-      "--cwd", cwd, "--timeout", tostring(timeout), "--", "/bin/sh", "-c", args.command },
+    run_args = run, argv = { INIT, "run", table.unpack(run) },
+    started = async.event(), -- set(true) once the command runs, set(false) when that is not known
   }
 end
 
@@ -766,32 +910,84 @@ function sandbox.stop_unresponsive(eng, container, sandbox_id, what)
     tostring(sandbox_id or container), ok and "was stopped" or ("could not be stopped (" .. tostring(err) .. ")"))
 end
 
---- Runs a planned exec through the engine and waits for it, at most its timeout plus
---- exec_grace_seconds. Returns the exec's exit code, or nil, message, code ("ETIMEDOUT":
---- the deadline passed and the sandbox did not answer). Cancelling the task stops the
---- wait only: call exec_kill.
+--- Runs a planned exec and waits for it, at most its timeout plus exec_grace_seconds:
+--- through demesne-init's control socket when the sandbox has one (a few milliseconds to
+--- start), else through the engine's exec API. Returns the exit code `demesne-init run`
+--- reported, or nil, message, code ("ETIMEDOUT": the deadline passed and the sandbox did
+--- not answer). Sets e.started once the command runs. Cancelling the task stops the wait
+--- only: call exec_kill.
 ---@param e table  the plan from exec_prepare
 ---@return integer|nil code, string|nil err, string|nil ecode
 function sandbox.exec_run(e)
-  return e.engine:exec(e.container, e.argv, { env = e.env, timeout_ms = sandbox.deadline_ms(e.timeout) })
+  -- [channel] a sandbox made before the control socket existed (or one that removed it)
+  -- has none: the exec API then runs the same `demesne-init run`
+  local conn = channel.connect(e.run_dir)
+  if not conn then
+    e.started.set(false)
+    return e.engine:exec(e.container, e.argv, { env = e.env, timeout_ms = sandbox.deadline_ms(e.timeout) })
+  end
+  local _ <close> = conn
+  local ok, err, code = conn:send("run", e.run_args, e.env)
+  if not ok then
+    e.started.set(false)
+    return nil, "sandbox_exec: the control socket: " .. tostring(err), code
+  end
+  -- the command records its own end (status.json); the host waits at most as long as it may run
+  local deadline = loop.now() + sandbox.deadline_ms(e.timeout)
+  while true do
+    local r
+    r, err, code = conn:next(math.max(math.floor(deadline - loop.now()), 1))
+    if not r then
+      e.started.set(false)
+      return nil, "sandbox_exec: " .. tostring(err), code
+    end
+    if r.kind == "started" then e.started.set(true) end
+    if r.kind == "exit" then
+      e.started.set(true)
+      return r.code
+    end
+    if r.kind == "error" then
+      e.started.set(false)
+      return nil, "sandbox_exec: demesne-init refused the command: " .. r.text, "EPROTO"
+    end
+  end
 end
 
 --- Kills a planned exec's whole process group inside the sandbox (demesne-init kill:
---- SIGTERM, SIGKILL after 2 s). Works after a restart: needs only the container and dir.
---- The kill itself has a host-side deadline (its own 5 s plus exec_grace_seconds): a
---- sandbox that does not answer it is stopped (stop_unresponsive). Returns what the
---- engine's exec returned, or nil, message, "ETIMEDOUT".
+--- SIGTERM, SIGKILL after 2 s), through the sandbox's control socket when it has one, else
+--- through the engine's exec API. Works after a restart: needs only the container, the
+--- exec's folder and the sandbox's id. The kill itself has a host-side deadline (its own
+--- 5 s plus exec_grace_seconds): a sandbox that does not answer it is stopped
+--- (stop_unresponsive). Returns the kill's exit code, or nil, message, "ETIMEDOUT".
 ---@param eng table       the engine adapter
 ---@param container string
 ---@param dir string      the exec's folder inside the sandbox (/.demesne/run/exec/<id>)
 ---@param sandbox_id string|nil
 function sandbox.exec_kill(eng, container, dir, sandbox_id)
-  local code, err, ecode = eng:exec(container, { INIT, "kill", "--dir", dir, "--signal", "TERM", "--grace", "2" },
-    { timeout_ms = sandbox.deadline_ms(5) })
-  if code == nil and ecode == "ETIMEDOUT" then
+  local args = { "--dir", dir, "--signal", "TERM", "--grace", "2" }
+  local function unresponsive()
     return nil, sandbox.stop_unresponsive(eng, container, sandbox_id,
-      ("cancelling the command: demesne-init kill did not end within %d s"):format(sandbox.deadline_ms(5) // 1000)), ecode
+      ("cancelling the command: demesne-init kill did not end within %d s"):format(sandbox.deadline_ms(5) // 1000)),
+      "ETIMEDOUT"
   end
+  -- [channel] the run folder of a persistent sandbox is <state_dir>/run/<sandbox id>
+  local conn = type(sandbox_id) == "string" and sandbox_id:match("^[%w%-]+$") and
+    channel.connect(select(2, dirs(sandbox_id)))
+  if conn then
+    local _ <close> = conn
+    if conn:send("kill", args) then
+      local deadline = loop.now() + sandbox.deadline_ms(5)
+      while true do
+        local r, _, code = conn:next(math.max(math.floor(deadline - loop.now()), 1))
+        if r and r.kind == "exit" then return r.code end
+        if not r and code == "ETIMEDOUT" then return unresponsive() end
+        if not r or r.kind == "error" then break end -- not a demesne-init that answers: the exec API
+      end
+    end
+  end
+  local code, err, ecode = eng:exec(container, { INIT, "kill", table.unpack(args) },
+    { timeout_ms = sandbox.deadline_ms(5) })
+  if code == nil and ecode == "ETIMEDOUT" then return unresponsive() end
   return code, err, ecode
 end
 
@@ -1088,6 +1284,7 @@ function sandbox.destroy(ctx, args)
   local removed, how = eng:remove(sb.id)
   if not removed then fail(how) end
   run_removal_hooks("removed", { run_id = args.sandbox_id })
+  seen[args.sandbox_id] = nil
   egress.stop(args.sandbox_id)
   if sb.run_dir then
     sandbox.remove_tree(sb.run_dir)
@@ -1195,6 +1392,11 @@ local function reap_leftovers(eng, containers)
           n = n + 1
           os.remove(expiry_file(path))
           os.remove(claim_path(id))
+          -- [pool] a warm sandbox no call claimed, whose container is already gone
+          if fs.lstat(state .. "/pool/" .. id) then
+            sandbox.remove_tree(config.get("output_root") .. "/" .. id)
+            os.remove(state .. "/pool/" .. id)
+          end
           log.info("demesne.reaper", "removed the leftover run folder %s (no container, job or live server claims it)", id)
         else
           log.warning("demesne.reaper", "cannot remove the run folder %s: %s", id, tostring(err))
@@ -1246,6 +1448,14 @@ function sandbox.reap()
           sandbox.remove_tree(rd)
           os.remove(expiry_file(rd))
           os.remove(claim_path(rd:match("([^/]+)$")))
+          -- [pool] a warm sandbox no call claimed: its output folder holds nothing of anyone's
+          local rid, od = l[LABEL .. "run_id"], l[LABEL .. "output_dir"]
+          local mark = l[LABEL .. "pool"] and type(rid) == "string" and rid:match("^[%w%-]+$")
+            and (config.get("state_dir") .. "/pool/" .. rid)
+          if mark and fs.lstat(mark) then
+            if od and paths.within(od, config.get("output_root")) then sandbox.remove_tree(od) end
+            os.remove(mark)
+          end
         end
         log.info("demesne.reaper", "removed %s (%s)", l[LABEL .. "run_id"] or c.id, expired and "expired" or "owner gone")
       end

@@ -1,8 +1,12 @@
 /* core.stream: byte streams on the loop — pipes (stdio, child processes, unix sockets) and TCP. */
 #include "runtime.h"
 #include "bind/bind.h"
+#include <errno.h>
+#include <fcntl.h>
+#include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <unistd.h>
 
 #define STREAM_MT "core.stream"
@@ -349,6 +353,50 @@ static int l_connect_unix(lua_State *L) {
   return 1;
 }
 
+/// core.stream.connect_unix_at(dir, name, callback) -> true | nil, msg, code.
+/// Connects to the unix socket `name` (one path component) in folder `dir` without
+/// following a symbolic link there: `name` is opened O_PATH|O_NOFOLLOW, must be a socket,
+/// and the connection goes through /proc/self/fd/N, so it reaches that very inode. For
+/// sockets in folders a sandbox can write (the control socket in a run folder). A missing
+/// name, a link or another file type fails synchronously (ENOENT, ENOTSOCK); the rest
+/// arrives through callback(stream) or callback(nil, msg, code) as for connect_unix.
+static int l_connect_unix_at(lua_State *L) {
+  const char *dir = luaL_checkstring(L, 1);
+  const char *name = luaL_checkstring(L, 2);
+  luaL_checktype(L, 3, LUA_TFUNCTION);
+  luaL_argcheck(L, name[0] != '\0' && strchr(name, '/') == NULL && strcmp(name, ".") != 0 && strcmp(name, "..") != 0,
+                2, "must be a single file name");
+  int dfd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
+  if (dfd < 0) return dm_fail_uv(L, "connect", uv_translate_sys_error(errno));
+  int fd = openat(dfd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
+  int e = errno;
+  close(dfd);
+  if (fd < 0) return dm_fail_uv(L, "connect", uv_translate_sys_error(e));
+  struct stat st;
+  if (fstat(fd, &st) != 0 || !S_ISSOCK(st.st_mode)) {
+    close(fd);
+    return dm_fail(L, "connect: not a socket (a link or another kind of file is never followed)", "ENOTSOCK");
+  }
+  char path[64];
+  snprintf(path, sizeof path, "/proc/self/fd/%d", fd);
+  uv_pipe_t *p = dm_pipe_new();
+  connect_req *c = calloc(1, sizeof *c);
+  if (!p || !c) {
+    close(fd);
+    free(c);
+    if (p) uv_close((uv_handle_t *)p, on_close);
+    return luaL_error(L, "out of memory");
+  }
+  dm_stream_push(L, (uv_stream_t *)p);
+  c->stream_ref = dm_ref(L);
+  lua_pushvalue(L, 3);
+  c->cb_ref = dm_ref(L);
+  uv_pipe_connect(&c->req, p, path, on_connect); /* connect(2) runs now; the result comes later */
+  close(fd);
+  lua_pushboolean(L, 1);
+  return 1;
+}
+
 /// core.stream.connect_tcp(ip, port, callback) -> true | nil, msg, code.
 /// `ip` is a numeric IPv4/IPv6 address (no name lookup). callback as connect_unix.
 static int l_connect_tcp(lua_State *L) {
@@ -561,7 +609,8 @@ static const luaL_Reg methods[] = {
   {"fileno", l_fileno}, {NULL, NULL},
 };
 static const luaL_Reg funcs[] = {
-  {"open_fd", l_open_fd}, {"connect_unix", l_connect_unix}, {"connect_tcp", l_connect_tcp},
+  {"open_fd", l_open_fd}, {"connect_unix", l_connect_unix}, {"connect_unix_at", l_connect_unix_at},
+  {"connect_tcp", l_connect_tcp},
   {"listen_unix", l_listen_unix}, {"listen_relay", l_listen_relay}, {"listen_tcp", l_listen_tcp}, {NULL, NULL},
 };
 

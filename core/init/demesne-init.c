@@ -6,7 +6,8 @@
 #include <string.h>
 
 static const char usage_text[] =
-	"usage: demesne-init serve [--relay PORT=PATH]...\n"
+	"usage: demesne-init serve [--control PATH] [--relay PORT=PATH]...\n"
+	"       demesne-init wait --control PATH [--relay PORT=PATH]...\n"
 	"       demesne-init run --id ID --dir DIR [--cwd CWD] [--timeout SECONDS]\n"
 	"                        [--stdin FILE] [--stdout FILE] [--stderr FILE]\n"
 	"                        [--kill-group-on-exit] [--relay PORT=PATH]... -- ARGV...\n"
@@ -20,6 +21,10 @@ static const char usage_text[] =
 	"       when it ends, DIR/status.json; exits with the command's exit code (128+N when\n"
 	"       killed by signal N). --timeout or SIGTERM/SIGINT: the group gets SIGTERM, then\n"
 	"       SIGKILL after 2 s. As PID 1 it kills every process before exiting.\n"
+	"wait   PID 1 of a warm one-shot sandbox: waits for one run request on the control\n"
+	"       socket, then runs it as `run` does and exits with its code.\n"
+	"--control PATH (serve, wait): the control socket, a unix socket at PATH on which the\n"
+	"       host sends run and kill requests (only from outside the sandbox).\n"
 	"--relay PORT=PATH (serve, run): listen on 127.0.0.1:PORT and carry each connection\n"
 	"       to the unix socket PATH (egress); a child process that dies with demesne-init.\n"
 	"kill   signals the group recorded in DIR/pid (default TERM); with --grace, SIGKILL\n"
@@ -44,6 +49,8 @@ int main(int argc, char **argv)
 		return init_serve(argc - 1, argv + 1);
 	if (strcmp(cmd, "run") == 0)
 		return init_run(argc - 1, argv + 1);
+	if (strcmp(cmd, "wait") == 0)
+		return init_wait(argc - 1, argv + 1);
 	if (strcmp(cmd, "kill") == 0)
 		return init_kill(argc - 1, argv + 1);
 	if (strcmp(cmd, "--version") == 0 || strcmp(cmd, "-V") == 0) {

@@ -46,9 +46,68 @@ int init_serve(int argc, char **argv);
 /// Returns the process exit code (the command's exit code, or 2/125/126/127).
 int init_run(int argc, char **argv);
 
+/// `demesne-init wait --control PATH ...`: PID 1 of a warm one-shot sandbox; runs the one
+/// command the host sends over the control socket. argv[0] is "wait". Returns the process
+/// exit code (the command's, as init_run; 0 when stopped or abandoned before a command).
+int init_wait(int argc, char **argv);
+
 /// `demesne-init kill ...`: signals the process group recorded in --dir. argv[0] is "kill".
 /// Returns 0 when the group is gone, 1 when it remains, 2 on usage errors, 125 on I/O errors.
 int init_kill(int argc, char **argv);
+
+// The control socket (control.c). Reference: docs/reference/demesne-init.md.
+#define CONTROL_MAGIC "DMI1"
+#define CONTROL_MAX (4u << 20)      // bytes of one request's payload (argv + environment)
+#define CONTROL_ITEMS_MAX 16384     // arguments + variables of one request
+#define CONTROL_READ_MS 10000       // a request must arrive whole within this
+
+/// One parsed request. argv[0] is the op ("run" or "kill"); argv and env are
+/// NULL-terminated; all strings point into the payload buffer it was parsed from.
+struct control_request {
+	const char *op;
+	int argc;
+	char **argv;
+	int envc;
+	char **env;
+};
+
+/// Parses a request's payload (len bytes at buf; the strings stay in buf): OP, N, ARG1…ARGN,
+/// M, ENV1…ENVM, each NUL-terminated, nothing after; OP "run" or "kill"; N + M at most
+/// CONTROL_ITEMS_MAX; every ENV "NAME=value" with a non-empty NAME. `items` (at least
+/// CONTROL_ITEMS_MAX + 3 slots) receives the pointers. Pure (parse.c). Returns 0, or -1.
+int control_request_parse(char *buf, size_t len, char **items, struct control_request *req);
+
+/// Binds and listens on the unix socket at path (mode 0600, given to the owner of its
+/// folder: the host's user; a file already there is unlinked first). Returns the
+/// non-blocking listening fd, or -1 (errno set).
+int control_listen(const char *path);
+
+/// Accepts the next connection from a peer allowed to give commands: as PID 1 only a
+/// process outside the sandbox's PID namespace (SO_PEERCRED pid 0), otherwise only our own
+/// uid; others are closed. Returns a blocking fd, or -1 (EAGAIN: no more pending).
+int control_accept(int lfd);
+
+/// Reads one request within timeout_ms. Returns 0, 1 when the peer hung up before sending
+/// anything, or -1 (errno: EPROTO for a malformed request, ETIMEDOUT, ECONNRESET, …).
+int control_read(int fd, struct control_request *req, int timeout_ms);
+
+/// Sends one printf-formatted line to the peer without blocking; errors are ignored.
+void control_reply(int fd, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/// In a child forked by `serve` for connection fd: reads one request, answers "ok", runs
+/// it (`run` with the request's environment, or `kill`), answers "exit CODE" and exits.
+_Noreturn void control_child(int fd);
+
+/// Before init_run: use the relay already running as `relay` (0: none of ours) instead of
+/// starting one from --relay.
+void run_use_relay(pid_t relay);
+
+/// Before init_run: send "started PID" to fd once the command has its own process group.
+void run_notify_to(int fd);
+
+/// Before init_run: whether status.json is fsynced (the default). `wait` turns it off: its
+/// host is connected, reads the record at once and removes the sandbox after.
+void run_sync_status(bool sync);
 
 /// One relay route: 127.0.0.1:port inside the sandbox -> the unix socket at path.
 struct relay_route {
@@ -109,7 +168,18 @@ int kill_args_parse(struct kill_args *a, int argc, char **argv);
 struct serve_args {
 	struct relay_route relays[INIT_RELAY_MAX];
 	size_t nrelays;
+	const char *control; // --control PATH (absolute), or NULL; points into argv
 };
+
+/// The options of `wait` (argv[0] is "wait"): the control socket is required.
+struct wait_args {
+	struct relay_route relays[INIT_RELAY_MAX];
+	size_t nrelays;
+	const char *control; // absolute; points into argv
+};
+
+/// Parses `wait`'s command line. Returns 0, 1 (--help) or -1 (usage error, reported).
+int wait_args_parse(struct wait_args *a, int argc, char **argv);
 
 /// Parses `serve`'s command line. Returns 0, 1 (--help) or -1 (usage error, reported).
 int serve_args_parse(struct serve_args *a, int argc, char **argv);
@@ -154,6 +224,10 @@ int mkdir_p(const char *path, mode_t mode);
 /// Writes dir/name atomically: a temporary file in dir, fsync, then rename over name.
 /// Returns 0 or -1 (errno set; the temporary file is removed).
 int atomic_write(const char *dir, const char *name, const void *buf, size_t len);
+
+/// atomic_write, with the fsync only when `sync`: for a file that means nothing once the
+/// machine has crashed (the pid of a process that is gone with it).
+int atomic_write_sync(const char *dir, const char *name, const void *buf, size_t len, bool sync);
 
 /// Reads at most cap-1 bytes of dir/name into buf and NUL-terminates it. Returns the
 /// length, or -1 (errno set; ENOENT when the file does not exist).

@@ -207,20 +207,109 @@ int kill_args_parse(struct kill_args *a, int argc, char **argv)
 	return 0;
 }
 
-int serve_args_parse(struct serve_args *a, int argc, char **argv)
+// The options serve and wait share: --relay PORT=PATH (repeatable) and --control PATH.
+// Returns 0, 1 (--help) or -1 (usage error, reported).
+static int daemon_args_parse(const char *mode, struct relay_route *relays, size_t *nrelays, const char **control,
+			     int argc, char **argv)
 {
-	a->nrelays = 0;
+	*nrelays = 0;
+	*control = NULL;
 	for (int i = 1; i < argc; i++) {
 		if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0)
 			return 1;
-		const char *relay = NULL;
-		int m = opt_value(argc, argv, &i, "--relay", &relay);
-		if (m > 0 && add_relay(a->relays, &a->nrelays, relay) == 0)
+		const char *v = NULL;
+		int m;
+		if ((m = opt_value(argc, argv, &i, "--relay", &v)) != 0) {
+			if (m < 0 || add_relay(relays, nrelays, v) < 0)
+				return -1;
 			continue;
-		if (m == 0)
-			diag("serve: unexpected argument '%s'", argv[i]);
+		}
+		if ((m = opt_value(argc, argv, &i, "--control", control)) != 0) {
+			if (m < 0)
+				return -1;
+			if ((*control)[0] != '/' || strlen(*control) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
+				diag("%s: --control wants an absolute socket path, not '%s'", mode, *control);
+				return -1;
+			}
+			continue;
+		}
+		diag("%s: unexpected argument '%s'", mode, argv[i]);
 		return -1;
 	}
+	return 0;
+}
+
+int serve_args_parse(struct serve_args *a, int argc, char **argv)
+{
+	return daemon_args_parse("serve", a->relays, &a->nrelays, &a->control, argc, argv);
+}
+
+int wait_args_parse(struct wait_args *a, int argc, char **argv)
+{
+	int rc = daemon_args_parse("wait", a->relays, &a->nrelays, &a->control, argc, argv);
+	if (rc == 0 && a->control == NULL) {
+		diag("wait: --control PATH is required");
+		return -1;
+	}
+	return rc;
+}
+
+// The next NUL-terminated string of the payload at *pos, or NULL when there is none.
+static char *next_string(char *buf, size_t *pos, size_t len)
+{
+	if (*pos >= len)
+		return NULL;
+	char *s = buf + *pos;
+	char *nul = memchr(s, '\0', len - *pos);
+	if (nul == NULL)
+		return NULL;
+	*pos = (size_t)(nul - buf) + 1;
+	return s;
+}
+
+// A count: 1 to 5 decimal digits, at most max. Returns it, or -1.
+static int parse_count(const char *s, int max)
+{
+	if (s == NULL || s[0] == '\0' || strlen(s) > 5)
+		return -1;
+	int v = 0;
+	for (const char *p = s; *p; p++) {
+		if (*p < '0' || *p > '9')
+			return -1;
+		v = v * 10 + (*p - '0');
+	}
+	return v <= max ? v : -1;
+}
+
+int control_request_parse(char *buf, size_t len, char **items, struct control_request *req)
+{
+	size_t pos = 0;
+	char *op = next_string(buf, &pos, len);
+	int argc = parse_count(next_string(buf, &pos, len), CONTROL_ITEMS_MAX);
+	if (op == NULL || (strcmp(op, "run") != 0 && strcmp(op, "kill") != 0) || argc < 0)
+		return -1;
+	items[0] = op;
+	for (int i = 1; i <= argc; i++)
+		if ((items[i] = next_string(buf, &pos, len)) == NULL)
+			return -1;
+	items[argc + 1] = NULL;
+	int envc = parse_count(next_string(buf, &pos, len), CONTROL_ITEMS_MAX - argc);
+	if (envc < 0)
+		return -1;
+	char **env = items + argc + 2;
+	for (int i = 0; i < envc; i++) {
+		env[i] = next_string(buf, &pos, len);
+		if (env[i] == NULL || env[i][0] == '=' || strchr(env[i], '=') == NULL)
+			return -1;
+	}
+	env[envc] = NULL;
+	if (pos != len) // trailing bytes: not a request we understand
+		return -1;
+	req->op = op;
+	req->argc = argc + 1;
+	req->argv = items;
+	req->envc = envc;
+	req->env = env;
 	return 0;
 }
 

@@ -11,11 +11,13 @@
 #include <limits.h>
 #include <poll.h>
 #include <signal.h>
+#include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/prctl.h>
 #include <sys/signalfd.h>
+#include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
@@ -121,6 +123,32 @@ static void run_signal(struct run *r, int sig)
 // request, or SIGKILL, goes straight to SIGKILL.
 static pid_t relay_pid; // the egress relay we forked, if any: it is not part of the command
 
+// Hooks set by the control socket (control.c) before init_run: the relay that `wait` (or
+// `serve`) already runs, the connection that hears "started PID" (control.c sends the
+// "exit CODE" line once init_run has returned), and whether status.json is fsynced.
+static pid_t given_relay = -1; // -1: start our own from --relay
+static int notify_fd = -1;
+static bool sync_status = true;
+
+void run_use_relay(pid_t relay) { given_relay = relay; }
+void run_notify_to(int fd) { notify_fd = fd; }
+void run_sync_status(bool sync) { sync_status = sync; }
+
+// One line to the control connection, if there is one; never blocks, never fails.
+static void notify(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+static void notify(const char *fmt, ...)
+{
+	if (notify_fd < 0)
+		return;
+	char line[64];
+	va_list ap;
+	va_start(ap, fmt);
+	int n = vsnprintf(line, sizeof line, fmt, ap);
+	va_end(ap);
+	if (n > 0 && (size_t)n < sizeof line)
+		(void)send(notify_fd, line, (size_t)n, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
 static void run_stop(struct run *r, int sig)
 {
 	int64_t now = now_mono_ms();
@@ -148,8 +176,11 @@ static void run_session_ready(struct run *r)
 	char buf[32];
 	r->session_ready = true;
 	int n = snprintf(buf, sizeof buf, "%d\n", (int)r->child);
-	if (atomic_write(r->opt.dir, INIT_FILE_PID, buf, (size_t)n) < 0)
+	// not fsynced: after a crash of the machine the process it names is gone anyway, and the
+	// fsync would sit on the path of every command's start
+	if (atomic_write_sync(r->opt.dir, INIT_FILE_PID, buf, (size_t)n, false) < 0)
 		diag("run: cannot write %s/%s: %s", r->opt.dir, INIT_FILE_PID, strerror(errno));
+	notify("started %d\n", (int)r->child);
 	if (read_small(r->opt.dir, INIT_FILE_CANCEL, buf, sizeof buf) >= 0) {
 		int sig = cancel_record_parse(buf);
 		r->cancelled = true;
@@ -381,7 +412,7 @@ static void run_write_status(const struct run *r, int code, int sig, const char 
 	sb_puts(&b, "}\n");
 	if (b.overflow) // cannot happen with the bounded id and error; keep the file valid anyway
 		diag("run: status too long");
-	else if (atomic_write(r->opt.dir, INIT_FILE_STATUS, b.p, b.len) < 0)
+	else if (atomic_write_sync(r->opt.dir, INIT_FILE_STATUS, b.p, b.len, sync_status) < 0)
 		diag("run: cannot write %s/%s: %s", r->opt.dir, INIT_FILE_STATUS, strerror(errno));
 }
 
@@ -489,7 +520,8 @@ int init_run(int argc, char **argv)
 	if (pipe2(ep, O_CLOEXEC) < 0 || fcntl(ep[0], F_SETFL, O_NONBLOCK) < 0)
 		goto abort_errno;
 	// --relay routes (egress): listening before the command starts
-	relay_pid = relay_start(r.opt.relays, r.opt.nrelays);
+	// --relay routes (egress): listening before the command starts, unless `wait` started them
+	relay_pid = given_relay >= 0 ? given_relay : relay_start(r.opt.relays, r.opt.nrelays);
 	what = "cannot fork";
 	if ((pid = fork()) < 0)
 		goto abort_errno;

@@ -3,6 +3,8 @@
 // Reaps every zombie; on SIGTERM/SIGINT/SIGQUIT sends SIGTERM to every process,
 // waits for them to go (5 s), SIGKILLs what is left and exits 0. The loop is poll()-based
 // on a signalfd. The egress relay (--relay, relay.c) is a child process with its own loop.
+// With --control PATH it also serves the control socket (control.c): each connection is
+// handed to a forked child that runs one command (`run`) or cancels one (`kill`).
 //
 // "Every process" is kill(-1) only when we really are PID 1 of a PID namespace. Started
 // any other way (tests on a host, an engine's --init in front of us) we signal only our
@@ -127,6 +129,23 @@ static bool others_remain(bool pid1, int children)
 	return children != 0; // a subreaper without children has no descendants
 }
 
+// Hands each pending connection of the control socket to a child of its own.
+static void serve_connections(int lfd, int sfd)
+{
+	int fd;
+	while ((fd = control_accept(lfd)) >= 0) {
+		pid_t pid = fork();
+		if (pid == 0) {
+			(void)close(lfd);
+			(void)close(sfd);
+			control_child(fd);
+		}
+		if (pid < 0)
+			control_reply(fd, "error cannot fork: %s\n", strerror(errno));
+		(void)close(fd);
+	}
+}
+
 int init_serve(int argc, char **argv)
 {
 	struct serve_args a;
@@ -146,6 +165,9 @@ int init_serve(int argc, char **argv)
 		return INIT_EXIT_FAILURE;
 	}
 	(void)relay_start(a.relays, a.nrelays); // --relay routes (egress): a child process with its own poll loop
+	int lfd = -1;
+	if (a.control && (lfd = control_listen(a.control)) < 0) // the host falls back to the exec API
+		diag("serve: cannot listen on %s: %s", a.control, strerror(errno));
 	enum { RUNNING, STOPPING, KILLED } phase = RUNNING;
 	int64_t deadline = 0;
 	for (;;) {
@@ -167,8 +189,13 @@ int init_serve(int argc, char **argv)
 		int timeout = -1; // running: sleep until a signal
 		if (phase != RUNNING)
 			timeout = deadline - now <= 0 ? 0 : deadline - now < INIT_POLL_MS ? (int)(deadline - now) : INIT_POLL_MS;
-		struct pollfd pfd[1] = { { .fd = sfd, .events = POLLIN } };
-		int n = poll(pfd, 1, timeout);
+		if (phase != RUNNING && lfd >= 0) { // stopping: no new commands
+			(void)close(lfd);
+			(void)unlink(a.control);
+			lfd = -1;
+		}
+		struct pollfd pfd[2] = { { .fd = sfd, .events = POLLIN }, { .fd = lfd, .events = POLLIN } };
+		int n = poll(pfd, lfd >= 0 ? 2 : 1, timeout);
 		if (n < 0) {
 			if (errno != EINTR) {
 				diag("serve: poll: %s", strerror(errno));
@@ -176,6 +203,8 @@ int init_serve(int argc, char **argv)
 			}
 			continue;
 		}
+		if (lfd >= 0 && pfd[1].revents)
+			serve_connections(lfd, sfd);
 		if (!pfd[0].revents)
 			continue;
 		struct signalfd_siginfo si;
@@ -198,6 +227,10 @@ int init_serve(int argc, char **argv)
 		}
 		if (r < 0 && errno != EAGAIN)
 			diag("serve: signalfd: %s", strerror(errno));
+	}
+	if (lfd >= 0) {
+		(void)close(lfd);
+		(void)unlink(a.control);
 	}
 	(void)close(sfd);
 	return INIT_EXIT_OK;

@@ -101,6 +101,11 @@ int mkdir_p(const char *path, mode_t mode)
 
 int atomic_write(const char *dir, const char *name, const void *buf, size_t len)
 {
+	return atomic_write_sync(dir, name, buf, len, true);
+}
+
+int atomic_write_sync(const char *dir, const char *name, const void *buf, size_t len, bool sync)
+{
 	char tmp[PATH_MAX], dst[PATH_MAX], tname[128];
 	snprintf(tname, sizeof tname, ".%s.tmp.%ld", name, (long)getpid());
 	if (path_join(tmp, sizeof tmp, dir, tname) < 0 || path_join(dst, sizeof dst, dir, name) < 0)
@@ -114,7 +119,7 @@ int atomic_write(const char *dir, const char *name, const void *buf, size_t len)
 	int rc = write_all(fd, buf, len);
 	// fsync so that a crash never leaves an empty file under the final name; file systems
 	// without fsync (EINVAL) are accepted as they are.
-	if (rc == 0 && fsync(fd) < 0 && errno != EINVAL && errno != EROFS)
+	if (rc == 0 && sync && fsync(fd) < 0 && errno != EINVAL && errno != EROFS)
 		rc = -1;
 	int saved = errno;
 	if (close(fd) < 0 && rc == 0 && errno != EINTR) {

@@ -1,9 +1,46 @@
--- `demesne check-config`: the effective configuration and where each value came from.
+-- `demesne check-config`: the effective configuration and where each value came from,
+-- the engine socket, the warm sandboxes (lua/pool.lua) the engine holds, and the host MCP
+-- servers.
 local async = require("demesne.async")
 local config = require("demesne.config")
 local engines = require("demesne.engines")
 local hostmcp = require("demesne.hostmcp")
+local pool = require("demesne.pool")
 local loop = require("core.loop")
+
+-- The warm pool: its settings in one line, then each warm sandbox on the engine.
+local function show_pool()
+  local size = config.get("pool_size")
+  if size <= 0 then
+    io.stdout:write(("%-20s = %s\n"):format("warm pool", "off (pool_size = 0)"))
+  else
+    local idle = config.get("pool_idle_seconds")
+    io.stdout:write(("%-20s = %d per kind, %d in all, idle after %s, warmed at start: %s\n"):format("warm pool", size,
+      math.floor(config.get("pool_max")), idle > 0 and (idle .. " s") or "never",
+      table.concat(config.get("pool_images") or {}, ",")))
+  end
+  local rows, err
+  local task = async.spawn("check-config pool", function()
+    local eng, eerr = engines.get()
+    if not eng then err = eerr return end
+    local r, e, code = async.timeout(10000, pool.on_engine, eng) -- an engine that hangs must not hang us
+    rows, err = r, (code == "ETIMEDOUT" and "the engine did not answer within 10 s" or e)
+  end)
+  if not task.done then
+    task:on_done(function() loop.stop() end)
+    loop.run()
+  end
+  if not rows then
+    io.stdout:write(("%-20s = %s\n"):format("warm sandboxes", "unknown (" .. tostring(err or task.result[2]) .. ")"))
+    return
+  end
+  io.stdout:write(("%-20s = %d on the engine\n"):format("warm sandboxes", #rows))
+  for _, r in ipairs(rows) do
+    io.stdout:write(("  %s  %-8s image %s, egress %s, %s, owner %s\n"):format(tostring(r.run_id), tostring(r.state),
+      tostring(r.image), tostring(r.egress),
+      r.claimed and "claimed by a call" or r.starting and "starting" or "waiting", tostring(r.owner)))
+  end
+end
 
 -- The host MCP servers that will be offered to agent sandboxes (server, origin, transport,
 -- allowed tools) and the entries refused. Returns true when config.lua has an error there.
@@ -69,6 +106,7 @@ return function()
     io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine socket", tostring(sock or "none found"),
       sock and "discovered" or ("tried " .. table.concat(tried or {}, ", "))))
   end
+  show_pool()
   if host_mcp_section() then err = err or "host_mcp has refused entries (see above)" end
   if err then
     io.stderr:write("demesne: config error: ", err, "\n")

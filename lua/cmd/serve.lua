@@ -8,6 +8,8 @@ local config = require("demesne.config")
 local hostmcp = require("demesne.hostmcp")
 local log = require("demesne.log")
 local stdio = require("demesne.mcp.stdio")
+local pool = require("demesne.pool")
+local teardown = require("demesne.teardown")
 local tools = require("demesne.tools")
 local tree = require("demesne.tree")
 local endpoint = require("demesne.tree.endpoint")
@@ -63,6 +65,16 @@ return function(args, opts)
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
   local jobs = require("demesne.jobs")
   jobs.start()
+  -- warm sandboxes for sandbox_script (lua/pool.lua); removed again at shutdown
+  pool.start()
+  local function on_shutdown()
+    pool.stop()
+    -- one-shot containers removed after their answers, warm sandboxes discarded just now
+    if not teardown.wait(30000) then
+      log.warning("demesne.teardown", "%d container removal(s) still running at exit; the reaper of the next "
+        .. "server removes what is left", teardown.pending())
+    end
+  end
   -- host MCP servers: their declaration problems are logged now; they start on first use
   async.spawn("host MCP configuration", function()
     local ok, err = pcall(hostmcp.load)
@@ -78,9 +90,9 @@ return function(args, opts)
   local status
   if #addrs > 0 then
     status = require("demesne.mcp.http").serve({ addrs = addrs, allow_remote = allow_remote, registry = registry,
-      on_stop = on_stop })
+      on_stop = on_stop, on_shutdown = on_shutdown })
   else
-    status = stdio.serve({ registry = registry, on_stop = on_stop })
+    status = stdio.serve({ registry = registry, on_stop = on_stop, on_shutdown = on_shutdown })
   end
   tree.stop_service()
   jobs.stop()

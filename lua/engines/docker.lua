@@ -287,8 +287,15 @@ end
 --- DELETE /containers/{id}?force=true&v=true. A container that is already gone is success
 --- with the second value "gone".
 function Engine:remove(id)
-  local res, err, code = self:call("DELETE", "/containers/" .. seg(id), { force = true, v = true })
-  if not res then return nil, err, code end
+  local res, err, code
+  for attempt = 1, 5 do
+    res, err, code = self:call("DELETE", "/containers/" .. seg(id), { force = true, v = true })
+    if not res then return nil, err, code end
+    -- Podman 4 answers 500 "… could not be stopped … container state improper" for a
+    -- container caught while its main process exits: it is stopping, so ask again
+    if not (res.status == 500 and tostring(res.body):find("state improper", 1, true)) then break end
+    async.sleep(50 * attempt)
+  end
   if res.status == 404 then return true, "gone" end
   if res.status == 409 then
     -- removal already in progress (e.g. two destroys at once): wait for it to finish

@@ -656,7 +656,9 @@ end
 --- Runs `demesne serve --http`: the MCP server on the given addresses until SIGINT,
 --- SIGTERM or SIGHUP (stdin is not read: it may be /dev/null). Returns the exit status.
 --- `opts.on_stop(timeout_ms)` (optional) runs in the shutdown task beside the server's own stop.
----@param opts {addrs: string[], allow_remote: boolean|nil, fixtures: string|nil, registry: ToolRegistry|nil, on_stop: fun(timeout_ms: integer)|nil}
+--- `opts.on_shutdown` (optional) runs inside the shutdown task once the sessions have
+--- stopped, before the loop stops.
+---@param opts {addrs: string[], allow_remote: boolean|nil, fixtures: string|nil, registry: ToolRegistry|nil, on_stop: fun(timeout_ms: integer)|nil, on_shutdown: function|nil}
 ---@return integer
 function http.serve(opts)
   local limits = require("demesne.mcp.stdio").limits()
@@ -682,6 +684,10 @@ function http.serve(opts)
       if other then
         local sok, serr = other:wait()
         if not sok then log.error(LOGGER, "shutdown: %s", tostring(serr)) end
+      end
+      if opts.on_shutdown then -- the caller's own cleanup (warm sandboxes, removals after answers)
+        ok, e = pcall(opts.on_shutdown)
+        if not ok then log.error(LOGGER, "shutdown: %s", tostring(e)) end
       end
       if unwatch then unwatch() end
       loop.stop()

@@ -203,7 +203,9 @@ end
 --- arrives. Returns the process exit status (0 after a graceful stop).
 --- `opts.on_stop(timeout_ms)` (optional) runs in the shutdown task beside the session's
 --- own stop (the in-sandbox endpoint's server stops with it).
----@param opts {fixtures: string|nil, registry: ToolRegistry|nil, input_fd: integer|nil, output_fd: integer|nil, on_stop: fun(timeout_ms: integer)|nil}|nil
+--- `opts.on_shutdown` (optional) runs inside the shutdown task once the requests in progress
+--- have been cancelled and cleaned up, before the loop stops.
+---@param opts {fixtures: string|nil, registry: ToolRegistry|nil, input_fd: integer|nil, output_fd: integer|nil, on_stop: fun(timeout_ms: integer)|nil, on_shutdown: function|nil}|nil
 ---@return integer
 function stdio.serve(opts)
   opts = opts or {}
@@ -252,6 +254,10 @@ function stdio.serve(opts)
       if other then
         local sok, serr = other:wait()
         if not sok then log.error(LOGGER, "shutdown: %s", tostring(serr)) end
+      end
+      if opts.on_shutdown then -- the caller's own cleanup (warm sandboxes, removals after answers)
+        ok, err = pcall(opts.on_shutdown)
+        if not ok then log.error(LOGGER, "shutdown: %s", tostring(err)) end
       end
       pcall(out.flush, 2000)
       close_all()

@@ -7,7 +7,10 @@
  *   4                       a DIR/cancel record (31 bytes)
  *   5                       a /proc/<pid>/stat line (511 bytes; a process names its comm)
  *   6                       an id or error text written into status.json (sb_json_string)
- * (other values: the same, modulo 7). DIR/pid and DIR/cancel live in the run folder, which
+ *   7                       `wait`'s command line (as 0-2)
+ *   8                       a control socket request's payload (control_request_parse): the
+ *                           socket lies in the run folder, so anything may be sent there
+ * (other values: the same, modulo 9). DIR/pid and DIR/cancel live in the run folder, which
  * a process in the sandbox can write.
  *
  * Findings (besides ASan/UBSan): parsed options that break the parser's promises (an id
@@ -31,7 +34,7 @@ static void check_route(const struct relay_route *r) {
 }
 
 static void args(int mode, const uint8_t *data, size_t size) {
-  static const char *const names[] = {"run", "kill", "serve"};
+  static const char *const names[] = {"run", "kill", "serve", "wait"};
   /* the arguments: NUL-separated, the last one ends at the end of the input */
   char *copy = malloc(size + 1);
   FUZZ_CHECK(copy, "out of memory");
@@ -61,11 +64,21 @@ static void args(int mode, const uint8_t *data, size_t size) {
       FUZZ_CHECK(a.sig > 0 && strcmp(signal_name(a.sig), "?"), "signal %d", a.sig);
       FUZZ_CHECK(a.grace_ms >= -1 && a.grace_ms <= 10000000000LL, "grace %lld", (long long)a.grace_ms);
     }
-  } else {
+  } else if (mode == 2) {
     struct serve_args a;
     if (serve_args_parse(&a, argc, argv) == 0) {
       FUZZ_CHECK(a.nrelays <= INIT_RELAY_MAX, "%zu relays", a.nrelays);
       for (size_t i = 0; i < a.nrelays; i++) check_route(&a.relays[i]);
+      FUZZ_CHECK(!a.control || (a.control[0] == '/' && strlen(a.control) < sizeof(((struct sockaddr_un *)0)->sun_path)),
+                 "control '%s'", a.control);
+    }
+  } else {
+    struct wait_args a;
+    if (wait_args_parse(&a, argc, argv) == 0) {
+      FUZZ_CHECK(a.nrelays <= INIT_RELAY_MAX, "%zu relays", a.nrelays);
+      for (size_t i = 0; i < a.nrelays; i++) check_route(&a.relays[i]);
+      FUZZ_CHECK(a.control && a.control[0] == '/' && strlen(a.control) < sizeof(((struct sockaddr_un *)0)->sun_path),
+                 "control");
     }
   }
   free(copy);
@@ -112,11 +125,39 @@ static void check_json_string(const char *s, size_t n) {
   }
 }
 
+/* A control request's payload, parsed as control.c does after reading it whole: every
+ * string it hands out lies in the payload and ends there, the counts hold, env entries are
+ * NAME=value. */
+static void control_payload(const uint8_t *data, size_t size) {
+  if (size > CONTROL_MAX) size = CONTROL_MAX;
+  char *buf = malloc(size ? size : 1);
+  static char *items[CONTROL_ITEMS_MAX + 3];
+  FUZZ_CHECK(buf, "out of memory");
+  memcpy(buf, data, size);
+  struct control_request req;
+  if (control_request_parse(buf, size, items, &req) == 0) {
+    FUZZ_CHECK(!strcmp(req.op, "run") || !strcmp(req.op, "kill"), "op");
+    FUZZ_CHECK(req.argc >= 1 && req.envc >= 0 && req.argc - 1 + req.envc <= CONTROL_ITEMS_MAX, "counts");
+    FUZZ_CHECK(req.argv[req.argc] == NULL && req.env[req.envc] == NULL, "not NULL-terminated");
+    for (int i = 0; i < req.argc; i++)
+      FUZZ_CHECK(req.argv[i] >= buf && req.argv[i] + strlen(req.argv[i]) < buf + size, "arg %d outside the payload", i);
+    for (int i = 0; i < req.envc; i++) {
+      FUZZ_CHECK(req.env[i] >= buf && req.env[i] + strlen(req.env[i]) < buf + size, "env %d outside the payload", i);
+      FUZZ_CHECK(req.env[i][0] != '=' && strchr(req.env[i], '='), "env %d is not NAME=value", i);
+    }
+  }
+  free(buf);
+}
+
 int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
   if (size == 0) return 0;
-  int mode = data[0] % 7;
+  int mode = data[0] % 9;
   data++, size--;
-  if (mode <= 2) {
+  if (mode == 7) {
+    args(3, data, size);
+  } else if (mode == 8) {
+    control_payload(data, size);
+  } else if (mode <= 2) {
     args(mode, data, size);
   } else if (mode == 3) {
     char *buf = record(data, size, 32); /* kill.c read_pgid */

@@ -289,6 +289,99 @@ else
 	skip "serve as PID 1 of a PID namespace" "unshare --pid not available"
 fi
 
+# --- the control socket -------------------------------------------------------------------
+# ctl SOCKET OP ARGS... [--env=K=V]...: sends one request, prints every reply line (and
+# "refused" when the connection is closed without one). `ctl SOCKET raw HEX` sends bytes.
+cat >"$T/ctl.py" <<'PY'
+import socket, struct, sys
+path, op, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+env = [a[6:] for a in rest if a.startswith("--env=")]
+args = [a for a in rest if not a.startswith("--env=")]
+if op == "raw":
+    frame = bytes.fromhex(args[0])
+else:
+    parts = [op, str(len(args))] + args + [str(len(env))] + env
+    payload = b"".join(p.encode() + b"\0" for p in parts)
+    frame = b"DMI1" + struct.pack(">I", len(payload)) + payload
+s = socket.socket(socket.AF_UNIX)
+s.connect(path)
+try:
+    s.sendall(frame)
+except OSError:
+    pass
+data = b""
+while True:
+    try:
+        d = s.recv(4096)
+    except OSError:
+        break
+    if not d:
+        break
+    data += d
+sys.stdout.write(data.decode() if data else "refused\n")
+PY
+ctl() { python3 "$T/ctl.py" "$@"; }
+wait_sock() { i=0; while [ ! -S "$1" ] && [ $i -lt 250 ]; do sleep 0.02; i=$((i + 1)); done; [ -S "$1" ]; }
+
+C=$T/control; mkdir -p "$C"
+"$BIN" serve --control "$C/init.sock" 2>"$C/serve.err" &
+SP=$!; STRAYS="$STRAYS $SP"
+wait_sock "$C/init.sock"
+check "serve --control: the socket is there, mode 600" eq "$(stat -c %a "$C/init.sock")" 600
+out=$(ctl "$C/init.sock" run --id r1 --dir "$C/r1" --env=FOO=bar -- sh -c 'echo "$FOO"; exit 3')
+check "control run: ok, started PID, exit 3" sh -c 'printf "%s\n" "$1" | tr "\n" " " | grep -Eq "^ok started [0-9]+ exit 3 $"' _ "$out"
+check "  the request's environment reaches the command, status.json written" eq "$(cat "$C/r1/stdout.log")/$(field "$C/r1/status.json" exit_code)" bar/3
+ctl "$C/init.sock" run --id r2 --dir "$C/r2" -- sh -c 'sleep 600 & wait' >"$C/r2.out" &
+CP=$!
+wait_file "$C/r2/pid" 10
+G=$(cat "$C/r2/pid")
+out=$(ctl "$C/init.sock" kill --dir "$C/r2" --grace 1)
+wait "$CP"
+check "control kill: ok, exit 0; the run answers exit 143" eq "$(echo $out)/$(tail -n 1 "$C/r2.out")" "ok exit 0/exit 143"
+check "  cancelled, and its group is gone" sh -c '[ "$(python3 -c "import json,sys; print(json.load(open(sys.argv[1]))[\"cancelled\"])" "$1/r2/status.json")" = True ] && ! kill -0 -"$2" 2>/dev/null' _ "$C" "$G"
+check "a malformed request is refused" eq "$(ctl "$C/init.sock" raw 444d4931000000027800)" "error malformed request"
+check "an unknown op is refused" eq "$(ctl "$C/init.sock" raw 444d4931000000086578656300300030 | cut -c1-5)" "error"
+kill -TERM "$SP"; wait "$SP"
+check "serve removes the socket when it stops" sh -c '[ ! -e "$1" ]' _ "$C/init.sock"
+if id nobody >/dev/null 2>&1; then
+	mkdir -p "$C/owned"; chown nobody "$C/owned"
+	"$BIN" serve --control "$C/owned/init.sock" 2>/dev/null &
+	SP=$!; STRAYS="$STRAYS $SP"
+	wait_sock "$C/owned/init.sock"
+	check "the socket belongs to the owner of its folder (the host's user), mode 600" eq "$(stat -c %U/%a "$C/owned/init.sock")" nobody/600
+	kill -TERM "$SP"; wait "$SP"
+fi
+
+"$BIN" wait --control "$C/w.sock" 2>"$C/wait.err" &
+WP=$!; STRAYS="$STRAYS $WP"
+wait_sock "$C/w.sock"
+out=$(ctl "$C/w.sock" run --id main --dir "$C/w" --stdout "$C/w.out" --env=X=1 -- sh -c 'echo "x=$X"; exit 5')
+wait "$WP"; rc=$?
+check "wait: runs the one command it is sent, exits with its code" eq "$(echo $out | sed 's/started [0-9]*/started/')/$rc/$(cat "$C/w.out")" "ok started exit 5/5/x=1"
+check "  and its socket is gone: nobody can send a second one" sh -c '[ ! -e "$1" ]' _ "$C/w.sock"
+"$BIN" wait --control "$C/w2.sock" 2>/dev/null &
+WP=$!; STRAYS="$STRAYS $WP"
+wait_sock "$C/w2.sock"
+python3 -c 'import socket,sys; s=socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); s.close()' "$C/w2.sock"
+wait "$WP"; rc=$?
+check "wait: the host hanging up before a command ends it, exit 0, nothing ran" eq "$rc/$(ls "$C" | grep -c '^w2$')" 0/0
+"$BIN" wait 2>/dev/null; check "wait without --control: exit 2" eq $? 2
+
+if unshare --pid --fork --mount-proc true 2>/dev/null && command -v nsenter >/dev/null; then
+	unshare --pid --fork --mount-proc "$BIN" serve --control "$C/ns.sock" 2>"$C/ns.err" &
+	US=$!; STRAYS="$STRAYS $US"
+	wait_sock "$C/ns.sock"
+	SV=$(cat /proc/$US/task/$US/children 2>/dev/null | tr -d ' ')
+	STRAYS="$STRAYS $SV"
+	inside=$(nsenter -t "$SV" -p -m python3 "$T/ctl.py" "$C/ns.sock" run --id in --dir "$C/in" -- true)
+	check "as PID 1, a client inside the PID namespace is refused, nothing runs" eq "$inside/$(ls "$C" | grep -c '^in$')" refused/0
+	outside=$(ctl "$C/ns.sock" run --id out --dir "$C/nsout" -- true | tail -n 1)
+	check "  and the host (outside it) is served" eq "$outside" "exit 0"
+	kill -TERM "$SV"; wait "$US"
+else
+	skip "control socket peers inside a PID namespace" "unshare --pid not available"
+fi
+
 # --- inside a real container -------------------------------------------------------------
 ENGINE=${DEMESNE_INIT_TEST_ENGINE:-}
 if [ -z "$ENGINE" ]; then
@@ -325,6 +418,14 @@ else
 	$ENGINE stop -t 10 "$NAME" >/dev/null 2>&1
 	el=$(($(now_ms) - t0))
 	check "container: stop of a one-shot run is prompt (${el} ms), status cancelled" eq "$((el < 4000))/$(field "$O/stop/status.json" cancelled)" 1/true
+	$ENGINE rm -f "$NAME" >/dev/null 2>&1
+
+	NAME=demesne-init-wait-$$
+	$ENGINE run -d --rm --name "$NAME" --network none -v "$BIN:/.demesne/init:ro" -v "$O:/out" "$IMAGE" \
+		/.demesne/init wait --control /out/w.sock >/dev/null
+	wait_sock "$O/w.sock"
+	out=$(ctl "$O/w.sock" run --id w --dir /out/w --env=V=sent -- sh -c 'echo "$V"; exit 6' | tail -n 1)
+	check "container: wait as PID 1 runs the command the host sends (exit 6, its env)" eq "$out/$(cat "$O/w/stdout.log")" "exit 6/sent"
 	$ENGINE rm -f "$NAME" >/dev/null 2>&1
 
 	NAME=demesne-init-test-$$

@@ -7,7 +7,7 @@ import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
 import { spawn } from "node:child_process";
 import { randomBytes } from "node:crypto";
-import { mkdtempSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
@@ -191,4 +191,29 @@ export async function startHttp({ env = {}, args = [], fixtures = true, listen =
 
 function randomToken() {
   return randomBytes(24).toString("hex");
+}
+
+/**
+ * Whether an engine container (a /containers/json entry) is a warm sandbox of the pool that
+ * no call has claimed yet: it carries io.demesne.pool and its server still keeps the marker
+ * <state_dir>/pool/<run id> (lua/pool.lua). A live server keeps such sandboxes on purpose.
+ * @param {{Labels: Record<string,string>}} c
+ * @returns {boolean}
+ */
+export function isWarm(c) {
+  const l = c.Labels || {};
+  const m = /^(.*)\/run\/([^/]+)$/.exec(l["io.demesne.run_dir"] || "");
+  return Boolean(l["io.demesne.pool"] && m && existsSync(path.join(m[1], "pool", m[2])));
+}
+
+/**
+ * Whether a warm sandbox (isWarm) is ready for a call to take: its marker says "ready"
+ * (it says "filling" while the pool starts it).
+ * @param {{Labels: Record<string,string>}} c
+ * @returns {boolean}
+ */
+export function isReady(c) {
+  if (!isWarm(c)) return false;
+  const m = /^(.*)\/run\/([^/]+)$/.exec(c.Labels["io.demesne.run_dir"]);
+  try { return readFileSync(path.join(m[1], "pool", m[2]), "utf8") === "ready\n"; } catch { return false; }
 }

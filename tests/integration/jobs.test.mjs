@@ -11,7 +11,7 @@ import { tmpdir } from "node:os";
 import path from "node:path";
 import http from "node:http";
 import { LoggingMessageNotificationSchema } from "@modelcontextprotocol/sdk/types.js";
-import { connect } from "./helpers.mjs";
+import { connect, isWarm } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const SOCKET = ENGINE.replace(/^unix:\/\//, "");
@@ -71,10 +71,11 @@ async function containersWithLabel(label) {
   const filters = encodeURIComponent(JSON.stringify({ label: [label] }));
   return (await engine("GET", `/containers/json?all=true&filters=${filters}`)).body;
 }
-// containers this file made (their output folders are under `work`)
+// containers this file made (their output folders are under `work`), but not the warm
+// sandboxes a running server keeps on purpose
 async function ours() {
   const list = await containersWithLabel("io.demesne.managed=1");
-  return list.filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(work));
+  return list.filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(work) && !isWarm(c));
 }
 
 // Reads a job's stdout through sandbox_status with the cursor until eof.

@@ -9,6 +9,7 @@ local config = require("demesne.config")
 local engines = require("demesne.engines")
 local sandbox = require("demesne.sandbox")
 local json = require("demesne.json")
+local teardown = require("demesne.teardown")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
@@ -51,6 +52,7 @@ local function world(extra_env)
     return create(self, s)
   end
   return setmetatable(w, { __close = function()
+    assert(teardown.wait(5000), "the removals after the answers finished")
     eng.create = nil -- the method again
     eng.capabilities = w.caps
     for _, c in ipairs(eng:list({ "io.demesne.managed=1" })) do
@@ -85,6 +87,7 @@ function tests.a_one_shot_run_gives_exit_code_and_output_and_leaves_no_container
   t:eq(r.timed_out, false, "timed_out")
   t:eq(r.output_dir, w.dir .. "/out/" .. r.run_id, "output_dir")
   t:eq(fs.read_file(r.output_dir .. "/stdout.log"), "hello\n", "the log stays")
+  t:ok(teardown.wait(5000), "the container is removed after the answer")
   t:eq(#w.eng:list({ "io.demesne.managed=1" }), 0, "no container is left")
   t:eq(fs.stat(w.dir .. "/state/run/" .. r.run_id), nil, "the run folder is gone")
 end
@@ -99,9 +102,11 @@ function tests.a_one_shot_sandbox_gets_the_whole_spec(t)
   t:eq(s.name, "demesne-" .. r.run_id, "name")
   t:eq(s.image, IMAGE, "image")
   t:eq(s.entrypoint, { "/.demesne/init" }, "demesne-init is the entrypoint")
-  t:eq({ s.command[1], s.command[2], s.command[3] }, { "run", "--relay", "3128=/.demesne/run/egress.sock" },
-    "run, with the egress relay")
-  t:eq({ table.unpack(s.command, #s.command - 2) }, { "/bin/sh", "-c", "true" }, "the command through sh")
+  t:eq(s.command, { "wait", "--control", "/.demesne/run/init.sock", "--relay", "3128=/.demesne/run/egress.sock" },
+    "demesne-init waits for the command on its control socket, with the egress relay")
+  t:eq(fs.read_file(out .. "/stdout.log"), "", "the command came over the control socket and ran")
+  t:ok(teardown.wait(5000), "removed after the answer")
+  t:eq(fs.stat(run_dir), nil, "its run folder is gone")
   t:eq({ s.workdir, s.hostname, s.network, s.read_only_rootfs }, { "/out", "sandbox", "none", true },
     "workdir, hostname, network, read-only root")
   t:eq(s.security, { no_new_privileges = true, cap_drop = { "NET_RAW" } }, "security")
@@ -208,6 +213,7 @@ function tests.a_timeout_stops_the_command_and_says_so(t)
   t:eq(r.timed_out, true, "timed_out")
   t:eq(r.stdout, "before\n", "stdout up to the timeout")
   t:eq(r.exit_code, 143, "killed by SIGTERM")
+  t:ok(teardown.wait(5000), "removed after the answer")
   t:eq(#w.eng:list({ "io.demesne.managed=1" }), 0, "no container is left")
 end
 
@@ -224,6 +230,7 @@ function tests.cancelling_a_one_shot_run_removes_its_container(t)
   task:wait()
   t:eq(task.result[1], false, "the call ended with an error")
   t:eq(tostring(task.result[2]), "cancelled", "cancelled")
+  t:ok(teardown.wait(5000), "the removal after the cancel finished")
   t:eq(#w.eng:list({ "io.demesne.managed=1" }), 0, "the container is gone")
   t:eq(fs.readdir(w.dir .. "/state/run") or {}, {}, "its run folder too")
 end
@@ -284,9 +291,11 @@ function tests.an_exec_whose_sandbox_is_destroyed_under_it_says_so(t)
   sandbox.destroy(nil, { sandbox_id = c.sandbox_id })
   task:wait()
   t:eq(task.result[1], false, "the exec failed")
-  -- the fake ends the exec while the container is being removed (state removing)
-  t:eq({ task.result[2].message, task.result[2].code }, { ("sandbox_id: sandbox %s was destroyed while the call was "
-    .. "running"):format(c.sandbox_id), "ENOENT" }, "message")
+  -- the exec learns it from its control connection, as the container is being removed or
+  -- once it is gone: "was destroyed" or "was destroyed (or expired)"
+  local want = ("sandbox_id: sandbox %s was destroyed"):format(c.sandbox_id)
+  t:eq(task.result[2].message:sub(1, #want), want, "message")
+  t:eq(task.result[2].code, "ENOENT", "code")
 end
 
 function tests.an_engine_that_cannot_share_host_folders_is_refused(t)
