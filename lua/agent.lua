@@ -8,12 +8,14 @@
 -- event stream goes to /out/transcript.jsonl while it runs; stderr to /out/stderr.log.
 -- After the run, results.json in the output folder holds the result the tool returns.
 local config = require("demesne.config")
+local errors = require("demesne.errors")
 local fs = require("core.fs")
 local json = require("demesne.json")
 local loop = require("core.loop")
 local output = require("demesne.output")
 local providers = require("demesne.providers")
 local sandbox = require("demesne.sandbox")
+local util = require("demesne.util")
 local vendor = require("demesne.vendor")
 
 local agent = {}
@@ -23,7 +25,7 @@ local ANSWER_MAX = 16 * 1024
 local STDERR_MAX = 4 * 1024
 local TRANSCRIPT_MAX = 8 * 1024 * 1024
 
-local function fail(msg) sandbox.fail(msg) end
+local fail = errors.raise
 
 --- The `model` parameter's schema: an enum of the models that can be used now (when any).
 function agent.model_schema()
@@ -102,7 +104,7 @@ local RESUME_PROMPT = "Your previous turn was interrupted by a vendor rate limit
   .. "Continue the task from where you left off."
 agent.RESUME_PROMPT = RESUME_PROMPT
 
-local function sh_quote(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+local sh_quote = util.sh_quote
 
 -- One argv as a sh command line; the argument equal to RESUME_MARK becomes "$session".
 local function command_line(argv)
@@ -314,7 +316,7 @@ function agent.rate_reason(rate)
   end
   why = why or "the CLI gave up"
   local at = ""
-  if type(rate.reset_at) == "number" then at = os.date("!(reset at %Y-%m-%dT%H:%M:%SZ)", math.floor(rate.reset_at)) end
+  if type(rate.reset_at) == "number" then at = "(reset at " .. util.iso(rate.reset_at) .. ")" end
   return ("rate limited by the vendor; %s%s"):format(why, at ~= "" and (" " .. at) or "")
 end
 
@@ -367,7 +369,7 @@ function agent.run(ctx, args, tool)
   local o = agent.prepare(args, tool)
   local started = loop.hrtime()
   local finished = false
-  local _ <close> = setmetatable({}, { __close = function()
+  local _ <close> = util.closer(function()
     if not o.removed then sandbox.script_remove(o) end
     if not finished and o.vendor then -- cancelled or failed on the way: still say so in results.json
       pcall(agent.finish, o, nil, nil, math.floor((loop.hrtime() - started) / 1e6),
@@ -376,7 +378,7 @@ function agent.run(ctx, args, tool)
     if o.vendor then o.vendor:stop() end
     vendor.forget(o.run_id)
     fs.remove_tree(o.run_dir)
-  end })
+  end)
   sandbox.script_start(ctx, o)
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
   local code, err = sandbox.script_wait(o, (o.timeout + 30) * 1000)

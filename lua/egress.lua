@@ -32,7 +32,7 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local proxy = require("core.proxy")
 local fs = require("core.fs")
-local loop = require("core.loop")
+local util = require("demesne.util")
 
 local egress = {}
 
@@ -385,10 +385,7 @@ end
 
 local active = {} -- run_id -> handle
 
-local function iso_now()
-  local t = loop.time()
-  return os.date("!%Y-%m-%dT%H:%M:%S", math.floor(t)) .. (".%03dZ"):format(math.floor((t % 1) * 1000))
-end
+local iso_now = util.iso_now
 
 local Handle = {}
 Handle.__index = Handle

@@ -11,6 +11,7 @@ local archive = require("core.archive")
 local text = require("core.text")
 local fs = require("core.fs")
 local process = require("core.process")
+local util = require("demesne.util")
 
 local images = {}
 
@@ -56,7 +57,7 @@ end
 local function tmp_path(suffix)
   local dir = config.get("state_dir") .. "/tmp"
   fs.mkdir_p(dir)
-  return ("%s/%s-%s%s"):format(dir, os.date("!%Y%m%dT%H%M%S"), text.hash(tostring({}) .. os.clock()), suffix)
+  return ("%s/%s%s"):format(dir, util.new_id("", 8), suffix)
 end
 
 local function progress(ctx, msg)
@@ -100,7 +101,7 @@ local function ensure_rootfs(eng, ctx, dry)
   if os.getenv("DEMESNE_NO_PULL") ~= "1" and eng:pull(REGISTRY_BASE, 30000) then return REGISTRY_BASE end
   progress(ctx, "no registry reachable: building a Debian root filesystem with mmdebstrap")
   local tar = tmp_path(".rootfs.tar")
-  local _ <close> = setmetatable({}, { __close = function() os.remove(tar) end })
+  local _ <close> = util.closer(function() os.remove(tar) end)
   local args = { "--variant=minbase", "--include=" .. ROOTFS_PACKAGES, "--format=tar",
     "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
     "--dpkgopt=path-exclude=/usr/share/locale/*", "--dpkgopt=path-exclude=/usr/share/info/*",
@@ -165,11 +166,11 @@ local function ensure_builtin(eng, name, ctx, dry)
   building[k] = ev
   local result = {}
   async.spawn("build " .. name, function()
-    local _ <close> = setmetatable({}, { __close = function() building[k] = nil; ev.set() end })
+    local _ <close> = util.closer(function() building[k] = nil; ev.set() end)
     progress(ctx, ("building image %s (%s) — first use only"):format(name, tag))
     files[#files + 1] = { name = "host-ca-certificates.crt", data = host_ca_certs(), mode = 420 }
     local tar = tmp_path(".context.tar")
-    local _t <close> = setmetatable({}, { __close = function() os.remove(tar) end })
+    local _t <close> = util.closer(function() os.remove(tar) end)
     local ok, perr = archive.pack(tar, files)
     if not ok then result.err = "packing the build context failed: " .. tostring(perr) return end
     local last = ""

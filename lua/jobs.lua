@@ -26,10 +26,12 @@
 -- servers that share a state folder never watch the same job twice.
 local async = require("demesne.async")
 local config = require("demesne.config")
+local errors = require("demesne.errors")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local output = require("demesne.output")
 local sandbox = require("demesne.sandbox")
+local util = require("demesne.util")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
@@ -71,9 +73,8 @@ local KNOWN = { running = true, succeeded = true, failed = true, cancelled = tru
 local live = {}
 local service -- the sweep task of jobs.start
 
-local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
-local function now_ms() return math.floor(loop.time() * 1000) end
-local function fail(msg) sandbox.fail(msg) end
+local hex, now_ms, closer = util.hex, util.now_ms, util.closer
+local fail = errors.raise
 
 --- The folder of the job records: $DEMESNE_STATE_DIR/jobs.
 ---@return string
@@ -88,7 +89,7 @@ function jobs.valid_id(id)
   return type(id) == "string" and #id <= 128 and id:match("^job%-[%w%-]+$") ~= nil
 end
 
-local function new_id() return "job-" .. os.date("!%Y%m%dT%H%M%SZ") .. "-" .. hex(loop.random(5)) end
+local function new_id() return util.new_id("job-", 5) end
 
 -- Writes a record atomically. A failure is logged (the job goes on; the record on disk is
 -- then stale, which a restart would see).
@@ -174,8 +175,6 @@ local function outcome_of(st, timeout)
   end
   return out
 end
-
-local function closer(fn) return setmetatable({}, { __close = fn }) end
 
 -- Retries while the engine is not answering (a restarted engine must not make jobs lost).
 local function engine_retry(ecode)
@@ -378,7 +377,7 @@ local function exec_watch(job, eng, first_run, e)
         -- synchronous sandbox_exec says through check_alive)
         local ok, gone = pcall(sandbox.check_alive, eng, rec.sandbox_id)
         if not ok then
-          out = { status = "lost", reason = type(gone) == "table" and tostring(gone.message) or tostring(gone) }
+          out = { status = "lost", reason = errors.message(gone) }
         else
           out = { status = code == 0 and "succeeded" or "failed", exit_code = math.tointeger(code),
             reason = "demesne-init recorded no exit status" }
@@ -410,11 +409,6 @@ kinds.exec = {
 --------------------------------------------------------------------------------------------
 -- Running
 
-local function error_text(e)
-  if type(e) == "table" and e.message then return tostring(e.message) end
-  return (tostring(e):match("^[^\n]*"))
-end
-
 -- Runs fn(job, ...) in the job's own task and makes the terminal transition from what it
 -- returns, raises or whether it was cancelled.
 local function spawn(job, fn, ...)
@@ -430,7 +424,7 @@ local function spawn(job, fn, ...)
       jobs.finish(job, "cancelled", { reason = job.cancel_reason or "cancelled" })
     else
       if not ok and type(out) == "string" and out:find("traceback", 1, true) then log.error(LOGGER, "%s: %s", job.rec.job_id, out) end
-      jobs.finish(job, "failed", { reason = ok and "the job returned no outcome" or error_text(out) })
+      jobs.finish(job, "failed", { reason = ok and "the job returned no outcome" or errors.message(out) })
     end
     if job.after then
       local aok, aerr = pcall(job.after)
@@ -739,12 +733,6 @@ end
 --------------------------------------------------------------------------------------------
 -- Views for the tools
 
---- Formats Unix time in ms as ISO 8601 UTC with milliseconds (nil for nil).
-function jobs.iso(ms)
-  if not ms then return nil end
-  return os.date("!%Y-%m-%dT%H:%M:%S", ms // 1000) .. (".%03dZ"):format(ms % 1000)
-end
-
 local function log_rel(rec, stream)
   -- agent jobs: the CLI's stdout is transcript.jsonl in the output folder
   if stream == "stdout" and rec.stdout_file then return rec.stdout_file end
@@ -764,8 +752,8 @@ function jobs.view(rec)
     job_id = rec.job_id,
     status = rec.status,
     tool = rec.tool,
-    started_at = jobs.iso(rec.started_ms),
-    finished_at = jobs.iso(rec.finished_ms),
+    started_at = util.iso_ms(rec.started_ms),
+    finished_at = util.iso_ms(rec.finished_ms),
     elapsed_seconds = math.max(stop - rec.started_ms, 0) / 1000,
     exit_code = rec.exit_code,
     timed_out = rec.timed_out,

@@ -1,6 +1,6 @@
 -- Logging: RFC 5424 levels (as MCP logging uses them). Records go to stderr (stdout
 -- carries only protocol) and to any sinks, such as the MCP server's notifications/message.
-local loop = require("core.loop")
+local util = require("demesne.util")
 
 local log = {}
 
@@ -33,9 +33,7 @@ end
 function log.log(level, logger, msg, data)
   local n = log.LEVELS[level] or 1
   if n >= threshold then
-    local t = loop.time()
-    io.stderr:write(os.date("!%Y-%m-%dT%H:%M:%S", math.floor(t)), (".%03dZ "):format(math.floor((t % 1) * 1000)),
-      level, " ", logger, ": ", msg, "\n")
+    io.stderr:write(util.iso_now(), " ", level, " ", logger, ": ", msg, "\n")
   end
   for fn in pairs(sinks) do pcall(fn, level, logger, msg, data) end
 end

@@ -9,6 +9,7 @@
 local async = require("demesne.async")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
+local errors = require("demesne.errors")
 local engines = require("demesne.engines")
 local engine_spec = require("demesne.engines.spec")
 local images = require("demesne.images")
@@ -16,6 +17,7 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local output = require("demesne.output")
 local paths = require("demesne.paths")
+local util = require("demesne.util")
 local fs = require("core.fs")
 local archive = require("core.archive")
 local loop = require("core.loop")
@@ -30,20 +32,13 @@ local LABEL = "io.demesne."
 local INIT = "/.demesne/init"
 local RUN = "/.demesne/run"
 
---- A user-facing failure: raised with error(); the MCP layer turns it into isError.
-local function fail(msg, code) error({ demesne_error = true, message = msg, code = code }, 0) end
-sandbox.fail = fail
+local fail, check = errors.raise, errors.check
 
-local function check(v, err, code)
-  if v == nil then fail(err, code) end
-  return v
-end
-
-local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
+local hex = util.hex
 
 --- A new run id: sortable by time, unique ("20261129T101500Z-3fa9c2d1").
 function sandbox.new_run_id()
-  return os.date("!%Y%m%dT%H%M%SZ") .. "-" .. hex(loop.random(4))
+  return util.new_id("", 4)
 end
 
 local function proc_start(pid)
@@ -384,10 +379,10 @@ function sandbox.run_script(ctx, args)
   local o = sandbox.script_prepare(args)
   local started = loop.hrtime()
   -- the container goes on success, failure, timeout and cancel alike
-  local _ <close> = setmetatable({}, { __close = function()
+  local _ <close> = util.closer(function()
     sandbox.script_remove(o)
     fs.remove_tree(o.run_dir)
-  end })
+  end)
   sandbox.script_start(ctx, o)
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
   -- demesne-init enforces the timeout inside; this host-side guard covers a stuck engine
@@ -424,7 +419,7 @@ function sandbox.create(ctx, args)
   return {
     sandbox_id = o.run_id,
     output_dir = o.output_dir,
-    expires_at = os.date("!%Y-%m-%dT%H:%M:%SZ", expires),
+    expires_at = util.iso(expires),
     image = img.name,
   }
 end
@@ -582,7 +577,7 @@ function sandbox.exec_result(e, code, duration_ms)
     duration_ms = duration_ms,
     timed_out = st and st.timed_out or false,
     truncated = truncated,
-    expires_at = os.date("!%Y-%m-%dT%H:%M:%SZ", e.sb.expires_at),
+    expires_at = util.iso(e.sb.expires_at),
     oom_killed = sandbox.oom_note(st, e.sb.memory_mb),
   }
 end
@@ -594,9 +589,9 @@ function sandbox.exec(ctx, args)
   local started = loop.hrtime()
   local finished = false
   -- cancelling the call kills the command's whole process group inside the sandbox
-  local _ <close> = setmetatable({}, { __close = function()
+  local _ <close> = util.closer(function()
     if not finished then sandbox.exec_kill(e.engine, e.container, e.dir) end
-  end })
+  end)
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
   local code, err = sandbox.exec_run(e)
   finished = true
@@ -613,7 +608,7 @@ local function tmp_file(suffix)
 end
 
 local function temp_guard(path)
-  return setmetatable({}, { __close = function() fs.remove_tree(path) end })
+  return util.closer(function() fs.remove_tree(path) end)
 end
 
 -- Runs argv (no shell) in a persistent sandbox through demesne-init and waits for it.
@@ -783,7 +778,7 @@ function sandbox.destroy(ctx, args)
   local eng = sandbox.engine()
   local ok, sb = pcall(sandbox.lookup, eng, args.sandbox_id)
   if not ok then
-    if type(sb) == "table" and sb.code == "ENOENT" then
+    if errors.is(sb) and sb.code == "ENOENT" then
       return { sandbox_id = args.sandbox_id, status = "already gone" }
     end
     error(sb, 0)
@@ -812,8 +807,8 @@ function sandbox.list()
     if paths.within(tostring(l[LABEL .. "run_dir"]), mine) then out[#out + 1] = {
       sandbox_id = l[LABEL .. "run_id"],
       image = l[LABEL .. "image"],
-      created_at = os.date("!%Y-%m-%dT%H:%M:%SZ", tonumber(l[LABEL .. "created_at"]) or 0),
-      expires_at = os.date("!%Y-%m-%dT%H:%M:%SZ", expiry_of(l)),
+      created_at = util.iso(tonumber(l[LABEL .. "created_at"]) or 0),
+      expires_at = util.iso(expiry_of(l)),
       output_dir = l[LABEL .. "output_dir"],
       state = c.state,
     } end

@@ -21,6 +21,7 @@
 -- demesne.* runtime modules and string/table/math/utf8/os (os without execute, exit,
 -- remove, rename, setlocale), and refuses the raw core.* bindings. `io` offers open,
 -- lines (with a file name) and type only; `print` writes a log record to stderr.
+local errors = require("demesne.errors")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local schema = require("demesne.mcp.schema")
@@ -51,32 +52,6 @@ local LOGGER = "demesne.tools"
 ---@field log fun(level: string, message: string, data: any|nil)
 ---@field is_cancelled fun(): boolean
 ---@field request fun(method: string, params: table|nil, opts: table|nil): table|nil, string|nil, any
-
---------------------------------------------------------------------------------------------
--- Failures
-
-local Fail = {}
-Fail.__index = Fail
-Fail.__name = "demesne.tools.fail"
-Fail.__tostring = function(e) return e.message end
-
---- A user-facing failure. Raise it from a tool with `error(tools.fail("files[0]: no such file"))`:
---- the call returns `isError: true` with `msg` as its text (and `data`, when given, as a
---- second text block holding its JSON). The message should name the field and the reason.
----@param msg string
----@param data any|nil  extra detail (JSON-encodable)
----@return table err
-function tools.fail(msg, data)
-  return setmetatable({ demesne_error = true, message = tostring(msg), data = data }, Fail)
-end
-
---- True for an error raised with tools.fail (or any table with demesne_error = true and a
---- message, as lua/sandbox.lua raises).
----@param e any
----@return boolean
-function tools.is_fail(e)
-  return type(e) == "table" and e.demesne_error == true and e.message ~= nil
-end
 
 --------------------------------------------------------------------------------------------
 -- The environment tool files run in
@@ -389,7 +364,7 @@ end
 ---@param text string|nil
 ---@return table
 function tools.to_result(res, text)
-  if type(res) == "table" and getmetatable(res) ~= Fail and type(res.content) == "table" then
+  if type(res) == "table" and not errors.is(res) and type(res.content) == "table" then
     local content = json.array()
     for i, c in ipairs(res.content) do content[i] = c end
     return { content = content, structuredContent = res.structuredContent, isError = res.isError == true,
@@ -405,7 +380,7 @@ function tools.to_result(res, text)
 end
 
 --- Validates `args` against the tool's inputSchema (defaults applied to a copy), runs the
---- tool in the current task and returns a CallToolResult. Invalid arguments, tools.fail()
+--- tool in the current task and returns a CallToolResult. Invalid arguments, demesne.errors
 --- and any other error become `isError: true` results; a Lua error's traceback goes to the
 --- log only. async.CANCELLED is re-raised (the caller sends no response for it).
 ---@param tool ToolDescriptor
@@ -422,13 +397,13 @@ function tools.call(tool, ctx, args)
     return error_result(msg)
   end
   local packed = table.pack(xpcall(tool.run, function(e)
-    if e == async.CANCELLED or tools.is_fail(e) then return e end
+    if e == async.CANCELLED or errors.is(e) then return e end
     return { traceback = debug.traceback(tostring(e), 2), message = e }
   end, ctx, prepared))
   if not packed[1] then
     local e = packed[2]
     if e == async.CANCELLED then error(e, 0) end
-    if tools.is_fail(e) then return error_result(tostring(e.message), e.data) end
+    if errors.is(e) then return error_result(e.message, e.data) end
     log.error(LOGGER, "tool %s failed: %s", tool.name, e.traceback or tostring(e))
     return error_result(("Tool %s failed: %s"):format(tool.name, first_line(e.message)))
   end

@@ -21,6 +21,7 @@ local loop = require("core.loop")
 local providers = require("demesne.providers")
 local stream = require("core.stream")
 local timer = require("core.timer")
+local util = require("demesne.util")
 
 local vendor = {}
 
@@ -42,10 +43,7 @@ function vendor.base_url() return ("http://127.0.0.1:%d"):format(vendor.PORT) en
 --- The demesne-init options that start the relay of the vendor port.
 function vendor.relay_args() return { "--relay", ("%d=%s"):format(vendor.PORT, vendor.SANDBOX_SOCKET) } end
 
-local function iso_now()
-  local t = loop.time()
-  return os.date("!%Y-%m-%dT%H:%M:%S", math.floor(t)) .. (".%03dZ"):format(math.floor((t % 1) * 1000))
-end
+local iso_now = util.iso_now
 
 local REASONS = { [200] = "OK", [400] = "Bad Request", [401] = "Unauthorized", [403] = "Forbidden",
   [404] = "Not Found", [413] = "Payload Too Large", [431] = "Request Header Fields Too Large",

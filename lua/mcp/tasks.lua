@@ -13,7 +13,9 @@
 -- Status mapping: running → working; a job whose command ran to an exit status (whatever
 -- its code) → completed, as the call without a task would have returned a normal result;
 -- failed without an exit status, and lost → failed; cancelled → cancelled.
+local errors = require("demesne.errors")
 local json = require("demesne.json")
+local util = require("demesne.util")
 local config = require("demesne.config")
 
 local tasks = {}
@@ -61,7 +63,7 @@ function tasks.task_of(rec)
     status = status_of(rec),
     statusMessage = msg,
     createdAt = v.started_at,
-    lastUpdatedAt = j.iso(rec.updated_ms or rec.finished_ms or rec.started_ms),
+    lastUpdatedAt = util.iso_ms(rec.updated_ms or rec.finished_ms or rec.started_ms),
     ttl = math.floor(config.get("jobs_keep_seconds") * 1000),
     pollInterval = POLL_MS,
   }
@@ -150,7 +152,7 @@ tasks.methods["tasks/cancel"] = function(_, params)
   end
   local ok, got = pcall(jobs().cancel, rec.job_id, "cancelled by tasks/cancel")
   if not ok then
-    if type(got) == "table" and got.message then rpc_error(INVALID_PARAMS, got.message) end
+    if errors.is(got) then rpc_error(INVALID_PARAMS, got.message) end
     error(got, 0)
   end
   return tasks.task_of(got)

@@ -17,6 +17,7 @@
 -- (swap_auth); argv and env see the per-run token, never the credential.
 local json = require("demesne.json")
 local log = require("demesne.log")
+local util = require("demesne.util")
 
 local providers = {}
 
@@ -142,16 +143,13 @@ end
 --- A fresh per-run token: "dmsn-" and 48 hex digits from the OS's random source.
 ---@return string
 function providers.new_token()
-  local raw = require("core.loop").random(24)
-  return "dmsn-" .. raw:gsub(".", function(c) return ("%02x"):format(c:byte()) end)
+  return "dmsn-" .. util.random_hex(24)
 end
 
 --- Quotes a string for a POSIX shell.
 ---@param s string
 ---@return string
-function providers.shell_quote(s)
-  return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
-end
+providers.shell_quote = util.sh_quote
 
 --- Splits transcript text into its non-empty lines (for parse_answer).
 ---@param text string
