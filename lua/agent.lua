@@ -12,7 +12,9 @@ local errors = require("demesne.errors")
 local fs = require("core.fs")
 local json = require("demesne.json")
 local loop = require("core.loop")
+local core_text = require("core.text")
 local output = require("demesne.output")
+local progress = require("demesne.progress")
 local providers = require("demesne.providers")
 local sandbox = require("demesne.sandbox")
 local util = require("demesne.util")
@@ -332,7 +334,7 @@ function agent.finish(o, code, err, duration_ms, reason)
   local ok, answer, details = pcall(o.provider.parse_answer, providers.lines(text or ""))
   if not ok then answer, details = nil, {} end
   if type(answer) == "string" and #answer > ANSWER_MAX then
-    answer = answer:sub(1, require("core.text").utf8_floor(answer, ANSWER_MAX)) .. "\n[answer truncated]"
+    answer = answer:sub(1, core_text.utf8_floor(answer, ANSWER_MAX)) .. "\n[answer truncated]"
   end
   local stderr = output.tail(o.output_dir, "stderr.log", STDERR_MAX) or ""
   local totals = o.vendor and o.vendor:totals() or { models = {}, cost_usd = 0 }
@@ -354,7 +356,7 @@ function agent.finish(o, code, err, duration_ms, reason)
       r.reason = agent.rate_reason(rate)
     end
   elseif r.reason == nil and exit_code ~= 0 and type(details) == "table" and details.rate_limited then
-    r.reason = agent.rate_reason({ budget = require("demesne.vendor").rate_budget(),
+    r.reason = agent.rate_reason({ budget = vendor.rate_budget(),
       reset_at = details.resets_at })
   end
   local jok, text_out = pcall(json.encode, r)
@@ -380,7 +382,7 @@ function agent.run(ctx, args, tool)
     fs.remove_tree(o.run_dir)
   end)
   sandbox.script_start(ctx, o)
-  local _hb <close> = require("demesne.progress").heartbeat(ctx)
+  local _hb <close> = progress.heartbeat(ctx)
   local code, err = sandbox.script_wait(o, (o.timeout + 30) * 1000)
   sandbox.script_remove(o)
   o.removed = true
@@ -404,69 +406,6 @@ function agent.text(r)
     lines[#lines + 1] = r.stderr
   end
   return table.concat(lines, "\n")
-end
-
---- The outputSchema of both tools.
-function agent.result_schema()
-  return { type = "object", properties = {
-    exit_code = { type = "integer" }, answer = { type = "string", description = "the agent's final message (bounded)" },
-    stderr = { type = "string", description = "tail of the CLI's stderr" },
-    output_dir = { type = "string" }, run_id = { type = "string" }, provider = { type = "string" },
-    model = { type = "string" }, cost_usd = { type = "number", description = "indicative cost in USD" },
-    usage = { type = "object", description = "tokens by model (see usage.json)" },
-    duration_ms = { type = "integer" }, timed_out = { type = "boolean" },
-    reason = { type = "string", description = "why the run ended abnormally (e.g. rate limited by the vendor)" },
-    rate_limited = { type = "object", description = "vendor 429 answers; how many were waited out (retried = held "
-      .. "requests + resumed sessions) and the budget" },
-  }, required = json.array({ "exit_code", "answer", "stderr", "output_dir", "run_id", "cost_usd", "usage" }) }
-end
-
---- The descriptor of sandbox_agent (research = false) or sandbox_research (true).
-function agent.descriptor(research)
-  local schemas = require("demesne.schemas")
-  local name = research and "sandbox_research" or "sandbox_agent"
-  local props = {
-    prompt = { type = "string", minLength = 1, description = "The task for the agent." },
-    model = agent.model_schema(),
-    preamble = { type = "string", description = "Text placed before everything else in the agent's context file." },
-    output_path = { type = "string", minLength = 1, description = "Where the deliverable goes, relative to /out." },
-    output_format = { type = "string", description = "The deliverable's format (e.g. 'markdown report', 'JSON')." },
-    success_criteria = { type = "array", items = { type = "string", minLength = 1 },
-      description = "Checks rendered as the definition of done in the context file." },
-    timeout_seconds = schemas.timeout_seconds,
-    background = schemas.background,
-  }
-  if not research then
-    props.files = schemas.files()
-    props.directories = schemas.directories()
-    props.egress = { type = "string", enum = json.array({ "none", "package-managers" }), default = "none",
-      description = "'none' (default): only the model API; 'package-managers': also package registries." }
-  end
-  return {
-    name = name,
-    title = research and "Research with an AI agent (open network)" or "Run an AI coding agent in a sandbox",
-    description = (research
-      and "Runs an AI agent CLI (Claude Code, Codex, …) with full autonomy in a fresh sandbox with open network "
-        .. "access and no host inputs, for web research. "
-      or "Runs an AI coding agent CLI (Claude Code, Codex, …) with full autonomy in a fresh sandbox: host inputs "
-        .. "read-only under /in, a writable /workspace, deliverables in /out (output_dir). ")
-      .. "The real vendor credential stays on the host: the agent reaches the model only through a per-run "
-      .. "token on a host-side vendor route that counts usage (usage.json). Returns the agent's final answer, "
-      .. "exit code, cost and usage; transcript.jsonl and results.json are in output_dir.",
-    inputSchema = { type = "object", additionalProperties = false, required = { "prompt" }, properties = props },
-    outputSchema = schemas.or_job(agent.result_schema()),
-    execution = { taskSupport = "optional" },
-    annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = true },
-    run = function(ctx, args)
-      if args.background then
-        local jobs = require("demesne.jobs")
-        local j = jobs.start_agent(ctx, args, name)
-        return j, jobs.started_text(j)
-      end
-      local r = agent.run(ctx, args, name)
-      return r, agent.text(r)
-    end,
-  }
 end
 
 return agent

@@ -27,9 +27,11 @@
 -- IP literals are judged by CIDR rules only; the same CIDR rules (with their ports) decide
 -- which resolved addresses may be dialled. Each rule counts the decisions it made (`hits`).
 -- A policy that returns { open = true } gives the sandbox a bridge network and no proxy.
+local async = require("demesne.async")
 local config = require("demesne.config")
 local json = require("demesne.json")
 local log = require("demesne.log")
+local plugins = require("demesne.plugins")
 local proxy = require("core.proxy")
 local fs = require("core.fs")
 local util = require("demesne.util")
@@ -45,13 +47,6 @@ egress.PORT = proxy.PORT
 egress.SANDBOX_SOCKET = "/.demesne/run/egress.sock"
 --- The socket's name in the host's run folder.
 egress.SOCKET_NAME = "egress.sock"
-
---- The `egress` parameter of sandbox_script and sandbox_create.
-egress.schema = { type = "string", minLength = 1, description =
-  "Egress policy: 'package-managers' (default: package registries only), 'none' (no network), "
-  .. "'open' (unrestricted; refused when files or directories are mounted), 'allowlist' "
-  .. "(DEMESNE_EGRESS_ALLOW), or a policy from the user's policies folder. "
-  .. "Everything goes through a proxy that judges each host name; see egress.jsonl in output_dir." }
 
 --------------------------------------------------------------------------------------------
 -- Policies
@@ -232,55 +227,60 @@ function sources.npm_hosts()
 end
 egress.sources = sources
 
-local function policy_env(origin)
-  local env = require("demesne.tools").sandbox_env(origin)
+--- The runtime API of policy files: the modules a policy file may require (a policy is
+--- data: its rules). The globals ALLOW, DENY and `sources` come with the environment.
+egress.API = {
+  ["demesne.json"] = { "encode", "decode", "array", "is_array", "null" },
+}
+
+--- The environment a policy file runs in (demesne.plugins): the safe globals, ALLOW, DENY
+--- and `sources` (egress.sources), and `require` of egress.API only.
+---@param origin string
+---@return table env
+function egress.environment(origin)
+  local env = plugins.environment(origin, { kind = "policy", kinds = "policies", api = egress.API, logger = LOGGER })
   env.ALLOW, env.DENY = egress.ALLOW, egress.DENY
   env.sources = sources
   return env
 end
 
---- Loads one policy file's source. Returns the compiled policy or nil, err.
-function egress.load_source(name, src, origin)
-  local chunk, err = load(src, "@" .. origin:gsub("^embedded:", ""), "t", policy_env(origin))
-  if not chunk then return nil, err end
-  local ok, def = pcall(chunk)
-  if not ok then return nil, tostring(def) end
-  return egress.compile(name, def, origin)
+-- The policy kind of plugin: a file's name (without .lua) is the policy's name.
+local function kind(opts)
+  return {
+    kind = "policy", kinds = "policies", logger = LOGGER, quiet = opts.quiet,
+    builtin = "policies/", user_dir = opts.user_dir,
+    env = egress.environment,
+    check = function(def, file)
+      if not file.name:match("^[%w_%-]+$") then
+        return nil, "a policy's file name must be letters, digits, '_' and '-' (it is the policy's name)"
+      end
+      local pol, err = egress.compile(file.name, def, file.origin)
+      if not pol then return nil, (err:gsub("^" .. file.origin:gsub("%p", "%%%0") .. ": ", "")) end
+      return pol
+    end,
+  }
 end
 
-local registry, load_errors
+--- Loads one policy file's source. Returns the compiled policy or nil, err.
+---@param name string
+---@param src string
+---@param origin string
+---@return table|nil policy, string|nil err
+function egress.load_source(name, src, origin)
+  return plugins.load_source(kind({}), src, { name = name, origin = origin })
+end
 
 --- Every policy by name: built-in policies/*.lua, then $XDG_CONFIG_HOME/demesne/policies/*.lua
 --- (a user file replaces a built-in of the same name), then "allowlist" from
 --- DEMESNE_EGRESS_ALLOW / egress_allow and each allowlist of the config file's
 --- egress_policies = { name = { "host", "host:port", "cidr", … } }. Cached; reload() drops it.
----@return table<string, table> policies, table errors  (list of "origin: message")
+---@return table<string, table> policies, {origin: string, message: string}[] errors
 function egress.policies()
   if registry then return registry, load_errors end
-  registry, load_errors = {}, {}
-  local function add(name, pol, err)
-    if pol then registry[name] = pol
-    else
-      load_errors[#load_errors + 1] = err
-      log.error(LOGGER, "policy refused: %s", err)
-    end
-  end
-  local runtime = require("demesne.runtime")
-  for _, rel in ipairs(runtime.list("policies/")) do
-    local name = rel:match("^policies/([%w_%-]+)%.lua$")
-    if name then
-      local src, origin = runtime.source(rel)
-      add(name, egress.load_source(name, src or "", origin or rel))
-    end
-  end
-  local dir = config.dir() .. "/policies"
-  for _, n in ipairs(fs.readdir(dir) or {}) do
-    local name = n:match("^([%w_%-]+)%.lua$")
-    if name then
-      local path = dir .. "/" .. n
-      local src, err = fs.read_file(path)
-      if src then add(name, egress.load_source(name, src, path)) else add(name, nil, path .. ": " .. tostring(err)) end
-    end
+  local set = plugins.load(kind({ user_dir = config.dir() .. "/policies" }))
+  registry, load_errors = set.by_name, set.errors
+  local function add(name, origin, pol, err)
+    if pol then registry[name] = pol else set:refuse(origin, err) end
   end
   local function allowlist(name, entries, origin)
     local rules = {}
@@ -292,12 +292,13 @@ function egress.policies()
     return egress.compile(name, { description = "allowlist from " .. origin, rules = rules }, origin)
   end
   local d = config.describe().egress_allow
-  if d and #d.value > 0 then add("allowlist", allowlist("allowlist", d.value, d.origin)) end
+  if d and #d.value > 0 then add("allowlist", d.origin, allowlist("allowlist", d.value, d.origin)) end
   local extra = config.get("egress_policies")
   if type(extra) == "table" then
     for name, entries in pairs(extra) do
       if type(name) == "string" and type(entries) == "table" then
-        add(name, allowlist(name, entries, config.dir() .. "/config.lua egress_policies." .. name))
+        local origin = config.dir() .. "/config.lua egress_policies." .. name
+        add(name, origin, allowlist(name, entries, origin))
       end
     end
   end
@@ -463,7 +464,6 @@ function Handle:stop()
   if self.closed then return end
   self.closed = true
   if active[self.run_id] == self then active[self.run_id] = nil end
-  local async = require("demesne.async")
   local listener = self.listener
   self.listener = nil
   if listener then

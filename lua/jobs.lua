@@ -34,6 +34,7 @@ local sandbox = require("demesne.sandbox")
 local util = require("demesne.util")
 local fs = require("core.fs")
 local loop = require("core.loop")
+local core_text = require("core.text")
 
 local jobs = {}
 
@@ -168,7 +169,7 @@ local function outcome_of(st, timeout)
     out.status = "succeeded"
   elseif code then
     out.status, out.reason = "failed", ("the command exited with code %d"):format(code)
-    local oom = require("demesne.sandbox").oom_note(st)
+    local oom = sandbox.oom_note(st)
     if oom then out.reason = out.reason .. "; " .. oom end
   else
     out.status, out.reason = "failed", "demesne-init recorded no exit code"
@@ -186,13 +187,81 @@ local function engine_retry(ecode)
 end
 
 --------------------------------------------------------------------------------------------
--- Kinds: how a job of each kind runs the first time (run) and after a restart (attach).
--- Both return an outcome {status, exit_code?, timed_out?, reason?, finished_ms?}; they are
--- cancelled through their task, and their <close> handlers kill the job's processes.
--- `after` runs once the terminal record is saved.
+-- Kinds. The registry knows no kind: each kind registers itself (jobs.register) with how a
+-- job of it starts from a tool call (start), runs the first time (run) and after a restart
+-- (attach). run and attach return an outcome {status, exit_code?, timed_out?, reason?,
+-- finished_ms?}; they are cancelled through their task, and their <close> handlers kill
+-- the job's processes. `job.after` runs once the terminal record is saved.
 
+---@class JobOutcome
+---@field status string          succeeded, failed, cancelled or lost
+---@field exit_code integer|nil
+---@field timed_out boolean|nil
+---@field reason string|nil
+---@field finished_ms integer|nil
+
+---@class JobKind
+---@field start fun(ctx: ToolContext, args: table, tool: string|nil): table  starts a job for a call of `tool`; returns {job_id, status = "running", output_dir, …}
+---@field run fun(job: table, plan: any): JobOutcome        watches the job it started (in the job's task)
+---@field attach fun(job: table): JobOutcome                re-attaches to a job a server that is gone left running
+---@field view (fun(rec: JobRecord): table|nil)|nil         extra fields of jobs.view for a job of this kind
+
+---@type table<string, JobKind>
 local kinds = {}
 jobs.kinds = kinds
+
+--- Registers a kind of job under `name` (the `kind` field of its records). A later
+--- registration of the same name replaces the earlier one.
+---@param name string
+---@param kind JobKind
+---@return JobKind kind
+function jobs.register(name, kind)
+  assert(type(name) == "string" and name:match("^[%w_]+$"), "jobs.register: a kind name of letters, digits and _")
+  for _, f in ipairs({ "start", "run", "attach" }) do
+    assert(type(kind[f]) == "function", ("jobs.register: kind %s has no %s function"):format(name, f))
+  end
+  kinds[name] = kind
+  return kind
+end
+
+--- The first 1000 bytes of a command or prompt for a record, cut on a code point.
+---@param s any
+---@return string
+function jobs.short(s)
+  s = tostring(s or "")
+  if #s > 1000 then s = s:sub(1, core_text.utf8_floor(s, 1000)) .. "…" end
+  return s
+end
+
+--- Starts a background job of kind `kind` for a call of the tool `tool` (the kind's
+--- start). Returns what the kind's start returns.
+---@param kind string
+---@param ctx ToolContext
+---@param args table
+---@param tool string|nil  the tool's name (default: the kind's own tool)
+---@return table started  {job_id, status = "running", output_dir, …}
+function jobs.background(kind, ctx, args, tool)
+  local k = kinds[kind]
+  if not k then error(("jobs.background: no job kind %q is registered"):format(tostring(kind)), 2) end
+  return k.start(ctx, args, tool)
+end
+
+--- The `run` of a tool that can run in the background: with args.background a job of
+--- `kind` starts and the result says how to follow it; otherwise `foreground(ctx, args)`
+--- runs the call to its end.
+---@param kind string  a registered job kind ("script", "exec", "agent")
+---@param foreground fun(ctx: ToolContext, args: table): any, string|nil
+---@param tool string|nil  the tool's name, handed to the kind's start
+---@return fun(ctx: ToolContext, args: table): any, string|nil
+function jobs.dispatch(kind, foreground, tool)
+  return function(ctx, args)
+    if args.background then
+      local j = jobs.background(kind, ctx, args, tool)
+      return j, jobs.started_text(j)
+    end
+    return foreground(ctx, args)
+  end
+end
 
 -- One-shot jobs: the container runs `demesne-init run` as PID 1.
 local function script_outcome(rec, o, code, err, ecode)
@@ -227,7 +296,39 @@ local function script_watch(job, o)
   end
 end
 
-kinds.script = {
+local function parent_of(ctx) return type(ctx) == "table" and ctx.job_id or nil end
+
+-- Hands a planned one-shot run to a new job: starts its sandbox (the image is built first
+-- if needed, with progress), then launches the job (fields: the record's kind-specific
+-- fields; the sandbox's are filled in) and returns {job_id, status = "running",
+-- output_dir, run_id}. A call that fails or is cancelled before the job exists leaves
+-- nothing behind: the container goes, `abandon` (optional) runs, the run folder goes.
+local function launch_oneshot(ctx, o, fields, abandon)
+  local id = new_id()
+  local handed = false
+  local _ <close> = closer(function()
+    if not handed then
+      sandbox.script_remove(o)
+      if abandon then abandon() end
+      fs.remove_tree(o.run_dir)
+    end
+  end)
+  sandbox.script_start(ctx, o, { job_id = id, job_record = record_path(id) })
+  fields.job_id, fields.timeout_seconds, fields.container, fields.run_id = id, o.timeout, o.name, o.run_id
+  fields.output_dir, fields.log_dir, fields.run_dir, fields.exec_id = o.output_dir, o.output_dir, o.run_dir, o.exec_id
+  local rec = jobs.launch(fields, o, parent_of(ctx))
+  handed = true
+  return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }
+end
+
+jobs.register("script", {
+  -- sandbox_script with background = true: checks the call and starts the sandbox, then
+  -- hands the running container to a job. Once it returns, the command runs on its own: a
+  -- server stop does not stop it.
+  start = function(ctx, args)
+    local o = sandbox.script_prepare(args, "job")
+    return launch_oneshot(ctx, o, { tool = "sandbox_script", kind = "script", command = jobs.short(args.command) })
+  end,
   -- o: a plan whose container sandbox.script_start has started
   run = function(job, o)
     job.after = function() fs.remove_tree(o.run_dir) end
@@ -249,82 +350,10 @@ kinds.script = {
     end
     return script_watch(job, o)
   end,
-}
-
--- Agent jobs (sandbox_agent, sandbox_research in the background): a one-shot container
--- plus the run's vendor route, stopped once the container has; results.json is written
--- before the terminal record. After a restart the vendor route is gone, so the agent's
--- model calls fail and it ends; the job is then watched like a script job.
-kinds.agent = {
-  run = function(job, o)
-    job.after = function()
-      fs.remove_tree(o.run_dir)
-      require("demesne.vendor").forget(o.run_id)
-    end
-    local started = now_ms()
-    local finished = false
-    -- a cancel: the container goes first (script_watch), then the vendor route stops (its
-    -- held requests and timers with it) and results.json says the run was cancelled
-    local _ <close> = closer(function()
-      if finished then return end
-      local ok, err = pcall(require("demesne.agent").finish, o, nil, nil, now_ms() - started,
-        "cancelled: " .. tostring(job.cancel_reason or "cancelled"))
-      if not ok then log.warning(LOGGER, "%s: results.json: %s", job.rec.job_id, tostring(err)) end
-      if o.vendor then o.vendor:stop() end
-    end)
-    local out = script_watch(job, o)
-    finished = true
-    local ok, err = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason, now_ms() - started)
-    if not ok then log.warning(LOGGER, "%s: results.json: %s", job.rec.job_id, tostring(err)) end
-    return out
-  end,
-  -- after a restart: the vendor route is started again with the token kept in the record
-  -- (a per-run token, not the credential), the container watched like a script job
-  attach = function(job)
-    local rec = job.rec
-    local providers = require("demesne.providers")
-    local p = rec.provider and providers.get(rec.provider)
-    local route
-    if p and rec.vendor_token then
-      local cred, why = providers.ready(p)
-      if cred then
-        local err
-        route, err = require("demesne.vendor").start({ run_id = rec.run_id, run_dir = rec.run_dir,
-          output_dir = rec.output_dir, provider = p, token = rec.vendor_token, credential = cred,
-          deadline = rec.started_ms / 1000 + rec.timeout_seconds,
-          decide = require("demesne.agent").decider(p, rec.output_dir, rec.resumable) })
-        if not route then log.warning(LOGGER, "%s: vendor route: %s", rec.job_id, tostring(err)) end
-      else
-        log.warning(LOGGER, "%s: vendor route not restarted: %s", rec.job_id, tostring(why))
-      end
-    end
-    local finished = false
-    local _ <close> = closer(function()
-      if finished or not route then return end
-      local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
-        output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model }
-      local ok, err = pcall(require("demesne.agent").finish, o, nil, nil, now_ms() - rec.started_ms,
-        "cancelled: " .. tostring(job.cancel_reason or "cancelled"))
-      if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(err)) end
-      route:stop()
-      require("demesne.vendor").forget(rec.run_id)
-    end)
-    local out = kinds.script.attach(job)
-    finished = true
-    local after = job.after
-    job.after = function()
-      if after then after() end
-      require("demesne.vendor").forget(rec.run_id)
-    end
-    if route then
-      local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
-        output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model }
-      local ok, err = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason, now_ms() - rec.started_ms)
-      if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(err)) end
-    end
-    return out
-  end,
-}
+  -- for kinds that run a one-shot sandbox too (agent runs)
+  launch = launch_oneshot,
+  watch = script_watch,
+})
 
 -- Exec jobs: `demesne-init run` through the engine's exec API in a persistent sandbox.
 local function exec_outcome(rec, gone_reason)
@@ -401,10 +430,34 @@ local function exec_watch(job, eng, first_run, e)
   return out
 end
 
-kinds.exec = {
+jobs.register("exec", {
+  -- sandbox_exec with background = true: checks the call, starts the job and returns once
+  -- demesne-init has started the command (its pid file exists, at most 10 s):
+  -- {job_id, status = "running", output_dir, log_dir}. From then on the command runs on
+  -- its own in the sandbox: a server stop does not stop it.
+  start = function(ctx, args)
+    local e = sandbox.exec_prepare(args)
+    local rec = jobs.launch({
+      tool = "sandbox_exec", kind = "exec", command = jobs.short(args.command), timeout_seconds = e.timeout,
+      output_dir = e.output_dir, log_dir = e.log_dir, run_dir = e.run_dir, exec_id = e.exec_id,
+      container = e.container, sandbox_id = args.sandbox_id,
+    }, e, parent_of(ctx))
+    local returned = false
+    local _ <close> = closer(function()
+      if not returned then pcall(jobs.cancel, rec.job_id, "the call that started it was cancelled") end
+    end)
+    local dir = e.run_dir .. "/exec/" .. e.exec_id
+    local deadline = loop.now() + 10000
+    while rec.status == "running" and loop.now() < deadline
+      and not fs.lstat(dir .. "/pid") and not fs.lstat(dir .. "/status.json") do
+      async.sleep(20)
+    end
+    returned = true
+    return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, log_dir = rec.log_dir }
+  end,
   run = function(job, e) return exec_watch(job, e.engine, true, e) end,
   attach = function(job) return exec_watch(job, sandbox.engine(), false) end,
-}
+})
 
 --------------------------------------------------------------------------------------------
 -- Running
@@ -472,7 +525,7 @@ end
 -- is stale: it is moved aside (rename: of two servers doing this at once, one wins) and the
 -- claim is tried once more.
 local function claim(rec, retried)
-  local path = ("%s/%s.adopt-%s"):format(jobs.dir(), rec.job_id, require("core.text").hash(tostring(rec.owner)))
+  local path = ("%s/%s.adopt-%s"):format(jobs.dir(), rec.job_id, core_text.hash(tostring(rec.owner)))
   local f = fs.open(path, "wx", 384) -- 0600
   if not f then
     if retried then return false end
@@ -748,7 +801,7 @@ end
 ---@return table
 function jobs.view(rec)
   local stop = rec.finished_ms or now_ms()
-  return {
+  local out = {
     job_id = rec.job_id,
     status = rec.status,
     tool = rec.tool,
@@ -764,27 +817,10 @@ function jobs.view(rec)
     sandbox_id = rec.sandbox_id,
     parent = rec.parent,
     children = json.array({ table.unpack(rec.children or {}) }),
-    agent = rec.kind == "agent" and TERMINAL[rec.status] and jobs.agent_result(rec) or nil,
   }
-end
-
-local AGENT_FIELDS = { "answer", "reason", "cost_usd", "usage", "rate_limited", "model", "provider", "session_id", "is_error" }
-
---- An ended agent job's result, from results.json in its output folder (written by
---- lua/agent.lua; read without following links, at most 256 KiB), reduced to
---- AGENT_FIELDS. nil when there is none.
----@param rec JobRecord
----@return table|nil
-function jobs.agent_result(rec)
-  local f = rec.output_dir and fs.open_beneath(rec.output_dir, "results.json")
-  if not f then return nil end
-  local text = f:read(256 * 1024)
-  f:close()
-  local ok, r = pcall(json.decode, text or "")
-  if not ok or type(r) ~= "table" then return nil end
-  local out = {}
-  for _, k in ipairs(AGENT_FIELDS) do
-    if r[k] ~= nil and r[k] ~= json.null then out[k] = r[k] end
+  local k = kinds[rec.kind]
+  if k and k.view then
+    for key, v in pairs(k.view(rec) or {}) do out[key] = v end
   end
   return out
 end
@@ -816,100 +852,6 @@ function jobs.collect(rec)
   end
   local rel = (rec.log_dir or rec.output_dir):sub(#rec.output_dir + 2)
   return sandbox.collect(rec.output_dir, rel ~= "" and rel or nil)
-end
-
---------------------------------------------------------------------------------------------
--- Starting the sandbox tools in the background
-
-local function short(s)
-  s = tostring(s or "")
-  if #s > 1000 then s = s:sub(1, require("core.text").utf8_floor(s, 1000)) .. "…" end
-  return s
-end
-
-local function parent_of(ctx) return type(ctx) == "table" and ctx.job_id or nil end
-
---- sandbox_script with background = true: checks the call and starts the sandbox (the
---- image is built first if needed, with progress), then hands the running container to a
---- job and returns {job_id, status = "running", output_dir, run_id}. Once it returns, the
---- command runs on its own: a server stop does not stop it.
----@param ctx ToolContext
----@param args table
-function jobs.start_script(ctx, args)
-  local o = sandbox.script_prepare(args, "job")
-  local id = new_id()
-  local handed = false
-  -- a call that fails or is cancelled before the job exists leaves nothing behind
-  local _ <close> = closer(function()
-    if not handed then
-      sandbox.script_remove(o)
-      fs.remove_tree(o.run_dir)
-    end
-  end)
-  sandbox.script_start(ctx, o, { job_id = id, job_record = record_path(id) })
-  local rec = jobs.launch({
-    job_id = id, tool = "sandbox_script", kind = "script", command = short(args.command), timeout_seconds = o.timeout,
-    output_dir = o.output_dir, log_dir = o.output_dir, run_dir = o.run_dir, exec_id = o.exec_id,
-    container = o.name, run_id = o.run_id,
-  }, o, parent_of(ctx))
-  handed = true
-  return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }
-end
-
---- sandbox_agent / sandbox_research with background = true: as start_script, for an agent
---- run (lua/agent.lua). Returns {job_id, status = "running", output_dir, run_id}.
----@param ctx ToolContext
----@param args table
----@param tool string
-function jobs.start_agent(ctx, args, tool)
-  local agent = require("demesne.agent")
-  local o = agent.prepare(args, tool, "job")
-  local id = new_id()
-  local handed = false
-  local _ <close> = closer(function()
-    if not handed then
-      sandbox.script_remove(o)
-      if o.vendor then o.vendor:stop() end
-      fs.remove_tree(o.run_dir)
-    end
-  end)
-  sandbox.script_start(ctx, o, { job_id = id, job_record = record_path(id) })
-  local rec = jobs.launch({
-    job_id = id, tool = tool, kind = "agent", command = short(args.prompt), timeout_seconds = o.timeout,
-    output_dir = o.output_dir, log_dir = o.output_dir, run_dir = o.run_dir, exec_id = o.exec_id,
-    container = o.name, run_id = o.run_id, provider = o.provider.name, model = o.model, vendor_token = o.token,
-    resumable = o.resumable,
-    stdout_file = "transcript.jsonl",
-  }, o, parent_of(ctx))
-  handed = true
-  return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }
-end
-
---- sandbox_exec with background = true: checks the call, starts the job and returns once
---- demesne-init has started the command (its pid file exists, at most 10 s):
---- {job_id, status = "running", output_dir, log_dir}. From then on the command runs on its
---- own in the sandbox: a server stop does not stop it.
----@param ctx ToolContext
----@param args table
-function jobs.start_exec(ctx, args)
-  local e = sandbox.exec_prepare(args)
-  local rec = jobs.launch({
-    tool = "sandbox_exec", kind = "exec", command = short(args.command), timeout_seconds = e.timeout,
-    output_dir = e.output_dir, log_dir = e.log_dir, run_dir = e.run_dir, exec_id = e.exec_id,
-    container = e.container, sandbox_id = args.sandbox_id,
-  }, e, parent_of(ctx))
-  local returned = false
-  local _ <close> = closer(function()
-    if not returned then pcall(jobs.cancel, rec.job_id, "the call that started it was cancelled") end
-  end)
-  local dir = e.run_dir .. "/exec/" .. e.exec_id
-  local deadline = loop.now() + 10000
-  while rec.status == "running" and loop.now() < deadline
-    and not fs.lstat(dir .. "/pid") and not fs.lstat(dir .. "/status.json") do
-    async.sleep(20)
-  end
-  returned = true
-  return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, log_dir = rec.log_dir }
 end
 
 --- Readable text for a "job started" result.

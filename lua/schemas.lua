@@ -33,6 +33,13 @@ schemas.limits = { type = "object", additionalProperties = false, description =
     pids = { type = "integer", minimum = 8, description = "maximum number of processes" },
   } }
 
+--- The `egress` parameter of sandbox_script and sandbox_create.
+schemas.egress = { type = "string", minLength = 1, description =
+  "Egress policy: 'package-managers' (default: package registries only), 'none' (no network), "
+  .. "'open' (unrestricted; refused when files or directories are mounted), 'allowlist' "
+  .. "(DEMESNE_EGRESS_ALLOW), or a policy from the user's policies folder. "
+  .. "Everything goes through a proxy that judges each host name; see egress.jsonl in output_dir." }
+
 schemas.sandbox_id = { type = "string", minLength = 1, description = "The id returned by sandbox_create." }
 
 --- The result of a command: shared by sandbox_script and sandbox_exec.
@@ -139,6 +146,44 @@ function schemas.status_text(r)
     if type(r.agent.answer) == "string" then lines[#lines + 1] = "--- answer ---\n" .. r.agent.answer end
   end
   return table.concat(lines, "\n")
+end
+
+--------------------------------------------------------------------------------------------
+-- Agent runs (sandbox_agent, sandbox_research)
+
+--- The parameters of an agent run that both agent tools take (prompt, preamble,
+--- output_path, output_format, success_criteria, timeout_seconds, background), plus `extra`.
+---@param extra table<string, table>|nil
+---@return table<string, table> properties
+function schemas.agent_task(extra)
+  local props = {
+    prompt = { type = "string", minLength = 1, description = "The task for the agent." },
+    preamble = { type = "string", description = "Text placed before everything else in the agent's context file." },
+    output_path = { type = "string", minLength = 1, description = "Where the deliverable goes, relative to /out." },
+    output_format = { type = "string", description = "The deliverable's format (e.g. 'markdown report', 'JSON')." },
+    success_criteria = { type = "array", items = { type = "string", minLength = 1 },
+      description = "Checks rendered as the definition of done in the context file." },
+    timeout_seconds = schemas.timeout_seconds,
+    background = schemas.background,
+  }
+  for k, v in pairs(extra or {}) do props[k] = v end
+  return props
+end
+
+--- The result of an agent run: the outputSchema of both agent tools (without the job form).
+---@return table
+function schemas.agent_result()
+  return { type = "object", properties = {
+    exit_code = { type = "integer" }, answer = { type = "string", description = "the agent's final message (bounded)" },
+    stderr = { type = "string", description = "tail of the CLI's stderr" },
+    output_dir = { type = "string" }, run_id = { type = "string" }, provider = { type = "string" },
+    model = { type = "string" }, cost_usd = { type = "number", description = "indicative cost in USD" },
+    usage = { type = "object", description = "tokens by model (see usage.json)" },
+    duration_ms = { type = "integer" }, timed_out = { type = "boolean" },
+    reason = { type = "string", description = "why the run ended abnormally (e.g. rate limited by the vendor)" },
+    rate_limited = { type = "object", description = "vendor 429 answers; how many were waited out (retried = held "
+      .. "requests + resumed sessions) and the budget" },
+  }, required = json.array({ "exit_code", "answer", "stderr", "output_dir", "run_id", "cost_usd", "usage" }) }
 end
 
 return schemas

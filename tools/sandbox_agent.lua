@@ -1,2 +1,37 @@
--- sandbox_agent: an AI coding agent in a fresh sandbox (lua/agent.lua).
-return require("demesne.agent").descriptor(false)
+-- sandbox_agent: an AI coding agent CLI with full autonomy in a fresh sandbox, its real
+-- credential kept on the host (the run itself: lua/agent.lua).
+local agent = require("demesne.agent")
+local jobs = require("demesne.jobs")
+local json = require("demesne.json")
+local schemas = require("demesne.schemas")
+
+local NAME = "sandbox_agent"
+
+return {
+  name = NAME,
+  title = "Run an AI coding agent in a sandbox",
+  description = "Runs an AI coding agent CLI (Claude Code, Codex, …) with full autonomy in a fresh sandbox: host inputs "
+    .. "read-only under /in, a writable /workspace, deliverables in /out (output_dir). "
+    .. "The real vendor credential stays on the host: the agent reaches the model only through a per-run "
+    .. "token on a host-side vendor route that counts usage (usage.json). Returns the agent's final answer, "
+    .. "exit code, cost and usage; transcript.jsonl and results.json are in output_dir.",
+  inputSchema = {
+    type = "object",
+    additionalProperties = false,
+    required = { "prompt" },
+    properties = schemas.agent_task({
+      model = agent.model_schema(),
+      files = schemas.files(),
+      directories = schemas.directories(),
+      egress = { type = "string", enum = json.array({ "none", "package-managers" }), default = "none",
+        description = "'none' (default): only the model API; 'package-managers': also package registries." },
+    }),
+  },
+  outputSchema = schemas.or_job(schemas.agent_result()),
+  execution = { taskSupport = "optional" }, -- MCP tasks: runs as a background job
+  annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = true },
+  run = jobs.dispatch("agent", function(ctx, args)
+    local r = agent.run(ctx, args, NAME)
+    return r, agent.text(r)
+  end, NAME),
+}

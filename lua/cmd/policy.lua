@@ -33,7 +33,7 @@ local function list()
     local p = all[n]
     io.stdout:write(("%-20s %s (%s)\n"):format(n, p.description, p.origin))
   end
-  for _, e in ipairs(errors) do io.stderr:write("refused: ", e, "\n") end
+  for _, e in ipairs(errors) do io.stderr:write("refused: ", e.message, "\n") end
   return #errors > 0 and 1 or 0
 end
 

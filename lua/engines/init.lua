@@ -4,6 +4,7 @@
 -- rootless Podman sockets, /var/run/docker.sock. The first socket that exists wins.
 local fs = require("core.fs")
 local config = require("demesne.config")
+local plugins = require("demesne.plugins")
 
 local engines = {}
 
@@ -41,35 +42,52 @@ end
 
 local current
 
--- User adapters: $XDG_CONFIG_HOME/demesne/engines/<name>.lua returns a module table with
--- `new(endpoint) -> engine | nil, err` (the engine object implements the adapter interface
--- in docs/reference/engines.md; wrapping require("demesne.engines.docker") is the usual way).
--- The file is trusted like config.lua: it runs with the runtime's full environment.
-local user_modules = {}
+-- Adapters are plugins (demesne.plugins): the built-in lua/engines/docker.lua, then
+-- $XDG_CONFIG_HOME/demesne/engines/<name>.lua, which replaces a built-in one of the same
+-- name. A file returns a module table with `new(endpoint) -> engine | nil, err` (the engine
+-- object implements the adapter interface in docs/reference/engines.md; wrapping
+-- require("demesne.engines.docker") is the usual way). Adapter files are the engine layer:
+-- they are trusted like config.lua and run with the runtime's full environment. Only the
+-- configured adapter's file is loaded.
+local modules = {}
 
---- The module of a user engine adapter, or nil, err. `name`: letters, digits, '_' and '-'.
+-- The engine kind of plugin, loading the files named `name` only.
+local function kind(name)
+  return {
+    kind = "engine adapter", kinds = "engines", logger = "demesne.engines", quiet = true,
+    builtin = "lua/engines/", skip = { ["init.lua"] = true, ["spec.lua"] = true },
+    user_dir = config.dir() .. "/engines", only = name,
+    env = function(origin)
+      return plugins.environment(origin, { kind = "engine adapter", kinds = "engine adapters", trusted = true })
+    end,
+    check = function(mod, file)
+      if type(mod) ~= "table" or type(mod.new) ~= "function" then
+        return nil, "must return a table with a function new(endpoint)"
+      end
+      mod.origin = file.builtin and "built-in" or file.origin
+      return mod
+    end,
+  }
+end
+
+--- The module of an engine adapter (built in, or a file in the config folder's engines/),
+--- or nil, err. `name`: letters, digits, '_' and '-'.
 ---@param name string
 ---@return table|nil module, string|nil err
-function engines.load_user(name)
+function engines.load(name)
   if not tostring(name):match("^[%w_%-]+$") then
     return nil, ("engine_adapter: %q is not a valid adapter name (letters, digits, '_', '-')"):format(tostring(name))
   end
-  if user_modules[name] then return user_modules[name] end
-  local path = config.dir() .. "/engines/" .. name .. ".lua"
-  local chunk, err = loadfile(path, "t")
-  if not chunk then
-    if not fs.stat(path) then
-      return nil, ("engine_adapter: no adapter %q (built in: docker; no file %s)"):format(name, path)
-    end
-    return nil, "engine_adapter: " .. tostring(err)
+  if modules[name] then return modules[name] end
+  local set = plugins.load(kind(name))
+  local mod = set:get(name)
+  if not mod then
+    local e = set.errors[#set.errors]
+    if e then return nil, "engine_adapter: " .. e.message end
+    return nil, ("engine_adapter: no adapter %q (built in: docker; no file %s)"):format(name,
+      config.dir() .. "/engines/" .. name .. ".lua")
   end
-  local ok, mod = pcall(chunk)
-  if not ok then return nil, ("engine_adapter: %s: %s"):format(path, tostring(mod)) end
-  if type(mod) ~= "table" or type(mod.new) ~= "function" then
-    return nil, ("engine_adapter: %s must return a table with a function new(endpoint)"):format(path)
-  end
-  mod.origin = path
-  user_modules[name] = mod
+  modules[name] = mod
   return mod
 end
 
@@ -114,9 +132,9 @@ end
 ---@return {name: string, origin: string}|nil adapter, string|nil err
 function engines.check_adapter()
   local which = config.get("engine_adapter") or "docker"
-  if which == "docker" then return { name = which, origin = "built-in" } end
-  local mod, err = engines.load_user(which)
+  local mod, err = engines.load(which)
   if not mod then return nil, err end
+  if mod.origin == "built-in" then return { name = which, origin = "built-in" } end
   local eng, nerr = engines.new_user(which, mod, config.get("engine")) -- new() must not contact the engine yet
   if not eng then return nil, nerr end
   return { name = which, origin = mod.origin }
@@ -129,10 +147,10 @@ end
 --- adapter cannot be loaded) and "ENOENGINE".
 function engines.get()
   local which = config.get("engine_adapter") or "docker"
-  if which ~= "docker" then
+  local mod, err = engines.load(which)
+  if not mod then return nil, err, "ENOENGINE" end
+  if mod.origin ~= "built-in" then
     if current and current.adapter_name == which then return current end
-    local mod, err = engines.load_user(which)
-    if not mod then return nil, err, "ENOENGINE" end
     local eng, nerr = engines.new_user(which, mod, config.get("engine"))
     if not eng then return nil, nerr, "ENOENGINE" end
     eng.adapter_name = which
@@ -148,7 +166,7 @@ function engines.get()
       "ENOENGINE"
   end
   if not current or current.socket ~= path or current.adapter_name then
-    current = require("demesne.engines.docker").new(path)
+    current = mod.new(path)
   end
   return current
 end

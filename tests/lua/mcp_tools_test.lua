@@ -89,14 +89,14 @@ function tests.bad_descriptors_are_refused_naming_file_and_field(t)
 end
 
 function tests.tool_environment_refuses_core_bindings(t)
-  local env = tools.sandbox_env("test")
+  local env = tools.environment("test")
   local ok, err = pcall(env.require, "core.stream")
   t:eq(ok, false)
   t:match(err, "core%.%* bindings are not available to tools")
   ok, err = pcall(env.require, "socket")
   t:eq(ok, false)
   t:match(err, "not available to tools")
-  t:eq(env.require("demesne.json"), json)
+  t:eq(env.require("demesne.json").encode, json.encode, "the runtime API's functions are the runtime's")
   t:eq(env.require("string").format, string.format)
   t:eq(env.os.execute, nil)
   t:eq(env.os.exit, nil)
@@ -115,6 +115,39 @@ function tests.tool_environment_refuses_core_bindings(t)
   t:eq(f(), env.require)
   ok = pcall(env.load, "return 1", "x", "b")
   t:eq(ok, false, "binary chunks are refused")
+end
+
+-- The runtime API is all a tool reaches: not the engine adapter, not the raw bindings, not
+-- the internals of the modules it may use (docs/reference/runtime-api.md).
+function tests.tool_environment_reaches_only_the_runtime_api(t)
+  local env = tools.environment("test")
+  for _, name in ipairs({ "demesne.engines", "demesne.engines.docker", "demesne.egress", "demesne.vendor",
+    "demesne.providers", "demesne.plugins", "demesne.runtime", "demesne.mcp.server", "demesne.images", "demesne" }) do
+    local ok, err = pcall(env.require, name)
+    t:eq(ok, false, name .. " is refused")
+    t:match(err, "not available to tools", name)
+  end
+  local sandbox = env.require("demesne.sandbox")
+  t:eq(type(sandbox.run_script), "function", "sandbox.run_script is in the API")
+  for _, internal in ipairs({ "engine", "script_prepare", "script_start", "prepare", "reap", "lookup", "fail" }) do
+    t:eq(sandbox[internal], nil, "sandbox." .. internal .. " is not")
+  end
+  local ok, err = pcall(function() sandbox.engine = function() end end)
+  t:eq(ok, false, "a runtime module is read-only")
+  t:match(err, "read%-only")
+  t:eq(getmetatable(sandbox), "read-only", "and its metatable is out of reach")
+  t:eq(env.require("demesne.jobs").launch, nil, "jobs.launch is not in the API")
+  t:eq(env.require("demesne.tools").fail, require("demesne.errors").new, "tools.fail is errors.new")
+end
+
+function tests.tool_file_cannot_reach_the_engine(t)
+  local d <close> = tmpdir()
+  write(d.path, "engine.lua", [[
+local engines = require("demesne.engines")
+return { name = "engine", description = "d", inputSchema = { type = "object" }, run = function() end }]])
+  local reg = load(d.path)
+  t:eq(#reg:list(), 0)
+  t:match(reg.errors[1].message, "engine%.lua:.*require%(\"demesne%.engines\"%): module not available to tools")
 end
 
 function tests.tool_file_cannot_reach_core_through_require(t)
