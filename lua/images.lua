@@ -14,6 +14,7 @@ local archive = require("core.archive")
 local text = require("core.text")
 local fs = require("core.fs")
 local process = require("core.process")
+local plugins = require("demesne.plugins")
 local util = require("demesne.util")
 
 local images = {}
@@ -76,7 +77,7 @@ local function builtin_files(name)
     end
     walk("")
   else
-    for rel in pairs(require("core.loop").embedded()) do
+    for rel in pairs(runtime.embedded) do
       if rel:sub(1, #prefix) == prefix then rels[#rels + 1] = rel:sub(#prefix + 1) end
     end
   end
@@ -122,31 +123,57 @@ local function read_folder(dir, prefix, out, total)
   return out
 end
 
+--- Every image as a plugin (demesne.plugins, folder plugins): the built-in images/<name>/
+--- folders, then the user's $XDG_CONFIG_HOME/demesne/images/<name>/ folders holding a
+--- Containerfile; a user image replaces a built-in of its name. A folder whose name is not
+--- an image name, or a built-in folder with no entry in images.BUILTIN, is refused into the
+--- set's errors. A user folder without a Containerfile offers no image (it may hold extra
+--- context of a built-in, images/twine/storyformats/). Each plugin is {name, origin =
+--- "built-in" | "user", dir = the user's folder}. Read from disk at each call.
+---@return PluginSet
+function images.catalog()
+  return plugins.load({
+    kind = "image", kinds = "images", logger = "demesne.images", quiet = true, folders = true,
+    builtin = "images/", user_dir = images.user_dir(),
+    check = function(_, file)
+      if not valid_name(file.name) then
+        return nil, ("%q is not an image name (lower-case letters, digits, _ . -, at most 64)"):format(file.name)
+      end
+      if file.builtin then
+        if not images.BUILTIN[file.name] then return nil, "a built-in image needs its entry in images.BUILTIN" end
+        return { name = file.name, origin = "built-in" }
+      end
+      local st = fs.stat(file.dir .. "/Containerfile")
+      if not (st and st.type == "file") then return false end
+      return { name = file.name, origin = "user", dir = file.dir }
+    end,
+  })
+end
+
 -- The user's image folder for `name`, when it holds a Containerfile.
 local function user_image_dir(name)
-  local dir = images.user_dir() .. "/" .. name
-  local st = fs.stat(dir .. "/Containerfile")
-  if st and st.type == "file" then return dir end
+  if not valid_name(name) then return nil end
+  local img = images.catalog():get(name)
+  return img and img.dir
 end
 
 --- The names of the user's images (folders with a Containerfile), sorted. Folders whose
---- names are not valid image names are skipped.
+--- names are not valid image names are left out (images.catalog().errors names them).
 ---@return string[]
 function images.user_names()
   local out = {}
-  for _, n in ipairs(fs.readdir(images.user_dir()) or {}) do
-    if valid_name(n) and user_image_dir(n) then out[#out + 1] = n end
+  for _, img in ipairs(images.catalog():list()) do
+    if img.origin == "user" then out[#out + 1] = img.name end
   end
+  table.sort(out)
   return out
 end
 
 --- Every image name, built-in and user, sorted; each once.
 ---@return string[]
 function images.list()
-  local seen, names = {}, {}
-  for n in pairs(images.BUILTIN) do seen[n] = true end
-  for _, n in ipairs(images.user_names()) do seen[n] = true end
-  for n in pairs(seen) do names[#names + 1] = n end
+  local names = {}
+  for _, img in ipairs(images.catalog():list()) do names[#names + 1] = img.name end
   table.sort(names)
   return names
 end
@@ -157,9 +184,8 @@ end
 ---@return string|nil origin, string|nil dir  dir: the user's folder
 function images.origin(name)
   if not valid_name(name) then return nil end
-  local dir = user_image_dir(name)
-  if dir then return "user", dir end
-  if images.BUILTIN[name] then return "built-in" end
+  local img = images.catalog():get(name)
+  if img then return img.origin, img.dir end
 end
 
 --- The images a Containerfile builds FROM, in order: {line=n, ref=word, stage=alias|nil}.
@@ -346,10 +372,10 @@ local function build(eng, plan, ctx, dry)
       local labels = { [NOTES_LABEL] = table.concat(notes, "\n") }
       for lk, lv in pairs(plan.labels) do labels[lk] = lv end
       local ntar = tmp_path(".notes.tar")
-      local _n <close> = setmetatable({}, { __close = function() os.remove(ntar) end })
+      local _n <close> = util.closer(function() os.remove(ntar) end)
       ok, perr = archive.pack(ntar, { { name = "Containerfile", data = "ARG BASE\nFROM ${BASE}\n" } })
       if ok then ok, perr = eng:build(ntar, { tag = tag, buildargs = { BASE = tag }, labels = labels }) end
-      if not ok then log.warn("demesne.images", "image %s: could not record its notes: %s", name, tostring(perr)) end
+      if not ok then log.warning("demesne.images", "image %s: could not record its notes: %s", name, tostring(perr)) end
     end
     known[k] = true
   end)

@@ -1,5 +1,5 @@
 -- The one plugin loader: tools, egress policies, agent providers and engine adapters are
--- Lua files loaded the same way.
+-- Lua files loaded the same way; images are folders found the same way.
 --
 -- A kind of plugin names a built-in folder of the runtime (embedded in the binary, or read
 -- from the source tree), a user folder ($XDG_CONFIG_HOME/demesne/<kind>s/), the
@@ -138,9 +138,10 @@ end
 -- Loading
 
 ---@class PluginFile
----@field name string     the file's name without .lua ("sandbox_script")
+---@field name string     the file's name without .lua ("sandbox_script"), or a folder plugin's folder name
 ---@field origin string   "embedded:tools/sandbox_script.lua", or a path on disk
 ---@field builtin boolean
+---@field dir string|nil  a folder plugin's folder on disk (nil for a built-in one: the runtime holds it)
 
 ---@class PluginKind
 ---@field kind string               "tool", "policy", "provider", "engine"
@@ -150,7 +151,8 @@ end
 ---@field user_dir string|false|nil the user folder (false: none)
 ---@field dirs string[]|nil         more folders, loaded last (--fixtures)
 ---@field only string|nil           load only the files named <only>.lua
----@field env fun(origin: string): table  the environment of one file (plugins.environment)
+---@field folders boolean|nil       plugins are folders, not Lua files (images): nothing runs; check gets (nil, file)
+---@field env (fun(origin: string): table)|nil  the environment of one file (plugins.environment)
 ---@field check fun(value: any, file: PluginFile): any, string|nil  validation hook: the plugin, false when the file offers none, or nil and "field: reason"
 ---@field key (fun(plugin: any, file: PluginFile): string)|nil  the plugin's name (default: file.name)
 ---@field quiet boolean|nil         do not log refusals (commands that print them)
@@ -259,6 +261,36 @@ function plugins.load_source(spec, src, file)
   return plugin
 end
 
+-- Folder plugins (images): each folder of the built-in runtime folder, then of the user
+-- folder, is handed to the validation hook as is.
+local function load_folders(spec, set)
+  local function take(file)
+    local plugin, why = spec.check(nil, file)
+    if plugin == false then
+      log.debug(set.logger, "%s offers no %s", file.origin, spec.kind)
+    elseif plugin == nil then
+      set:refuse(file.origin, ("%s: %s"):format(file.origin, tostring(why)))
+    else
+      set:add(spec.key and spec.key(plugin, file) or file.name, plugin, file.origin)
+    end
+  end
+  if spec.builtin then
+    for _, n in ipairs(runtime.dirs(spec.builtin)) do
+      take({ name = n, origin = "embedded:" .. spec.builtin .. n .. "/", builtin = true })
+    end
+  end
+  local names = spec.user_dir and fs.readdir(spec.user_dir) or {}
+  table.sort(names)
+  for _, n in ipairs(names) do
+    local path = spec.user_dir .. "/" .. n
+    local st = fs.stat(path)
+    if st and st.type == "directory" and not n:match("^%.") then
+      take({ name = n, origin = path, builtin = false, dir = path })
+    end
+  end
+  return set
+end
+
 --- Loads every plugin of a kind (see PluginKind) into a new set. Never raises for a bad
 --- file: it is refused into set.errors.
 ---@param spec PluginKind
@@ -266,6 +298,7 @@ end
 function plugins.load(spec)
   local set = setmetatable({ kind = spec.kind, by_name = {}, origins = {}, order = {}, errors = {},
     quiet = spec.quiet, logger = spec.logger or ("demesne." .. spec.kinds) }, Set)
+  if spec.folders then return load_folders(spec, set) end
   local function wanted(base)
     return base:match("%.lua$") and not base:match("^%.") and (not spec.only or base == spec.only .. ".lua")
   end
