@@ -30,7 +30,7 @@ local errors = require("demesne.errors")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local plugins = require("demesne.plugins")
-local schema = require("demesne.mcp.schema")
+local schema = require("demesne.jsonschema")
 
 -- The kinds of background job the built-in tools start (sandbox_script, sandbox_exec and
 -- the agent tools with background = true). Each registers itself with demesne.jobs when
@@ -319,7 +319,7 @@ tools.schema = schema
 --- before demesne.errors raise `error(require("demesne.tools").fail("field: reason"))`.
 tools.fail = errors.new
 
---- Validates a value against a JSON Schema: see demesne.mcp.schema.validate.
+--- Validates a value against a JSON Schema: see demesne.jsonschema.validate.
 tools.validate = schema.validate
 
 return tools

@@ -1,6 +1,6 @@
--- JSON Schema validation of tool arguments (demesne.mcp.schema, exposed as tools.validate).
+-- JSON Schema validation of tool arguments (demesne.jsonschema, exposed as tools.validate).
 local json = require("demesne.json")
-local schema = require("demesne.mcp.schema")
+local schema = require("demesne.jsonschema")
 
 local tests = {}
 
