@@ -126,8 +126,8 @@ function plugins.environment(origin, opts)
       error(("require(%q): module not available to %s (only string, table, math, utf8, os and the runtime API "
         .. "in %s)"):format(name, opts.kinds, DOC), 2)
     end
-    -- lazy: the API's modules load when a file first asks for one (require implementing require)
-    seen[name] = plugins.expose(require(name), names, name)
+    -- the API's modules load when a file first asks for one: this is `require` itself
+    seen[name] = plugins.expose(require(name), names, name) -- lazy: the plugin's own require
     return seen[name]
   end
   env._G = env

@@ -4,6 +4,7 @@
 local loop = require("core.loop")
 local async = require("demesne.async")
 local fs = require("core.fs")
+local json = require("demesne.json")
 
 local testing = {}
 
@@ -18,11 +19,8 @@ end
 local function fmt(v)
   if type(v) == "string" then return ("%q"):format(v) end
   if type(v) == "table" then
-    local ok, json = pcall(require, "demesne.json")
-    if ok then
-      local ok2, s = pcall(json.encode, v)
-      if ok2 then return s end
-    end
+    local ok, s = pcall(json.encode, v)
+    if ok then return s end
   end
   return tostring(v)
 end

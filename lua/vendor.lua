@@ -13,6 +13,8 @@
 -- the totals by model and the indicative cost, rewritten atomically after each request.
 -- The credential is read only when a request is forwarded and goes only into the upstream
 -- request's headers: it is never logged, written or put into the sandbox.
+local async = require("demesne.async")
+local config = require("demesne.config")
 local fs = require("core.fs")
 local http = require("core.http")
 local json = require("demesne.json")
@@ -159,7 +161,7 @@ local active = {} -- run_id -> route
 -- server neither forgets the retries spent nor grants one twice.
 
 function vendor.rate_budget(n)
-  n = n or require("demesne.config").get("agent_rate_limit_retries")
+  n = n or config.get("agent_rate_limit_retries")
   return math.max(0, math.floor(tonumber(n) or 0))
 end
 
@@ -249,7 +251,7 @@ function vendor.body_reset(body, now)
   return nil
 end
 
-local function setting(name, default) return tonumber(require("demesne.config").get(name)) or default end
+local function setting(name, default) return tonumber(config.get(name)) or default end
 
 --- Seconds before the run's deadline after which no wait for a reset is started (the
 --- agent needs some time to finish after it).
@@ -299,7 +301,7 @@ end
 function Route:rate_state() return self.rate end
 
 local function rate_file(run_id)
-  return require("demesne.config").get("state_dir") .. "/vendor/" .. run_id .. ".json"
+  return config.get("state_dir") .. "/vendor/" .. run_id .. ".json"
 end
 
 function Route:save_rate()
@@ -769,7 +771,6 @@ function Route:stop()
   self.closed = true
   if active[self.run_id] == self then active[self.run_id] = nil end
   if self.server then self.server:close() self.server = nil end
-  local async = require("demesne.async")
   if (self.inflight or 0) > 0 and async.current() then
     local ev = async.event()
     self.on_idle = function() ev.set() end

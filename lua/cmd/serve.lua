@@ -3,14 +3,17 @@
 -- `--fixtures DIR` also loads the tool files in DIR (test fixtures).
 local async = require("demesne.async")
 local config = require("demesne.config")
+local jobs = require("demesne.jobs")
 local log = require("demesne.log")
+local sandbox = require("demesne.sandbox")
+local stdio = require("demesne.mcp.stdio")
 
 -- The reaper: at start and every reap_interval seconds, remove expired sandboxes and
 -- one-shot containers whose server is gone. It works from the engine's labels.
 local function start_reaper()
   return async.spawn("reaper", function()
     while true do
-      local ok, err = pcall(function() require("demesne.sandbox").reap() end)
+      local ok, err = pcall(sandbox.reap)
       if not ok and err ~= async.CANCELLED then log.warning("demesne.reaper", "%s", tostring(err)) end
       if err == async.CANCELLED then return end
       async.sleep(math.floor(config.get("reap_interval") * 1000))
@@ -33,9 +36,8 @@ return function(args, opts)
   end
   local reaper = start_reaper()
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
-  local jobs = require("demesne.jobs")
   jobs.start()
-  local status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures })
+  local status = stdio.serve({ fixtures = opts.fixtures })
   jobs.stop()
   async.cancel(reaper, "shutdown")
   return status

@@ -12,6 +12,7 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local tools = require("demesne.tools")
 local schema = require("demesne.jsonschema")
+local tasks = require("demesne.mcp.tasks")
 local loop = require("core.loop")
 local timer = require("core.timer")
 local text = require("core.text")
@@ -359,7 +360,7 @@ function methods.initialize(self, params)
   return {
     protocolVersion = chosen.version,
     capabilities = { tools = { listChanged = false }, logging = {},
-      tasks = chosen.tasks and require("demesne.mcp.tasks").capability() or nil },
+      tasks = chosen.tasks and tasks.capability() or nil },
     serverInfo = info,
     instructions = self.instructions,
   }
@@ -457,7 +458,7 @@ methods["tools/call"] = function(self, params, entry)
   local task = params.task
   if task == null then task = nil end
   if task ~= nil or (type(tool.execution) == "table" and tool.execution.taskSupport == "required") then
-    return require("demesne.mcp.tasks").call(tool, ctx, args or {}, task), name
+    return tasks.call(tool, ctx, args or {}, task), name
   end
   local started = loop.hrtime()
   local result = tools.call(tool, ctx, args or {})
@@ -471,7 +472,7 @@ methods["tools/call"] = function(self, params, entry)
 end
 
 -- tasks/get, tasks/result, tasks/list, tasks/cancel: lua/mcp/tasks.lua
-for m, fn in pairs(require("demesne.mcp.tasks").methods) do methods[m] = fn end
+for m, fn in pairs(tasks.methods) do methods[m] = fn end
 
 --------------------------------------------------------------------------------------------
 -- Dispatch

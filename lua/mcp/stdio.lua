@@ -6,7 +6,9 @@
 -- requests in progress are cancelled and their cleanup awaited (bounded), queued output
 -- is flushed, then the loop stops. A second signal during that stops at once.
 local async = require("demesne.async")
+local config = require("demesne.config")
 local log = require("demesne.log")
+local tools = require("demesne.tools")
 local framing = require("demesne.mcp.framing")
 local server = require("demesne.mcp.server")
 local loop = require("core.loop")
@@ -27,11 +29,8 @@ stdio.DEFAULT_SHUTDOWN_TIMEOUT_MS = 20000
 local function setting(env, name, default)
   local v = os.getenv(env)
   if v == nil or v == "" then
-    local ok, config = pcall(require, "demesne.config")
-    if ok and type(config) == "table" and config.get then
-      local ok2, cv = pcall(config.get, name)
-      if ok2 then v = cv end
-    end
+    local ok, cv = pcall(config.get, name)
+    if ok then v = cv end
   end
   v = tonumber(v)
   if v and v > 0 then return math.floor(v) end
@@ -206,7 +205,7 @@ function stdio.serve(opts)
     io.stderr:write(table.concat(parts, "\t", 1, parts.n), "\n")
   end
   local limits = stdio.limits()
-  local registry = opts.registry or require("demesne.tools").load({ fixtures = opts.fixtures })
+  local registry = opts.registry or tools.load({ fixtures = opts.fixtures })
   local status = 0
   local shutting_down = false
   local input

@@ -34,9 +34,13 @@ end
 
 -- An engine that has the root filesystem, records every build and "builds" by noting the
 -- tag. fail[name] makes the build of that image fail; notes[name] is printed by its build.
+local engines_made = 0
 local function engine(opts)
   opts = opts or {}
-  local e = { socket = "test:" .. tostring({}), present = { [ROOTFS] = true }, labels = {}, builds = {} }
+  engines_made = engines_made + 1
+  -- a socket name of its own: lua/images.lua caches what it saw per engine socket (a
+  -- table's address, as before, can come back once the table is collected)
+  local e = { socket = ("test:%d:%d"):format(loop.getpid(), engines_made), present = { [ROOTFS] = true }, labels = {}, builds = {} }
   function e.image_inspect(self, ref)
     if self.present[ref] then return { id = ref, labels = self.labels[ref] or {} } end
     return nil, "inspect image: no such image", "ENOENT"
