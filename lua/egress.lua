@@ -270,6 +270,8 @@ function egress.load_source(name, src, origin)
   return plugins.load_source(kind({}), src, { name = name, origin = origin })
 end
 
+local registry, load_errors -- the loaded policies (egress.policies) and the files refused
+
 --- Every policy by name: built-in policies/*.lua, then $XDG_CONFIG_HOME/demesne/policies/*.lua
 --- (a user file replaces a built-in of the same name), then "allowlist" from
 --- DEMESNE_EGRESS_ALLOW / egress_allow and each allowlist of the config file's

@@ -349,8 +349,8 @@ local function build(eng, plan, ctx, dry)
     local last, notes = "", {}
     local berr
     ok, berr = eng:build(tar, { tag = tag, buildargs = plan.buildargs, network = "host", labels = plan.labels },
-      function(text)
-        for l in text:gmatch("[^\r\n]+") do
+      function(chunk)
+        for l in chunk:gmatch("[^\r\n]+") do
           if l:match("%S") then last = l:gsub("%s+$", "") end
           local note = l:match(NOTE_PATTERN)
           if note and note ~= "" and not notes[note] then

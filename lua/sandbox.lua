@@ -602,12 +602,6 @@ function sandbox.exec(ctx, args)
   return sandbox.exec_result(e, code, math.floor((loop.hrtime() - started) / 1e6))
 end
 
-local function tmp_file(suffix)
-  local dir = config.get("state_dir") .. "/tmp"
-  check(fs.mkdir_p(dir))
-  return ("%s/%s%s"):format(dir, hex(loop.random(8)), suffix)
-end
-
 local function temp_guard(path)
   return util.closer(function() fs.remove_tree(path) end)
 end

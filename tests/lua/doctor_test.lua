@@ -179,6 +179,7 @@ function tests.images_are_ready_when_built_or_buildable_without_a_registry(t)
     present["demesne/debian-rootfs:bookworm"] = true
     t:eq(images.readiness(eng, "default"), { state = "buildable", from = "demesne/debian-rootfs:bookworm" })
     st, reason, fix = images.readiness(eng, "example/own:1")
+    t:eq(st, nil, "an image neither built-in nor present is not ready")
     t:eq(reason, 'image "example/own:1" is neither built-in nor present in the engine')
     t:match(fix, "set default_image to a built%-in image")
     present["example/own:1"] = true

@@ -70,6 +70,7 @@ function T.first_decisive_rule_wins_and_counts_hits(t)
   egress.decide(p, req_of("https://allowed.test"))
   egress.decide(p, req_of("http://allowed.test"))
   verdict, label = egress.decide(p, req_of("https://nothing.test"))
+  t:eq(verdict, "DENY", "nothing matched: deny")
   t:eq(label, "t:default-deny", "default")
   t:eq({ p.rules[1].hits, p.rules[2].hits, p.rules[3].hits, p.rules[4].hits }, { 1, 3, 0, 0 }, "hits")
 end

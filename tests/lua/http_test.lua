@@ -210,7 +210,7 @@ end
 function tests.unix_socket_transport(t)
   local dir <close> = tmpdir()
   local sock = dir.path .. "/api.sock"
-  local srv <close> = server(routes, sock)
+  local _srv <close> = server(routes, sock)
   local res, msg = request({ url = "http://localhost/hello", unix_socket = sock })
   t:ok(res, msg)
   t:eq({ res.status, res.body }, { 200, "hello world" })

@@ -157,8 +157,10 @@ function tests.check_rejects_malformed_schemas(t)
   t:eq(ok, nil)
   t:eq(err, 'inputSchema.properties.a.type: unknown type "strin"')
   ok, err = schema.check({ type = "object", required = "a" }, "inputSchema")
+  t:eq(ok, nil)
   t:eq(err, "inputSchema.required: must be a list of property names")
   ok, err = schema.check({ type = "object", properties = { n = { type = "integer", minimum = "1" } } }, "inputSchema")
+  t:eq(ok, nil)
   t:eq(err, "inputSchema.properties.n.minimum: must be a number")
 end
 

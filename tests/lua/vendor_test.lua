@@ -350,7 +350,7 @@ end
 
 function tests.attempt_endpoint_checks_its_caller_and_body(t)
   local run_id = "va-" .. hex(loop.random(4))
-  local route, base, close = bare_route(run_id)
+  local _, base, close = bare_route(run_id)
   local ok, err = pcall(function()
     local function post(body, auth)
       return assert(request({ url = base .. vendor.ATTEMPT_PATH, method = "POST", body = body,
