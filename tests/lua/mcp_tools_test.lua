@@ -163,9 +163,15 @@ end
 function tests.builtin_tools_load_cleanly(t)
   local reg = tools.load({ user_dir = false, quiet = true })
   for _, e in ipairs(reg.errors) do error("built-in tool refused: " .. e.message) end
+  local names = {}
   for _, d in ipairs(reg:list()) do
     t:match(d.name, "^[A-Za-z0-9_.-]+$")
+    t:match(d.origin, "tools/" .. d.name .. "%.lua$", "each descriptor lives in tools/, in a file of its name")
+    names[#names + 1] = d.name
   end
+  t:eq(names, { "sandbox_agent", "sandbox_cancel", "sandbox_create", "sandbox_destroy", "sandbox_download",
+    "sandbox_exec", "sandbox_jobs", "sandbox_list", "sandbox_research", "sandbox_script", "sandbox_status",
+    "sandbox_upload", "sandbox_wait" })
 end
 
 function tests.fixture_tools_load_cleanly(t)
