@@ -16,6 +16,7 @@ Commands:
   images build [--all | NAME...]
                       build images ahead of use (all when no NAME is given)
   policy list         list the egress policies and where each came from
+  providers           list the agent providers, their models, and whether each can run
   policy test NAME HOST[:PORT]
                       what egress policy NAME decides for HOST (or a URL)
   test DIR...         run the Lua tests in DIR inside this binary

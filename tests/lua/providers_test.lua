@@ -575,6 +575,17 @@ function tests.bad_and_clashing_provider_files_are_refused_with_file_and_field(t
   t:eq(reg.order, { "claude_code", "codex", "gateway" }, "the good file still loads")
   t:eq((providers.resolve("sonnet")).name, "claude_code")
   t:eq(select(2, providers.resolve("cl-1")):match("unknown") ~= nil, true)
+  -- `demesne providers` lists them and says what was refused: exit status 1
+  local out_path = dir .. "/providers.out"
+  local stdout = io.stdout
+  io.stdout = assert(io.open(out_path, "w"))
+  local ok, status = pcall(require("demesne.cmd.providers"), {})
+  io.stdout:close()
+  io.stdout = stdout
+  t:eq({ ok, status }, { true, 1 })
+  local printed = read(out_path)
+  t:match(printed, "\ngateway +Claude Code via the company gateway\n +from [^\n]*/e_ok%.lua\n +models: gw%-sonnet, gw%-haiku")
+  t:match(printed, "refused:\n  [^\n]*a_no_swap%.lua: vendor%.swap_auth: must be a function")
 end
 
 function tests.user_file_replaces_a_builtin_of_the_same_name(t)
