@@ -173,6 +173,7 @@ function config.get(name)
 end
 
 --- Returns {name = {value, origin, doc}} for every setting, and the config file's error if any.
+---@return table<string, {value: any, origin: string, doc: string, env: string|nil}> settings, string|nil err
 function config.describe()
   if not values then config.load() end
   local out = {}

@@ -20,6 +20,8 @@ cjson.encode_max_depth(200)
 function json.array(t) return setmetatable(t or {}, array_mt) end
 
 --- True for a table marked with json.array.
+---@param t any
+---@return boolean
 function json.is_array(t) return getmetatable(t) == array_mt end
 
 local function prepare(v, depth)

@@ -434,6 +434,7 @@ local VALUE_KEYS = { default = true, const = true, examples = true, enum = true 
 --- (required, enum, anyOf, …, a list of types) encode as [] even when empty; subschemas
 --- are normalised recursively. Values (default, const, enum members) are copied as is.
 ---@param s any
+---@param depth integer|nil  nesting so far (internal)
 ---@return any
 function schema.for_json(s, depth)
   depth = depth or 0
@@ -468,6 +469,7 @@ local TYPES = { object = true, array = true, string = true, number = true, integ
 --- Returns true, or nil and "path: reason" (path like `properties.limits.type`).
 ---@param s any
 ---@param path string|nil
+---@param depth integer|nil  nesting so far (internal)
 ---@return boolean|nil ok, string|nil err
 function schema.check(s, path, depth)
   path = path or ""

@@ -20,6 +20,8 @@ end
 
 --- Adds a sink: fn(level, logger, message, data) for every record, whatever the stderr
 --- threshold (each sink filters for itself). Returns a function that removes it.
+---@param fn fun(level: string, logger: string, message: string, data: any)
+---@return fun() remove
 function log.add_sink(fn)
   sinks[fn] = true
   return function() sinks[fn] = nil end

@@ -4,14 +4,22 @@ local paths = require("demesne.paths")
 
 local schemas = {}
 
+--- A list of strings, described.
+---@param desc string
+---@return table schema
 function schemas.string_list(desc)
   return { type = "array", items = { type = "string" }, description = desc }
 end
 
+--- The `files` parameter: host files mounted read-only at /in/<basename>; the description
+--- names the allowed roots (read when called).
+---@return table schema
 function schemas.files()
   return schemas.string_list("Host files mounted read-only at /in/<basename>. " .. paths.describe_roots())
 end
 
+--- The `directories` parameter: host folders mounted read-only at /in/<basename>.
+---@return table schema
 function schemas.directories()
   return schemas.string_list("Host folders mounted read-only at /in/<basename>. " .. paths.describe_roots())
 end
@@ -47,6 +55,8 @@ schemas.egress = { type = "string", minLength = 1, description =
 schemas.sandbox_id = { type = "string", minLength = 1, description = "The id returned by sandbox_create." }
 
 --- The result of a command: shared by sandbox_script and sandbox_exec.
+---@param extra table<string, table>|nil  more properties
+---@return table schema
 function schemas.run_result(extra)
   local props = {
     exit_code = { type = "integer", description = "the command's exit status (128+N when killed by signal N)" },
@@ -65,6 +75,8 @@ function schemas.run_result(extra)
 end
 
 --- Readable text for a command result (the structured result carries the same).
+---@param r table  a result of sandbox.run_script or sandbox.exec
+---@return string
 function schemas.run_text(r)
   local lines = {
     ("exit_code: %d%s"):format(r.exit_code, r.timed_out and " (timed out)" or ""),
@@ -86,6 +98,9 @@ schemas.background = { type = "boolean", default = false, description =
 
 --- An outputSchema that is either `result` (the call ran to the end) or a started
 --- background job {job_id, status = "running", output_dir, …} (background = true).
+---@param result table  the schema of the result (properties, required)
+---@param extra table<string, table>|nil  more properties
+---@return table schema
 function schemas.or_job(result, extra)
   local props = {}
   for k, v in pairs(result.properties) do props[k] = v end
@@ -105,6 +120,8 @@ schemas.job_id = { type = "string", minLength = 1,
 schemas.job_status = { type = "string", enum = json.array({ "running", "succeeded", "failed", "cancelled", "lost" }) }
 
 --- The properties of a job's view (jobs.view), plus `extra`.
+---@param extra table<string, table>|nil
+---@return table<string, table> properties
 function schemas.job_properties(extra)
   local props = {
     job_id = { type = "string" },
@@ -131,12 +148,16 @@ function schemas.job_properties(extra)
 end
 
 --- outputSchema of a job's status (sandbox_status, sandbox_wait, sandbox_cancel).
+---@param extra table<string, table>|nil  more properties
+---@return table schema
 function schemas.status_result(extra)
   return { type = "object", properties = schemas.job_properties(extra),
     required = json.array({ "job_id", "status", "elapsed_seconds", "started_at" }) }
 end
 
 --- Readable text for a job's view.
+---@param r table  jobs.view's result, with the tool's own fields
+---@return string
 function schemas.status_text(r)
   local lines = { "job_id: " .. r.job_id, "status: " .. r.status }
   if r.exit_code then lines[#lines + 1] = ("exit_code: %d%s"):format(r.exit_code, r.timed_out and " (timed out)" or "") end

@@ -145,6 +145,7 @@ end
 --- setting as is. Cached while the socket (or adapter) stays the same. Returns the adapter,
 --- or nil, a message (which sockets were tried and how to start an engine; or why the
 --- adapter cannot be loaded) and "ENOENGINE".
+---@return table|nil engine, string|nil err, string|nil code
 function engines.get()
   local which = config.get("engine_adapter") or "docker"
   local mod, err = engines.load(which)
