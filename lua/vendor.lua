@@ -2,12 +2,13 @@
 --
 -- demesne-init relays 127.0.0.1:3129 inside an agent sandbox to <run_dir>/vendor.sock on
 -- the host (--relay 3129=/.demesne/run/vendor.sock) and hands each accepted TCP socket
--- over (core.stream.listen_relay). Here a small HTTP/1.1 server reads one request per
--- connection (head, then a Content-Length or chunked body), asks
--- providers.vendor_decide for a verdict, and for `forward` sends the request upstream with
--- core.http, the run's token replaced by the real credential. The response streams back
--- to the agent chunk by chunk as it arrives (SSE flows unbuffered) with
--- `Connection: close`; its usage is counted on the way (providers.usage_counter).
+-- over (core.stream.listen_relay). Each connection is a task (demesne.async) that reads
+-- straight down: one request (head, then a Content-Length or chunked body), a verdict from
+-- providers.vendor_decide, and for `forward` the request sent upstream with core.http,
+-- the run's token replaced by the real credential. The response streams back to the agent
+-- chunk by chunk as it arrives (SSE flows unbuffered) with `Connection: close`; its usage
+-- is counted on the way (providers.usage_counter). A wait (a rate-limit hold, a session
+-- resume) is an async.sleep in that task, and stopping the route cancels the tasks.
 --
 -- Each request is one JSON line in <output_dir>/usage.jsonl; <output_dir>/usage.json holds
 -- the totals by model and the indicative cost, rewritten atomically after each request.
@@ -22,7 +23,6 @@ local log = require("demesne.log")
 local loop = require("core.loop")
 local providers = require("demesne.providers")
 local stream = require("core.stream")
-local timer = require("core.timer")
 local util = require("demesne.util")
 
 local vendor = {}
@@ -57,7 +57,10 @@ local HOP = { connection = true, ["keep-alive"] = true, ["proxy-connection"] = t
   ["proxy-authorization"] = true, ["proxy-authenticate"] = true }
 
 --------------------------------------------------------------------------------------------
--- Request parsing (one request per connection)
+-- Request parsing. THE HAND-WRITTEN HTTP PARSER OF THE VENDOR ROUTE, kept in this one
+-- section until core.httpd (llhttp) serves the route: parse_head, body_reader and
+-- read_request. One request per connection: the head (at most MAX_HEAD), then a
+-- Content-Length or chunked body (at most MAX_BODY).
 
 --- Parses a request head (without the blank line). Returns {method, target, version,
 --- headers = {name=value lowercased}} or nil, status, why.
@@ -138,6 +141,65 @@ local function body_reader(headers)
     end
   end
   return r
+end
+
+-- The chunks a connection receives, read one at a time inside a task: next() waits for
+-- the next chunk and gives nil at the end (or on a read error).
+local function reader(conn)
+  local r = { queue = {}, first = 1, last = 0, ended = false }
+  conn:read_start(function(data)
+    if data == nil then
+      r.ended = true
+    else
+      r.last = r.last + 1
+      r.queue[r.last] = data
+    end
+    local wake = r.wake
+    r.wake = nil
+    if wake then wake() end
+  end)
+  function r.next()
+    if r.first > r.last and not r.ended then
+      async.await(function(cb)
+        r.wake = cb
+        return function() r.wake = nil end
+      end)
+    end
+    if r.first > r.last then return nil end
+    local data = r.queue[r.first]
+    r.queue[r.first] = nil
+    r.first = r.first + 1
+    return data
+  end
+  return r
+end
+
+-- Reads one request from `chunks` (reader()): {req, body}, or {status, why, log} to refuse
+-- it (log: the refusal is a line of usage.jsonl), or false when the agent closed first.
+local function read_request(chunks)
+  local buf, from = "", 1
+  local s, e
+  while true do
+    local data = chunks.next()
+    if not data then return false end
+    buf = buf .. data
+    s, e = buf:find("\r?\n\r?\n", from)
+    if s then break end
+    if #buf > MAX_HEAD then return { status = 431, why = "request head too large" } end
+    from = math.max(1, #buf - 3) -- the blank line may straddle two chunks
+  end
+  local req, status, why = vendor.parse_head(buf:sub(1, s - 1))
+  if not req then return { status = status, why = why, log = true } end
+  local br, bstatus, bwhy = body_reader(req.headers)
+  if not br then return { status = bstatus, why = bwhy } end
+  local data = buf:sub(e + 1)
+  while true do
+    local st = br:feed(data)
+    if st == "done" then return { req = req, body = br.body } end
+    if st == "error" then return { status = 400, why = br.why } end
+    data = chunks.next()
+    if not data then return false end
+  end
 end
 
 --------------------------------------------------------------------------------------------
@@ -345,8 +407,8 @@ end
 --- (route:stop() ends it) or nil, err.
 function vendor.start(o)
   local r = setmetatable({ run_id = o.run_id, provider = o.provider, token = o.token, credential = o.credential,
-    output_dir = o.output_dir, conns = {}, nconns = 0, models = {}, requests = 0, closed = false,
-    deadline = o.deadline, waits = {}, decide = o.decide, holds = o.holds ~= false,
+    output_dir = o.output_dir, conns = {}, nconns = 0, tasks = {}, forwarding = 0, models = {}, requests = 0,
+    closed = false, deadline = o.deadline, decide = o.decide, holds = o.holds ~= false,
     rate = load_rate(o.run_id, vendor.rate_budget(o.rate_limit_retries)),
     total = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 } }, Route)
   -- a route started again (a background job re-attached after a restart) keeps the totals
@@ -436,89 +498,120 @@ function Route:count(usage)
   return usd, priced
 end
 
-local function reply(conn, status, body, ctype)
-  body = body or ""
-  local head = ("HTTP/1.1 %d %s\r\ncontent-type: %s\r\ncontent-length: %d\r\nconnection: close\r\n\r\n")
-    :format(status, REASONS[status] or "Error", ctype or "application/json", #body)
-  conn:write(head .. body, function() conn:close() end)
+--------------------------------------------------------------------------------------------
+-- Answers. A response writer mirrors core.httpd's connection (respond, or start, write and
+-- finish; close; is_open), over the handed TCP socket: HTTP/1.1, one request per
+-- connection (`connection: close`), a streamed body written as it comes.
+
+local Writer = {}
+Writer.__index = Writer
+
+local function writer(conn) return setmetatable({ conn = conn, open = true }, Writer) end
+
+-- Writes bytes and waits until they are written. False once the agent has gone.
+function Writer:send(data)
+  if not self.open then return false end
+  local ok = async.await(function(cb)
+    local queued = self.conn:write(data, function(wok) cb(wok == true) end)
+    if not queued then cb(false) end
+  end)
+  if not ok then self.open = false end
+  return ok
 end
 
-local function error_body(p, status, message)
+local function head_text(status, headers)
+  local lines = { ("HTTP/1.1 %d %s"):format(status, REASONS[status] or "Status") }
+  for k, v in pairs(headers or {}) do lines[#lines + 1] = k .. ": " .. v end
+  lines[#lines + 1] = "connection: close"
+  return table.concat(lines, "\r\n") .. "\r\n\r\n"
+end
+
+--- A whole answer: status, headers ({name = value}) and body.
+---@param status integer
+---@param headers table<string,string>|nil
+---@param body string|nil
+---@return boolean sent
+function Writer:respond(status, headers, body)
+  local h = {}
+  for k, v in pairs(headers or {}) do h[k] = v end
+  h["content-length"] = tostring(#(body or ""))
+  return self:send(head_text(status, h) .. (body or ""))
+end
+
+--- Starts a streamed answer: queues the head (without waiting: it may be called from a
+--- loop callback, as the upstream's head arrives); the body follows with write and is
+--- delimited by the close.
+---@param status integer
+---@param headers table<string,string>|nil
+---@return boolean queued
+function Writer:start(status, headers) return self:write(head_text(status, headers)) end
+
+--- Queues a piece of a streamed body without waiting. False once the agent has gone.
+---@param data string
+---@return boolean queued
+function Writer:write(data)
+  if not self.open then return false end
+  local ok = self.conn:write(data, function(wok) if not wok then self.open = false end end)
+  if not ok then self.open = false end
+  return self.open
+end
+
+--- Ends a streamed answer: shuts the write side once everything queued is written.
+function Writer:finish()
+  if not self.open then return end
+  async.await(function(cb) self.conn:shutdown(function() cb() end) end)
+end
+
+--- True while the agent's connection can be written to.
+---@return boolean
+function Writer:is_open() return self.open end
+
+local function error_body(status, message)
   -- both vendor shapes: Anthropic {type: error, error: {type, message}}, OpenAI {error: {message, type, code}}
   return json.encode({ type = "error", error = { type = status == 401 and "authentication_error"
     or status == 403 and "permission_error" or "api_error", message = "demesne vendor route: " .. message,
     code = tostring(status) } })
 end
 
+-- An error answer in the vendor's JSON shape.
+local function refuse(out, status, message)
+  return out:respond(status, { ["content-type"] = "application/json" }, error_body(status, message))
+end
+
+--------------------------------------------------------------------------------------------
+-- Serving: each connection is a task that reads one request, decides, and answers. Route
+-- state the tasks share: conns (the connections open), tasks (their tasks), forwarding
+-- (requests being sent upstream, which stop() lets finish for up to 5 s).
+
+--- Takes one connection of the agent (from the relay): a task of its own reads the request
+--- (head and body within HEAD_TIMEOUT_MS: else the connection is closed unanswered) and
+--- serves it. The connection is closed when the task ends, however it ends.
+---@param conn userdata  a core.stream
 function Route:accept(conn)
   if self.closed then conn:close() return end
   self.conns[conn] = true
   self.nconns = self.nconns + 1
-  local state = { buf = "", started = loop.hrtime() }
-  local done = false
-  -- the request (head and body) must arrive within HEAD_TIMEOUT_MS
-  local deadline = timer.after(HEAD_TIMEOUT_MS, function()
-    if not state.handed and not done then
-      done = true
+  local task
+  task = async.spawn("vendor " .. self.run_id, function()
+    local _ <close> = util.closer(function()
+      if task then self.tasks[task] = nil end
+      if self.conns[conn] then
+        self.conns[conn] = nil
+        self.nconns = self.nconns - 1
+      end
       conn:close()
-      if self.conns[conn] then self.conns[conn] = nil; self.nconns = self.nconns - 1 end
-    end
-  end)
-  local function finish()
-    deadline:close()
-    if done then return end
-    done = true
-    if self.conns[conn] then self.conns[conn] = nil; self.nconns = self.nconns - 1 end
-  end
-  state.finish = finish
-  local reader
-  conn:read_start(function(data, err)
-    if done or state.handed then return end
-    if data == nil then
-      conn:close()
-      return finish()
-    end
-    if not state.req then
-      state.buf = state.buf .. data
-      local s, e = state.buf:find("\r?\n\r?\n")
-      if not s then
-        if #state.buf > MAX_HEAD then
-          conn:read_stop()
-          reply(conn, 431, error_body(self.provider, 431, "request head too large"))
-          return finish()
-        end
-        return
-      end
-      local req, status, why = vendor.parse_head(state.buf:sub(1, s - 1))
-      local rest = state.buf:sub(e + 1)
-      state.buf = ""
-      if not req then
-        conn:read_stop()
-        reply(conn, status, error_body(self.provider, status, why))
-        self:log_line({ time = iso_now(), verdict = "deny", status = status, reason = why })
-        return finish()
-      end
-      state.req = req
-      local br, bstatus, bwhy = body_reader(req.headers)
-      if not br then
-        conn:read_stop()
-        reply(conn, bstatus, error_body(self.provider, bstatus, bwhy))
-        return finish()
-      end
-      reader = br
-      data = rest
-    end
-    local st = reader:feed(data)
-    if st == "more" then return end
+    end)
+    local got = async.timeout(HEAD_TIMEOUT_MS, read_request, reader(conn))
     conn:read_stop()
-    deadline:close()
-    if st == "error" then
-      reply(conn, 400, error_body(self.provider, 400, reader.why))
-      return finish()
+    if not got then return end -- closed, or too slow: nothing to answer
+    local out = writer(conn)
+    if got.status then
+      if got.log then self:log_line({ time = iso_now(), verdict = "deny", status = got.status, reason = got.why }) end
+      return refuse(out, got.status, got.why)
     end
-    state.handed = true
-    self:handle(conn, state.req, reader.body, state)
+    self:serve(out, got.req, got.body)
   end)
+  if not task.done then self.tasks[task] = true end
 end
 
 --- The path on the vendor port where an agent's wrapper reports that an attempt of its CLI
@@ -528,12 +621,18 @@ end
 vendor.ATTEMPT_PATH = "/.demesne/attempt"
 vendor.ATTEMPTS_MAX = 1000
 
-function Route:attempt_end(conn, req, body, state, rec)
+--- Answers the agent's wrapper on ATTEMPT_PATH (see there). A resume is answered once the
+--- reset has passed: the task sleeps until then (a route that stops meanwhile closes the
+--- connection unanswered).
+---@param out table   the response writer
+---@param req table   {method, target, headers}
+---@param body string|nil
+---@param rec table   the usage.jsonl line of this request
+function Route:attempt_end(out, req, body, rec)
   local function answer(status, text)
     rec.status = status
     self:log_line(rec)
-    reply(conn, status, text, "text/plain; charset=utf-8")
-    state.finish()
+    out:respond(status, { ["content-type"] = "text/plain; charset=utf-8" }, text)
   end
   rec.verdict = "local"
   if not providers.token_equal(providers.bearer(req.headers), self.token) then
@@ -547,239 +646,228 @@ function Route:attempt_end(conn, req, body, state, rec)
   if not n or n < 1 or n > vendor.ATTEMPTS_MAX or not code then
     return answer(400, ("body: must be JSON {attempt: integer 1..%d, exit_code: integer}\n"):format(vendor.ATTEMPTS_MAX))
   end
-  info = { attempt = n, exit_code = code }
-  rec.attempt, rec.exit_code = info.attempt, info.exit_code
+  rec.attempt, rec.exit_code = n, code
   local d = { action = "stop" }
   if self.decide then
-    local dok, got = pcall(self.decide, self, { attempt = info.attempt, exit_code = info.exit_code })
+    local dok, got = pcall(self.decide, self, { attempt = n, exit_code = code })
     if dok and type(got) == "table" then d = got
-    else log.warning(LOGGER, "%s: deciding on attempt %d: %s", self.run_id, info.attempt, tostring(got)) end
+    else log.warning(LOGGER, "%s: deciding on attempt %d: %s", self.run_id, n, tostring(got)) end
   end
   rec.decision = d.action
   if d.action ~= "resume" then return answer(200, "stop\n") end
   local wait_ms = math.max(0, math.ceil(((d.at or 0) - loop.time()) * 1000))
   rec.resume_in_ms = wait_ms
-  log.info(LOGGER, "%s: attempt %d ended rate limited; resuming session %s in %d ms", self.run_id,
-    info.attempt, d.session, wait_ms)
-  local t
-  t = timer.after(wait_ms, function()
-    self.waits[t] = nil
-    if self.closed then return end
-    answer(200, "resume " .. d.session .. "\n")
-  end)
-  self.waits[t] = true
+  log.info(LOGGER, "%s: attempt %d ended rate limited; resuming session %s in %d ms", self.run_id, n, d.session,
+    wait_ms)
+  async.sleep(wait_ms)
+  answer(200, "resume " .. d.session .. "\n")
 end
 
-function Route:handle(conn, req, body, state)
-  local p = self.provider
+--- Serves one request read whole: the attempt endpoint, the provider's local answers and
+--- refusals (providers.vendor_decide), or the forward upstream with the real credential.
+--- A request a previous server was holding for a rate-limit reset waits for that reset
+--- first; a 429 the route holds is waited out and the request sent again.
+---@param out table   the response writer
+---@param req table   {method, target, headers}
+---@param body string|nil
+function Route:serve(out, req, body)
   local path = req.target:match("^[^?#]*")
   local rec = { time = iso_now(), method = req.method, path = path }
-  if path == vendor.ATTEMPT_PATH then return self:attempt_end(conn, req, body, state, rec) end
-  local v = providers.vendor_decide(p, { method = req.method, target = req.target, headers = req.headers },
+  if path == vendor.ATTEMPT_PATH then return self:attempt_end(out, req, body, rec) end
+  local v = providers.vendor_decide(self.provider, { method = req.method, target = req.target, headers = req.headers },
     self.token, self.credential)
   if v.action == "local" then
     rec.verdict, rec.status = "local", v.status
     self:log_line(rec)
-    conn:write(("HTTP/1.1 %d %s\r\ncontent-length: 0\r\nconnection: close\r\n\r\n"):format(v.status,
-      REASONS[v.status] or "OK"), function() conn:close() end)
-    return state.finish()
+    return out:respond(v.status)
   end
   if v.action ~= "forward" then
     rec.verdict, rec.status, rec.reason = "deny", v.status, v.reason
     self:log_line(rec)
     log.info(LOGGER, "%s: refused %s %s: %s", self.run_id, req.method, path, tostring(v.reason))
-    reply(conn, v.status or 403, error_body(p, v.status or 403, v.reason or "refused"))
-    return state.finish()
-  end
-  local headers = {}
-  for k, val in pairs(v.headers) do
-    if not HOP[k] then headers[k] = val end
+    return refuse(out, v.status or 403, v.reason or "refused")
   end
   rec.verdict = "forward"
-  local attempt
-  local function issue()
-    local counter
-    local head_sent = false
-    local retry_ms
-    local limited -- a 429 being read whole before it is decided on: {headers, parts, size}
-    local function write_head(status, h)
-      head_sent = true
-      rec.status = status
-      local lines = { ("HTTP/1.1 %d %s"):format(status, REASONS[status] or "Status") }
-      for k, val in pairs(h or {}) do
-        if not HOP[k] and k ~= "content-encoding" then lines[#lines + 1] = k .. ": " .. val end
-      end
-      lines[#lines + 1] = "connection: close"
-      conn:write(table.concat(lines, "\r\n") .. "\r\n\r\n")
-    end
-    local function send_head(status, h)
-      if status == 429 and not state.client_gone then
-        limited = { headers = h or {}, parts = {}, size = 0 }
-        rec.rate_limited = true
-        return
-      end
-      write_head(status, h)
-      counter = providers.usage_counter(p, h and h["content-type"])
-    end
-    -- the 429 read whole: hold the request (true) or pass the answer to the agent
-    local function decide_429()
-      local body = table.concat(limited.parts)
-      local why, resumable
-      retry_ms, why, resumable = self:rate_wait(limited.headers, body)
-      if retry_ms then
-        rec.status, rec.retry_in_ms = 429, retry_ms
-        return true
-      end
-      rec.rate_limit = why
-      local h = limited.headers
-      -- the host waits for the reset and resumes the session, or the run cannot wait for
-      -- it: either way the CLI must not retry into the limit (without a reset time its own
-      -- short backoff may still help)
-      if resumable then rec.resume = true end
-      if resumable or why ~= "no reset time in the answer" then
-        local copy = {}
-        for k, v in pairs(h) do
-          if k ~= "retry-after" and k ~= "x-should-retry" then copy[k] = v end
-        end
-        copy["x-should-retry"] = "false"
-        h = copy
-      end
-      if not resumable then
-        self.rate.why = why
-        self:save_rate()
-      end
-      write_head(429, h)
-      conn:write(body)
-      return false
-    end
-    local opts = {
-      url = v.url, method = req.method, headers = headers, timeout_ms = UPSTREAM_TIMEOUT_MS,
-      connect_timeout_ms = 30000,
-      on_headers = send_head,
-      on_data = function(chunk)
-        if limited then
-          if limited.size < 65536 then
-            limited.parts[#limited.parts + 1] = chunk
-            limited.size = limited.size + #chunk
-          end
-          return
-        end
-        if counter then counter:feed(chunk) end
-        if state.client_gone then return end
-        local ok = conn:write(chunk, function(wok)
-          if not wok and not state.client_gone then
-            state.client_gone = true -- the agent hung up: stop the upstream call too
-            if state.upstream then state.upstream:cancel() end
-          end
-        end)
-        if not ok then state.client_gone = true end
-      end,
-    }
-    if req.method ~= "GET" and req.method ~= "HEAD" then opts.body = body or "" end
-    local started = loop.hrtime()
-    local upstream, serr = http.request(opts, function(res, msg, code)
-      rec.duration_ms = math.floor((loop.hrtime() - started) / 1e6)
-      if self.upstreams and state.upstream then self.upstreams[state.upstream] = nil end
-      if limited and res and not self.closed and not state.client_gone and decide_429() then
-        -- rate limited: log this answer, wait for the reset, send the request again
-        self:log_line(rec)
-        self:write_totals()
-        log.info(LOGGER, "%s: rate limited (429); retrying %s in %d ms", self.run_id, path, retry_ms)
-        rec = { time = iso_now(), method = req.method, path = path, verdict = "forward", retry = true }
-        self.inflight = (self.inflight or 1) - 1
-        local t
-        t = timer.after(retry_ms, function()
-          self.waits[t] = nil
-          if self.closed or state.client_gone then
-            state.finish()
-            if self.closed and (self.inflight or 0) <= 0 and self.on_idle then self.on_idle() end
-            return
-          end
-          self.rate.holding_until = nil
-          rec.time = iso_now() -- when it is sent again
-          attempt()
-        end)
-        self.waits[t] = true
-        return
-      end
-      if not res then
-        rec.error = tostring(msg)
-        if not head_sent then
-          rec.status = code == "ETIMEDOUT" and 504 or 502
-          reply(conn, rec.status, error_body(p, rec.status, "upstream failed: " .. tostring(msg)))
-        else
-          conn:close()
-        end
-      else
-        if not head_sent then -- a 429 to an agent that hung up, or a route closing meanwhile
-          reply(conn, 429, error_body(p, 429, "rate limited by the vendor"))
-        end
-        conn:shutdown(function() conn:close() end)
-      end
-      if counter then
-        local usage = counter:finish()
-        if usage then
-          rec.model = usage.model
-          rec.id = usage.id
-          for _, k in ipairs({ "input", "output", "cache_creation", "cache_read", "reasoning" }) do rec[k] = usage[k] end
-          self.requests = self.requests + 1
-          rec.cost_usd = self:count(usage)
-        end
-      end
-      self:log_line(rec)
-      self:write_totals()
-      state.finish()
-      self.inflight = (self.inflight or 1) - 1
-      if self.closed and self.inflight <= 0 and self.on_idle then self.on_idle() end
-    end)
-    state.upstream = upstream
-    if not upstream then
-      rec.status, rec.error = 502, tostring(serr)
-      self:log_line(rec)
-      reply(conn, 502, error_body(p, 502, "cannot start the upstream request"))
-      return state.finish()
-    end
-    self.inflight = (self.inflight or 0) + 1
-    self.upstreams = self.upstreams or {}
-    self.upstreams[upstream] = true
-  end
-  attempt = issue
   -- a hold that a previous server started (the agent's held connection dropped with it and
   -- the CLI sent the request again): wait for the same reset before sending it
   local until_ = self.rate.holding_until
   local left = type(until_) == "number" and until_ - loop.time() or 0
   if left > 0 then
     rec.held_ms = math.ceil(left * 1000)
-    local t
-    t = timer.after(rec.held_ms, function()
-      self.waits[t] = nil
-      if self.closed then return state.finish() end
-      self.rate.holding_until = nil
-      rec.time = iso_now()
-      issue()
-    end)
-    self.waits[t] = true
-    return
+    async.sleep(rec.held_ms)
+    self.rate.holding_until = nil
+    rec.time = iso_now()
   end
-  return issue()
+  while true do
+    local retry_ms = self:forward(out, req, body, v, rec)
+    if not retry_ms then return end
+    -- rate limited: this answer is logged, the reset waited for, the request sent again
+    log.info(LOGGER, "%s: rate limited (429); retrying %s in %d ms", self.run_id, path, retry_ms)
+    rec = { time = iso_now(), method = req.method, path = path, verdict = "forward", retry = true }
+    async.sleep(retry_ms)
+    if not out:is_open() then return end
+    self.rate.holding_until = nil
+    rec.time = iso_now() -- when it is sent again
+  end
 end
 
---- Stops the route: no new connections; inside a task waits up to 5 s for requests in
---- flight, then cancels them. usage.json is final afterwards. Idempotent.
+-- The headers of an upstream answer that go to the agent: not the hop's, and no
+-- content-encoding (identity was asked for; the body goes as it came).
+local function answer_headers(h)
+  local out = {}
+  for k, val in pairs(h or {}) do
+    if not HOP[k] and k ~= "content-encoding" then out[k] = val end
+  end
+  return out
+end
+
+-- A 429 read whole, and the route's decision on it: the wait in ms when the request is
+-- held and sent again, else nil after the answer went to the agent (`x-should-retry:
+-- false` when its CLI must not retry into the limit by itself).
+local function decide_429(self, out, limited, rec)
+  local body = table.concat(limited.parts)
+  local retry_ms, why, resumable = self:rate_wait(limited.headers, body)
+  if retry_ms then
+    rec.status, rec.retry_in_ms = 429, retry_ms
+    return retry_ms
+  end
+  rec.rate_limit = why
+  local h = answer_headers(limited.headers)
+  -- the host waits for the reset and resumes the session, or the run cannot wait for it:
+  -- either way the CLI must not retry into the limit (without a reset time its own short
+  -- backoff may still help)
+  if resumable then rec.resume = true end
+  if resumable or why ~= "no reset time in the answer" then
+    h["retry-after"] = nil
+    h["x-should-retry"] = "false"
+  end
+  if not resumable then
+    self.rate.why = why
+    self:save_rate()
+  end
+  rec.status = 429
+  out:start(429, h)
+  out:write(body)
+  return nil
+end
+
+--- Sends one request upstream with the real credential and streams the answer to the
+--- agent as it arrives (SSE unbuffered), counting its usage on the way. A 429 is read
+--- whole and decided on (Route:rate_wait). Returns the wait in ms when the route holds the
+--- request and sends it again, else nil once the answer went out (or could not).
+---@param out table   the response writer
+---@param req table   {method, target, headers}
+---@param body string|nil
+---@param v VendorVerdict  a "forward" verdict
+---@param rec table   the usage.jsonl line of this attempt (logged here)
+---@return integer|nil retry_ms
+function Route:forward(out, req, body, v, rec)
+  local p = self.provider
+  local headers = {}
+  for k, val in pairs(v.headers) do
+    if not HOP[k] then headers[k] = val end
+  end
+  local counter, limited, upstream
+  local head_sent = false
+  local opts = {
+    url = v.url, method = req.method, headers = headers, timeout_ms = UPSTREAM_TIMEOUT_MS,
+    connect_timeout_ms = 30000,
+    on_headers = function(status, h)
+      if status == 429 and out:is_open() then
+        limited = { headers = h or {}, parts = {}, size = 0 }
+        rec.rate_limited = true
+        return
+      end
+      head_sent = true
+      rec.status = status
+      out:start(status, answer_headers(h))
+      counter = providers.usage_counter(p, h and h["content-type"])
+    end,
+    on_data = function(chunk)
+      if limited then
+        if limited.size < 65536 then
+          limited.parts[#limited.parts + 1] = chunk
+          limited.size = limited.size + #chunk
+        end
+        return
+      end
+      if counter then counter:feed(chunk) end
+      -- the agent hung up: stop the upstream call too
+      if not out:write(chunk) and upstream then upstream:cancel() end
+    end,
+  }
+  if req.method ~= "GET" and req.method ~= "HEAD" then opts.body = body or "" end
+  local started = loop.hrtime()
+  local res, msg, code
+  do
+    self.forwarding = self.forwarding + 1
+    local _ <close> = util.closer(function()
+      self.forwarding = self.forwarding - 1
+      if self.forwarding == 0 and self.idle then self.idle.set() end
+    end)
+    local start_err
+    res, msg, code = async.await(function(cb)
+      upstream, start_err = http.request(opts, cb)
+      if not upstream then return cb(nil, start_err, "ESTART") end
+      return function() upstream:cancel() end
+    end)
+  end
+  rec.duration_ms = math.floor((loop.hrtime() - started) / 1e6)
+  local retry_ms
+  if limited and res and not self.closed and out:is_open() then retry_ms = decide_429(self, out, limited, rec) end
+  if retry_ms then
+    self:log_line(rec)
+    self:write_totals()
+    return retry_ms
+  end
+  if code == "ESTART" then
+    rec.status, rec.error = 502, tostring(msg)
+    self:log_line(rec)
+    refuse(out, 502, "cannot start the upstream request")
+    return nil
+  end
+  if not res then
+    rec.error = tostring(msg)
+    if not head_sent then
+      rec.status = code == "ETIMEDOUT" and 504 or 502
+      refuse(out, rec.status, "upstream failed: " .. tostring(msg))
+    end
+  elseif not head_sent and not rec.rate_limit then
+    -- a 429 to an agent that hung up, or a route closing meanwhile
+    refuse(out, 429, "rate limited by the vendor")
+  else
+    out:finish()
+  end
+  if counter then
+    local usage = counter:finish()
+    if usage then
+      rec.model = usage.model
+      rec.id = usage.id
+      for _, k in ipairs({ "input", "output", "cache_creation", "cache_read", "reasoning" }) do rec[k] = usage[k] end
+      self.requests = self.requests + 1
+      rec.cost_usd = self:count(usage)
+    end
+  end
+  self:log_line(rec)
+  self:write_totals()
+  return nil
+end
+
+--- Stops the route: no new connections; inside a task waits up to 5 s for requests being
+--- forwarded, then cancels what is left (held requests, pending answers, reads; their
+--- connections close unanswered). usage.json is final afterwards. Idempotent.
 function Route:stop()
   if self.closed then return end
   self.closed = true
   if active[self.run_id] == self then active[self.run_id] = nil end
   if self.server then self.server:close() self.server = nil end
-  if (self.inflight or 0) > 0 and async.current() then
-    local ev = async.event()
-    self.on_idle = function() ev.set() end
-    local ok, err = pcall(async.timeout, 5000, ev.wait)
+  if self.forwarding > 0 and async.current() then
+    self.idle = async.event()
+    local ok, err = pcall(async.timeout, 5000, self.idle.wait)
     if not ok and err == async.CANCELLED then error(err, 0) end
   end
-  for t in pairs(self.waits or {}) do pcall(t.stop, t) end
-  self.waits = {}
-  for u in pairs(self.upstreams or {}) do pcall(u.cancel, u) end
+  for task in pairs(self.tasks) do async.cancel(task, "the vendor route stopped") end
+  self.tasks = {}
   for c in pairs(self.conns) do pcall(c.close, c) end
   self:write_totals()
   if self.file then self.file:close() self.file = nil end
@@ -787,6 +875,7 @@ end
 Route.__close = Route.stop
 
 --- Stops the route of a run if one runs.
+---@param run_id string
 function vendor.stop(run_id)
   local r = active[run_id]
   if r then r:stop() end

@@ -368,6 +368,72 @@ function tests.attempt_endpoint_checks_its_caller_and_body(t)
   if not ok then error(err, 0) end
 end
 
+-- Sends `pieces` one at a time over a raw TCP connection to `port` (a short pause between
+-- them), then reads until the server closes. Returns everything it answered.
+local function raw_exchange(port, pieces)
+  local conn = async.await(function(cb)
+    assert(stream.connect_tcp("127.0.0.1", port, function(c, err) cb(c, err) end))
+  end)
+  assert(conn, "connected")
+  local got, ended = {}, async.event()
+  conn:read_start(function(data) if data then got[#got + 1] = data else ended.set() end end)
+  for _, piece in ipairs(pieces) do
+    async.await(function(cb) conn:write(piece, function() cb() end) end)
+    async.sleep(5)
+  end
+  async.timeout(5000, ended.wait)
+  conn:close()
+  return table.concat(got)
+end
+
+function tests.a_request_in_small_pieces_with_a_chunked_body_is_read_whole(t)
+  local run_id = "vp-" .. hex(loop.random(4))
+  local _, base, close = bare_route(run_id)
+  local ok, err = pcall(function()
+    local port = tonumber(base:match(":(%d+)$"))
+    local head = "POST " .. vendor.ATTEMPT_PATH .. " HTTP/1.1\r\nHost: x\r\nAuthorization: Bearer dmsn-good\r\n"
+      .. "Transfer-Encoding: chunked\r\n\r\n"
+    local body = '{"attempt":1,"exit_code":0}'
+    local pieces = {}
+    for i = 1, #head, 7 do pieces[#pieces + 1] = head:sub(i, i + 6) end -- the blank line split across pieces
+    pieces[#pieces + 1] = ("%x\r\n%s\r\n"):format(10, body:sub(1, 10))
+    pieces[#pieces + 1] = ("%x\r\n%s\r\n0\r\n\r\n"):format(#body - 10, body:sub(11))
+    local answer = raw_exchange(port, pieces)
+    t:match(answer, "^HTTP/1%.1 200 OK\r\n")
+    t:match(answer, "\r\n\r\nstop\n$", "the body was read whole and decided on")
+    t:match(answer, "connection: close")
+    answer = raw_exchange(port, { "NOT HTTP\r\n\r\n" })
+    t:match(answer, "^HTTP/1%.1 400 ", "a malformed head is refused")
+  end)
+  close()
+  if not ok then error(err, 0) end
+end
+
+-- A route that stops while it holds an answer (here a session resume the wrapper waits
+-- for) closes the connection unanswered, and leaves no task, timer or handle behind (the
+-- test runner counts them).
+function tests.a_route_stopped_during_a_wait_closes_the_connection_and_leaks_nothing(t)
+  local run_id = "vs-" .. hex(loop.random(4))
+  local route, base, close = bare_route(run_id, { decide = function()
+    return { action = "resume", session = "s-1", at = loop.time() + 30 }
+  end })
+  local asked = async.spawn("wrapper", function()
+    return request({ url = base .. vendor.ATTEMPT_PATH, method = "POST", body = '{"attempt":1,"exit_code":1}',
+      headers = { authorization = "Bearer dmsn-good" }, timeout_ms = 10000 })
+  end)
+  async.sleep(200)
+  t:eq(asked.done, false, "the answer waits for the reset")
+  t:eq(next(route.tasks) ~= nil, true, "the connection's task is waiting")
+  local started = loop.hrtime()
+  close()
+  local _, res, msg = asked:wait()
+  t:eq(res, nil, "no answer")
+  t:ok(msg, "the agent sees the connection end")
+  t:ok((loop.hrtime() - started) / 1e6 < 2000, "at once, not after the reset")
+  t:eq(next(route.tasks), nil, "no task left")
+  t:eq(route.nconns, 0, "no connection left")
+end
+
 function tests.a_restarted_route_keeps_a_hold_in_progress(t)
   if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
   local run_id = "vh-" .. hex(loop.random(4))
