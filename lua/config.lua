@@ -85,6 +85,11 @@ local SPEC = {
   twine_official_formats = { env = "DEMESNE_TWINE_OFFICIAL_FORMATS", default = true, bool = true,
     doc = "when the twine image is built, also fetch the official Harlowe and SugarCube story formats "
       .. "(from the Twine repository on GitHub; skipped when unreachable)" },
+  http_max_body_bytes = { env = "DEMESNE_HTTP_MAX_BODY_BYTES", default = 4 * 1024 * 1024, number = true,
+    doc = "largest request body `serve --http` accepts (413 above, refused before it is read)" },
+  http_max_sessions = { env = "DEMESNE_HTTP_MAX_SESSIONS", default = 1000, number = true,
+    doc = "MCP sessions (2025 revisions) `serve --http` keeps at once; past it the longest-idle one without a "
+      .. "request in progress, an open stream or a job or sandbox it started goes, else initialize gets 503" },
   readonly_rootfs = { env = "DEMESNE_READONLY_ROOTFS", default = true, bool = true,
     doc = "mount each sandbox's root filesystem read-only (tmpfs on /tmp, /var/tmp, /root, /run)" },
 }

@@ -9,6 +9,7 @@ json.null = cjson.null
 
 local array_mt = { __name = "json.array" }
 local EMPTY = "\0demesne-empty-array\0"
+local raw_mt = { __name = "json.raw", __tostring = function(r) return r.token end }
 
 cjson.encode_sparse_array(false, 2, 10)
 cjson.decode_max_depth(200)
@@ -24,13 +25,30 @@ function json.array(t) return setmetatable(t or {}, array_mt) end
 ---@return boolean
 function json.is_array(t) return getmetatable(t) == array_mt end
 
-local function prepare(v, depth)
+--- A value written verbatim as the JSON token `token` (which must be one valid JSON
+--- value, as read from a message with core.text.json_raw). `value` is its decoded Lua
+--- value, kept for comparisons and logs. tostring() gives the token. Used for JSON-RPC ids:
+--- lua-cjson decodes every number to a double, so 9007199254740993 would not come back.
+---@param token string
+---@param value any
+---@return table
+function json.raw(token, value) return setmetatable({ token = token, value = value }, raw_mt) end
+
+--- True for a value made by json.raw.
+function json.is_raw(v) return getmetatable(v) == raw_mt end
+
+local function prepare(v, depth, raws)
   if type(v) ~= "table" or depth > 200 then return v, false end
-  if getmetatable(v) == array_mt and next(v) == nil then return EMPTY, true end
+  local mt = getmetatable(v)
+  if mt == array_mt and next(v) == nil then return EMPTY, true end
+  if mt == raw_mt then
+    raws[#raws + 1] = v.token
+    return "\0demesne-raw-" .. #raws .. "\0", true
+  end
   local changed = false
   local copy = {}
   for k, x in pairs(v) do
-    local nx, c = prepare(x, depth + 1)
+    local nx, c = prepare(x, depth + 1, raws)
     copy[k] = nx
     changed = changed or c
   end
@@ -43,9 +61,15 @@ end
 ---@param v any
 ---@return string
 function json.encode(v)
-  local p, changed = prepare(v, 0)
+  local raws = {}
+  local p, changed = prepare(v, 0, raws)
   local s = cjson.encode(p)
-  if changed then s = s:gsub('"\\u0000demesne%-empty%-array\\u0000"', "[]") end
+  if changed then
+    s = s:gsub('"\\u0000demesne%-empty%-array\\u0000"', "[]")
+    if #raws > 0 then
+      s = s:gsub('"\\u0000demesne%-raw%-(%d+)\\u0000"', function(i) return raws[tonumber(i)] end)
+    end
+  end
   return s
 end
 

@@ -1,6 +1,7 @@
 -- `demesne check-config`: the effective configuration and where each value came from.
 local config = require("demesne.config")
 local engines = require("demesne.engines")
+local http = require("demesne.mcp.http")
 
 return function()
   local d, err = config.describe()
@@ -13,6 +14,18 @@ return function()
     if type(v) == "table" then v = table.concat(v, ":") end
     if v == nil then v = "(unset)" end
     io.stdout:write(("%-20s = %-40s (%s)\n"):format(k, tostring(v), d[k].origin))
+  end
+  -- the bearer token of `serve --http`: where it comes from, never its value
+  local tok, where = http.token(false)
+  if tok then
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("http token", where == "$DEMESNE_HTTP_TOKEN" and "(set)" or where,
+      where == "$DEMESNE_HTTP_TOKEN" and where or "file, mode 0600"))
+  elseif os.getenv("DEMESNE_HTTP_TOKEN") and os.getenv("DEMESNE_HTTP_TOKEN") ~= "" then
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("http token", "(unusable)", where))
+    err = err or where
+  else
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("http token", http.token_path(),
+      "created by the first `serve --http`; or set DEMESNE_HTTP_TOKEN"))
   end
   if (config.get("engine_adapter") or "docker") ~= "docker" then
     local adapter, aerr = engines.check_adapter()

@@ -578,10 +578,10 @@ function tests.bad_and_clashing_provider_files_are_refused_with_file_and_field(t
   -- `demesne providers` lists them and says what was refused: exit status 1
   local out_path = dir .. "/providers.out"
   local stdout = io.stdout
-  io.stdout = assert(io.open(out_path, "w"))
+  io.stdout = assert(io.open(out_path, "w")) -- luacheck: ignore 122
   local ok, status = pcall(require("demesne.cmd.providers"), {})
   io.stdout:close()
-  io.stdout = stdout
+  io.stdout = stdout -- luacheck: ignore 122
   t:eq({ ok, status }, { true, 1 })
   local printed = read(out_path)
   t:match(printed, "\ngateway +Claude Code via the company gateway\n +from [^\n]*/e_ok%.lua\n +models: gw%-sonnet, gw%-haiku")
