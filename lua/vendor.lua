@@ -2,13 +2,14 @@
 --
 -- demesne-init relays 127.0.0.1:3129 inside an agent sandbox to <run_dir>/vendor.sock on
 -- the host (--relay 3129=/.demesne/run/vendor.sock) and hands each accepted TCP socket
--- over (core.stream.listen_relay). Each connection is a task (demesne.async) that reads
--- straight down: one request (head, then a Content-Length or chunked body), a verdict from
--- providers.vendor_decide, and for `forward` the request sent upstream with core.http,
--- the run's token replaced by the real credential. The response streams back to the agent
--- chunk by chunk as it arrives (SSE flows unbuffered) with `Connection: close`; its usage
+-- over; the route's HTTP server (core.httpd: llhttp, in C) listens there and hands each
+-- complete request to Lua. Each request is a task (demesne.async) that reads straight
+-- down: a verdict from providers.vendor_decide, and for `forward` the request sent
+-- upstream with core.http, the run's token replaced by the real credential. The response
+-- streams back to the agent chunk by chunk as it arrives (SSE flows unbuffered); its usage
 -- is counted on the way (providers.usage_counter). A wait (a rate-limit hold, a session
--- resume) is an async.sleep in that task, and stopping the route cancels the tasks.
+-- resume) is an async.sleep in that task; the agent hanging up, or the route stopping,
+-- cancels it.
 --
 -- Each request is one JSON line in <output_dir>/usage.jsonl; <output_dir>/usage.json holds
 -- the totals by model and the indicative cost, rewritten atomically after each request.
@@ -18,11 +19,11 @@ local async = require("demesne.async")
 local config = require("demesne.config")
 local fs = require("core.fs")
 local http = require("core.http")
+local httpd = require("core.httpd")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local loop = require("core.loop")
 local providers = require("demesne.providers")
-local stream = require("core.stream")
 local util = require("demesne.util")
 
 local vendor = {}
@@ -36,7 +37,7 @@ vendor.SOCKET_NAME = "vendor.sock"
 
 local MAX_HEAD = 64 * 1024
 local MAX_BODY = 64 * 1024 * 1024
-local HEAD_TIMEOUT_MS = 60 * 1000
+local REQUEST_TIMEOUT_MS = 60 * 1000 -- a request must arrive whole within this of its first byte
 local UPSTREAM_TIMEOUT_MS = 30 * 60 * 1000
 
 --- The in-sandbox base URL of the vendor route.
@@ -47,160 +48,14 @@ function vendor.relay_args() return { "--relay", ("%d=%s"):format(vendor.PORT, v
 
 local iso_now = util.iso_now
 
-local REASONS = { [200] = "OK", [400] = "Bad Request", [401] = "Unauthorized", [403] = "Forbidden",
-  [404] = "Not Found", [413] = "Payload Too Large", [431] = "Request Header Fields Too Large",
-  [500] = "Internal Server Error", [502] = "Bad Gateway", [503] = "Service Unavailable", [504] = "Gateway Timeout" }
+-- The body of core.httpd's own refusals (malformed, too large, too slow), in the vendors'
+-- JSON error shape.
+local REFUSAL_BODY = '{"type":"error","error":{"type":"api_error","message":"demesne vendor route: %s"}}'
 
 -- Headers that describe the hop, not the message: never copied across the proxy.
 local HOP = { connection = true, ["keep-alive"] = true, ["proxy-connection"] = true, ["transfer-encoding"] = true,
   ["content-length"] = true, te = true, trailer = true, upgrade = true, host = true, expect = true,
   ["proxy-authorization"] = true, ["proxy-authenticate"] = true }
-
---------------------------------------------------------------------------------------------
--- Request parsing. THE HAND-WRITTEN HTTP PARSER OF THE VENDOR ROUTE, kept in this one
--- section until core.httpd (llhttp) serves the route: parse_head, body_reader and
--- read_request. One request per connection: the head (at most MAX_HEAD), then a
--- Content-Length or chunked body (at most MAX_BODY).
-
---- Parses a request head (without the blank line). Returns {method, target, version,
---- headers = {name=value lowercased}} or nil, status, why.
-function vendor.parse_head(text)
-  local lines = {}
-  for line in (text .. "\r\n"):gmatch("(.-)\r?\n") do lines[#lines + 1] = line end
-  local method, target, version = (lines[1] or ""):match("^(%u+) (%S+) HTTP/(1%.[01])$")
-  if not method then return nil, 400, "malformed request line" end
-  local headers = {}
-  for i = 2, #lines do
-    local l = lines[i]
-    if l ~= "" then
-      local name, value = l:match("^([!#$%%&'*+%-.^_`|~%w]+):[ \t]*(.-)[ \t]*$")
-      if not name then return nil, 400, "malformed header line" end
-      name = name:lower()
-      if headers[name] and name ~= "content-length" then headers[name] = headers[name] .. ", " .. value
-      elseif headers[name] and headers[name] ~= value then return nil, 400, "conflicting Content-Length"
-      else headers[name] = value end
-    end
-  end
-  -- an absolute-form target (a client that used the egress proxy variables) keeps its path
-  local path = target:match("^https?://[^/]+(/.*)$")
-  if path then target = path elseif target:match("^https?://[^/]+$") then target = "/" end
-  return { method = method, target = target, version = version, headers = headers }
-end
-
--- A body reader fed with bytes: returns "more", "done" or "error" and sets r.body / r.why.
-local function body_reader(headers)
-  local te = headers["transfer-encoding"]
-  local r = { buf = "", parts = {}, size = 0 }
-  if te then
-    if te:lower():match("^%s*chunked%s*$") == nil then return nil, 501, "unsupported transfer-encoding" end
-    r.chunked, r.state = true, "size"
-  else
-    local cl = headers["content-length"]
-    if cl and not cl:match("^%d+$") then return nil, 400, "bad Content-Length" end
-    r.want = tonumber(cl or "0")
-    if r.want > MAX_BODY then return nil, 413, "request body too large" end
-  end
-  function r.feed(self, data)
-    if not self.chunked then
-      self.parts[#self.parts + 1] = data
-      self.size = self.size + #data
-      if self.size >= self.want then
-        self.body = table.concat(self.parts):sub(1, self.want)
-        return "done"
-      end
-      return "more"
-    end
-    self.buf = self.buf .. data
-    while true do
-      if self.state == "size" then
-        local s, e, hex = self.buf:find("^([0-9a-fA-F]+)[^\r\n]*\r\n")
-        if not s then
-          if #self.buf > 1024 then self.why = "bad chunk size" return "error" end
-          return "more"
-        end
-        self.chunk = tonumber(hex, 16)
-        self.buf = self.buf:sub(e + 1)
-        if self.chunk == 0 then self.state = "trailer" else self.state = "data" end
-      elseif self.state == "data" then
-        if #self.buf < self.chunk + 2 then return "more" end
-        self.parts[#self.parts + 1] = self.buf:sub(1, self.chunk)
-        self.size = self.size + self.chunk
-        if self.size > MAX_BODY then self.why = "request body too large" return "error" end
-        self.buf = self.buf:sub(self.chunk + 3)
-        self.state = "size"
-      else -- trailer: lines until an empty one
-        local s, e = self.buf:find("\r\n", 1, true)
-        if not s then return "more" end
-        local line = self.buf:sub(1, s - 1)
-        self.buf = self.buf:sub(e + 1)
-        if line == "" then
-          self.body = table.concat(self.parts)
-          return "done"
-        end
-      end
-    end
-  end
-  return r
-end
-
--- The chunks a connection receives, read one at a time inside a task: next() waits for
--- the next chunk and gives nil at the end (or on a read error).
-local function reader(conn)
-  local r = { queue = {}, first = 1, last = 0, ended = false }
-  conn:read_start(function(data)
-    if data == nil then
-      r.ended = true
-    else
-      r.last = r.last + 1
-      r.queue[r.last] = data
-    end
-    local wake = r.wake
-    r.wake = nil
-    if wake then wake() end
-  end)
-  function r.next()
-    if r.first > r.last and not r.ended then
-      async.await(function(cb)
-        r.wake = cb
-        return function() r.wake = nil end
-      end)
-    end
-    if r.first > r.last then return nil end
-    local data = r.queue[r.first]
-    r.queue[r.first] = nil
-    r.first = r.first + 1
-    return data
-  end
-  return r
-end
-
--- Reads one request from `chunks` (reader()): {req, body}, or {status, why, log} to refuse
--- it (log: the refusal is a line of usage.jsonl), or false when the agent closed first.
-local function read_request(chunks)
-  local buf, from = "", 1
-  local s, e
-  while true do
-    local data = chunks.next()
-    if not data then return false end
-    buf = buf .. data
-    s, e = buf:find("\r?\n\r?\n", from)
-    if s then break end
-    if #buf > MAX_HEAD then return { status = 431, why = "request head too large" } end
-    from = math.max(1, #buf - 3) -- the blank line may straddle two chunks
-  end
-  local req, status, why = vendor.parse_head(buf:sub(1, s - 1))
-  if not req then return { status = status, why = why, log = true } end
-  local br, bstatus, bwhy = body_reader(req.headers)
-  if not br then return { status = bstatus, why = bwhy } end
-  local data = buf:sub(e + 1)
-  while true do
-    local st = br:feed(data)
-    if st == "done" then return { req = req, body = br.body } end
-    if st == "error" then return { status = 400, why = br.why } end
-    data = chunks.next()
-    if not data then return false end
-  end
-end
 
 --------------------------------------------------------------------------------------------
 -- The per-run route
@@ -407,8 +262,7 @@ end
 --- (route:stop() ends it) or nil, err.
 function vendor.start(o)
   local r = setmetatable({ run_id = o.run_id, provider = o.provider, token = o.token, credential = o.credential,
-    output_dir = o.output_dir, conns = {}, nconns = 0, tasks = {}, forwarding = 0, models = {}, requests = 0,
-    closed = false, deadline = o.deadline, decide = o.decide, holds = o.holds ~= false,
+    output_dir = o.output_dir, tasks = {}, forwarding = 0, models = {}, requests = 0, closed = false, deadline = o.deadline, decide = o.decide, holds = o.holds ~= false,
     rate = load_rate(o.run_id, vendor.rate_budget(o.rate_limit_retries)),
     total = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 } }, Route)
   -- a route started again (a background job re-attached after a restart) keeps the totals
@@ -434,8 +288,13 @@ function vendor.start(o)
   r.file = file
   r:write_totals()
   local path = o.run_dir .. "/" .. vendor.SOCKET_NAME
-  local server, err = stream.listen_relay(path, function(conn) r:accept(conn) end)
-  if not server then
+  local server = httpd.new({ max_body = MAX_BODY, max_head = MAX_HEAD, request_timeout_ms = REQUEST_TIMEOUT_MS,
+      error_body = REFUSAL_BODY, error_type = "application/json" },
+    function(conn, req) r:on_request(conn, req) end,
+    function(conn) r:on_close(conn) end)
+  local ok, err = server:listen_relay(path, { tag = o.run_id })
+  if not ok then
+    server:close()
     file:close()
     return nil, ("vendor: cannot listen on %s: %s"):format(path, tostring(err))
   end
@@ -499,72 +358,11 @@ function Route:count(usage)
 end
 
 --------------------------------------------------------------------------------------------
--- Answers. A response writer mirrors core.httpd's connection (respond, or start, write and
--- finish; close; is_open), over the handed TCP socket: HTTP/1.1, one request per
--- connection (`connection: close`), a streamed body written as it comes.
-
-local Writer = {}
-Writer.__index = Writer
-
-local function writer(conn) return setmetatable({ conn = conn, open = true }, Writer) end
-
--- Writes bytes and waits until they are written. False once the agent has gone.
-function Writer:send(data)
-  if not self.open then return false end
-  local ok = async.await(function(cb)
-    local queued = self.conn:write(data, function(wok) cb(wok == true) end)
-    if not queued then cb(false) end
-  end)
-  if not ok then self.open = false end
-  return ok
-end
-
-local function head_text(status, headers)
-  local lines = { ("HTTP/1.1 %d %s"):format(status, REASONS[status] or "Status") }
-  for k, v in pairs(headers or {}) do lines[#lines + 1] = k .. ": " .. v end
-  lines[#lines + 1] = "connection: close"
-  return table.concat(lines, "\r\n") .. "\r\n\r\n"
-end
-
---- A whole answer: status, headers ({name = value}) and body.
----@param status integer
----@param headers table<string,string>|nil
----@param body string|nil
----@return boolean sent
-function Writer:respond(status, headers, body)
-  local h = {}
-  for k, v in pairs(headers or {}) do h[k] = v end
-  h["content-length"] = tostring(#(body or ""))
-  return self:send(head_text(status, h) .. (body or ""))
-end
-
---- Starts a streamed answer: queues the head (without waiting: it may be called from a
---- loop callback, as the upstream's head arrives); the body follows with write and is
---- delimited by the close.
----@param status integer
----@param headers table<string,string>|nil
----@return boolean queued
-function Writer:start(status, headers) return self:write(head_text(status, headers)) end
-
---- Queues a piece of a streamed body without waiting. False once the agent has gone.
----@param data string
----@return boolean queued
-function Writer:write(data)
-  if not self.open then return false end
-  local ok = self.conn:write(data, function(wok) if not wok then self.open = false end end)
-  if not ok then self.open = false end
-  return self.open
-end
-
---- Ends a streamed answer: shuts the write side once everything queued is written.
-function Writer:finish()
-  if not self.open then return end
-  async.await(function(cb) self.conn:shutdown(function() cb() end) end)
-end
-
---- True while the agent's connection can be written to.
----@return boolean
-function Writer:is_open() return self.open end
+-- Serving. core.httpd (llhttp, in C) reads each request whole: head, then a Content-Length
+-- or chunked body, within the limits below; what is malformed or too large never reaches
+-- Lua (it is answered 400, 413, 431 or 408 by the server). Each request is then a task
+-- that reads straight down: decide, answer or forward. A connection may carry several
+-- requests (keep-alive); their answers go out in order.
 
 local function error_body(status, message)
   -- both vendor shapes: Anthropic {type: error, error: {type, message}}, OpenAI {error: {message, type, code}}
@@ -574,44 +372,35 @@ local function error_body(status, message)
 end
 
 -- An error answer in the vendor's JSON shape.
-local function refuse(out, status, message)
-  return out:respond(status, { ["content-type"] = "application/json" }, error_body(status, message))
+local function refuse(conn, status, message)
+  return conn:respond(status, { ["content-type"] = "application/json" }, error_body(status, message))
 end
 
---------------------------------------------------------------------------------------------
--- Serving: each connection is a task that reads one request, decides, and answers. Route
--- state the tasks share: conns (the connections open), tasks (their tasks), forwarding
--- (requests being sent upstream, which stop() lets finish for up to 5 s).
-
---- Takes one connection of the agent (from the relay): a task of its own reads the request
---- (head and body within HEAD_TIMEOUT_MS: else the connection is closed unanswered) and
---- serves it. The connection is closed when the task ends, however it ends.
----@param conn userdata  a core.stream
-function Route:accept(conn)
-  if self.closed then conn:close() return end
-  self.conns[conn] = true
-  self.nconns = self.nconns + 1
+--- core.httpd's on_request: serves one request in a task of its own. A route that is
+--- stopping answers 503.
+---@param conn userdata  a core.httpd.conn
+---@param req table      {method, target, headers, body, …} (core.httpd)
+function Route:on_request(conn, req)
+  if self.closed then return refuse(conn, 503, "the run's vendor route has stopped") end
   local task
   task = async.spawn("vendor " .. self.run_id, function()
-    local _ <close> = util.closer(function()
+    -- a request left unanswered (cancelled, or an error) cuts its connection
+    local _ <close> = util.closer(function(err)
       if task then self.tasks[task] = nil end
-      if self.conns[conn] then
-        self.conns[conn] = nil
-        self.nconns = self.nconns - 1
-      end
-      conn:close()
+      if err ~= nil then conn:close() end
     end)
-    local got = async.timeout(HEAD_TIMEOUT_MS, read_request, reader(conn))
-    conn:read_stop()
-    if not got then return end -- closed, or too slow: nothing to answer
-    local out = writer(conn)
-    if got.status then
-      if got.log then self:log_line({ time = iso_now(), verdict = "deny", status = got.status, reason = got.why }) end
-      return refuse(out, got.status, got.why)
-    end
-    self:serve(out, got.req, got.body)
+    self:serve(conn, req)
   end)
-  if not task.done then self.tasks[task] = true end
+  if not task.done then self.tasks[task] = conn end
+end
+
+--- core.httpd's on_close: the agent's connection is gone, so are the requests it carried
+--- (a request being forwarded is cancelled upstream too).
+---@param conn userdata
+function Route:on_close(conn)
+  for task, c in pairs(self.tasks) do
+    if c == conn then async.cancel(task, "the agent closed the connection") end
+  end
 end
 
 --- The path on the vendor port where an agent's wrapper reports that an attempt of its CLI
@@ -624,15 +413,14 @@ vendor.ATTEMPTS_MAX = 1000
 --- Answers the agent's wrapper on ATTEMPT_PATH (see there). A resume is answered once the
 --- reset has passed: the task sleeps until then (a route that stops meanwhile closes the
 --- connection unanswered).
----@param out table   the response writer
----@param req table   {method, target, headers}
----@param body string|nil
----@param rec table   the usage.jsonl line of this request
-function Route:attempt_end(out, req, body, rec)
+---@param conn userdata  the core.httpd.conn to answer on
+---@param req table        {method, target, headers, body}
+---@param rec table        the usage.jsonl line of this request
+function Route:attempt_end(conn, req, rec)
   local function answer(status, text)
     rec.status = status
     self:log_line(rec)
-    out:respond(status, { ["content-type"] = "text/plain; charset=utf-8" }, text)
+    conn:respond(status, { ["content-type"] = "text/plain; charset=utf-8" }, text)
   end
   rec.verdict = "local"
   if not providers.token_equal(providers.bearer(req.headers), self.token) then
@@ -640,7 +428,7 @@ function Route:attempt_end(out, req, body, rec)
     return answer(401, "the request does not carry this run's token\n")
   end
   if req.method ~= "POST" then return answer(405, "POST only\n") end
-  local ok, info = pcall(json.decode, body or "")
+  local ok, info = pcall(json.decode, req.body or "")
   local n = ok and type(info) == "table" and type(info.attempt) == "number" and math.tointeger(info.attempt)
   local code = ok and type(info) == "table" and type(info.exit_code) == "number" and math.tointeger(info.exit_code)
   if not n or n < 1 or n > vendor.ATTEMPTS_MAX or not code then
@@ -667,25 +455,27 @@ end
 --- refusals (providers.vendor_decide), or the forward upstream with the real credential.
 --- A request a previous server was holding for a rate-limit reset waits for that reset
 --- first; a 429 the route holds is waited out and the request sent again.
----@param out table   the response writer
----@param req table   {method, target, headers}
----@param body string|nil
-function Route:serve(out, req, body)
-  local path = req.target:match("^[^?#]*")
+---@param conn userdata  the core.httpd.conn to answer on
+---@param req table        {method, target, headers, body}
+function Route:serve(conn, req)
+  -- an absolute-form target (a client that used the egress proxy variables) keeps its path
+  local target = req.target:match("^https?://[^/]+(/.*)$") or (req.target:match("^https?://[^/]+$") and "/")
+    or req.target
+  local path = target:match("^[^?#]*")
   local rec = { time = iso_now(), method = req.method, path = path }
-  if path == vendor.ATTEMPT_PATH then return self:attempt_end(out, req, body, rec) end
-  local v = providers.vendor_decide(self.provider, { method = req.method, target = req.target, headers = req.headers },
+  if path == vendor.ATTEMPT_PATH then return self:attempt_end(conn, req, rec) end
+  local v = providers.vendor_decide(self.provider, { method = req.method, target = target, headers = req.headers },
     self.token, self.credential)
   if v.action == "local" then
     rec.verdict, rec.status = "local", v.status
     self:log_line(rec)
-    return out:respond(v.status)
+    return conn:respond(v.status, {}, "")
   end
   if v.action ~= "forward" then
     rec.verdict, rec.status, rec.reason = "deny", v.status, v.reason
     self:log_line(rec)
     log.info(LOGGER, "%s: refused %s %s: %s", self.run_id, req.method, path, tostring(v.reason))
-    return refuse(out, v.status or 403, v.reason or "refused")
+    return refuse(conn, v.status or 403, v.reason or "refused")
   end
   rec.verdict = "forward"
   -- a hold that a previous server started (the agent's held connection dropped with it and
@@ -699,13 +489,12 @@ function Route:serve(out, req, body)
     rec.time = iso_now()
   end
   while true do
-    local retry_ms = self:forward(out, req, body, v, rec)
+    local retry_ms = self:forward(conn, req, v, rec)
     if not retry_ms then return end
     -- rate limited: this answer is logged, the reset waited for, the request sent again
     log.info(LOGGER, "%s: rate limited (429); retrying %s in %d ms", self.run_id, path, retry_ms)
     rec = { time = iso_now(), method = req.method, path = path, verdict = "forward", retry = true }
-    async.sleep(retry_ms)
-    if not out:is_open() then return end
+    async.sleep(retry_ms) -- the agent hanging up meanwhile cancels this task (Route:on_close)
     self.rate.holding_until = nil
     rec.time = iso_now() -- when it is sent again
   end
@@ -724,7 +513,7 @@ end
 -- A 429 read whole, and the route's decision on it: the wait in ms when the request is
 -- held and sent again, else nil after the answer went to the agent (`x-should-retry:
 -- false` when its CLI must not retry into the limit by itself).
-local function decide_429(self, out, limited, rec)
+local function decide_429(self, conn, limited, rec)
   local body = table.concat(limited.parts)
   local retry_ms, why, resumable = self:rate_wait(limited.headers, body)
   if retry_ms then
@@ -746,8 +535,7 @@ local function decide_429(self, out, limited, rec)
     self:save_rate()
   end
   rec.status = 429
-  out:start(429, h)
-  out:write(body)
+  conn:respond(429, h, body)
   return nil
 end
 
@@ -755,13 +543,12 @@ end
 --- agent as it arrives (SSE unbuffered), counting its usage on the way. A 429 is read
 --- whole and decided on (Route:rate_wait). Returns the wait in ms when the route holds the
 --- request and sends it again, else nil once the answer went out (or could not).
----@param out table   the response writer
----@param req table   {method, target, headers}
----@param body string|nil
+---@param conn userdata  the core.httpd.conn to answer on
+---@param req table        {method, target, headers, body}
 ---@param v VendorVerdict  a "forward" verdict
----@param rec table   the usage.jsonl line of this attempt (logged here)
+---@param rec table        the usage.jsonl line of this attempt (logged here)
 ---@return integer|nil retry_ms
-function Route:forward(out, req, body, v, rec)
+function Route:forward(conn, req, v, rec)
   local p = self.provider
   local headers = {}
   for k, val in pairs(v.headers) do
@@ -773,14 +560,14 @@ function Route:forward(out, req, body, v, rec)
     url = v.url, method = req.method, headers = headers, timeout_ms = UPSTREAM_TIMEOUT_MS,
     connect_timeout_ms = 30000,
     on_headers = function(status, h)
-      if status == 429 and out:is_open() then
+      if status == 429 then
         limited = { headers = h or {}, parts = {}, size = 0 }
         rec.rate_limited = true
         return
       end
       head_sent = true
       rec.status = status
-      out:start(status, answer_headers(h))
+      conn:start(status, answer_headers(h))
       counter = providers.usage_counter(p, h and h["content-type"])
     end,
     on_data = function(chunk)
@@ -792,11 +579,11 @@ function Route:forward(out, req, body, v, rec)
         return
       end
       if counter then counter:feed(chunk) end
-      -- the agent hung up: stop the upstream call too
-      if not out:write(chunk) and upstream then upstream:cancel() end
+      -- the agent hung up (or reads too slowly and was cut): stop the upstream call too
+      if not conn:write(chunk) and upstream then upstream:cancel() end
     end,
   }
-  if req.method ~= "GET" and req.method ~= "HEAD" then opts.body = body or "" end
+  if req.method ~= "GET" and req.method ~= "HEAD" then opts.body = req.body or "" end
   local started = loop.hrtime()
   local res, msg, code
   do
@@ -813,30 +600,32 @@ function Route:forward(out, req, body, v, rec)
     end)
   end
   rec.duration_ms = math.floor((loop.hrtime() - started) / 1e6)
-  local retry_ms
-  if limited and res and not self.closed and out:is_open() then retry_ms = decide_429(self, out, limited, rec) end
-  if retry_ms then
-    self:log_line(rec)
-    self:write_totals()
-    return retry_ms
-  end
   if code == "ESTART" then
     rec.status, rec.error = 502, tostring(msg)
     self:log_line(rec)
-    refuse(out, 502, "cannot start the upstream request")
+    refuse(conn, 502, "cannot start the upstream request")
     return nil
   end
-  if not res then
-    rec.error = tostring(msg)
-    if not head_sent then
-      rec.status = code == "ETIMEDOUT" and 504 or 502
-      refuse(out, rec.status, "upstream failed: " .. tostring(msg))
+  if limited and res and not self.closed and conn:is_open() then
+    local retry_ms = decide_429(self, conn, limited, rec)
+    if retry_ms then
+      self:log_line(rec)
+      self:write_totals()
+      return retry_ms
     end
-  elseif not head_sent and not rec.rate_limit then
-    -- a 429 to an agent that hung up, or a route closing meanwhile
-    refuse(out, 429, "rate limited by the vendor")
+  elseif not res then
+    rec.error = tostring(msg)
+    if head_sent then
+      conn:close() -- cut mid-answer: the agent sees a stream that did not end
+    else
+      rec.status = code == "ETIMEDOUT" and 504 or 502
+      refuse(conn, rec.status, "upstream failed: " .. tostring(msg))
+    end
+  elseif head_sent then
+    conn:finish()
   else
-    out:finish()
+    -- a 429 read while the route was closing or the agent had gone
+    refuse(conn, 429, "rate limited by the vendor")
   end
   if counter then
     local usage = counter:finish()
@@ -853,14 +642,14 @@ function Route:forward(out, req, body, v, rec)
   return nil
 end
 
---- Stops the route: no new connections; inside a task waits up to 5 s for requests being
---- forwarded, then cancels what is left (held requests, pending answers, reads; their
---- connections close unanswered). usage.json is final afterwards. Idempotent.
+--- Stops the route: new requests are answered 503; inside a task it waits up to 5 s for
+--- requests being forwarded, then cancels what is left (held requests, pending answers)
+--- and closes the server (its relay socket and every connection). usage.json is final
+--- afterwards. Idempotent.
 function Route:stop()
   if self.closed then return end
   self.closed = true
   if active[self.run_id] == self then active[self.run_id] = nil end
-  if self.server then self.server:close() self.server = nil end
   if self.forwarding > 0 and async.current() then
     self.idle = async.event()
     local ok, err = pcall(async.timeout, 5000, self.idle.wait)
@@ -868,7 +657,7 @@ function Route:stop()
   end
   for task in pairs(self.tasks) do async.cancel(task, "the vendor route stopped") end
   self.tasks = {}
-  for c in pairs(self.conns) do pcall(c.close, c) end
+  if self.server then self.server:close() self.server = nil end
   self:write_totals()
   if self.file then self.file:close() self.file = nil end
 end
