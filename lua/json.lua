@@ -35,6 +35,8 @@ function json.is_array(t) return getmetatable(t) == array_mt end
 function json.raw(token, value) return setmetatable({ token = token, value = value }, raw_mt) end
 
 --- True for a value made by json.raw.
+---@param v any
+---@return boolean
 function json.is_raw(v) return getmetatable(v) == raw_mt end
 
 local function prepare(v, depth, raws)

@@ -41,9 +41,11 @@ local REQUEST_TIMEOUT_MS = 60 * 1000 -- a request must arrive whole within this 
 local UPSTREAM_TIMEOUT_MS = 30 * 60 * 1000
 
 --- The in-sandbox base URL of the vendor route.
+---@return string
 function vendor.base_url() return ("http://127.0.0.1:%d"):format(vendor.PORT) end
 
 --- The demesne-init options that start the relay of the vendor port.
+---@return string[]
 function vendor.relay_args() return { "--relay", ("%d=%s"):format(vendor.PORT, vendor.SANDBOX_SOCKET) } end
 
 local iso_now = util.iso_now
@@ -77,6 +79,9 @@ local active = {} -- run_id -> route
 -- is kept in <state_dir>/vendor/<run_id>.json (out of the sandbox's reach) so a restarted
 -- server neither forgets the retries spent nor grants one twice.
 
+--- The retry budget of a run: `n`, else agent_rate_limit_retries; a whole number >= 0.
+---@param n number|nil
+---@return integer
 function vendor.rate_budget(n)
   n = n or config.get("agent_rate_limit_retries")
   return math.max(0, math.floor(tonumber(n) or 0))
@@ -96,6 +101,9 @@ local MONTHS = { jan = 1, feb = 2, mar = 3, apr = 4, may = 5, jun = 6, jul = 7, 
 
 --- Seconds until a reset from one header value: an RFC 3339 time, an HTTP date, delta
 --- seconds, or an OpenAI-style duration ("1m30s", "250ms"). nil when unreadable.
+---@param value string|nil  the header's value
+---@param now number        epoch seconds
+---@return number|nil seconds
 function vendor.parse_reset(value, now)
   if type(value) ~= "string" then return nil end
   value = value:match("^%s*(.-)%s*$")
@@ -127,6 +135,9 @@ end
 --- Seconds to wait before a rate-limited request may be sent again, from a 429's headers
 --- (retry-after first, else the latest anthropic-ratelimit-*-reset / x-ratelimit-reset-*).
 --- nil when no header names a reset.
+---@param headers table<string,string>|nil  lowercased names
+---@param now number|nil  epoch seconds (default: now)
+---@return number|nil seconds
 function vendor.reset_wait(headers, now)
   headers = headers or {}
   now = now or loop.time()
@@ -215,12 +226,14 @@ end
 --- used (holds + resumes), held, resumed, limited (429 answers seen), reset_at (epoch s),
 --- passed_at (when a 429 last went to the agent), why (the reason a rate-limited run
 --- ended), decided (attempt number -> the answer given to the agent's wrapper).
+---@return table
 function Route:rate_state() return self.rate end
 
 local function rate_file(run_id)
   return config.get("state_dir") .. "/vendor/" .. run_id .. ".json"
 end
 
+--- Saves the rate-limit state to <state_dir>/vendor/<run_id>.json (logged when it cannot).
 function Route:save_rate()
   local f = rate_file(self.run_id)
   fs.mkdir_p(f:match("^(.*)/"), 448) -- 0700
@@ -260,6 +273,8 @@ end
 --- rate-limited request; default true)}. A route started again for the same run (a
 --- restarted server) takes up its usage totals and rate-limit state. Returns the route
 --- (route:stop() ends it) or nil, err.
+---@param o {run_id: string, run_dir: string, output_dir: string, provider: ProviderAdapter, token: string, credential: ProviderCredential, deadline: number|nil, decide: function|nil, holds: boolean|nil, rate_limit_retries: integer|nil}
+---@return table|nil route, string|nil err
 function vendor.start(o)
   local r = setmetatable({ run_id = o.run_id, provider = o.provider, token = o.token, credential = o.credential,
     output_dir = o.output_dir, tasks = {}, forwarding = 0, models = {}, requests = 0, closed = false, deadline = o.deadline, decide = o.decide, holds = o.holds ~= false,
@@ -305,8 +320,12 @@ function vendor.start(o)
 end
 
 --- The live route of a run, or nil.
+---@param run_id string
+---@return table|nil route
 function vendor.get(run_id) return active[run_id] end
 
+--- Appends one request's line to usage.jsonl.
+---@param rec table  time, method, path, verdict, status, tokens, cost_usd, …
 function Route:log_line(rec)
   if not self.file then return end
   local ok, line = pcall(json.encode, rec)
@@ -316,6 +335,7 @@ end
 --- Totals as written to usage.json: {models = {name = {requests, input, output,
 --- cache_creation, cache_read, cost_usd}}, requests, input, output, cache_creation,
 --- cache_read, cost_usd, indicative = true}.
+---@return table
 function Route:totals()
   local models = {}
   for name, m in pairs(self.models) do models[name] = m end
@@ -330,6 +350,7 @@ function Route:totals()
   }
 end
 
+--- Rewrites usage.json atomically with the totals (logged when it cannot).
 function Route:write_totals()
   local ok, text = pcall(json.encode, self:totals())
   if ok then
@@ -338,6 +359,10 @@ function Route:write_totals()
   end
 end
 
+--- Adds one response's usage to the totals of its model. Returns its indicative cost in
+--- USD and whether the model has a price.
+---@param usage ProviderUsage
+---@return number usd, boolean priced
 function Route:count(usage)
   local model = usage.model or "unknown"
   local usd, priced = self.provider.cost(usage)
@@ -425,14 +450,19 @@ function Route:attempt_end(conn, req, rec)
   rec.verdict = "local"
   if not providers.token_equal(providers.bearer(req.headers), self.token) then
     rec.verdict, rec.reason = "deny", "the request does not carry this run's token"
-    return answer(401, "the request does not carry this run's token\n")
+    answer(401, "the request does not carry this run's token\n")
+    return
   end
-  if req.method ~= "POST" then return answer(405, "POST only\n") end
+  if req.method ~= "POST" then
+    answer(405, "POST only\n")
+    return
+  end
   local ok, info = pcall(json.decode, req.body or "")
   local n = ok and type(info) == "table" and type(info.attempt) == "number" and math.tointeger(info.attempt)
   local code = ok and type(info) == "table" and type(info.exit_code) == "number" and math.tointeger(info.exit_code)
   if not n or n < 1 or n > vendor.ATTEMPTS_MAX or not code then
-    return answer(400, ("body: must be JSON {attempt: integer 1..%d, exit_code: integer}\n"):format(vendor.ATTEMPTS_MAX))
+    answer(400, ("body: must be JSON {attempt: integer 1..%d, exit_code: integer}\n"):format(vendor.ATTEMPTS_MAX))
+    return
   end
   rec.attempt, rec.exit_code = n, code
   local d = { action = "stop" }
@@ -442,7 +472,10 @@ function Route:attempt_end(conn, req, rec)
     else log.warning(LOGGER, "%s: deciding on attempt %d: %s", self.run_id, n, tostring(got)) end
   end
   rec.decision = d.action
-  if d.action ~= "resume" then return answer(200, "stop\n") end
+  if d.action ~= "resume" then
+    answer(200, "stop\n")
+    return
+  end
   local wait_ms = math.max(0, math.ceil(((d.at or 0) - loop.time()) * 1000))
   rec.resume_in_ms = wait_ms
   log.info(LOGGER, "%s: attempt %d ended rate limited; resuming session %s in %d ms", self.run_id, n, d.session,
@@ -463,19 +496,24 @@ function Route:serve(conn, req)
     or req.target
   local path = target:match("^[^?#]*")
   local rec = { time = iso_now(), method = req.method, path = path }
-  if path == vendor.ATTEMPT_PATH then return self:attempt_end(conn, req, rec) end
+  if path == vendor.ATTEMPT_PATH then
+    self:attempt_end(conn, req, rec)
+    return
+  end
   local v = providers.vendor_decide(self.provider, { method = req.method, target = target, headers = req.headers },
     self.token, self.credential)
   if v.action == "local" then
     rec.verdict, rec.status = "local", v.status
     self:log_line(rec)
-    return conn:respond(v.status, {}, "")
+    conn:respond(v.status, {}, "")
+    return
   end
   if v.action ~= "forward" then
     rec.verdict, rec.status, rec.reason = "deny", v.status, v.reason
     self:log_line(rec)
     log.info(LOGGER, "%s: refused %s %s: %s", self.run_id, req.method, path, tostring(v.reason))
-    return refuse(conn, v.status or 403, v.reason or "refused")
+    refuse(conn, v.status or 403, v.reason or "refused")
+    return
   end
   rec.verdict = "forward"
   -- a hold that a previous server started (the agent's held connection dropped with it and

@@ -149,6 +149,7 @@ end
 --- string (escapes may be spelled differently, as JSON allows).
 ---@param id any
 ---@param line string|nil
+---@param ... string|integer  the key path of the id in the message (core.text.json_raw)
 ---@return any
 function server.exact_id(id, line, ...)
   if not line or type(id) ~= "number" then return id end
@@ -350,6 +351,10 @@ end
 --- The log sink of a legacy session: forwards a record as notifications/message on the
 --- session's transport when the session is initialised and the record is at or above the
 --- level the client set.
+---@param level string
+---@param logger string
+---@param msg string
+---@param data any
 function Server:forward_log(level, logger, msg, data)
   if self.in_forward or self.closing then return end
   if not self.session.announced then
@@ -379,8 +384,13 @@ function Server:forward_log(level, logger, msg, data)
   self.in_forward = false
 end
 
--- A tool's own log record goes to its caller only: the request's stream, at the level the
--- session set (legacy) or the request's _meta logLevel (2026-07-28; none without it).
+--- A tool's own log record goes to its caller only: the request's stream, at the level the
+--- session set (legacy) or the request's _meta logLevel (2026-07-28; none without it).
+---@param entry table  the request in progress
+---@param level string
+---@param logger string
+---@param msg string
+---@param data any
 function Server:log_to_caller(entry, level, logger, msg, data)
   if self.closing or entry.done or entry.cancelled then return end
   local threshold
