@@ -176,6 +176,11 @@ end
 --------------------------------------------------------------------------------------------
 -- Agent runs (sandbox_agent, sandbox_research)
 
+--- The end of both agent tools' descriptions: where the credential stays, what comes back.
+schemas.AGENT_RUN_NOTE = "The real vendor credential stays on the host: the agent reaches the model only through a "
+  .. "per-run token on a host-side vendor route that counts usage (usage.json). Returns the agent's final answer, "
+  .. "exit code, cost and usage; transcript.jsonl and results.json are in output_dir."
+
 --- The parameters of an agent run that both agent tools take (prompt, preamble,
 --- output_path, output_format, success_criteria, timeout_seconds, background), plus `extra`.
 ---@param extra table<string, table>|nil

@@ -12,9 +12,7 @@ return {
   title = "Run an AI coding agent in a sandbox",
   description = "Runs an AI coding agent CLI (Claude Code, Codex, …) with full autonomy in a fresh sandbox: host inputs "
     .. "read-only under /in, a writable /workspace, deliverables in /out (output_dir). "
-    .. "The real vendor credential stays on the host: the agent reaches the model only through a per-run "
-    .. "token on a host-side vendor route that counts usage (usage.json). Returns the agent's final answer, "
-    .. "exit code, cost and usage; transcript.jsonl and results.json are in output_dir.",
+    .. schemas.AGENT_RUN_NOTE,
   inputSchema = {
     type = "object",
     additionalProperties = false,

@@ -11,9 +11,7 @@ return {
   title = "Research with an AI agent (open network)",
   description = "Runs an AI agent CLI (Claude Code, Codex, …) with full autonomy in a fresh sandbox with open network "
     .. "access and no host inputs, for web research. "
-    .. "The real vendor credential stays on the host: the agent reaches the model only through a per-run "
-    .. "token on a host-side vendor route that counts usage (usage.json). Returns the agent's final answer, "
-    .. "exit code, cost and usage; transcript.jsonl and results.json are in output_dir.",
+    .. schemas.AGENT_RUN_NOTE,
   inputSchema = {
     type = "object",
     additionalProperties = false,

@@ -10,7 +10,7 @@ return {
   ["demesne.agent"] = { "run", "text", "model_schema" },
   ["demesne.schemas"] = { "string_list", "files", "directories", "image", "env", "egress", "timeout_seconds",
     "limits", "sandbox_id", "run_result", "run_text", "background", "or_job", "job_id", "job_status",
-    "job_properties", "status_result", "status_text", "agent_task", "agent_result" },
+    "job_properties", "status_result", "status_text", "agent_task", "agent_result", "AGENT_RUN_NOTE" },
   ["demesne.paths"] = { "check", "describe_roots" },
   ["demesne.progress"] = { "heartbeat" },
   ["demesne.config"] = { "get" },
