@@ -2,7 +2,7 @@
 --
 -- Lua code below the MCP layer raises these for bad input and for operational failures
 -- worth a sentence (a path outside the allowed roots, a sandbox that is gone, an engine
--- that answered an error). lua/tools.lua turns one into an `isError: true` result whose
+-- that answered an error). lua/tools/init.lua turns one into an `isError: true` result whose
 -- text is the message; any other Lua error is a bug and becomes "Tool X failed: …" with
 -- the traceback in the log. The message names the field and the reason
 -- ("files[0]: /etc/passwd is not inside the allowed paths").

@@ -587,7 +587,7 @@ modern["server/discover"] = function(self)
   }
 end
 
---- Builds the ToolContext handed to a tool's run(ctx, args) (see lua/tools.lua).
+--- Builds the ToolContext handed to a tool's run(ctx, args) (see lua/tools/init.lua).
 ---@param tool ToolDescriptor
 ---@param entry table  the request in progress ({id, cancelled, done, channel, modern})
 ---@param meta table|nil  the request's params._meta

@@ -1,10 +1,11 @@
--- The shape of the Lua runtime, read from the files embedded in this binary (their current
--- text: the source tree's with DEMESNE_SOURCE_DIR):
+-- The shape of the Lua runtime, read from the files embedded in this binary (or the source
+-- tree's, with DEMESNE_SOURCE_DIR):
 --   * no module cycle: the graph of require("demesne.…") calls has no cycle;
 --   * no back-edge: each module sits in a layer (LAYERS) and requires only its own layer or
 --     those below it: MCP → tools → (sandbox | agent | jobs) → engine adapter → core;
 --   * no require inside a function, unless the line says why it loads lazily (`-- lazy: …`).
 -- docs/explanation/architecture.md ("Layers") describes the same layers.
+local fs = require("core.fs")
 local runtime = require("demesne.runtime")
 
 local tests = {}
@@ -43,12 +44,32 @@ local function module_of(rel)
   return "demesne." .. m
 end
 
+-- The runtime's files: those embedded in the binary, or with DEMESNE_SOURCE_DIR those of
+-- the source tree (which may have moved on since the build).
+local function rels()
+  local out = {}
+  if runtime.source_dir then
+    local function walk(rel)
+      for _, n in ipairs(fs.readdir(runtime.source_dir .. "/" .. rel) or {}) do
+        local st = fs.stat(runtime.source_dir .. "/" .. rel .. n)
+        if st and st.type == "directory" then walk(rel .. n .. "/")
+        elseif n:match("%.lua$") then out[#out + 1] = rel .. n end
+      end
+    end
+    walk("lua/")
+  else
+    for rel in pairs(runtime.embedded) do
+      if rel:match("^lua/.+%.lua$") then out[#out + 1] = rel end
+    end
+  end
+  return out
+end
+
 -- Every runtime file: {rel, module, src}.
 local function files()
   local out = {}
-  for rel in pairs(runtime.embedded) do
-    local src = rel:match("^lua/.+%.lua$") and runtime.source(rel) -- nil: removed from the source tree since the build
-    if src then out[#out + 1] = { rel = rel, module = module_of(rel), src = src } end
+  for _, rel in ipairs(rels()) do
+    out[#out + 1] = { rel = rel, module = module_of(rel), src = assert(runtime.source(rel)) }
   end
   table.sort(out, function(a, b) return a.rel < b.rel end)
   return out
