@@ -240,8 +240,12 @@ local function check_array(s, v, path, errs, root, depth)
 end
 
 local function check_number(s, v, path, errs)
-  if type(s.minimum) == "number" and v < s.minimum then add(errs, path, ("must be >= %s (got %s)"):format(num(s.minimum), num(v))) end
-  if type(s.maximum) == "number" and v > s.maximum then add(errs, path, ("must be <= %s (got %s)"):format(num(s.maximum), num(v))) end
+  if type(s.minimum) == "number" and v < s.minimum then
+    add(errs, path, ("must be >= %s (got %s)"):format(num(s.minimum), num(v)))
+  end
+  if type(s.maximum) == "number" and v > s.maximum then
+    add(errs, path, ("must be <= %s (got %s)"):format(num(s.maximum), num(v)))
+  end
   if type(s.exclusiveMinimum) == "number" and v <= s.exclusiveMinimum then
     add(errs, path, ("must be > %s (got %s)"):format(num(s.exclusiveMinimum), num(v)))
   end
@@ -304,7 +308,8 @@ validate = function(s, v, path, errs, root, depth)
       local opts = {}
       for i, e in ipairs(list_of(s.enum)) do
         if i > 20 then opts[#opts + 1] = "…" break end
-        opts[#opts + 1] = type(e) == "string" and ("%q"):format(e) or (e == null and "null" or type(e) == "number" and num(e) or tostring(e))
+        opts[#opts + 1] = type(e) == "string" and ("%q"):format(e)
+          or (e == null and "null" or type(e) == "number" and num(e) or tostring(e))
       end
       add(errs, path, ("must be one of %s (got %s)"):format(table.concat(opts, ", "), describe(v)))
     end
@@ -482,7 +487,9 @@ function schema.check(s, path, depth)
     for _, t in ipairs(type_list(s.type)) do
       if not TYPES[t] then return nil, ("%s: unknown type %q"):format(at("type"), tostring(t)) end
     end
-    if type(s.type) ~= "string" and type(s.type) ~= "table" then return nil, at("type") .. ": must be a string or a list of strings" end
+    if type(s.type) ~= "string" and type(s.type) ~= "table" then
+      return nil, at("type") .. ": must be a string or a list of strings"
+    end
   end
   if s.properties ~= nil then
     if type(s.properties) ~= "table" then return nil, at("properties") .. ": must be a table" end

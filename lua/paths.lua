@@ -55,7 +55,8 @@ function paths.check(field, path, kind)
   if path:sub(1, 1) ~= "/" then return nil, ("%s: path must be absolute: %s"):format(field, path) end
   local roots = paths.roots()
   if #roots == 0 then
-    return nil, ("%s: %s cannot be used: no host inputs can be mounted because DEMESNE_ALLOWED_PATHS is not configured"):format(field, path)
+    return nil, ("%s: %s cannot be used: no host inputs can be mounted because DEMESNE_ALLOWED_PATHS is not "
+      .. "configured"):format(field, path)
   end
   local real, err = fs.realpath(path)
   if not real then return nil, ("%s: cannot resolve %s: %s"):format(field, path, (err or ""):gsub("^realpath [^:]*: ", "")) end

@@ -167,7 +167,9 @@ function schemas.status_text(r)
   if r.output_dir then lines[#lines + 1] = "output_dir: " .. r.output_dir end
   if type(r.agent) == "table" then
     if type(r.agent.cost_usd) == "number" then lines[#lines + 1] = ("cost_usd: %.4f (indicative)"):format(r.agent.cost_usd) end
-    if type(r.agent.reason) == "string" and r.agent.reason ~= r.reason then lines[#lines + 1] = "agent reason: " .. r.agent.reason end
+    if type(r.agent.reason) == "string" and r.agent.reason ~= r.reason then
+      lines[#lines + 1] = "agent reason: " .. r.agent.reason
+    end
     if type(r.agent.answer) == "string" then lines[#lines + 1] = "--- answer ---\n" .. r.agent.answer end
   end
   return table.concat(lines, "\n")

@@ -9,7 +9,8 @@ local npm = sources.npm_hosts()
 local apt = sources.apt_hosts()
 
 return {
-  description = "package registries: npm, PyPI, conda, Debian/Ubuntu archives, Go module proxy and checksum DB, crates.io, RubyGems",
+  description = "package registries: npm, PyPI, conda, Debian/Ubuntu archives, Go module proxy and checksum DB, "
+    .. "crates.io, RubyGems",
   rules = {
     { ALLOW, name = "npm", host = npm, port = 443 },
     { ALLOW, name = "pypi", host = { "pypi.org", "files.pythonhosted.org" }, port = 443 },

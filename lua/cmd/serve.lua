@@ -56,7 +56,8 @@ return function(args, opts)
   local _, cerr = config.describe()
   if cerr then log.error("demesne.config", "%s (the default is used instead; see demesne check-config)", cerr) end
   if not log.set_level(config.get("log_level")) then -- the config file may set it too
-    log.error("demesne.config", "log_level %q is not one of debug, info, notice, warning, error, critical, alert, emergency", tostring(config.get("log_level")))
+    log.error("demesne.config", "log_level %q is not one of debug, info, notice, warning, error, critical, alert, "
+      .. "emergency", tostring(config.get("log_level")))
   end
   local reaper = start_reaper()
   -- background jobs: re-attach the ones a previous server left running; they outlive us too

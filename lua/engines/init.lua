@@ -162,7 +162,8 @@ function engines.get()
   local path, tried = engines.discover()
   if not path then
     current = nil
-    return nil, ("no container engine found (tried %s). Start one: `podman system service --time=0 unix:///run/podman/podman.sock &` "
+    return nil, ("no container engine found (tried %s). Start one: "
+      .. "`podman system service --time=0 unix:///run/podman/podman.sock &` "
       .. "(Podman) or `dockerd &` (Docker), or set DEMESNE_ENGINE=unix:///path/to/socket"):format(table.concat(tried, ", ")),
       "ENOENGINE"
   end

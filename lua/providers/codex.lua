@@ -209,7 +209,8 @@ function codex.credentials()
     local f = io.open(path, "rb")
     if f then
       f:close()
-      return { present = false, hint = ("%s exists but is not a JSON object: run `codex login` on the host, or set OPENAI_API_KEY")
+      return { present = false,
+        hint = ("%s exists but is not a JSON object: run `codex login` on the host, or set OPENAI_API_KEY")
         :format(path) }
     end
     return { present = false, hint = hint }

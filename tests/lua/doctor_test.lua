@@ -169,7 +169,8 @@ function tests.images_are_ready_when_built_or_buildable_without_a_registry(t)
     loop.setenv("PATH", d.path) -- no mmdebstrap here
     local st, reason, fix = images.readiness(eng, "default")
     t:eq(st, nil, "nothing built, nothing to build with")
-    t:match(reason, "^image default is not built, no Debian root filesystem image is in the engine, and mmdebstrap is not installed")
+    t:match(reason, "^image default is not built, no Debian root filesystem image is in the engine, and mmdebstrap is "
+      .. "not installed")
     t:match(fix, "^apt%-get install mmdebstrap, then `demesne images build`")
     assert(fs.write_atomic(d.path .. "/mmdebstrap", "#!/bin/sh\nexit 1\n"))
     assert(fs.chmod(d.path .. "/mmdebstrap", tonumber("755", 8)))

@@ -451,7 +451,8 @@ end
 function tests.an_error_in_the_callback_is_contained(t)
   local srv <close> = server(routes)
   local ev = async.event()
-  assert(http.request({ url = srv.url .. "/hello", on_headers = function() error("boom in on_headers (expected in this test)") end },
+  assert(http.request({ url = srv.url .. "/hello",
+    on_headers = function() error("boom in on_headers (expected in this test)") end },
     function() ev.set(); error("boom in callback (expected in this test)") end))
   ev.wait()
   local res = assert(request({ url = srv.url .. "/hello" }))

@@ -40,7 +40,8 @@ local function engine(opts)
   engines_made = engines_made + 1
   -- a socket name of its own: lua/images.lua caches what it saw per engine socket (a
   -- table's address, as before, can come back once the table is collected)
-  local e = { socket = ("test:%d:%d"):format(loop.getpid(), engines_made), present = { [ROOTFS] = true }, labels = {}, builds = {} }
+  local e = { socket = ("test:%d:%d"):format(loop.getpid(), engines_made), present = { [ROOTFS] = true }, labels = {},
+    builds = {} }
   function e.image_inspect(self, ref)
     if self.present[ref] then return { id = ref, labels = self.labels[ref] or {} } end
     return nil, "inspect image: no such image", "ENOENT"

@@ -63,7 +63,8 @@ function tests.bad_descriptors_are_refused_naming_file_and_field(t)
   write(d.path, "badname.lua", GOOD:format("has space", "x"))
   write(d.path, "longname.lua", GOOD:format(("n"):rep(129), "x"))
   write(d.path, "noschema.lua", [[return { name = "a", description = "d", run = function() end }]])
-  write(d.path, "arrayschema.lua", [[return { name = "a", description = "d", inputSchema = { type = "array" }, run = function() end }]])
+  write(d.path, "arrayschema.lua",
+    [[return { name = "a", description = "d", inputSchema = { type = "array" }, run = function() end }]])
   write(d.path, "badprop.lua", [[return { name = "a", description = "d",
     inputSchema = { type = "object", properties = { x = { type = "strng" } } }, run = function() end }]])
   write(d.path, "norun.lua", [[return { name = "a", description = "d", inputSchema = { type = "object" } }]])

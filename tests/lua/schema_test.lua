@@ -115,7 +115,8 @@ function tests.local_refs(t)
 end
 
 function tests.unique_items(t)
-  t:eq(errors_of({ type = "array", uniqueItems = true }, decode('[1,2,1]')), "arguments[2]: duplicates item 0 (items must be unique)")
+  t:eq(errors_of({ type = "array", uniqueItems = true }, decode('[1,2,1]')),
+    "arguments[2]: duplicates item 0 (items must be unique)")
 end
 
 function tests.simple_patterns_are_checked(t)
