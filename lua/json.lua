@@ -84,4 +84,61 @@ function json.decode(s)
   return v
 end
 
+local SENTINEL = "\0demesne-empty-array\0"
+
+local function mark_arrays(t, depth)
+  if depth > 200 then return end
+  for k, x in pairs(t) do
+    if x == SENTINEL then t[k] = json.array()
+    elseif type(x) == "table" then mark_arrays(x, depth + 1) end
+  end
+end
+
+--- Decodes JSON text as json.decode does, but marks every empty JSON array with json.array,
+--- so that encoding the value again gives `[]` back (lua-cjson decodes `[]` and `{}` to the
+--- same empty table). For messages that are passed on unchanged, such as the tool listing of
+--- a proxied MCP server, whose inputSchema may hold `"required": []`.
+---@param s string
+---@return any|nil value, string|nil err
+function json.decode_arrays(s)
+  -- find each `[`, JSON whitespace, `]` outside strings (string.find jumps, so this is a
+  -- scan at C speed between the interesting characters)
+  local marks
+  local pos = 1
+  while true do
+    local i = s:find('["%[]', pos)
+    if not i then break end
+    if s:byte(i) == 34 then
+      local j = i + 1
+      while true do
+        local k = s:find('["\\]', j)
+        if not k then return json.decode(s) end -- an unterminated string: cjson says why
+        if s:byte(k) == 92 then j = k + 2 else pos = k + 1 break end
+      end
+    else
+      local close = s:match("^[ \t\r\n]*()%]", i + 1)
+      if close then
+        marks = marks or {}
+        marks[#marks + 1] = { i, close }
+        pos = close + 1
+      else
+        pos = i + 1
+      end
+    end
+  end
+  if not marks then return json.decode(s) end
+  local parts, last = {}, 1
+  for _, m in ipairs(marks) do
+    parts[#parts + 1] = s:sub(last, m[1] - 1)
+    parts[#parts + 1] = '"\\u0000demesne-empty-array\\u0000"'
+    last = m[2] + 1
+  end
+  parts[#parts + 1] = s:sub(last)
+  local v, err = json.decode(table.concat(parts))
+  if v == nil then return nil, err end
+  if v == SENTINEL then return json.array() end
+  if type(v) == "table" then mark_arrays(v, 0) end
+  return v
+end
+
 return json

@@ -6,6 +6,7 @@
 local async = require("demesne.async")
 local config = require("demesne.config")
 local jobs = require("demesne.jobs")
+local hostmcp = require("demesne.hostmcp")
 local log = require("demesne.log")
 local sandbox = require("demesne.sandbox")
 local http = require("demesne.mcp.http")
@@ -62,6 +63,11 @@ return function(args, opts)
   local reaper = start_reaper()
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
   jobs.start()
+  -- host MCP servers: their declaration problems are logged now; they start on first use
+  async.spawn("host MCP configuration", function()
+    local ok, err = pcall(hostmcp.load)
+    if not ok and err ~= async.CANCELLED then log.error("demesne.hostmcp", "%s", tostring(err)) end
+  end)
   local status
   if #addrs > 0 then
     status = http.serve({ addrs = addrs, allow_remote = allow_remote, fixtures = opts.fixtures })
@@ -69,6 +75,8 @@ return function(args, opts)
     status = stdio.serve({ fixtures = opts.fixtures })
   end
   jobs.stop()
+  -- no host MCP server outlives the server
+  hostmcp.shutdown_outside_task()
   async.cancel(reaper, "shutdown")
   return status
 end

@@ -16,7 +16,7 @@ local LAYERS = {
   -- 6: the command line, composition roots
   ["demesne.boot"] = 6, ["demesne.cli"] = 6, ["demesne.cmd"] = 6, ["demesne.doctor"] = 6, ["demesne.testing"] = 6,
   -- 5: the MCP session and its transports
-  ["demesne.mcp"] = 5,
+  ["demesne.mcp"] = 5, ["demesne.hostmcp"] = 5,
   -- 4: tools (loader, API, shared schemas)
   ["demesne.tools"] = 4, ["demesne.schemas"] = 4,
   -- 3: sandboxes, agent runs, jobs, and what they are built from
