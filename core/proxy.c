@@ -842,8 +842,8 @@ dm_proxy *dm_proxy_new(uv_loop_t *loop, const dm_proxy_opts *opts, const dm_prox
   p->server_open = 1;
   int r = uv_pipe_bind(&p->server, p->path);
   if (!r) r = uv_listen((uv_stream_t *)&p->server, 256, on_connection);
-  struct stat st;
-  if (!r && stat(p->path, &st) == 0) {
+  struct stat st; /* lstat: the socket's folder is the sandbox's to write, never follow a link */
+  if (!r && lstat(p->path, &st) == 0) {
     p->dev = st.st_dev;
     p->ino = st.st_ino;
   }
@@ -861,7 +861,7 @@ void dm_proxy_close(dm_proxy *p) {
   if (!p || p->closing) return;
   p->closing = 1;
   struct stat st; /* another server may have taken the path over since: leave its socket */
-  if (stat(p->path, &st) == 0 && st.st_dev == p->dev && st.st_ino == p->ino) unlink(p->path);
+  if (lstat(p->path, &st) == 0 && st.st_dev == p->dev && st.st_ino == p->ino) unlink(p->path);
   uv_close((uv_handle_t *)&p->server, server_closed);
   for (dm_proxy_conn *c = p->conns; c; c = c->next)
     if (c->state != C_CLOSING) conn_close(c, "ECANCELED", "the sandbox's proxy was closed");

@@ -401,15 +401,22 @@ function egress.start(o)
   local pol = o.policy or o.egress
   local h = setmetatable({ run_id = o.run_id, policy = pol, pending = {}, closed = false }, Handle)
   if pol.open then h.closed = true return h end
-  local logpath = o.output_dir .. "/egress.jsonl"
-  local st = fs.lstat(logpath)
-  if st and st.type ~= "file" then
-    return nil, ("egress: %s exists and is not a regular file (%s)"):format(logpath, st.type), "EEXIST"
-  end
-  local file, ferr, fcode = fs.open(logpath, "a")
+  -- the output and run folders are the sandbox's to write (and it runs already after a
+  -- server restart): every file in them is reached through a held folder, confined (no
+  -- link, no FIFO, never blocking; core.fs.dir)
+  local out, oerr, ocode = fs.opendir(o.output_dir)
+  if not out then return nil, "egress: " .. tostring(oerr), ocode end
+  local file, ferr, fcode = out:open("egress.jsonl", "a")
+  out:close()
   if not file then return nil, "egress: " .. tostring(ferr), fcode end
   h.file = file
-  fs.write_atomic(o.run_dir .. "/apt.conf", ("Acquire::http::Proxy \"http://127.0.0.1:%d\";\n"
+  local run, rerr, rcode = fs.opendir(o.run_dir)
+  if not run then
+    file:close()
+    return nil, "egress: " .. tostring(rerr), rcode
+  end
+  local _ <close> = run
+  run:write_atomic("apt.conf", ("Acquire::http::Proxy \"http://127.0.0.1:%d\";\n"
     .. "Acquire::https::Proxy \"http://127.0.0.1:%d\";\n"):format(egress.PORT, egress.PORT))
   local path = o.run_dir .. "/" .. egress.SOCKET_NAME
   local resolver = config.get("egress_resolver")
@@ -420,7 +427,7 @@ function egress.start(o)
     file:close()
     return nil, ("egress: cannot listen on %s: %s"):format(path, tostring(err)), code
   end
-  fs.chmod(path, 438) -- 0666: whatever user the image runs as can connect
+  run:chmod(egress.SOCKET_NAME, 438) -- 0666: whatever user the image runs as can connect
   h.listener = listener
   active[o.run_id] = h
   return h

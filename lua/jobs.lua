@@ -77,6 +77,16 @@ local service -- the sweep task of jobs.start
 local hex, now_ms, closer = util.hex, util.now_ms, util.closer
 local fail = errors.raise
 
+-- Is there anything at `rel` below the run folder `run_dir`? Looked up confined (no
+-- symlink, no ".."): the run folder is the sandbox's to write.
+local function exists_in(run_dir, rel)
+  local d = fs.opendir(run_dir)
+  if not d then return false end
+  local st = d:stat(rel)
+  d:close()
+  return st ~= nil
+end
+
 --- The folder of the job records: $DEMESNE_STATE_DIR/jobs.
 ---@return string
 function jobs.dir() return config.get("state_dir") .. "/jobs" end
@@ -310,7 +320,7 @@ local function launch_oneshot(ctx, o, fields, abandon)
     if not handed then
       sandbox.script_remove(o)
       if abandon then abandon() end
-      fs.remove_tree(o.run_dir)
+      sandbox.remove_tree(o.run_dir)
     end
   end)
   sandbox.script_start(ctx, o, { job_id = id, job_record = record_path(id) })
@@ -331,14 +341,14 @@ jobs.register("script", {
   end,
   -- o: a plan whose container sandbox.script_start has started
   run = function(job, o)
-    job.after = function() fs.remove_tree(o.run_dir) end
+    job.after = function() sandbox.remove_tree(o.run_dir) end
     return script_watch(job, o)
   end,
   attach = function(job)
     local rec = job.rec
     local o = { engine = sandbox.engine(), id = rec.container, run_dir = rec.run_dir, exec_id = rec.exec_id,
       output_dir = rec.output_dir }
-    job.after = function() fs.remove_tree(o.run_dir) end
+    job.after = function() sandbox.remove_tree(o.run_dir) end
     local info, err, ecode
     repeat info, err, ecode = o.engine:inspect(rec.container) until info or not engine_retry(ecode)
     if not info and ecode ~= "ENOENT" then return { status = "failed", reason = tostring(err) } end
@@ -382,7 +392,7 @@ local function exec_poll(job, eng)
     if age > (rec.timeout_seconds + 60) * 1000 then
       return exec_outcome(rec, "the command recorded no exit status within its timeout")
     end
-    if age > 60000 and not fs.lstat(rec.run_dir .. "/exec/" .. rec.exec_id .. "/pid") then
+    if age > 60000 and not exists_in(rec.run_dir, "exec/" .. rec.exec_id .. "/pid") then
       return exec_outcome(rec, "the command never started (the server stopped before it ran)")
     end
     async.sleep(poll_ms)
@@ -446,10 +456,10 @@ jobs.register("exec", {
     local _ <close> = closer(function()
       if not returned then pcall(jobs.cancel, rec.job_id, "the call that started it was cancelled") end
     end)
-    local dir = e.run_dir .. "/exec/" .. e.exec_id
+    local dir = "exec/" .. e.exec_id
     local deadline = loop.now() + 10000
     while rec.status == "running" and loop.now() < deadline
-      and not fs.lstat(dir .. "/pid") and not fs.lstat(dir .. "/status.json") do
+      and not exists_in(e.run_dir, dir .. "/pid") and not exists_in(e.run_dir, dir .. "/status.json") do
       async.sleep(20)
     end
     returned = true
@@ -834,20 +844,26 @@ end
 function jobs.read_stdout(rec, since, max)
   local final = TERMINAL[rec.status] == true -- decided before reading: a later byte is never missed
   local text, nxt, size = output.read_from(rec.output_dir, log_rel(rec, "stdout"), since, max, final)
+  if not text then fail("cannot read the job's output: " .. tostring(nxt), size) end
   return text, nxt, size, final and nxt >= size
 end
 
---- The last `max` bytes of a job's stdout.log (whole lines) and the log's size.
+--- The last `max` bytes of a job's stdout.log (whole lines) and the log's size. A log that
+--- cannot be read (anything but missing) fails naming it.
 function jobs.stdout_tail(rec, max)
-  return output.tail(rec.output_dir, log_rel(rec, "stdout"), max)
+  local text, size, code = output.tail(rec.output_dir, log_rel(rec, "stdout"), max)
+  if not text then fail("cannot read the job's output: " .. tostring(size), code) end
+  return text, size
 end
 
 --- The bounded head and tail of a job's stdout and stderr: stdout, stderr, truncated.
 function jobs.collect(rec)
   if rec.stdout_file then
     local head, tail = config.get("output_head_bytes"), config.get("output_tail_bytes")
-    local so, cut1 = output.view(rec.output_dir, rec.stdout_file, head, tail)
-    local se, cut2 = output.view(rec.output_dir, "stderr.log", head, tail)
+    local so, cut1, c1 = output.view(rec.output_dir, rec.stdout_file, head, tail)
+    if not so then fail("cannot read the job's output: " .. tostring(cut1), c1) end
+    local se, cut2, c2 = output.view(rec.output_dir, "stderr.log", head, tail)
+    if not se then fail("cannot read the job's output: " .. tostring(cut2), c2) end
     return so, se, cut1 or cut2
   end
   local rel = (rec.log_dir or rec.output_dir):sub(#rec.output_dir + 2)

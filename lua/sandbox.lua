@@ -230,22 +230,131 @@ function sandbox.oom_note(st, memory_mb)
     memory_mb and (" (its limit is %d MiB)"):format(math.floor(memory_mb)) or "")
 end
 
-local function read_status(run_dir, exec_id)
-  local f = fs.open_beneath(run_dir, "exec/" .. exec_id .. "/status.json")
-  if not f then return nil end
-  local s = f:read(65536)
-  f:close()
-  local st = json.decode(s or "")
-  return type(st) == "table" and st or nil -- written inside the sandbox: untrusted
+-- The largest status.json read; demesne-init writes well under 8 KiB.
+local STATUS_MAX = 65536
+
+-- An integer JSON number within [lo, hi] (JSON numbers decode as floats), or nil.
+local function int_in(v, lo, hi)
+  if type(v) ~= "number" or v ~= v or v < lo or v > hi or v ~= math.floor(v) then return nil end
+  return math.tointeger(v)
 end
 
--- Bounded stdout/stderr of one command, from its log files under the output folder.
+--- Checks a decoded status.json (demesne-init's record of one command, written inside the
+--- sandbox and therefore untrusted: core/init/run.c writes id, exit_code (0-255), signal
+--- (null or 1-64), timed_out, cancelled, started_at, finished_at, duration_ms (ms),
+--- oom_kills (optional), error (optional)). Returns a new table holding only well-typed
+--- fields, or nil and the first field that is wrong.
+---@param t any
+---@return table|nil status, string|nil why
+function sandbox.check_status(t)
+  if type(t) ~= "table" then return nil, "it is not a JSON object" end
+  local out = { exit_code = int_in(t.exit_code, 0, 255) }
+  if not out.exit_code then return nil, "exit_code is not an integer from 0 to 255" end
+  for _, k in ipairs({ "timed_out", "cancelled" }) do
+    if t[k] ~= nil and type(t[k]) ~= "boolean" then return nil, k .. " is not a boolean" end
+    out[k] = t[k] == true
+  end
+  if t.signal ~= nil and t.signal ~= json.null then
+    out.signal = int_in(t.signal, 1, 64)
+    if not out.signal then return nil, "signal is not null or an integer from 1 to 64" end
+  end
+  for _, k in ipairs({ "started_at", "finished_at", "duration_ms", "oom_kills" }) do
+    if t[k] ~= nil then
+      out[k] = int_in(t[k], 0, 2 ^ 53)
+      if not out[k] then return nil, k .. " is not a non-negative integer" end
+    end
+  end
+  if t.error ~= nil then
+    if type(t.error) ~= "string" or #t.error > 4096 then return nil, "error is not a string of at most 4096 bytes" end
+    out.error = t.error
+  end
+  return out
+end
+
+--- The exit status demesne-init recorded for one command (run_dir/exec/<exec_id>/status.json),
+--- read confined (no symlink, no FIFO, a regular file of at most 64 KiB) and checked field
+--- by field. Returns the status table, or nil when there is none (the command has not ended,
+--- or nothing was recorded). Any other failure (a FIFO, a link, a folder, a huge or
+--- malformed file, EMFILE) fails with a message naming the file: it never reads as
+--- "no status" or as success.
+---@param run_dir string
+---@param exec_id string
+---@return table|nil
+local function read_status(run_dir, exec_id)
+  local rel = "exec/" .. exec_id .. "/status.json"
+  local d, derr, dcode = fs.opendir(run_dir)
+  if not d then
+    if dcode == "ENOENT" then return nil end
+    fail(("cannot read the command's exit status: %s"):format(tostring(derr)), dcode)
+  end
+  local s, err, code = d:read(rel, STATUS_MAX)
+  d:close()
+  if not s then
+    if code == "ENOENT" then return nil end
+    fail(("cannot read the command's exit status: %s"):format(tostring(err)), code)
+  end
+  local t, jerr = json.decode(s)
+  local st, why = sandbox.check_status(t)
+  if not st then
+    if t == nil then why = "it is not JSON: " .. tostring(jerr) end
+    fail(("the command's exit status %s/%s is not valid (%s); it was written inside the sandbox"):format(run_dir, rel,
+      why), "EINVAL")
+  end
+  return st
+end
+
+-- Bounded stdout/stderr of one command, from its log files under the output folder. A log
+-- that cannot be read (anything but missing) fails: a result never shows it as empty.
 local function collect(output_dir, rel_dir)
   local head, tail = config.get("output_head_bytes"), config.get("output_tail_bytes")
   local prefix = rel_dir and (rel_dir .. "/") or ""
-  local so, cut1 = output.view(output_dir, prefix .. "stdout.log", head, tail)
-  local se, cut2 = output.view(output_dir, prefix .. "stderr.log", head, tail)
+  local so, cut1, c1 = output.view(output_dir, prefix .. "stdout.log", head, tail)
+  if not so then fail("cannot read the command's output: " .. tostring(cut1), c1) end
+  local se, cut2, c2 = output.view(output_dir, prefix .. "stderr.log", head, tail)
+  if not se then fail("cannot read the command's output: " .. tostring(cut2), c2) end
   return so, se, cut1 or cut2
+end
+
+local closer = util.closer
+
+--- Removes `name` (a file, a link or a folder with everything in it) from the held folder
+--- `dir` off the loop (dir:remove_tree: unlinkat on held descriptors, never through a
+--- link). Inside a task it waits for the removal; outside one it starts it and returns.
+--- Failures are logged and returned.
+---@param dir userdata  a core.fs.dir
+---@param name string
+---@return boolean|nil ok, string|nil err
+function sandbox.remove_in(dir, name)
+  local function start(cb)
+    local w, e, c = dir:remove_tree(name, cb)
+    if not w then cb(nil, e, c) end
+  end
+  local function report(ok, e)
+    if not ok then log.warning("demesne.sandbox", "remove %s: %s", name, tostring(e)) end
+    return ok, e
+  end
+  if not async.current() then
+    start(report)
+    return true
+  end
+  return report(async.await(start))
+end
+
+--- Removes a folder the host made but a sandbox could write (a run folder) with everything
+--- in it, as sandbox.remove_in does, from its parent folder. A missing folder is fine.
+---@param path string
+---@return boolean|nil ok, string|nil err
+function sandbox.remove_tree(path)
+  local parent, name = tostring(path):match("^(.*)/([^/]+)$")
+  if not parent then return nil, "not an absolute path: " .. tostring(path) end
+  local d, err, code = fs.opendir(parent ~= "" and parent or "/")
+  if not d then
+    if code == "ENOENT" then return true end
+    log.warning("demesne.sandbox", "remove %s: %s", path, tostring(err))
+    return nil, err
+  end
+  local _ <close> = d
+  return sandbox.remove_in(d, name)
 end
 
 local function prepare(args, kind, tool, ttl)
@@ -382,7 +491,7 @@ function sandbox.run_script(ctx, args)
   -- the container goes on success, failure, timeout and cancel alike
   local _ <close> = util.closer(function()
     sandbox.script_remove(o)
-    fs.remove_tree(o.run_dir)
+    sandbox.remove_tree(o.run_dir)
   end)
   sandbox.script_start(ctx, o)
   local _hb <close> = progress.heartbeat(ctx)
@@ -412,7 +521,7 @@ function sandbox.create(ctx, args)
   if not ok then
     o.engine:remove(id)
     eg:stop()
-    fs.remove_tree(o.run_dir)
+    sandbox.remove_tree(o.run_dir)
     fail(err)
   end
   local expires = math.floor(loop.time()) + ttl
@@ -602,10 +711,6 @@ function sandbox.exec(ctx, args)
   return sandbox.exec_result(e, code, math.floor((loop.hrtime() - started) / 1e6))
 end
 
-local function temp_guard(path)
-  return util.closer(function() fs.remove_tree(path) end)
-end
-
 -- Runs argv (no shell) in a persistent sandbox through demesne-init and waits for it.
 -- Returns exit_code, stderr text (bounded). Used for file transfers.
 local function run_quiet(eng, sb, argv)
@@ -619,9 +724,12 @@ local function run_quiet(eng, sb, argv)
     sandbox.check_alive(eng, sb.labels[LABEL .. "run_id"])
     fail("file transfer failed: " .. tostring(err))
   end
+  local run = check(fs.opendir(sb.run_dir))
+  local _ <close> = run
+  local _rm <close> = closer(function() sandbox.remove_in(run, "exec/" .. id) end)
   local st = read_status(sb.run_dir, id)
-  local msg = output.view(sb.run_dir, "exec/" .. id .. "/stderr.log", 2048, 2048)
-  fs.remove_tree(sb.run_dir .. "/exec/" .. id)
+  local msg, merr = output.view(sb.run_dir, "exec/" .. id .. "/stderr.log", 2048, 2048)
+  if not msg then fail("file transfer: " .. tostring(merr)) end
   return st and st.exit_code or code, (msg:gsub("%s+$", "")), st
 end
 
@@ -640,35 +748,55 @@ end
 -- Transfers go through a tar in the sandbox's run folder (bind-mounted at /.demesne/run)
 -- and the image's own tar, not the engine's archive API: Docker's archive API neither
 -- sees nor writes tmpfs mounts (/tmp, /workspace), where an upload would vanish.
-local function xfer_paths(sb)
+-- The sandbox can write that folder while the host works in it, so the host holds the
+-- xfer folder by descriptor (core.fs.dir) and touches the tar only through it. Returns
+-- the held folder (closed, with the tar removed, when the returned guard closes), the
+-- tar's name in it and its path inside the sandbox.
+local function xfer_dir(sb)
+  local run = check(fs.opendir(sb.run_dir))
+  local ok, err, code = run:mkdir("xfer", 448) -- 0700
+  if not ok and code ~= "EEXIST" then
+    run:close()
+    fail("file transfer: " .. tostring(err), code)
+  end
+  local x, xerr = run:opendir("xfer")
+  run:close()
+  if not x then
+    fail(("file transfer refused: the sandbox's run folder has an xfer entry that is not a plain folder; "
+      .. "refusing to work through it (%s)"):format(tostring(xerr)))
+  end
   local name = hex(loop.random(8)) .. ".tar"
-  check(fs.mkdir_p(sb.run_dir .. "/xfer", 448)) -- 0700
-  return sb.run_dir .. "/xfer/" .. name, RUN .. "/xfer/" .. name
+  local guard = closer(function()
+    x:unlink(name)
+    x:close()
+  end)
+  return x, name, RUN .. "/xfer/" .. name, guard
+end
+
+-- Waits inside the current task for a core.* work started by `start(cb)` (which returns
+-- a core.fs.work, or nil, msg, code). Cancelling the task cancels the work.
+local function await_work(start)
+  return async.await(function(cb)
+    local w, err, code = start(cb)
+    if not w then
+      cb(nil, err, code)
+      return nil
+    end
+    return function() w:cancel() end
+  end)
+end
+
+-- Bytes of the tar the sandbox may write for a download of at most `max` bytes of files:
+-- room for headers (512 B per entry, pax records for long names) on top of the data.
+local function download_tar_cap(max)
+  return max + math.max(64 * 1024 * 1024, max // 8)
 end
 
 --- Copies a host file or folder into a sandbox (sandbox_upload).
 --- args: sandbox_id, src (host path inside an allowed root), dst (absolute path in the sandbox).
--- The bytes of the regular files under `path` (symlinks not followed), counting stops once
--- over `limit`: what archive.pack would copy. Sparse files count their full size, as the
--- archive holds them in full.
-local function tree_bytes(path, limit)
-  local total = 0
-  local function walk(p)
-    local st = fs.lstat(p)
-    if not st then return end
-    if st.type == "file" then
-      total = total + (st.size or 0)
-    elseif st.type == "directory" then
-      for _, n in ipairs(fs.readdir(p) or {}) do
-        if total > limit then return end
-        walk(p .. "/" .. n)
-      end
-    end
-  end
-  walk(path)
-  return total
-end
-
+--- The tar is packed off the loop into a file created O_EXCL in the held xfer folder;
+--- src is walked by descriptors (never through a link) and its files' sizes (sparse files
+--- count in full) are summed against upload_max_bytes before anything is written.
 function sandbox.upload(ctx, args)
   local eng = sandbox.engine()
   local src = check(paths.check("src", args.src, "any"))
@@ -697,14 +825,22 @@ function sandbox.upload(ctx, args)
     if code ~= 0 then transfer_failure(eng, sb, "checking dst in the sandbox", code, msg, st) end
   end
   local max = config.get("upload_max_bytes")
-  local size = tree_bytes(src, max)
-  if size > max then
-    fail(("src: %s holds more than %s bytes of files, over upload_max_bytes (%s); raise it with "
-      .. "DEMESNE_UPLOAD_MAX_BYTES or upload less"):format(src, sandbox.num(max), sandbox.num(max)))
+  local xfer, name, sandbox_tar, guard = xfer_dir(sb)
+  local _ <close> = guard
+  local f <close>, ferr, fcode = xfer:open(name, "wx", 420) -- 0644
+  if not f then fail("file transfer: " .. tostring(ferr), fcode) end
+  local stats, perr, pcode = await_work(function(cb)
+    return archive.pack_to(f, { { src = src, name = base } }, { max_bytes = max, max_entries = 1000000, strict = true },
+      cb)
+  end)
+  f:close()
+  if not stats then
+    if pcode == "E2BIG" and tostring(perr):find("max_bytes", 1, true) then
+      fail(("src: %s holds more than %s bytes of files, over upload_max_bytes (%s); raise it with "
+        .. "DEMESNE_UPLOAD_MAX_BYTES or upload less"):format(src, sandbox.num(max), sandbox.num(max)))
+    end
+    fail(("src: %s cannot be packed: %s"):format(src, tostring(perr)), pcode)
   end
-  local host_tar, sandbox_tar = xfer_paths(sb)
-  local _ <close> = temp_guard(host_tar)
-  local stats = check(archive.pack(host_tar, { { src = src, name = base } }))
   -- --no-overwrite-dir: uploading into an existing folder (/tmp) keeps its mode and owner
   local code, msg, st = run_quiet(eng, sb, { "tar", "-x", "--no-same-owner", "--no-overwrite-dir", "-f", sandbox_tar, "-C", parent })
   if code ~= 0 then
@@ -721,8 +857,14 @@ function sandbox.upload(ctx, args)
 end
 
 --- Copies a file or folder out of a sandbox into <output_dir>/downloads/<basename>
---- (sandbox_download). Entries with absolute paths, "..", or links leading outside are
---- refused; the unpacked size is capped by download_max_bytes.
+--- (sandbox_download). The sandbox's own tar writes the archive into its run folder (at
+--- most download_max_bytes plus room for headers: RLIMIT_FSIZE through `ulimit -f`); the
+--- host opens it through the held xfer folder (a regular file only) and extracts it off the
+--- loop into a fresh staging folder under the held downloads folder, writing every entry
+--- itself on held descriptors. Entries with absolute paths, "..", links leading outside,
+--- devices, or more than 256 levels are refused; the unpacked size is capped by
+--- download_max_bytes while writing (holes of sparse files count). The result is then
+--- renamed into place within the held downloads folder.
 function sandbox.download(ctx, args)
   local eng = sandbox.engine()
   local src = args.src
@@ -741,30 +883,55 @@ function sandbox.download(ctx, args)
   if not base or base == "." then fail("src: must name a file or folder (not / and not ending in /.)") end
   if parent == "" then parent = "/" end
   local sb = sandbox.lookup(eng, args.sandbox_id)
-  -- the sandbox can write its own /out: never follow a link it planted there
-  local dl = sb.output_dir .. "/downloads"
-  local st = fs.lstat(dl)
-  if st and st.type ~= "directory" then
-    fail(("the sandbox's output folder has a downloads entry that is not a plain folder (%s); refusing to write through it"):format(st.type))
+  local max = config.get("download_max_bytes")
+  local cap = download_tar_cap(max)
+  -- the sandbox can write its own /out: the downloads folder is held by descriptor and
+  -- never followed through a link it planted there
+  local out = check(fs.opendir(sb.output_dir))
+  local _o <close> = out
+  local mk, merr, mcode = out:mkdir("downloads", 493) -- 0755 (Lua has no octal literals)
+  if not mk and mcode ~= "EEXIST" then fail("download: " .. tostring(merr), mcode) end
+  local dl, derr = out:opendir("downloads")
+  if not dl then
+    fail(("the sandbox's output folder has a downloads entry that is not a plain folder; refusing to write "
+      .. "through it (%s)"):format(tostring(derr)))
   end
-  local host_tar, sandbox_tar = xfer_paths(sb)
-  local _ <close> = temp_guard(host_tar)
-  local code, msg, xst = run_quiet(eng, sb, { "tar", "-c", "-f", sandbox_tar, "-C", parent, "--", base })
+  local _d <close> = dl
+  local xfer, name, sandbox_tar, guard = xfer_dir(sb)
+  local _x <close> = guard
+  -- ulimit -f counts 512-byte blocks (POSIX sh): tar is stopped (SIGXFSZ) at the cap
+  local code, msg, xst = run_quiet(eng, sb, { "/bin/sh", "-c", 'ulimit -f "$1" && shift && exec tar "$@"', "sh",
+    tostring(cap // 512 + 1), "-c", "-f", sandbox_tar, "-C", parent, "--", base })
   if code ~= 0 then
     if msg:find("No such file", 1, true) then fail(("src: %s does not exist in the sandbox"):format(src)) end
+    if code == 128 + 25 or msg:find("File too large", 1, true) then
+      fail(("src: %s holds more than download_max_bytes (%s bytes) of files and archive headers; raise it with "
+        .. "DEMESNE_DOWNLOAD_MAX_BYTES or download less"):format(src, sandbox.num(max)), "E2BIG")
+    end
     transfer_failure(eng, sb, "download of " .. src, code, msg, xst)
   end
-  local tst = fs.lstat(host_tar)
-  if not tst or tst.type ~= "file" then fail("download refused: the archive written in the sandbox is not a regular file") end
-  check(fs.mkdir_p(dl, 493)) -- 0755 (Lua has no octal literals)
-  local staging = dl .. "/.incoming-" .. hex(loop.random(6))
-  local _s <close> = temp_guard(staging)
-  local stats, xerr = archive.extract(host_tar, staging, { max_bytes = config.get("download_max_bytes"), max_entries = 100000 })
-  if not stats then fail("download refused: " .. tostring(xerr)) end
-  local target = dl .. "/" .. base
-  if fs.lstat(target) then fs.remove_tree(target) end
-  check(fs.rename(staging .. "/" .. base, target))
-  return { sandbox_id = args.sandbox_id, src = src, path = target, files = stats.files, bytes = stats.bytes }
+  local tar, terr = xfer:open(name, "r")
+  if not tar then fail("download refused: the archive written in the sandbox cannot be read: " .. tostring(terr)) end
+  local _t <close> = tar
+  local staging = ".incoming-" .. hex(loop.random(6))
+  local stats, xerr, xcode = await_work(function(cb)
+    return archive.extract_at(tar, dl, staging, { max_bytes = max, max_entries = 100000, max_archive_bytes = cap }, cb)
+  end)
+  if not stats then fail("download refused: " .. tostring(xerr), xcode) end
+  -- the extraction removed its folder on failure; after success it goes here
+  local _s <close> = closer(function() sandbox.remove_in(dl, staging) end)
+  local moved, rerr, rcode
+  for _ = 1, 3 do -- the sandbox may put something at the target again meanwhile
+    sandbox.remove_in(dl, base)
+    moved, rerr, rcode = dl:rename(staging .. "/" .. base, dl, base, true)
+    if moved or (rcode ~= "EEXIST" and rcode ~= "ENOTEMPTY") then break end
+  end
+  if not moved then
+    if rcode == "ENOENT" then fail(("download refused: the archive from the sandbox does not hold %s"):format(base)) end
+    fail("download: cannot move the result into place: " .. tostring(rerr), rcode)
+  end
+  return { sandbox_id = args.sandbox_id, src = src, path = sb.output_dir .. "/downloads/" .. base, files = stats.files,
+    bytes = stats.bytes }
 end
 
 --- Destroys a persistent sandbox. Idempotent: a gone sandbox is success, with status
@@ -782,7 +949,7 @@ function sandbox.destroy(ctx, args)
   if not removed then fail(how) end
   egress.stop(args.sandbox_id)
   if sb.run_dir then
-    fs.remove_tree(sb.run_dir)
+    sandbox.remove_tree(sb.run_dir)
     local ef = expiry_file(sb.run_dir)
     if ef then os.remove(ef) end
   end
@@ -842,7 +1009,7 @@ function sandbox.reap()
         if l[LABEL .. "run_id"] then egress.stop(l[LABEL .. "run_id"]) end
         local rd = l[LABEL .. "run_dir"]
         if rd and paths.within(rd, config.get("state_dir") .. "/run") then
-          fs.remove_tree(rd)
+          sandbox.remove_tree(rd)
           os.remove(expiry_file(rd))
         end
         log.info("demesne.reaper", "removed %s (%s)", l[LABEL .. "run_id"] or c.id, expired and "expired" or "owner gone")

@@ -11,6 +11,7 @@ local jobs = require("demesne.jobs")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local providers = require("demesne.providers")
+local sandbox = require("demesne.sandbox")
 local util = require("demesne.util")
 local vendor = require("demesne.vendor")
 
@@ -36,10 +37,16 @@ function kind.start(ctx, args, tool)
   }, function() if o.vendor then o.vendor:stop() end end)
 end
 
--- Writes results.json (agent.finish) and logs instead of raising: the job's outcome stands.
-local function finish(rec, o, code, err, duration_ms, reason)
-  local ok, why = pcall(agent.finish, o, code, err, duration_ms, reason)
-  if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(why)) end
+-- Writes results.json (agent.finish), logging instead of raising: the job's outcome
+-- stands, except that a run whose results demesne could not read (a FIFO, a link, a
+-- malformed status.json: the sandbox writes them) did not succeed.
+local function finish(rec, o, out, duration_ms, reason)
+  local ok, r, read_error = pcall(agent.finish, o, out and out.exit_code, out and out.reason, duration_ms, reason)
+  if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(r)) end
+  if ok and read_error and out and out.status == "succeeded" then
+    return { status = "failed", exit_code = out.exit_code, reason = r.reason }
+  end
+  return out
 end
 
 --- Watches a job this server started (in the job's task).
@@ -48,7 +55,7 @@ end
 ---@return JobOutcome
 function kind.run(job, o)
   job.after = function()
-    fs.remove_tree(o.run_dir)
+    sandbox.remove_tree(o.run_dir)
     vendor.forget(o.run_id)
   end
   local started = now_ms()
@@ -57,13 +64,12 @@ function kind.run(job, o)
   -- held requests and timers with it) and results.json says the run was cancelled
   local _ <close> = closer(function()
     if finished then return end
-    finish(job.rec, o, nil, nil, now_ms() - started, "cancelled: " .. tostring(job.cancel_reason or "cancelled"))
+    finish(job.rec, o, nil, now_ms() - started, "cancelled: " .. tostring(job.cancel_reason or "cancelled"))
     if o.vendor then o.vendor:stop() end
   end)
   local out = script.watch(job, o)
   finished = true
-  finish(job.rec, o, out.exit_code, out.reason, now_ms() - started)
-  return out
+  return finish(job.rec, o, out, now_ms() - started)
 end
 
 --- Re-attaches to a job a server that is gone left running: the vendor route is started
@@ -92,7 +98,7 @@ function kind.attach(job)
   local finished = false
   local _ <close> = closer(function()
     if finished or not route then return end
-    finish(rec, o, nil, nil, now_ms() - rec.started_ms, "cancelled: " .. tostring(job.cancel_reason or "cancelled"))
+    finish(rec, o, nil, now_ms() - rec.started_ms, "cancelled: " .. tostring(job.cancel_reason or "cancelled"))
     route:stop()
     vendor.forget(rec.run_id)
   end)
@@ -103,7 +109,7 @@ function kind.attach(job)
     if after then after() end
     vendor.forget(rec.run_id)
   end
-  if route then finish(rec, o, out.exit_code, out.reason, now_ms() - rec.started_ms) end
+  if route then out = finish(rec, o, out, now_ms() - rec.started_ms) end
   return out
 end
 
@@ -111,17 +117,31 @@ local RESULT_FIELDS = { "answer", "reason", "cost_usd", "usage", "rate_limited",
   "is_error" }
 
 --- An ended agent job's result, from results.json in its output folder (written by
---- agent.finish; read without following links, at most 256 KiB), reduced to the fields a
---- job's view carries. nil when there is none.
+--- agent.finish; read confined: no link followed, a regular file of at most 256 KiB),
+--- reduced to the fields a job's view carries. nil when there is none; {is_error = true,
+--- reason} when it cannot be read or is not a JSON object (the sandbox can write its
+--- output folder).
 ---@param rec JobRecord
 ---@return table|nil
 function kind.result(rec)
-  local f = rec.output_dir and fs.open_beneath(rec.output_dir, "results.json")
-  if not f then return nil end
-  local text = f:read(256 * 1024)
-  f:close()
-  local ok, r = pcall(json.decode, text or "")
-  if not ok or type(r) ~= "table" then return nil end
+  if type(rec.output_dir) ~= "string" then return nil end
+  local d, derr, dcode = fs.opendir(rec.output_dir)
+  if not d and dcode == "ENOENT" then return nil end
+  local text, err, code
+  if d then
+    text, err, code = d:read("results.json", 256 * 1024)
+    d:close()
+  else
+    err, code = derr, dcode
+  end
+  if not text then
+    if code == "ENOENT" then return nil end
+    return { is_error = true, reason = "cannot read results.json: " .. tostring(err) }
+  end
+  local ok, r = pcall(json.decode, text)
+  if not ok or type(r) ~= "table" then
+    return { is_error = true, reason = "results.json in the output folder is not a JSON object" }
+  end
   local out = {}
   for _, k in ipairs(RESULT_FIELDS) do
     if r[k] ~= nil and r[k] ~= json.null then out[k] = r[k] end

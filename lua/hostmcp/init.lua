@@ -47,6 +47,7 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local client = require("demesne.mcp.client")
 local hconfig = require("demesne.hostmcp.config")
+local util = require("demesne.util")
 local fs = require("core.fs")
 local loop = require("core.loop")
 local timer = require("core.timer")
@@ -72,10 +73,7 @@ local listeners = {}
 
 local function ms_setting(name) return math.floor((config.get(name) or 1) * 1000) end
 
-local function iso_now()
-  local t = loop.time()
-  return os.date("!%Y-%m-%dT%H:%M:%S", math.floor(t)) .. (".%03dZ"):format(math.floor((t % 1) * 1000))
-end
+local iso_now = util.iso_now
 
 --- The declared servers (lua/hostmcp/config.lua's load() result), read once and kept until
 --- hostmcp.shutdown(). Inside a task (Codex import runs a helper process).
@@ -388,10 +386,10 @@ function hostmcp.list_tools(server)
   if up.idle_timer then up.idle_timer:close(); up.idle_timer = nil end
   local tools, lerr, lcode
   do
-    local _ <close> = setmetatable({}, { __close = function()
+    local _ <close> = util.closer(function()
       up.inflight = up.inflight - 1
       up:arm_idle()
-    end })
+    end)
     tools, lerr, lcode = up:listing(false, up.decl.timeout_ms or ms_setting("host_mcp_timeout_seconds"))
   end
   if not tools then return nil, lerr, lcode end
@@ -424,22 +422,13 @@ end
 -- sandbox that swaps the file for a FIFO between the lstat and the open could still make
 -- the open wait for a reader; core.fs.dir closes that.
 local function open_record_file(output_dir)
-  local real = fs.realpath(output_dir)
-  local want = output_dir:gsub("/+$", "")
-  if real ~= want then
-    return nil, ("%s: not a folder reached without symlinks"):format(output_dir), "ELOOP"
-  end
-  local st = fs.lstat(output_dir)
-  if not st or st.type ~= "directory" then return nil, output_dir .. ": not a folder", "ENOTDIR" end
-  local path = want .. "/" .. hostmcp.RECORD_FILE
-  local f, err, code = fs.open(path, "wx", 420) -- 0644
-  if f then return f end
-  if code ~= "EEXIST" then return nil, err, code end
-  local fst = fs.lstat(path)
-  if not fst or fst.type ~= "file" then
-    return nil, ("%s exists and is not a regular file (%s)"):format(path, fst and fst.type or "gone"), "EINVAL"
-  end
-  return fs.open(path, "a")
+  -- the output folder is the sandbox's /out: held by descriptor, no link followed, a FIFO
+  -- or anything but a regular file at mcp.jsonl refused without being opened
+  local dir, err, code = fs.opendir(output_dir)
+  if not dir then return nil, err, code end
+  local f, ferr, fcode = dir:open(hostmcp.RECORD_FILE, "a", 420) -- 0644
+  dir:close()
+  return f, ferr, fcode
 end
 
 --- Appends one JSON line to <output_dir>/mcp.jsonl. `entry`: {server, tool, duration_ms,
@@ -518,10 +507,10 @@ function hostmcp.call(server, tool, arguments, opts)
 
   up.inflight = up.inflight + 1
   if up.idle_timer then up.idle_timer:close(); up.idle_timer = nil end
-  local _ <close> = setmetatable({}, { __close = function()
+  local _ <close> = util.closer(function()
     up.inflight = up.inflight - 1
     up:arm_idle()
-  end })
+  end)
 
   -- starting the server has its own bound (host_mcp_startup_timeout_seconds); the call's
   -- bound covers the listing and the call

@@ -34,6 +34,7 @@ local log = require("demesne.log")
 local server = require("demesne.mcp.server")
 local mcp_transport = require("demesne.mcp.transport")
 local stdio = require("demesne.mcp.stdio")
+local util = require("demesne.util")
 local tools = require("demesne.tools")
 local fs = require("core.fs")
 local httpd = require("core.httpd")
@@ -54,7 +55,6 @@ local SSE_HEADERS = { ["Content-Type"] = "text/event-stream", ["Cache-Control"] 
   ["X-Accel-Buffering"] = "no" }
 local JSON_TYPE = "application/json"
 
-local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
 
 --------------------------------------------------------------------------------------------
 -- Addresses and the token
@@ -118,7 +118,7 @@ function http.token(create)
     return nil, path
   end
   local ok, err = fs.mkdir_p(config.get("state_dir"), 448)
-  if ok then ok, err = fs.write_atomic(path, hex(loop.random(32)) .. "\n", 384) end
+  if ok then ok, err = fs.write_atomic(path, util.random_hex(32) .. "\n", 384) end
   if not ok then return nil, ("cannot write %s: %s"):format(path, tostring(err)) end
   log.notice(LOGGER, "generated a bearer token in %s", path)
   return http.token(false)
@@ -230,7 +230,7 @@ function http.start(o)
       self.nsessions = self.nsessions - 1
       victim.srv:close()
     end
-    local sess = { id = hex(loop.random(16)), listener = listener, seen = loop.now() }
+    local sess = { id = util.random_hex(16), listener = listener, seen = loop.now() }
     sess.srv = server.new({ transport = session_transport(sess), registry = o.registry,
       max_message_bytes = o.max_message_bytes, listener = listener })
     self.sessions[sess.id] = sess

@@ -29,6 +29,7 @@ local schema = require("demesne.jsonschema")
 local tasks = require("demesne.mcp.tasks")
 local resources = require("demesne.mcp.resources")
 local transport = require("demesne.mcp.transport")
+local util = require("demesne.util")
 local loop = require("core.loop")
 local timer = require("core.timer")
 local text = require("core.text")
@@ -745,7 +746,7 @@ modern["subscriptions/listen"] = function(self, params, entry)
   local stop = async.event()
   entry.listen = { stop = stop }
   subscriptions[entry] = { server = self, uris = uris }
-  local _ <close> = setmetatable({}, { __close = function() subscriptions[entry] = nil end })
+  local _ <close> = util.closer(function() subscriptions[entry] = nil end)
   -- a job named by URI that has already ended gets its update at once
   for _, uri in ipairs(uris) do
     local id = resources.job_of(uri)
