@@ -41,6 +41,7 @@ typedef struct listener {
   char *token;
   char **hosts;
   size_t nhosts;
+  int relay_pending; /* relay connections waiting for their handed socket (RELAY_PENDING_MAX) */
 } listener;
 
 typedef struct span {
@@ -999,7 +1000,11 @@ static void on_connection(uv_stream_t *server, int status) {
 /* Relay listeners: demesne-init's relay in a sandbox connects to the unix socket and hands
  * over the TCP socket it accepted (SCM_RIGHTS, with one byte), then hangs up. The handed
  * socket becomes an HTTP connection of the listener, so its identity is the socket it came
- * through, never anything the client says. */
+ * through, never anything the client says. A sandbox can also connect to the socket itself
+ * and send nothing: at most RELAY_PENDING_MAX such connections per listener are kept (each
+ * holds a descriptor), later ones are closed at once (as core.stream.listen_relay does). */
+#define RELAY_PENDING_MAX 16
+
 struct relay {
   uv_pipe_t pipe; /* first member: the close callback frees the struct */
   listener *l;
@@ -1009,6 +1014,7 @@ struct relay {
 static void relay_closed(uv_handle_t *h) {
   struct relay *r = (struct relay *)h;
   dm_httpd *s = r->l->s;
+  r->l->relay_pending--;
   if (r->prev) r->prev->next = r->next;
   else s->relays = r->next;
   if (r->next) r->next->prev = r->prev;
@@ -1046,7 +1052,9 @@ static void on_relay_connection(uv_stream_t *server, int status) {
   r->next = s->relays;
   if (s->relays) s->relays->prev = r;
   s->relays = r;
-  if (uv_accept(server, (uv_stream_t *)&r->pipe) != 0 ||
+  l->relay_pending++;
+  /* every path takes the connection: libuv accepts no other until it is taken */
+  if (uv_accept(server, (uv_stream_t *)&r->pipe) != 0 || l->relay_pending > RELAY_PENDING_MAX ||
       uv_read_start((uv_stream_t *)&r->pipe, relay_alloc, relay_read) != 0)
     uv_close((uv_handle_t *)&r->pipe, relay_closed);
 }

@@ -9,6 +9,7 @@
 -- After the run, results.json in the output folder holds the result the tool returns.
 local config = require("demesne.config")
 local errors = require("demesne.errors")
+local egress = require("demesne.egress")
 local fs = require("core.fs")
 local json = require("demesne.json")
 local log = require("demesne.log")
@@ -259,6 +260,11 @@ function agent.prepare(args, tool, kind)
     args.egress = args.egress or "none"
     if args.egress ~= "none" and args.egress ~= "package-managers" then
       fail(("egress: %q is not permitted for sandbox_agent (none or package-managers)"):format(args.egress))
+    end
+    -- by property, not by name: a user file may replace package-managers with an open policy
+    if egress.is_unrestricted(args.egress) then
+      fail(("egress: the policy %q gives open egress (a bridge network, or a rule for any host), which "
+        .. "sandbox_agent does not run with; sandbox_research is the open-network agent"):format(args.egress))
     end
   end
   if args.output_path and (args.output_path:find("^/") or args.output_path:find("%.%.")) then

@@ -86,6 +86,16 @@ local SPEC = {
     doc = "ceiling on the unpacked size of one sandbox_download" },
   upload_max_bytes = { env = "DEMESNE_UPLOAD_MAX_BYTES", default = 4 * 1024 * 1024 * 1024, number = true,
     doc = "ceiling on the size of the files one sandbox_upload copies (sparse files count in full)" },
+  egress_max_connections = { env = "DEMESNE_EGRESS_MAX_CONNECTIONS", default = 256, number = true,
+    doc = "connections one sandbox may hold open through its egress proxy at once; more are answered 503" },
+  sandbox_max_descriptors = { env = "DEMESNE_SANDBOX_MAX_DESCRIPTORS", default = 1024, number = true,
+    doc = "descriptors one sandbox's egress connections may make the server hold (a CONNECT tunnel holds 6); "
+      .. "sized so that many sandboxes at their ceiling stay under the server's open-file limit" },
+  vendor_max_connections = { env = "DEMESNE_VENDOR_MAX_CONNECTIONS", default = 32, number = true,
+    doc = "connections one agent sandbox may hold open on its vendor (model API) route at once; more are answered 503" },
+  exec_grace_seconds = { env = "DEMESNE_EXEC_GRACE_SECONDS", default = 30, number = true,
+    doc = "seconds the host waits for a sandbox beyond a command's own timeout (and for demesne-init kill) before "
+      .. "it calls the sandbox unresponsive and stops it" },
   reap_interval = { default = 300, number = true, doc = "seconds between reaper passes" },
   progress_interval = { env = "DEMESNE_PROGRESS_INTERVAL", default = 10, number = true,
     doc = "seconds between notifications/progress while a call waits (when the caller sent a progressToken)" },

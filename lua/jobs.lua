@@ -389,8 +389,13 @@ local function exec_poll(job, eng)
       return exec_outcome(rec, ("sandbox %s stopped before the command recorded an exit status"):format(rec.sandbox_id))
     end
     local age = now_ms() - rec.started_ms
-    if age > (rec.timeout_seconds + 60) * 1000 then
-      return exec_outcome(rec, "the command recorded no exit status within its timeout")
+    if age > sandbox.deadline_ms(rec.timeout_seconds) then
+      -- demesne-init enforces the timeout inside: a record still missing now means it does
+      -- not answer (stopped or hung), and the sandbox is stopped
+      st = sandbox.read_status(rec.run_dir, rec.exec_id)
+      if st then return outcome_of(st, rec.timeout_seconds) end
+      return { status = "failed", reason = sandbox.stop_unresponsive(eng, rec.container, rec.sandbox_id,
+        ("the command recorded no exit status within its timeout (%d s) plus the grace"):format(rec.timeout_seconds)) }
     end
     if age > 60000 and not exists_in(rec.run_dir, "exec/" .. rec.exec_id .. "/pid") then
       return exec_outcome(rec, "the command never started (the server stopped before it ran)")
@@ -404,7 +409,9 @@ local function exec_watch(job, eng, first_run, e)
   local finished = false
   -- a cancel kills the command's whole process group inside the sandbox
   local _ <close> = closer(function()
-    if not finished then sandbox.exec_kill(eng, rec.container, "/.demesne/run/exec/" .. rec.exec_id) end
+    if finished then return end
+    local _, kerr, kcode = sandbox.exec_kill(eng, rec.container, "/.demesne/run/exec/" .. rec.exec_id, rec.sandbox_id)
+    if kcode == "ETIMEDOUT" then job.cancel_reason = (job.cancel_reason or "cancelled") .. "; " .. tostring(kerr) end
   end)
   local out
   if first_run then
@@ -422,6 +429,9 @@ local function exec_watch(job, eng, first_run, e)
             reason = "demesne-init recorded no exit status" }
         end
       end
+    elseif ecode == "ETIMEDOUT" and not sandbox.read_status(rec.run_dir, rec.exec_id) then
+      out = { status = "failed", reason = sandbox.stop_unresponsive(eng, rec.container, rec.sandbox_id,
+        ("the command did not end within its timeout (%d s) plus the grace"):format(rec.timeout_seconds)) }
     elseif ecode == "ENOENGINE" then
       out = exec_poll(job, eng) -- the engine went away: the command may well still run
     else

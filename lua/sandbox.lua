@@ -6,6 +6,8 @@
 --   <state_dir>/run/<run id>/            = /.demesne/run (exec records written by demesne-init)
 --   <state_dir>/expiry/<run id>          = renewed expiry (labels are immutable; kept outside
 --                                          the run folder, which the sandbox can write)
+--   <state_dir>/claims/<run id>          = {engine, owner} of the run folder, for the reaper
+--                                          (also outside the sandbox's reach)
 local async = require("demesne.async")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
@@ -69,6 +71,11 @@ local function owner_alive(owner)
   local host, pid, start = tostring(owner):match("^(.*)/(%d+)/(%d+)$")
   if not host then return false end
   if host ~= loop.hostname() then return true end -- another host's: not ours to judge
+  -- only a process that is not there is gone: a server out of descriptors (EMFILE) that
+  -- cannot open /proc must not take live servers for dead and reap their sandboxes
+  local f, _, errno = io.open("/proc/" .. pid .. "/stat")
+  if not f then return errno ~= 2 and errno ~= 3 end -- ENOENT, ESRCH: gone
+  f:close()
   return proc_start(pid) == start
 end
 
@@ -185,6 +192,8 @@ local function container_spec(o)
     [LABEL .. "run_dir"] = o.run_dir,
     [LABEL .. "image"] = o.image_name,
     [LABEL .. "egress"] = o.egress and o.egress.name or "none",
+    -- open egress is a property of the policy, kept here as it was at create
+    [LABEL .. "egress_unrestricted"] = o.egress and o.egress.unrestricted and "1" or "0",
   }
   for k, v in pairs(o.labels or {}) do labels[LABEL .. k] = v end
   local spec = {
@@ -370,9 +379,18 @@ local function prepare(args, kind, tool, ttl)
   }
 end
 
+-- <state>/claims/<run id>: which engine and which server a run folder belongs to, kept out
+-- of the sandbox's reach, so that the reaper can tell a folder a killed server left behind
+-- from one another live server (or another engine) still uses.
+local function claim_path(run_id) return config.get("state_dir") .. "/claims/" .. run_id end
+
 local function make_dirs(o)
   check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)
+  -- after the folder: a claim without its folder is always stale (a young folder without a
+  -- claim is left alone by the reaper)
+  check(fs.mkdir_p(config.get("state_dir") .. "/claims", 448)) -- 0700
+  check(fs.write_atomic(claim_path(o.run_id), json.encode({ engine = o.engine.socket, owner = sandbox.owner() }) .. "\n"))
 end
 
 sandbox.read_status = read_status
@@ -495,8 +513,9 @@ function sandbox.run_script(ctx, args)
   end)
   sandbox.script_start(ctx, o)
   local _hb <close> = progress.heartbeat(ctx)
-  -- demesne-init enforces the timeout inside; this host-side guard covers a stuck engine
-  local code, err = sandbox.script_wait(o, (o.timeout + 30) * 1000)
+  -- demesne-init enforces the timeout inside; this host-side deadline covers a stuck engine
+  -- or sandbox (the container is removed on the way out either way)
+  local code, err = sandbox.script_wait(o, sandbox.deadline_ms(o.timeout))
   return sandbox.script_result(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
 end
 
@@ -652,21 +671,61 @@ function sandbox.exec_prepare(args)
   }
 end
 
---- Runs a planned exec through the engine and waits for it. Returns the exec's exit code,
---- or nil, message, code. Cancelling the task stops the wait only: call exec_kill.
+--- The host-side deadline of a command that may run `timeout_s` seconds in a sandbox: its
+--- timeout plus exec_grace_seconds, in ms. demesne-init enforces the timeout inside; this
+--- bounds the host's wait when demesne-init itself does not answer (stopped with SIGSTOP
+--- by the sandbox, or hung).
+---@param timeout_s number
+---@return integer ms
+function sandbox.deadline_ms(timeout_s)
+  return math.floor((timeout_s + config.get("exec_grace_seconds")) * 1000)
+end
+
+--- Stops a persistent sandbox that did not answer within a host-side deadline: the engine
+--- kills its container (every process in it; the container and its output folder stay
+--- until sandbox_destroy or expiry) and its egress proxy stops. Returns the sentence that
+--- says so, for the caller's error.
+---@param eng table
+---@param container string     container id or name
+---@param sandbox_id string|nil
+---@param what string          what overran, e.g. "the command did not end within its timeout (5 s) plus a grace of 30 s"
+---@return string message
+function sandbox.stop_unresponsive(eng, container, sandbox_id, what)
+  log.warning("demesne.sandbox", "sandbox %s: %s; stopping it as unresponsive", tostring(sandbox_id or container), what)
+  local ok, err = (eng.kill and eng.kill or eng.remove)(eng, container, "KILL")
+  if sandbox_id then egress.stop(sandbox_id) end
+  return ("%s: the sandbox's demesne-init is not responding (stopped or hung), so sandbox %s %s; its output "
+    .. "folder is kept. sandbox_destroy removes it; create a new sandbox to go on"):format(what,
+    tostring(sandbox_id or container), ok and "was stopped" or ("could not be stopped (" .. tostring(err) .. ")"))
+end
+
+--- Runs a planned exec through the engine and waits for it, at most its timeout plus
+--- exec_grace_seconds. Returns the exec's exit code, or nil, message, code ("ETIMEDOUT":
+--- the deadline passed and the sandbox did not answer). Cancelling the task stops the
+--- wait only: call exec_kill.
 ---@param e table  the plan from exec_prepare
 ---@return integer|nil code, string|nil err, string|nil ecode
 function sandbox.exec_run(e)
-  return e.engine:exec(e.container, e.argv, { env = e.env })
+  return e.engine:exec(e.container, e.argv, { env = e.env, timeout_ms = sandbox.deadline_ms(e.timeout) })
 end
 
 --- Kills a planned exec's whole process group inside the sandbox (demesne-init kill:
 --- SIGTERM, SIGKILL after 2 s). Works after a restart: needs only the container and dir.
+--- The kill itself has a host-side deadline (its own 5 s plus exec_grace_seconds): a
+--- sandbox that does not answer it is stopped (stop_unresponsive). Returns what the
+--- engine's exec returned, or nil, message, "ETIMEDOUT".
 ---@param eng table       the engine adapter
 ---@param container string
 ---@param dir string      the exec's folder inside the sandbox (/.demesne/run/exec/<id>)
-function sandbox.exec_kill(eng, container, dir)
-  return eng:exec(container, { INIT, "kill", "--dir", dir, "--signal", "TERM", "--grace", "2" })
+---@param sandbox_id string|nil
+function sandbox.exec_kill(eng, container, dir, sandbox_id)
+  local code, err, ecode = eng:exec(container, { INIT, "kill", "--dir", dir, "--signal", "TERM", "--grace", "2" },
+    { timeout_ms = sandbox.deadline_ms(5) })
+  if code == nil and ecode == "ETIMEDOUT" then
+    return nil, sandbox.stop_unresponsive(eng, container, sandbox_id,
+      ("cancelling the command: demesne-init kill did not end within %d s"):format(sandbox.deadline_ms(5) // 1000)), ecode
+  end
+  return code, err, ecode
 end
 
 --- The result table of a finished exec, from status.json and its logs; `code` is what
@@ -700,11 +759,16 @@ function sandbox.exec(ctx, args)
   local finished = false
   -- cancelling the call kills the command's whole process group inside the sandbox
   local _ <close> = util.closer(function()
-    if not finished then sandbox.exec_kill(e.engine, e.container, e.dir) end
+    if not finished then sandbox.exec_kill(e.engine, e.container, e.dir, args.sandbox_id) end
   end)
   local _hb <close> = progress.heartbeat(ctx)
-  local code, err = sandbox.exec_run(e)
+  local code, err, ecode = sandbox.exec_run(e)
   finished = true
+  if code == nil and ecode == "ETIMEDOUT" and not read_status(e.run_dir, e.exec_id) then
+    fail("sandbox_exec: " .. sandbox.stop_unresponsive(e.engine, e.container, args.sandbox_id,
+      ("the command did not end within its timeout (%d s) plus a grace of %s s"):format(e.timeout,
+        sandbox.num(config.get("exec_grace_seconds")))), "ETIMEDOUT")
+  end
   -- a sandbox destroyed (or expired) under a running command: say so, not the engine's text
   if not read_status(e.run_dir, e.exec_id) then sandbox.check_alive(e.engine, args.sandbox_id) end
   if code == nil then fail("sandbox_exec failed: " .. tostring(err)) end
@@ -719,7 +783,11 @@ local function run_quiet(eng, sb, argv)
   local dir = RUN .. "/exec/" .. id
   local cmd = { INIT, "run", "--id", id, "--dir", dir, "--timeout", "3600", "--" }
   for _, a in ipairs(argv) do cmd[#cmd + 1] = a end
-  local code, err = eng:exec(sb.id, cmd, { env = json.array() })
+  local code, err, ecode = eng:exec(sb.id, cmd, { env = json.array(), timeout_ms = sandbox.deadline_ms(3600) })
+  if code == nil and ecode == "ETIMEDOUT" then
+    fail("file transfer failed: " .. sandbox.stop_unresponsive(eng, sb.id, sb.labels[LABEL .. "run_id"],
+      "the transfer did not end within its hour plus the grace"), "ETIMEDOUT")
+  end
   if code == nil then
     sandbox.check_alive(eng, sb.labels[LABEL .. "run_id"])
     fail("file transfer failed: " .. tostring(err))
@@ -807,9 +875,13 @@ function sandbox.upload(ctx, args)
   if not base or base == "." or base == ".." then fail("dst: must name a file or folder, e.g. /out/data.csv") end
   if parent == "" then parent = "/" end
   local sb = sandbox.lookup(eng, args.sandbox_id)
-  if sb.labels[LABEL .. "egress"] == "open" then
-    -- host inputs plus open egress is the exfiltration shape sandbox_create refuses
-    fail(("sandbox_id: %s has open egress; host files cannot be uploaded into it"):format(args.sandbox_id))
+  -- host inputs plus open egress is the exfiltration shape sandbox_create refuses: open as
+  -- the policy was at create (label), or as the policy of that name is now (the proxy of a
+  -- re-attached sandbox follows the current file)
+  local pol_name = sb.labels[LABEL .. "egress"] or "none"
+  if sb.labels[LABEL .. "egress_unrestricted"] == "1" or egress.is_unrestricted(pol_name) then
+    fail(("sandbox_id: %s has open egress (policy %q); host files cannot be uploaded into it"):format(args.sandbox_id,
+      pol_name))
   end
   -- tar would silently replace an existing file with a folder, or an empty folder with a file
   -- (the checks exit 1 for a clash; anything else is a failure of the check itself)
@@ -984,13 +1056,103 @@ end
 local function job_running(labels)
   local p = labels[LABEL .. "job_record"]
   if type(p) ~= "string" or not p:match("/jobs/job%-[%w%-]+%.json$") then return false end
-  local rec = json.decode(fs.read_file(p, 0, 1024 * 1024) or "")
+  local text, _, code = fs.read_file(p, 0, 1024 * 1024)
+  if not text then return code ~= "ENOENT" end -- cannot tell (EMFILE…): keep the container
+  local rec = json.decode(text)
   return type(rec) == "table" and rec.status == "running"
+end
+
+-- Removes a tree a sandbox could once write (a run folder), never following a link in it.
+-- The one place such a removal happens in the reaper: switch it to core.fs's fd-relative
+-- tree removal when that lands.
+local function remove_leftover(path)
+  return sandbox.remove_tree(path)
+end
+
+-- A run folder older than this with no claim file (made before claims existed) and no
+-- container is taken for a leftover: longer than a one-shot may run.
+local function unclaimed_age() return config.get("timeout_max") + 3600 end
+local TMP_AGE = 24 * 3600 -- seconds: state_dir/tmp files (build contexts, transfers) older than this are leftovers
+
+-- What a server killed at the wrong moment (SIGKILL) leaves in the state folder: run
+-- folders (exec records, proxy sockets, transfer staging) whose sandbox has no container,
+-- their expiry and claim files, and old temporary files. A run folder is kept while a
+-- container on this engine names it, a running job record names it, this process runs
+-- its proxy, or the server that made it is alive (it cleans up itself); a folder claimed
+-- for another engine is never touched. `containers` is the engine's list of demesne
+-- containers (all states). Returns the number of run folders removed.
+local function reap_leftovers(eng, containers)
+  local state = config.get("state_dir")
+  local keep = {}
+  for _, c in ipairs(containers) do
+    local l = c.labels or {}
+    if l[LABEL .. "run_id"] then keep[l[LABEL .. "run_id"]] = true end
+    local rd = tostring(l[LABEL .. "run_dir"] or "")
+    if rd:match("/run/([^/]+)$") then keep[rd:match("/run/([^/]+)$")] = true end
+  end
+  -- whatever cannot be read (EMFILE…) stops the pass: a folder is removed only on what is known
+  local job_names, _, jcode = fs.readdir(state .. "/jobs")
+  if not job_names and jcode ~= "ENOENT" then return 0 end
+  for _, name in ipairs(job_names or {}) do
+    if name:match("^job%-[%w%-]+%.json$") then
+      local text, _, rcode = fs.read_file(state .. "/jobs/" .. name, 0, 1024 * 1024)
+      if not text and rcode ~= "ENOENT" then return 0 end
+      local rec = json.decode(text or "")
+      if type(rec) == "table" and rec.status == "running" and type(rec.run_dir) == "string" then
+        local id = rec.run_dir:match("/run/([^/]+)$")
+        if id then keep[id] = true end
+      end
+    end
+  end
+  local now = loop.time()
+  local n = 0
+  for _, id in ipairs(fs.readdir(state .. "/run") or {}) do
+    local path = state .. "/run/" .. id
+    local st = fs.lstat(path)
+    if st and id:match("^[%w%-]+$") and not keep[id] and not egress.get(id) then
+      local text, _, ccode = fs.read_file(claim_path(id), 0, 4096)
+      local claim = json.decode(text or "")
+      local leftover
+      if type(claim) == "table" then
+        leftover = claim.engine == eng.socket and not owner_alive(claim.owner)
+      elseif not text and ccode == "ENOENT" then
+        local etext, _, ecode = fs.read_file(expiry_file(path), 0, 64)
+        local expires = tonumber(etext or "") or 0
+        leftover = (etext or ecode == "ENOENT") and now - (st.mtime or now) > unclaimed_age() and expires < now
+      end
+      if leftover then
+        local ok, err = remove_leftover(path)
+        if ok then
+          n = n + 1
+          os.remove(expiry_file(path))
+          os.remove(claim_path(id))
+          log.info("demesne.reaper", "removed the leftover run folder %s (no container, job or live server claims it)", id)
+        else
+          log.warning("demesne.reaper", "cannot remove the run folder %s: %s", id, tostring(err))
+        end
+      end
+    end
+  end
+  -- expiry and claim files whose run folder is gone (a claim is written after its folder)
+  for _, sub in ipairs({ "expiry", "claims" }) do
+    for _, id in ipairs(fs.readdir(state .. "/" .. sub) or {}) do
+      if id:match("^[%w%-]+$") and not keep[id] and not fs.lstat(state .. "/run/" .. id) then
+        fs.unlink(state .. "/" .. sub .. "/" .. id)
+      end
+    end
+  end
+  for _, name in ipairs(fs.readdir(state .. "/tmp") or {}) do
+    local st = fs.lstat(state .. "/tmp/" .. name)
+    if st and now - (st.mtime or now) > TMP_AGE then remove_leftover(state .. "/tmp/" .. name) end
+  end
+  return n
 end
 
 --- One reaper pass: removes containers past their expiry and one-shot containers whose
 --- owner process is gone, but never a background job's container while its job record
---- says running. Works from the engine's state. Returns the number removed.
+--- says running; then what a killed server left in the state folder (run folders without
+--- a container, their expiry and claim files, old temporary files). Works from the
+--- engine's state. Returns the number of containers removed.
 function sandbox.reap()
   local eng = engines.get()
   if not eng then return 0 end
@@ -1011,11 +1173,15 @@ function sandbox.reap()
         if rd and paths.within(rd, config.get("state_dir") .. "/run") then
           sandbox.remove_tree(rd)
           os.remove(expiry_file(rd))
+          os.remove(claim_path(rd:match("([^/]+)$")))
         end
         log.info("demesne.reaper", "removed %s (%s)", l[LABEL .. "run_id"] or c.id, expired and "expired" or "owner gone")
       end
     end
   end
+  -- the list again: what was just removed no longer claims its folder
+  local now_list = eng:list({ LABEL .. "managed=1" })
+  if now_list then reap_leftovers(eng, now_list) end
   return n
 end
 

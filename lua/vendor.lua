@@ -38,6 +38,7 @@ vendor.SOCKET_NAME = "vendor.sock"
 local MAX_HEAD = 64 * 1024
 local MAX_BODY = 64 * 1024 * 1024
 local REQUEST_TIMEOUT_MS = 60 * 1000 -- a request must arrive whole within this of its first byte
+local IDLE_MARGIN = 16 -- connections past vendor_max_connections the server holds before it cuts new ones
 local UPSTREAM_TIMEOUT_MS = 30 * 60 * 1000
 
 --- The in-sandbox base URL of the vendor route.
@@ -316,8 +317,12 @@ function vendor.start(o)
   r.file = file
   r:write_totals()
   local path = o.run_dir .. "/" .. vendor.SOCKET_NAME
+  -- vendor_max_connections is enforced when a request arrives (Route:on_request: a 503
+  -- naming the ceiling, and a line in usage.jsonl); connections that send nothing are cut
+  -- by the server itself past IDLE_MARGIN more (each holds descriptors on the host)
+  r.max_conns = math.max(1, math.floor(config.get("vendor_max_connections")))
   local server = httpd.new({ max_body = MAX_BODY, max_head = MAX_HEAD, request_timeout_ms = REQUEST_TIMEOUT_MS,
-      error_body = REFUSAL_BODY, error_type = "application/json" },
+      max_conns = r.max_conns + IDLE_MARGIN, error_body = REFUSAL_BODY, error_type = "application/json" },
     function(conn, req) r:on_request(conn, req) end,
     function(conn) r:on_close(conn) end)
   local ok, err = server:listen_relay(path, { tag = o.run_id })
@@ -428,6 +433,17 @@ end
 ---@param req table      {method, target, headers, body, …} (core.httpd)
 function Route:on_request(conn, req)
   if self.closed then return refuse(conn, 503, "the run's vendor route has stopped") end
+  local open = self.server and self.server:connections() or 0
+  if open > self.max_conns then
+    local why = ("this sandbox has %d connections open on its vendor route, over its ceiling of %d "
+      .. "(vendor_max_connections in the demesne configuration); close some and retry"):format(open, self.max_conns)
+    self.refused = (self.refused or 0) + 1
+    if self.refused == 1 or loop.now() - (self.refused_logged or 0) >= 1000 then
+      self.refused_logged = loop.now()
+      self:log_line({ time = iso_now(), verdict = "deny", status = 503, reason = why, refused = self.refused })
+    end
+    return refuse(conn, 503, why)
+  end
   local task
   task = async.spawn("vendor " .. self.run_id, function()
     -- a request left unanswered (cancelled, or an error) cuts its connection

@@ -78,7 +78,8 @@ function engines.load(name)
   if not tostring(name):match("^[%w_%-]+$") then
     return nil, ("engine_adapter: %q is not a valid adapter name (letters, digits, '_', '-')"):format(tostring(name))
   end
-  if modules[name] then return modules[name] end
+  local key = config.dir() .. "|" .. name -- another config folder has other files
+  if modules[key] then return modules[key] end
   local set = plugins.load(kind(name))
   local mod = set:get(name)
   if not mod then
@@ -87,7 +88,7 @@ function engines.load(name)
     return nil, ("engine_adapter: no adapter %q (built in: docker; no file %s)"):format(name,
       config.dir() .. "/engines/" .. name .. ".lua")
   end
-  modules[name] = mod
+  modules[key] = mod
   return mod
 end
 
@@ -151,10 +152,10 @@ function engines.get()
   local mod, err = engines.load(which)
   if not mod then return nil, err, "ENOENGINE" end
   if mod.origin ~= "built-in" then
-    if current and current.adapter_name == which then return current end
+    if current and current.adapter_name == which and current.adapter_module == mod then return current end
     local eng, nerr = engines.new_user(which, mod, config.get("engine"))
     if not eng then return nil, nerr, "ENOENGINE" end
-    eng.adapter_name = which
+    eng.adapter_name, eng.adapter_module = which, mod
     eng.socket = eng.socket or ("adapter:" .. which) -- lua/images.lua keys its cache by it
     current = eng
     return current

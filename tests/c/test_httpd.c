@@ -282,10 +282,70 @@ static void test_relay(void) {
   CHECK(uv_loop_close(&loop) == 0, "every handle closed");
 }
 
+/* ---- connections to a relay socket that hand nothing over are bounded: past 16, closed ---- */
+
+typedef struct {
+  char path[108];
+  int fds[24];
+  int ready, done;
+  int refused;  /* connections the server closed at once */
+  relay_t real; /* a real relay afterwards, once the idle ones are gone */
+} flood_t;
+
+static void *flood_client(void *arg) {
+  flood_t *x = arg;
+  for (int i = 0; i < 24; i++) {
+    x->fds[i] = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    snprintf(un.sun_path, sizeof un.sun_path, "%s", x->path);
+    if (connect(x->fds[i], (struct sockaddr *)&un, sizeof un) != 0) x->refused++;
+  }
+  usleep(200000); /* the server has taken them all by now */
+  for (int i = 0; i < 24; i++) {
+    struct timeval tv = {0, 50000};
+    setsockopt(x->fds[i], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char b;
+    if (read(x->fds[i], &b, 1) == 0) x->refused++; /* EOF: closed by the server */
+    close(x->fds[i]);
+  }
+  x->ready = 1;
+  relay_client(&x->real);
+  x->done = 1;
+  return NULL;
+}
+
+static void test_relay_pending_bound(void) {
+  uv_loop_init(&loop);
+  closed = 0;
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  srv = dm_httpd_new(&loop, NULL, &h, NULL);
+  flood_t x = {0};
+  snprintf(x.path, sizeof x.path, "/tmp/demesne-httpd-flood-%d.sock", (int)getpid());
+  snprintf(x.real.path, sizeof x.real.path, "%s", x.path);
+  dm_httpd_listen_opts lo = {.tag = "sandbox-43"};
+  CHECK(dm_httpd_listen_relay(srv, x.path, &lo) == 0, "listen_relay");
+  pthread_t t;
+  pthread_create(&t, NULL, flood_client, &x);
+  while (!x.done) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  pthread_join(t, NULL);
+  CHECK(x.refused == 24 - 16, "the connections past 16 were closed at once: %d", x.refused);
+  CHECK(strstr(x.real.got, "HTTP/1.1 200 OK"), "once they are gone a relay is served again: %s", x.real.got);
+  dm_httpd_close(srv);
+  while (!closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(uv_loop_close(&loop) == 0, "every handle closed");
+}
+
 int main(void) {
   test_token_equal();
   test_exchanges();
   test_relay();
+  test_relay_pending_bound();
   if (failures) fprintf(stderr, "%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }

@@ -46,13 +46,15 @@ function argv(args, fixtures) {
  * @param {string[]} [o.args]               extra options placed before `serve`
  * @param {boolean|string} [o.fixtures=true] load tests/fixtures/tools (or the given folder)
  * @param {object} [o.capabilities]         client capabilities to declare
+ * @param {string[]} [o.wrap]               a command line that runs the server (e.g. ["prlimit", "--nofile=1024:"]):
+ *   it must exec the binary, so that transport.pid is the server's
  * @returns {Promise<{client: Client, transport: StdioClientTransport, stderr: () => string}>}
  *   stderr() returns everything the server wrote to stderr so far.
  */
-export async function connect({ env = {}, args = [], fixtures = true, capabilities = {} } = {}) {
+export async function connect({ env = {}, args = [], fixtures = true, capabilities = {}, wrap = [] } = {}) {
   const transport = new StdioClientTransport({
-    command: BIN,
-    args: argv(args, fixtures),
+    command: wrap.length ? wrap[0] : BIN,
+    args: [...wrap.slice(1), ...(wrap.length ? [BIN] : []), ...argv(args, fixtures)],
     env: serverEnv(env),
     stderr: "pipe",
     cwd: ROOT,

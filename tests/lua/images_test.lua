@@ -176,7 +176,8 @@ function tests.broken_user_images_are_refused_by_name(t)
     t:ok(err and #eng.builds == before + 1, "a failed build is tried again, not remembered")
     t:ok(images.ensure(eng, "base"), "the other images still work")
     _, err = images.ensure(eng, "Bad Name")
-    t:match(err, "neither a built%-in or user image")
+    -- not an image name, and not an image reference either (the OCI grammar decides first)
+    t:match(err, '^image: "Bad Name" is not a valid image reference')
   end)
 end
 
