@@ -380,7 +380,8 @@ local function exec_poll(job, eng)
   while true do
     local st = sandbox.read_status(rec.run_dir, rec.exec_id)
     if st then return outcome_of(st, rec.timeout_seconds) end
-    local info, err, ecode = eng:inspect(rec.container)
+    -- (by list, not inspect: see sandbox.state_of)
+    local info, err, ecode = sandbox.state_of(eng, rec.sandbox_id)
     if not info and ecode == "ENOENT" then
       return exec_outcome(rec, ("sandbox %s no longer exists and the command recorded no exit status"):format(rec.sandbox_id))
     elseif not info and not engine_retry(ecode) then
@@ -435,7 +436,7 @@ local function exec_watch(job, eng, first_run, e)
     elseif ecode == "ENOENGINE" then
       out = exec_poll(job, eng) -- the engine went away: the command may well still run
     else
-      local info, _, icode = eng:inspect(rec.container)
+      local info, _, icode = sandbox.state_of(eng, rec.sandbox_id)
       if not info and icode == "ENOENT" then
         out = exec_outcome(rec, ("sandbox %s was removed before the command finished"):format(rec.sandbox_id))
       else

@@ -192,6 +192,7 @@ local function container_spec(o)
     [LABEL .. "run_dir"] = o.run_dir,
     [LABEL .. "image"] = o.image_name,
     [LABEL .. "egress"] = o.egress and o.egress.name or "none",
+    [LABEL .. "memory_mb"] = tostring(math.floor(lim.memory_mb)),
     -- open egress is a property of the policy, kept here as it was at create
     [LABEL .. "egress_unrestricted"] = o.egress and o.egress.unrestricted and "1" or "0",
   }
@@ -581,7 +582,7 @@ function sandbox.lookup(eng, sandbox_id)
   if type(sandbox_id) ~= "string" or not sandbox_id:match("^[%w%-]+$") then
     fail(("sandbox_id: %q is not a sandbox id"):format(tostring(sandbox_id)))
   end
-  local info, err, code = eng:inspect("demesne-" .. sandbox_id)
+  local info, err, code = sandbox.state_of(eng, sandbox_id)
   if not info then
     if code == "ENOENT" then fail(("sandbox_id: no sandbox %s (it was destroyed or has expired)"):format(sandbox_id), "ENOENT") end
     fail(err, code)
@@ -590,14 +591,32 @@ function sandbox.lookup(eng, sandbox_id)
   if labels[LABEL .. "managed"] ~= "1" or labels[LABEL .. "kind"] ~= "persistent" then
     fail(("sandbox_id: %s is not a persistent demesne sandbox"):format(sandbox_id))
   end
-  local memory = info.limits and info.limits.memory_bytes
   return {
     id = info.id, name = "demesne-" .. sandbox_id, labels = labels,
     output_dir = labels[LABEL .. "output_dir"], run_dir = labels[LABEL .. "run_dir"],
     running = info.state == "running",
     expires_at = expiry_of(labels),
-    memory_mb = memory and memory / (1024 * 1024) or nil,
+    memory_mb = tonumber(labels[LABEL .. "memory_mb"]),
   }
+end
+
+--- The engine's summary of the demesne sandbox `run_id` ({id, name, image, state, labels},
+--- see docs/reference/engines.md), found by its run_id label through `list`, not
+--- `inspect`: on Podman 4.3 an inspect of a container takes its lock and then the storage
+--- lock, which deadlocks against the `container cleanup` process of an exec that just ended
+--- in that container (it takes them the other way round; fixed in Podman 4.4). Sandboxes
+--- are looked up before and after every exec and transfer, so they stay off that path.
+--- Returns the summary, or nil, message, code ("ENOENT" when there is none).
+---@param eng table
+---@param run_id string
+---@return table|nil info, string|nil err, string|nil code
+function sandbox.state_of(eng, run_id)
+  local list, err, code = eng:list({ LABEL .. "managed=1", LABEL .. "run_id=" .. tostring(run_id) })
+  if not list then return nil, err, code end
+  for _, c in ipairs(list) do
+    if (c.labels or {})[LABEL .. "run_id"] == run_id then return c end
+  end
+  return nil, ("no sandbox %s"):format(tostring(run_id)), "ENOENT"
 end
 
 --- Fails with a plain message when a persistent sandbox is no longer running (destroyed,
@@ -606,7 +625,7 @@ end
 --- container for up to 2 s before concluding it is alive.
 function sandbox.check_alive(eng, sandbox_id)
   for _ = 1, 10 do
-    local info, _, code = eng:inspect("demesne-" .. tostring(sandbox_id))
+    local info, _, code = sandbox.state_of(eng, tostring(sandbox_id))
     if not info and code == "ENOENT" then
       fail(("sandbox_id: sandbox %s was destroyed (or expired) while the call was running"):format(sandbox_id), "ENOENT")
     end

@@ -152,10 +152,12 @@ function engines.get()
   local mod, err = engines.load(which)
   if not mod then return nil, err, "ENOENGINE" end
   if mod.origin ~= "built-in" then
-    if current and current.adapter_name == which and current.adapter_module == mod then return current end
+    if current and current.adapter_module == mod and current.adapter_endpoint == config.get("engine") then
+      return current
+    end
     local eng, nerr = engines.new_user(which, mod, config.get("engine"))
     if not eng then return nil, nerr, "ENOENGINE" end
-    eng.adapter_name, eng.adapter_module = which, mod
+    eng.adapter_name, eng.adapter_module, eng.adapter_endpoint = which, mod, config.get("engine")
     eng.socket = eng.socket or ("adapter:" .. which) -- lua/images.lua keys its cache by it
     current = eng
     return current

@@ -14,7 +14,9 @@ local tests = {}
 local FAKE = [[
 local list = {}
 return { new = function()
-  local e = { socket = "/fake/engine.sock", list_value = list, removed = {}, capabilities = {} }
+  local e = { socket = "/fake/engine.sock", list_value = list, removed = {},
+    capabilities = { bind_mounts = true, unix_socket_mounts = true, tmpfs = true, read_only_rootfs = true,
+      networks = { none = true }, runtimes = {}, userns = false } }
   for _, m in ipairs({ "create", "start", "wait", "inspect", "exec", "image_inspect", "build", "import", "pull" }) do
     e[m] = function() return nil, "not in this test", "ENOTSUP" end
   end
@@ -72,7 +74,6 @@ function tests.leftovers_of_a_killed_server_go_and_live_folders_stay(t)
     touch_old(state .. "/tmp/old.tar")
     assert(fs.write_atomic(state .. "/tmp/new.tar", "x"))
     local list = eng.list_value
-    -- what an adapter's list returns: the neutral container info (docs/reference/engines.md)
     list[1] = { id = "c1", state = "running", labels = { ["io.demesne.managed"] = "1", ["io.demesne.kind"] = "persistent",
       ["io.demesne.run_id"] = "r-container", ["io.demesne.run_dir"] = state .. "/run/r-container",
       ["io.demesne.expires_at"] = tostring(math.floor(loop.time()) + 3600) } }
