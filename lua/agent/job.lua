@@ -17,7 +17,7 @@ local vendor = require("demesne.vendor")
 
 local LOGGER = "demesne.jobs"
 local closer, now_ms = util.closer, util.now_ms
-local script = jobs.kinds.script -- the one-shot container this kind runs its agent in
+local script = require("demesne.jobs.script") -- the one-shot container this kind runs its agent in
 
 local kind = {}
 

@@ -1,19 +1,16 @@
--- Background jobs: a registry persisted under the state folder, status, wait, cancel of a
--- whole job tree, and one terminal notification per job.
+-- Background jobs: the registry. Records persisted under the state folder, status,
+-- wait, cancel of a whole job tree, adoption after a restart, and one terminal
+-- notification per job. It knows no kind of job: each kind registers itself
+-- (jobs.register) with how it starts, runs and re-attaches: lua/jobs/script.lua (one-shot
+-- sandboxes), lua/jobs/exec.lua (commands in a persistent sandbox), lua/agent/job.lua
+-- (agent runs).
 --
--- A job is a tool call (sandbox_script, sandbox_exec) that was started with
--- `background: true`. It runs in its own task, not in the request's, so it outlives the
--- call. Its record is a JSON file, $DEMESNE_STATE_DIR/jobs/<job id>.json, rewritten
--- atomically at every change; the record holds what is needed to re-attach to the job
--- from the engine and the files alone (container, run folder, exec id), so a server that
--- starts after another one died (even by SIGKILL) adopts the running jobs it left:
---
---   * a one-shot job (sandbox_script): wait for its container to stop, read the exit
---     status demesne-init recorded, remove the container;
---   * an exec job (sandbox_exec): poll the exec's status.json in the sandbox's run folder
---     while the sandbox runs;
---   * a job whose container is gone is `lost` (with the reason), unless its status.json
---     shows it finished, which then gives the result.
+-- A job is a tool call that was started with `background: true`. It runs in its own task,
+-- not in the request's, so it outlives the call. Its record is a JSON file,
+-- $DEMESNE_STATE_DIR/jobs/<job id>.json, rewritten atomically at every change; the record
+-- holds what its kind needs to re-attach to the job from the engine and the files alone,
+-- so a server that starts after another one died (even by SIGKILL) adopts the running jobs
+-- it left.
 --
 -- Statuses: running → succeeded | failed | cancelled | lost. Exactly one terminal
 -- transition per job (jobs.finish), and with it exactly one log record from logger
@@ -74,18 +71,8 @@ local KNOWN = { running = true, succeeded = true, failed = true, cancelled = tru
 local live = {}
 local service -- the sweep task of jobs.start
 
-local hex, now_ms, closer = util.hex, util.now_ms, util.closer
+local hex, now_ms = util.hex, util.now_ms
 local fail = errors.raise
-
--- Is there anything at `rel` below the run folder `run_dir`? Looked up confined (no
--- symlink, no ".."): the run folder is the sandbox's to write.
-local function exists_in(run_dir, rel)
-  local d = fs.opendir(run_dir)
-  if not d then return false end
-  local st = d:stat(rel)
-  d:close()
-  return st ~= nil
-end
 
 --- The folder of the job records: $DEMESNE_STATE_DIR/jobs.
 ---@return string
@@ -164,38 +151,6 @@ function jobs.finish(job, status, fields)
   return true
 end
 
--- What a job's exit status (demesne-init's status.json) means for the job.
-local function outcome_of(st, timeout)
-  local code = math.tointeger(st.exit_code)
-  local out = { exit_code = code, timed_out = st.timed_out == true,
-    finished_ms = math.tointeger(st.finished_at) }
-  if type(st.error) == "string" then
-    out.status, out.reason = "failed", "the command could not start: " .. st.error:sub(1, 600)
-  elseif out.timed_out then
-    out.status, out.reason = "failed", ("timed out after %d s; the command's process group was killed"):format(timeout)
-  elseif st.cancelled == true then
-    out.status, out.reason = "cancelled", "the command was stopped by a signal to its sandbox"
-  elseif code == 0 then
-    out.status = "succeeded"
-  elseif code then
-    out.status, out.reason = "failed", ("the command exited with code %d"):format(code)
-    local oom = sandbox.oom_note(st)
-    if oom then out.reason = out.reason .. "; " .. oom end
-  else
-    out.status, out.reason = "failed", "demesne-init recorded no exit code"
-  end
-  return out
-end
-
--- Retries while the engine is not answering (a restarted engine must not make jobs lost).
-local function engine_retry(ecode)
-  if ecode == "ENOENGINE" then
-    async.sleep(5000)
-    return true
-  end
-  return false
-end
-
 --------------------------------------------------------------------------------------------
 -- Kinds. The registry knows no kind: each kind registers itself (jobs.register) with how a
 -- job of it starts from a tool call (start), runs the first time (run) and after a restart
@@ -233,6 +188,22 @@ function jobs.register(name, kind)
   kinds[name] = kind
   return kind
 end
+
+--- The id a new job gets: "job-<UTC time>-<10 hex digits>".
+---@return string
+function jobs.new_id() return new_id() end
+
+--- The path of a job's record file (the sandbox's job_record label: the reaper leaves a
+--- container alone while the record it names says running).
+---@param id string
+---@return string
+function jobs.record_path(id) return record_path(id) end
+
+--- The job a tool call runs in, when a background job's agent made it (ctx.job_id): the
+--- parent of a job that call starts.
+---@param ctx ToolContext|nil
+---@return string|nil
+function jobs.parent_of(ctx) return type(ctx) == "table" and ctx.job_id or nil end
 
 --- The first 1000 bytes of a command or prompt for a record, cut on a code point.
 ---@param s any
@@ -272,213 +243,6 @@ function jobs.dispatch(kind, foreground, tool)
     return foreground(ctx, args)
   end
 end
-
--- One-shot jobs: the container runs `demesne-init run` as PID 1.
-local function script_outcome(rec, o, code, err, ecode)
-  local st = sandbox.read_status(o.run_dir, o.exec_id)
-  if st then return outcome_of(st, rec.timeout_seconds) end
-  if code ~= nil then
-    return { status = code == 0 and "succeeded" or "failed", exit_code = math.tointeger(code),
-      reason = ("the sandbox stopped with code %s and no exit status was recorded"):format(tostring(code)) }
-  end
-  if ecode == "ENOENT" then
-    return { status = "lost", reason = ("container %s no longer exists and no exit status was recorded "
-      .. "(it was removed while no server was watching it)"):format(rec.container) }
-  end
-  if ecode == "ETIMEDOUT" then
-    return { status = "failed", timed_out = true,
-      reason = "the sandbox did not stop within its timeout; it was removed" }
-  end
-  return { status = "failed", reason = tostring(err) }
-end
-
--- Watches a one-shot job's container until it stops.
-local function script_watch(job, o)
-  local rec = job.rec
-  -- the container goes on success, failure and cancel; the run folder (status.json) only
-  -- once the terminal record is saved, so a crash in between still finds the exit status
-  local _ <close> = closer(function() sandbox.script_remove(o) end)
-  if not o.id then return script_outcome(rec, o, nil, "gone", "ENOENT") end
-  while true do
-    local left = rec.started_ms + (rec.timeout_seconds + 60) * 1000 - now_ms()
-    local code, err, ecode = sandbox.script_wait(o, math.max(left, 30000))
-    if code ~= nil or not engine_retry(ecode) then return script_outcome(rec, o, code, err, ecode) end
-  end
-end
-
-local function parent_of(ctx) return type(ctx) == "table" and ctx.job_id or nil end
-
--- Hands a planned one-shot run to a new job: starts its sandbox (the image is built first
--- if needed, with progress), then launches the job (fields: the record's kind-specific
--- fields; the sandbox's are filled in) and returns {job_id, status = "running",
--- output_dir, run_id}. A call that fails or is cancelled before the job exists leaves
--- nothing behind: the container goes, `abandon` (optional) runs, the run folder goes.
-local function launch_oneshot(ctx, o, fields, abandon)
-  local id = new_id()
-  local handed = false
-  local _ <close> = closer(function()
-    if not handed then
-      sandbox.script_remove(o)
-      if abandon then abandon() end
-      sandbox.remove_tree(o.run_dir)
-    end
-  end)
-  sandbox.script_start(ctx, o, { job_id = id, job_record = record_path(id) })
-  fields.job_id, fields.timeout_seconds, fields.container, fields.run_id = id, o.timeout, o.name, o.run_id
-  fields.output_dir, fields.log_dir, fields.run_dir, fields.exec_id = o.output_dir, o.output_dir, o.run_dir, o.exec_id
-  local rec = jobs.launch(fields, o, parent_of(ctx))
-  handed = true
-  return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }
-end
-
-jobs.register("script", {
-  -- sandbox_script with background = true: checks the call and starts the sandbox, then
-  -- hands the running container to a job. Once it returns, the command runs on its own: a
-  -- server stop does not stop it.
-  start = function(ctx, args)
-    local o = sandbox.script_prepare(args, "job")
-    return launch_oneshot(ctx, o, { tool = "sandbox_script", kind = "script", command = jobs.short(args.command) })
-  end,
-  -- o: a plan whose container sandbox.script_start has started
-  run = function(job, o)
-    job.after = function() sandbox.remove_tree(o.run_dir) end
-    return script_watch(job, o)
-  end,
-  attach = function(job)
-    local rec = job.rec
-    local o = { engine = sandbox.engine(), id = rec.container, run_dir = rec.run_dir, exec_id = rec.exec_id,
-      output_dir = rec.output_dir }
-    job.after = function() sandbox.remove_tree(o.run_dir) end
-    local info, err, ecode
-    repeat info, err, ecode = o.engine:inspect(rec.container) until info or not engine_retry(ecode)
-    if not info and ecode ~= "ENOENT" then return { status = "failed", reason = tostring(err) } end
-    if not info then o.id = nil end
-    if info and info.state == "created" then
-      local out = { status = "lost", reason = "the server stopped before the sandbox was started" }
-      o.engine:remove(o.id)
-      return out
-    end
-    return script_watch(job, o)
-  end,
-  -- for kinds that run a one-shot sandbox too (agent runs)
-  launch = launch_oneshot,
-  watch = script_watch,
-})
-
--- Exec jobs: `demesne-init run` through the engine's exec API in a persistent sandbox.
-local function exec_outcome(rec, gone_reason)
-  local st = sandbox.read_status(rec.run_dir, rec.exec_id)
-  if st then return outcome_of(st, rec.timeout_seconds) end
-  return { status = "lost", reason = gone_reason }
-end
-
--- Polls the exec's status.json while its sandbox runs (after a restart there is no exec
--- stream to wait on). demesne-init writes it atomically, last, so its presence means done.
-local function exec_poll(job, eng)
-  local rec = job.rec
-  local poll_ms = math.max(math.floor(config.get("jobs_poll_interval") * 1000), 50)
-  while true do
-    local st = sandbox.read_status(rec.run_dir, rec.exec_id)
-    if st then return outcome_of(st, rec.timeout_seconds) end
-    -- (by list, not inspect: see sandbox.state_of)
-    local info, err, ecode = sandbox.state_of(eng, rec.sandbox_id)
-    if not info and ecode == "ENOENT" then
-      return exec_outcome(rec, ("sandbox %s no longer exists and the command recorded no exit status"):format(rec.sandbox_id))
-    elseif not info and not engine_retry(ecode) then
-      return { status = "failed", reason = tostring(err) }
-    elseif info and info.state ~= "running" then
-      return exec_outcome(rec, ("sandbox %s stopped before the command recorded an exit status"):format(rec.sandbox_id))
-    end
-    local age = now_ms() - rec.started_ms
-    if age > sandbox.deadline_ms(rec.timeout_seconds) then
-      -- demesne-init enforces the timeout inside: a record still missing now means it does
-      -- not answer (stopped or hung), and the sandbox is stopped
-      st = sandbox.read_status(rec.run_dir, rec.exec_id)
-      if st then return outcome_of(st, rec.timeout_seconds) end
-      return { status = "failed", reason = sandbox.stop_unresponsive(eng, rec.container, rec.sandbox_id,
-        ("the command recorded no exit status within its timeout (%d s) plus the grace"):format(rec.timeout_seconds)) }
-    end
-    if age > 60000 and not exists_in(rec.run_dir, "exec/" .. rec.exec_id .. "/pid") then
-      return exec_outcome(rec, "the command never started (the server stopped before it ran)")
-    end
-    async.sleep(poll_ms)
-  end
-end
-
-local function exec_watch(job, eng, first_run, e)
-  local rec = job.rec
-  local finished = false
-  -- a cancel kills the command's whole process group inside the sandbox
-  local _ <close> = closer(function()
-    if finished then return end
-    local _, kerr, kcode = sandbox.exec_kill(eng, rec.container, "/.demesne/run/exec/" .. rec.exec_id, rec.sandbox_id)
-    if kcode == "ETIMEDOUT" then job.cancel_reason = (job.cancel_reason or "cancelled") .. "; " .. tostring(kerr) end
-  end)
-  local out
-  if first_run then
-    local code, err, ecode = sandbox.exec_run(e)
-    if code ~= nil then
-      out = exec_outcome(rec, "the command recorded no exit status")
-      if out.status == "lost" then
-        -- no status.json: most likely the sandbox went away under the command (as a
-        -- synchronous sandbox_exec says through check_alive)
-        local ok, gone = pcall(sandbox.check_alive, eng, rec.sandbox_id)
-        if not ok then
-          out = { status = "lost", reason = errors.message(gone) }
-        else
-          out = { status = code == 0 and "succeeded" or "failed", exit_code = math.tointeger(code),
-            reason = "demesne-init recorded no exit status" }
-        end
-      end
-    elseif ecode == "ETIMEDOUT" and not sandbox.read_status(rec.run_dir, rec.exec_id) then
-      out = { status = "failed", reason = sandbox.stop_unresponsive(eng, rec.container, rec.sandbox_id,
-        ("the command did not end within its timeout (%d s) plus the grace"):format(rec.timeout_seconds)) }
-    elseif ecode == "ENOENGINE" then
-      out = exec_poll(job, eng) -- the engine went away: the command may well still run
-    else
-      local info, _, icode = sandbox.state_of(eng, rec.sandbox_id)
-      if not info and icode == "ENOENT" then
-        out = exec_outcome(rec, ("sandbox %s was removed before the command finished"):format(rec.sandbox_id))
-      else
-        out = exec_poll(job, eng) -- the exec stream broke; the command records its status itself
-        if out.status == "lost" and err then out.reason = out.reason .. " (" .. tostring(err) .. ")" end
-      end
-    end
-  else
-    out = exec_poll(job, eng)
-  end
-  finished = true
-  return out
-end
-
-jobs.register("exec", {
-  -- sandbox_exec with background = true: checks the call, starts the job and returns once
-  -- demesne-init has started the command (its pid file exists, at most 10 s):
-  -- {job_id, status = "running", output_dir, log_dir}. From then on the command runs on
-  -- its own in the sandbox: a server stop does not stop it.
-  start = function(ctx, args)
-    local e = sandbox.exec_prepare(args)
-    local rec = jobs.launch({
-      tool = "sandbox_exec", kind = "exec", command = jobs.short(args.command), timeout_seconds = e.timeout,
-      output_dir = e.output_dir, log_dir = e.log_dir, run_dir = e.run_dir, exec_id = e.exec_id,
-      container = e.container, sandbox_id = args.sandbox_id,
-    }, e, parent_of(ctx))
-    local returned = false
-    local _ <close> = closer(function()
-      if not returned then pcall(jobs.cancel, rec.job_id, "the call that started it was cancelled") end
-    end)
-    local dir = "exec/" .. e.exec_id
-    local deadline = loop.now() + 10000
-    while rec.status == "running" and loop.now() < deadline
-      and not exists_in(e.run_dir, dir .. "/pid") and not exists_in(e.run_dir, dir .. "/status.json") do
-      async.sleep(20)
-    end
-    returned = true
-    return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, log_dir = rec.log_dir }
-  end,
-  run = function(job, e) return exec_watch(job, e.engine, true, e) end,
-  attach = function(job) return exec_watch(job, sandbox.engine(), false) end,
-})
 
 --------------------------------------------------------------------------------------------
 -- Running

@@ -37,7 +37,9 @@ local schema = require("demesne.jsonschema")
 -- it loads; loading them here, in the tools layer above jobs, sandbox and agent, has them
 -- registered before a tool, tasks/* or the jobs service (which re-attaches jobs after a
 -- restart) needs one.
-require("demesne.agent.job") -- the script and exec kinds are in demesne.jobs itself, for now
+require("demesne.jobs.script")
+require("demesne.jobs.exec")
+require("demesne.agent.job")
 
 local tools = {}
 
