@@ -8,6 +8,7 @@
 -- event stream goes to /out/transcript.jsonl while it runs; stderr to /out/stderr.log.
 -- After the run, results.json in the output folder holds the result the tool returns.
 local config = require("demesne.config")
+local context = require("demesne.agent.context")
 local errors = require("demesne.errors")
 local egress = require("demesne.egress")
 local fs = require("core.fs")
@@ -18,6 +19,7 @@ local core_text = require("core.text")
 local output = require("demesne.output")
 local progress = require("demesne.progress")
 local providers = require("demesne.providers")
+local resume = require("demesne.agent.resume")
 local sandbox = require("demesne.sandbox")
 local util = require("demesne.util")
 local vendor = require("demesne.vendor")
@@ -39,213 +41,6 @@ function agent.model_schema()
     .. (#models > 0 and (" Available: " .. table.concat(models, ", ") .. ".") or " No provider has credentials now.") }
   if #models > 0 then s.enum = json.array(models) end
   return s
-end
-
-local EGRESS_TEXT = {
-  none = "There is no network access except the model API (used by your CLI itself). Package installs and "
-    .. "downloads will fail; work with what is in the image and the inputs.",
-  ["package-managers"] = "Outbound access is limited to package registries (npm, PyPI, Debian archives, …) "
-    .. "through an HTTP proxy already configured in the environment. Other hosts are refused.",
-  open = "Outbound network access is open (no host inputs are mounted).",
-}
-
---- The context file's text.
-function agent.context_text(o, args)
-  local out = {}
-  local function add(s) out[#out + 1] = s end
-  if args.preamble and args.preamble ~= "" then add(args.preamble) add("") end
-  add("# Your environment")
-  add("")
-  add("You run with full autonomy inside a disposable Linux container that is removed when you finish. "
-    .. "Nobody answers questions: decide and proceed.")
-  add("")
-  add("- `/workspace`: your writable working folder (scratch; discarded after the run).")
-  add("- `/out`: the deliverables folder. Everything written here is kept on the host.")
-  add(("- `%s`: this file and the task (read-only)."):format(AGENT_DIR))
-  if #(o.mounts or {}) > 0 then
-    add("- `/in`: read-only inputs from the host:")
-    for _, m in ipairs(o.mounts) do
-      if m.target:sub(1, 4) == "/in/" or m.target == "/in" then add("  - `" .. m.target .. "`") end
-    end
-  end
-  add("")
-  add("## Network")
-  add("")
-  add(EGRESS_TEXT[o.egress.name] or ("Egress policy `" .. o.egress.name .. "`: other hosts are refused."))
-  add("")
-  add("## Definition of done")
-  add("")
-  local any = false
-  if args.success_criteria and #args.success_criteria > 0 then
-    for _, c in ipairs(args.success_criteria) do add("- [ ] " .. c) any = true end
-  end
-  if args.output_path then
-    add(("- [ ] The deliverable is written to `/out/%s`%s."):format(args.output_path,
-      args.output_format and (" as " .. args.output_format) or "")) any = true
-  elseif args.output_format then
-    add("- [ ] Deliverables in `/out` are in this format: " .. args.output_format) any = true
-  end
-  add("- [ ] Your final message summarises what you did and where the results are.")
-  if not any then add("- [ ] The task below is complete.") end
-  add("")
-  add("## Task")
-  add("")
-  add(args.prompt)
-  add("")
-  return table.concat(out, "\n")
-end
-
---------------------------------------------------------------------------------------------
--- Attempts and session resumes. The sandbox runs a generated wrapper (/.demesne/agent/run.sh)
--- instead of the CLI itself: it runs the CLI, then reports the attempt's end to the vendor
--- route (POST /.demesne/attempt, see lua/vendor.lua) and, told `resume <session>` once a
--- vendor rate limit has reset, runs the CLI again resuming that session (the provider's
--- argv with run.resume_session). Both attempts write to the same stdout, so
--- transcript.jsonl holds the whole run. The decision is the host's (agent.decide).
-
-local RESUME_MARK = "\1demesne-session\1"
-local RESUME_PROMPT = "Your previous turn was interrupted by a vendor rate limit that has now reset. "
-  .. "Continue the task from where you left off."
-agent.RESUME_PROMPT = RESUME_PROMPT
-
-local sh_quote = util.sh_quote
-
--- One argv as a sh command line; the argument equal to RESUME_MARK becomes "$session".
-local function command_line(argv)
-  local parts = {}
-  for i, a in ipairs(argv) do
-    a = tostring(a)
-    if a == RESUME_MARK then parts[i] = '"$session"'
-    elseif a:find("\1demesne-session\1", 1, true) then
-      error("provider argv: the session to resume must be an argument of its own", 0)
-    elseif a:find("\0", 1, true) then error("provider argv: an argument holds a NUL byte", 0)
-    else parts[i] = sh_quote(a) end
-  end
-  return table.concat(parts, " ")
-end
-
---- The wrapper script that runs a provider's CLI and resumes its session when the host says
---- so. `p`: the provider; `run`: its ProviderRun (without resume_session). Errors (a string)
---- when the provider's argv cannot be written as a command line. `resumable` is false when
---- the provider's argv ignores run.resume_session (then a rate-limited run ends).
----@param p table
----@param run table
----@return string script  sh source
----@return boolean resumable
-function agent.wrapper(p, run)
-  local fresh = command_line(p.argv(run))
-  local again = {}
-  for k, v in pairs(run) do again[k] = v end
-  again.resume_session, again.resume_prompt = RESUME_MARK, RESUME_PROMPT
-  local resume = command_line(p.argv(again))
-  local resumable = resume:find('"$session"', 1, true) ~= nil
-  if not resumable then resume = 'exit "$code" # this provider does not resume sessions' end
-  return table.concat({
-    "# Generated by demesne (lua/agent.lua) for one agent run: runs the CLI; after each attempt",
-    "# asks the host (the vendor route) whether to resume the session once a rate limit reset.",
-    "attempt=1",
-    "session=",
-    "while :; do",
-    '  if [ -z "$session" ]; then',
-    "    " .. fresh,
-    "  else",
-    "    " .. resume,
-    "  fi",
-    "  code=$?",
-    "  tries=0",
-    "  while :; do",
-    "    next=$(curl -sS --fail --noproxy '*' -X POST -H \"authorization: Bearer $DEMESNE_VENDOR_TOKEN\" \\",
-    "      -H 'content-type: application/json' --data \"{\\\"attempt\\\":$attempt,\\\"exit_code\\\":$code}\" \\",
-    "      \"$DEMESNE_VENDOR_URL" .. vendor.ATTEMPT_PATH .. "\" </dev/null)",
-    "    rc=$?",
-    "    [ \"$rc\" -eq 0 ] && break",
-    "    # no route (a server restart in progress): try again for up to 10 minutes",
-    "    case $rc in 7|52|56) ;; *) exit \"$code\" ;; esac",
-    "    tries=$((tries + 1))",
-    "    [ \"$tries\" -ge 120 ] && exit \"$code\"",
-    "    sleep 5",
-    "  done",
-    '  case "$next" in',
-    '    "resume "*)',
-    '      session=${next#resume }',
-    "      attempt=$((attempt + 1))",
-    '      echo "demesne: the rate limit has reset; resuming session $session (attempt $attempt)" >&2',
-    "      ;;",
-    '    *) exit "$code" ;;',
-    "  esac",
-    "done",
-    "",
-  }, "\n"), resumable
-end
-
---- Decides what an agent's wrapper does after an attempt of its CLI ended (the vendor
---- route's `decide`). Resumes when the attempt ended non-zero and rate limited (a 429 went
---- to the agent during it, or the transcript says so), the CLI named its session, a reset
---- time is known, and the budget, the longest wait and the run's deadline allow it. The
---- answer for an attempt is kept in the route's saved state, so a wrapper asking again after
---- a server restart gets the same one and the budget is drawn on once.
----@param provider table  the provider adapter (parse_answer)
----@param output_dir string
----@param route table     the vendor route (rate state, deadline)
----@param info table      {attempt, exit_code}
----@return table decision  {action = "resume", session, at (epoch s)} or {action = "stop", why?}
-function agent.decide(provider, output_dir, route, info, resumable)
-  local rate = route.rate
-  rate.decided = type(rate.decided) == "table" and rate.decided or {}
-  local key = tostring(info.attempt)
-  if rate.decided[key] then return rate.decided[key] end
-  local now = loop.time()
-  local function stop(why)
-    if why then rate.why = why end
-    return { action = "stop", why = why }
-  end
-  local d = (function()
-    if info.exit_code == 0 then return stop() end
-    local text, terr = output.tail(output_dir, "transcript.jsonl", TRANSCRIPT_MAX)
-    if not text then return stop("demesne cannot read the transcript: " .. tostring(terr)) end
-    local ok, _, details = pcall(provider.parse_answer, providers.lines(text))
-    if not ok or type(details) ~= "table" then details = {} end
-    local passed = type(rate.passed_at) == "number" and rate.passed_at >= (rate.attempt_started or 0)
-    if not (details.rate_limited or passed) then return stop() end
-    if rate.why and not passed then return stop(rate.why) end
-    if resumable == false then return stop(("provider %s does not resume sessions"):format(provider.name)) end
-    local session = details.session_id
-    if type(session) ~= "string" or #session > 200 or not session:match("^[%w][%w%-_.:]*$") then
-      return stop("the CLI named no session to resume")
-    end
-    if rate.used >= rate.budget then return stop(("retry budget of %d exhausted"):format(rate.budget)) end
-    local reset_at = rate.reset_at
-    if type(details.resets_at) == "number" and (not reset_at or details.resets_at > reset_at) then
-      reset_at = details.resets_at
-    end
-    if type(reset_at) ~= "number" then return stop("no reset time in the answer") end
-    local wait = math.max(1, reset_at - now + 1)
-    local max = tonumber(config.get("agent_rate_limit_max_wait_seconds")) or 3600
-    if wait > max + 1 then
-      return stop(("reset in %d s is beyond the longest wait (%d s)"):format(math.ceil(wait), max))
-    end
-    if route.deadline and now + wait >= route.deadline - vendor.DEADLINE_MARGIN then
-      return stop("reset is after the run's timeout")
-    end
-    rate.used = rate.used + 1
-    rate.resumed = (rate.resumed or 0) + 1
-    rate.why = nil
-    return { action = "resume", session = session, at = now + wait }
-  end)()
-  -- only a granted resume is kept (the budget is drawn on once): at most `budget` entries
-  if d.action == "resume" then rate.decided[key] = d end
-  rate.attempt_started = d.at or now
-  route:save_rate()
-  return d
-end
-
---- The vendor route options that make a route answer an agent's wrapper (see agent.decide).
----@param provider table
----@param output_dir string
----@param resumable boolean|nil  false: the provider's argv cannot resume (agent.wrapper)
----@return fun(route: table, info: table): table
-function agent.decider(provider, output_dir, resumable)
-  return function(route, info) return agent.decide(provider, output_dir, route, info, resumable) end
 end
 
 --- Checks a call and plans the run (nothing started). `tool`: "sandbox_agent" or
@@ -293,7 +88,7 @@ function agent.prepare(args, tool, kind)
     request_timeout_ms = (math.min(tonumber(config.get("agent_rate_limit_hold_seconds")) or 60, timeout) + 600) * 1000,
   }
   o.run = run
-  local wok, script, resumable = pcall(agent.wrapper, p, run)
+  local wok, script, resumable = pcall(resume.wrapper, p, run)
   if not wok then fail(("provider %s: %s"):format(p.name, tostring(script))) end
   o.wrapper, o.resumable = script, resumable
   o.argv = { "/bin/sh", AGENT_DIR .. "/run.sh" }
@@ -309,12 +104,12 @@ function agent.prepare(args, tool, kind)
     assert(run_folder:mkdir("agent", 493))
     local dir <close> = assert(run_folder:opendir("agent"))
     assert(dir:write_atomic("prompt.md", args.prompt .. "\n"))
-    assert(dir:write_atomic(p.context_file_name, agent.context_text(plan, args)))
+    assert(dir:write_atomic(p.context_file_name, context.text(plan, args)))
     assert(dir:write_atomic("run.sh", plan.wrapper))
     plan.mounts[#plan.mounts + 1] = { host = host_agent_dir, target = AGENT_DIR }
     local route, verr = vendor.start({ run_id = plan.run_id, run_dir = plan.run_dir, output_dir = plan.output_dir,
       provider = p, token = plan.token, credential = cred, deadline = loop.time() + plan.timeout,
-      decide = agent.decider(p, plan.output_dir, plan.resumable) })
+      decide = resume.decider(p, plan.output_dir, plan.resumable) })
     if not route then fail(verr) end
     plan.vendor = route
   end

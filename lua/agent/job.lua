@@ -11,6 +11,7 @@ local jobs = require("demesne.jobs")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local providers = require("demesne.providers")
+local resume = require("demesne.agent.resume")
 local sandbox = require("demesne.sandbox")
 local util = require("demesne.util")
 local vendor = require("demesne.vendor")
@@ -87,7 +88,7 @@ function kind.attach(job)
       route, err = vendor.start({ run_id = rec.run_id, run_dir = rec.run_dir,
         output_dir = rec.output_dir, provider = p, token = rec.vendor_token, credential = cred,
         deadline = rec.started_ms / 1000 + rec.timeout_seconds,
-        decide = agent.decider(p, rec.output_dir, rec.resumable) })
+        decide = resume.decider(p, rec.output_dir, rec.resumable) })
       if not route then log.warning(LOGGER, "%s: vendor route: %s", rec.job_id, tostring(err)) end
     else
       log.warning(LOGGER, "%s: vendor route not restarted: %s", rec.job_id, tostring(why))
