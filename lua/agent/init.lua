@@ -10,7 +10,7 @@
 local config = require("demesne.config")
 local context = require("demesne.agent.context")
 local errors = require("demesne.errors")
-local egress = require("demesne.egress")
+local egress_policy = require("demesne.egress.policy")
 local fs = require("core.fs")
 local json = require("demesne.json")
 local log = require("demesne.log")
@@ -57,7 +57,7 @@ function agent.prepare(args, tool, kind)
       fail(("egress: %q is not permitted for sandbox_agent (none or package-managers)"):format(args.egress))
     end
     -- by property, not by name: a user file may replace package-managers with an open policy
-    if egress.is_unrestricted(args.egress) then
+    if egress_policy.is_unrestricted(args.egress) then
       fail(("egress: the policy %q gives open egress (a bridge network, or a rule for any host), which "
         .. "sandbox_agent does not run with; sandbox_research is the open-network agent"):format(args.egress))
     end

@@ -11,6 +11,7 @@
 local async = require("demesne.async")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
+local egress_policy = require("demesne.egress.policy")
 local errors = require("demesne.errors")
 local engines = require("demesne.engines")
 local engine_spec = require("demesne.engines.spec")
@@ -371,7 +372,7 @@ local function prepare(args, kind, tool, ttl)
   local eng = sandbox.engine()
   local lim = sandbox.limits(args.limits)
   local mounts = check(paths.inputs(args.files, args.directories))
-  local pol = check(egress.select(args.egress, #mounts > 0))
+  local pol = check(egress_policy.select(args.egress, #mounts > 0))
   local run_id = sandbox.new_run_id()
   local output_dir, run_dir = dirs(run_id)
   return {
@@ -898,7 +899,7 @@ function sandbox.upload(ctx, args)
   -- the policy was at create (label), or as the policy of that name is now (the proxy of a
   -- re-attached sandbox follows the current file)
   local pol_name = sb.labels[LABEL .. "egress"] or "none"
-  if sb.labels[LABEL .. "egress_unrestricted"] == "1" or egress.is_unrestricted(pol_name) then
+  if sb.labels[LABEL .. "egress_unrestricted"] == "1" or egress_policy.is_unrestricted(pol_name) then
     fail(("sandbox_id: %s has open egress (policy %q); host files cannot be uploaded into it"):format(args.sandbox_id,
       pol_name))
   end

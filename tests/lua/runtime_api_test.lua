@@ -1,8 +1,8 @@
 -- docs/reference/runtime-api.md documents exactly the runtime API plugin files reach
--- (lua/tools/api.lua, providers.API, egress.API): every name has a `### demesne.<module>.<name>`
+-- (lua/tools/api.lua, providers.API, policy.API): every name has a `### demesne.<module>.<name>`
 -- heading, every such heading names a name of the API, each kind's row in the table lists
 -- its modules, and every name exists on its module.
-local egress = require("demesne.egress")
+local policy = require("demesne.egress.policy")
 local providers = require("demesne.providers")
 local tools = require("demesne.tools")
 local tool_api = require("demesne.tools.api")
@@ -23,7 +23,7 @@ local function read_doc()
   return s
 end
 
-local APIS = { tool = tool_api, provider = providers.API, policy = egress.API }
+local APIS = { tool = tool_api, provider = providers.API, policy = policy.API }
 
 local tests = {}
 
@@ -64,7 +64,7 @@ end
 
 function tests.every_name_resolves_in_its_kind_environment(t)
   local envs = { tool = tools.environment("t.lua"), provider = providers.environment("p.lua"),
-    policy = egress.environment("q.lua") }
+    policy = policy.environment("q.lua") }
   for kind, api in pairs(APIS) do
     for mod, list in pairs(api) do
       local m = envs[kind].require(mod) -- raises when a listed name is missing on the module
@@ -74,7 +74,7 @@ function tests.every_name_resolves_in_its_kind_environment(t)
 end
 
 function tests.policy_and_provider_files_reach_no_sandbox(t)
-  for _, env in ipairs({ providers.environment("p.lua"), egress.environment("q.lua") }) do
+  for _, env in ipairs({ providers.environment("p.lua"), policy.environment("q.lua") }) do
     for _, mod in ipairs({ "demesne.sandbox", "demesne.jobs", "demesne.engines", "core.http" }) do
       local ok = pcall(env.require, mod)
       t:eq(ok, false, mod)
