@@ -73,6 +73,10 @@ struct dm_httpd_conn {
   char *body;
   size_t body_len, body_cap;
   int complete;      /* on_message_complete fired */
+  /* the CRLF that ends a chunk's data: llhttp 8 skips those two bytes unchecked, so they are
+     checked here; crlf_left says how many of them are still to come in the next read */
+  const char *exec_end; /* end of the bytes llhttp_execute is running over */
+  size_t crlf_left;
   int refused;       /* a refusal was decided during parsing */
   int refuse_status;
   const char *refuse_why;
@@ -528,6 +532,7 @@ static int on_message_begin(llhttp_t *p) {
   c->field_open = c->value_open = 0;
   c->body_len = 0;
   c->complete = 0;
+  c->crlf_left = 0;
   return 0;
 }
 
@@ -724,8 +729,28 @@ static int on_headers_complete(llhttp_t *p) {
   return 0;
 }
 
+static const char CHUNK_END[] = "\r\n";
+
+/* Checks up to `avail` bytes at `q` against the last `need` bytes of a chunk's CRLF; those
+   beyond `avail` are left to the next read (crlf_left). -1 (refused) on a mismatch. */
+static int check_chunk_end(dm_httpd_conn *c, const char *q, size_t avail, size_t need) {
+  size_t k = avail < need ? avail : need;
+  if (memcmp(q, CHUNK_END + (2 - need), k) != 0) {
+    c->refused = 1;
+    c->refuse_status = 400;
+    c->refuse_why = "chunk data not followed by CRLF";
+    return -1;
+  }
+  c->crlf_left = need - k;
+  return 0;
+}
+
 static int on_body(llhttp_t *p, const char *at, size_t len) {
   dm_httpd_conn *c = conn_of(p);
+  /* the end of a chunk's data: what follows must be its CRLF */
+  if ((p->flags & F_CHUNKED) && p->content_length == 0 &&
+      check_chunk_end(c, at + len, (size_t)(c->exec_end - (at + len)), 2) < 0)
+    return -1;
   if (c->body_len + len > c->s->o.max_body) {
     c->refused = 1;
     c->refuse_status = 413;
@@ -835,6 +860,11 @@ static size_t parse(dm_httpd_conn *c, const char *data, size_t n) {
     uv_timer_start(&c->timer, on_timeout, c->s->o.request_timeout_ms, 0);
   }
   c->seen += n;
+  if (c->crlf_left && n && check_chunk_end(c, data, n, c->crlf_left) < 0) {
+    refuse(c, c->refuse_status, c->refuse_why, 0);
+    return n;
+  }
+  c->exec_end = data + n;
   llhttp_errno_t e = llhttp_execute(&c->parser, data, n);
   size_t used = n;
   if (e == HPE_PAUSED || e == HPE_PAUSED_UPGRADE) {

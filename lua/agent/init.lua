@@ -124,7 +124,8 @@ function agent.rate_reason(rate)
   end
   why = why or "the CLI gave up"
   local at = ""
-  if type(rate.reset_at) == "number" then at = "(reset at " .. util.iso(rate.reset_at) .. ")" end
+  local reset_at = resume.reset_time(rate.reset_at)
+  if reset_at then at = "(reset at " .. util.iso(reset_at) .. ")" end
   return ("rate limited by the vendor; %s%s"):format(why, at ~= "" and (" " .. at) or "")
 end
 

@@ -10,6 +10,16 @@ local loop = require("core.loop")
 local resume = {}
 
 local TRANSCRIPT_MAX = 8 * 1024 * 1024
+
+--- A reset time (epoch seconds) read from a transcript the agent wrote, or nil unless it is
+--- a number from 0 to 2^33 (the year 2242): os.date and "%d" take nothing larger, and a
+--- transcript is written inside the sandbox.
+---@param v any
+---@return number|nil
+function resume.reset_time(v)
+  if type(v) == "number" and v >= 0 and v < 2 ^ 33 then return v end
+  return nil
+end
 --------------------------------------------------------------------------------------------
 -- Attempts and session resumes. The sandbox runs a generated wrapper (/.demesne/agent/run.sh)
 -- instead of the CLI itself: it runs the CLI, then reports the attempt's end to the vendor
@@ -129,10 +139,9 @@ function resume.decide(provider, output_dir, route, info, resumable)
       return stop("the CLI named no session to resume")
     end
     if rate.used >= rate.budget then return stop(("retry budget of %d exhausted"):format(rate.budget)) end
-    local reset_at = rate.reset_at
-    if type(details.resets_at) == "number" and (not reset_at or details.resets_at > reset_at) then
-      reset_at = details.resets_at
-    end
+    local reset_at = resume.reset_time(rate.reset_at)
+    local said = resume.reset_time(details.resets_at)
+    if said and (not reset_at or said > reset_at) then reset_at = said end
     if type(reset_at) ~= "number" then return stop("no reset time in the answer") end
     local wait = math.max(1, reset_at - now + 1)
     local max = tonumber(config.get("agent_rate_limit_max_wait_seconds")) or 3600

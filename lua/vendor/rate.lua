@@ -39,8 +39,19 @@ end
 
 local MONTHS = { jan = 1, feb = 2, mar = 3, apr = 4, may = 5, jun = 6, jul = 7, aug = 8, sep = 9, oct = 10, nov = 11, dec = 12 }
 
+-- The longest wait a reset can name: a later one (1e300 s, or 400 digits read as infinity)
+-- is taken as this far away. Waits are printed as integers, which such numbers are not.
+local RESET_MAX = 2 ^ 31 -- seconds, 68 years
+
+-- A wait in seconds from 0 to RESET_MAX, or nil for NaN.
+local function bounded_wait(w)
+  if w == nil or w ~= w then return nil end
+  return math.max(0, math.min(w, RESET_MAX))
+end
+
 --- Seconds until a reset from one header value: an RFC 3339 time, an HTTP date, delta
---- seconds, or an OpenAI-style duration ("1m30s", "250ms"). nil when unreadable.
+--- seconds, or an OpenAI-style duration ("1m30s", "250ms"). nil when unreadable; may be
+--- huge (infinite for 400 digits): reset_wait and body_reset bound it.
 ---@param value string|nil  the header's value
 ---@param now number        epoch seconds
 ---@return number|nil seconds
@@ -74,7 +85,7 @@ end
 
 --- Seconds to wait before a rate-limited request may be sent again, from a 429's headers
 --- (retry-after first, else the latest anthropic-ratelimit-*-reset / x-ratelimit-reset-*).
---- nil when no header names a reset.
+--- nil when no header names a reset; at most 2^31.
 ---@param headers table<string,string>|nil  lowercased names
 ---@param now number|nil  epoch seconds (default: now)
 ---@return number|nil seconds
@@ -82,7 +93,7 @@ function ratelimit.reset_wait(headers, now)
   headers = headers or {}
   now = now or loop.time()
   local ra = ratelimit.parse_reset(headers["retry-after"], now)
-  if ra then return math.max(0, ra) end
+  if ra then return bounded_wait(ra) end
   local best
   for k, v in pairs(headers) do
     if type(k) == "string" and (k:match("^anthropic%-ratelimit%-.+%-reset$") or k:match("^x%-ratelimit%-reset")) then
@@ -90,13 +101,13 @@ function ratelimit.reset_wait(headers, now)
       if w and (not best or w > best) then best = w end
     end
   end
-  return best and math.max(0, best) or nil
+  return bounded_wait(best)
 end
 
 --- Seconds until a reset named in a 429's JSON body, or nil. Reads `resets_at` (epoch
 --- seconds, or an RFC 3339 time) and `resets_in_seconds`, under `error` or at the top level:
 --- the shape of OpenAI's `usage_limit_reached` answer to a ChatGPT-plan login, which has no
---- reset header.
+--- reset header. At most 2^31.
 ---@param body string|nil
 ---@param now number  epoch seconds
 ---@return number|nil
@@ -106,15 +117,15 @@ function ratelimit.body_reset(body, now)
   if not ok or type(v) ~= "table" then return nil end
   for _, t in ipairs({ type(v.error) == "table" and v.error or {}, v }) do
     local at = t.resets_at
-    if type(at) == "number" and at > 0 then return math.max(0, at - now) end
+    if type(at) == "number" and at > 0 then return bounded_wait(at - now) end
     if type(at) == "string" then
       local w = ratelimit.parse_reset(at, now)
-      if w and not at:match("^%s*%d+%.?%d*%s*$") then return math.max(0, w) end
+      if w and not at:match("^%s*%d+%.?%d*%s*$") then return bounded_wait(w) end
       local n = tonumber(at)
-      if n and n > 0 then return math.max(0, n - now) end
+      if n and n > 0 then return bounded_wait(n - now) end
     end
     local inn = tonumber(t.resets_in_seconds)
-    if inn and inn >= 0 then return inn end
+    if inn and inn >= 0 then return bounded_wait(inn) end
   end
   return nil
 end

@@ -180,7 +180,18 @@ static void test_exchanges(void) {
   x = (exchange_t){.send = "POST /x HTTP/1.1\r\nHost: localhost\r\n" AUTH "Content-Length: 50\r\n\r\nshort", .shut = 1};
   exchange(&x);
   CHECK(!strncmp(x.got, "HTTP/1.1 400 ", 13), "cut off: %s", x.got);
+  /* llhttp 8 skips the two bytes after a chunk's data unchecked; the server checks them,
+     whether they come in the same read or not */
+  x = (exchange_t){.send = "POST /x HTTP/1.1\r\nHost: localhost\r\n" AUTH "Transfer-Encoding: chunked\r\n\r\n"
+                           "3\r\nabcXY0\r\n\r\n"};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 400 ", 13) && strstr(x.got, "CRLF"), "chunk data without its CRLF: %s", x.got);
   CHECK(requests == before, "refused requests never reached the owner (%d)", requests - before);
+  x = (exchange_t){.send = "POST /chunked HTTP/1.1\r\nHost: localhost\r\n" AUTH "Transfer-Encoding: chunked\r\n"
+                           "Connection: close\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\nX-T: 1\r\n\r\n"};
+  exchange(&x);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK\r\n") && !strcmp(last_body, "abcde"), "chunked body: %s (%s)", x.got, last_body);
+  before = requests;
 
   /* a stream held open, then the server closes: the connection goes, on_close and on_closed come */
   pthread_t t;
