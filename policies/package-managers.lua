@@ -3,7 +3,7 @@
 -- and sandbox_create.
 --
 -- The npm registry and the Debian archives are taken from this machine's own npm and apt
--- configuration (`sources`, see lua/egress.lua): the images are built from the same
+-- configuration (`sources`, see lua/egress/policy.lua): the images are built from the same
 -- sources, and a mirror configured on the host is then the one allowed.
 local npm = sources.npm_hosts()
 local apt = sources.apt_hosts()

@@ -1,5 +1,5 @@
 -- sandbox_agent: an AI coding agent CLI with full autonomy in a fresh sandbox, its real
--- credential kept on the host (the run itself: lua/agent.lua).
+-- credential kept on the host (the run itself: lua/agent/).
 local agent = require("demesne.agent")
 local jobs = require("demesne.jobs")
 local json = require("demesne.json")

@@ -1,5 +1,5 @@
 -- sandbox_research: an AI agent CLI with open egress and no host inputs, for web research
--- (the run itself: lua/agent.lua).
+-- (the run itself: lua/agent/).
 local agent = require("demesne.agent")
 local jobs = require("demesne.jobs")
 local schemas = require("demesne.schemas")

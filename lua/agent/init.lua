@@ -1,6 +1,6 @@
 -- Agent runs (sandbox_agent, sandbox_research): an AI coding agent CLI from a provider
 -- adapter (lua/providers) in a fresh sandbox of the provider's image, with the vendor route
--- (lua/vendor.lua) as its only way to the model and the real credential kept on the host.
+-- (lua/vendor/) as its only way to the model and the real credential kept on the host.
 --
 -- Layout inside the sandbox: /workspace (writable scratch, the agent's working folder),
 -- /out (deliverables; the host's output folder), /in (read-only host inputs, sandbox_agent

@@ -23,7 +23,7 @@ end
 --------------------------------------------------------------------------------------------
 -- Attempts and session resumes. The sandbox runs a generated wrapper (/.demesne/agent/run.sh)
 -- instead of the CLI itself: it runs the CLI, then reports the attempt's end to the vendor
--- route (POST /.demesne/attempt, see lua/vendor.lua) and, told `resume <session>` once a
+-- route (POST /.demesne/attempt, see lua/vendor/init.lua) and, told `resume <session>` once a
 -- vendor rate limit has reset, runs the CLI again resuming that session (the provider's
 -- argv with run.resume_session). Both attempts write to the same stdout, so
 -- transcript.jsonl holds the whole run. The decision is the host's (resume.decide).

@@ -1,5 +1,5 @@
 -- MCP tasks (2025-11-25, experimental, SEP-1686) for tools/call, mapped onto background
--- jobs (lua/jobs.lua): a task is a job and its taskId is the job id.
+-- jobs (lua/jobs/): a task is a job and its taskId is the job id.
 --
 --   tools/call {…, task: {ttl?}}  → the tool runs with background = true (tools that declare
 --                                   execution.taskSupport "optional" or "required") and the

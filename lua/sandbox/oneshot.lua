@@ -19,7 +19,7 @@ local RUN, container_spec, default_env, prepare, make_dirs = spec.RUN, spec.cont
 
 --- Checks a sandbox_script call and plans its run; nothing is created yet. `kind` is the
 --- container's kind label: "oneshot" (removed when the call ends, or by the reaper once its
---- server is gone) or "job" (a background job's: left to lua/jobs.lua). Returns the plan
+--- server is gone) or "job" (a background job's: left to lua/jobs/). Returns the plan
 --- {engine, run_id, name, output_dir, run_dir, exec_id, timeout, …} that script_start,
 --- script_wait and script_result take.
 ---@param args table  command, image, files, directories, env, timeout_seconds, limits

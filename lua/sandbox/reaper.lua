@@ -20,7 +20,7 @@ local owner_alive = owner.owner_alive
 local expiry_file, expiry_of = persistent.expiry_file, persistent.expiry_of
 local LABEL, claim_path = spec.LABEL, spec.claim_path
 
--- A background job's container is left to lua/jobs.lua while its record says running
+-- A background job's container is left to lua/jobs/ while its record says running
 -- (the record's path is in the job_record label; labels cannot be changed from inside).
 local function job_running(labels)
   local p = labels[LABEL .. "job_record"]

@@ -86,7 +86,7 @@ function Route:rate_state() return self.rate end
 --- Starts the vendor route of one run. `o`: {run_id, run_dir, output_dir, provider, token,
 --- credential, deadline (epoch s, optional), decide (optional: function(route, {attempt,
 --- exit_code}) -> {action = "resume", session, at} | {action = "stop", why}; answers the
---- agent wrapper's POST /.demesne/attempt, see lua/agent.lua), holds (false: never hold a
+--- agent wrapper's POST /.demesne/attempt, see lua/agent/resume.lua), holds (false: never hold a
 --- rate-limited request; default true)}. A route started again for the same run (a
 --- restarted server) takes up its usage totals and rate-limit state. Returns the route
 --- (route:stop() ends it) or nil, err.

@@ -49,7 +49,7 @@ local SPEC = {
 }
 
 function tests.docker_translates_the_spec_into_the_create_body_it_always_sent(t)
-  -- the body lua/sandbox.lua built itself before the neutral spec (docs/reference/engines.md)
+  -- the body lua/sandbox/ built itself before the neutral spec (docs/reference/engines.md)
   t:eq(json.decode(json.encode(docker.create_body(SPEC))), {
     Image = "demesne/default:3f9c0a1b2c4d",
     Entrypoint = { "/.demesne/init" },

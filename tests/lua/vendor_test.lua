@@ -1,4 +1,4 @@
--- The vendor route (lua/vendor.lua) in process: one route driven over loopback TCP (the
+-- The vendor route (lua/vendor/) in process: one route driven over loopback TCP (the
 -- relay's handover is replaced by a TCP listener of its server) against a scripted upstream
 -- on 127.0.0.1 — token check, path check, credential swap, SSE passed through, usage.json.
 local vendor = require("demesne.vendor")
