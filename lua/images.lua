@@ -557,7 +557,9 @@ end
 function images.check_reference(ref)
   if type(ref) ~= "string" then return nil, "must be a string" end
   if ref == "" then return nil, "must not be empty" end
-  if #ref > NAME_MAX + 1 + 128 + 1 + 7 + 1 + 128 then return nil, ("is %d characters long, far over the grammar's limits"):format(#ref) end
+  if #ref > NAME_MAX + 1 + 128 + 1 + 7 + 1 + 128 then
+    return nil, ("is %d characters long, far over the grammar's limits"):format(#ref)
+  end
   local rest, digest = ref, nil
   local at = ref:find("@", 1, true)
   if at then rest, digest = ref:sub(1, at - 1), ref:sub(at + 1) end
@@ -572,7 +574,8 @@ function images.check_reference(ref)
   local colon = rest:match("^.*():") -- the last ':'
   if colon and not rest:find("/", colon, true) then name, tag = rest:sub(1, colon - 1), rest:sub(colon + 1) end
   if tag and not (tag:match("^[A-Za-z0-9_][A-Za-z0-9_.%-]*$") and #tag <= 128) then
-    return nil, ("has an invalid tag %q (letters, digits, '_', '.' and '-', at most 128, not starting with '.' or '-')"):format(tag)
+    return nil, ("has an invalid tag %q (letters, digits, '_', '.' and '-', at most 128, not starting with '.' or '-')")
+      :format(tag)
   end
   if name == "" then return nil, "has no repository name" end
   if #name > NAME_MAX then return nil, ("has a name of %d characters, more than %d"):format(#name, NAME_MAX) end
@@ -586,7 +589,9 @@ function images.check_reference(ref)
   for i = first, #parts do
     local c = parts[i]
     if not path_component_ok(c) then
-      if c:lower() ~= c and path_component_ok(c:lower()) then return nil, "has uppercase letters: repository names must be lowercase" end
+      if c:lower() ~= c and path_component_ok(c:lower()) then
+        return nil, "has uppercase letters: repository names must be lowercase"
+      end
       return nil, ("has an invalid path component %q (lowercase letters and digits, separated by one '.', "
         .. "'_', '__' or dashes)"):format(c)
     end

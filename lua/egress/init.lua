@@ -136,7 +136,8 @@ end
 function Handle:on_request(conn, req)
   local verdict, label = policy.decide(self.policy, req)
   self.pending[conn] = { req = req, verdict = verdict, rule = label, time = iso_now() }
-  if verdict == egress.ALLOW then conn:allow() else conn:deny(("denied by egress policy %s (%s)"):format(self.policy.name, label)) end
+  if verdict == egress.ALLOW then conn:allow()
+  else conn:deny(("denied by egress policy %s (%s)"):format(self.policy.name, label)) end
 end
 
 --- core.proxy's on_done: appends the connection's line to egress.jsonl.

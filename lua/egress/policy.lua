@@ -320,7 +320,8 @@ function policy.policy(name)
   for n in pairs(all) do names[#names + 1] = n end
   table.sort(names)
   if name == "allowlist" then
-    return nil, ("egress: the allowlist policy needs hosts: set DEMESNE_EGRESS_ALLOW (or egress_allow in config.lua); known now: %s")
+    return nil, ("egress: the allowlist policy needs hosts: set DEMESNE_EGRESS_ALLOW (or egress_allow in config.lua); "
+      .. "known now: %s")
       :format(table.concat(names, ", "))
   end
   return nil, ("egress: no policy %q (known: %s)"):format(tostring(name), table.concat(names, ", "))

@@ -497,7 +497,9 @@ function Engine:import(tar_path, repo, tag, on_line)
     body_file = tar_path, timeout_ms = 0, headers = { ["Content-Type"] = "application/x-tar" },
     on_data = progress_stream(on_line, state) })
   if not res then return nil, err, code end
-  if res.status >= 300 or state.error then return nil, "image import failed: " .. tostring(state.error or res.status), "EBUILD" end
+  if res.status >= 300 or state.error then
+    return nil, "image import failed: " .. tostring(state.error or res.status), "EBUILD"
+  end
   return true
 end
 

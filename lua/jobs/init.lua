@@ -261,7 +261,9 @@ local function spawn(job, fn, ...)
     elseif not ok and out == async.CANCELLED then
       jobs.finish(job, "cancelled", { reason = job.cancel_reason or "cancelled" })
     else
-      if not ok and type(out) == "string" and out:find("traceback", 1, true) then log.error(LOGGER, "%s: %s", job.rec.job_id, out) end
+      if not ok and type(out) == "string" and out:find("traceback", 1, true) then
+        log.error(LOGGER, "%s: %s", job.rec.job_id, out)
+      end
       jobs.finish(job, "failed", { reason = ok and "the job returned no outcome" or errors.message(out) })
     end
     if job.after then

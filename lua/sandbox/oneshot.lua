@@ -15,7 +15,8 @@ local oneshot = {}
 
 local fail, check = errors.raise, errors.check
 local read_status, collect = files.read_status, files.collect
-local RUN, container_spec, default_env, prepare, make_dirs = spec.RUN, spec.container_spec, spec.default_env, spec.prepare, spec.make_dirs
+local RUN, container_spec, default_env = spec.RUN, spec.container_spec, spec.default_env
+local prepare, make_dirs = spec.prepare, spec.make_dirs
 
 --- Checks a sandbox_script call and plans its run; nothing is created yet. `kind` is the
 --- container's kind label: "oneshot" (removed when the call ends, or by the reaper once its

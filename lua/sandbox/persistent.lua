@@ -17,7 +17,8 @@ local spec = require("demesne.sandbox.spec")
 local persistent = {}
 
 local fail, check = errors.raise, errors.check
-local LABEL, container_spec, default_env, prepare, make_dirs = spec.LABEL, spec.container_spec, spec.default_env, spec.prepare, spec.make_dirs
+local LABEL, container_spec, default_env = spec.LABEL, spec.container_spec, spec.default_env
+local prepare, make_dirs = spec.prepare, spec.make_dirs
 
 --- Creates a persistent sandbox (sandbox_create). Returns {sandbox_id, output_dir, expires_at, image}.
 function persistent.create(ctx, args)
@@ -83,7 +84,9 @@ function persistent.lookup(eng, sandbox_id)
   end
   local info, err, code = persistent.state_of(eng, sandbox_id)
   if not info then
-    if code == "ENOENT" then fail(("sandbox_id: no sandbox %s (it was destroyed or has expired)"):format(sandbox_id), "ENOENT") end
+    if code == "ENOENT" then
+      fail(("sandbox_id: no sandbox %s (it was destroyed or has expired)"):format(sandbox_id), "ENOENT")
+    end
     fail(err, code)
   end
   local labels = info.labels or {}

@@ -74,7 +74,9 @@ function spec.env(env, extra)
   for _, k in ipairs(keys) do
     local v = env[k]
     if not k:match("^[A-Za-z_][A-Za-z0-9_]*$") then fail(("env: %q is not a valid variable name"):format(k)) end
-    if k:match("^DEMESNE_") then fail(("env.%s: variables starting with DEMESNE_ are set by demesne and cannot be overridden"):format(k)) end
+    if k:match("^DEMESNE_") then
+      fail(("env.%s: variables starting with DEMESNE_ are set by demesne and cannot be overridden"):format(k))
+    end
     if type(v) ~= "string" then fail(("env.%s: value must be a string"):format(k)) end
     if v:find("\0", 1, true) then fail(("env.%s: value contains a NUL byte"):format(k)) end
     if #k + #v + 1 > MAX_ARG_BYTES then

@@ -143,7 +143,8 @@ function transfer.upload(ctx, args)
   else
     local code, msg, st = run_quiet(eng, sb, { "/bin/sh", "-c", '[ ! -d "$1" ]', "sh", dst })
     if code == 1 then
-      fail(("dst: %s is a folder in the sandbox; name the file's own path inside it (e.g. %s/%s)"):format(dst, dst, src:match("[^/]+$")))
+      fail(("dst: %s is a folder in the sandbox; name the file's own path inside it (e.g. %s/%s)"):format(dst, dst,
+        src:match("[^/]+$")))
     end
     if code ~= 0 then transfer_failure(eng, sb, "checking dst in the sandbox", code, msg, st) end
   end
@@ -165,13 +166,15 @@ function transfer.upload(ctx, args)
     fail(("src: %s cannot be packed: %s"):format(src, tostring(perr)), pcode)
   end
   -- --no-overwrite-dir: uploading into an existing folder (/tmp) keeps its mode and owner
-  local code, msg, st = run_quiet(eng, sb, { "tar", "-x", "--no-same-owner", "--no-overwrite-dir", "-f", sandbox_tar, "-C", parent })
+  local code, msg, st = run_quiet(eng, sb,
+    { "tar", "-x", "--no-same-owner", "--no-overwrite-dir", "-f", sandbox_tar, "-C", parent })
   if code ~= 0 then
     if msg:find("Cannot open: No such file", 1, true) or msg:find("Cannot chdir", 1, true) then
       fail(("dst: the folder %s does not exist in the sandbox"):format(parent))
     end
     if msg:find("File exists", 1, true) or msg:find("Is a directory", 1, true) then
-      fail(("dst: %s is a folder in the sandbox; name the file's own path inside it (e.g. %s/%s)"):format(dst, dst, src:match("[^/]+$")))
+      fail(("dst: %s is a folder in the sandbox; name the file's own path inside it (e.g. %s/%s)"):format(dst, dst,
+        src:match("[^/]+$")))
     end
     transfer_failure(eng, sb, "upload to " .. dst, code, msg, st)
   end

@@ -94,7 +94,8 @@ function Route:rate_state() return self.rate end
 ---@return table|nil route, string|nil err
 function vendor.start(o)
   local r = setmetatable({ run_id = o.run_id, provider = o.provider, token = o.token, credential = o.credential,
-    output_dir = o.output_dir, tasks = {}, forwarding = 0, models = {}, requests = 0, closed = false, deadline = o.deadline, decide = o.decide, holds = o.holds ~= false,
+    output_dir = o.output_dir, tasks = {}, forwarding = 0, models = {}, requests = 0, closed = false,
+    deadline = o.deadline, decide = o.decide, holds = o.holds ~= false,
     rate = rate.load(o.run_id, rate.budget(o.rate_limit_retries)),
     total = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 } }, Route)
   -- the output folder is the sandbox's to write: held by descriptor, every file in it

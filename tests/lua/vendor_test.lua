@@ -9,6 +9,8 @@ local http = require("core.http")
 local fs = require("core.fs")
 local loop = require("core.loop")
 local async = require("demesne.async")
+local agent = require("demesne.agent")
+local resume = require("demesne.agent.resume")
 
 local tests = {}
 
@@ -233,7 +235,7 @@ function tests.route_passes_the_429_on_when_the_budget_is_spent(t)
   t:eq(lines[#lines].status, 429)
   t:eq(lines[#lines].rate_limit, "retry budget of 1 exhausted")
   t:eq(usage.rate_limited.why, "retry budget of 1 exhausted")
-  t:eq(require("demesne.agent").rate_reason(usage.rate_limited):match("^(.-) %("),
+  t:eq(agent.rate_reason(usage.rate_limited):match("^(.-) %("),
     "rate limited by the vendor; retry budget of 1 exhausted")
 end
 
@@ -303,7 +305,6 @@ local function with_transcript(name, fn)
 end
 
 function tests.decide_resumes_a_rate_limited_session_once_per_attempt(t)
-  local resume = require("demesne.agent.resume")
   local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
   with_transcript("claude_code_transcript_429.jsonl", function(dir)
     local now = loop.time()
@@ -333,7 +334,6 @@ end
 -- raises for a number with no integer form: the run's result and results.json were lost.
 -- A reset time is now used only from 0 to 2^33 s.
 function tests.far_reset_in_a_transcript_is_ignored(t)
-  local agent = require("demesne.agent")
   local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-far-" .. hex(loop.random(6))
   assert(fs.mkdir_p(dir .. "/out", 493))
   assert(fs.mkdir_p(dir .. "/run", 493))
@@ -349,7 +349,7 @@ function tests.far_reset_in_a_transcript_is_ignored(t)
       t:ok(json.decode(assert(fs.read_file(dir .. "/out/results.json"))), "results.json written for " .. at)
       local route = { rate = { budget = 3, used = 0, limited = 1, passed_at = 1, attempt_started = 0 },
         save_rate = function() end }
-      t:eq(require("demesne.agent.resume").decide(p, dir .. "/out", route, { attempt = 1, exit_code = 1 }).why, "no reset time in the answer")
+      t:eq(resume.decide(p, dir .. "/out", route, { attempt = 1, exit_code = 1 }).why, "no reset time in the answer")
     end
   end)
   fs.remove_tree(dir)
@@ -357,7 +357,6 @@ function tests.far_reset_in_a_transcript_is_ignored(t)
 end
 
 function tests.decide_stops_when_a_resume_cannot_help(t)
-  local resume = require("demesne.agent.resume")
   local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
   with_transcript("claude_code_transcript_429.jsonl", function(dir)
     local now = loop.time()
@@ -385,7 +384,6 @@ function tests.decide_stops_when_a_resume_cannot_help(t)
 end
 
 function tests.wrapper_quotes_the_cli_and_resumes_the_session(t)
-  local resume = require("demesne.agent.resume")
   local p = { name = "echoer", argv = function(run)
     return { "printf", "%s|%s|%s\\n", "it's \"quoted\" $HOME", run.resume_session or "fresh", run.resume_prompt or "-" }
   end }
