@@ -212,8 +212,11 @@ function images.parse_from(src)
   return out
 end
 
--- Rewrites the FROM lines of a user's Containerfile: each image word that names a demesne
--- image (and no stage defined above it) becomes `tags[word]`. Returns the new text.
+--- Rewrites the FROM lines of a user's Containerfile: each image word that names a demesne
+--- image (and no stage defined above it) becomes `tags[word]`. Returns the new text.
+---@param src string
+---@param tags table<string, string>  image name -> the tag it was built as
+---@return string
 local function rewrite_from(src, tags)
   local stages, lines = {}, {}
   for line, nl in src:gmatch("([^\n]*)(\n?)") do

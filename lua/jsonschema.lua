@@ -93,9 +93,12 @@ end
 
 local function list_of(t) return type(t) == "table" and t or {} end
 
--- Translates a simple ECMA-262 regular expression into a Lua pattern; nil when it uses
--- anything without a faithful Lua equivalent.
 local pattern_cache = {}
+
+--- Translates a simple ECMA-262 regular expression into a Lua pattern; nil when it uses
+--- anything without a faithful Lua equivalent.
+---@param re string
+---@return string|nil
 local function translate(re)
   if pattern_cache[re] ~= nil then return pattern_cache[re] or nil end
   local out, i, n = {}, 1, #re
@@ -391,6 +394,9 @@ function schema.format_errors(errs, root_name)
   return table.concat(parts, "; ")
 end
 
+--- A deep copy of a JSON value (tables copied with their metatables: json.array stays one).
+---@param v any
+---@return any
 local function copy(v)
   if type(v) ~= "table" then return v end
   local out = {}

@@ -45,6 +45,10 @@ end
 
 --- Checks a call and plans the run (nothing started). `tool`: "sandbox_agent" or
 --- "sandbox_research". `kind`: the container kind ("oneshot" or "job").
+---@param args table     the tool's arguments (prompt, model, image, …)
+---@param tool string
+---@param kind string|nil
+---@return table plan
 function agent.prepare(args, tool, kind)
   local p, model, cred = providers.resolve(args.model)
   if not p then fail(model) end
@@ -117,6 +121,8 @@ function agent.prepare(args, tool, kind)
 end
 
 --- The final reason of a run that ended rate limited. `rate`: {budget, reset_at, why}.
+---@param rate table
+---@return string
 function agent.rate_reason(rate)
   local why = rate.why
   if not why and rate.retried and rate.budget and rate.retried >= rate.budget then
@@ -136,6 +142,11 @@ end
 --- (a FIFO, a link, a malformed status.json …), a message naming what failed: the result
 --- then says so in `reason` and `is_error`, and must not be taken for a success.
 ---@return table result, string|nil read_error
+---@param o table            the plan (agent.prepare)
+---@param code integer|nil
+---@param err string|nil
+---@param duration_ms integer
+---@param reason string|nil
 function agent.finish(o, code, err, duration_ms, reason)
   if o.vendor then o.vendor:stop() end
   local read_error
@@ -197,6 +208,10 @@ function agent.finish(o, code, err, duration_ms, reason)
 end
 
 --- Runs an agent to the end (foreground). Returns the result.
+---@param ctx table   the tool call's context (progress, cancel)
+---@param args table
+---@param tool string  "sandbox_agent" or "sandbox_research"
+---@return table result
 function agent.run(ctx, args, tool)
   local o = agent.prepare(args, tool)
   local started = loop.hrtime()
@@ -223,6 +238,8 @@ function agent.run(ctx, args, tool)
 end
 
 --- Readable text of a result.
+---@param r table  a result of agent.finish
+---@return string
 function agent.text(r)
   local lines = {
     ("exit_code: %d%s"):format(r.exit_code, r.timed_out and " (timed out)" or ""),

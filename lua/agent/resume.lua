@@ -114,6 +114,7 @@ end
 ---@param route table     the vendor route (rate state, deadline)
 ---@param info table      {attempt, exit_code}
 ---@return table decision  {action = "resume", session, at (epoch s)} or {action = "stop", why?}
+---@param resumable boolean|nil  false when the provider's argv cannot resume a session
 function resume.decide(provider, output_dir, route, info, resumable)
   local rate = route.rate
   rate.decided = type(rate.decided) == "table" and rate.decided or {}

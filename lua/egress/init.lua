@@ -90,6 +90,8 @@ Handle.__index = Handle
 --- with the count of refusals since the last one).
 --- Returns a handle (closing it — or egress.stop — stops the listener and waits for its
 --- connections to end), or a handle that does nothing for open egress; nil, err on failure.
+---@param o table  the sandbox's plan: run_id, run_dir, its policy (o.policy or o.egress)
+---@return table|nil handle, string|nil err
 function egress.start(o)
   local pol = o.policy or o.egress
   local h = setmetatable({ run_id = o.run_id, policy = pol, pending = {}, closed = false }, Handle)
@@ -167,7 +169,7 @@ function Handle:on_done(conn, res)
   end
 end
 
--- Writes the pending "ceiling" line: the refusals since the last one, and why.
+--- Writes the pending "ceiling" line: the refusals since the last one, and why.
 function Handle:flush_refusals()
   local r = self.refusals
   if not r or r.count == 0 or not self.file then return end
@@ -213,9 +215,12 @@ end
 Handle.__close = Handle.stop
 
 --- The live handle of a sandbox, or nil.
+---@param run_id string
+---@return table|nil handle
 function egress.get(run_id) return active[run_id] end
 
 --- Stops the proxy of a sandbox if one runs. Idempotent.
+---@param run_id string
 function egress.stop(run_id)
   local h = active[run_id]
   if h then h:stop() end

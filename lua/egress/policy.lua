@@ -170,6 +170,7 @@ end
 --- Parses one allowlist entry ("host", "host:port", "*.example.com:443", "10.0.0.0/8",
 --- "10.0.0.0/8:5432") into a rule definition.
 ---@return table|nil rule, string|nil err
+---@param s string
 function policy.allow_entry(s)
   if type(s) ~= "string" or s == "" then return nil, "an allowlist entry must be a non-empty string" end
   local body, port = s:match("^(.-):(%d+)$")
@@ -313,6 +314,7 @@ function policy.reload() registry, load_errors = nil, nil end
 
 --- The policy called `name`, or nil and a message listing the known ones.
 ---@return table|nil policy, string|nil err
+---@param name string
 function policy.policy(name)
   local all = policy.policies()
   if all[name] then return all[name] end

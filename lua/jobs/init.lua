@@ -423,6 +423,7 @@ end
 ---@param id string
 ---@param reason string|nil
 ---@return JobRecord rec, string[] cancelled
+---@param cancelled string[]|nil  the list this call adds to (over a job tree)
 function jobs.cancel(id, reason, cancelled)
   cancelled = cancelled or json.array()
   local rec = jobs.must_get(id)
@@ -627,6 +628,9 @@ end
 
 --- The last `max` bytes of a job's stdout.log (whole lines) and the log's size. A log that
 --- cannot be read (anything but missing) fails naming it.
+---@param rec JobRecord
+---@param max integer
+---@return string text, integer size
 function jobs.stdout_tail(rec, max)
   local text, size, code = output.tail(rec.output_dir, log_rel(rec, "stdout"), max)
   if not text then fail("cannot read the job's output: " .. tostring(size), code) end
@@ -634,6 +638,8 @@ function jobs.stdout_tail(rec, max)
 end
 
 --- The bounded head and tail of a job's stdout and stderr: stdout, stderr, truncated.
+---@param rec JobRecord
+---@return string stdout, string stderr, boolean truncated
 function jobs.collect(rec)
   if rec.stdout_file then
     local head, tail = config.get("output_head_bytes"), config.get("output_tail_bytes")
@@ -648,6 +654,8 @@ function jobs.collect(rec)
 end
 
 --- Readable text for a "job started" result.
+---@param r table  {job_id, output_dir}
+---@return string
 function jobs.started_text(r)
   return ("job_id: %s\nstatus: running\noutput_dir: %s\nUse sandbox_status (with `since` to read stdout "
     .. "incrementally), sandbox_wait or sandbox_cancel with this job_id."):format(r.job_id, r.output_dir)

@@ -108,6 +108,9 @@ end
 
 --- Runs a command in a persistent sandbox (sandbox_exec).
 --- args: sandbox_id, command, timeout_seconds, cwd, env. Returns the result table.
+---@param ctx table   the tool call's context (progress, cancel)
+---@param args table
+---@return table result
 function exec.exec(ctx, args)
   local e = exec.exec_prepare(args)
   local started = loop.hrtime()

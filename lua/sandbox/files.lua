@@ -99,8 +99,11 @@ local function read_status(run_dir, exec_id)
   return st
 end
 
--- Bounded stdout/stderr of one command, from its log files under the output folder. A log
--- that cannot be read (anything but missing) fails: a result never shows it as empty.
+--- Bounded stdout/stderr of one command, from its log files under the output folder. A log
+--- that cannot be read (anything but missing) fails: a result never shows it as empty.
+---@param output_dir string
+---@param rel_dir string|nil  the command's log folder under it (exec/<n>), nil for the top
+---@return string stdout, string stderr, boolean|nil truncated
 local function collect(output_dir, rel_dir)
   local head, tail = config.get("output_head_bytes"), config.get("output_tail_bytes")
   local prefix = rel_dir and (rel_dir .. "/") or ""

@@ -121,6 +121,9 @@ end
 --- Runs one command in a fresh container that is removed afterwards (sandbox_script).
 --- args: command, image, files, directories, env, timeout_seconds, limits.
 --- ctx: the MCP tool context (progress/log). Returns the result table.
+---@param ctx table
+---@param args table
+---@return table result
 function oneshot.run_script(ctx, args)
   local o = oneshot.script_prepare(args)
   local started = loop.hrtime()

@@ -21,6 +21,9 @@ local LABEL, container_spec, default_env = spec.LABEL, spec.container_spec, spec
 local prepare, make_dirs = spec.prepare, spec.make_dirs
 
 --- Creates a persistent sandbox (sandbox_create). Returns {sandbox_id, output_dir, expires_at, image}.
+---@param ctx table
+---@param args table  ttl_seconds, image, files, directories, env, limits, egress
+---@return table
 function persistent.create(ctx, args)
   local ttl = args.ttl_seconds or config.get("ttl_default")
   if ttl > config.get("ttl_max") then
@@ -54,13 +57,17 @@ function persistent.create(ctx, args)
   }
 end
 
--- <state>/run/<id> -> <state>/expiry/<id>: out of the sandbox's reach.
+--- <state>/run/<id> -> <state>/expiry/<id>: out of the sandbox's reach.
+---@param run_dir string|nil
+---@return string|nil
 local function expiry_file(run_dir)
   local state, id = tostring(run_dir):match("^(.*)/run/([^/]+)$")
   return state and (state .. "/expiry/" .. id)
 end
 
 --- Records a renewed expiry (unix seconds) for the sandbox whose run folder is run_dir.
+---@param run_dir string
+---@param expires number  epoch seconds
 function persistent.write_expiry(run_dir, expires)
   local f = expiry_file(run_dir)
   if not f then return end
@@ -68,6 +75,10 @@ function persistent.write_expiry(run_dir, expires)
   fs.write_atomic(f, tostring(expires))
 end
 
+--- A sandbox's expiry (epoch seconds): its label, or the later renewal recorded under
+--- <state>/expiry.
+---@param labels table<string, string>  the container's labels
+---@return number
 local function expiry_of(labels)
   local e = tonumber(labels[LABEL .. "expires_at"]) or 0
   local f = expiry_file(labels[LABEL .. "run_dir"])
@@ -78,6 +89,9 @@ end
 
 --- Looks up a persistent sandbox by id. Returns {id, name, labels, output_dir, run_dir,
 --- running} or fails with a message that says it is unknown or gone.
+---@param eng table  the engine adapter
+---@param sandbox_id string
+---@return table
 function persistent.lookup(eng, sandbox_id)
   if type(sandbox_id) ~= "string" or not sandbox_id:match("^[%w%-]+$") then
     fail(("sandbox_id: %q is not a sandbox id"):format(tostring(sandbox_id)))
@@ -125,6 +139,8 @@ end
 --- expired or stopped while a command or transfer used it). Returns nothing otherwise.
 --- A removal can still be under way when the command's stream ends, so this watches the
 --- container for up to 2 s before concluding it is alive.
+---@param eng table  the engine adapter
+---@param sandbox_id string
 function persistent.check_alive(eng, sandbox_id)
   for _ = 1, 10 do
     local info, _, code = persistent.state_of(eng, tostring(sandbox_id))
@@ -142,9 +158,11 @@ function persistent.check_alive(eng, sandbox_id)
   end
 end
 
--- Renews the TTL by the sandbox's own ttl_seconds from now; never shortens it. `busy`
--- (seconds) keeps it alive at least that long: an exec that may run for its whole timeout
--- must not see its sandbox expire under it.
+--- Renews the TTL by the sandbox's own ttl_seconds from now; never shortens it. `busy`
+--- (seconds) keeps it alive at least that long: an exec that may run for its whole timeout
+--- must not see its sandbox expire under it.
+---@param sb table         the sandbox (persistent.lookup)
+---@param busy number|nil
 local function renew(sb, busy)
   local created = tonumber(sb.labels[LABEL .. "created_at"]) or 0
   local ttl = (tonumber(sb.labels[LABEL .. "expires_at"]) or 0) - created
@@ -177,6 +195,9 @@ end
 
 --- Destroys a persistent sandbox. Idempotent: a gone sandbox is success, with status
 --- "already gone". Returns {sandbox_id, status}.
+---@param ctx table
+---@param args table  sandbox_id
+---@return table
 function persistent.destroy(ctx, args)
   local eng = spec.engine()
   local ok, sb = pcall(persistent.lookup, eng, args.sandbox_id)

@@ -49,6 +49,8 @@ function spec.num(x)
 end
 
 --- Resolves limits against defaults and ceilings. Returns {memory_mb, cpus, pids}.
+---@param l table|nil  the call's limits
+---@return table
 function spec.limits(l)
   l = l or {}
   local out = {}
@@ -66,6 +68,9 @@ end
 
 --- Validates a caller's env map. Variables demesne sets itself cannot be overridden.
 --- Returns a list of "K=V".
+---@param env table<string, string>|nil    the caller's
+---@param extra table<string, string>|nil  demesne's defaults (default_env)
+---@return string[]
 function spec.env(env, extra)
   local list = {}
   local keys = {}
@@ -105,6 +110,8 @@ function spec.check_command(field, cmd)
 end
 
 --- Resolves timeout_seconds against the default and ceiling.
+---@param t number|nil
+---@return integer
 function spec.timeout(t)
   t = t or config.get("timeout_default")
   local max = config.get("timeout_max")
@@ -113,12 +120,17 @@ function spec.timeout(t)
   return math.floor(t)
 end
 
+--- A run's output folder and run folder.
+---@param run_id string
+---@return string output_dir, string run_dir
 local function dirs(run_id)
   return config.get("output_root") .. "/" .. run_id, config.get("state_dir") .. "/run/" .. run_id
 end
 
--- Builds the engine-neutral sandbox spec (lua/engines/spec.lua) of a sandbox, checked
--- against the engine's capabilities: an engine that cannot honour all of it is refused.
+--- Builds the engine-neutral sandbox spec (lua/engines/spec.lua) of a sandbox, checked
+--- against the engine's capabilities: an engine that cannot honour all of it is refused.
+---@param o table  the plan (prepare) with name, image_ref, cmd, env, labels set
+---@return table spec
 local function container_spec(o)
   local init = check(config.init_path())
   local lim = o.limits
@@ -172,6 +184,11 @@ local function container_spec(o)
   return cspec
 end
 
+--- The variables demesne sets in every sandbox: the proxy settings of its egress policy,
+--- DEMESNE_RUN_ID, DEMESNE_OUT, HOME, PATH.
+---@param run_id string
+---@param pol table  the egress policy
+---@return table<string, string>
 local function default_env(run_id, pol)
   local env = egress.env(pol) -- proxy variables, telemetry off
   env.DEMESNE_RUN_ID = run_id
@@ -181,6 +198,13 @@ local function default_env(run_id, pol)
   return env
 end
 
+--- The plan of a new sandbox from a call's arguments, checked: engine, limits, mounts,
+--- egress policy, a fresh run id and its folders. Nothing is created yet.
+---@param args table         limits, files, directories, egress
+---@param kind string        the container's kind label ("oneshot", "job", "persistent")
+---@param tool string|nil    the tool that asked
+---@param ttl number         seconds the container may live (its expires_at label)
+---@return table plan
 local function prepare(args, kind, tool, ttl)
   local eng = spec.engine()
   local lim = spec.limits(args.limits)
@@ -194,11 +218,15 @@ local function prepare(args, kind, tool, ttl)
   }
 end
 
--- <state>/claims/<run id>: which engine and which server a run folder belongs to, kept out
--- of the sandbox's reach, so that the reaper can tell a folder a killed server left behind
--- from one another live server (or another engine) still uses.
+--- <state>/claims/<run id>: which engine and which server a run folder belongs to, kept out
+--- of the sandbox's reach, so that the reaper can tell a folder a killed server left behind
+--- from one another live server (or another engine) still uses.
+---@param run_id string
+---@return string
 local function claim_path(run_id) return config.get("state_dir") .. "/claims/" .. run_id end
 
+--- Creates a plan's output and run folders, then its claim.
+---@param o table  the plan (prepare)
 local function make_dirs(o)
   check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)

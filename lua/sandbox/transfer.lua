@@ -116,6 +116,9 @@ end
 --- The tar is packed off the loop into a file created O_EXCL in the held xfer folder;
 --- src is walked by descriptors (never through a link) and its files' sizes (sparse files
 --- count in full) are summed against upload_max_bytes before anything is written.
+---@param ctx table
+---@param args table
+---@return table result
 function transfer.upload(ctx, args)
   local eng = spec.engine()
   local src = check(paths.check("src", args.src, "any"))
@@ -191,6 +194,9 @@ end
 --- devices, or more than 256 levels are refused; the unpacked size is capped by
 --- download_max_bytes while writing (holes of sparse files count). The result is then
 --- renamed into place within the held downloads folder.
+---@param ctx table
+---@param args table
+---@return table result
 function transfer.download(ctx, args)
   local eng = spec.engine()
   local src = args.src

@@ -3,7 +3,9 @@
 --   * no module cycle: the graph of require("demesne.…") calls has no cycle;
 --   * no back-edge: each module sits in a layer (LAYERS) and requires only its own layer or
 --     those below it: MCP → tools → (sandbox | agent | jobs) → engine adapter → core;
---   * no require inside a function, unless the line says why it loads lazily (`-- lazy: …`).
+--   * no require inside a function, unless the line says why it loads lazily (`-- lazy: …`);
+--   * LuaCATS on every public function: a `---` doc comment with an @param for each
+--     parameter, on each function of the table a module returns and on each method.
 -- docs/explanation/architecture.md ("Layers") describes the same layers.
 local fs = require("core.fs")
 local runtime = require("demesne.runtime")
@@ -267,6 +269,84 @@ function tests.no_module_requires_a_higher_layer(t)
   table.sort(bad)
   t:ok(layer_of("demesne.mcp.server") > layer_of("demesne.tools"), "the layers are ordered")
   if #bad > 0 then error("layering:\n  " .. table.concat(bad, "\n  "), 0) end
+end
+
+-- Public functions of a source lacking LuaCATS: those of the table the file returns
+-- (`function M.f(…)`, or `M.f = f` of a `local function f(…)`) and methods
+-- (`function T:m(…)`), each needing a `---` doc comment right above it with an @param per
+-- parameter. Returns "line: name: what is missing" strings.
+local function missing_cats(src)
+  local lines = {}
+  for l in (src .. "\n"):gmatch("([^\n]*)\n") do lines[#lines + 1] = l end
+  local mod
+  for i = #lines, 1, -1 do
+    mod = lines[i]:match("^return ([%w_]+)%s*$")
+    if mod or lines[i]:match("%S") then break end
+  end
+  local function check(i, name, params, out)
+    local doc, j = {}, i - 1
+    while j > 0 and lines[j]:match("^%-%-%-") do
+      table.insert(doc, 1, lines[j])
+      j = j - 1
+    end
+    if #doc == 0 then
+      out[#out + 1] = ("%d: %s: no doc comment"):format(i, name)
+      return
+    end
+    local have = {}
+    for _, d in ipairs(doc) do
+      local p = d:match("^%-%-%-@param%s+([%w_]+%??)") or d:match("^%-%-%-@param%s+(%.%.%.)")
+      if p then have[(p:gsub("%?$", ""))] = true end
+    end
+    local miss = {}
+    for p in params:gmatch("[^,%s]+") do
+      if not have[p] then miss[#miss + 1] = p end
+    end
+    if #miss > 0 then out[#out + 1] = ("%d: %s: no @param for %s"):format(i, name, table.concat(miss, ", ")) end
+  end
+  local locals = {}
+  for i, l in ipairs(lines) do
+    local name, params = l:match("^local function ([%w_]+)%((.-)%)")
+    if name then locals[name] = { line = i, params = params } end
+  end
+  local out = {}
+  for i, l in ipairs(lines) do
+    local owner, sep, name, params = l:match("^function ([%w_]+)([%.:])([%w_]+)%((.-)%)")
+    if owner and (sep == ":" or owner == mod) then check(i, owner .. sep .. name, params, out) end
+    local o2, n2, fn = l:match("^([%w_]+)%.([%w_]+) = ([%w_]+)%s*$")
+    if o2 and o2 == mod and locals[fn] then check(locals[fn].line, mod .. "." .. n2, locals[fn].params, out) end
+  end
+  return out
+end
+
+function tests.the_luacats_check_sees_what_is_missing(t)
+  local got = missing_cats(table.concat({
+    "local M = {}",
+    "--- Documented.", "---@param a string", "---@param ... any", "function M.good(a, ...) end",
+    "function M.bare(x) end",
+    "--- Half.", "---@param a string", "function M.half(a, b) end",
+    "--- A method.", "function T:m(c) end",
+    "local function helper(d) end", "M.helper = helper",
+    "local function hidden(e) end",
+    "return M",
+  }, "\n"))
+  t:eq(#got, 4, table.concat(got, "; "))
+  t:match(got[1], "^6: M%.bare: no doc comment")
+  t:match(got[2], "M%.half: no @param for b$")
+  t:match(got[3], "T:m: no @param for c$")
+  t:match(got[4], "^12: M%.helper: no doc comment")
+end
+
+function tests.every_public_function_has_luacats(t)
+  local bad = {}
+  for _, f in ipairs(files()) do
+    for _, m in ipairs(missing_cats(f.src)) do bad[#bad + 1] = f.rel .. ":" .. m end
+  end
+  t:ok(#files() > 50, "the runtime's files were read")
+  if #bad > 0 then
+    error(("%d public function(s) without LuaCATS (a --- comment and an @param per parameter):\n  %s")
+      :format(#bad, table.concat(bad, "\n  ")), 0)
+  end
 end
 
 return tests
