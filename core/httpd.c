@@ -59,8 +59,8 @@ struct dm_httpd_conn {
   uv_timer_t timer;
   int open_handles;
   int state;
-  int handed;        /* reached on_request: on_close is owed */
-  const char *why;   /* reason given to on_close */
+  int handed;      /* reached on_request: on_close is owed */
+  const char *why; /* reason given to on_close */
   llhttp_t parser;
   /* the request being parsed: url and header bytes in hb, spans into it */
   char *hb;
@@ -69,25 +69,25 @@ struct dm_httpd_conn {
   span hname[DM_HTTPD_HEADERS_MAX], hval[DM_HTTPD_HEADERS_MAX];
   size_t nh;
   int field_open, value_open; /* a header name / value is being collected */
-  size_t seen;       /* bytes of the current request seen so far */
+  size_t seen;                /* bytes of the current request seen so far */
   char *body;
   size_t body_len, body_cap;
-  int complete;      /* on_message_complete fired */
+  int complete; /* on_message_complete fired */
   /* the CRLF that ends a chunk's data: llhttp 8 skips those two bytes unchecked, so they are
      checked here; crlf_left says how many of them are still to come in the next read */
   const char *exec_end; /* end of the bytes llhttp_execute is running over */
   size_t crlf_left;
-  int refused;       /* a refusal was decided during parsing */
+  int refused; /* a refusal was decided during parsing */
   int refuse_status;
   const char *refuse_why;
-  int refuse_auth;   /* 401: add WWW-Authenticate; 2 = a token was presented */
+  int refuse_auth; /* 401: add WWW-Authenticate; 2 = a token was presented */
   /* bytes read while busy, parsed once the answer ends */
   char *held;
   size_t held_len;
   int reading, eof;
   int keep_alive, http10;
-  int close_after;   /* close once the writes are flushed */
-  int lingering;     /* write side shut; reading and dropping until EOF or a short timer */
+  int close_after; /* close once the writes are flushed */
+  int lingering;   /* write side shut; reading and dropping until EOF or a short timer */
   uv_shutdown_t shut;
   size_t queued;
   int want_drain;
@@ -106,7 +106,7 @@ struct dm_httpd {
   int closing;
   int open_listeners;
   struct relay *relays; /* relay connections waiting for their handed socket */
-  uv_timer_t closer; /* closed last, so on_closed always comes from the loop */
+  uv_timer_t closer;    /* closed last, so on_closed always comes from the loop */
 };
 
 typedef struct {
@@ -264,8 +264,7 @@ static void after_write(uv_write_t *req, int status) {
 }
 
 /* Queues n bytes (copied). Returns 0 or -1 (the connection is then closing). */
-static int queue_bytes(dm_httpd_conn *c, const char *a, size_t an, const char *b, size_t bn, const char *z,
-                       size_t zn) {
+static int queue_bytes(dm_httpd_conn *c, const char *a, size_t an, const char *b, size_t bn, const char *z, size_t zn) {
   size_t n = an + bn + zn;
   owned_write *w = malloc(sizeof *w + (n ? n : 1));
   if (!w) {
@@ -359,8 +358,7 @@ static int build_head(dm_httpd_conn *c, sbuf *b, int status, const dm_httpd_head
     c->keep_alive = 0;
   }
   if (c->s->closing) c->keep_alive = 0;
-  sb_add(b, c->keep_alive ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n",
-         c->keep_alive ? 26 : 21);
+  sb_add(b, c->keep_alive ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n", c->keep_alive ? 26 : 21);
   return b->bad ? -1 : 0;
 }
 
@@ -401,8 +399,7 @@ static void answer_done(dm_httpd_conn *c) {
   uv_timer_start(&c->timer, on_resume, 0, 0);
 }
 
-int dm_httpd_respond(dm_httpd_conn *c, int status, const dm_httpd_header *hs, size_t n, const char *body,
-                     size_t len) {
+int dm_httpd_respond(dm_httpd_conn *c, int status, const dm_httpd_header *hs, size_t n, const char *body, size_t len) {
   if (c->state != S_BUSY || c->close_after) return -1;
   sbuf b = {0};
   if (build_head(c, &b, status, hs, n, (long long)len) < 0) {
@@ -473,8 +470,8 @@ static void refuse(dm_httpd_conn *c, int status, const char *why, int auth) {
   if (bn < 0) bn = 0;
   if ((size_t)bn >= sizeof body) bn = sizeof body - 1;
   sbuf b = {0};
-  sb_fmt(&b, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n", status, reason_of(status),
-         s->error_type, bn);
+  sb_fmt(&b, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n", status, reason_of(status), s->error_type,
+         bn);
   if (auth) {
     const char *wa = auth == 2 ? "WWW-Authenticate: Bearer realm=\"demesne\", error=\"invalid_token\"\r\n"
                                : "WWW-Authenticate: Bearer realm=\"demesne\"\r\n";
@@ -724,7 +721,8 @@ static int on_headers_complete(llhttp_t *p) {
     const char *v = c->hb + c->hval[i].off;
     size_t vn = c->hval[i].len;
     trim(&v, &vn);
-    if (vn == 12 && !strncasecmp(v, "100-continue", 12)) queue_bytes(c, "HTTP/1.1 100 Continue\r\n\r\n", 25, NULL, 0, NULL, 0);
+    if (vn == 12 && !strncasecmp(v, "100-continue", 12))
+      queue_bytes(c, "HTTP/1.1 100 Continue\r\n\r\n", 25, NULL, 0, NULL, 0);
   }
   return 0;
 }
@@ -1233,4 +1231,3 @@ void dm_httpd_close(dm_httpd *s) {
   s->open_listeners++;
   uv_close((uv_handle_t *)&s->closer, listener_closed);
 }
-

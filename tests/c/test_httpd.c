@@ -106,8 +106,7 @@ static void *client(void *arg) {
     while (x->len < sizeof x->got - 1 && (r = read(fd, x->got + x->len, sizeof x->got - 1 - x->len)) > 0) {
       x->len += (size_t)r;
       x->got[x->len] = '\0';
-      if (!x->shut && strstr(x->got, "Connection: close") && strstr(x->got, "\r\n\r\n") &&
-          !strstr(x->got, "chunked"))
+      if (!x->shut && strstr(x->got, "Connection: close") && strstr(x->got, "\r\n\r\n") && !strstr(x->got, "chunked"))
         break;
     }
   }
@@ -141,22 +140,24 @@ static void test_exchanges(void) {
   dm_httpd_listen_opts lo = {.tag = "host", .token = "tok-0123456789abcdef", .hosts = hosts, .nhosts = 2};
   CHECK(dm_httpd_listen_tcp(srv, "127.0.0.1", 0, &lo, &port) == 0 && port > 0, "listen");
 
-  exchange_t x = {.send = "POST /one HTTP/1.1\r\nHost: localhost\r\n" AUTH "Content-Length: 3\r\nConnection: close\r\n\r\nabc"};
+  exchange_t x = {.send = "POST /one HTTP/1.1\r\nHost: localhost\r\n" AUTH
+                          "Content-Length: 3\r\nConnection: close\r\n\r\nabc"};
   exchange(&x);
   CHECK(strstr(x.got, "HTTP/1.1 200 OK\r\n") && strstr(x.got, "X-Seen: yes\r\n") && strstr(x.got, "\r\n\r\n/one"),
         "answered: %s", x.got);
   CHECK(!strcmp(last_body, "abc") && !strcmp(last_listener, "host") && !last_had_auth, "body %s, tag %s, auth %d",
         last_body, last_listener, last_had_auth);
 
-  x = (exchange_t){.send = "GET /a HTTP/1.1\r\nHost: localhost\r\n" AUTH "\r\nGET /b HTTP/1.1\r\nHost: localhost\r\n" AUTH
-                           "Connection: close\r\n\r\n"};
+  x = (exchange_t){.send = "GET /a HTTP/1.1\r\nHost: localhost\r\n" AUTH
+                           "\r\nGET /b HTTP/1.1\r\nHost: localhost\r\n" AUTH "Connection: close\r\n\r\n"};
   exchange(&x);
   char *a = strstr(x.got, "\r\n\r\n/a"), *b = strstr(x.got, "\r\n\r\n/b");
   CHECK(a && b && a < b, "pipelined in order: %s", x.got);
 
   x = (exchange_t){.send = "GET /stream HTTP/1.1\r\nHost: localhost\r\n" AUTH "\r\n", .shut = 1};
   exchange(&x);
-  CHECK(strstr(x.got, "Transfer-Encoding: chunked") && strstr(x.got, "9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n"),
+  CHECK(strstr(x.got, "Transfer-Encoding: chunked") &&
+          strstr(x.got, "9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n"),
         "chunked stream: %s", x.got);
 
   int before = requests;
@@ -259,7 +260,8 @@ static void *relay_client(void *arg) {
   struct timeval tv = {5, 0};
   setsockopt(cfd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   ssize_t r;
-  while (x->len < sizeof x->got - 1 && (r = read(cfd, x->got + x->len, sizeof x->got - 1 - x->len)) > 0) x->len += (size_t)r;
+  while (x->len < sizeof x->got - 1 && (r = read(cfd, x->got + x->len, sizeof x->got - 1 - x->len)) > 0)
+    x->len += (size_t)r;
   x->got[x->len] = '\0';
   close(cfd);
   x->done = 1;
