@@ -33,8 +33,7 @@ static void set_errno(dm_archive_err *err, int e, const char *what, const char *
 }
 
 /* libarchive failure: an errno name when it carries one, else `fallback` */
-static void set_archive_err(dm_archive_err *err, struct archive *a, const char *fallback,
-                            const char *what) {
+static void set_archive_err(dm_archive_err *err, struct archive *a, const char *fallback, const char *what) {
   int e = archive_errno(a);
   const char *s = archive_error_string(a);
   const char *code = fallback;
@@ -95,7 +94,7 @@ typedef struct {
   ino_t out_ino;
   char *buf;
   uint64_t max_bytes, max_depth;
-  uint64_t counted; /* the sizing pass */
+  uint64_t counted;           /* the sizing pass */
   uint64_t max_entries, seen; /* entries of every type met in this pass */
   atomic_int *cancel;
 } packer;
@@ -149,8 +148,7 @@ static int pack_file(packer *p, int pfd, const char *n, const char *name, const 
   if (fd < 0) {
     if (!strcmp(oe.code, "EINVAL") || !strcmp(oe.code, "ELOOP")) /* swapped since the lstat */
       set_err(p->err, "EAGAIN", "%s: changed while being packed", name);
-    else
-      set_errno(p->err, errno ? errno : EIO, "open", name);
+    else set_errno(p->err, errno ? errno : EIO, "open", name);
     return -1;
   }
   if (st.st_ino != lst->st_ino || st.st_dev != lst->st_dev) {
@@ -289,8 +287,8 @@ static int pack_at(packer *p, int pfd, const char *n, const char *name, uint64_t
     size_t cnt = 0;
     uint64_t left = p->max_entries ? (p->seen < p->max_entries ? p->max_entries - p->seen : 0) : 0;
     char **names = NULL;
-    if (rc == 0 && p->max_entries && !left) set_err(p->err, "E2BIG", "more than max_entries (%llu) entries",
-                                                    (unsigned long long)p->max_entries);
+    if (rc == 0 && p->max_entries && !left)
+      set_err(p->err, "E2BIG", "more than max_entries (%llu) entries", (unsigned long long)p->max_entries);
     else if (rc == 0) names = list_names(fd, &cnt, left, p->err, name);
     p->seen += cnt;
     if (!names) rc = -1;
@@ -484,8 +482,8 @@ int dm_archive_pack_fd(int out_fd, const dm_archive_entry *entries, size_t n, co
   return rc;
 }
 
-int dm_archive_pack(const char *out_path, const dm_archive_entry *entries, size_t n,
-                    dm_archive_stats *st, dm_archive_err *err) {
+int dm_archive_pack(const char *out_path, const dm_archive_entry *entries, size_t n, dm_archive_stats *st,
+                    dm_archive_err *err) {
   memset(st, 0, sizeof *st);
   int fd = open(out_path, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, 0644);
   if (fd < 0) {
@@ -637,8 +635,8 @@ static int resolves_inside(int dfd, const char *rel) {
 }
 
 /* The one place that refuses an entry: checks that need no disk state. */
-static int check_entry(struct archive_entry *e, const char *raw, char *rel, size_t rlen,
-                       uint64_t max_depth, dm_archive_err *err) {
+static int check_entry(struct archive_entry *e, const char *raw, char *rel, size_t rlen, uint64_t max_depth,
+                       dm_archive_err *err) {
   char cut[200];
   if (!raw || !*raw) {
     set_err(err, "EUNSAFE", "unsafe entry: empty name");
@@ -649,7 +647,8 @@ static int check_entry(struct archive_entry *e, const char *raw, char *rel, size
     return -1;
   }
   if (normalize(raw, rel, rlen) != 0) {
-    if (strlen(raw) >= rlen - 1) set_err(err, "EUNSAFE", "unsafe entry '%s': name too long", shown(raw, cut, sizeof cut));
+    if (strlen(raw) >= rlen - 1)
+      set_err(err, "EUNSAFE", "unsafe entry '%s': name too long", shown(raw, cut, sizeof cut));
     else set_err(err, "EUNSAFE", "unsafe entry '%s': '..' component", shown(raw, cut, sizeof cut));
     return -1;
   }
@@ -699,8 +698,8 @@ typedef struct {
   dm_archive_err *err;
   atomic_int *cancel;
   uint64_t declared, max_depth;
-  int pfd;                 /* the folder of the last entry, cached */
-  char prel[PATH_MAX];     /* its name below dest */
+  int pfd;             /* the folder of the last entry, cached */
+  char prel[PATH_MAX]; /* its name below dest */
   dirfix *dirs;
   size_t ndirs, capdirs;
 } xstate;
@@ -782,7 +781,8 @@ static int replace_nondir(xstate *x, int pfd, const char *base, const char *raw)
   struct stat st;
   char cut[200];
   if (fstatat(pfd, base, &st, AT_SYMLINK_NOFOLLOW) == 0 && S_ISDIR(st.st_mode)) {
-    set_err(x->err, "EUNSAFE", "unsafe entry '%s': a folder of that name is already there", shown(raw, cut, sizeof cut));
+    set_err(x->err, "EUNSAFE", "unsafe entry '%s': a folder of that name is already there",
+            shown(raw, cut, sizeof cut));
     return -1;
   }
   if (unlinkat(pfd, base, 0) != 0 && errno != ENOENT) {
@@ -1172,8 +1172,8 @@ done:
   return 0;
 }
 
-int dm_archive_extract_fd(int tar_fd, int dest_fd, const dm_archive_limits *lim, dm_archive_stats *st,
-                          char ***names, size_t *nnames, dm_archive_err *err, atomic_int *cancel) {
+int dm_archive_extract_fd(int tar_fd, int dest_fd, const dm_archive_limits *lim, dm_archive_stats *st, char ***names,
+                          size_t *nnames, dm_archive_err *err, atomic_int *cancel) {
   return extract_impl(tar_fd, dest_fd, lim, 0, st, names, nnames, err, cancel);
 }
 
@@ -1195,8 +1195,8 @@ static int dir_is_empty(int fd, int *is_empty) {
   return 0;
 }
 
-int dm_archive_extract(const char *tar_path, const char *dest_dir, const dm_archive_limits *lim,
-                       dm_archive_stats *st, char ***names, size_t *nnames, dm_archive_err *err) {
+int dm_archive_extract(const char *tar_path, const char *dest_dir, const dm_archive_limits *lim, dm_archive_stats *st,
+                       char ***names, size_t *nnames, dm_archive_err *err) {
   memset(st, 0, sizeof *st);
   if (names) *names = NULL;
   if (nnames) *nnames = 0;

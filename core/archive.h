@@ -45,11 +45,11 @@ typedef struct dm_archive_stats {
 /// Caps; 0 = the default (no cap, except max_depth: DM_TREE_MAX_DEPTH). Exceeding one
 /// fails with "E2BIG" and a message naming the entry or path.
 typedef struct dm_archive_limits {
-  uint64_t max_bytes;   ///< total size of regular files, in bytes (apparent size: holes count)
-  uint64_t max_entries; ///< number of entries of any type (extract; pack: below each src)
-  uint64_t max_depth;   ///< folder levels below the top
+  uint64_t max_bytes;         ///< total size of regular files, in bytes (apparent size: holes count)
+  uint64_t max_entries;       ///< number of entries of any type (extract; pack: below each src)
+  uint64_t max_depth;         ///< folder levels below the top
   uint64_t max_archive_bytes; ///< extract: bytes of the tar itself read at most
-  int strict_src;       ///< pack: resolve each src from "/" with no symlink on the way
+  int strict_src;             ///< pack: resolve each src from "/" with no symlink on the way
 } dm_archive_limits;
 
 /// Writes `n` entries as a POSIX tar to the open descriptor `out_fd` (from its current
@@ -65,8 +65,8 @@ int dm_archive_pack_fd(int out_fd, const dm_archive_entry *entries, size_t n, co
 
 /// dm_archive_pack_fd into a new file at `out_path` (created or truncated, mode 0644, not
 /// through a final symlink); on failure `out_path` is removed.
-int dm_archive_pack(const char *out_path, const dm_archive_entry *entries, size_t n,
-                    dm_archive_stats *st, dm_archive_err *err);
+int dm_archive_pack(const char *out_path, const dm_archive_entry *entries, size_t n, dm_archive_stats *st,
+                    dm_archive_err *err);
 
 /// Extracts the tar read from `tar_fd` (with pread from offset 0; plain tar only, at
 /// most lim->max_archive_bytes of it) into the folder `dest_fd`, which should be empty.
@@ -87,15 +87,15 @@ int dm_archive_pack(const char *out_path, const dm_archive_entry *entries, size_
 /// malloc'd array of *nnames malloc'd entry names (free with dm_archive_names_free).
 /// On failure returns -1 with *err filled and everything inside dest_fd removed; *names
 /// is then NULL. `cancel` (may be NULL) stops the work early with "ECANCELED".
-int dm_archive_extract_fd(int tar_fd, int dest_fd, const dm_archive_limits *lim, dm_archive_stats *st,
-                          char ***names, size_t *nnames, dm_archive_err *err, atomic_int *cancel);
+int dm_archive_extract_fd(int tar_fd, int dest_fd, const dm_archive_limits *lim, dm_archive_stats *st, char ***names,
+                          size_t *nnames, dm_archive_err *err, atomic_int *cancel);
 
 /// Extracts the tar (optionally gzip-compressed) at `tar_path` into `dest_dir`, which must
 /// be missing (it is then created, its parent must exist) or an empty folder: opens both
 /// and runs the checks of dm_archive_extract_fd. On failure everything extracted so far
 /// is removed (dest_dir too if this call created it).
-int dm_archive_extract(const char *tar_path, const char *dest_dir, const dm_archive_limits *lim,
-                       dm_archive_stats *st, char ***names, size_t *nnames, dm_archive_err *err);
+int dm_archive_extract(const char *tar_path, const char *dest_dir, const dm_archive_limits *lim, dm_archive_stats *st,
+                       char ***names, size_t *nnames, dm_archive_err *err);
 
 /// Frees a name array returned by dm_archive_extract.
 void dm_archive_names_free(char **names, size_t n);

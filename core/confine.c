@@ -281,8 +281,8 @@ int dm_cf_open_file(int dfd, const char *rel, dm_cf_mode mode, mode_t perm, stru
       int fd = open_existing(dfd, rel, O_WRONLY | O_APPEND, st, err, "open");
       if (fd >= 0 || strcmp(err->code, "ENOENT")) return fd;
     }
-    int fd = dm_cf_openat(dfd, rel, O_WRONLY | O_CREAT | O_EXCL | O_NONBLOCK | (mode == DM_CF_APPEND ? O_APPEND : 0),
-                          perm);
+    int fd =
+      dm_cf_openat(dfd, rel, O_WRONLY | O_CREAT | O_EXCL | O_NONBLOCK | (mode == DM_CF_APPEND ? O_APPEND : 0), perm);
     if (fd < 0) {
       if (errno == EEXIST && mode == DM_CF_APPEND) continue; /* made meanwhile: open that */
       dm_err_errno(err, errno, "create", rel);
@@ -380,8 +380,8 @@ int dm_cf_write_atomic(int dfd, const char *rel, const void *data, size_t len, m
     close(pfd);
     return -1;
   }
-  snprintf(tmp, sizeof tmp, ".dm-%02x%02x%02x%02x%02x%02x%02x%02x.tmp", rnd[0], rnd[1], rnd[2], rnd[3], rnd[4],
-           rnd[5], rnd[6], rnd[7]);
+  snprintf(tmp, sizeof tmp, ".dm-%02x%02x%02x%02x%02x%02x%02x%02x.tmp", rnd[0], rnd[1], rnd[2], rnd[3], rnd[4], rnd[5],
+           rnd[6], rnd[7]);
   int fd = openat(pfd, tmp, O_WRONLY | O_CREAT | O_EXCL | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC, mode);
   if (fd < 0) {
     dm_err_errno(err, errno, "write", rel);
@@ -563,8 +563,8 @@ int dm_cf_remove_contents(int folder, dm_err *err) {
       unsigned char rnd[6];
       char tmp[64];
       dm_cf_random(rnd, sizeof rnd);
-      snprintf(tmp, sizeof tmp, ".dm-rm-%llu-%02x%02x%02x%02x%02x%02x", moved, rnd[0], rnd[1], rnd[2], rnd[3],
-               rnd[4], rnd[5]);
+      snprintf(tmp, sizeof tmp, ".dm-rm-%llu-%02x%02x%02x%02x%02x%02x", moved, rnd[0], rnd[1], rnd[2], rnd[3], rnd[4],
+               rnd[5]);
       if (renameat(tfd, n, rootfd, tmp) != 0 && errno != ENOENT) {
         dm_err_errno(err, errno, "remove: move up", n);
         rc = -1;

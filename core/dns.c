@@ -12,8 +12,8 @@ struct dm_dns_query {
   unsigned id;
   unsigned timeout_ms;
   int tries;
-  int closing;   /* handles being closed: 2 close callbacks to come */
-  int done;      /* callback called (or cancelled) */
+  int closing; /* handles being closed: 2 close callbacks to come */
+  int done;    /* callback called (or cancelled) */
   dm_dns_cb cb;
   void *ud;
 };
@@ -26,7 +26,8 @@ size_t dm_dns_encode_query(const char *name, unsigned id, unsigned char *out, si
   *p++ = (unsigned char)id;
   *p++ = 0x01; /* RD */
   *p++ = 0x00;
-  *p++ = 0; *p++ = 1; /* QDCOUNT */
+  *p++ = 0;
+  *p++ = 1; /* QDCOUNT */
   memset(p, 0, 6);
   p += 6;
   const char *s = name;
@@ -41,8 +42,10 @@ size_t dm_dns_encode_query(const char *name, unsigned id, unsigned char *out, si
     if (*s == '.') s++;
   }
   *p++ = 0;
-  *p++ = 0; *p++ = 1; /* QTYPE A */
-  *p++ = 0; *p++ = 1; /* QCLASS IN */
+  *p++ = 0;
+  *p++ = 1; /* QTYPE A */
+  *p++ = 0;
+  *p++ = 1; /* QCLASS IN */
   return (size_t)(p - out);
 }
 
@@ -150,14 +153,13 @@ static void on_recv(uv_udp_t *u, ssize_t n, const uv_buf_t *buf, const struct so
   struct sockaddr_in addrs[DM_DNS_MAX_ADDRS];
   int r = dm_dns_decode_answer((const unsigned char *)buf->base, (size_t)n, q->id, addrs, DM_DNS_MAX_ADDRS);
   unsigned id = (unsigned)(unsigned char)buf->base[0] << 8 | (unsigned char)buf->base[1];
-  if (r == UV_EPROTO && id != (q->id & 0xffff))
-    return; /* a stale answer to an earlier query: keep waiting */
+  if (r == UV_EPROTO && id != (q->id & 0xffff)) return; /* a stale answer to an earlier query: keep waiting */
   if (r < 0) finish(q, r, NULL, 0);
   else finish(q, 0, addrs, (size_t)r);
 }
 
-dm_dns_query *dm_dns_resolve(uv_loop_t *loop, const struct sockaddr *server, const char *name,
-                             unsigned timeout_ms, dm_dns_cb cb, void *ud, int *err) {
+dm_dns_query *dm_dns_resolve(uv_loop_t *loop, const struct sockaddr *server, const char *name, unsigned timeout_ms,
+                             dm_dns_cb cb, void *ud, int *err) {
   dm_dns_query *q = calloc(1, sizeof *q);
   if (!q) {
     *err = UV_ENOMEM;

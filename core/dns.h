@@ -21,8 +21,8 @@ typedef void (*dm_dns_cb)(void *ud, int status, const struct sockaddr_in *addrs,
 /// Sends an A query for `name` to `server` (an IPv4 or IPv6 sockaddr). The whole query
 /// gives up after `timeout_ms` (a second try is sent half-way). Returns the query, or NULL
 /// with *err set (UV_EINVAL for a name that cannot be encoded, or a libuv error).
-dm_dns_query *dm_dns_resolve(uv_loop_t *loop, const struct sockaddr *server, const char *name,
-                             unsigned timeout_ms, dm_dns_cb cb, void *ud, int *err);
+dm_dns_query *dm_dns_resolve(uv_loop_t *loop, const struct sockaddr *server, const char *name, unsigned timeout_ms,
+                             dm_dns_cb cb, void *ud, int *err);
 
 /// Cancels a query: its callback is not called; memory goes from a close callback.
 void dm_dns_cancel(dm_dns_query *q);

@@ -48,9 +48,9 @@ struct dm_http {
   dm_http_req *reqs;          /* live requests */
   dm_http_req *qhead, *qtail; /* requests with deferred work */
   size_t active;
-  int in_curl;                /* inside curl_multi_socket_action (and so its callbacks) */
+  int in_curl; /* inside curl_multi_socket_action (and so its callbacks) */
   int closing;
-  int open_handles;           /* uv handles whose close callback has not run yet */
+  int open_handles; /* uv handles whose close callback has not run yet */
 };
 
 typedef struct {
@@ -69,17 +69,17 @@ struct dm_http_req {
   int stream;
   int fd_in, fd_out;
   char *out_path;
-  char *body;              /* request body copy (POSTFIELDS points here) */
+  char *body; /* request body copy (POSTFIELDS points here) */
   long status, parsed_status;
   int head_done;
   hdr *hdrs;
   size_t nhdrs, caphdrs;
-  char *buf;               /* accumulated response body */
+  char *buf; /* accumulated response body */
   size_t len, cap;
   uint64_t received, max_body;
-  const char *fail_code;   /* set when one of our callbacks aborts the transfer */
+  const char *fail_code; /* set when one of our callbacks aborts the transfer */
   char fail_msg[256];
-  const char *sock_code;   /* the last socket() failure (EMFILE...): reported if the transfer fails */
+  const char *sock_code; /* the last socket() failure (EMFILE...): reported if the transfer fails */
   char sock_msg[128];
   char errbuf[CURL_ERROR_SIZE];
   dm_http_req *prev, *next, *qnext;
@@ -87,8 +87,7 @@ struct dm_http_req {
 
 static const char *errno_code(int e) { return uv_err_name(uv_translate_sys_error(e)); }
 
-static void set_err(dm_http_err *err, const char *code, const char *fmt, ...)
-    __attribute__((format(printf, 3, 4)));
+static void set_err(dm_http_err *err, const char *code, const char *fmt, ...) __attribute__((format(printf, 3, 4)));
 static void set_err(dm_http_err *err, const char *code, const char *fmt, ...) {
   va_list ap;
   va_start(ap, fmt);
@@ -212,7 +211,7 @@ static void finish(dm_http_req *r, const dm_http_err *err) {
   }
   r->ok = err == NULL;
   if (err && r->out_path) unlink(r->out_path); /* before on_done: the caller may look */
-  free(r->out_path); /* and not again later: on_done may start a new download there */
+  free(r->out_path);                           /* and not again later: on_done may start a new download there */
   r->out_path = NULL;
   if (!r->discarded && r->cb.on_done) r->cb.on_done(r->ud, r, err);
   req_destroy(r);
@@ -629,8 +628,8 @@ oom:
   return -1;
 }
 
-dm_http_req *dm_http_start(dm_http *h, const dm_http_opts *o, const dm_http_handler *handler,
-                           void *ud, dm_http_err *err) {
+dm_http_req *dm_http_start(dm_http *h, const dm_http_opts *o, const dm_http_handler *handler, void *ud,
+                           dm_http_err *err) {
   if (h->closing) {
     set_err(err, "ECANCELED", "http: the engine is closing");
     return NULL;
@@ -667,7 +666,7 @@ dm_http_req *dm_http_start(dm_http *h, const dm_http_opts *o, const dm_http_hand
   SET(CURLOPT_NOSIGNAL, 1L);
   SET(CURLOPT_PRIVATE, (char *)r);
   SET(CURLOPT_ERRORBUFFER, r->errbuf);
-  SET(CURLOPT_PROXY, ""); /* never a proxy from the environment */
+  SET(CURLOPT_PROXY, "");          /* never a proxy from the environment */
   SET(CURLOPT_BUFFERSIZE, 65536L); /* fewer, larger on_data chunks and file writes */
   SET(CURLOPT_HEADERFUNCTION, header_cb);
   SET(CURLOPT_HEADERDATA, r);

@@ -40,19 +40,19 @@ typedef struct dm_http_header {
 /// What to send and how to receive. Every string is copied (or only used) during
 /// dm_http_start(); the caller keeps ownership.
 typedef struct dm_http_opts {
-  const char *url;                ///< required; http:// or https:// only
-  const char *method;             ///< NULL = "GET"
-  const dm_http_header *headers;  ///< request headers (names/values must not hold CR/LF)
+  const char *url;               ///< required; http:// or https:// only
+  const char *method;            ///< NULL = "GET"
+  const dm_http_header *headers; ///< request headers (names/values must not hold CR/LF)
   size_t nheaders;
-  const char *unix_socket;        ///< connect to this unix socket instead of TCP (or NULL)
-  const char *body;               ///< request body (copied), or NULL
+  const char *unix_socket; ///< connect to this unix socket instead of TCP (or NULL)
+  const char *body;        ///< request body (copied), or NULL
   size_t body_len;
-  const char *body_file;          ///< request body streamed from this file (or NULL)
-  const char *output_file;        ///< response body streamed to this file (or NULL)
-  int stream;                     ///< nonzero: response body goes to on_data, not memory
-  long timeout_ms;                ///< total time limit, 0 = none
-  long connect_timeout_ms;        ///< connect phase limit, 0 = curl's default (300 s)
-  uint64_t max_body_bytes;        ///< response body cap in bytes, 0 = none ("E2BIG")
+  const char *body_file;   ///< request body streamed from this file (or NULL)
+  const char *output_file; ///< response body streamed to this file (or NULL)
+  int stream;              ///< nonzero: response body goes to on_data, not memory
+  long timeout_ms;         ///< total time limit, 0 = none
+  long connect_timeout_ms; ///< connect phase limit, 0 = curl's default (300 s)
+  uint64_t max_body_bytes; ///< response body cap in bytes, 0 = none ("E2BIG")
 } dm_http_opts;
 
 /// Request callbacks; `ud` is the pointer given to dm_http_start().
@@ -82,8 +82,8 @@ void dm_http_free(dm_http *h);
 /// found synchronously: a missing/unreadable body_file or an output_file that cannot be
 /// created (errno code), an invalid option ("EINVAL"), out of memory ("ENOMEM").
 /// On success the callbacks of `handler` (copied) are later called with `ud`.
-dm_http_req *dm_http_start(dm_http *h, const dm_http_opts *opts, const dm_http_handler *handler,
-                           void *ud, dm_http_err *err);
+dm_http_req *dm_http_start(dm_http *h, const dm_http_opts *opts, const dm_http_handler *handler, void *ud,
+                           dm_http_err *err);
 
 /// Aborts a request: no more on_headers/on_data calls; on_done is called once later, from
 /// the loop, with "cancelled"/"ECANCELED". No effect on a request already cancelled.

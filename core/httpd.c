@@ -34,10 +34,10 @@ typedef struct listener {
     uv_pipe_t pipe;
   } h;
   int is_unix, open;
-  int removed;       /* dm_httpd_unlisten: freed once its handle, connections and relays are gone */
-  size_t nconns;     /* connections of this listener now (handed relays included) */
-  size_t nrelays;    /* relay hand-overs in progress */
-  size_t max_conns;  /* 0: no cap of its own */
+  int removed;      /* dm_httpd_unlisten: freed once its handle, connections and relays are gone */
+  size_t nconns;    /* connections of this listener now (handed relays included) */
+  size_t nrelays;   /* relay connections waiting for their handed socket (RELAY_PENDING_MAX) */
+  size_t max_conns; /* 0: no cap of its own */
   char *path;
   dev_t dev;
   ino_t ino;
@@ -62,8 +62,8 @@ struct dm_httpd_conn {
   uv_timer_t timer;
   int open_handles;
   int state;
-  int handed;        /* reached on_request: on_close is owed */
-  const char *why;   /* reason given to on_close */
+  int handed;      /* reached on_request: on_close is owed */
+  const char *why; /* reason given to on_close */
   llhttp_t parser;
   /* the request being parsed: url and header bytes in hb, spans into it */
   char *hb;
@@ -72,21 +72,25 @@ struct dm_httpd_conn {
   span hname[DM_HTTPD_HEADERS_MAX], hval[DM_HTTPD_HEADERS_MAX];
   size_t nh;
   int field_open, value_open; /* a header name / value is being collected */
-  size_t seen;       /* bytes of the current request seen so far */
+  size_t seen;                /* bytes of the current request seen so far */
   char *body;
   size_t body_len, body_cap;
-  int complete;      /* on_message_complete fired */
-  int refused;       /* a refusal was decided during parsing */
+  int complete; /* on_message_complete fired */
+  /* the CRLF that ends a chunk's data: llhttp 8 skips those two bytes unchecked, so they are
+     checked here; crlf_left says how many of them are still to come in the next read */
+  const char *exec_end; /* end of the bytes llhttp_execute is running over */
+  size_t crlf_left;
+  int refused; /* a refusal was decided during parsing */
   int refuse_status;
   const char *refuse_why;
-  int refuse_auth;   /* 401: add WWW-Authenticate; 2 = a token was presented */
+  int refuse_auth; /* 401: add WWW-Authenticate; 2 = a token was presented */
   /* bytes read while busy, parsed once the answer ends */
   char *held;
   size_t held_len;
   int reading, eof;
   int keep_alive, http10;
-  int close_after;   /* close once the writes are flushed */
-  int lingering;     /* write side shut; reading and dropping until EOF or a short timer */
+  int close_after; /* close once the writes are flushed */
+  int lingering;   /* write side shut; reading and dropping until EOF or a short timer */
   uv_shutdown_t shut;
   size_t queued;
   int want_drain;
@@ -105,7 +109,7 @@ struct dm_httpd {
   int closing;
   int open_listeners;
   struct relay *relays; /* relay connections waiting for their handed socket */
-  uv_timer_t closer; /* closed last, so on_closed always comes from the loop */
+  uv_timer_t closer;    /* closed last, so on_closed always comes from the loop */
 };
 
 typedef struct {
@@ -267,8 +271,7 @@ static void after_write(uv_write_t *req, int status) {
 }
 
 /* Queues n bytes (copied). Returns 0 or -1 (the connection is then closing). */
-static int queue_bytes(dm_httpd_conn *c, const char *a, size_t an, const char *b, size_t bn, const char *z,
-                       size_t zn) {
+static int queue_bytes(dm_httpd_conn *c, const char *a, size_t an, const char *b, size_t bn, const char *z, size_t zn) {
   size_t n = an + bn + zn;
   owned_write *w = malloc(sizeof *w + (n ? n : 1));
   if (!w) {
@@ -362,8 +365,7 @@ static int build_head(dm_httpd_conn *c, sbuf *b, int status, const dm_httpd_head
     c->keep_alive = 0;
   }
   if (c->s->closing) c->keep_alive = 0;
-  sb_add(b, c->keep_alive ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n",
-         c->keep_alive ? 26 : 21);
+  sb_add(b, c->keep_alive ? "Connection: keep-alive\r\n\r\n" : "Connection: close\r\n\r\n", c->keep_alive ? 26 : 21);
   return b->bad ? -1 : 0;
 }
 
@@ -404,8 +406,7 @@ static void answer_done(dm_httpd_conn *c) {
   uv_timer_start(&c->timer, on_resume, 0, 0);
 }
 
-int dm_httpd_respond(dm_httpd_conn *c, int status, const dm_httpd_header *hs, size_t n, const char *body,
-                     size_t len) {
+int dm_httpd_respond(dm_httpd_conn *c, int status, const dm_httpd_header *hs, size_t n, const char *body, size_t len) {
   if (c->state != S_BUSY || c->close_after) return -1;
   sbuf b = {0};
   if (build_head(c, &b, status, hs, n, (long long)len) < 0) {
@@ -476,8 +477,8 @@ static void refuse(dm_httpd_conn *c, int status, const char *why, int auth) {
   if (bn < 0) bn = 0;
   if ((size_t)bn >= sizeof body) bn = sizeof body - 1;
   sbuf b = {0};
-  sb_fmt(&b, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n", status, reason_of(status),
-         s->error_type, bn);
+  sb_fmt(&b, "HTTP/1.1 %d %s\r\nContent-Type: %s\r\nContent-Length: %d\r\n", status, reason_of(status), s->error_type,
+         bn);
   if (auth) {
     const char *wa = auth == 2 ? "WWW-Authenticate: Bearer realm=\"demesne\", error=\"invalid_token\"\r\n"
                                : "WWW-Authenticate: Bearer realm=\"demesne\"\r\n";
@@ -535,6 +536,7 @@ static int on_message_begin(llhttp_t *p) {
   c->field_open = c->value_open = 0;
   c->body_len = 0;
   c->complete = 0;
+  c->crlf_left = 0;
   return 0;
 }
 
@@ -726,13 +728,34 @@ static int on_headers_complete(llhttp_t *p) {
     const char *v = c->hb + c->hval[i].off;
     size_t vn = c->hval[i].len;
     trim(&v, &vn);
-    if (vn == 12 && !strncasecmp(v, "100-continue", 12)) queue_bytes(c, "HTTP/1.1 100 Continue\r\n\r\n", 25, NULL, 0, NULL, 0);
+    if (vn == 12 && !strncasecmp(v, "100-continue", 12))
+      queue_bytes(c, "HTTP/1.1 100 Continue\r\n\r\n", 25, NULL, 0, NULL, 0);
   }
+  return 0;
+}
+
+static const char CHUNK_END[] = "\r\n";
+
+/* Checks up to `avail` bytes at `q` against the last `need` bytes of a chunk's CRLF; those
+   beyond `avail` are left to the next read (crlf_left). -1 (refused) on a mismatch. */
+static int check_chunk_end(dm_httpd_conn *c, const char *q, size_t avail, size_t need) {
+  size_t k = avail < need ? avail : need;
+  if (memcmp(q, CHUNK_END + (2 - need), k) != 0) {
+    c->refused = 1;
+    c->refuse_status = 400;
+    c->refuse_why = "chunk data not followed by CRLF";
+    return -1;
+  }
+  c->crlf_left = need - k;
   return 0;
 }
 
 static int on_body(llhttp_t *p, const char *at, size_t len) {
   dm_httpd_conn *c = conn_of(p);
+  /* the end of a chunk's data: what follows must be its CRLF */
+  if ((p->flags & F_CHUNKED) && p->content_length == 0 &&
+      check_chunk_end(c, at + len, (size_t)(c->exec_end - (at + len)), 2) < 0)
+    return -1;
   if (c->body_len + len > c->s->o.max_body) {
     c->refused = 1;
     c->refuse_status = 413;
@@ -842,6 +865,11 @@ static size_t parse(dm_httpd_conn *c, const char *data, size_t n) {
     uv_timer_start(&c->timer, on_timeout, c->s->o.request_timeout_ms, 0);
   }
   c->seen += n;
+  if (c->crlf_left && n && check_chunk_end(c, data, n, c->crlf_left) < 0) {
+    refuse(c, c->refuse_status, c->refuse_why, 0);
+    return n;
+  }
+  c->exec_end = data + n;
   llhttp_errno_t e = llhttp_execute(&c->parser, data, n);
   size_t used = n;
   if (e == HPE_PAUSED || e == HPE_PAUSED_UPGRADE) {
@@ -1008,7 +1036,11 @@ static void on_connection(uv_stream_t *server, int status) {
 /* Relay listeners: demesne-init's relay in a sandbox connects to the unix socket and hands
  * over the TCP socket it accepted (SCM_RIGHTS, with one byte), then hangs up. The handed
  * socket becomes an HTTP connection of the listener, so its identity is the socket it came
- * through, never anything the client says. */
+ * through, never anything the client says. A sandbox can also connect to the socket itself
+ * and send nothing: at most RELAY_PENDING_MAX such connections per listener are kept (each
+ * holds a descriptor), later ones are closed at once (as core.stream.listen_relay does). */
+#define RELAY_PENDING_MAX 16
+
 struct relay {
   uv_pipe_t pipe; /* first member: the close callback frees the struct */
   listener *l;
@@ -1041,7 +1073,8 @@ static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   (void)buf;
   if (n == 0) return;
   uv_read_stop(st);
-  if (n > 0 && !r->l->s->closing && !r->l->removed && uv_pipe_pending_count(&r->pipe) > 0 && uv_pipe_pending_type(&r->pipe) == UV_TCP)
+  if (n > 0 && !r->l->s->closing && !r->l->removed && uv_pipe_pending_count(&r->pipe) > 0 &&
+      uv_pipe_pending_type(&r->pipe) == UV_TCP)
     accept_conn(r->l, st, 1);
   if (!uv_is_closing((uv_handle_t *)st)) uv_close((uv_handle_t *)st, relay_closed);
 }
@@ -1059,7 +1092,8 @@ static void on_relay_connection(uv_stream_t *server, int status) {
   r->next = s->relays;
   if (s->relays) s->relays->prev = r;
   s->relays = r;
-  if (uv_accept(server, (uv_stream_t *)&r->pipe) != 0 ||
+  /* every path takes the connection: libuv accepts no other until it is taken */
+  if (uv_accept(server, (uv_stream_t *)&r->pipe) != 0 || l->nrelays > RELAY_PENDING_MAX ||
       uv_read_start((uv_stream_t *)&r->pipe, relay_alloc, relay_read) != 0)
     uv_close((uv_handle_t *)&r->pipe, relay_closed);
 }
@@ -1256,4 +1290,3 @@ void dm_httpd_close(dm_httpd *s) {
   s->open_listeners++;
   uv_close((uv_handle_t *)&s->closer, listener_closed);
 }
-

@@ -52,15 +52,15 @@ typedef struct dm_httpd_header {
 
 /// A complete request, valid during on_request only (copy what you keep).
 typedef struct dm_httpd_request {
-  const char *method;             ///< "GET", "POST"… (NUL-terminated)
-  const char *target;             ///< the request target as sent ("/mcp?x=1"), NUL-terminated
+  const char *method; ///< "GET", "POST"… (NUL-terminated)
+  const char *target; ///< the request target as sent ("/mcp?x=1"), NUL-terminated
   int http_major, http_minor;
   const dm_httpd_header *headers; ///< as received, Authorization removed when the listener checked it
   size_t nheaders;
-  const char *body;               ///< the whole body (chunked bodies decoded); "" when none
+  const char *body; ///< the whole body (chunked bodies decoded); "" when none
   size_t body_len;
-  const char *listener;           ///< the tag of the listener the connection arrived on
-  int keep_alive;                 ///< 1 when the connection stays open after the answer
+  const char *listener; ///< the tag of the listener the connection arrived on
+  int keep_alive;       ///< 1 when the connection stays open after the answer
 } dm_httpd_request;
 
 /// Owner callbacks; `ud` is the pointer given to dm_httpd_new().
@@ -86,12 +86,12 @@ typedef struct dm_httpd_opts {
 
 /// Settings of one listener. Strings are copied.
 typedef struct dm_httpd_listen_opts {
-  const char *tag;                ///< identity handed to the owner with each request (required)
-  const char *token;              ///< bearer token every request must carry, or NULL for none
-  const char *const *hosts;       ///< accepted Host names ("localhost", "127.0.0.1", "[::1]"), or NULL: any
+  const char *tag;          ///< identity handed to the owner with each request (required)
+  const char *token;        ///< bearer token every request must carry, or NULL for none
+  const char *const *hosts; ///< accepted Host names ("localhost", "127.0.0.1", "[::1]"), or NULL: any
   size_t nhosts;
-  int ipv6_only;                  ///< TCP on an IPv6 address: do not also take IPv4
-  size_t max_conns;               ///< connections of this listener at once (503 above); 0: only the server's cap
+  int ipv6_only;    ///< TCP on an IPv6 address: do not also take IPv4
+  size_t max_conns; ///< connections of this listener at once (503 above); 0: only the server's cap
 } dm_httpd_listen_opts;
 
 /// Creates a server with no listener yet. Returns NULL when out of memory.

@@ -34,8 +34,9 @@
 #include <fcntl.h>
 #include <unistd.h>
 
-#define SPLICE_BUF 65536          /* copy-mode buffer (the request side of plain HTTP) */
-#define SPLICE_PIPE (256 * 1024) /* pipe size asked for the download direction; the upload
+#define SPLICE_BUF 65536 /* copy-mode buffer (the request side of plain HTTP) */
+#define SPLICE_PIPE \
+  (256 * 1024) /* pipe size asked for the download direction; the upload
                                     direction keeps the default (pipe pages count against
                                     the user's pipe-user-pages-soft budget) */
 #define MAX_ADDRS 16
@@ -63,9 +64,9 @@ typedef struct dir {
 struct dm_proxy_conn {
   dm_proxy *p;
   dm_proxy_conn *prev, *next;
-  uv_stream_t *client;      /* heap: the unix connection, or the TCP socket it handed over */
-  int handed;               /* client is a socket passed over the unix connection */
-  uv_tcp_t *upstream;       /* heap: one per dial attempt, freed in its close callback */
+  uv_stream_t *client; /* heap: the unix connection, or the TCP socket it handed over */
+  int handed;          /* client is a socket passed over the unix connection */
+  uv_tcp_t *upstream;  /* heap: one per dial attempt, freed in its close callback */
   uv_timer_t timer;
   int upstream_open;
   int open_handles;
@@ -88,15 +89,15 @@ struct dm_proxy_conn {
   char error[512];
   const char *code;
   void *data;
-  size_t fds;               /* descriptors counted against the ceilings (fds_take) */
-  int refused;              /* over a ceiling: answered 503 once its head is in, never judged */
+  size_t fds;  /* descriptors counted against the ceilings (fds_take) */
+  int refused; /* over a ceiling: answered 503 once its head is in, never judged */
 };
 
 struct dm_proxy {
   uv_loop_t *loop;
   uv_pipe_t server;
   char *path;
-  dev_t dev;          /* the socket file we bound: removed at close only if it is still ours */
+  dev_t dev; /* the socket file we bound: removed at close only if it is still ours */
   ino_t ino;
   struct sockaddr_storage resolver;
   int has_resolver;
@@ -105,12 +106,12 @@ struct dm_proxy {
   unsigned head_timeout_ms, connect_timeout_ms;
   dm_proxy_handler cb;
   void *ud;
-  dm_proxy_conn *conns;     /* admitted and refused connections alike */
-  size_t nconns;            /* admitted connections */
-  size_t nrefusing;         /* refused connections being answered */
+  dm_proxy_conn *conns; /* admitted and refused connections alike */
+  size_t nconns;        /* admitted connections */
+  size_t nrefusing;     /* refused connections being answered */
   size_t max_conns, max_fds, fds;
   char *hint;
-  uv_pipe_t spare;          /* accepts (and closes) a connection when no memory is left */
+  uv_pipe_t spare; /* accepts (and closes) a connection when no memory is left */
   int spare_busy;
   int closing, server_open;
 };
@@ -154,14 +155,19 @@ static void fds_release(dm_proxy_conn *c) {
 /* The text of a refusal for a ceiling. */
 static void ceiling_text(const dm_proxy *p, const char *limit, char *out, size_t cap) {
   if (!strcmp(limit, "connections"))
-    snprintf(out, cap, "this sandbox has %zu connections open through its egress proxy, its ceiling; close some and retry%s%s",
+    snprintf(out, cap,
+             "this sandbox has %zu connections open through its egress proxy, its ceiling; close some and retry%s%s",
              p->nconns, p->hint ? " " : "", p->hint ? p->hint : "");
   else if (!strcmp(limit, "descriptors"))
-    snprintf(out, cap, "this sandbox's egress connections hold %zu descriptors on the host, its ceiling of %zu; "
-             "close some connections and retry%s%s", p->fds, p->max_fds, p->hint ? " " : "", p->hint ? p->hint : "");
+    snprintf(out, cap,
+             "this sandbox's egress connections hold %zu descriptors on the host, its ceiling of %zu; "
+             "close some connections and retry%s%s",
+             p->fds, p->max_fds, p->hint ? " " : "", p->hint ? p->hint : "");
   else
-    snprintf(out, cap, "the host's egress proxies hold %zu descriptors, all they may (the rest is kept for the server); "
-             "retry later", g_fds);
+    snprintf(out, cap,
+             "the host's egress proxies hold %zu descriptors, all they may (the rest is kept for the server); "
+             "retry later",
+             g_fds);
 }
 
 typedef struct {
@@ -190,8 +196,14 @@ static void conn_finalize(dm_proxy_conn *c) {
   dm_proxy *p = c->p;
   if (c->notified && p->cb.on_done) {
     dm_proxy_result res = {
-      .bytes_up = c->up.bytes, .bytes_down = c->down.bytes, .status = c->status, .denied = c->denied,
-      .rule = c->rule, .address = c->address, .error = c->error[0] ? c->error : NULL, .code = c->code,
+      .bytes_up = c->up.bytes,
+      .bytes_down = c->down.bytes,
+      .status = c->status,
+      .denied = c->denied,
+      .rule = c->rule,
+      .address = c->address,
+      .error = c->error[0] ? c->error : NULL,
+      .code = c->code,
     };
     p->cb.on_done(p->ud, c, &res);
   }
@@ -324,13 +336,16 @@ static void reply(dm_proxy_conn *c, int status, const char *reason) {
   if (c->head.state == 1)
     bl = snprintf(body, sizeof body, "demesne egress: %s %s:%d: %s\n", r->method, r->host, r->port,
                   reason ? reason : status_text(status));
-  else
-    bl = snprintf(body, sizeof body, "demesne egress: %s\n", reason ? reason : status_text(status));
+  else bl = snprintf(body, sizeof body, "demesne egress: %s\n", reason ? reason : status_text(status));
   if (bl < 0 || (size_t)bl >= sizeof body) bl = (int)strlen(body);
   int n = snprintf(msg, sizeof msg,
                    "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
                    "Connection: close\r\nX-Demesne-Egress: %s\r\n\r\n%s",
-                   status, status_text(status), bl, status == 403 ? "denied" : status == 503 ? "ceiling" : "error", body);
+                   status, status_text(status), bl,
+                   status == 403   ? "denied"
+                   : status == 503 ? "ceiling"
+                                   : "error",
+                   body);
   if (n < 0 || (size_t)n >= sizeof msg) n = (int)strlen(msg);
   if (write_copy(c, c->client, msg, (size_t)n, 1) != 0) conn_close(c, NULL, NULL);
 }
@@ -359,8 +374,7 @@ static void on_timeout(uv_timer_t *t) {
     close_upstream(c); /* its connect callback then fires with UV_ECANCELED and is ignored */
     reply(c, 504, c->error);
     break;
-  default:
-    break;
+  default: break;
   }
 }
 
@@ -730,8 +744,8 @@ void dm_proxy_allow(dm_proxy_conn *c) {
   }
   int err = 0;
   if (p->has_resolver) {
-    c->dnsq = dm_dns_resolve(p->loop, (struct sockaddr *)&p->resolver, r->host, p->connect_timeout_ms / 2,
-                             on_dns, c, &err);
+    c->dnsq =
+      dm_dns_resolve(p->loop, (struct sockaddr *)&p->resolver, r->host, p->connect_timeout_ms / 2, on_dns, c, &err);
   } else {
     struct addrinfo hints;
     memset(&hints, 0, sizeof hints);
@@ -879,10 +893,13 @@ static void on_connection(uv_stream_t *server, int status) {
     c = NULL;
   }
   if (refused && p->cb.on_refused) {
-    dm_proxy_refusal r = {.limit = limit, .active = (unsigned)p->nconns,
-                          .ceiling = (unsigned)(!strcmp(limit, "connections") ? p->max_conns
-                                                : !strcmp(limit, "descriptors") ? p->max_fds : g_fds_cap),
-                          .answered = c != NULL, .message = why};
+    dm_proxy_refusal r = {.limit = limit,
+                          .active = (unsigned)p->nconns,
+                          .ceiling = (unsigned)(!strcmp(limit, "connections")   ? p->max_conns
+                                                : !strcmp(limit, "descriptors") ? p->max_fds
+                                                                                : g_fds_cap),
+                          .answered = c != NULL,
+                          .message = why};
     p->cb.on_refused(p->ud, &r);
   }
   if (c && p->closing) { /* the owner closed the listener from on_refused */
@@ -941,8 +958,8 @@ static void server_closed(uv_handle_t *h) {
   maybe_free_proxy(p);
 }
 
-dm_proxy *dm_proxy_new(uv_loop_t *loop, const dm_proxy_opts *opts, const dm_proxy_handler *handler,
-                       void *ud, int *err) {
+dm_proxy *dm_proxy_new(uv_loop_t *loop, const dm_proxy_opts *opts, const dm_proxy_handler *handler, void *ud,
+                       int *err) {
   if (!opts->path || strlen(opts->path) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
     *err = UV_ENAMETOOLONG;
     return NULL;

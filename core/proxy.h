@@ -42,24 +42,24 @@
 #include <stdint.h>
 #include <uv.h>
 
-#define DM_PROXY_HOST_MAX 256      ///< bytes of a normalised host name, NUL included
-#define DM_PROXY_HEAD_MAX 65536    ///< largest request head accepted (431 above)
-#define DM_PROXY_HEADERS_MAX 128   ///< most header lines accepted (431 above)
-#define DM_PROXY_PORT 3128         ///< the proxy's port inside every sandbox
-#define DM_PROXY_MAX_CONNS 256     ///< default ceiling on a listener's connections
-#define DM_PROXY_MAX_FDS 1024      ///< default ceiling on the descriptors a listener's connections hold
-#define DM_PROXY_CONN_FDS 6        ///< the most descriptors one connection holds (a CONNECT tunnel)
-#define DM_PROXY_REFUSING_MAX 32   ///< refused connections answered (503) at once per listener
-#define DM_PROXY_REFUSE_MS 2000    ///< how long a refused connection may take to send its head
+#define DM_PROXY_HOST_MAX 256    ///< bytes of a normalised host name, NUL included
+#define DM_PROXY_HEAD_MAX 65536  ///< largest request head accepted (431 above)
+#define DM_PROXY_HEADERS_MAX 128 ///< most header lines accepted (431 above)
+#define DM_PROXY_PORT 3128       ///< the proxy's port inside every sandbox
+#define DM_PROXY_MAX_CONNS 256   ///< default ceiling on a listener's connections
+#define DM_PROXY_MAX_FDS 1024    ///< default ceiling on the descriptors a listener's connections hold
+#define DM_PROXY_CONN_FDS 6      ///< the most descriptors one connection holds (a CONNECT tunnel)
+#define DM_PROXY_REFUSING_MAX 32 ///< refused connections answered (503) at once per listener
+#define DM_PROXY_REFUSE_MS 2000  ///< how long a refused connection may take to send its head
 
 typedef struct dm_proxy dm_proxy;
 typedef struct dm_proxy_conn dm_proxy_conn;
 
 /// How the request named its target.
 typedef enum dm_proxy_form {
-  DM_FORM_CONNECT = 1,  ///< CONNECT host:port
-  DM_FORM_ABSOLUTE,     ///< METHOD http://host[:port]/path
-  DM_FORM_ORIGIN,       ///< METHOD /path with Host: host[:port]
+  DM_FORM_CONNECT = 1, ///< CONNECT host:port
+  DM_FORM_ABSOLUTE,    ///< METHOD http://host[:port]/path
+  DM_FORM_ORIGIN,      ///< METHOD /path with Host: host[:port]
 } dm_proxy_form;
 
 /// A parsed request head. Strings are NUL-terminated; `path` and `host_header` point into
@@ -69,10 +69,10 @@ typedef struct dm_proxy_request {
   char host[DM_PROXY_HOST_MAX]; ///< lowercased, one trailing dot removed, IPv6 without brackets,
                                 ///< numeric IPv4 spellings ("127.1", "0x7f000001") canonical
   int port;
-  int ip;                       ///< 0 for a name, 4 or 6 for an IP literal
+  int ip; ///< 0 for a name, 4 or 6 for an IP literal
   dm_proxy_form form;
-  const char *path;             ///< origin-form path and query ("/" when absent; "" for CONNECT)
-  const char *host_header;      ///< the Host header's value, or NULL
+  const char *path;        ///< origin-form path and query ("/" when absent; "" for CONNECT)
+  const char *host_header; ///< the Host header's value, or NULL
   int http_major, http_minor;
 } dm_proxy_request;
 
@@ -83,18 +83,18 @@ typedef struct dm_proxy_span {
 
 /// An incremental request-head parser over a buffer it owns (DM_PROXY_HEAD_MAX bytes).
 typedef struct dm_proxy_head {
-  char *buf;          ///< head bytes received so far (heap)
-  size_t len;         ///< bytes in buf
-  size_t head_len;    ///< bytes of the head once complete (what follows is body or tunnel)
-  int state;          ///< 0 reading, 1 complete, -1 refused
-  int status;         ///< HTTP status for a refusal (400, 405, 414, 431, 501, 505)
-  const char *why;    ///< static text for a refusal
+  char *buf;       ///< head bytes received so far (heap)
+  size_t len;      ///< bytes in buf
+  size_t head_len; ///< bytes of the head once complete (what follows is body or tunnel)
+  int state;       ///< 0 reading, 1 complete, -1 refused
+  int status;      ///< HTTP status for a refusal (400, 405, 414, 431, 501, 505)
+  const char *why; ///< static text for a refusal
   dm_proxy_request req;
   dm_proxy_span hdr[DM_PROXY_HEADERS_MAX];
   size_t nhdr;
-  void *parser;       ///< llhttp_t + settings (heap)
-  char *path_copy;    ///< req.path (heap)
-  char *host_copy;    ///< req.host_header (heap)
+  void *parser;    ///< llhttp_t + settings (heap)
+  char *path_copy; ///< req.path (heap)
+  char *host_copy; ///< req.host_header (heap)
   /* spans being collected */
   size_t url_off, url_len, method_off, method_len;
   int in_field, in_value, host_seen;
@@ -137,8 +137,8 @@ int dm_proxy_normalize_host(const char *in, size_t len, char *out, size_t cap, i
 
 /// Splits "host[:port]" or "[v6][:port]" and normalises the host. A missing port gives
 /// `default_port` (-1: the port is required). Returns 0 or -1 with *why set.
-int dm_proxy_split_authority(const char *in, size_t len, int default_port, char *host, size_t cap,
-                             int *port, int *ip, const char **why);
+int dm_proxy_split_authority(const char *in, size_t len, int default_port, char *host, size_t cap, int *port, int *ip,
+                             const char **why);
 
 /// The class of an address: "public", "loopback", "private", "link-local", "metadata",
 /// "shared" (100.64/10), "unspecified", "multicast", "broadcast", "reserved" or "ipv6"
@@ -147,12 +147,12 @@ const char *dm_proxy_classify(const struct sockaddr *sa);
 
 /// An address rule: a CIDR and a port (0 = any), allowing or denying.
 typedef struct dm_proxy_rule {
-  int family;             ///< AF_INET or AF_INET6
+  int family; ///< AF_INET or AF_INET6
   unsigned char addr[16];
   int prefix;
   int port;
   int allow;
-  int index;              ///< the owner's rule number, reported back in results
+  int index; ///< the owner's rule number, reported back in results
 } dm_proxy_rule;
 
 /// Parses "a.b.c.d/n", "v6/n" or a bare address (a /32 or /128) into r (port, allow and
@@ -162,43 +162,43 @@ int dm_proxy_parse_cidr(const char *s, dm_proxy_rule *r);
 /// Checks an address against the rules (first rule whose CIDR holds the address and whose
 /// port matches decides), else by class. Returns 1 (may be dialled) or 0; *why gets the
 /// deciding class or "rule", and *rule the deciding rule's index (-1 when none).
-int dm_proxy_check_address(const struct sockaddr *sa, int port, const dm_proxy_rule *rules, size_t n,
-                           const char **why, int *rule);
+int dm_proxy_check_address(const struct sockaddr *sa, int port, const dm_proxy_rule *rules, size_t n, const char **why,
+                           int *rule);
 
 /// Settings of a listener. Everything is copied by dm_proxy_new().
 typedef struct dm_proxy_opts {
-  const char *path;                ///< the unix socket to listen on (replaced if present)
-  const char *resolver;            ///< "ip:port" of a DNS server to ask over UDP (tests), or NULL: getaddrinfo
-  const dm_proxy_rule *rules;      ///< address rules, in order
+  const char *path;           ///< the unix socket to listen on (replaced if present)
+  const char *resolver;       ///< "ip:port" of a DNS server to ask over UDP (tests), or NULL: getaddrinfo
+  const dm_proxy_rule *rules; ///< address rules, in order
   size_t nrules;
-  unsigned head_timeout_ms;        ///< head + verdict, default 30000
-  unsigned connect_timeout_ms;     ///< name lookup + dial, default 15000
-  unsigned max_conns;              ///< connections at once, default DM_PROXY_MAX_CONNS
-  unsigned max_fds;                ///< descriptors the connections hold, default DM_PROXY_MAX_FDS
-                                   ///< (raised to DM_PROXY_CONN_FDS when set below it)
-  const char *ceiling_hint;        ///< appended to a refusal's text (e.g. which setting raises it), or NULL
+  unsigned head_timeout_ms;    ///< head + verdict, default 30000
+  unsigned connect_timeout_ms; ///< name lookup + dial, default 15000
+  unsigned max_conns;          ///< connections at once, default DM_PROXY_MAX_CONNS
+  unsigned max_fds;            ///< descriptors the connections hold, default DM_PROXY_MAX_FDS
+                               ///< (raised to DM_PROXY_CONN_FDS when set below it)
+  const char *ceiling_hint;    ///< appended to a refusal's text (e.g. which setting raises it), or NULL
 } dm_proxy_opts;
 
 /// A connection refused for a ceiling (valid during on_refused).
 typedef struct dm_proxy_refusal {
-  const char *limit;       ///< "connections" (max_conns), "descriptors" (max_fds) or "server" (the
-                           ///< process-wide reserve)
-  unsigned active;         ///< the listener's connections at the time
-  unsigned ceiling;        ///< the ceiling crossed (connections or descriptors)
-  int answered;            ///< 1: the sandbox gets a 503 naming the ceiling; 0: closed at once
-  const char *message;     ///< the refusal's text (what the 503 says)
+  const char *limit;   ///< "connections" (max_conns), "descriptors" (max_fds) or "server" (the
+                       ///< process-wide reserve)
+  unsigned active;     ///< the listener's connections at the time
+  unsigned ceiling;    ///< the ceiling crossed (connections or descriptors)
+  int answered;        ///< 1: the sandbox gets a 503 naming the ceiling; 0: closed at once
+  const char *message; ///< the refusal's text (what the 503 says)
 } dm_proxy_refusal;
 
 /// What became of a connection (valid during on_done).
 typedef struct dm_proxy_result {
-  uint64_t bytes_up;       ///< bytes from the sandbox forwarded upstream (a rewritten head included)
-  uint64_t bytes_down;     ///< bytes from upstream forwarded to the sandbox
-  int status;              ///< status the proxy answered itself (200 CONNECT, 403, 502, 504), 0 when forwarding
-  int denied;              ///< 1 when the owner denied it or the address check refused it
-  int rule;                ///< index of the address rule that decided, -1 when none
-  const char *address;     ///< "ip:port" dialled, or "" when none
-  const char *error;       ///< what went wrong, or NULL
-  const char *code;        ///< short code for error ("EPOLICY", "ECONNREFUSED", "ETIMEDOUT"...), or NULL
+  uint64_t bytes_up;   ///< bytes from the sandbox forwarded upstream (a rewritten head included)
+  uint64_t bytes_down; ///< bytes from upstream forwarded to the sandbox
+  int status;          ///< status the proxy answered itself (200 CONNECT, 403, 502, 504), 0 when forwarding
+  int denied;          ///< 1 when the owner denied it or the address check refused it
+  int rule;            ///< index of the address rule that decided, -1 when none
+  const char *address; ///< "ip:port" dialled, or "" when none
+  const char *error;   ///< what went wrong, or NULL
+  const char *code;    ///< short code for error ("EPOLICY", "ECONNREFUSED", "ETIMEDOUT"...), or NULL
 } dm_proxy_result;
 
 /// Callbacks; `ud` is the pointer given to dm_proxy_new().
@@ -211,8 +211,7 @@ typedef struct dm_proxy_handler {
 
 /// Starts listening. Returns the listener, or NULL with *err set to a libuv error number
 /// (UV_ENAMETOOLONG for a socket path over 107 bytes, UV_EINVAL for a bad resolver).
-dm_proxy *dm_proxy_new(uv_loop_t *loop, const dm_proxy_opts *opts, const dm_proxy_handler *handler,
-                       void *ud, int *err);
+dm_proxy *dm_proxy_new(uv_loop_t *loop, const dm_proxy_opts *opts, const dm_proxy_handler *handler, void *ud, int *err);
 
 /// Stops listening, removes the socket file and aborts every connection (each gets on_done
 /// later with code "ECANCELED" unless it had finished); on_closed follows. Idempotent.

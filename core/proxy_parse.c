@@ -105,8 +105,8 @@ static int parse_port(const char *s, size_t n, int *port) {
   return 0;
 }
 
-int dm_proxy_split_authority(const char *in, size_t len, int default_port, char *host, size_t cap,
-                             int *port, int *ip, const char **why) {
+int dm_proxy_split_authority(const char *in, size_t len, int default_port, char *host, size_t cap, int *port, int *ip,
+                             const char **why) {
   const char *hs = in, *ps = NULL;
   size_t hl = len, pl = 0;
   if (len && in[0] == '[') {
@@ -214,11 +214,11 @@ static int prefix_match(const unsigned char *a, const unsigned char *b, int bits
   return (a[whole] & mask) == (b[whole] & mask);
 }
 
-int dm_proxy_check_address(const struct sockaddr *sa, int port, const dm_proxy_rule *rules, size_t n,
-                           const char **why, int *rule) {
+int dm_proxy_check_address(const struct sockaddr *sa, int port, const dm_proxy_rule *rules, size_t n, const char **why,
+                           int *rule) {
   const unsigned char *bytes = sa->sa_family == AF_INET
-                                   ? (const unsigned char *)&((const struct sockaddr_in *)sa)->sin_addr
-                                   : (const unsigned char *)&((const struct sockaddr_in6 *)sa)->sin6_addr;
+                                 ? (const unsigned char *)&((const struct sockaddr_in *)sa)->sin_addr
+                                 : (const unsigned char *)&((const struct sockaddr_in6 *)sa)->sin6_addr;
   *rule = -1;
   for (size_t i = 0; i < n; i++) {
     const dm_proxy_rule *r = &rules[i];
@@ -514,8 +514,8 @@ static int put(char *out, size_t cap, size_t *o, const char *s, size_t n) {
 }
 
 size_t dm_proxy_head_rewrite(const dm_proxy_head *h, char *out, size_t cap) {
-  static const char *const drop[] = {"connection", "proxy-connection", "keep-alive", "proxy-authorization",
-                                     "proxy-authenticate", "upgrade", "te", NULL};
+  static const char *const drop[] = {"connection",         "proxy-connection", "keep-alive", "proxy-authorization",
+                                     "proxy-authenticate", "upgrade",          "te",         NULL};
   const dm_proxy_request *r = &h->req;
   size_t o = 0;
   char line[64];

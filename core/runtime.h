@@ -18,11 +18,11 @@
 
 typedef struct dm_runtime {
   uv_loop_t *loop;
-  lua_State *L;      ///< main state; NULL once closed (close callbacks then skip Lua)
-  long refs;         ///< live registry refs taken through dm_ref
-  long handles;      ///< live libuv handles / curl requests owned by bindings
-  size_t mem_used;   ///< bytes allocated by Lua
-  size_t mem_cap;    ///< allocation cap in bytes (0 = none)
+  lua_State *L;    ///< main state; NULL once closed (close callbacks then skip Lua)
+  long refs;       ///< live registry refs taken through dm_ref
+  long handles;    ///< live libuv handles / curl requests owned by bindings
+  size_t mem_used; ///< bytes allocated by Lua
+  size_t mem_cap;  ///< allocation cap in bytes (0 = none)
 } dm_runtime;
 
 /// The process-wide runtime (one loop, one state).

@@ -47,6 +47,7 @@ end
 --- Starts `fn(...)` in a new task. It runs at once until its first await.
 ---@param name string  shown in logs
 ---@param fn function
+---@param ... any  fn's arguments
 ---@return Task
 function async.spawn(name, fn, ...)
   local task = setmetatable({ name = name, done = false, cancelled = false, waiters = {} }, Task)
@@ -72,6 +73,7 @@ function async.current() return current end
 --- Raises async.CANCELLED if the task is cancelled while waiting (the operation's cancel
 --- function is called first and its callback is then ignored).
 ---@param start fun(cb: function): function|nil
+---@return any ...  what the operation passed to its callback
 function async.await(start)
   local task = current
   assert(task, "async.await called outside a task")
@@ -136,6 +138,7 @@ function Task:wait()
 end
 
 --- Calls fn(task) when the task finishes (at once if it has).
+---@param fn fun(task: Task)
 function Task:on_done(fn)
   if self.done then fn(self) else self.waiters[#self.waiters + 1] = fn end
 end
@@ -155,6 +158,8 @@ end
 --- is re-raised. Cancelling the caller cancels the child.
 ---@param ms integer
 ---@param fn function
+---@param ... any  fn's arguments
+---@return any ...  fn's results, or nil, "timed out after N ms", "ETIMEDOUT"
 function async.timeout(ms, fn, ...)
   local child = async.spawn("timeout", fn, ...)
   local timed_out = false

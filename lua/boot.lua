@@ -8,6 +8,7 @@
 -- With DEMESNE_SOURCE_DIR set (or --source-dir DIR first on the command line), files are
 -- read from that source tree instead of the copies embedded in the binary.
 local argv = ...
+local fs = require("core.fs")
 local loop = require("core.loop")
 
 local source_dir = os.getenv("DEMESNE_SOURCE_DIR")
@@ -46,7 +47,6 @@ end
 local function list(prefix)
   local out = {}
   if source_dir then
-    local fs = require("core.fs")
     local names = fs.readdir(source_dir .. "/" .. prefix) or {}
     for _, n in ipairs(names) do out[#out + 1] = prefix .. n end
   else
@@ -75,9 +75,31 @@ table.insert(package.searchers, 2, function(name)
   return "\n\tno demesne runtime file " .. base .. ".lua"
 end)
 
+--- Lists the folders of the runtime directly under a folder ("images/" -> "base", …), sorted.
+---@param prefix string
+---@return string[] names
+local function dirs(prefix)
+  local out, seen = {}, {}
+  if source_dir then
+    for _, n in ipairs(fs.readdir(source_dir .. "/" .. prefix) or {}) do
+      local st = fs.stat(source_dir .. "/" .. prefix .. n)
+      if st and st.type == "directory" then out[#out + 1] = n end
+    end
+  else
+    for rel in pairs(embedded) do
+      local n = rel:sub(1, #prefix) == prefix and rel:match("^([^/]+)/", #prefix + 1)
+      if n and not seen[n] then seen[n] = true; out[#out + 1] = n end
+    end
+  end
+  table.sort(out)
+  return out
+end
+
 package.loaded["demesne.runtime"] = {
   source = source,
   list = list,
+  dirs = dirs,
+  embedded = embedded,
   source_dir = source_dir,
 }
 

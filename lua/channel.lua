@@ -93,13 +93,17 @@ local function new_conn(s)
   return c
 end
 
+--- Wakes the task waiting in Conn:next (a line arrived or the connection ended), if any.
 function Conn:wake()
   local w = self.waiter
   self.waiter = nil
   if w then w() end
 end
 
--- The connection is over: why (kept for readers), stream closed, waiters and watchers told.
+--- The connection is over: why (kept for readers), stream closed, waiters and watchers told.
+--- Idempotent: the first reason stays.
+---@param why string   the reason Conn:next returns from now on
+---@param code string  its error code ("EOF", "ECONNRESET", …)
 function Conn:hangup(why, code)
   if self.closed then return end
   self.closed, self.closed_code = why, code

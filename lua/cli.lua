@@ -19,6 +19,7 @@ Commands:
   images build [--all | NAME...]
                       build images ahead of use (all when no NAME is given)
   policy list         list the egress policies and where each came from
+  providers           list the agent providers, their models, and whether each can run
   policy test NAME HOST[:PORT]
                       what egress policy NAME decides for HOST (or a URL)
   test DIR...         run the Lua tests in DIR inside this binary
@@ -32,12 +33,6 @@ Options:
 Environment: DEMESNE_ENGINE, DEMESNE_ALLOWED_PATHS, DEMESNE_OUTPUT_ROOT, DEMESNE_STATE_DIR,
 DEMESNE_LOG_LEVEL, DEMESNE_EGRESS_ALLOW, DEMESNE_HTTP_TOKEN (see `demesne check-config`).
 ]]
-
-local commands = {}
-
-function commands.test(args)
-  return require("demesne.testing").run(args)
-end
 
 --- Entry point. argv: list of strings (without the program name). Returns the exit status.
 ---@param argv string[]
@@ -62,11 +57,12 @@ function cli.main(argv)
     i = i + 1
   end
   local cmd = rest[1] or "serve"
-  local fn = commands[cmd]
-  if not fn and cmd:match("^[%w%-]+$") then
+  local fn
+  if cmd:match("^[%w%-]+$") then
     -- each command lives in lua/cmd/<name>.lua ("check-config" -> check_config.lua) and
-    -- returns function(args, opts) -> exit status
-    local ok, mod = pcall(require, "demesne.cmd." .. cmd:gsub("%-", "_"))
+    -- returns function(args, opts) -> exit status. Only the command that runs is loaded:
+    -- `demesne --version` or `demesne test` need no MCP server, engine or providers.
+    local ok, mod = pcall(require, "demesne.cmd." .. cmd:gsub("%-", "_")) -- lazy: one command's modules
     if ok then fn = mod elseif not tostring(mod):find("no demesne runtime file", 1, true) then error(mod, 0) end
   end
   if not fn then

@@ -32,10 +32,12 @@ local SPEC = {
   engine = { env = "DEMESNE_ENGINE", doc = "container engine socket (unix:///path); empty = discover. With another "
     .. "engine_adapter: that adapter's endpoint" },
   engine_adapter = { env = "DEMESNE_ENGINE_ADAPTER", default = "docker",
-    doc = "the engine adapter: docker (the Docker Engine API: Docker, Podman) or a file engines/<name>.lua in the config folder" },
+    doc = "the engine adapter: docker (the Docker Engine API: Docker, Podman) or a file engines/<name>.lua in the "
+      .. "config folder" },
   allowed_paths = { env = "DEMESNE_ALLOWED_PATHS", default = {}, list = true, absolute = true,
     doc = "host roots that files/directories/src may come from (':'-separated)" },
-  output_root = { env = "DEMESNE_OUTPUT_ROOT", default = function() return xdg("XDG_DATA_HOME", ".local/share") .. "/demesne/out" end,
+  output_root = { env = "DEMESNE_OUTPUT_ROOT",
+    default = function() return xdg("XDG_DATA_HOME", ".local/share") .. "/demesne/out" end,
     doc = "where each run's output folder (/out) is kept" },
   state_dir = { env = "DEMESNE_STATE_DIR", default = function() return xdg("XDG_STATE_HOME", ".local/state") .. "/demesne" end,
     doc = "job records and per-sandbox run folders" },
@@ -228,6 +230,7 @@ function config.get(name)
 end
 
 --- Returns {name = {value, origin, doc}} for every setting, and the config file's error if any.
+---@return table<string, {value: any, origin: string, doc: string, env: string|nil}> settings, string|nil err
 function config.describe()
   if not values then config.load() end
   local out = {}

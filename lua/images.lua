@@ -14,6 +14,8 @@ local archive = require("core.archive")
 local text = require("core.text")
 local fs = require("core.fs")
 local process = require("core.process")
+local plugins = require("demesne.plugins")
+local util = require("demesne.util")
 
 local images = {}
 
@@ -76,7 +78,7 @@ local function builtin_files(name)
     end
     walk("")
   else
-    for rel in pairs(require("core.loop").embedded()) do
+    for rel in pairs(runtime.embedded) do
       if rel:sub(1, #prefix) == prefix then rels[#rels + 1] = rel:sub(#prefix + 1) end
     end
   end
@@ -122,31 +124,57 @@ local function read_folder(dir, prefix, out, total)
   return out
 end
 
+--- Every image as a plugin (demesne.plugins, folder plugins): the built-in images/<name>/
+--- folders, then the user's $XDG_CONFIG_HOME/demesne/images/<name>/ folders holding a
+--- Containerfile; a user image replaces a built-in of its name. A folder whose name is not
+--- an image name, or a built-in folder with no entry in images.BUILTIN, is refused into the
+--- set's errors. A user folder without a Containerfile offers no image (it may hold extra
+--- context of a built-in, images/twine/storyformats/). Each plugin is {name, origin =
+--- "built-in" | "user", dir = the user's folder}. Read from disk at each call.
+---@return PluginSet
+function images.catalog()
+  return plugins.load({
+    kind = "image", kinds = "images", logger = "demesne.images", quiet = true, folders = true,
+    builtin = "images/", user_dir = images.user_dir(),
+    check = function(_, file)
+      if not valid_name(file.name) then
+        return nil, ("%q is not an image name (lower-case letters, digits, _ . -, at most 64)"):format(file.name)
+      end
+      if file.builtin then
+        if not images.BUILTIN[file.name] then return nil, "a built-in image needs its entry in images.BUILTIN" end
+        return { name = file.name, origin = "built-in" }
+      end
+      local st = fs.stat(file.dir .. "/Containerfile")
+      if not (st and st.type == "file") then return false end
+      return { name = file.name, origin = "user", dir = file.dir }
+    end,
+  })
+end
+
 -- The user's image folder for `name`, when it holds a Containerfile.
 local function user_image_dir(name)
-  local dir = images.user_dir() .. "/" .. name
-  local st = fs.stat(dir .. "/Containerfile")
-  if st and st.type == "file" then return dir end
+  if not valid_name(name) then return nil end
+  local img = images.catalog():get(name)
+  return img and img.dir
 end
 
 --- The names of the user's images (folders with a Containerfile), sorted. Folders whose
---- names are not valid image names are skipped.
+--- names are not valid image names are left out (images.catalog().errors names them).
 ---@return string[]
 function images.user_names()
   local out = {}
-  for _, n in ipairs(fs.readdir(images.user_dir()) or {}) do
-    if valid_name(n) and user_image_dir(n) then out[#out + 1] = n end
+  for _, img in ipairs(images.catalog():list()) do
+    if img.origin == "user" then out[#out + 1] = img.name end
   end
+  table.sort(out)
   return out
 end
 
 --- Every image name, built-in and user, sorted; each once.
 ---@return string[]
 function images.list()
-  local seen, names = {}, {}
-  for n in pairs(images.BUILTIN) do seen[n] = true end
-  for _, n in ipairs(images.user_names()) do seen[n] = true end
-  for n in pairs(seen) do names[#names + 1] = n end
+  local names = {}
+  for _, img in ipairs(images.catalog():list()) do names[#names + 1] = img.name end
   table.sort(names)
   return names
 end
@@ -157,9 +185,8 @@ end
 ---@return string|nil origin, string|nil dir  dir: the user's folder
 function images.origin(name)
   if not valid_name(name) then return nil end
-  local dir = user_image_dir(name)
-  if dir then return "user", dir end
-  if images.BUILTIN[name] then return "built-in" end
+  local img = images.catalog():get(name)
+  if img then return img.origin, img.dir end
 end
 
 --- The images a Containerfile builds FROM, in order: {line=n, ref=word, stage=alias|nil}.
@@ -186,8 +213,11 @@ function images.parse_from(src)
   return out
 end
 
--- Rewrites the FROM lines of a user's Containerfile: each image word that names a demesne
--- image (and no stage defined above it) becomes `tags[word]`. Returns the new text.
+--- Rewrites the FROM lines of a user's Containerfile: each image word that names a demesne
+--- image (and no stage defined above it) becomes `tags[word]`. Returns the new text.
+---@param src string
+---@param tags table<string, string>  image name -> the tag it was built as
+---@return string
 local function rewrite_from(src, tags)
   local stages, lines = {}, {}
   for line, nl in src:gmatch("([^\n]*)(\n?)") do
@@ -213,7 +243,7 @@ images._rewrite_from = rewrite_from
 local function tmp_path(suffix)
   local dir = config.get("state_dir") .. "/tmp"
   fs.mkdir_p(dir)
-  return ("%s/%s-%s%s"):format(dir, os.date("!%Y%m%dT%H%M%S"), text.hash(tostring({}) .. os.clock()), suffix)
+  return ("%s/%s%s"):format(dir, util.new_id("", 8), suffix)
 end
 
 local function progress(ctx, msg)
@@ -262,7 +292,7 @@ local function ensure_rootfs(eng, ctx, dry)
   if os.getenv("DEMESNE_NO_PULL") ~= "1" and eng:pull(REGISTRY_BASE, 30000) then return REGISTRY_BASE end
   progress(ctx, "no registry reachable: building a Debian root filesystem with mmdebstrap")
   local tar = tmp_path(".rootfs.tar")
-  local _ <close> = setmetatable({}, { __close = function() os.remove(tar) end })
+  local _ <close> = util.closer(function() os.remove(tar) end)
   local args = { "--variant=minbase", "--include=" .. ROOTFS_PACKAGES, "--format=tar",
     "--dpkgopt=path-exclude=/usr/share/man/*", "--dpkgopt=path-exclude=/usr/share/doc/*",
     "--dpkgopt=path-exclude=/usr/share/locale/*", "--dpkgopt=path-exclude=/usr/share/info/*",
@@ -315,21 +345,21 @@ local function build(eng, plan, ctx, dry)
   building[k] = ev
   local result = {}
   async.spawn("build " .. name, function()
-    local _ <close> = setmetatable({}, { __close = function() building[k] = nil; ev.set() end })
+    local _ <close> = util.closer(function() building[k] = nil; ev.set() end)
     progress(ctx, ("building image %s (%s) — first use only"):format(name, tag))
     local files = { table.unpack(plan.files) }
     local has_ca = false
     for _, f in ipairs(files) do has_ca = has_ca or f.name == "host-ca-certificates.crt" end
     if not has_ca then files[#files + 1] = { name = "host-ca-certificates.crt", data = host_ca_certs(), mode = 420 } end
     local tar = tmp_path(".context.tar")
-    local _t <close> = setmetatable({}, { __close = function() os.remove(tar) end })
+    local _t <close> = util.closer(function() os.remove(tar) end)
     local ok, perr = archive.pack(tar, files)
     if not ok then result.err = "packing the build context failed: " .. tostring(perr) return end
     local last, notes = "", {}
     local berr
     ok, berr = eng:build(tar, { tag = tag, buildargs = plan.buildargs, network = "host", labels = plan.labels },
-      function(text)
-        for l in text:gmatch("[^\r\n]+") do
+      function(chunk)
+        for l in chunk:gmatch("[^\r\n]+") do
           if l:match("%S") then last = l:gsub("%s+$", "") end
           local note = l:match(NOTE_PATTERN)
           if note and note ~= "" and not notes[note] then
@@ -351,10 +381,10 @@ local function build(eng, plan, ctx, dry)
       local labels = { [NOTES_LABEL] = table.concat(notes, "\n") }
       for lk, lv in pairs(plan.labels) do labels[lk] = lv end
       local ntar = tmp_path(".notes.tar")
-      local _n <close> = setmetatable({}, { __close = function() os.remove(ntar) end })
+      local _n <close> = util.closer(function() os.remove(ntar) end)
       ok, perr = archive.pack(ntar, { { name = "Containerfile", data = "ARG BASE\nFROM ${BASE}\n" } })
       if ok then ok, perr = eng:build(ntar, { tag = tag, buildargs = { BASE = tag }, labels = labels }) end
-      if not ok then log.warn("demesne.images", "image %s: could not record its notes: %s", name, tostring(perr)) end
+      if not ok then log.warning("demesne.images", "image %s: could not record its notes: %s", name, tostring(perr)) end
     end
     known[k] = true
   end)
@@ -531,7 +561,9 @@ end
 function images.check_reference(ref)
   if type(ref) ~= "string" then return nil, "must be a string" end
   if ref == "" then return nil, "must not be empty" end
-  if #ref > NAME_MAX + 1 + 128 + 1 + 7 + 1 + 128 then return nil, ("is %d characters long, far over the grammar's limits"):format(#ref) end
+  if #ref > NAME_MAX + 1 + 128 + 1 + 7 + 1 + 128 then
+    return nil, ("is %d characters long, far over the grammar's limits"):format(#ref)
+  end
   local rest, digest = ref, nil
   local at = ref:find("@", 1, true)
   if at then rest, digest = ref:sub(1, at - 1), ref:sub(at + 1) end
@@ -546,7 +578,8 @@ function images.check_reference(ref)
   local colon = rest:match("^.*():") -- the last ':'
   if colon and not rest:find("/", colon, true) then name, tag = rest:sub(1, colon - 1), rest:sub(colon + 1) end
   if tag and not (tag:match("^[A-Za-z0-9_][A-Za-z0-9_.%-]*$") and #tag <= 128) then
-    return nil, ("has an invalid tag %q (letters, digits, '_', '.' and '-', at most 128, not starting with '.' or '-')"):format(tag)
+    return nil, ("has an invalid tag %q (letters, digits, '_', '.' and '-', at most 128, not starting with '.' or '-')")
+      :format(tag)
   end
   if name == "" then return nil, "has no repository name" end
   if #name > NAME_MAX then return nil, ("has a name of %d characters, more than %d"):format(#name, NAME_MAX) end
@@ -560,7 +593,9 @@ function images.check_reference(ref)
   for i = first, #parts do
     local c = parts[i]
     if not path_component_ok(c) then
-      if c:lower() ~= c and path_component_ok(c:lower()) then return nil, "has uppercase letters: repository names must be lowercase" end
+      if c:lower() ~= c and path_component_ok(c:lower()) then
+        return nil, "has uppercase letters: repository names must be lowercase"
+      end
       return nil, ("has an invalid path component %q (lowercase letters and digits, separated by one '.', "
         .. "'_', '__' or dashes)"):format(c)
     end

@@ -21,6 +21,8 @@ cjson.encode_max_depth(200)
 function json.array(t) return setmetatable(t or {}, array_mt) end
 
 --- True for a table marked with json.array.
+---@param t any
+---@return boolean
 function json.is_array(t) return getmetatable(t) == array_mt end
 
 --- A value written verbatim as the JSON token `token` (which must be one valid JSON
@@ -33,6 +35,8 @@ function json.is_array(t) return getmetatable(t) == array_mt end
 function json.raw(token, value) return setmetatable({ token = token, value = value }, raw_mt) end
 
 --- True for a value made by json.raw.
+---@param v any
+---@return boolean
 function json.is_raw(v) return getmetatable(v) == raw_mt end
 
 -- lua-cjson writes a number with at most 14 significant digits (%.14g; 2.1.0 allows no

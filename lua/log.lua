@@ -1,6 +1,6 @@
 -- Logging: RFC 5424 levels (as MCP logging uses them). Records go to stderr (stdout
 -- carries only protocol) and to any sinks, such as the MCP server's notifications/message.
-local loop = require("core.loop")
+local util = require("demesne.util")
 
 local log = {}
 
@@ -20,6 +20,8 @@ end
 
 --- Adds a sink: fn(level, logger, message, data) for every record, whatever the stderr
 --- threshold (each sink filters for itself). Returns a function that removes it.
+---@param fn fun(level: string, logger: string, message: string, data: any)
+---@return fun() remove
 function log.add_sink(fn)
   sinks[fn] = true
   return function() sinks[fn] = nil end
@@ -35,9 +37,7 @@ end
 function log.log(level, logger, msg, data, stderr_only)
   local n = log.LEVELS[level] or 1
   if n >= threshold then
-    local t = loop.time()
-    io.stderr:write(os.date("!%Y-%m-%dT%H:%M:%S", math.floor(t)), (".%03dZ "):format(math.floor((t % 1) * 1000)),
-      level, " ", logger, ": ", msg, "\n")
+    io.stderr:write(util.iso_now(), " ", level, " ", logger, ": ", msg, "\n")
   end
   if stderr_only then return end
   for fn in pairs(sinks) do pcall(fn, level, logger, msg, data) end

@@ -5,6 +5,7 @@
 local async = require("demesne.async")
 local fs = require("core.fs")
 local http = require("core.http")
+local loop = require("core.loop")
 local json = require("demesne.json")
 
 local oauth = {}
@@ -115,7 +116,7 @@ end
 function oauth.check_writable(path)
   local real = fs.realpath(path) or path
   local dir = real:match("^(.*)/[^/]*$") or "."
-  local probe = ("%s/.demesne-write-check.%d"):format(dir, require("core.loop").getpid())
+  local probe = ("%s/.demesne-write-check.%d"):format(dir, loop.getpid())
   local f, err = fs.open(probe, "wx", 384)
   if not f then
     if tostring(err):find("exist", 1, true) then fs.unlink(probe) f, err = fs.open(probe, "wx", 384) end

@@ -15,6 +15,7 @@ end
 --- ("/a/b1" is not inside "/a/b"). Both must be absolute and normalised.
 ---@param path string
 ---@param root string
+---@return boolean
 function paths.within(path, root)
   local p, r = split(path), split(root)
   if #p < #r then return false end
@@ -23,6 +24,7 @@ function paths.within(path, root)
 end
 
 --- The allowed roots, resolved. Returns list (possibly empty).
+---@return string[]
 function paths.roots()
   local out = {}
   for _, r in ipairs(config.get("allowed_paths")) do
@@ -33,6 +35,7 @@ function paths.roots()
 end
 
 --- A sentence for tool descriptions: where inputs may come from.
+---@return string
 function paths.describe_roots()
   local roots = config.get("allowed_paths")
   if #roots == 0 then
@@ -52,7 +55,8 @@ function paths.check(field, path, kind)
   if path:sub(1, 1) ~= "/" then return nil, ("%s: path must be absolute: %s"):format(field, path) end
   local roots = paths.roots()
   if #roots == 0 then
-    return nil, ("%s: %s cannot be used: no host inputs can be mounted because DEMESNE_ALLOWED_PATHS is not configured"):format(field, path)
+    return nil, ("%s: %s cannot be used: no host inputs can be mounted because DEMESNE_ALLOWED_PATHS is not "
+      .. "configured"):format(field, path)
   end
   local real, err = fs.realpath(path)
   if not real then return nil, ("%s: cannot resolve %s: %s"):format(field, path, (err or ""):gsub("^realpath [^:]*: ", "")) end
@@ -80,6 +84,7 @@ end
 --- basename are refused.
 ---@param files string[]|nil
 ---@param directories string[]|nil
+---@return {host: string, target: string, kind: string}[]|nil mounts, string|nil err
 function paths.inputs(files, directories)
   local out, seen = {}, {}
   local function add(list, field, kind)

@@ -28,7 +28,7 @@
 -- removes them (with their empty output folders) once their server is gone.
 local async = require("demesne.async")
 local config = require("demesne.config")
-local egress = require("demesne.egress")
+local egress_policy = require("demesne.egress.policy")
 local images = require("demesne.images")
 local log = require("demesne.log")
 local sandbox = require("demesne.sandbox")
@@ -53,6 +53,10 @@ local sweeper      -- the idle sweep task
 
 local function now() return loop.time() end
 
+--- The marker file of a warm sandbox (<state_dir>/pool/<run id>): the reaper removes the
+--- output folder of a warm sandbox no call claimed only when it is there.
+---@param run_id string
+---@return string
 local function marker(run_id) return config.get("state_dir") .. "/pool/" .. run_id end
 pool.marker = marker
 
@@ -269,7 +273,7 @@ end
 -- Warms the kinds of pool_images (default egress and limits) whose images are built.
 local function prewarm()
   local eng = sandbox.engine()
-  local pol = assert(egress.select(nil, false))
+  local pol = assert(egress_policy.select(nil, false))
   local lim = sandbox.limits(nil)
   for _, name in ipairs(config.get("pool_images") or {}) do
     if name ~= "none" then

@@ -5,10 +5,11 @@ local async = require("demesne.async")
 local config = require("demesne.config")
 local json = require("demesne.json")
 local loop = require("core.loop")
+local util = require("demesne.util")
 
 local progress = {}
 
-local NOOP = setmetatable({}, { __close = function() end })
+local NOOP = util.NOOP
 
 --- Starts a heartbeat for the call `ctx`: every interval it sends `progress` = seconds
 --- since the heartbeat started (strictly increasing), `total` = opts.total (seconds, may be
@@ -32,7 +33,7 @@ function progress.heartbeat(ctx, opts)
       ctx.progress(elapsed, opts.total, msg)
     end
   end)
-  return setmetatable({}, { __close = function() async.cancel(task, "done") end })
+  return util.closer(function() async.cancel(task, "done") end)
 end
 
 return progress

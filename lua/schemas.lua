@@ -4,14 +4,22 @@ local paths = require("demesne.paths")
 
 local schemas = {}
 
+--- A list of strings, described.
+---@param desc string
+---@return table schema
 function schemas.string_list(desc)
   return { type = "array", items = { type = "string" }, description = desc }
 end
 
+--- The `files` parameter: host files mounted read-only at /in/<basename>; the description
+--- names the allowed roots (read when called).
+---@return table schema
 function schemas.files()
   return schemas.string_list("Host files mounted read-only at /in/<basename>. " .. paths.describe_roots())
 end
 
+--- The `directories` parameter: host folders mounted read-only at /in/<basename>.
+---@return table schema
 function schemas.directories()
   return schemas.string_list("Host folders mounted read-only at /in/<basename>. " .. paths.describe_roots())
 end
@@ -37,9 +45,18 @@ schemas.limits = { type = "object", additionalProperties = false, description =
     pids = { type = "integer", minimum = 8, description = "maximum number of processes" },
   } }
 
+--- The `egress` parameter of sandbox_script and sandbox_create.
+schemas.egress = { type = "string", minLength = 1, description =
+  "Egress policy: 'package-managers' (default: package registries only), 'none' (no network), "
+  .. "'open' (unrestricted; refused when files or directories are mounted), 'allowlist' "
+  .. "(DEMESNE_EGRESS_ALLOW), or a policy from the user's policies folder. "
+  .. "Everything goes through a proxy that judges each host name; see egress.jsonl in output_dir." }
+
 schemas.sandbox_id = { type = "string", minLength = 1, description = "The id returned by sandbox_create." }
 
 --- The result of a command: shared by sandbox_script and sandbox_exec.
+---@param extra table<string, table>|nil  more properties
+---@return table schema
 function schemas.run_result(extra)
   local props = {
     exit_code = { type = "integer", description = "the command's exit status (128+N when killed by signal N)" },
@@ -58,6 +75,8 @@ function schemas.run_result(extra)
 end
 
 --- Readable text for a command result (the structured result carries the same).
+---@param r table  a result of sandbox.run_script or sandbox.exec
+---@return string
 function schemas.run_text(r)
   local lines = {
     ("exit_code: %d%s"):format(r.exit_code, r.timed_out and " (timed out)" or ""),
@@ -79,6 +98,9 @@ schemas.background = { type = "boolean", default = false, description =
 
 --- An outputSchema that is either `result` (the call ran to the end) or a started
 --- background job {job_id, status = "running", output_dir, …} (background = true).
+---@param result table  the schema of the result (properties, required)
+---@param extra table<string, table>|nil  more properties
+---@return table schema
 function schemas.or_job(result, extra)
   local props = {}
   for k, v in pairs(result.properties) do props[k] = v end
@@ -98,6 +120,8 @@ schemas.job_id = { type = "string", minLength = 1,
 schemas.job_status = { type = "string", enum = json.array({ "running", "succeeded", "failed", "cancelled", "lost" }) }
 
 --- The properties of a job's view (jobs.view), plus `extra`.
+---@param extra table<string, table>|nil
+---@return table<string, table> properties
 function schemas.job_properties(extra)
   local props = {
     job_id = { type = "string" },
@@ -126,12 +150,16 @@ function schemas.job_properties(extra)
 end
 
 --- outputSchema of a job's status (sandbox_status, sandbox_wait, sandbox_cancel).
+---@param extra table<string, table>|nil  more properties
+---@return table schema
 function schemas.status_result(extra)
   return { type = "object", properties = schemas.job_properties(extra),
     required = json.array({ "job_id", "status", "elapsed_seconds", "started_at" }) }
 end
 
 --- Readable text for a job's view.
+---@param r table  jobs.view's result, with the tool's own fields
+---@return string
 function schemas.status_text(r)
   local lines = { "job_id: " .. r.job_id, "status: " .. r.status }
   if r.exit_code then lines[#lines + 1] = ("exit_code: %d%s"):format(r.exit_code, r.timed_out and " (timed out)" or "") end
@@ -146,7 +174,9 @@ function schemas.status_text(r)
   end
   if type(r.agent) == "table" then
     if type(r.agent.cost_usd) == "number" then lines[#lines + 1] = ("cost_usd: %.4f (indicative)"):format(r.agent.cost_usd) end
-    if type(r.agent.reason) == "string" and r.agent.reason ~= r.reason then lines[#lines + 1] = "agent reason: " .. r.agent.reason end
+    if type(r.agent.reason) == "string" and r.agent.reason ~= r.reason then
+      lines[#lines + 1] = "agent reason: " .. r.agent.reason
+    end
     if type(r.agent.answer) == "string" then lines[#lines + 1] = "--- answer ---\n" .. r.agent.answer end
   end
   return table.concat(lines, "\n")
@@ -155,10 +185,12 @@ end
 --------------------------------------------------------------------------------------------
 -- Nested sandboxes (lua/tree): what a host call sets for the tree its run roots
 
+--- A host call's budget for the model requests of the tree its run roots (lua/tree).
 schemas.budget_usd = { type = "number", minimum = 0, description =
   "USD this run and every sandbox it spawns may spend on model requests together; once spent, every run of the "
   .. "tree ends ('budget of $X spent'). Default and ceiling from the configuration." }
 
+--- A host call's limits of the tree its run roots (lua/tree).
 schemas.tree = { type = "object", additionalProperties = false, description =
   "Limits of the sandbox tree rooted here (defaults and ceilings from the configuration).",
   properties = {
@@ -167,8 +199,58 @@ schemas.tree = { type = "object", additionalProperties = false, description =
     running = { type = "integer", minimum = 1, description = "sandboxes running at once, this one included (8)" },
   } }
 
+--- sandbox_script/sandbox_create: serve demesne's MCP endpoint inside the sandbox (lua/tree).
 schemas.mcp = { type = "boolean", default = false, description =
   "Serve demesne's MCP endpoint inside ($DEMESNE_MCP_URL, token in $DEMESNE_MCP_TOKEN) so its commands can spawn "
   .. "child sandboxes; their outputs appear at /out/child/<name>." }
+
+--------------------------------------------------------------------------------------------
+-- Agent runs (sandbox_agent, sandbox_research)
+
+--- The end of both agent tools' descriptions: where the credential stays, what comes back.
+schemas.AGENT_RUN_NOTE = "The real vendor credential stays on the host: the agent reaches the model only through a "
+  .. "per-run token on a host-side vendor route that counts usage (usage.json). Returns the agent's final answer, "
+  .. "exit code, cost and usage; transcript.jsonl and results.json are in output_dir."
+
+--- The parameters of an agent run that both agent tools take (prompt, preamble,
+--- output_path, output_format, success_criteria, timeout_seconds, background, budget_usd, tree),
+--- plus `extra`.
+---@param extra table<string, table>|nil
+---@return table<string, table> properties
+function schemas.agent_task(extra)
+  local props = {
+    prompt = { type = "string", minLength = 1, description = "The task for the agent." },
+    preamble = { type = "string", description = "Text placed before everything else in the agent's context file." },
+    output_path = { type = "string", minLength = 1, description = "Where the deliverable goes, relative to /out." },
+    output_format = { type = "string", description = "The deliverable's format (e.g. 'markdown report', 'JSON')." },
+    success_criteria = { type = "array", items = { type = "string", minLength = 1 },
+      description = "Checks rendered as the definition of done in the context file." },
+    timeout_seconds = schemas.timeout_seconds,
+    background = schemas.background,
+    budget_usd = schemas.budget_usd,
+    tree = schemas.tree,
+  }
+  for k, v in pairs(extra or {}) do props[k] = v end
+  return props
+end
+
+--- The result of an agent run: the outputSchema of both agent tools (without the job form).
+---@return table
+function schemas.agent_result()
+  return { type = "object", properties = {
+    exit_code = { type = "integer" }, answer = { type = "string", description = "the agent's final message (bounded)" },
+    stderr = { type = "string", description = "tail of the CLI's stderr" },
+    output_dir = { type = "string" }, run_id = { type = "string" }, provider = { type = "string" },
+    model = { type = "string" }, cost_usd = { type = "number", description = "indicative cost in USD" },
+    usage = { type = "object", description = "tokens by model (see usage.json)" },
+    duration_ms = { type = "integer" }, timed_out = { type = "boolean" },
+    reason = { type = "string", description = "why the run ended abnormally (e.g. rate limited by the vendor)" },
+    rate_limited = { type = "object", description = "vendor 429 answers; how many were waited out (retried = held "
+      .. "requests + resumed sessions) and the budget" },
+    children = { type = "array", items = { type = "object" }, description = "the child sandboxes it spawned: name, "
+      .. "kind, status, exit_code, reason, cost_usd (own), total_cost_usd (its subtree), output_dir, run_id, job_id" },
+    total_cost_usd = { type = "number", description = "this run's cost and that of every sandbox below it" },
+  }, required = json.array({ "exit_code", "answer", "stderr", "output_dir", "run_id", "cost_usd", "usage" }) }
+end
 
 return schemas

@@ -2,7 +2,7 @@
 -- warm sandbox. Each piece is a task of its own, tracked here, so that the answer does not
 -- wait for the engine while a graceful shutdown still does (`demesne serve` calls
 -- teardown.wait before it exits). A crash leaves what was pending to the reaper, which
--- works from the engine's labels (lua/sandbox.lua, sandbox.reap).
+-- works from the engine's labels (lua/sandbox/reaper.lua, sandbox.reap).
 --
 -- Removals give way to calls: while a call waits for the engine to create and start its
 -- sandbox (teardown.urgent), they hold back (teardown.quiet, at most 10 s), so that on a
@@ -20,6 +20,7 @@ local calm         -- event set when urgent drops to 0
 --- Runs fn(...) as engine work a call is waiting for: background work holds back until it
 --- is done. Returns fn's results; an error is raised again.
 ---@param fn function
+---@param ... any  fn's arguments
 function teardown.urgent(fn, ...)
   urgent = urgent + 1
   local r = table.pack(pcall(fn, ...))
@@ -44,6 +45,7 @@ end
 --- Starts fn(...) in a tracked task of its own; an error is logged, never raised.
 ---@param name string  shown in logs
 ---@param fn function
+---@param ... any  fn's arguments
 ---@return Task
 function teardown.spawn(name, fn, ...)
   local task

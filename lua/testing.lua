@@ -4,6 +4,7 @@
 local loop = require("core.loop")
 local async = require("demesne.async")
 local fs = require("core.fs")
+local json = require("demesne.json")
 
 local testing = {}
 
@@ -18,26 +19,38 @@ end
 local function fmt(v)
   if type(v) == "string" then return ("%q"):format(v) end
   if type(v) == "table" then
-    local ok, json = pcall(require, "demesne.json")
-    if ok then
-      local ok2, s = pcall(json.encode, v)
-      if ok2 then return s end
-    end
+    local ok, s = pcall(json.encode, v)
+    if ok then return s end
   end
   return tostring(v)
 end
 
 local T = {}
 T.__index = T
+--- Fails the test unless `got` deep-equals `want`, naming `what` and both values.
+---@param _ table  the test handle
+---@param got any
+---@param want any
+---@param what string|nil
 function T.eq(_, got, want, what)
   if not deep_eq(got, want) then
     error(("%s: expected %s, got %s"):format(what or "value", fmt(want), fmt(got)), 2)
   end
 end
+--- Fails the test unless `cond` is truthy; returns it.
+---@param _ table  the test handle
+---@param cond any
+---@param what string|nil
+---@return any cond
 function T.ok(_, cond, what)
   if not cond then error((what or "assertion") .. " failed", 2) end
   return cond
 end
+--- Fails the test unless `s` is a string in which the Lua pattern `pat` is found.
+---@param _ table  the test handle
+---@param s any
+---@param pat string
+---@param what string|nil
 function T.match(_, s, pat, what)
   if type(s) ~= "string" or not s:find(pat) then
     error(("%s: %s does not match %q"):format(what or "value", fmt(s), pat), 2)

@@ -3,13 +3,14 @@
 -- and sandbox_create.
 --
 -- The npm registry and the Debian archives are taken from this machine's own npm and apt
--- configuration (`sources`, see lua/egress.lua): the images are built from the same
+-- configuration (`sources`, see lua/egress/policy.lua): the images are built from the same
 -- sources, and a mirror configured on the host is then the one allowed.
 local npm = sources.npm_hosts()
 local apt = sources.apt_hosts()
 
 return {
-  description = "package registries: npm, PyPI, conda, Debian/Ubuntu archives, Go module proxy and checksum DB, crates.io, RubyGems",
+  description = "package registries: npm, PyPI, conda, Debian/Ubuntu archives, Go module proxy and checksum DB, "
+    .. "crates.io, RubyGems",
   rules = {
     { ALLOW, name = "npm", host = npm, port = 443 },
     { ALLOW, name = "pypi", host = { "pypi.org", "files.pythonhosted.org" }, port = 443 },

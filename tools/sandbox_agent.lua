@@ -1,2 +1,35 @@
--- sandbox_agent: an AI coding agent in a fresh sandbox (lua/agent.lua).
-return require("demesne.agent").descriptor(false)
+-- sandbox_agent: an AI coding agent CLI with full autonomy in a fresh sandbox, its real
+-- credential kept on the host (the run itself: lua/agent/).
+local agent = require("demesne.agent")
+local jobs = require("demesne.jobs")
+local json = require("demesne.json")
+local schemas = require("demesne.schemas")
+
+local NAME = "sandbox_agent"
+
+return {
+  name = NAME,
+  title = "Run an AI coding agent in a sandbox",
+  description = "Runs an AI coding agent CLI (Claude Code, Codex, …) with full autonomy in a fresh sandbox: host inputs "
+    .. "read-only under /in, a writable /workspace, deliverables in /out (output_dir). "
+    .. schemas.AGENT_RUN_NOTE,
+  inputSchema = {
+    type = "object",
+    additionalProperties = false,
+    required = { "prompt" },
+    properties = schemas.agent_task({
+      model = agent.model_schema(),
+      files = schemas.files(),
+      directories = schemas.directories(),
+      egress = { type = "string", enum = json.array({ "none", "package-managers" }), default = "none",
+        description = "'none' (default): only the model API; 'package-managers': also package registries." },
+    }),
+  },
+  outputSchema = schemas.or_job(schemas.agent_result()),
+  execution = { taskSupport = "optional" }, -- MCP tasks: runs as a background job
+  annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = true },
+  run = jobs.dispatch("agent", function(ctx, args)
+    local r = agent.run(ctx, args, NAME)
+    return r, agent.text(r)
+  end, NAME),
+}

@@ -17,7 +17,7 @@ return {
       files = schemas.files(),
       directories = schemas.directories(),
       env = schemas.env,
-      egress = require("demesne.egress").schema,
+      egress = schemas.egress,
       limits = schemas.limits,
       ttl_seconds = { type = "integer", minimum = 60, description = "Seconds the sandbox lives without use. Default 48 h." },
       mcp = schemas.mcp,

@@ -1,4 +1,5 @@
 -- sandbox_exec: a command in a persistent sandbox.
+local jobs = require("demesne.jobs")
 local sandbox = require("demesne.sandbox")
 local schemas = require("demesne.schemas")
 
@@ -24,13 +25,8 @@ return {
   outputSchema = schemas.or_job(schemas.run_result({ log_dir = { type = "string" }, expires_at = { type = "string" } })),
   execution = { taskSupport = "optional" }, -- MCP tasks: runs as a background job
   annotations = { readOnlyHint = false, destructiveHint = true, idempotentHint = false, openWorldHint = false },
-  run = function(ctx, args)
-    if args.background then
-      local jobs = require("demesne.jobs")
-      local j = jobs.start_exec(ctx, args)
-      return j, jobs.started_text(j)
-    end
+  run = jobs.dispatch("exec", function(ctx, args)
     local r = sandbox.exec(ctx, args)
     return r, schemas.run_text(r)
-  end,
+  end),
 }

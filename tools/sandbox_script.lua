@@ -1,4 +1,5 @@
 -- sandbox_script: one command in a fresh, disposable container.
+local jobs = require("demesne.jobs")
 local sandbox = require("demesne.sandbox")
 local schemas = require("demesne.schemas")
 
@@ -19,7 +20,7 @@ return {
       files = schemas.files(),
       directories = schemas.directories(),
       env = schemas.env,
-      egress = require("demesne.egress").schema,
+      egress = schemas.egress,
       background = schemas.background,
       timeout_seconds = schemas.timeout_seconds,
       limits = schemas.limits,
@@ -31,13 +32,8 @@ return {
   outputSchema = schemas.or_job(schemas.run_result({ run_id = { type = "string" } })),
   execution = { taskSupport = "optional" }, -- MCP tasks: runs as a background job
   annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = false },
-  run = function(ctx, args)
-    if args.background then
-      local jobs = require("demesne.jobs")
-      local j = jobs.start_script(ctx, args)
-      return j, jobs.started_text(j)
-    end
+  run = jobs.dispatch("script", function(ctx, args)
     local r = sandbox.run_script(ctx, args)
     return r, schemas.run_text(r)
-  end,
+  end),
 }

@@ -17,8 +17,7 @@ static const char *raw_string(lua_State *L, int t, const char *k, lua_Integer i,
   int ty = lua_rawget(L, t);
   const char *s = NULL;
   if (ty == LUA_TSTRING) s = lua_tolstring(L, -1, len); /* anchored by the entry table */
-  else if (ty != LUA_TNIL)
-    luaL_argerror(L, 2, lua_pushfstring(L, "entries[%d].%s must be a string", (int)i, k));
+  else if (ty != LUA_TNIL) luaL_argerror(L, 2, lua_pushfstring(L, "entries[%d].%s must be a string", (int)i, k));
   lua_pop(L, 1);
   return s;
 }
@@ -38,8 +37,7 @@ static dm_archive_entry *check_entries(lua_State *L, int idx, lua_Integer *count
     e->src = raw_string(L, t, "src", i, NULL);
     e->name = raw_string(L, t, "name", i, NULL);
     e->data = raw_string(L, t, "data", i, &e->data_len);
-    if (!e->name)
-      luaL_argerror(L, idx, lua_pushfstring(L, "entries[%d].name is required", (int)i));
+    if (!e->name) luaL_argerror(L, idx, lua_pushfstring(L, "entries[%d].name is required", (int)i));
     if (!e->src == !e->data)
       luaL_argerror(L, idx, lua_pushfstring(L, "entries[%d] needs exactly one of src, data", (int)i));
     lua_pushliteral(L, "mode");
@@ -47,8 +45,11 @@ static dm_archive_entry *check_entries(lua_State *L, int idx, lua_Integer *count
     e->mode = 0644;
     if (mt != LUA_TNIL) {
       if (!lua_isinteger(L, -1) || !e->data || lua_tointeger(L, -1) < 0 || lua_tointeger(L, -1) > 07777)
-        luaL_argerror(L, idx, lua_pushfstring(L, "entries[%d].mode must be an integer "
-                                                 "permission (in-memory entries only)", (int)i));
+        luaL_argerror(L, idx,
+                      lua_pushfstring(L,
+                                      "entries[%d].mode must be an integer "
+                                      "permission (in-memory entries only)",
+                                      (int)i));
       e->mode = (int)lua_tointeger(L, -1);
     }
     lua_pop(L, 2);
@@ -162,8 +163,7 @@ static int l_extract(lua_State *L) {
   result r;
   memset(&r, 0, sizeof r);
   dm_archive_err err;
-  if (dm_archive_extract(tar, dest, &lim, &r.st, &r.names, &r.n, &err) != 0)
-    return dm_fail(L, err.msg, err.code);
+  if (dm_archive_extract(tar, dest, &lim, &r.st, &r.names, &r.n, &err) != 0) return dm_fail(L, err.msg, err.code);
   lua_pushcfunction(L, p_extract_result);
   lua_pushlightuserdata(L, &r);
   int rc = lua_pcall(L, 1, 1, 0);
@@ -359,8 +359,8 @@ static int l_extract_at(lua_State *L) {
 }
 
 static const luaL_Reg funcs[] = {
-  {"pack", l_pack}, {"extract", l_extract}, {"list", l_list}, {"pack_to", l_pack_to},
-  {"extract_at", l_extract_at}, {NULL, NULL},
+  {"pack", l_pack},       {"extract", l_extract},       {"list", l_list},
+  {"pack_to", l_pack_to}, {"extract_at", l_extract_at}, {NULL, NULL},
 };
 
 /// Opens core.archive: returns the module table {pack, extract, list, pack_to, extract_at}.

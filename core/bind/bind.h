@@ -37,9 +37,9 @@ uv_pipe_t *dm_pipe_new(void);
 /// and the struct is freed.
 typedef struct dm_lwork dm_lwork;
 struct dm_lwork {
-  dm_work w;                                ///< first member
-  int (*push)(lua_State *L, dm_lwork *lw);  ///< pushes the callback's arguments, returns how many
-  void (*release)(dm_lwork *lw);            ///< frees what the job owns (not the struct)
+  dm_work w;                               ///< first member
+  int (*push)(lua_State *L, dm_lwork *lw); ///< pushes the callback's arguments, returns how many
+  void (*release)(dm_lwork *lw);           ///< frees what the job owns (not the struct)
   int cb_ref, ud_ref;
   void *ud; ///< the core.fs.work handle while the work is pending
 };

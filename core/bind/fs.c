@@ -119,9 +119,9 @@ static int l_realpath(lua_State *L) {
 
 static void push_stat(lua_State *L, const struct stat *st) {
   lua_createtable(L, 0, 6);
-  const char *t = S_ISREG(st->st_mode)   ? "file"
-                  : S_ISDIR(st->st_mode) ? "directory"
-                  : S_ISLNK(st->st_mode) ? "link"
+  const char *t = S_ISREG(st->st_mode)    ? "file"
+                  : S_ISDIR(st->st_mode)  ? "directory"
+                  : S_ISLNK(st->st_mode)  ? "link"
                   : S_ISSOCK(st->st_mode) ? "socket"
                                           : "other";
   lua_pushstring(L, t);
@@ -526,7 +526,8 @@ static int l_dir_read(lua_State *L) {
   if (st.st_size > max) {
     close(fd);
     lua_pushnil(L);
-    lua_pushfstring(L, "read %s/%s: %I bytes, more than the %I read at most", d->path, rel, (lua_Integer)st.st_size, max);
+    lua_pushfstring(L, "read %s/%s: %I bytes, more than the %I read at most", d->path, rel, (lua_Integer)st.st_size,
+                    max);
     lua_pushliteral(L, "EFBIG");
     return 3;
   }
@@ -678,22 +679,33 @@ static int l_dir_close(lua_State *L) {
 }
 
 static const luaL_Reg dir_methods[] = {
-  {"opendir", l_dir_opendir}, {"open", l_dir_open}, {"read", l_dir_read}, {"stat", l_dir_stat},
-  {"mkdir", l_dir_mkdir}, {"unlink", l_dir_unlink}, {"rename", l_dir_rename},
-  {"write_atomic", l_dir_write_atomic}, {"chmod", l_dir_chmod}, {"remove_tree", l_dir_remove_tree},
-  {"close", l_dir_close}, {NULL, NULL},
+  {"opendir", l_dir_opendir}, {"open", l_dir_open},
+  {"read", l_dir_read},       {"stat", l_dir_stat},
+  {"mkdir", l_dir_mkdir},     {"unlink", l_dir_unlink},
+  {"rename", l_dir_rename},   {"write_atomic", l_dir_write_atomic},
+  {"chmod", l_dir_chmod},     {"remove_tree", l_dir_remove_tree},
+  {"close", l_dir_close},     {NULL, NULL},
 };
 static const luaL_Reg work_methods[] = {{"cancel", l_work_cancel}, {NULL, NULL}};
 
 static const luaL_Reg file_methods[] = {
-  {"write", l_file_write}, {"read", l_file_read}, {"size", l_file_size},
-  {"close", l_file_close}, {NULL, NULL},
+  {"write", l_file_write}, {"read", l_file_read}, {"size", l_file_size}, {"close", l_file_close}, {NULL, NULL},
 };
 static const luaL_Reg funcs[] = {
-  {"mkdir_p", l_mkdir_p}, {"write_atomic", l_write_atomic}, {"realpath", l_realpath},
-  {"stat", l_stat}, {"lstat", l_lstat}, {"read_file", l_read_file}, {"readdir", l_readdir},
-  {"unlink", l_unlink}, {"rename", l_rename}, {"remove_tree", l_remove_tree},
-  {"chmod", l_chmod}, {"open", l_open}, {"open_beneath", l_open_beneath}, {"opendir", l_opendir},
+  {"mkdir_p", l_mkdir_p},
+  {"write_atomic", l_write_atomic},
+  {"realpath", l_realpath},
+  {"stat", l_stat},
+  {"lstat", l_lstat},
+  {"read_file", l_read_file},
+  {"readdir", l_readdir},
+  {"unlink", l_unlink},
+  {"rename", l_rename},
+  {"remove_tree", l_remove_tree},
+  {"chmod", l_chmod},
+  {"open", l_open},
+  {"open_beneath", l_open_beneath},
+  {"opendir", l_opendir},
   {NULL, NULL},
 };
 

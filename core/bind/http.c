@@ -12,7 +12,7 @@
 typedef struct {
   dm_http_req *req; /* NULL once completed or discarded */
   int cb_ref, data_ref, headers_ref, self_ref;
-  int want_body;    /* res.body is delivered (neither on_data nor output_file) */
+  int want_body; /* res.body is delivered (neither on_data nor output_file) */
 } lreq;
 
 static dm_http *engine;    /* one per runtime; freed by the registry sentinel's __gc */
@@ -206,12 +206,10 @@ static size_t collect_headers(lua_State *L, dm_http_header **out) {
       return luaL_argerror(L, 1, "headers: every name must be an HTTP token string");
     int vt = lua_type(L, -1);
     if (vt != LUA_TSTRING && vt != LUA_TNUMBER)
-      return luaL_argerror(L, 1, lua_pushfstring(L, "headers: value of '%s' must be a string",
-                                                 lua_tostring(L, -2)));
+      return luaL_argerror(L, 1, lua_pushfstring(L, "headers: value of '%s' must be a string", lua_tostring(L, -2)));
     const char *v = luaL_tolstring(L, -1, NULL); /* [.., key, value, vstr] */
     if (strpbrk(v, "\r\n"))
-      return luaL_argerror(L, 1, lua_pushfstring(L, "headers: value of '%s' holds CR or LF",
-                                                 lua_tostring(L, -3)));
+      return luaL_argerror(L, 1, lua_pushfstring(L, "headers: value of '%s' holds CR or LF", lua_tostring(L, -3)));
     lua_pushvalue(L, -3);
     lua_rawseti(L, anchor, (lua_Integer)(2 * i + 1));
     lua_rawseti(L, anchor, (lua_Integer)(2 * i + 2)); /* [.., key, value] */

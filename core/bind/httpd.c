@@ -412,7 +412,8 @@ static int l_respond(lua_State *L) {
   }
   int r = dm_httpd_respond(cu->c, status, hs, n, body, blen);
   free(hs);
-  if (r == -2) return luaL_argerror(L, 3, "a header is malformed or reserved (Content-Length, Transfer-Encoding, Connection)");
+  if (r == -2)
+    return luaL_argerror(L, 3, "a header is malformed or reserved (Content-Length, Transfer-Encoding, Connection)");
   if (r < 0) return dm_fail(L, "no request is waiting for an answer", "EALREADY");
   lua_pushboolean(L, 1);
   return 1;
@@ -432,7 +433,8 @@ static int l_start(lua_State *L) {
   }
   int r = dm_httpd_stream_start(cu->c, status, hs, n);
   free(hs);
-  if (r == -2) return luaL_argerror(L, 3, "a header is malformed or reserved (Content-Length, Transfer-Encoding, Connection)");
+  if (r == -2)
+    return luaL_argerror(L, 3, "a header is malformed or reserved (Content-Length, Transfer-Encoding, Connection)");
   if (r < 0) return dm_fail(L, "no request is waiting for an answer", "EALREADY");
   lua_pushboolean(L, 1);
   return 1;
@@ -519,14 +521,17 @@ static int l_token_equal(lua_State *L) {
 }
 
 static const luaL_Reg server_methods[] = {
-  {"listen_tcp", l_listen_tcp}, {"listen_unix", l_listen_unix}, {"listen_relay", l_listen_relay},
+  {"listen_tcp", l_listen_tcp},
+  {"listen_unix", l_listen_unix},
+  {"listen_relay", l_listen_relay},
   {"unlisten", l_unlisten},
   {"connections", l_connections},
-  {"close", l_server_close}, {NULL, NULL},
+  {"close", l_server_close},
+  {NULL, NULL},
 };
 static const luaL_Reg conn_methods[] = {
-  {"respond", l_respond}, {"start", l_start}, {"write", l_write}, {"finish", l_finish},
-  {"queued", l_queued}, {"drain", l_drain}, {"close", l_conn_close}, {"is_open", l_is_open},
+  {"respond", l_respond},   {"start", l_start}, {"write", l_write},      {"finish", l_finish},
+  {"queued", l_queued},     {"drain", l_drain}, {"close", l_conn_close}, {"is_open", l_is_open},
   {"listener", l_listener}, {NULL, NULL},
 };
 static const luaL_Reg funcs[] = {{"new", l_new}, {"token_equal", l_token_equal}, {NULL, NULL}};

@@ -127,10 +127,10 @@ static int l_hostname(lua_State *L) {
 }
 
 static const luaL_Reg funcs[] = {
-  {"run", l_run}, {"stop", l_stop}, {"now", l_now}, {"hrtime", l_hrtime}, {"time", l_time},
-  {"stats", l_stats}, {"embedded", l_embedded}, {"exepath", l_exepath}, {"getpid", l_getpid},
-  {"environ", l_environ}, {"setenv", l_setenv}, {"random", l_random}, {"hostname", l_hostname},
-  {NULL, NULL},
+  {"run", l_run},           {"stop", l_stop},       {"now", l_now},           {"hrtime", l_hrtime},
+  {"time", l_time},         {"stats", l_stats},     {"embedded", l_embedded}, {"exepath", l_exepath},
+  {"getpid", l_getpid},     {"environ", l_environ}, {"setenv", l_setenv},     {"random", l_random},
+  {"hostname", l_hostname}, {NULL, NULL},
 };
 
 int luaopen_core_loop(lua_State *L) {

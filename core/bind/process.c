@@ -77,8 +77,8 @@ static char **string_list(lua_State *L, int t, const char *k, const char *first)
 }
 
 /* stdio spec: nil/false = ignore, true = new pipe, "inherit" = the same fd */
-static void stdio_spec(lua_State *L, int t, const char *k, int fd, uv_stdio_container_t *c,
-                       uv_pipe_t **pipe, int readable) {
+static void stdio_spec(lua_State *L, int t, const char *k, int fd, uv_stdio_container_t *c, uv_pipe_t **pipe,
+                       int readable) {
   lua_getfield(L, t, k);
   *pipe = NULL;
   if (lua_toboolean(L, -1) && lua_type(L, -1) == LUA_TBOOLEAN) {
@@ -212,7 +212,10 @@ static int l_gc(lua_State *L) {
 }
 
 static const luaL_Reg methods[] = {
-  {"pid", l_pid}, {"kill", l_kill}, {"exited", l_exited}, {NULL, NULL},
+  {"pid", l_pid},
+  {"kill", l_kill},
+  {"exited", l_exited},
+  {NULL, NULL},
 };
 static const luaL_Reg funcs[] = {{"spawn", l_spawn}, {NULL, NULL}};
 

@@ -371,7 +371,8 @@ static int l_classify(lua_State *L) {
 /// checks that cidr parses (true or nil, msg).
 static int l_match_cidr(lua_State *L) {
   dm_proxy_rule r = {0};
-  if (dm_proxy_parse_cidr(luaL_checkstring(L, 1), &r) < 0) return dm_fail(L, "not a CIDR (a.b.c.d/n or v6/n)", "EINVAL");
+  if (dm_proxy_parse_cidr(luaL_checkstring(L, 1), &r) < 0)
+    return dm_fail(L, "not a CIDR (a.b.c.d/n or v6/n)", "EINVAL");
   if (lua_isnoneornil(L, 2)) {
     lua_pushboolean(L, 1);
     return 1;
@@ -390,8 +391,13 @@ static const luaL_Reg listener_methods[] = {
   {"close", l_listener_close}, {"active", l_listener_active}, {"descriptors", l_listener_descriptors}, {NULL, NULL}};
 static const luaL_Reg conn_methods[] = {{"allow", l_conn_allow}, {"deny", l_conn_deny}, {NULL, NULL}};
 static const luaL_Reg funcs[] = {
-  {"listen", l_listen}, {"normalize_host", l_normalize_host}, {"split_authority", l_split_authority},
-  {"classify", l_classify}, {"match_cidr", l_match_cidr}, {"descriptors", l_descriptors}, {NULL, NULL},
+  {"listen", l_listen},
+  {"normalize_host", l_normalize_host},
+  {"split_authority", l_split_authority},
+  {"classify", l_classify},
+  {"match_cidr", l_match_cidr},
+  {"descriptors", l_descriptors},
+  {NULL, NULL},
 };
 
 int luaopen_core_proxy(lua_State *L) {

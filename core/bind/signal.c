@@ -33,8 +33,11 @@ static void on_signal(uv_signal_t *h, int signum) {
 static int l_watch(lua_State *L) {
   const char *name = luaL_checkstring(L, 1);
   luaL_checktype(L, 2, LUA_TFUNCTION);
-  int sig = !strcmp(name, "INT") ? SIGINT : !strcmp(name, "TERM") ? SIGTERM
-          : !strcmp(name, "HUP") ? SIGHUP : !strcmp(name, "CHLD") ? SIGCHLD : 0;
+  int sig = !strcmp(name, "INT")    ? SIGINT
+            : !strcmp(name, "TERM") ? SIGTERM
+            : !strcmp(name, "HUP")  ? SIGHUP
+            : !strcmp(name, "CHLD") ? SIGCHLD
+                                    : 0;
   luaL_argcheck(L, sig != 0, 1, "signal must be INT, TERM, HUP or CHLD");
   dm_signal *s = lua_newuserdatauv(L, sizeof *s, 0);
   s->h = malloc(sizeof *s->h);

@@ -12,11 +12,11 @@
 #define STREAM_MT "core.stream"
 
 struct dm_stream {
-  uv_stream_t *h;   /* heap: freed by the close callback */
-  int read_ref;     /* read callback while reading */
-  int self_ref;     /* keeps the userdata alive while reading or with writes pending */
-  int pending;      /* writes + shutdown + connect in flight */
-  int server_ref;   /* listen callback */
+  uv_stream_t *h;    /* heap: freed by the close callback */
+  int read_ref;      /* read callback while reading */
+  int self_ref;      /* keeps the userdata alive while reading or with writes pending */
+  int pending;       /* writes + shutdown + connect in flight */
+  int server_ref;    /* listen callback */
   int relay_pending; /* relay listeners: connections that have not handed their socket over yet */
 };
 
@@ -40,8 +40,7 @@ static void hold(lua_State *L, dm_stream *s, int idx) {
 }
 
 static void maybe_release(lua_State *L, dm_stream *s) {
-  if (s->pending == 0 && s->read_ref == LUA_NOREF && s->server_ref == LUA_NOREF)
-    dm_unref(L, &s->self_ref);
+  if (s->pending == 0 && s->read_ref == LUA_NOREF && s->server_ref == LUA_NOREF) dm_unref(L, &s->self_ref);
 }
 
 uv_pipe_t *dm_pipe_new(void) {
@@ -364,8 +363,8 @@ static int l_connect_unix_at(lua_State *L) {
   const char *dir = luaL_checkstring(L, 1);
   const char *name = luaL_checkstring(L, 2);
   luaL_checktype(L, 3, LUA_TFUNCTION);
-  luaL_argcheck(L, name[0] != '\0' && strchr(name, '/') == NULL && strcmp(name, ".") != 0 && strcmp(name, "..") != 0,
-                2, "must be a single file name");
+  luaL_argcheck(L, name[0] != '\0' && strchr(name, '/') == NULL && strcmp(name, ".") != 0 && strcmp(name, "..") != 0, 2,
+                "must be a single file name");
   int dfd = open(dir, O_PATH | O_DIRECTORY | O_CLOEXEC);
   if (dfd < 0) return dm_fail_uv(L, "connect", uv_translate_sys_error(errno));
   int fd = openat(dfd, name, O_PATH | O_NOFOLLOW | O_CLOEXEC);
@@ -520,7 +519,7 @@ static int l_listen_tcp(lua_State *L) {
 typedef struct {
   uv_pipe_t pipe; /* first member: the close callback frees the struct */
   int cb_ref;
-  int srv_ref;    /* the listener's userdata: keeps its relay_pending count alive */
+  int srv_ref; /* the listener's userdata: keeps its relay_pending count alive */
   dm_stream *srv;
 } relay_conn;
 
@@ -545,8 +544,7 @@ static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
     rc->srv = NULL;
     dm_unref(L, &rc->srv_ref);
   }
-  if (n > 0 && L && cb != LUA_NOREF && uv_pipe_pending_count(pipe) > 0 &&
-      uv_pipe_pending_type(pipe) == UV_TCP) {
+  if (n > 0 && L && cb != LUA_NOREF && uv_pipe_pending_count(pipe) > 0 && uv_pipe_pending_type(pipe) == UV_TCP) {
     uv_tcp_t *tcp = malloc(sizeof *tcp);
     if (tcp) {
       uv_tcp_init(dm_rt.loop, tcp);
@@ -604,14 +602,20 @@ static void on_relay_connection(uv_stream_t *server, int status) {
 static int l_listen_relay(lua_State *L) { return listen_unix_with(L, on_relay_connection); }
 
 static const luaL_Reg methods[] = {
-  {"read_start", l_read_start}, {"read_stop", l_read_stop}, {"write", l_write},
-  {"write_queue_size", l_write_queue_size}, {"shutdown", l_shutdown}, {"close", l_close},
-  {"fileno", l_fileno}, {NULL, NULL},
+  {"read_start", l_read_start}, {"read_stop", l_read_stop},
+  {"write", l_write},           {"write_queue_size", l_write_queue_size},
+  {"shutdown", l_shutdown},     {"close", l_close},
+  {"fileno", l_fileno},         {NULL, NULL},
 };
 static const luaL_Reg funcs[] = {
-  {"open_fd", l_open_fd}, {"connect_unix", l_connect_unix}, {"connect_unix_at", l_connect_unix_at},
+  {"open_fd", l_open_fd},
+  {"connect_unix", l_connect_unix},
+  {"connect_unix_at", l_connect_unix_at},
   {"connect_tcp", l_connect_tcp},
-  {"listen_unix", l_listen_unix}, {"listen_relay", l_listen_relay}, {"listen_tcp", l_listen_tcp}, {NULL, NULL},
+  {"listen_unix", l_listen_unix},
+  {"listen_relay", l_listen_relay},
+  {"listen_tcp", l_listen_tcp},
+  {NULL, NULL},
 };
 
 int luaopen_core_stream(lua_State *L) {

@@ -12,14 +12,22 @@ static size_t utf8_seq(const unsigned char *s, size_t n) {
   size_t len;
   unsigned lo = 0x80, hi = 0xBF;
   if (c >= 0xC2 && c <= 0xDF) len = 2;
-  else if (c == 0xE0) { len = 3; lo = 0xA0; }
-  else if (c >= 0xE1 && c <= 0xEC) len = 3;
-  else if (c == 0xED) { len = 3; hi = 0x9F; }
-  else if (c >= 0xEE && c <= 0xEF) len = 3;
-  else if (c == 0xF0) { len = 4; lo = 0x90; }
-  else if (c >= 0xF1 && c <= 0xF3) len = 4;
-  else if (c == 0xF4) { len = 4; hi = 0x8F; }
-  else return 0;
+  else if (c == 0xE0) {
+    len = 3;
+    lo = 0xA0;
+  } else if (c >= 0xE1 && c <= 0xEC) len = 3;
+  else if (c == 0xED) {
+    len = 3;
+    hi = 0x9F;
+  } else if (c >= 0xEE && c <= 0xEF) len = 3;
+  else if (c == 0xF0) {
+    len = 4;
+    lo = 0x90;
+  } else if (c >= 0xF1 && c <= 0xF3) len = 4;
+  else if (c == 0xF4) {
+    len = 4;
+    hi = 0x8F;
+  } else return 0;
   if (n < len) return 0;
   if (s[1] < lo || s[1] > hi) return 0;
   for (size_t i = 2; i < len; i++)
@@ -92,7 +100,10 @@ static int l_utf8_ceil(lua_State *L) {
   lua_Integer i = luaL_checkinteger(L, 2);
   if (i < 1) i = 1;
   lua_Integer j = i, steps = 0;
-  while (j <= (lua_Integer)n && (s[j - 1] & 0xC0) == 0x80 && steps < 3) { j++; steps++; }
+  while (j <= (lua_Integer)n && (s[j - 1] & 0xC0) == 0x80 && steps < 3) {
+    j++;
+    steps++;
+  }
   if (j <= (lua_Integer)n && (s[j - 1] & 0xC0) == 0x80) j = i;
   lua_pushinteger(L, j);
   return 1;
@@ -178,8 +189,10 @@ static int key_is(const char *s, const char *t, const char *key) {
         unsigned v = 0;
         for (int i = 0; i < 4; i++) {
           char h = p[i];
-          v = v * 16 + (unsigned)(h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10
-                                 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : 99);
+          v = v * 16 + (unsigned)(h >= '0' && h <= '9'   ? h - '0'
+                                  : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                                  : h >= 'A' && h <= 'F' ? h - 'A' + 10
+                                                         : 99);
         }
         if (v > 127) return 0;
         c = (char)v;
@@ -251,8 +264,11 @@ static int l_json_raw(lua_State *L) {
 }
 
 static const luaL_Reg funcs[] = {
-  {"hash", l_hash}, {"json_raw", l_json_raw},
-  {"utf8_clean", l_utf8_clean}, {"utf8_floor", l_utf8_floor}, {"utf8_ceil", l_utf8_ceil},
+  {"hash", l_hash},
+  {"json_raw", l_json_raw},
+  {"utf8_clean", l_utf8_clean},
+  {"utf8_floor", l_utf8_floor},
+  {"utf8_ceil", l_utf8_ceil},
   {NULL, NULL},
 };
 

@@ -8,7 +8,7 @@
 typedef struct {
   uv_timer_t *h; /* heap: freed by the close callback */
   int cb_ref;
-  int self_ref;  /* keeps the userdata alive while the timer is armed */
+  int self_ref; /* keeps the userdata alive while the timer is armed */
   int repeat;
   int autoclose; /* one-shot from core.timer.after: close the handle after firing */
 } dm_timer;
@@ -113,7 +113,7 @@ static int l_after(lua_State *L) {
   luaL_checkinteger(L, 1);
   luaL_checktype(L, 2, LUA_TFUNCTION);
   lua_settop(L, 2);
-  l_new(L);                 /* [ms, cb, t] */
+  l_new(L); /* [ms, cb, t] */
   lua_pushcfunction(L, l_start);
   lua_pushvalue(L, 3);
   lua_pushvalue(L, 1);
@@ -125,7 +125,10 @@ static int l_after(lua_State *L) {
 }
 
 static const luaL_Reg methods[] = {
-  {"start", l_start}, {"stop", l_stop}, {"close", l_close}, {NULL, NULL},
+  {"start", l_start},
+  {"stop", l_stop},
+  {"close", l_close},
+  {NULL, NULL},
 };
 static const luaL_Reg funcs[] = {{"new", l_new}, {"after", l_after}, {NULL, NULL}};
 

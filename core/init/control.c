@@ -61,7 +61,8 @@ static void give_to_folder_owner(const char *path)
 		return;
 	if (fstat(dfd, &st) == 0 && (st.st_uid != geteuid() || st.st_gid != getegid()) &&
 	    fchownat(dfd, slash + 1, st.st_uid, st.st_gid, AT_SYMLINK_NOFOLLOW) < 0)
-		diag("control: cannot give %s to the owner of its folder (%d): %s", path, (int)st.st_uid, strerror(errno));
+		diag("control: cannot give %s to the owner of its folder (%d): %s", path, (int)st.st_uid,
+		     strerror(errno));
 	(void)close(dfd);
 }
 
@@ -76,7 +77,7 @@ int control_listen(const char *path)
 	int fd = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	if (fd < 0)
 		return -1;
-	(void)unlink(path); // an earlier PID 1's socket (or whatever was put there)
+	(void)unlink(path);       // an earlier PID 1's socket (or whatever was put there)
 	mode_t old = umask(0177); // 0600: its owner only (and the host's root)
 	int rc = bind(fd, (struct sockaddr *)&a, sizeof a);
 	(void)umask(old);
@@ -255,7 +256,8 @@ int init_wait(int argc, char **argv)
 	int host = -1, code = INIT_EXIT_OK;
 	for (;;) {
 		(void)reap_children(0, NULL, NULL);
-		struct pollfd pfd[2] = { { .fd = sfd, .events = POLLIN }, { .fd = host >= 0 ? host : lfd, .events = POLLIN } };
+		struct pollfd pfd[2] = { { .fd = sfd, .events = POLLIN },
+					 { .fd = host >= 0 ? host : lfd, .events = POLLIN } };
 		if (poll(pfd, 2, -1) < 0) {
 			if (errno != EINTR) {
 				diag("wait: poll: %s", strerror(errno));
@@ -267,7 +269,8 @@ int init_wait(int argc, char **argv)
 			struct signalfd_siginfo si;
 			bool stop = false;
 			while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si)
-				stop = stop || si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT || si.ssi_signo == SIGQUIT;
+				stop = stop || si.ssi_signo == SIGTERM || si.ssi_signo == SIGINT ||
+				       si.ssi_signo == SIGQUIT;
 			if (stop)
 				break; // stopped before any command: nothing ran, nothing to record
 		}

@@ -19,11 +19,11 @@
 
 // Exit codes of demesne-init itself (see the reference page).
 #define INIT_EXIT_OK 0
-#define INIT_EXIT_KILL_ALIVE 1  // kill: the group still exists after signalling
-#define INIT_EXIT_USAGE 2       // bad command line; nothing was written
-#define INIT_EXIT_FAILURE 125   // demesne-init could not do its job (I/O, fork, cwd, stdin)
-#define INIT_EXIT_NOEXEC 126    // run: the command exists but could not be executed
-#define INIT_EXIT_NOTFOUND 127  // run: the command was not found
+#define INIT_EXIT_KILL_ALIVE 1 // kill: the group still exists after signalling
+#define INIT_EXIT_USAGE 2      // bad command line; nothing was written
+#define INIT_EXIT_FAILURE 125  // demesne-init could not do its job (I/O, fork, cwd, stdin)
+#define INIT_EXIT_NOEXEC 126   // run: the command exists but could not be executed
+#define INIT_EXIT_NOTFOUND 127 // run: the command was not found
 
 #define INIT_RUN_GRACE_MS 2000   // run: SIGTERM (or SIGINT/SIGQUIT) → SIGKILL grace
 #define INIT_SERVE_GRACE_MS 5000 // serve: SIGTERM → SIGKILL grace
@@ -57,9 +57,9 @@ int init_kill(int argc, char **argv);
 
 // The control socket (control.c). Reference: docs/reference/demesne-init.md.
 #define CONTROL_MAGIC "DMI1"
-#define CONTROL_MAX (4u << 20)      // bytes of one request's payload (argv + environment)
-#define CONTROL_ITEMS_MAX 16384     // arguments + variables of one request
-#define CONTROL_READ_MS 10000       // a request must arrive whole within this
+#define CONTROL_MAX (4u << 20)  // bytes of one request's payload (argv + environment)
+#define CONTROL_ITEMS_MAX 16384 // arguments + variables of one request
+#define CONTROL_READ_MS 10000   // a request must arrive whole within this
 
 /// One parsed request. argv[0] is the op ("run" or "kill"); argv and env are
 /// NULL-terminated; all strings point into the payload buffer it was parsed from.
@@ -144,7 +144,7 @@ struct run_args {
 	const char *stdout_path, *stderr_path; // NULL: DIR/stdout.log, DIR/stderr.log
 	int64_t timeout_ms;                    // 0: none
 	bool kill_group_on_exit;
-	char **argv;                           // the command: argv[0] non-empty, NULL-terminated
+	char **argv; // the command: argv[0] non-empty, NULL-terminated
 	struct relay_route relays[INIT_RELAY_MAX];
 	size_t nrelays;
 };

@@ -33,7 +33,8 @@ static int listen_on(int port)
 		return -1;
 	int one = 1;
 	(void)setsockopt(fd, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-	struct sockaddr_in a = { .sin_family = AF_INET, .sin_port = htons((uint16_t)port),
+	struct sockaddr_in a = { .sin_family = AF_INET,
+				 .sin_port = htons((uint16_t)port),
 				 .sin_addr.s_addr = htonl(INADDR_LOOPBACK) };
 	if (bind(fd, (struct sockaddr *)&a, sizeof a) < 0 || listen(fd, 512) < 0) {
 		int e = errno;
@@ -64,8 +65,9 @@ static void hand_over(int a, const char *path)
 			char space[CMSG_SPACE(sizeof(int))];
 		} ctl;
 		memset(&ctl, 0, sizeof ctl);
-		struct msghdr msg = { .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.space,
-				      .msg_controllen = sizeof ctl.space };
+		struct msghdr msg = {
+			.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.space, .msg_controllen = sizeof ctl.space
+		};
 		struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
 		cm->cmsg_level = SOL_SOCKET;
 		cm->cmsg_type = SCM_RIGHTS;

@@ -56,7 +56,10 @@ static void describe_failure(const struct run *r, int stage, int err, char *buf,
 	switch (stage) {
 	case ST_SETSID: snprintf(buf, cap, "cannot start a new session: %s", e); break;
 	case ST_STDIO: snprintf(buf, cap, "cannot redirect output to %s: %s", r->opt.dir, e); break;
-	case ST_STDIN: snprintf(buf, cap, "cannot open stdin file '%s': %s", r->opt.stdin_path ? r->opt.stdin_path : "/dev/null", e); break;
+	case ST_STDIN:
+		snprintf(buf, cap, "cannot open stdin file '%s': %s",
+			 r->opt.stdin_path ? r->opt.stdin_path : "/dev/null", e);
+		break;
 	case ST_CHDIR: snprintf(buf, cap, "cannot change directory to '%s': %s", r->opt.cwd, e); break;
 	case ST_EXEC: snprintf(buf, cap, "cannot execute '%s': %s", r->opt.argv[0], e); break;
 	default: snprintf(buf, cap, "setup failed: %s", e); break;
@@ -130,9 +133,18 @@ static pid_t given_relay = -1; // -1: start our own from --relay
 static int notify_fd = -1;
 static bool sync_status = true;
 
-void run_use_relay(pid_t relay) { given_relay = relay; }
-void run_notify_to(int fd) { notify_fd = fd; }
-void run_sync_status(bool sync) { sync_status = sync; }
+void run_use_relay(pid_t relay)
+{
+	given_relay = relay;
+}
+void run_notify_to(int fd)
+{
+	notify_fd = fd;
+}
+void run_sync_status(bool sync)
+{
+	sync_status = sync;
+}
 
 // One line to the control connection, if there is one; never blocks, never fails.
 static void notify(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -269,10 +281,8 @@ static bool run_done(struct run *r, int64_t now)
 			return true;
 		run_stop(r, SIGKILL);
 		return false;
-	case PH_STOPPING:
-		return !group_exists(r->child);
-	case PH_KILLED:
-		return !group_exists(r->child) || now >= r->give_up_at;
+	case PH_STOPPING: return !group_exists(r->child);
+	case PH_KILLED: return !group_exists(r->child) || now >= r->give_up_at;
 	}
 	return true;
 }
@@ -369,7 +379,8 @@ static void kill_everything(void)
 // Returns -1 when neither file can be read.
 static long long oom_kills(void)
 {
-	static const char *const files[] = { "/sys/fs/cgroup/memory.events", "/sys/fs/cgroup/memory/memory.oom_control" };
+	static const char *const files[] = { "/sys/fs/cgroup/memory.events",
+					     "/sys/fs/cgroup/memory/memory.oom_control" };
 	for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
 		FILE *f = fopen(files[i], "re");
 		if (!f)
@@ -399,7 +410,8 @@ static void run_write_status(const struct run *r, int code, int sig, const char 
 		sb_printf(&b, "%d", sig);
 	else
 		sb_puts(&b, "null");
-	sb_printf(&b, ",\"timed_out\":%s,\"cancelled\":%s,\"started_at\":%lld,\"finished_at\":%lld,\"duration_ms\":%lld",
+	sb_printf(&b,
+		  ",\"timed_out\":%s,\"cancelled\":%s,\"started_at\":%lld,\"finished_at\":%lld,\"duration_ms\":%lld",
 		  r->timed_out ? "true" : "false", r->cancelled ? "true" : "false", (long long)r->start_real,
 		  (long long)r->end_real, (long long)(r->end_mono - r->start_mono));
 	long long oom_after = r->oom_before >= 0 ? oom_kills() : -1;

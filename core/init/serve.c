@@ -188,7 +188,9 @@ int init_serve(int argc, char **argv)
 		}
 		int timeout = -1; // running: sleep until a signal
 		if (phase != RUNNING)
-			timeout = deadline - now <= 0 ? 0 : deadline - now < INIT_POLL_MS ? (int)(deadline - now) : INIT_POLL_MS;
+			timeout = deadline - now <= 0             ? 0
+				  : deadline - now < INIT_POLL_MS ? (int)(deadline - now)
+								  : INIT_POLL_MS;
 		if (phase != RUNNING && lfd >= 0) { // stopping: no new commands
 			(void)close(lfd);
 			(void)unlink(a.control);
@@ -214,7 +216,7 @@ int init_serve(int argc, char **argv)
 				continue;
 			int sig = (int)si.ssi_signo;
 			if (sig != SIGTERM && sig != SIGINT && sig != SIGQUIT)
-				continue; // SIGCHLD: reaped at the top of the loop
+				continue;       // SIGCHLD: reaped at the top of the loop
 			if (phase == RUNNING) { // SIGTERM whatever the signal: see run.c run_read_signals
 				forward(pid1, SIGTERM);
 				phase = STOPPING;

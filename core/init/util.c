@@ -78,7 +78,7 @@ int mkdir_p(const char *path, mode_t mode)
 		return -1;
 	}
 	memcpy(buf, path, len + 1);
-	for (char *p = buf + 1; ; p++) {
+	for (char *p = buf + 1;; p++) {
 		if (*p != '/' && *p != '\0')
 			continue;
 		char c = *p;
@@ -193,8 +193,14 @@ static int64_t clock_ms(clockid_t id)
 	return (int64_t)ts.tv_sec * 1000 + ts.tv_nsec / 1000000;
 }
 
-int64_t now_real_ms(void) { return clock_ms(CLOCK_REALTIME); }
-int64_t now_mono_ms(void) { return clock_ms(CLOCK_MONOTONIC); }
+int64_t now_real_ms(void)
+{
+	return clock_ms(CLOCK_REALTIME);
+}
+int64_t now_mono_ms(void)
+{
+	return clock_ms(CLOCK_MONOTONIC);
+}
 
 void sleep_ms(int64_t ms)
 {
@@ -327,7 +333,10 @@ static void sb_add(struct sbuf *b, const char *s, size_t n)
 	b->p[b->len] = '\0';
 }
 
-void sb_puts(struct sbuf *b, const char *s) { sb_add(b, s, strlen(s)); }
+void sb_puts(struct sbuf *b, const char *s)
+{
+	sb_add(b, s, strlen(s));
+}
 
 void sb_printf(struct sbuf *b, const char *fmt, ...)
 {

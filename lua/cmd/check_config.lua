@@ -4,6 +4,7 @@
 local async = require("demesne.async")
 local config = require("demesne.config")
 local engines = require("demesne.engines")
+local http = require("demesne.mcp.http")
 local hostmcp = require("demesne.hostmcp")
 local pool = require("demesne.pool")
 local loop = require("core.loop")
@@ -84,7 +85,6 @@ return function()
     io.stdout:write(("%-20s = %-40s (%s)\n"):format(k, tostring(v), d[k].origin))
   end
   -- the bearer token of `serve --http`: where it comes from, never its value
-  local http = require("demesne.mcp.http")
   local tok, where = http.token(false)
   if tok then
     io.stdout:write(("%-20s = %-40s (%s)\n"):format("http token", where == "$DEMESNE_HTTP_TOKEN" and "(set)" or where,

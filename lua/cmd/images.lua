@@ -32,8 +32,15 @@ return function(args)
     else names[#names + 1] = args[i] end
   end
   if all and #names > 0 then io.stderr:write("demesne: images build: --all takes no NAME\n", USAGE) return 2 end
-  if #names == 0 then names = images.list() end
   local status = 0
+  if #names == 0 then
+    names = images.list()
+    -- image folders that are not images (a bad name) are said once, as the other plugin kinds say theirs
+    for _, e in ipairs(images.catalog().errors) do
+      io.stderr:write("demesne: refused ", e.message, "\n")
+      status = 1
+    end
+  end
   local task = async.spawn("images", function()
     local eng, err = engines.get()
     if not eng then

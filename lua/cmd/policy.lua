@@ -4,7 +4,7 @@
 --   demesne policy test none https://example.com            -> DENY none:default-deny
 -- HOST may be a URL (http:// defaults to port 80, https:// to 443); a bare host defaults to
 -- 443. Exit status: 0 allow, 1 deny, 2 usage or unknown policy.
-local egress = require("demesne.egress")
+local policy = require("demesne.egress.policy")
 local proxy = require("core.proxy")
 
 local USAGE = "usage: demesne policy list\n       demesne policy test NAME HOST[:PORT]|URL\n"
@@ -25,7 +25,7 @@ local function target(s)
 end
 
 local function list()
-  local all, errors = egress.policies()
+  local all, errors = policy.policies()
   local names = {}
   for n in pairs(all) do names[#names + 1] = n end
   table.sort(names)
@@ -33,7 +33,7 @@ local function list()
     local p = all[n]
     io.stdout:write(("%-20s %s%s (%s)\n"):format(n, p.description, p.unrestricted and " [open egress]" or "", p.origin))
   end
-  for _, e in ipairs(errors) do io.stderr:write("refused: ", e, "\n") end
+  for _, e in ipairs(errors) do io.stderr:write("refused: ", e.message, "\n") end
   return #errors > 0 and 1 or 0
 end
 
@@ -45,7 +45,7 @@ return function(args)
     io.stderr:write(USAGE)
     return 2
   end
-  local pol, err = egress.policy(args[2])
+  local pol, err = policy.policy(args[2])
   if not pol then
     io.stderr:write("demesne: ", err, "\n")
     return 2
@@ -55,9 +55,9 @@ return function(args)
     io.stderr:write(("demesne: %s: %s\n"):format(args[3], terr))
     return 2
   end
-  local verdict, rule = egress.decide(pol, req)
+  local verdict, rule = policy.decide(pol, req)
   local extra = ""
   if req.ip ~= 0 then extra = (" (address class: %s)"):format(proxy.classify(req.host)) end
   io.stdout:write(("%s %s:%d %s%s\n"):format(verdict, req.host, req.port, rule, extra))
-  return verdict == egress.ALLOW and 0 or 1
+  return verdict == policy.ALLOW and 0 or 1
 end

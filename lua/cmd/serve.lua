@@ -5,8 +5,11 @@
 -- DEMESNE_LOG_LEVEL). `--fixtures DIR` also loads the tool files in DIR (test fixtures).
 local async = require("demesne.async")
 local config = require("demesne.config")
+local jobs = require("demesne.jobs")
 local hostmcp = require("demesne.hostmcp")
 local log = require("demesne.log")
+local sandbox = require("demesne.sandbox")
+local http = require("demesne.mcp.http")
 local stdio = require("demesne.mcp.stdio")
 local pool = require("demesne.pool")
 local teardown = require("demesne.teardown")
@@ -19,7 +22,7 @@ local endpoint = require("demesne.tree.endpoint")
 local function start_reaper()
   return async.spawn("reaper", function()
     while true do
-      local ok, err = pcall(function() require("demesne.sandbox").reap() end)
+      local ok, err = pcall(sandbox.reap)
       if not ok and err ~= async.CANCELLED then log.warning("demesne.reaper", "%s", tostring(err)) end
       if err == async.CANCELLED then return end
       async.sleep(math.floor(config.get("reap_interval") * 1000))
@@ -59,11 +62,11 @@ return function(args, opts)
   local _, cerr = config.describe()
   if cerr then log.error("demesne.config", "%s (the default is used instead; see demesne check-config)", cerr) end
   if not log.set_level(config.get("log_level")) then -- the config file may set it too
-    log.error("demesne.config", "log_level %q is not one of debug, info, notice, warning, error, critical, alert, emergency", tostring(config.get("log_level")))
+    log.error("demesne.config", "log_level %q is not one of debug, info, notice, warning, error, critical, alert, "
+      .. "emergency", tostring(config.get("log_level")))
   end
   local reaper = start_reaper()
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
-  local jobs = require("demesne.jobs")
   jobs.start()
   -- warm sandboxes for sandbox_script (lua/pool.lua); removed again at shutdown
   pool.start()
@@ -89,7 +92,7 @@ return function(args, opts)
   local function on_stop(timeout_ms) endpoint.stop(timeout_ms) end
   local status
   if #addrs > 0 then
-    status = require("demesne.mcp.http").serve({ addrs = addrs, allow_remote = allow_remote, registry = registry,
+    status = http.serve({ addrs = addrs, allow_remote = allow_remote, registry = registry,
       on_stop = on_stop, on_shutdown = on_shutdown })
   else
     status = stdio.serve({ registry = registry, on_stop = on_stop, on_shutdown = on_shutdown })

@@ -83,6 +83,7 @@ docker.CAPABILITIES = {
 
 --- Creates an adapter for the Docker Engine API at a unix socket path.
 ---@param socket string
+---@return table engine
 function docker.new(socket)
   return setmetatable({ socket = socket, name = "docker", capabilities = docker.CAPABILITIES }, Engine)
 end
@@ -188,6 +189,12 @@ docker.DEFAULT_TIMEOUT_MS = 300000
 --- ({body_file=, output_file=, on_data=, timeout_ms= (default DEFAULT_TIMEOUT_MS, 0: none),
 --- headers=}). `path` must be built with docker.segment for every value it holds.
 --- Returns res or nil, msg, code.
+---@param method string  HTTP method
+---@param path string    API path after the version ("/containers/json")
+---@param q table|nil    query parameters
+---@param body any       a JSON-encodable body (a string is sent as is), or nil
+---@param opts table|nil
+---@return table|nil res, string|nil err, string|nil code  res: core.http's {status, headers, body}
 function Engine:call(method, path, q, body, opts)
   opts = opts or {}
   local headers = opts.headers or {}
@@ -231,6 +238,7 @@ local function ok_json(self, method, path, q, body, what, opts)
 end
 
 --- GET /_ping and /version: {name = "podman"|"docker", version = string, api = string}.
+---@return {name: string, version: string, api: string}|nil info, string|nil err, string|nil code
 function Engine:info()
   local v, err, code = ok_json(self, "GET", "/version", nil, nil, "engine version")
   if not v then return nil, err, code end
@@ -261,6 +269,8 @@ function Engine:create(s)
 end
 
 --- POST /containers/{id}/start.
+---@param id string  container id or name
+---@return boolean|nil ok, string|nil err, string|nil code
 function Engine:start(id)
   local res, err, code = self:call("POST", "/containers/" .. seg(id) .. "/start")
   if not res then return nil, err, code end
@@ -269,6 +279,8 @@ function Engine:start(id)
 end
 
 --- POST /containers/{id}/wait: blocks until the container stops. Returns its exit code.
+---@param id string
+---@return integer|nil code, string|nil err, string|nil ecode
 function Engine:wait(id)
   local t, err, code = ok_json(self, "POST", "/containers/" .. seg(id) .. "/wait", { condition = "not-running" }, nil,
     "wait for container", { timeout_ms = 0 })
@@ -277,6 +289,9 @@ function Engine:wait(id)
 end
 
 --- POST /containers/{id}/kill with a signal name ("KILL", "TERM").
+---@param id string
+---@param signal string|nil  default "KILL"
+---@return boolean|nil ok, string|nil err, string|nil code
 function Engine:kill(id, signal)
   local res, err, code = self:call("POST", "/containers/" .. seg(id) .. "/kill", { signal = signal or "KILL" })
   if not res then return nil, err, code end
@@ -286,6 +301,8 @@ end
 
 --- DELETE /containers/{id}?force=true&v=true. A container that is already gone is success
 --- with the second value "gone".
+---@param id string
+---@return boolean|nil ok, string|nil how_or_err, string|nil code
 function Engine:remove(id)
   local res, err, code
   for attempt = 1, 5 do
@@ -342,6 +359,10 @@ end
 --- to files). Returns exit code, or nil, msg, code: "ETIMEDOUT" when the deadline passed
 --- (the process may still run: the exec API cannot stop it). Cancelling the task aborts the
 --- wait, not the process: use demesne-init kill for that.
+---@param id string
+---@param argv string[]
+---@param opts {env: string[]|nil, workdir: string|nil, user: string|nil, timeout_ms: integer|nil}|nil
+---@return integer|nil code, string|nil err, string|nil ecode
 function Engine:exec(id, argv, opts)
   opts = opts or {}
   local t, err, code = ok_json(self, "POST", "/containers/" .. seg(id) .. "/exec", nil, {
@@ -385,6 +406,10 @@ function Engine:exec(id, argv, opts)
 end
 
 --- PUT /containers/{id}/archive?path=DIR with a tar file as the body (streamed from disk).
+---@param id string
+---@param dir string       the folder in the container
+---@param tar_path string  the tar on the host
+---@return boolean|nil ok, string|nil err, string|nil code
 function Engine:put_archive(id, dir, tar_path)
   local res, err, code = self:call("PUT", "/containers/" .. seg(id) .. "/archive", { path = dir }, nil, {
     body_file = tar_path, headers = { ["Content-Type"] = "application/x-tar" }, timeout_ms = 0 })
@@ -394,6 +419,10 @@ function Engine:put_archive(id, dir, tar_path)
 end
 
 --- GET /containers/{id}/archive?path=PATH, the tar written to out_path (streamed).
+---@param id string
+---@param path string      the path in the container
+---@param out_path string  where the tar goes on the host
+---@return boolean|nil ok, string|nil err, string|nil code
 function Engine:get_archive(id, path, out_path)
   local res, err, code = self:call("GET", "/containers/" .. seg(id) .. "/archive", { path = path }, nil, {
     output_file = out_path, timeout_ms = 0 })
@@ -444,6 +473,10 @@ end
 --- POST /build with a tar build context from disk. opts: tag, buildargs (table), network
 --- (the build's network mode: "host"), dockerfile (default "Containerfile"), labels.
 --- on_line(text) receives the text of each progress line ("STEP 1/3: FROM …").
+---@param context_tar string  the build context, a tar on the host
+---@param opts {tag: string, buildargs: table|nil, network: string|nil, dockerfile: string|nil, labels: table|nil}
+---@param on_line fun(text: string)|nil
+---@return boolean|nil ok, string|nil err, string|nil code
 function Engine:build(context_tar, opts, on_line)
   local state = {}
   local q = { t = opts.tag, rm = true, forcerm = true, networkmode = opts.network,
@@ -459,6 +492,11 @@ function Engine:build(context_tar, opts, on_line)
 end
 
 --- POST /images/create?fromSrc=-: imports a root filesystem tar (from disk) as repo:tag.
+---@param tar_path string
+---@param repo string
+---@param tag string
+---@param on_line fun(text: string)|nil
+---@return boolean|nil ok, string|nil err, string|nil code
 function Engine:import(tar_path, repo, tag, on_line)
   local state = {}
   -- repo:tag in one parameter: Podman 4.3 ignores a separate tag=
@@ -466,11 +504,17 @@ function Engine:import(tar_path, repo, tag, on_line)
     body_file = tar_path, timeout_ms = 0, headers = { ["Content-Type"] = "application/x-tar" },
     on_data = progress_stream(on_line, state) })
   if not res then return nil, err, code end
-  if res.status >= 300 or state.error then return nil, "image import failed: " .. tostring(state.error or res.status), "EBUILD" end
+  if res.status >= 300 or state.error then
+    return nil, "image import failed: " .. tostring(state.error or res.status), "EBUILD"
+  end
   return true
 end
 
 --- POST /images/create?fromImage=: pulls from a registry. Returns true or nil, msg, code.
+---@param ref string
+---@param timeout_ms integer|nil
+---@param on_line fun(text: string)|nil
+---@return boolean|nil ok, string|nil err, string|nil code
 function Engine:pull(ref, timeout_ms, on_line)
   local state = {}
   local name, tag = ref:match("^(.-):([^:/]+)$")

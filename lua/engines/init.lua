@@ -4,6 +4,7 @@
 -- rootless Podman sockets, /var/run/docker.sock. The first socket that exists wins.
 local fs = require("core.fs")
 local config = require("demesne.config")
+local plugins = require("demesne.plugins")
 
 local engines = {}
 
@@ -41,36 +42,53 @@ end
 
 local current
 
--- User adapters: $XDG_CONFIG_HOME/demesne/engines/<name>.lua returns a module table with
--- `new(endpoint) -> engine | nil, err` (the engine object implements the adapter interface
--- in docs/reference/engines.md; wrapping require("demesne.engines.docker") is the usual way).
--- The file is trusted like config.lua: it runs with the runtime's full environment.
-local user_modules = {}
+-- Adapters are plugins (demesne.plugins): the built-in lua/engines/docker.lua, then
+-- $XDG_CONFIG_HOME/demesne/engines/<name>.lua, which replaces a built-in one of the same
+-- name. A file returns a module table with `new(endpoint) -> engine | nil, err` (the engine
+-- object implements the adapter interface in docs/reference/engines.md; wrapping
+-- require("demesne.engines.docker") is the usual way). Adapter files are the engine layer:
+-- they are trusted like config.lua and run with the runtime's full environment. Only the
+-- configured adapter's file is loaded.
+local modules = {}
 
---- The module of a user engine adapter, or nil, err. `name`: letters, digits, '_' and '-'.
+-- The engine kind of plugin, loading the files named `name` only.
+local function kind(name)
+  return {
+    kind = "engine adapter", kinds = "engines", logger = "demesne.engines", quiet = true,
+    builtin = "lua/engines/", skip = { ["init.lua"] = true, ["spec.lua"] = true },
+    user_dir = config.dir() .. "/engines", only = name,
+    env = function(origin)
+      return plugins.environment(origin, { kind = "engine adapter", kinds = "engine adapters", trusted = true })
+    end,
+    check = function(mod, file)
+      if type(mod) ~= "table" or type(mod.new) ~= "function" then
+        return nil, "must return a table with a function new(endpoint)"
+      end
+      mod.origin = file.builtin and "built-in" or file.origin
+      return mod
+    end,
+  }
+end
+
+--- The module of an engine adapter (built in, or a file in the config folder's engines/),
+--- or nil, err. `name`: letters, digits, '_' and '-'.
 ---@param name string
 ---@return table|nil module, string|nil err
-function engines.load_user(name)
+function engines.load(name)
   if not tostring(name):match("^[%w_%-]+$") then
     return nil, ("engine_adapter: %q is not a valid adapter name (letters, digits, '_', '-')"):format(tostring(name))
   end
-  -- cached by file: a changed config folder (XDG_CONFIG_HOME) loads its own adapter
-  local path = config.dir() .. "/engines/" .. name .. ".lua"
-  if user_modules[path] then return user_modules[path] end
-  local chunk, err = loadfile(path, "t")
-  if not chunk then
-    if not fs.stat(path) then
-      return nil, ("engine_adapter: no adapter %q (built in: docker; no file %s)"):format(name, path)
-    end
-    return nil, "engine_adapter: " .. tostring(err)
+  local key = config.dir() .. "|" .. name -- another config folder has other files
+  if modules[key] then return modules[key] end
+  local set = plugins.load(kind(name))
+  local mod = set:get(name)
+  if not mod then
+    local e = set.errors[#set.errors]
+    if e then return nil, "engine_adapter: " .. e.message end
+    return nil, ("engine_adapter: no adapter %q (built in: docker; no file %s)"):format(name,
+      config.dir() .. "/engines/" .. name .. ".lua")
   end
-  local ok, mod = pcall(chunk)
-  if not ok then return nil, ("engine_adapter: %s: %s"):format(path, tostring(mod)) end
-  if type(mod) ~= "table" or type(mod.new) ~= "function" then
-    return nil, ("engine_adapter: %s must return a table with a function new(endpoint)"):format(path)
-  end
-  mod.origin = path
-  user_modules[path] = mod
+  modules[key] = mod
   return mod
 end
 
@@ -115,9 +133,9 @@ end
 ---@return {name: string, origin: string}|nil adapter, string|nil err
 function engines.check_adapter()
   local which = config.get("engine_adapter") or "docker"
-  if which == "docker" then return { name = which, origin = "built-in" } end
-  local mod, err = engines.load_user(which)
+  local mod, err = engines.load(which)
   if not mod then return nil, err end
+  if mod.origin == "built-in" then return { name = which, origin = "built-in" } end
   local eng, nerr = engines.new_user(which, mod, config.get("engine")) -- new() must not contact the engine yet
   if not eng then return nil, nerr end
   return { name = which, origin = mod.origin }
@@ -128,11 +146,12 @@ end
 --- setting as is. Cached while the socket (or adapter) stays the same. Returns the adapter,
 --- or nil, a message (which sockets were tried and how to start an engine; or why the
 --- adapter cannot be loaded) and "ENOENGINE".
+---@return table|nil engine, string|nil err, string|nil code
 function engines.get()
   local which = config.get("engine_adapter") or "docker"
-  if which ~= "docker" then
-    local mod, err = engines.load_user(which)
-    if not mod then return nil, err, "ENOENGINE" end
+  local mod, err = engines.load(which)
+  if not mod then return nil, err, "ENOENGINE" end
+  if mod.origin ~= "built-in" then
     if current and current.adapter_module == mod and current.adapter_endpoint == config.get("engine") then
       return current
     end
@@ -146,12 +165,13 @@ function engines.get()
   local path, tried = engines.discover()
   if not path then
     current = nil
-    return nil, ("no container engine found (tried %s). Start one: `podman system service --time=0 unix:///run/podman/podman.sock &` "
+    return nil, ("no container engine found (tried %s). Start one: "
+      .. "`podman system service --time=0 unix:///run/podman/podman.sock &` "
       .. "(Podman) or `dockerd &` (Docker), or set DEMESNE_ENGINE=unix:///path/to/socket"):format(table.concat(tried, ", ")),
       "ENOENGINE"
   end
   if not current or current.socket ~= path or current.adapter_name then
-    current = require("demesne.engines.docker").new(path)
+    current = mod.new(path)
   end
   return current
 end

@@ -1,4 +1,4 @@
--- The engine-neutral sandbox spec: what lua/sandbox.lua asks an engine adapter to create,
+-- The engine-neutral sandbox spec: what lua/sandbox/spec.lua asks an engine adapter to create,
 -- and the container states adapters report back. Adapters translate it to their engine's
 -- wire format (lua/engines/docker.lua: a Docker ContainerCreate body); nothing above an
 -- adapter sees that format. docs/reference/engines.md describes every field.

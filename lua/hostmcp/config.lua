@@ -381,7 +381,10 @@ local function claude_entry(name, e, origin, cwd, problems)
     if not cmd then problem(problems, "warning", origin, name, "command", err) return end
     fields.command = cmd
     if e.args ~= nil then
-      if not is_list_of_strings(e.args) then problem(problems, "warning", origin, name, "args", "must be a list of strings") return end
+      if not is_list_of_strings(e.args) then
+        problem(problems, "warning", origin, name, "args", "must be a list of strings")
+        return
+      end
       fields.args = {}
       for i, a in ipairs(e.args) do
         local v, aerr = expand(a)
@@ -390,7 +393,10 @@ local function claude_entry(name, e, origin, cwd, problems)
       end
     end
     if e.env ~= nil then
-      if not is_string_map(e.env) then problem(problems, "warning", origin, name, "env", "must be an object of strings") return end
+      if not is_string_map(e.env) then
+        problem(problems, "warning", origin, name, "env", "must be an object of strings")
+        return
+      end
       fields.env = {}
       for k, v in pairs(e.env) do
         local x, eerr = expand(v)
@@ -410,7 +416,10 @@ local function claude_entry(name, e, origin, cwd, problems)
     if not url then problem(problems, "warning", origin, name, "url", err) return end
     fields.url = url
     if e.headers ~= nil then
-      if not is_string_map(e.headers) then problem(problems, "warning", origin, name, "headers", "must be an object of strings") return end
+      if not is_string_map(e.headers) then
+        problem(problems, "warning", origin, name, "headers", "must be an object of strings")
+        return
+      end
       fields.http_headers = {}
       decl.raw_headers = {}
       for k, v in pairs(e.headers) do

@@ -47,6 +47,7 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local client = require("demesne.mcp.client")
 local hconfig = require("demesne.hostmcp.config")
+local util = require("demesne.util")
 local fs = require("core.fs")
 local loop = require("core.loop")
 local timer = require("core.timer")
@@ -72,10 +73,7 @@ local listeners = {}
 
 local function ms_setting(name) return math.floor((config.get(name) or 1) * 1000) end
 
-local function iso_now()
-  local t = loop.time()
-  return os.date("!%Y-%m-%dT%H:%M:%S", math.floor(t)) .. (".%03dZ"):format(math.floor((t % 1) * 1000))
-end
+local iso_now = util.iso_now
 
 --- The declared servers (lua/hostmcp/config.lua's load() result), read once and kept until
 --- hostmcp.shutdown(). Inside a task (Codex import runs a helper process).
@@ -128,6 +126,9 @@ local function notify_changed(name)
   end
 end
 
+--- The environment of a stdio server's process: its declared env first, then the host
+--- variables it forwards, then the base ones (PATH, HOME, …), each name once.
+---@return string[] env  "K=V"
 function Upstream:stdio_env()
   local env, seen = {}, {}
   local function add(k, v)
@@ -140,6 +141,9 @@ function Upstream:stdio_env()
   return env
 end
 
+--- The headers an HTTP server is sent: its declared ones, and those read from host
+--- variables (env_http_headers).
+---@return table<string, string>
 function Upstream:http_headers()
   local d = self.decl
   local h = {}
@@ -161,6 +165,9 @@ function Upstream:http_headers()
   return h
 end
 
+--- The session's notification handler: a tools/list_changed makes the cached listing stale.
+---@param session McpClientSession
+---@param method string
 function Upstream:on_notification(session, method)
   if method == "notifications/tools/list_changed" and self.session == session then
     self.tools_stale = true
@@ -169,6 +176,10 @@ function Upstream:on_notification(session, method)
   end
 end
 
+--- The session's exit handler: the server process ended; it starts again on its next use.
+---@param session McpClientSession
+---@param status integer|nil  exit status
+---@param sig integer|nil     the signal that ended it
 function Upstream:on_exit(session, status, sig)
   if self.session ~= session then return end
   self.session = nil
@@ -179,8 +190,9 @@ function Upstream:on_exit(session, status, sig)
     sig ~= 0 and ("was killed by signal " .. tostring(sig)) or ("exited with status " .. tostring(status)))
 end
 
--- Starts the upstream and initializes it (in its own task, so the callers that wait for it
--- can be cancelled without stopping it).
+--- Starts the upstream and initializes it (in its own task, so the callers that wait for it
+--- can be cancelled without stopping it). Returns the session, or nil, msg, code.
+---@return McpClientSession|nil session, string|nil err, string|nil code
 function Upstream:start()
   local d = self.decl
   local label = "host MCP server " .. self.name
@@ -273,6 +285,9 @@ end
 
 --- The live listing (cached until list_changed; refetched every time without a stream).
 --- Returns tools, session or nil, msg, code. `timeout_ms` bounds the listing request.
+---@param fresh boolean|nil     refetch even when a cached listing is good
+---@param timeout_ms integer|nil
+---@return table[]|nil tools, McpClientSession|string|nil session_or_err, string|nil code
 function Upstream:listing(fresh, timeout_ms)
   local s, err, code = self:ensure()
   if not s then return nil, err, code end
@@ -288,6 +303,7 @@ function Upstream:listing(fresh, timeout_ms)
   return tools, s
 end
 
+--- Arms the idle timer: with no call in flight for host_mcp_idle_seconds, the server stops.
 function Upstream:arm_idle()
   if self.idle_timer then self.idle_timer:close(); self.idle_timer = nil end
   if self.inflight > 0 or not self.session or self.shut then return end
@@ -313,8 +329,10 @@ function Upstream:stop()
   s:close(STOP_GRACE_MS)
 end
 
--- After a call timed out: a server that does not answer ping either hangs; kill it, so the
--- next call starts a fresh one instead of waiting out the timeout again.
+--- After a call timed out: a server that does not answer ping either hangs; kill it, so the
+--- next call starts a fresh one instead of waiting out the timeout again.
+---@param s McpClientSession
+---@param timeout_ms integer  the call's timeout (the ping waits at most this)
 function Upstream:check_alive(s, timeout_ms)
   async.spawn("host MCP ping: " .. self.name, function()
     local res, _, code = s:request("ping", nil, { timeout_ms = math.min(PING_TIMEOUT_MS, timeout_ms) })
@@ -368,10 +386,10 @@ function hostmcp.list_tools(server)
   if up.idle_timer then up.idle_timer:close(); up.idle_timer = nil end
   local tools, lerr, lcode
   do
-    local _ <close> = setmetatable({}, { __close = function()
+    local _ <close> = util.closer(function()
       up.inflight = up.inflight - 1
       up:arm_idle()
-    end })
+    end)
     tools, lerr, lcode = up:listing(false, up.decl.timeout_ms or ms_setting("host_mcp_timeout_seconds"))
   end
   if not tools then return nil, lerr, lcode end
@@ -489,10 +507,10 @@ function hostmcp.call(server, tool, arguments, opts)
 
   up.inflight = up.inflight + 1
   if up.idle_timer then up.idle_timer:close(); up.idle_timer = nil end
-  local _ <close> = setmetatable({}, { __close = function()
+  local _ <close> = util.closer(function()
     up.inflight = up.inflight - 1
     up:arm_idle()
-  end })
+  end)
 
   -- starting the server has its own bound (host_mcp_startup_timeout_seconds); the call's
   -- bound covers the listing and the call

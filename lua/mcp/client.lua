@@ -80,7 +80,10 @@ local function finish(entry, ...)
   if entry.cb then entry.cb(...) end
 end
 
--- Ends one pending request with a failure (the transport lost it).
+--- Ends one pending request with a failure (the transport lost it).
+---@param id integer  the request's id
+---@param msg string
+---@param code string|nil
 function Session:fail(id, msg, code)
   local entry = self.pending[id]
   if not entry then return end
@@ -88,7 +91,9 @@ function Session:fail(id, msg, code)
   finish(entry, nil, msg, code)
 end
 
--- Ends every pending request with a failure and refuses new ones.
+--- Ends every pending request with a failure and refuses new ones.
+---@param msg string
+---@param code string|nil
 function Session:fail_all(msg, code)
   self.closed = true
   self.close_reason = self.close_reason or msg
@@ -97,6 +102,9 @@ function Session:fail_all(msg, code)
   for _, entry in pairs(ps) do finish(entry, nil, msg, code) end
 end
 
+--- Encodes and sends one message, within max_message_bytes. Returns true or nil, msg, code.
+---@param msg table
+---@return boolean|nil ok, string|nil err, string|nil code
 function Session:send_message(msg)
   local ok, line = pcall(json.encode, msg)
   if not ok then return nil, "cannot encode the message: " .. tostring(line), "EINVAL" end
@@ -168,7 +176,8 @@ function Session:request(method, params, opts)
   return table.unpack(res, 1, res.n)
 end
 
--- A message from the server.
+--- A message from the server (or a batch of them): a response, a request or a notification.
+---@param msg any  the decoded message
 function Session:receive(msg)
   if type(msg) ~= "table" then return end
   if msg[1] ~= nil then -- a batch (2025-03-26 allowed them)

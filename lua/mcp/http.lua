@@ -33,6 +33,9 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local server = require("demesne.mcp.server")
 local mcp_transport = require("demesne.mcp.transport")
+local stdio = require("demesne.mcp.stdio")
+local util = require("demesne.util")
+local tools = require("demesne.tools")
 local fs = require("core.fs")
 local httpd = require("core.httpd")
 local loop = require("core.loop")
@@ -52,7 +55,6 @@ local SSE_HEADERS = { ["Content-Type"] = "text/event-stream", ["Cache-Control"] 
   ["X-Accel-Buffering"] = "no" }
 local JSON_TYPE = "application/json"
 
-local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
 
 --------------------------------------------------------------------------------------------
 -- Addresses and the token
@@ -116,7 +118,7 @@ function http.token(create)
     return nil, path
   end
   local ok, err = fs.mkdir_p(config.get("state_dir"), 448)
-  if ok then ok, err = fs.write_atomic(path, hex(loop.random(32)) .. "\n", 384) end
+  if ok then ok, err = fs.write_atomic(path, util.random_hex(32) .. "\n", 384) end
   if not ok then return nil, ("cannot write %s: %s"):format(path, tostring(err)) end
   log.notice(LOGGER, "generated a bearer token in %s", path)
   return http.token(false)
@@ -252,7 +254,7 @@ function http.start(o)
       self.nsessions = self.nsessions - 1
       victim.srv:close()
     end
-    local sess = { id = hex(loop.random(16)), listener = listener, seen = loop.now() }
+    local sess = { id = util.random_hex(16), listener = listener, seen = loop.now() }
     sess.srv = server.new(server_opts(listener, { transport = session_transport(sess), registry = o.registry,
       max_message_bytes = o.max_message_bytes, listener = listener }))
     self.sessions[sess.id] = sess
@@ -296,7 +298,7 @@ function http.start(o)
       for _, l in ipairs(ch.buffer) do conn:write(sse_event(l)) end
       ch.buffer = {}
     end
-    function ch:write(line, kind)
+    function ch.write(_, line, kind)
       if ch.done or ch.gone or not conn:is_open() then return nil, "the request's stream is closed" end
       if kind == "response" and opts.session and (line:find('"job_id":"', 1, true) or line:find('"sandbox_id":"', 1, true)) then
         -- a session that started a job or made a sandbox is never evicted (its client may come
@@ -661,8 +663,8 @@ end
 ---@param opts {addrs: string[], allow_remote: boolean|nil, fixtures: string|nil, registry: ToolRegistry|nil, on_stop: fun(timeout_ms: integer)|nil, on_shutdown: function|nil}
 ---@return integer
 function http.serve(opts)
-  local limits = require("demesne.mcp.stdio").limits()
-  local registry = opts.registry or require("demesne.tools").load({ fixtures = opts.fixtures })
+  local limits = stdio.limits()
+  local registry = opts.registry or tools.load({ fixtures = opts.fixtures })
   local handle, err = http.start({ addrs = opts.addrs, allow_remote = opts.allow_remote, registry = registry,
     max_message_bytes = limits.max_message_bytes, shutdown_timeout_ms = limits.shutdown_timeout_ms })
   if not handle then

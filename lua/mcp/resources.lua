@@ -6,7 +6,7 @@
 --     {uri = "demesne://jobs/<id>"} when the job ends (an updated sub-resource of the
 --     collection, as the spec allows);
 --   * 2025-11-25 and 2025-06-18: the job end is also logged as notifications/message from
---     logger demesne.jobs (lua/jobs.lua), which legacy sessions receive.
+--     logger demesne.jobs (lua/jobs/), which legacy sessions receive.
 -- resources/list, resources/templates/list and resources/read serve both eras.
 local json = require("demesne.json")
 local jobs = require("demesne.jobs")

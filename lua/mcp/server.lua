@@ -25,10 +25,11 @@ local async = require("demesne.async")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local tools = require("demesne.tools")
-local schema = require("demesne.mcp.schema")
+local schema = require("demesne.jsonschema")
 local tasks = require("demesne.mcp.tasks")
 local resources = require("demesne.mcp.resources")
 local transport = require("demesne.mcp.transport")
+local util = require("demesne.util")
 local loop = require("core.loop")
 local timer = require("core.timer")
 local text = require("core.text")
@@ -149,6 +150,7 @@ end
 --- string (escapes may be spelled differently, as JSON allows).
 ---@param id any
 ---@param line string|nil
+---@param ... string|integer  the key path of the id in the message (core.text.json_raw)
 ---@return any
 function server.exact_id(id, line, ...)
   if not line or type(id) ~= "number" then return id end
@@ -318,7 +320,7 @@ function Server:respond(id, result, tool, channel)
   end
   local why = line and ("the encoded result is %d bytes, over the %d-byte limit on one message"):format(#line, self.max_message)
     or ("the result cannot be encoded as JSON: %s"):format(err)
-  line = nil -- let the oversized string go before building the replacement
+  line = nil -- luacheck: ignore 311 (let the oversized string go before building the replacement)
   if tool then
     log.warning(LOGGER, "tool %s: result replaced: %s", tool, why)
     local replacement = tools.error_result(("Tool %s produced a result too large to send: %s. "
@@ -354,6 +356,10 @@ end
 --- The log sink of a legacy session: forwards a record as notifications/message on the
 --- session's transport when the session is initialised and the record is at or above the
 --- level the client set.
+---@param level string
+---@param logger string
+---@param msg string
+---@param data any
 function Server:forward_log(level, logger, msg, data)
   if self.in_forward or self.closing then return end
   if self.scope and not (logger == "demesne.jobs" and type(data) == "table" and type(data.job_id) == "string"
@@ -387,8 +393,13 @@ function Server:forward_log(level, logger, msg, data)
   self.in_forward = false
 end
 
--- A tool's own log record goes to its caller only: the request's stream, at the level the
--- session set (legacy) or the request's _meta logLevel (2026-07-28; none without it).
+--- A tool's own log record goes to its caller only: the request's stream, at the level the
+--- session set (legacy) or the request's _meta logLevel (2026-07-28; none without it).
+---@param entry table  the request in progress
+---@param level string
+---@param logger string
+---@param msg string
+---@param data any
 function Server:log_to_caller(entry, level, logger, msg, data)
   if self.closing or entry.done or entry.cancelled then return end
   local threshold
@@ -585,7 +596,7 @@ modern["server/discover"] = function(self)
   }
 end
 
---- Builds the ToolContext handed to a tool's run(ctx, args) (see lua/tools.lua).
+--- Builds the ToolContext handed to a tool's run(ctx, args) (see lua/tools/init.lua).
 ---@param tool ToolDescriptor
 ---@param entry table  the request in progress ({id, cancelled, done, channel, modern})
 ---@param meta table|nil  the request's params._meta
@@ -747,7 +758,7 @@ modern["subscriptions/listen"] = function(self, params, entry)
   local stop = async.event()
   entry.listen = { stop = stop }
   subscriptions[entry] = { server = self, uris = uris }
-  local _ <close> = setmetatable({}, { __close = function() subscriptions[entry] = nil end })
+  local _ <close> = util.closer(function() subscriptions[entry] = nil end)
   -- a job named by URI that has already ended gets its update at once
   for _, uri in ipairs(uris) do
     local id = resources.job_of(uri)
@@ -980,7 +991,7 @@ end
 ---@param bytes integer  bytes seen so far
 ---@param max integer    the cap
 function Server:overflow(bytes, max)
-  log.warning(LOGGER, "incoming message over %d bytes discarded", max or 0)
+  log.warning(LOGGER, "incoming message over %d bytes discarded (%d bytes seen)", max or 0, bytes or 0)
   self:respond_error(null, server.INVALID_REQUEST,
     ("Invalid Request: message exceeds the maximum of %d bytes; it was discarded"):format(max or 0))
 end

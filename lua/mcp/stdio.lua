@@ -9,7 +9,9 @@
 -- do not cut the cleanup short (Claude Code sends SIGINT then SIGTERM 100 ms later; Codex
 -- SIGTERM to the process group); only SIGKILL does, and the next start reaps what that leaves.
 local async = require("demesne.async")
+local config = require("demesne.config")
 local log = require("demesne.log")
+local tools = require("demesne.tools")
 local framing = require("demesne.mcp.framing")
 local server = require("demesne.mcp.server")
 local mcp_transport = require("demesne.mcp.transport")
@@ -30,11 +32,8 @@ stdio.DEFAULT_SHUTDOWN_TIMEOUT_MS = 20000
 local function setting(env, name, default)
   local v = os.getenv(env)
   if v == nil or v == "" then
-    local ok, config = pcall(require, "demesne.config")
-    if ok and type(config) == "table" and config.get then
-      local ok2, cv = pcall(config.get, name)
-      if ok2 then v = cv end
-    end
+    local ok, cv = pcall(config.get, name)
+    if ok then v = cv end
   end
   v = tonumber(v)
   if v and v > 0 then return math.floor(v) end
@@ -217,7 +216,7 @@ function stdio.serve(opts)
     io.stderr:write(table.concat(parts, "\t", 1, parts.n), "\n")
   end
   local limits = stdio.limits()
-  local registry = opts.registry or require("demesne.tools").load({ fixtures = opts.fixtures })
+  local registry = opts.registry or tools.load({ fixtures = opts.fixtures })
   local status = 0
   local shutting_down = false
   local input

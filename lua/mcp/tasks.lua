@@ -1,5 +1,5 @@
 -- MCP tasks (2025-11-25, experimental, SEP-1686) for tools/call, mapped onto background
--- jobs (lua/jobs.lua): a task is a job and its taskId is the job id.
+-- jobs (lua/jobs/): a task is a job and its taskId is the job id.
 --
 --   tools/call {…, task: {ttl?}}  → the tool runs with background = true (tools that declare
 --                                   execution.taskSupport "optional" or "required") and the
@@ -13,8 +13,13 @@
 -- Status mapping: running → working; a job whose command ran to an exit status (whatever
 -- its code) → completed, as the call without a task would have returned a normal result;
 -- failed without an exit status, and lost → failed; cancelled → cancelled.
-local json = require("demesne.json")
 local config = require("demesne.config")
+local errors = require("demesne.errors")
+local jobs = require("demesne.jobs")
+local json = require("demesne.json")
+local schemas = require("demesne.schemas")
+local tools = require("demesne.tools")
+local util = require("demesne.util")
 
 local tasks = {}
 
@@ -30,12 +35,10 @@ function tasks.capability()
   return { list = {}, cancel = {}, requests = { tools = { call = {} } } }
 end
 
-local function jobs() return require("demesne.jobs") end
-
 -- A job record, or a -32602 error naming the taskId.
 local function must_get(id)
   if type(id) ~= "string" then rpc_error(INVALID_PARAMS, "params.taskId: expected a string") end
-  local rec = jobs().get(id)
+  local rec = jobs.get(id)
   if not rec then rpc_error(INVALID_PARAMS, ("params.taskId: no task %s"):format(id)) end
   return rec
 end
@@ -52,8 +55,7 @@ end
 ---@param rec JobRecord
 ---@return table
 function tasks.task_of(rec)
-  local j = jobs()
-  local v = j.view(rec)
+  local v = jobs.view(rec)
   local msg = rec.reason
   if rec.status == "running" then msg = ("running for %d s"):format(math.floor(v.elapsed_seconds)) end
   return {
@@ -61,7 +63,7 @@ function tasks.task_of(rec)
     status = status_of(rec),
     statusMessage = msg,
     createdAt = v.started_at,
-    lastUpdatedAt = j.iso(rec.updated_ms or rec.finished_ms or rec.started_ms),
+    lastUpdatedAt = util.iso_ms(rec.updated_ms or rec.finished_ms or rec.started_ms),
     ttl = math.floor(config.get("jobs_keep_seconds") * 1000),
     pollInterval = POLL_MS,
   }
@@ -71,7 +73,6 @@ end
 ---@param rec JobRecord
 ---@return table
 function tasks.result_of(rec)
-  local j = jobs()
   local meta = { [RELATED] = { taskId = rec.job_id } }
   if rec.status == "cancelled" or rec.exit_code == nil then
     local why = rec.status == "cancelled" and ("cancelled: " .. tostring(rec.reason or "cancelled"))
@@ -85,9 +86,9 @@ function tasks.result_of(rec)
     duration_ms = math.max((rec.finished_ms or rec.started_ms) - rec.started_ms, 0),
     timed_out = rec.timed_out == true,
   }
-  r.stdout, r.stderr, r.truncated = j.collect(rec)
+  r.stdout, r.stderr, r.truncated = jobs.collect(rec)
   if rec.kind == "exec" then r.log_dir = rec.log_dir else r.run_id = rec.run_id end
-  local text = require("demesne.schemas").run_text(r)
+  local text = schemas.run_text(r)
   return { content = json.array({ { type = "text", text = text } }), structuredContent = r, isError = false,
     _meta = meta }
 end
@@ -112,7 +113,7 @@ function tasks.call(tool, ctx, args, task)
   local a = {}
   for k, v in pairs(args) do a[k] = v end
   a.background = true
-  local res = require("demesne.tools").call(tool, ctx, a)
+  local res = tools.call(tool, ctx, a)
   local sc = res.structuredContent
   if res.isError or type(sc) ~= "table" or type(sc.job_id) ~= "string" then
     local text = res.content and res.content[1] and res.content[1].text or "the tool did not start a job"
@@ -130,7 +131,7 @@ end
 
 tasks.methods["tasks/result"] = function(_, params)
   local rec = must_get(params.taskId)
-  while not jobs().is_terminal(rec.status) do rec = jobs().wait(rec.job_id, 3600 * 1000) end
+  while not jobs.is_terminal(rec.status) do rec = jobs.wait(rec.job_id, 3600 * 1000) end
   return tasks.result_of(rec)
 end
 
@@ -139,18 +140,18 @@ tasks.methods["tasks/list"] = function(_, params)
     rpc_error(INVALID_PARAMS, "params.cursor: expected a string")
   end
   local out = json.array()
-  for _, rec in ipairs((jobs().list())) do out[#out + 1] = tasks.task_of(rec) end
+  for _, rec in ipairs((jobs.list())) do out[#out + 1] = tasks.task_of(rec) end
   return { tasks = out }
 end
 
 tasks.methods["tasks/cancel"] = function(_, params)
   local rec = must_get(params.taskId)
-  if jobs().is_terminal(rec.status) then
+  if jobs.is_terminal(rec.status) then
     rpc_error(INVALID_PARAMS, ("params.taskId: task %s has already ended (%s)"):format(rec.job_id, status_of(rec)))
   end
-  local ok, got = pcall(jobs().cancel, rec.job_id, "cancelled by tasks/cancel")
+  local ok, got = pcall(jobs.cancel, rec.job_id, "cancelled by tasks/cancel")
   if not ok then
-    if type(got) == "table" and got.message then rpc_error(INVALID_PARAMS, got.message) end
+    if errors.is(got) then rpc_error(INVALID_PARAMS, got.message) end
     error(got, 0)
   end
   return tasks.task_of(got)

@@ -15,6 +15,7 @@
 -- files use it (`require("demesne.providers.codex").make{…}`).
 local P = require("demesne.providers")
 local json = require("demesne.json")
+local oauth = require("demesne.oauth")
 
 local codex = {}
 
@@ -224,7 +225,8 @@ function codex.credentials()
     local f = io.open(path, "rb")
     if f then
       f:close()
-      return { present = false, hint = ("%s exists but is not a JSON object: run `codex login` on the host, or set OPENAI_API_KEY")
+      return { present = false,
+        hint = ("%s exists but is not a JSON object: run `codex login` on the host, or set OPENAI_API_KEY")
         :format(path) }
     end
     return { present = false, hint = hint }
@@ -272,7 +274,7 @@ end
 ---@return boolean due, string|nil why
 function codex.refresh_due(auth, need, now)
   local tokens = type(auth.tokens) == "table" and auth.tokens or {}
-  local claims = require("demesne.oauth").jwt_claims(tokens.access_token)
+  local claims = oauth.jwt_claims(tokens.access_token)
   local exp = claims and tonumber(claims.exp)
   if exp and exp <= now + need then return true, "the access token expires before the run can end" end
   local last = epoch_of(auth.last_refresh)
@@ -288,7 +290,6 @@ end
 ---@return boolean|nil ok, string|nil err
 function codex.refresh(cred, need)
   if cred.kind ~= "chatgpt" or type(cred.path) ~= "string" then return true end
-  local oauth = require("demesne.oauth")
   local function read()
     local f = io.open(cred.path, "rb")
     if not f then return nil end

@@ -1,9 +1,11 @@
 -- Agent providers: the registry of adapters that say how to run one AI coding agent CLI
 -- in a sandbox, and the pure helpers the vendor route uses with them.
 --
--- Provider files load from the built-in lua/providers/*.lua (this file excepted), then from
--- $XDG_CONFIG_HOME/demesne/providers/*.lua, each in the same restricted environment as tool
--- files (lua/tools.lua: sandbox_env). A file returns an adapter table, or nil when it has
+-- Provider files load through demesne.plugins from the built-in lua/providers/*.lua (this
+-- file excepted), then from $XDG_CONFIG_HOME/demesne/providers/*.lua, each in a restricted
+-- environment whose `require` gives providers.API only (docs/reference/runtime-api.md: the
+-- helpers below, demesne.providers.codex's make, demesne.oauth, demesne.json,
+-- demesne.config, demesne.errors, demesne.log). A file returns an adapter table, or nil when it has
 -- nothing to offer (openai_compatible without a configuration). A user file whose adapter
 -- has the name of an earlier one replaces it. A file that fails to load or returns a bad
 -- adapter is refused with a log naming the file and the field; the others still load.
@@ -15,8 +17,11 @@
 --
 -- The real credential an adapter finds on the host is handed only to the vendor route
 -- (swap_auth); argv and env see the per-run token, never the credential.
+local config = require("demesne.config")
 local json = require("demesne.json")
 local log = require("demesne.log")
+local plugins = require("demesne.plugins")
+local util = require("demesne.util")
 
 local providers = {}
 
@@ -166,16 +171,13 @@ end
 --- A fresh per-run token: "dmsn-" and 48 hex digits from the OS's random source.
 ---@return string
 function providers.new_token()
-  local raw = require("core.loop").random(24)
-  return "dmsn-" .. raw:gsub(".", function(c) return ("%02x"):format(c:byte()) end)
+  return "dmsn-" .. util.random_hex(24)
 end
 
 --- Quotes a string for a POSIX shell.
 ---@param s string
 ---@return string
-function providers.shell_quote(s)
-  return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
-end
+providers.shell_quote = util.sh_quote
 
 local FILE_MAX = 1024 * 1024
 
@@ -470,8 +472,46 @@ end
 --------------------------------------------------------------------------------------------
 -- Loading
 
-local function loader_env(origin)
-  return require("demesne.tools").sandbox_env(origin)
+--- The runtime API of provider files: the modules a provider file may require and the
+--- names it sees of each (docs/reference/runtime-api.md). Nothing else is reachable.
+providers.API = {
+  ["demesne.providers"] = { "decode", "num", "bearer", "headers", "token_equal", "new_token", "shell_quote", "lines",
+    "each_event", "empty_usage", "merge_usage", "price_for", "cost_with", "sse_reader", "usage_counter",
+    "usage_from_sse_text", "models_of", "settings", "check" },
+  ["demesne.providers.codex"] = { "make", "config_toml", "refresh_due" },
+  ["demesne.oauth"] = { "base64url_decode", "jwt_claims", "refresh", "check_writable", "write_private_json" },
+  ["demesne.json"] = { "encode", "decode", "array", "is_array", "null" },
+  ["demesne.config"] = { "get", "dir" },
+  ["demesne.errors"] = { "new", "is", "raise", "check" },
+  ["demesne.log"] = { "log", "debug", "info", "notice", "warning", "error", "critical", "alert", "emergency" },
+}
+
+--- The environment a provider file runs in (demesne.plugins, with providers.API).
+---@param origin string
+---@return table env
+function providers.environment(origin)
+  return plugins.environment(origin, { kind = "provider", kinds = "providers", api = providers.API, logger = LOGGER })
+end
+
+-- The provider kind of plugin: validation fills in `origin` and a default `cost`.
+local function kind(opts)
+  return {
+    kind = "provider", kinds = "providers", logger = LOGGER, quiet = opts.quiet,
+    builtin = opts.builtin ~= false and "lua/providers/" or nil, skip = { ["init.lua"] = true },
+    user_dir = opts.user_dir == nil and providers.user_dir() or opts.user_dir,
+    env = providers.environment,
+    check = function(p, file)
+      if p == nil or p == false then return false end
+      local good, why = providers.check(p)
+      if not good then return nil, why end
+      p.origin = file.origin
+      if p.cost == nil then
+        p.cost = function(usage) return providers.cost_with(p.prices, usage) end
+      end
+      return p
+    end,
+    key = function(p) return p.name end,
+  }
 end
 
 --- Loads one provider file's source in the restricted environment and checks the adapter.
@@ -481,93 +521,31 @@ end
 ---@param origin string
 ---@return ProviderAdapter|false|nil adapter, string|nil err
 function providers.load_source(src, origin)
-  local chunkname = origin:gsub("^embedded:", "")
-  local function located(e)
-    e = tostring(e)
-    if e:sub(1, #chunkname + 1) == chunkname .. ":" then return e end
-    return ("%s: %s"):format(origin, e)
-  end
-  local chunk, err = load(src, "@" .. chunkname, "t", loader_env(origin))
-  if not chunk then return nil, located(err) end
-  local ok, p = pcall(chunk)
-  if not ok then return nil, located(p) end
-  if p == nil or p == false then return false end
-  local good, why = providers.check(p)
-  if not good then return nil, ("%s: %s"):format(origin, why) end
-  p.origin = origin
-  if p.cost == nil then
-    p.cost = function(usage) return providers.cost_with(p.prices, usage) end
-  end
-  return p
+  return plugins.load_source(kind({}), src, { name = origin:match("([^/]+)%.lua$") or origin, origin = origin })
 end
-
-local function lua_files_in(dir) return require("demesne.tools").lua_files_in(dir) end
-local function read(path) return require("demesne.tools").read_file(path) end
 
 --- The folder users drop their own providers into: $XDG_CONFIG_HOME/demesne/providers.
 ---@return string
 function providers.user_dir()
-  return require("demesne.config").dir() .. "/providers"
+  return config.dir() .. "/providers"
 end
 
----@class ProviderRegistry
----@field by_name table<string, ProviderAdapter>
----@field order string[]                      provider names in load order
+---@class ProviderRegistry: PluginSet
 ---@field model_index table<string, string>   model name -> provider name
----@field errors {origin: string, message: string}[]
-local Registry = {}
-Registry.__index = Registry
 
---- Loads every provider: built-in lua/providers/*.lua, then the user folder (or
---- opts.user_dir; false for none). Refused files are logged (unless opts.quiet) and listed
---- in registry.errors. The result also becomes the registry the module-level functions use.
+--- Loads every provider through demesne.plugins: built-in lua/providers/*.lua, then the
+--- user folder (or opts.user_dir; false for none). Refused files are logged (unless
+--- opts.quiet) and listed in registry.errors. A provider that repeats a model name of an
+--- earlier one is refused too. The result also becomes the registry the module-level
+--- functions use.
 ---@param opts {user_dir: string|false|nil, builtin: boolean|nil, quiet: boolean|nil}|nil
 ---@return ProviderRegistry
 function providers.load(opts)
   opts = opts or {}
-  local reg = setmetatable({ by_name = {}, order = {}, model_index = {}, errors = {} }, Registry)
-  local function refuse(origin, message)
-    reg.errors[#reg.errors + 1] = { origin = origin, message = message }
-    if not opts.quiet then log.error(LOGGER, "refused %s", message) end
-  end
-  local function take(src, origin, read_err)
-    if not src then return refuse(origin, ("%s: %s"):format(origin, tostring(read_err))) end
-    local p, err = providers.load_source(src, origin)
-    if p == false then
-      log.debug(LOGGER, "%s offers no provider", origin)
-    elseif not p then
-      refuse(origin, err)
-    else
-      local prev = reg.by_name[p.name]
-      if prev then
-        log.info(LOGGER, "provider %s from %s replaces the one from %s", p.name, origin, prev.origin)
-      else
-        reg.order[#reg.order + 1] = p.name
-      end
-      reg.by_name[p.name] = p
-    end
-  end
-  if opts.builtin ~= false then
-    local runtime = require("demesne.runtime")
-    for _, rel in ipairs(runtime.list("lua/providers/")) do
-      if rel:match("%.lua$") and not rel:match("/init%.lua$") then
-        local src, origin = runtime.source(rel)
-        take(src, origin or rel, "cannot read")
-      end
-    end
-  end
-  local user = opts.user_dir
-  if user == nil then user = providers.user_dir() end
-  if user then
-    for _, path in ipairs(lua_files_in(user)) do
-      local src, err = read(path)
-      take(src, path, err)
-    end
-  end
+  local reg = plugins.load(kind(opts))
+  reg.model_index = {}
   -- model names must be unique across providers: a later provider that repeats one is refused
-  local kept = {}
-  for _, name in ipairs(reg.order) do
-    local p = reg.by_name[name]
+  for _, p in ipairs(reg:list()) do
     local clash
     for i, m in ipairs(providers.models_of(p)) do
       local owner = reg.model_index[m.name]
@@ -578,14 +556,12 @@ function providers.load(opts)
       end
     end
     if clash then
-      reg.by_name[name] = nil
-      refuse(p.origin, clash)
+      reg:remove(p.name)
+      reg:refuse(p.origin, clash)
     else
-      for _, m in ipairs(providers.models_of(p)) do reg.model_index[m.name] = name end
-      kept[#kept + 1] = name
+      for _, m in ipairs(providers.models_of(p)) do reg.model_index[m.name] = p.name end
     end
   end
-  reg.order = kept
   providers.current = reg
   return reg
 end
@@ -593,19 +569,6 @@ end
 -- The registry used by the module-level functions: loaded on first use.
 local function current()
   return providers.current or providers.load()
-end
-
---- The adapter named `name`, or nil.
----@param name string
----@return ProviderAdapter|nil
-function Registry:get(name) return self.by_name[name] end
-
---- Every adapter, in load order.
----@return ProviderAdapter[]
-function Registry:list()
-  local out = {}
-  for _, n in ipairs(self.order) do out[#out + 1] = self.by_name[n] end
-  return out
 end
 
 --- Whether a provider is turned on: $DEMESNE_<NAME>_ENABLED, else config
@@ -629,7 +592,7 @@ end
 ---@param name string
 ---@return table
 function providers.settings(name)
-  local all = require("demesne.config").get("providers")
+  local all = config.get("providers")
   local s = type(all) == "table" and all[name] or nil
   return type(s) == "table" and s or {}
 end

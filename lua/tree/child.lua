@@ -13,9 +13,10 @@
 --   * host paths in results are given as the caller sees them (<its output folder>/… →
 --     /out/…).
 local config = require("demesne.config")
+local errors = require("demesne.errors")
 local json = require("demesne.json")
 local progress = require("demesne.progress")
-local schema = require("demesne.mcp.schema")
+local schema = require("demesne.jsonschema")
 local tools = require("demesne.tools")
 local tree = require("demesne.tree")
 
@@ -49,7 +50,11 @@ local NOTE = {
     .. "/out is /out/child/<name> here.",
 }
 
--- The child input schema of a host tool.
+--- The input schema a tool has when a sandbox calls it: the host tool's, without the
+--- host-only parameters, with a required `name` for a spawning tool of `kind`.
+---@param host table   the host tool's descriptor
+---@param kind string|nil  the spawn kind ("script", "create", "agent", "research"), nil for the others
+---@return table schema
 local function derive(host, kind)
   local s = schema.copy(host.inputSchema)
   s.properties = s.properties or {}
@@ -175,7 +180,7 @@ local function wrap(host)
     end))
     if not res[1] then
       local e = res[2]
-      if tools.is_fail(e) then e.message = rewrite_text(e.message, n.output_dir) end
+      if errors.is(e) then e.message = rewrite_text(e.message, n.output_dir) end
       error(e, 0)
     end
     return rewrite(res[2], n.output_dir), rewrite_text(res[3], n.output_dir)

@@ -40,8 +40,9 @@
 -- shared by a tree: <state_dir>/workspaces/<run id>/ (bind-mounted rw at /workspace, never
 -- read by the host, removed when the run that made it ends).
 local async = require("demesne.async")
+local errors = require("demesne.errors")
 local config = require("demesne.config")
-local egress = require("demesne.egress")
+local egress_policy = require("demesne.egress.policy")
 local jobs = require("demesne.jobs")
 local json = require("demesne.json")
 local log = require("demesne.log")
@@ -50,6 +51,7 @@ local sandbox = require("demesne.sandbox")
 local agent = require("demesne.agent")
 local vendor = require("demesne.vendor")
 local store = require("demesne.tree.store")
+local util = require("demesne.util")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
@@ -81,10 +83,8 @@ local endpoint       -- {open = fn(node) -> ok, err; close = fn(run_id)} (tree.s
 local service        -- the resume task of tree.start
 
 
-local function now_ms() return math.floor(loop.time() * 1000) end
-local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
-local function fail(msg) sandbox.fail(msg) end
-local function closer(fn) return setmetatable({}, { __close = fn }) end
+local now_ms, hex, closer = util.now_ms, util.hex, util.closer
+local fail = errors.raise
 
 --------------------------------------------------------------------------------------------
 -- Folders
@@ -140,9 +140,13 @@ function tree.set_endpoint(impl) endpoint = impl end
 
 --- The listener tag of a node's endpoint ("run:<run id>"): the identity of every request
 --- that arrives on it.
+---@param run_id string
+---@return string
 function tree.tag(run_id) return "run:" .. run_id end
 
 --- The run a listener tag names, or nil.
+---@param tag any  a listener tag (tree.tag)
+---@return string|nil
 function tree.run_of_tag(tag) return type(tag) == "string" and tag:match("^run:([%w][%w%-]*)$") or nil end
 
 local function open_endpoint(n)
@@ -339,7 +343,7 @@ local function ended(n, why)
   end
   remove_workspace(n)
   if n.endpoint and n.kind ~= "agent" and n.kind ~= "research" then
-    -- an agent run's results.json is written by lua/agent.lua (tree.result adds to it)
+    -- an agent run's results.json is written by lua/agent/init.lua (tree.result adds to it)
     local ok2, werr = pcall(write_results, n)
     if not ok2 then log.warning(LOGGER, "%s: results.json: %s", n.run_id, tostring(werr)) end
   end
@@ -540,7 +544,7 @@ local function reserve_slot(ctx, root)
 end
 
 local function policy_open(name)
-  local pol = egress.policy(name)
+  local pol = egress_policy.policy(name)
   return pol and pol.open == true
 end
 

@@ -3,21 +3,22 @@
 -- scope (what a run may see: itself and what is below it), the tree's limits and money, and
 -- the views built from the records (subtree totals, children, the usage report).
 local async = require("demesne.async")
+local errors = require("demesne.errors")
 local config = require("demesne.config")
 local jobs = require("demesne.jobs")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local sandbox = require("demesne.sandbox")
+local util = require("demesne.util")
 local fs = require("core.fs")
-local loop = require("core.loop")
 
 local store = {}
 
 local LOGGER = "demesne.tree"
 local RECORD_MAX = 4 * 1024 * 1024
 
-local function now_ms() return math.floor(loop.time() * 1000) end
-local function fail(msg) sandbox.fail(msg) end
+local now_ms = util.now_ms
+local fail = errors.raise
 
 ---@class TreeNode
 ---@field run_id string
@@ -160,6 +161,9 @@ function store.sees_sandbox(caller, sandbox_id)
 end
 
 --- Whether the run `caller` may see the run `run_id` (itself or one below it).
+---@param caller string  the calling run's id
+---@param run_id string
+---@return boolean
 function store.sees_run(caller, run_id) return store.within(caller, run_id) end
 
 --------------------------------------------------------------------------------------------
@@ -295,9 +299,11 @@ local function add_into(acc, u)
   end
 end
 
--- Every node of the subtree of `n`, depth first in spawn order: {node, rel_depth, path}.
 --- Every node of the subtree of `n`, depth first in spawn order: {node, depth (relative), path}.
 ---@param n TreeNode
+---@param out table[]|nil    the list to add to (a new one when nil)
+---@param depth integer|nil  the depth of `n` relative to the first call's node (0)
+---@param path string|nil    the path of names from that node down to `n` ("")
 ---@return table[]
 function store.walk(n, out, depth, path)
   out = out or {}

@@ -180,15 +180,24 @@ static void build_tar(const char *path, const spec *s, size_t n) {
       archive_entry_set_filetype(e, AE_IFREG);
       archive_entry_set_size(e, (la_int64_t)strlen(s[i].data ? s[i].data : ""));
       break;
-    case 'd': archive_entry_set_filetype(e, AE_IFDIR); archive_entry_set_perm(e, 0755); break;
-    case 'l': archive_entry_set_filetype(e, AE_IFLNK); archive_entry_set_symlink(e, s[i].target); break;
+    case 'd':
+      archive_entry_set_filetype(e, AE_IFDIR);
+      archive_entry_set_perm(e, 0755);
+      break;
+    case 'l':
+      archive_entry_set_filetype(e, AE_IFLNK);
+      archive_entry_set_symlink(e, s[i].target);
+      break;
     case 'h':
       archive_entry_set_filetype(e, AE_IFREG);
       archive_entry_set_hardlink(e, s[i].target);
       archive_entry_set_size(e, 0);
       break;
     case 'p': archive_entry_set_filetype(e, AE_IFIFO); break;
-    case 'c': archive_entry_set_filetype(e, AE_IFCHR); archive_entry_set_rdev(e, makedev(1, 3)); break;
+    case 'c':
+      archive_entry_set_filetype(e, AE_IFCHR);
+      archive_entry_set_rdev(e, makedev(1, 3));
+      break;
     }
     archive_write_header(a, e);
     if (s[i].type == 'f' && s[i].data) archive_write_data(a, s[i].data, strlen(s[i].data));

@@ -246,15 +246,13 @@ static void *swap_loop(void *arg) {
   while (!atomic_load(&s->stop)) {
     if (rename(s->dir, aside) == 0) {
       symlink(canary, s->dir);
-      for (volatile int i = 0; i < 200; i++) {
-      }
+      for (volatile int i = 0; i < 200; i++) {}
       unlink(s->dir);
       rename(aside, s->dir);
       s->swaps++;
     } else {
       symlink(canary, s->dir); /* gone already: plant a link where it was */
-      for (volatile int i = 0; i < 200; i++) {
-      }
+      for (volatile int i = 0; i < 200; i++) {}
       unlink(s->dir);
     }
   }
@@ -359,7 +357,8 @@ static void test_extract_race(void) {
     int rc = dm_archive_extract_fd(tfd, dest, NULL, &st, NULL, NULL, &err, NULL);
     atomic_store(&s.stop, 1);
     pthread_join(t, NULL);
-    if (getenv("VERBOSE")) fprintf(stderr, "extract race round %d: %s %s\n", round, rc ? err.code : "ok", rc ? err.msg : "");
+    if (getenv("VERBOSE"))
+      fprintf(stderr, "extract race round %d: %s %s\n", round, rc ? err.code : "ok", rc ? err.msg : "");
     CHECK(canary_intact(), "round %d: extraction under a swapping folder never writes the canary", round);
     CHECK(rc != 0 || st.files == 3000, "round %d: a finished extraction has every file", round);
     CHECK(rc == 0 || !strcmp(err.code, "EUNSAFE") || !strcmp(err.code, "ENOENT") || !strcmp(err.code, "EAGAIN"),

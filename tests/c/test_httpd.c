@@ -106,8 +106,7 @@ static void *client(void *arg) {
     while (x->len < sizeof x->got - 1 && (r = read(fd, x->got + x->len, sizeof x->got - 1 - x->len)) > 0) {
       x->len += (size_t)r;
       x->got[x->len] = '\0';
-      if (!x->shut && strstr(x->got, "Connection: close") && strstr(x->got, "\r\n\r\n") &&
-          !strstr(x->got, "chunked"))
+      if (!x->shut && strstr(x->got, "Connection: close") && strstr(x->got, "\r\n\r\n") && !strstr(x->got, "chunked"))
         break;
     }
   }
@@ -141,22 +140,24 @@ static void test_exchanges(void) {
   dm_httpd_listen_opts lo = {.tag = "host", .token = "tok-0123456789abcdef", .hosts = hosts, .nhosts = 2};
   CHECK(dm_httpd_listen_tcp(srv, "127.0.0.1", 0, &lo, &port) == 0 && port > 0, "listen");
 
-  exchange_t x = {.send = "POST /one HTTP/1.1\r\nHost: localhost\r\n" AUTH "Content-Length: 3\r\nConnection: close\r\n\r\nabc"};
+  exchange_t x = {.send = "POST /one HTTP/1.1\r\nHost: localhost\r\n" AUTH
+                          "Content-Length: 3\r\nConnection: close\r\n\r\nabc"};
   exchange(&x);
   CHECK(strstr(x.got, "HTTP/1.1 200 OK\r\n") && strstr(x.got, "X-Seen: yes\r\n") && strstr(x.got, "\r\n\r\n/one"),
         "answered: %s", x.got);
   CHECK(!strcmp(last_body, "abc") && !strcmp(last_listener, "host") && !last_had_auth, "body %s, tag %s, auth %d",
         last_body, last_listener, last_had_auth);
 
-  x = (exchange_t){.send = "GET /a HTTP/1.1\r\nHost: localhost\r\n" AUTH "\r\nGET /b HTTP/1.1\r\nHost: localhost\r\n" AUTH
-                           "Connection: close\r\n\r\n"};
+  x = (exchange_t){.send = "GET /a HTTP/1.1\r\nHost: localhost\r\n" AUTH
+                           "\r\nGET /b HTTP/1.1\r\nHost: localhost\r\n" AUTH "Connection: close\r\n\r\n"};
   exchange(&x);
   char *a = strstr(x.got, "\r\n\r\n/a"), *b = strstr(x.got, "\r\n\r\n/b");
   CHECK(a && b && a < b, "pipelined in order: %s", x.got);
 
   x = (exchange_t){.send = "GET /stream HTTP/1.1\r\nHost: localhost\r\n" AUTH "\r\n", .shut = 1};
   exchange(&x);
-  CHECK(strstr(x.got, "Transfer-Encoding: chunked") && strstr(x.got, "9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n"),
+  CHECK(strstr(x.got, "Transfer-Encoding: chunked") &&
+          strstr(x.got, "9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n"),
         "chunked stream: %s", x.got);
 
   int before = requests;
@@ -180,7 +181,18 @@ static void test_exchanges(void) {
   x = (exchange_t){.send = "POST /x HTTP/1.1\r\nHost: localhost\r\n" AUTH "Content-Length: 50\r\n\r\nshort", .shut = 1};
   exchange(&x);
   CHECK(!strncmp(x.got, "HTTP/1.1 400 ", 13), "cut off: %s", x.got);
+  /* llhttp 8 skips the two bytes after a chunk's data unchecked; the server checks them,
+     whether they come in the same read or not */
+  x = (exchange_t){.send = "POST /x HTTP/1.1\r\nHost: localhost\r\n" AUTH "Transfer-Encoding: chunked\r\n\r\n"
+                           "3\r\nabcXY0\r\n\r\n"};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 400 ", 13) && strstr(x.got, "CRLF"), "chunk data without its CRLF: %s", x.got);
   CHECK(requests == before, "refused requests never reached the owner (%d)", requests - before);
+  x = (exchange_t){.send = "POST /chunked HTTP/1.1\r\nHost: localhost\r\n" AUTH "Transfer-Encoding: chunked\r\n"
+                           "Connection: close\r\n\r\n3\r\nabc\r\n2\r\nde\r\n0\r\nX-T: 1\r\n\r\n"};
+  exchange(&x);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK\r\n") && !strcmp(last_body, "abcde"), "chunked body: %s (%s)", x.got, last_body);
+  before = requests;
 
   /* a stream held open, then the server closes: the connection goes, on_close and on_closed come */
   pthread_t t;
@@ -248,7 +260,8 @@ static void *relay_client(void *arg) {
   struct timeval tv = {5, 0};
   setsockopt(cfd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
   ssize_t r;
-  while (x->len < sizeof x->got - 1 && (r = read(cfd, x->got + x->len, sizeof x->got - 1 - x->len)) > 0) x->len += (size_t)r;
+  while (x->len < sizeof x->got - 1 && (r = read(cfd, x->got + x->len, sizeof x->got - 1 - x->len)) > 0)
+    x->len += (size_t)r;
   x->got[x->len] = '\0';
   close(cfd);
   x->done = 1;
@@ -338,11 +351,71 @@ static void test_unlisten(void) {
   CHECK(uv_loop_close(&loop) == 0, "every handle closed");
 }
 
+/* ---- connections to a relay socket that hand nothing over are bounded: past 16, closed ---- */
+
+typedef struct {
+  char path[108];
+  int fds[24];
+  int ready, done;
+  int refused;  /* connections the server closed at once */
+  relay_t real; /* a real relay afterwards, once the idle ones are gone */
+} flood_t;
+
+static void *flood_client(void *arg) {
+  flood_t *x = arg;
+  for (int i = 0; i < 24; i++) {
+    x->fds[i] = socket(AF_UNIX, SOCK_STREAM, 0);
+    struct sockaddr_un un = {.sun_family = AF_UNIX};
+    snprintf(un.sun_path, sizeof un.sun_path, "%s", x->path);
+    if (connect(x->fds[i], (struct sockaddr *)&un, sizeof un) != 0) x->refused++;
+  }
+  usleep(200000); /* the server has taken them all by now */
+  for (int i = 0; i < 24; i++) {
+    struct timeval tv = {0, 50000};
+    setsockopt(x->fds[i], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    char b;
+    if (read(x->fds[i], &b, 1) == 0) x->refused++; /* EOF: closed by the server */
+    close(x->fds[i]);
+  }
+  x->ready = 1;
+  relay_client(&x->real);
+  x->done = 1;
+  return NULL;
+}
+
+static void test_relay_pending_bound(void) {
+  uv_loop_init(&loop);
+  closed = 0;
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  srv = dm_httpd_new(&loop, NULL, &h, NULL);
+  flood_t x = {0};
+  snprintf(x.path, sizeof x.path, "/tmp/demesne-httpd-flood-%d.sock", (int)getpid());
+  snprintf(x.real.path, sizeof x.real.path, "%s", x.path);
+  dm_httpd_listen_opts lo = {.tag = "sandbox-43"};
+  CHECK(dm_httpd_listen_relay(srv, x.path, &lo) == 0, "listen_relay");
+  pthread_t t;
+  pthread_create(&t, NULL, flood_client, &x);
+  while (!x.done) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  pthread_join(t, NULL);
+  CHECK(x.refused == 24 - 16, "the connections past 16 were closed at once: %d", x.refused);
+  CHECK(strstr(x.real.got, "HTTP/1.1 200 OK"), "once they are gone a relay is served again: %s", x.real.got);
+  dm_httpd_close(srv);
+  while (!closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(uv_loop_close(&loop) == 0, "every handle closed");
+}
+
 int main(void) {
   test_token_equal();
   test_exchanges();
   test_relay();
   test_unlisten();
+  test_relay_pending_bound();
   if (failures) fprintf(stderr, "%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }

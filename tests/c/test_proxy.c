@@ -60,7 +60,7 @@ static void test_heads(void) {
   const char *want = "GET /a/b?q=1 HTTP/1.1\r\nHost: denied.test:8080\r\n";
   CHECK(n && !strncmp(out, want, strlen(want)), "rewrite: %s", out);
   CHECK(!strstr(out, "Proxy-Connection") && !strstr(out, "Host: x") && strstr(out, "User-Agent: t\r\n") &&
-            strstr(out, "Connection: close\r\n\r\n"),
+          strstr(out, "Connection: close\r\n\r\n"),
         "rewrite headers: %s", out);
   const char *rest = abs + i;
   size_t fwd;
@@ -74,10 +74,14 @@ static void test_heads(void) {
   dm_proxy_head_free(&h);
 
   r = parse(&h, "GET http://0x7f.1/ HTTP/1.1\r\n\r\n");
-  CHECK(r == 1 && h.req.ip == 4 && !strcmp(h.req.host, "127.0.0.1") && h.req.port == 80, "numeric spelling: %s", h.req.host);
+  CHECK(r == 1 && h.req.ip == 4 && !strcmp(h.req.host, "127.0.0.1") && h.req.port == 80, "numeric spelling: %s",
+        h.req.host);
   dm_proxy_head_free(&h);
 
-  struct { const char *head; int status; } bad[] = {
+  struct {
+    const char *head;
+    int status;
+  } bad[] = {
     {"GET https://a.test/ HTTP/1.1\r\n\r\n", 400},
     {"GET / HTTP/1.1\r\n\r\n", 400},
     {"GET / HTTP/1.1\r\nHost: a\r\nHost: b\r\n\r\n", 400},
@@ -163,17 +167,23 @@ static void test_only_http_1_is_proxied(void) {
 }
 
 static void test_hosts(void) {
-  struct { const char *in; const char *out; int ip; } ok[] = {
-    {"DENIED.TEST", "denied.test", 0}, {"denied.test.", "denied.test", 0}, {"a_b.test", "a_b.test", 0},
-    {"2130706433", "127.0.0.1", 4}, {"0177.0.0.1", "127.0.0.1", 4}, {"127.1", "127.0.0.1", 4},
-    {"[FD00::1]", "fd00::1", 6}, {"169.254.169.254.", "169.254.169.254", 4},
+  struct {
+    const char *in;
+    const char *out;
+    int ip;
+  } ok[] = {
+    {"DENIED.TEST", "denied.test", 0}, {"denied.test.", "denied.test", 0},
+    {"a_b.test", "a_b.test", 0},       {"2130706433", "127.0.0.1", 4},
+    {"0177.0.0.1", "127.0.0.1", 4},    {"127.1", "127.0.0.1", 4},
+    {"[FD00::1]", "fd00::1", 6},       {"169.254.169.254.", "169.254.169.254", 4},
   };
   for (size_t k = 0; k < sizeof ok / sizeof ok[0]; k++) {
     char out[DM_PROXY_HOST_MAX];
     int ip = -1;
     const char *why = NULL;
     int r = dm_proxy_normalize_host(ok[k].in, strlen(ok[k].in), out, sizeof out, &ip, &why);
-    CHECK(r == 0 && !strcmp(out, ok[k].out) && ip == ok[k].ip, "%s -> %s/%d (%s)", ok[k].in, r ? "-" : out, ip, why ? why : "");
+    CHECK(r == 0 && !strcmp(out, ok[k].out) && ip == ok[k].ip, "%s -> %s/%d (%s)", ok[k].in, r ? "-" : out, ip,
+          why ? why : "");
   }
   const char *bad[] = {"", ".", "a..b", "-", "a b", "a/b", "é.test", "[1.2.3.4]", "x.", "."};
   for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
@@ -187,12 +197,28 @@ static void test_hosts(void) {
 }
 
 static void test_classes(void) {
-  struct { const char *ip; const char *cls; } t[] = {
-    {"8.8.8.8", "public"}, {"127.0.0.1", "loopback"}, {"127.9.9.9", "loopback"}, {"10.1.2.3", "private"},
-    {"172.16.0.1", "private"}, {"172.32.0.1", "public"}, {"192.168.1.1", "private"}, {"169.254.1.1", "link-local"},
-    {"169.254.169.254", "metadata"}, {"100.100.100.200", "metadata"}, {"100.64.0.1", "shared"},
-    {"0.0.0.0", "unspecified"}, {"224.0.0.1", "multicast"}, {"255.255.255.255", "broadcast"},
-    {"240.0.0.1", "reserved"}, {"192.0.2.1", "reserved"}, {"::1", "ipv6"}, {"2001:4860::8888", "ipv6"},
+  struct {
+    const char *ip;
+    const char *cls;
+  } t[] = {
+    {"8.8.8.8", "public"},
+    {"127.0.0.1", "loopback"},
+    {"127.9.9.9", "loopback"},
+    {"10.1.2.3", "private"},
+    {"172.16.0.1", "private"},
+    {"172.32.0.1", "public"},
+    {"192.168.1.1", "private"},
+    {"169.254.1.1", "link-local"},
+    {"169.254.169.254", "metadata"},
+    {"100.100.100.200", "metadata"},
+    {"100.64.0.1", "shared"},
+    {"0.0.0.0", "unspecified"},
+    {"224.0.0.1", "multicast"},
+    {"255.255.255.255", "broadcast"},
+    {"240.0.0.1", "reserved"},
+    {"192.0.2.1", "reserved"},
+    {"::1", "ipv6"},
+    {"2001:4860::8888", "ipv6"},
     {"::ffff:8.8.8.8", "ipv6"},
   };
   for (size_t k = 0; k < sizeof t / sizeof t[0]; k++) {
@@ -216,12 +242,14 @@ static void test_classes(void) {
   CHECK(dm_proxy_parse_cidr("8.8.0.0/16", &rules[1]) == 0, "cidr");
   rules[1].allow = 0;
   rules[1].index = 5;
-  CHECK(dm_proxy_parse_cidr("10.0.0.0/33", &rules[2]) == -1 && dm_proxy_parse_cidr("nope", &rules[2]) == -1, "bad cidr");
+  CHECK(dm_proxy_parse_cidr("10.0.0.0/33", &rules[2]) == -1 && dm_proxy_parse_cidr("nope", &rules[2]) == -1,
+        "bad cidr");
   struct sockaddr_in a = {.sin_family = AF_INET};
   const char *why;
   int rule;
   inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
-  CHECK(dm_proxy_check_address((struct sockaddr *)&a, 8080, rules, 2, &why, &rule) == 1 && rule == 4, "loopback allowed by rule");
+  CHECK(dm_proxy_check_address((struct sockaddr *)&a, 8080, rules, 2, &why, &rule) == 1 && rule == 4,
+        "loopback allowed by rule");
   CHECK(dm_proxy_check_address((struct sockaddr *)&a, 80, rules, 2, &why, &rule) == 0 && !strcmp(why, "loopback"),
         "other port: class decides (%s)", why);
   inet_pton(AF_INET, "8.8.8.8", &a.sin_addr);
@@ -306,7 +334,10 @@ static void dns_recv(uv_udp_t *u, ssize_t n, const uv_buf_t *b, const struct soc
   dns_queries++;
   unsigned char *m = (unsigned char *)b->base;
   /* answer "allowed.test" with 127.0.0.1, anything else NXDOMAIN */
-  int known = memmem(m, (size_t)n, "\x07" "allowed\x04test", 13) != NULL;
+  int known = memmem(m, (size_t)n,
+                     "\x07"
+                     "allowed\x04test",
+                     13) != NULL;
   static unsigned char out[512];
   memcpy(out, m, (size_t)n);
   out[2] = 0x81;
@@ -415,7 +446,10 @@ static void test_handover(const char *sock) {
   ok = ok && acc >= 0 && connect(u, (struct sockaddr *)&ua, sizeof ua) == 0;
   char byte = 'F';
   struct iovec iov = {.iov_base = &byte, .iov_len = 1};
-  union { struct cmsghdr h; char space[CMSG_SPACE(sizeof(int))]; } ctl;
+  union {
+    struct cmsghdr h;
+    char space[CMSG_SPACE(sizeof(int))];
+  } ctl;
   memset(&ctl, 0, sizeof ctl);
   struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.space, .msg_controllen = sizeof ctl.space};
   struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
@@ -517,7 +551,12 @@ static void test_ceilings(const char *dir) {
   rule.index = 1;
   char resolver[64];
   snprintf(resolver, sizeof resolver, "127.0.0.1:%d", dns_port);
-  dm_proxy_opts o = {.path = sock, .resolver = resolver, .rules = &rule, .nrules = 1, .max_conns = 2, .max_fds = 8,
+  dm_proxy_opts o = {.path = sock,
+                     .resolver = resolver,
+                     .rules = &rule,
+                     .nrules = 1,
+                     .max_conns = 2,
+                     .max_fds = 8,
                      .ceiling_hint = "(raise the test ceiling)"};
   dm_proxy_handler h = {on_request, on_done, on_closed, on_refused};
   int err = 0, closed_before = closed;
@@ -533,7 +572,8 @@ static void test_ceilings(const char *dir) {
   int c = unix_client(sock);
   CHECK(c >= 0 && send(c, req, strlen(req), 0) == (ssize_t)strlen(req), "third client");
   CHECK(await_answer(c, "\r\n\r\n", got, sizeof got) && strstr(got, "HTTP/1.1 503 Service Unavailable") &&
-            strstr(got, "X-Demesne-Egress: ceiling") && strstr(got, "2 connections") && strstr(got, "(raise the test ceiling)"),
+          strstr(got, "X-Demesne-Egress: ceiling") && strstr(got, "2 connections") &&
+          strstr(got, "(raise the test ceiling)"),
         "over max_conns: %s", got);
   CHECK(refused_count == 1 && !strcmp(refused_limit, "connections"), "on_refused: %d %s", refused_count, refused_limit);
   CHECK(dm_proxy_active(p) == 2, "the refused one is not counted: %zu", dm_proxy_active(p));
@@ -541,7 +581,8 @@ static void test_ceilings(const char *dir) {
   close(b);
   close(c);
   for (int i = 0; i < 2000 && (dm_proxy_active(p) || dm_proxy_fds(p)); i++) spin(1);
-  CHECK(dm_proxy_active(p) == 0 && dm_proxy_fds(p) == 0, "released: %zu conns, %zu fds", dm_proxy_active(p), dm_proxy_fds(p));
+  CHECK(dm_proxy_active(p) == 0 && dm_proxy_fds(p) == 0, "released: %zu conns, %zu fds", dm_proxy_active(p),
+        dm_proxy_fds(p));
 
   /* a tunnel holds 6 of the 8 descriptors: the next connection is admitted (2) but cannot dial */
   int t1 = unix_client(sock);
@@ -566,11 +607,15 @@ static void test_ceilings(const char *dir) {
   for (int i = 0; i < 20; i++) {
     int fds[8];
     for (int k = 0; k < 8; k++) fds[k] = 0; /* stdin, eight times: each arrives as a new descriptor */
-    char byte = 'a'; /* the path goes on: the head stays valid */
+    char byte = 'a';                        /* the path goes on: the head stays valid */
     struct iovec iov = {.iov_base = &byte, .iov_len = 1};
-    union { struct cmsghdr h; char space[CMSG_SPACE(sizeof fds)]; } ctl;
+    union {
+      struct cmsghdr h;
+      char space[CMSG_SPACE(sizeof fds)];
+    } ctl;
     memset(&ctl, 0, sizeof ctl);
-    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.space, .msg_controllen = sizeof ctl.space};
+    struct msghdr msg = {
+      .msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.space, .msg_controllen = sizeof ctl.space};
     struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
     cm->cmsg_level = SOL_SOCKET;
     cm->cmsg_type = SCM_RIGHTS;
@@ -580,8 +625,10 @@ static void test_ceilings(const char *dir) {
     spin(5);
   }
   spin(20);
-  CHECK(sent >= 1 && dm_proxy_active(p) == 0 && dm_proxy_fds(p) == 0, "a client that sends descriptors is cut off at once "
-        "(%d sent, %zu connections)", sent, dm_proxy_active(p));
+  CHECK(sent >= 1 && dm_proxy_active(p) == 0 && dm_proxy_fds(p) == 0,
+        "a client that sends descriptors is cut off at once "
+        "(%d sent, %zu connections)",
+        sent, dm_proxy_active(p));
   CHECK(await_answer(u, NULL, got, sizeof got) && got[0] == '\0', "hung up without an answer: %s", got);
   close(u);
   for (int i = 0; i < 2000 && dm_proxy_active(p); i++) spin(1);
@@ -633,15 +680,17 @@ static void test_end_to_end(void) {
   CHECK(strstr(c.got, "200 Connection established") && strstr(c.got, "hello"), "tunnel: %s", c.got);
   CHECK(!strcmp(last_upstream_req, "ping"), "upstream got %s", last_upstream_req);
   CHECK(last.status == 200 && !last.denied && last.bytes_up == 4 && last.bytes_down > 5 && last.rule == 1,
-        "connect result: %d %d up %llu down %llu rule %d", last.status, last.denied,
-        (unsigned long long)last.bytes_up, (unsigned long long)last.bytes_down, last.rule);
+        "connect result: %d %d up %llu down %llu rule %d", last.status, last.denied, (unsigned long long)last.bytes_up,
+        (unsigned long long)last.bytes_down, last.rule);
   CHECK(dns_queries == 1, "one DNS query: %d", dns_queries);
 
-  snprintf(req, sizeof req, "GET http://allowed.test:%d/x HTTP/1.1\r\nHost: nope\r\nProxy-Connection: keep-alive\r\n\r\n", upstream_port);
+  snprintf(req, sizeof req,
+           "GET http://allowed.test:%d/x HTTP/1.1\r\nHost: nope\r\nProxy-Connection: keep-alive\r\n\r\n",
+           upstream_port);
   exchange(sock, &c, req);
   CHECK(strstr(c.got, "HTTP/1.1 200 OK") && strstr(c.got, "hello"), "plain GET: %s", c.got);
   CHECK(strstr(last_upstream_req, "GET /x HTTP/1.1\r\n") && strstr(last_upstream_req, "Connection: close") &&
-            !strstr(last_upstream_req, "nope"),
+          !strstr(last_upstream_req, "nope"),
         "rewritten: %s", last_upstream_req);
 
   test_handover(sock);

@@ -77,7 +77,7 @@ static void check_outside(void) {
   struct dirent *e;
   while ((e = readdir(d)))
     FUZZ_CHECK(!strcmp(e->d_name, ".") || !strcmp(e->d_name, "..") || !strcmp(e->d_name, "in.tar") ||
-                   !strcmp(e->d_name, "outside") || !strcmp(e->d_name, "dest"),
+                 !strcmp(e->d_name, "outside") || !strcmp(e->d_name, "dest"),
                "'%s' appeared beside the destination", e->d_name);
   closedir(d);
   d = opendir(outside);
@@ -88,8 +88,8 @@ static void check_outside(void) {
   closedir(d);
   struct stat st;
   FUZZ_CHECK(lstat(canary, &st) == 0 && S_ISREG(st.st_mode) && st.st_size == canary_st.st_size &&
-                 st.st_mtim.tv_sec == canary_st.st_mtim.tv_sec && st.st_mtim.tv_nsec == canary_st.st_mtim.tv_nsec &&
-                 st.st_mode == canary_st.st_mode,
+               st.st_mtim.tv_sec == canary_st.st_mtim.tv_sec && st.st_mtim.tv_nsec == canary_st.st_mtim.tv_nsec &&
+               st.st_mode == canary_st.st_mode,
              "the canary changed");
 }
 
@@ -99,8 +99,7 @@ static size_t dest_len;
 static int check_entry(const char *path, const struct stat *st, int flag, struct FTW *ftw) {
   (void)ftw;
   FUZZ_CHECK(flag != FTW_NS && flag != FTW_DNR, "cannot read %s", path);
-  FUZZ_CHECK(S_ISDIR(st->st_mode) || S_ISREG(st->st_mode) || S_ISLNK(st->st_mode), "%s has mode %o", path,
-             st->st_mode);
+  FUZZ_CHECK(S_ISDIR(st->st_mode) || S_ISREG(st->st_mode) || S_ISLNK(st->st_mode), "%s has mode %o", path, st->st_mode);
   FUZZ_CHECK(!(st->st_mode & (S_ISUID | S_ISGID)), "%s is setuid or setgid", path);
   if (S_ISLNK(st->st_mode)) {
     const char *rel = path + dest_len + 1;

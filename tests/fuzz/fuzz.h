@@ -9,14 +9,14 @@
 #include <stdlib.h>
 
 /// Aborts with a message when `cond` is false: a broken invariant is a finding.
-#define FUZZ_CHECK(cond, ...)                                                        \
-  do {                                                                               \
-    if (!(cond)) {                                                                   \
+#define FUZZ_CHECK(cond, ...) \
+  do { \
+    if (!(cond)) { \
       fprintf(stderr, "fuzz: %s:%d: check failed: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__);                                                  \
-      fputc('\n', stderr);                                                           \
-      abort();                                                                       \
-    }                                                                                \
+      fprintf(stderr, __VA_ARGS__); \
+      fputc('\n', stderr); \
+      abort(); \
+    } \
   } while (0)
 
 /// Read sizes for one input: a generator seeded from the input's bytes (FNV-1a), so the
@@ -37,7 +37,7 @@ static inline size_t fuzz_chunk_next(fuzz_chunks *c, size_t max) {
   c->state ^= c->state >> 7;
   c->state ^= c->state << 17;
   unsigned pick = (unsigned)(c->state >> 56);
-  if (pick < 64) return max;                    /* one read takes the rest */
+  if (pick < 64) return max; /* one read takes the rest */
   size_t n = 1 + (size_t)(c->state % (pick < 192 ? 16 : 512));
   return n < max ? n : max;
 }

@@ -119,7 +119,10 @@ static void check_json_string(const char *s, size_t n) {
       FUZZ_CHECK((t & 0xc0) == 0x80, "a bad continuation byte");
       cp = (cp << 6) | (t & 0x3f);
     }
-    FUZZ_CHECK(cp >= (len == 2 ? 0x80u : len == 3 ? 0x800u : 0x10000u) && cp <= 0x10ffff && (cp < 0xd800 || cp > 0xdfff),
+    FUZZ_CHECK(cp >= (len == 2   ? 0x80u
+                      : len == 3 ? 0x800u
+                                 : 0x10000u) &&
+                 cp <= 0x10ffff && (cp < 0xd800 || cp > 0xdfff),
                "an invalid code point U+%X", cp);
     i += len - 1;
   }

@@ -23,6 +23,7 @@ local json = require("demesne.json")
 local framing = require("demesne.mcp.framing")
 local server = require("demesne.mcp.server")
 local tools = require("demesne.tools")
+local fs = require("core.fs")
 local loop = require("core.loop")
 local text = require("core.text")
 local fuzz = require("fuzzlib")
@@ -42,7 +43,7 @@ end
 for _, name in ipairs({ "fixture_echo", "fixture_progress", "json_schema_2020_12_tool", "test_sampling",
   "test_elicitation", "test_elicitation_sep1034_defaults", "test_elicitation_sep1330_enums" }) do
   local path = FUZZ_SOURCE_DIR .. "/tests/fixtures/tools/" .. name .. ".lua"
-  local src = assert(tools.read_file(path))
+  local src = assert(fs.read_file(path))
   registry:add(assert(tools.load_source(src, path)))
 end
 

@@ -1,12 +1,13 @@
--- Fuzz harness: a command's status.json as the host reads it back (lua/sandbox.lua:
+-- Fuzz harness: a command's status.json as the host reads it back (lua/sandbox/files.lua:
 -- read_status, then the sandbox_exec and sandbox_script results built from it). demesne-init
 -- writes the file in the run folder, where any process of a persistent sandbox can rewrite
 -- it; the host must make of it only what the tools' outputSchema allows.
 --
 -- Findings: a Lua error; a result that breaks its tool's outputSchema (MCP clients check
 -- structuredContent against it); an OOM note that is not text.
+local errors = require("demesne.errors")
 local sandbox = require("demesne.sandbox")
-local schema = require("demesne.mcp.schema")
+local schema = require("demesne.jsonschema")
 local tools = require("demesne.tools")
 local fs = require("core.fs")
 local fuzz = require("fuzzlib")
@@ -29,7 +30,7 @@ end
 local function result_or_refusal(what, sch, fn, ...)
   local ok, r = pcall(fn, ...)
   if ok then return valid(sch, r, what) end
-  check(type(r) == "table" and r.demesne_error == true and type(r.message) == "string",
+  check(type(r) == "table" and errors.is(r) and type(r.message) == "string",
     "%s raised a Lua error: %s", what, tostring(r))
   check(r.message:find("status.json", 1, true) ~= nil, "%s refused without naming status.json: %s", what, r.message)
 end

@@ -1,4 +1,4 @@
--- Fuzz harness: what comes back to the vendor route from upstream, as lua/vendor.lua reads
+-- Fuzz harness: what comes back to the vendor route from upstream, as lua/vendor/ reads
 -- it: the response body's usage (providers.usage_counter: the SSE reader and each adapter's
 -- usage_from_sse for an event stream, usage_from_json for JSON), its indicative cost, and
 -- for a 429 the reset time in the headers and the body (vendor.reset_wait, body_reset) and

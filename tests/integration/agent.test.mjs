@@ -74,7 +74,7 @@ function rateLimit(res, seconds) {
 
 // A prompt holding LIMIT_UNTIL_RESUMED gets 429 (reset 3 s ahead, longer than the route holds
 // a request in those tests) on its tool-result turn until a request carries the prompt that
-// demesne resumes a session with (lua/agent.lua RESUME_PROMPT).
+// demesne resumes a session with (lua/agent/resume.lua RESUME_PROMPT).
 const RESUME_TEXT = "rate limit that has now reset";
 const resumedRequests = []; // {provider, history}: requests that carried the resume prompt
 

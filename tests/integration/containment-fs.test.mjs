@@ -286,7 +286,7 @@ test("a 1500-deep folder: the download is refused naming the depth, destroy remo
   assert.equal(treeDigest(canary), before, "the links to the canary were removed, not followed");
 });
 
-// A job record as lua/jobs.lua writes it, owned by a server that is gone.
+// A job record as lua/jobs/ writes it, owned by a server that is gone.
 function forgeRecord(stateDir, rec) {
   const id = `job-20260101T000000Z-${randomBytes(5).toString("hex")}`;
   const full = { job_id: id, status: "running", owner: `${hostname()}/999999999/1`, started_ms: Date.now(),

@@ -107,7 +107,13 @@ test("C18: https://allowed.test, :443, a *.allowed.test name and http://allowed.
   const r = await script(urls.map((u) => `${CURL} -k -o /dev/null -w '%{http_code}\\n' ${u}`).join("; "));
   assert.equal(r.exit_code, 0, r.stderr);
   assert.deepEqual(r.stdout.trim().split("\n"), urls.map(() => "200"));
-  assert.ok(egressLog(r).every((l) => l.verdict === "allow"));
+  // one logged connection per URL, each allowed by the rule for allowed.test (a log that
+  // is missing or short fails here, where `every` over it would pass)
+  const log = egressLog(r);
+  assert.deepEqual(log.map((l) => [l.host, l.verdict, l.rule]), [
+    ["allowed.test", "allow", "test#2 allowed"], ["allowed.test", "allow", "test#2 allowed"],
+    ["sub.allowed.test", "allow", "test#2 allowed"], ["allowed.test", "allow", "test#2 allowed"],
+    ["a.b.allowed.test", "allow", "test#2 allowed"]], JSON.stringify(log));
 });
 
 test("C17: 50 times each of 7 spellings of a denied name: every attempt denied", async () => {

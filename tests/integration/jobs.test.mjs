@@ -231,6 +231,7 @@ test("sandbox_jobs lists running jobs first and filters by status", async () => 
     assert.ok(all.jobs.length >= 5);
     assert.equal(all.jobs[0].status, "running");
     const firstDone = all.jobs.findIndex((x) => x.status !== "running");
+    assert.ok(firstDone > 0, "the list holds running and finished jobs");
     assert.ok(all.jobs.slice(firstDone).every((x) => x.status !== "running"), "running ones come first");
     assert.ok(all.jobs.some((x) => x.job_id === run.job_id && x.command === "sleep 60"));
     const cancelled = await ok("sandbox_jobs", { status: "cancelled" });
@@ -384,11 +385,14 @@ test("a job whose container was removed while no server ran is lost, with the re
   const exec = await okOn(a, "sandbox_exec", { sandbox_id: sb.sandbox_id, background: true, command: "sleep 300" });
   await sleep(1500);
   await killHard(a);
+  let removed = 0;
   for (const c of await ours()) {
     if (c.Labels["io.demesne.job_id"] === script.job_id || c.Labels["io.demesne.run_id"] === sb.sandbox_id) {
       assert.ok([200, 204].includes((await engine("DELETE", `/containers/${c.Id}?force=true&v=true`)).status));
+      removed++;
     }
   }
+  assert.equal(removed, 2, "the job's container and the sandbox were removed behind the server's back");
   const b = await open(state);
   try {
     const s = await okOn(b, "sandbox_wait", { job_id: script.job_id, timeout_seconds: 30 });
@@ -415,6 +419,12 @@ test("a background exec whose sandbox is destroyed under it is lost, with the re
 });
 
 test("no container is left behind", async () => {
+  // first, that ours() sees this file's containers at all: an empty list from a filter
+  // that matches nothing would pass the check below whatever was left
+  const j = await ok("sandbox_script", { image: "base", background: true, command: "sleep 60" });
+  assert.deepEqual((await ours()).filter((c) => c.Labels["io.demesne.job_id"] === j.job_id).length, 1,
+    "a running job's container is one of ours");
+  await ok("sandbox_cancel", { job_id: j.job_id });
   await sleep(500);
   assert.deepEqual((await ours()).map((c) => c.Names), []);
 });

@@ -98,6 +98,15 @@ test("sandbox_script runs on the engine: output, /out kept, container removed", 
   assert.deepEqual(await containersLeft(`io.demesne.run_id=${r.run_id}`), []);
 });
 
+test("a sandbox's container carries its run_id label while it lives (what the removal checks look for)", async () => {
+  const sb = await ok("sandbox_create", { image: "base" });
+  const live = await containersWithLabel(`io.demesne.run_id=${sb.sandbox_id}`);
+  assert.equal(live.length, 1, "found by its run_id label");
+  assert.equal(live[0].Labels["io.demesne.kind"], "persistent");
+  await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  assert.deepEqual(await containersWithLabel(`io.demesne.run_id=${sb.sandbox_id}`), []);
+});
+
 test("exit code and stderr come back", async () => {
   const r = await ok("sandbox_script", { command: "echo oops >&2; exit 3", image: "base" });
   assert.equal(r.exit_code, 3);

@@ -1,8 +1,9 @@
--- The agent runner's wiring of demesne's in-sandbox MCP server into the CLIs (lua/agent.lua
+-- The agent runner's wiring of demesne's in-sandbox MCP server into the CLIs (lua/agent/init.lua
 -- agent.wire, agent.mcp_servers) and the context file's section on child sandboxes, on
 -- plans made by hand (the endpoint as lua/tree's plan hook leaves it on the plan). The real
 -- CLIs run this wiring in tests/integration/agent-tree.test.mjs.
 local agent = require("demesne.agent")
+local context = require("demesne.agent.context")
 local providers = require("demesne.providers")
 local json = require("demesne.json")
 
@@ -71,7 +72,7 @@ function tests.no_endpoint_no_wiring(t)
   t:eq(o.run.mcp_servers, nil)
   t:eq(files, {})
   t:ok(not o.wrapper:find("'/.demesne/agent/mcp.json'", 1, true))
-  t:ok(not agent.context_text(o, { prompt = "p" }):find("sandbox_", 1, true),
+  t:ok(not context.text(o, { prompt = "p" }):find("sandbox_", 1, true),
     "a run without an endpoint hears nothing of child sandboxes")
 end
 
@@ -83,7 +84,7 @@ function tests.a_provider_that_takes_no_mcp_server_gets_none(t)
   o.provider = p
   agent.wire(o)
   t:eq(o.run.mcp_servers, nil)
-  local text = agent.context_text(o, { prompt = "p" })
+  local text = context.text(o, { prompt = "p" })
   t:match(text, "your CLI is not connected to it")
   t:ok(not text:find("sandbox_wait", 1, true))
 end
@@ -92,7 +93,7 @@ function tests.the_context_file_tells_the_tools_the_habits_and_the_limits(t)
   local o = plan("claude_code", ENDPOINT)
   o.mounts = { { host = "/h/data", target = "/in/data" }, { host = "/h/out/child/lint", target = "/in/previous-jobs/lint" } }
   agent.wire(o)
-  local text = agent.context_text(o, { prompt = "Build the thing." })
+  local text = context.text(o, { prompt = "Build the thing." })
   t:ok(text:find("  - `/in/data`\n", 1, true), "a host input")
   t:ok(text:find("  - `/in/previous-jobs/lint` (the output of `lint`, a child your parent spawned before you)", 1, true),
     "an earlier sibling's output")
@@ -110,13 +111,13 @@ function tests.the_context_file_tells_the_tools_the_habits_and_the_limits(t)
   -- at the deepest level: no children
   local deep = plan("codex", { url = ENDPOINT.url, token = "t", tree = { depth = 3, limits = { depth = 3 } } })
   agent.wire(deep)
-  local deep_text = agent.context_text(deep, { prompt = "p" })
+  local deep_text = context.text(deep, { prompt = "p" })
   t:match(deep_text, "You are at depth 3, the deepest allowed %(3%): you cannot spawn")
   t:ok(deep_text:find("`await tools.mcp__demesne__sandbox_script({...})`", 1, true), "Codex's code mode explained")
   -- no budget
   local free = plan("codex", { url = ENDPOINT.url, token = "t", tree = { depth = 0, limits = { depth = 3 } } })
   agent.wire(free)
-  t:match(agent.context_text(free, { prompt = "p" }), "No budget is set")
+  t:match(context.text(free, { prompt = "p" }), "No budget is set")
 end
 
 return tests

@@ -235,7 +235,7 @@ function tests.read_status_tells_missing_from_unreadable(t)
   local function failure(id)
     local ok, e = pcall(sandbox.read_status, run, id)
     t:eq(ok, false, id .. " must fail")
-    t:ok(type(e) == "table" and e.demesne_error, id .. ": a user-facing error, not a Lua error: " .. tostring(e))
+    t:ok(require("demesne.errors").is(e), id .. ": a user-facing error, not a Lua error: " .. tostring(e))
     return e.message
   end
   assert(fs.mkdir_p(run .. "/exec/fifo"))
@@ -264,12 +264,13 @@ end
 function tests.egress_and_vendor_files_never_block_or_follow(t)
   local s <close> = scratch()
   local egress = require("demesne.egress")
+  local policy = require("demesne.egress.policy")
   local out, run = s.tree .. "/out", s.tree .. "/run"
   assert(fs.mkdir_p(out))
   assert(fs.mkdir_p(run))
   t:ok(sh(("mkfifo %s/egress.jsonl && ln -s %s/canary/keep %s/apt.conf"):format(out, s.path, run)), "setup")
   local started = loop.hrtime()
-  local pol = assert(egress.policy("none"))
+  local pol = assert(policy.policy("none"))
   local h, err = egress.start({ run_id = "ct-" .. hex(loop.random(3)), run_dir = run, output_dir = out, policy = pol })
   t:eq(h, nil, "a FIFO at egress.jsonl is refused")
   t:match(err, "egress%.jsonl: not a regular file %(a fifo%)")

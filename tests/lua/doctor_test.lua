@@ -169,7 +169,8 @@ function tests.images_are_ready_when_built_or_buildable_without_a_registry(t)
     loop.setenv("PATH", d.path) -- no mmdebstrap here
     local st, reason, fix = images.readiness(eng, "default")
     t:eq(st, nil, "nothing built, nothing to build with")
-    t:match(reason, "^image default is not built, no Debian root filesystem image is in the engine, and mmdebstrap is not installed")
+    t:match(reason, "^image default is not built, no Debian root filesystem image is in the engine, and mmdebstrap is "
+      .. "not installed")
     t:match(fix, "^apt%-get install mmdebstrap, then `demesne images build`")
     assert(fs.write_atomic(d.path .. "/mmdebstrap", "#!/bin/sh\nexit 1\n"))
     assert(fs.chmod(d.path .. "/mmdebstrap", tonumber("755", 8)))
@@ -179,6 +180,7 @@ function tests.images_are_ready_when_built_or_buildable_without_a_registry(t)
     present["demesne/debian-rootfs:bookworm"] = true
     t:eq(images.readiness(eng, "default"), { state = "buildable", from = "demesne/debian-rootfs:bookworm" })
     st, reason, fix = images.readiness(eng, "example/own:1")
+    t:eq(st, nil, "an image neither built-in nor present is not ready")
     t:eq(reason, 'image "example/own:1" is neither built-in nor present in the engine')
     t:match(fix, "set default_image to a built%-in image")
     present["example/own:1"] = true

@@ -2,6 +2,7 @@
 -- the names the proxy would hand over) and one sandbox proxy end to end on loopback:
 -- core.proxy listening on a unix socket, verdicts from demesne.egress, egress.jsonl lines.
 local egress = require("demesne.egress")
+local egress_policy = require("demesne.egress.policy")
 local json = require("demesne.json")
 local async = require("demesne.async")
 local proxy = require("core.proxy")
@@ -20,7 +21,7 @@ local function tmpdir()
 end
 
 local function policy(rules, name)
-  return assert(egress.compile(name or "t", { rules = rules }))
+  return assert(egress_policy.compile(name or "t", { rules = rules }))
 end
 
 -- What the proxy hands Lua for a URL or HOST[:PORT] typed in the sandbox.
@@ -32,20 +33,20 @@ local function req_of(target)
 end
 
 local TEST_RULES = {
-  { egress.DENY, host = "blocked.allowed.test", name = "carve-out" },
-  { egress.ALLOW, host = { "allowed.test", "*.allowed.test" }, port = { 80, 443 }, name = "allowed" },
-  { egress.DENY, host = ".denied.test", name = "denied" },
-  { egress.ALLOW, cidr = "127.0.0.0/8", port = 8080, name = "loopback" },
+  { egress_policy.DENY, host = "blocked.allowed.test", name = "carve-out" },
+  { egress_policy.ALLOW, host = { "allowed.test", "*.allowed.test" }, port = { 80, 443 }, name = "allowed" },
+  { egress_policy.DENY, host = ".denied.test", name = "denied" },
+  { egress_policy.ALLOW, cidr = "127.0.0.0/8", port = 8080, name = "loopback" },
 }
 
 function T.matching_exact_suffix_wildcard_port_cidr(t)
   local p = policy({
-    { egress.ALLOW, host = "exact.test" },
-    { egress.ALLOW, host = ".suffix.test" },
-    { egress.ALLOW, host = "*.wild.test", port = 443 },
-    { egress.ALLOW, cidr = { "10.1.0.0/16", "fd00::/8" } },
+    { egress_policy.ALLOW, host = "exact.test" },
+    { egress_policy.ALLOW, host = ".suffix.test" },
+    { egress_policy.ALLOW, host = "*.wild.test", port = 443 },
+    { egress_policy.ALLOW, cidr = { "10.1.0.0/16", "fd00::/8" } },
   })
-  local function v(target) return (egress.decide(p, req_of(target))) end
+  local function v(target) return (egress_policy.decide(p, req_of(target))) end
   t:eq(v("exact.test"), "ALLOW", "exact")
   t:eq(v("a.exact.test"), "DENY", "exact is not a suffix")
   t:eq(v("suffix.test"), "ALLOW", "suffix: the domain")
@@ -62,14 +63,15 @@ end
 
 function T.first_decisive_rule_wins_and_counts_hits(t)
   local p = policy(TEST_RULES)
-  local verdict, label = egress.decide(p, req_of("https://blocked.allowed.test"))
+  local verdict, label = egress_policy.decide(p, req_of("https://blocked.allowed.test"))
   t:eq(verdict, "DENY", "the earlier DENY wins over the later ALLOW")
   t:eq(label, "t#1 carve-out", "label")
-  verdict, label = egress.decide(p, req_of("https://x.allowed.test"))
+  verdict, label = egress_policy.decide(p, req_of("https://x.allowed.test"))
   t:eq({ verdict, label }, { "ALLOW", "t#2 allowed" }, "the next rule decides")
-  egress.decide(p, req_of("https://allowed.test"))
-  egress.decide(p, req_of("http://allowed.test"))
-  verdict, label = egress.decide(p, req_of("https://nothing.test"))
+  egress_policy.decide(p, req_of("https://allowed.test"))
+  egress_policy.decide(p, req_of("http://allowed.test"))
+  verdict, label = egress_policy.decide(p, req_of("https://nothing.test"))
+  t:eq(verdict, "DENY", "nothing matched: deny")
   t:eq(label, "t:default-deny", "default")
   t:eq({ p.rules[1].hits, p.rules[2].hits, p.rules[3].hits, p.rules[4].hits }, { 1, 3, 0, 0 }, "hits")
 end
@@ -80,7 +82,7 @@ function T.C17_every_spelling_of_a_denied_name_is_denied(t)
     "denied.test.", "allowed.test.denied.test", "denied-allowed.test" }
   for round = 1, 50 do
     for _, s in ipairs(spellings) do
-      local verdict, label = egress.decide(p, req_of(s))
+      local verdict, label = egress_policy.decide(p, req_of(s))
       if verdict ~= "DENY" then error(("round %d: %s was allowed by %s"):format(round, s, label)) end
     end
   end
@@ -91,89 +93,89 @@ function T.C18_allowed_spellings_succeed(t)
   local p = policy(TEST_RULES)
   for _, s in ipairs({ "https://allowed.test", "https://allowed.test:443", "https://sub.allowed.test",
       "http://allowed.test:80", "ALLOWED.TEST.", "https://a.b.allowed.test" }) do
-    t:eq((egress.decide(p, req_of(s))), "ALLOW", s)
+    t:eq((egress_policy.decide(p, req_of(s))), "ALLOW", s)
   end
 end
 
 function T.ip_literals_need_a_rule_that_names_them(t)
-  local p = policy({ { egress.ALLOW, host = "*" } })
+  local p = policy({ { egress_policy.ALLOW, host = "*" } })
   for _, s in ipairs({ "1.2.3.4", "http://127.0.0.1", "[::1]:443", "2130706433:80", "0x7f.1", "169.254.169.254" }) do
-    t:eq((egress.decide(p, req_of(s))), "DENY", s .. " under host = '*'")
+    t:eq((egress_policy.decide(p, req_of(s))), "DENY", s .. " under host = '*'")
   end
-  t:eq((egress.decide(p, req_of("example.test"))), "ALLOW", "names match '*'")
-  local q = policy({ { egress.ALLOW, host = "127.0.0.1", port = 8080 } })
-  t:eq((egress.decide(q, req_of("127.1:8080"))), "ALLOW", "an IP host rule is a /32")
+  t:eq((egress_policy.decide(p, req_of("example.test"))), "ALLOW", "names match '*'")
+  local q = policy({ { egress_policy.ALLOW, host = "127.0.0.1", port = 8080 } })
+  t:eq((egress_policy.decide(q, req_of("127.1:8080"))), "ALLOW", "an IP host rule is a /32")
   t:eq(q.addr_rules, { { cidr = "127.0.0.1/32", allow = true, port = 8080, index = 1 } }, "address rules for C")
 end
 
 function T.bad_policies_are_refused_with_their_field(t)
   local cases = {
     { { { "MAYBE", host = "a" } }, "ALLOW or DENY" },
-    { { { egress.ALLOW } }, "either host or cidr" },
-    { { { egress.ALLOW, host = "a", cidr = "10.0.0.0/8" } }, "either host or cidr" },
-    { { { egress.ALLOW, host = "a*.test" } }, "only as a whole first label" },
-    { { { egress.ALLOW, host = "a b" } }, "invalid character" },
-    { { { egress.ALLOW, cidr = "10.0.0.0/99" } }, "not a CIDR" },
-    { { { egress.ALLOW, host = "a", port = 70000 } }, "not a port" },
+    { { { egress_policy.ALLOW } }, "either host or cidr" },
+    { { { egress_policy.ALLOW, host = "a", cidr = "10.0.0.0/8" } }, "either host or cidr" },
+    { { { egress_policy.ALLOW, host = "a*.test" } }, "only as a whole first label" },
+    { { { egress_policy.ALLOW, host = "a b" } }, "invalid character" },
+    { { { egress_policy.ALLOW, cidr = "10.0.0.0/99" } }, "not a CIDR" },
+    { { { egress_policy.ALLOW, host = "a", port = 70000 } }, "not a port" },
   }
   for _, c in ipairs(cases) do
-    local p, err = egress.compile("bad", { rules = c[1] })
+    local p, err = egress_policy.compile("bad", { rules = c[1] })
     t:eq(p, nil, c[2])
     t:match(err, c[2], "message")
   end
 end
 
 function T.policy_files_load_without_raw_core(t)
-  local p, err = egress.load_source("x", 'local fs = require("core.fs") return { rules = {} }', "x.lua")
+  local p, err = egress_policy.load_source("x", 'local fs = require("core.fs") return { rules = {} }', "x.lua")
   t:eq(p, nil, "core.* refused")
   t:match(err, "not allowed", "why")
-  p = assert(egress.load_source("y", 'return { rules = { { ALLOW, host = sources and "ok.test" } } }', "y.lua"))
-  t:eq((egress.decide(p, req_of("ok.test"))), "ALLOW", "ALLOW, DENY and sources are there")
+  p = assert(egress_policy.load_source("y", 'return { rules = { { ALLOW, host = sources and "ok.test" } } }', "y.lua"))
+  t:eq((egress_policy.decide(p, req_of("ok.test"))), "ALLOW", "ALLOW, DENY and sources are there")
 end
 
 function T.builtin_policies(t)
-  egress.reload()
-  local pm = assert(egress.policy("package-managers"))
-  t:eq((egress.decide(pm, req_of("https://pypi.org"))), "ALLOW", "pypi")
-  t:eq((egress.decide(pm, req_of("https://files.pythonhosted.org"))), "ALLOW", "pypi files")
-  t:eq((egress.decide(pm, req_of("https://proxy.golang.org"))), "ALLOW", "go proxy")
-  t:eq((egress.decide(pm, req_of("https://sum.golang.org"))), "ALLOW", "go sumdb")
-  t:eq((egress.decide(pm, req_of("https://static.crates.io"))), "ALLOW", "crates")
-  t:eq((egress.decide(pm, req_of("https://rubygems.org"))), "ALLOW", "rubygems")
-  t:eq((egress.decide(pm, req_of("http://us.archive.ubuntu.com"))), "ALLOW", "ubuntu mirror")
-  t:eq((egress.decide(pm, req_of("http://pypi.org"))), "DENY", "pypi over port 80")
-  t:eq((egress.decide(pm, req_of("https://pypi.org.evil.test"))), "DENY", "look-alike")
-  t:eq((egress.decide(pm, req_of("https://169.254.169.254"))), "DENY", "metadata")
-  local none = assert(egress.policy("none"))
-  t:eq((egress.decide(none, req_of("https://pypi.org"))), "DENY", "none")
-  t:ok(assert(egress.policy("open")).open, "open")
-  local sel, err = egress.select("open", true)
+  egress_policy.reload()
+  local pm = assert(egress_policy.policy("package-managers"))
+  t:eq((egress_policy.decide(pm, req_of("https://pypi.org"))), "ALLOW", "pypi")
+  t:eq((egress_policy.decide(pm, req_of("https://files.pythonhosted.org"))), "ALLOW", "pypi files")
+  t:eq((egress_policy.decide(pm, req_of("https://proxy.golang.org"))), "ALLOW", "go proxy")
+  t:eq((egress_policy.decide(pm, req_of("https://sum.golang.org"))), "ALLOW", "go sumdb")
+  t:eq((egress_policy.decide(pm, req_of("https://static.crates.io"))), "ALLOW", "crates")
+  t:eq((egress_policy.decide(pm, req_of("https://rubygems.org"))), "ALLOW", "rubygems")
+  t:eq((egress_policy.decide(pm, req_of("http://us.archive.ubuntu.com"))), "ALLOW", "ubuntu mirror")
+  t:eq((egress_policy.decide(pm, req_of("http://pypi.org"))), "DENY", "pypi over port 80")
+  t:eq((egress_policy.decide(pm, req_of("https://pypi.org.evil.test"))), "DENY", "look-alike")
+  t:eq((egress_policy.decide(pm, req_of("https://169.254.169.254"))), "DENY", "metadata")
+  local none = assert(egress_policy.policy("none"))
+  t:eq((egress_policy.decide(none, req_of("https://pypi.org"))), "DENY", "none")
+  t:ok(assert(egress_policy.policy("open")).open, "open")
+  local sel, err = egress_policy.select("open", true)
   t:eq(sel, nil, "open with inputs")
   t:match(err, "exfiltration", "why")
-  t:ok(egress.select(nil, true), "the default is fine with inputs")
-  t:eq(egress.select(nil, false).name, "package-managers", "default")
+  t:ok(egress_policy.select(nil, true), "the default is fine with inputs")
+  t:eq(egress_policy.select(nil, false).name, "package-managers", "default")
 end
 
 function T.allowlist_entries(t)
   local p = policy({
-    assert(egress.allow_entry("a.test")), assert(egress.allow_entry("*.b.test:8443")),
-    assert(egress.allow_entry("10.0.0.0/8:5432")), assert(egress.allow_entry("fd00::1")),
+    assert(egress_policy.allow_entry("a.test")), assert(egress_policy.allow_entry("*.b.test:8443")),
+    assert(egress_policy.allow_entry("10.0.0.0/8:5432")), assert(egress_policy.allow_entry("fd00::1")),
   })
-  t:eq((egress.decide(p, req_of("a.test:1"))), "ALLOW", "host, any port")
-  t:eq((egress.decide(p, req_of("x.b.test:8443"))), "ALLOW", "wildcard with port")
-  t:eq((egress.decide(p, req_of("x.b.test:443"))), "DENY", "other port")
-  t:eq((egress.decide(p, req_of("10.9.9.9:5432"))), "ALLOW", "cidr with port")
-  t:eq((egress.decide(p, req_of("[fd00::1]:80"))), "ALLOW", "v6 literal")
+  t:eq((egress_policy.decide(p, req_of("a.test:1"))), "ALLOW", "host, any port")
+  t:eq((egress_policy.decide(p, req_of("x.b.test:8443"))), "ALLOW", "wildcard with port")
+  t:eq((egress_policy.decide(p, req_of("x.b.test:443"))), "DENY", "other port")
+  t:eq((egress_policy.decide(p, req_of("10.9.9.9:5432"))), "ALLOW", "cidr with port")
+  t:eq((egress_policy.decide(p, req_of("[fd00::1]:80"))), "ALLOW", "v6 literal")
 end
 
 function T.environment_points_tools_at_the_proxy(t)
-  local env = egress.env(assert(egress.policy("none")))
+  local env = egress.env(assert(egress_policy.policy("none")))
   t:eq(env.HTTPS_PROXY, "http://127.0.0.1:3128", "HTTPS_PROXY")
   t:eq(env.http_proxy, "http://127.0.0.1:3128", "http_proxy")
   t:eq(env.no_proxy, "localhost,127.0.0.1,::1", "no_proxy")
   t:eq(env.DO_NOT_TRACK, "1", "telemetry off")
-  t:eq(egress.env(assert(egress.policy("open"))).HTTPS_PROXY, nil, "open: no proxy")
-  t:eq(egress.relay_args(assert(egress.policy("none"))), { "--relay", "3128=/.demesne/run/egress.sock" }, "relay")
+  t:eq(egress.env(assert(egress_policy.policy("open"))).HTTPS_PROXY, nil, "open: no proxy")
+  t:eq(egress.relay_args(assert(egress_policy.policy("none"))), { "--relay", "3128=/.demesne/run/egress.sock" }, "relay")
 end
 
 -- One exchange over the sandbox's socket: sends `req`, returns everything until EOF.
@@ -208,8 +210,8 @@ function T.sandbox_proxy_end_to_end(t)
     end)
   end))
   local p = policy({
-    { egress.DENY, host = ".denied.test" },
-    { egress.ALLOW, cidr = "127.0.0.1/32", port = port, name = "upstream" },
+    { egress_policy.DENY, host = ".denied.test" },
+    { egress_policy.ALLOW, cidr = "127.0.0.1/32", port = port, name = "upstream" },
   }, "e2e")
   local h = assert(egress.start({ run_id = "r1", run_dir = dir.path .. "/run", output_dir = dir.path .. "/out", policy = p }))
   local sock = dir.path .. "/run/egress.sock"
@@ -241,30 +243,30 @@ end
 -- "Open egress" is a property of the policy, not its name (issue 10): a bridge network, an
 -- ALLOW for every name or a wide address block, or a declaration.
 function T.open_egress_is_a_property_not_a_name(t)
-  local function unrestricted(def) return assert(egress.compile("mine", def)).unrestricted end
+  local function unrestricted(def) return assert(egress_policy.compile("mine", def)).unrestricted end
   t:eq(unrestricted({ open = true }), true, "bridge network")
-  t:eq(unrestricted({ rules = { { egress.ALLOW, host = "*" } } }), true, "any name")
-  t:eq(unrestricted({ rules = { { egress.DENY, host = ".evil.test" }, { egress.ALLOW, host = "*", port = 443 } } }),
+  t:eq(unrestricted({ rules = { { egress_policy.ALLOW, host = "*" } } }), true, "any name")
+  t:eq(unrestricted({ rules = { { egress_policy.DENY, host = ".evil.test" }, { egress_policy.ALLOW, host = "*", port = 443 } } }),
     true, "any name on one port, after a carve-out")
-  t:eq(unrestricted({ rules = { { egress.ALLOW, cidr = "0.0.0.0/0" } } }), true, "every IPv4 address")
-  t:eq(unrestricted({ rules = { { egress.ALLOW, cidr = { "0.0.0.0/1", "128.0.0.0/1" } } } }), true, "two halves")
-  t:eq(unrestricted({ rules = { { egress.ALLOW, cidr = "::/0" } } }), true, "every IPv6 address")
+  t:eq(unrestricted({ rules = { { egress_policy.ALLOW, cidr = "0.0.0.0/0" } } }), true, "every IPv4 address")
+  t:eq(unrestricted({ rules = { { egress_policy.ALLOW, cidr = { "0.0.0.0/1", "128.0.0.0/1" } } } }), true, "two halves")
+  t:eq(unrestricted({ rules = { { egress_policy.ALLOW, cidr = "::/0" } } }), true, "every IPv6 address")
   t:eq(unrestricted({ unrestricted = true, rules = {} }), true, "declared")
-  t:eq(unrestricted({ rules = { { egress.DENY, host = "*" } } }), false, "a DENY for every name is not open")
-  t:eq(unrestricted({ rules = { { egress.ALLOW, host = ".example.com" }, { egress.ALLOW, cidr = "10.0.0.0/8" } } }),
+  t:eq(unrestricted({ rules = { { egress_policy.DENY, host = "*" } } }), false, "a DENY for every name is not open")
+  t:eq(unrestricted({ rules = { { egress_policy.ALLOW, host = ".example.com" }, { egress_policy.ALLOW, cidr = "10.0.0.0/8" } } }),
     false, "named hosts and a private block")
-  t:eq(assert(egress.policy("package-managers")).unrestricted, false, "package-managers")
-  t:eq(assert(egress.policy("none")).unrestricted, false, "none")
-  t:eq(assert(egress.policy("open")).unrestricted, true, "open")
+  t:eq(assert(egress_policy.policy("package-managers")).unrestricted, false, "package-managers")
+  t:eq(assert(egress_policy.policy("none")).unrestricted, false, "none")
+  t:eq(assert(egress_policy.policy("open")).unrestricted, true, "open")
   -- a user's open policy under another name is refused with host inputs
-  local all = egress.policies()
-  all.wideopen = assert(egress.compile("wideopen", { rules = { { egress.ALLOW, host = "*" } } }))
-  local pol, err = egress.select("wideopen", true)
+  local all = egress_policy.policies()
+  all.wideopen = assert(egress_policy.compile("wideopen", { rules = { { egress_policy.ALLOW, host = "*" } } }))
+  local pol, err = egress_policy.select("wideopen", true)
   all.wideopen = nil
   t:eq(pol, nil, "refused with inputs")
   t:match(err, "open egress", "the refusal says why")
-  t:ok(egress.select("package-managers", true), "a restricted policy is fine")
-  t:eq(egress.is_unrestricted("no-such-policy"), true, "an unknown name counts as open")
+  t:ok(egress_policy.select("package-managers", true), "a restricted policy is fine")
+  t:eq(egress_policy.is_unrestricted("no-such-policy"), true, "an unknown name counts as open")
 end
 
 -- A sandbox over its ceiling gets a 503 that names it, and egress.jsonl says why.
@@ -276,7 +278,7 @@ function T.sandbox_proxy_connection_ceiling(t)
   loop.setenv("DEMESNE_EGRESS_MAX_CONNECTIONS", "2")
   config.load()
   local h = assert(egress.start({ run_id = "r2", run_dir = dir.path .. "/run", output_dir = dir.path .. "/out",
-    policy = assert(egress.policy("none")) }))
+    policy = assert(egress_policy.policy("none")) }))
   loop.setenv("DEMESNE_EGRESS_MAX_CONNECTIONS", nil)
   config.load()
   local sock = dir.path .. "/run/egress.sock"

@@ -49,7 +49,7 @@ local SPEC = {
 }
 
 function tests.docker_translates_the_spec_into_the_create_body_it_always_sent(t)
-  -- the body lua/sandbox.lua built itself before the neutral spec (docs/reference/engines.md)
+  -- the body lua/sandbox/ built itself before the neutral spec (docs/reference/engines.md)
   t:eq(json.decode(json.encode(docker.create_body(SPEC))), {
     Image = "demesne/default:3f9c0a1b2c4d",
     Entrypoint = { "/.demesne/init" },
@@ -114,7 +114,6 @@ function tests.docker_adapter_escapes_every_path_segment(t)
   local stream = require("core.stream")
   local fs = require("core.fs")
   local loop = require("core.loop")
-  local docker = require("demesne.engines.docker")
   local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-eng-" .. loop.getpid() .. "-" .. math.floor(loop.now())
   assert(fs.mkdir_p(dir))
   local sock = dir .. "/engine.sock"

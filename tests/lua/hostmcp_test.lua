@@ -488,9 +488,12 @@ function tests.check_config_shows_what_will_be_offered(t)
     local status, out = capture(loop.exepath(), { "check-config" }, env)
     t:eq(status, 0, "check-config exits 0: imported files' problems are notes\n" .. out)
     t:match(out, "host MCP servers %(offered to agent sandboxes; import: claude_code, codex%)")
-    t:match(out, "\n  local_everything  stdio  node [^\n]*server%-everything/dist/index%.js stdio\n    from:  [^\n]*/config%.lua\n    tools: echo, get%-sum\n")
-    t:match(out, "\n  everything  stdio  node [^\n]*\n    from:  [^\n]*%.claude%.json mcpServers\n    tools: none %(imported: name its tools in host_mcp in config%.lua%)\n")
-    t:match(out, "\n  memory2  stdio  node [^\n]*\n    from:  [^\n]*config%.toml %[mcp_servers%.memory2%]\n    tools: read_graph\n")
+    t:match(out, "\n  local_everything  stdio  node [^\n]*server%-everything/dist/index%.js stdio\n"
+      .. "    from:  [^\n]*/config%.lua\n    tools: echo, get%-sum\n")
+    t:match(out, "\n  everything  stdio  node [^\n]*\n    from:  [^\n]*%.claude%.json mcpServers\n"
+      .. "    tools: none %(imported: name its tools in host_mcp in config%.lua%)\n")
+    t:match(out, "\n  memory2  stdio  node [^\n]*\n    from:  [^\n]*config%.toml %[mcp_servers%.memory2%]\n"
+      .. "    tools: read_graph\n")
     t:match(out, "\n  remote  http  http://127%.0%.0%.1:9/mcp\n")
     t:match(out, 'note: [^\n]*server "broken": field command: must be a string')
     t:ok(not out:find("t0ken", 1, true), "no secret printed")

@@ -210,7 +210,7 @@ end
 function tests.unix_socket_transport(t)
   local dir <close> = tmpdir()
   local sock = dir.path .. "/api.sock"
-  local srv <close> = server(routes, sock)
+  local _srv <close> = server(routes, sock)
   local res, msg = request({ url = "http://localhost/hello", unix_socket = sock })
   t:ok(res, msg)
   t:eq({ res.status, res.body }, { 200, "hello world" })
@@ -451,7 +451,8 @@ end
 function tests.an_error_in_the_callback_is_contained(t)
   local srv <close> = server(routes)
   local ev = async.event()
-  assert(http.request({ url = srv.url .. "/hello", on_headers = function() error("boom in on_headers (expected in this test)") end },
+  assert(http.request({ url = srv.url .. "/hello",
+    on_headers = function() error("boom in on_headers (expected in this test)") end },
     function() ev.set(); error("boom in callback (expected in this test)") end))
   ev.wait()
   local res = assert(request({ url = srv.url .. "/hello" }))

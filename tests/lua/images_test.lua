@@ -34,9 +34,14 @@ end
 
 -- An engine that has the root filesystem, records every build and "builds" by noting the
 -- tag. fail[name] makes the build of that image fail; notes[name] is printed by its build.
+local engines_made = 0
 local function engine(opts)
   opts = opts or {}
-  local e = { socket = "test:" .. tostring({}), present = { [ROOTFS] = true }, labels = {}, builds = {} }
+  engines_made = engines_made + 1
+  -- a socket name of its own: lua/images.lua caches what it saw per engine socket (a
+  -- table's address, as before, can come back once the table is collected)
+  local e = { socket = ("test:%d:%d"):format(loop.getpid(), engines_made), present = { [ROOTFS] = true }, labels = {},
+    builds = {} }
   function e.image_inspect(self, ref)
     if self.present[ref] then return { id = ref, labels = self.labels[ref] or {} } end
     return nil, "inspect image: no such image", "ENOENT"
@@ -75,6 +80,24 @@ function tests.from_names_are_rewritten_and_nothing_else(t)
   t:eq(images._rewrite_from(src, tags), "FROM demesne/python:aaa AS build\nRUN true\n"
     .. "FROM  --platform=x demesne/python:aaa\nFROM build\nFROM debian:bookworm\nFROM ${BASE}")
   t:eq(images._rewrite_from("FROM python\n", tags), "FROM demesne/python:aaa\n", "the final newline is kept")
+end
+
+-- Images load through the one plugin loader: a folder that cannot be an image is refused
+-- into the one error list, naming the folder; a folder without a Containerfile offers none.
+function tests.image_folders_load_through_the_plugin_loader(t)
+  with_config(function(dir)
+    write(dir .. "/Bad Name/Containerfile", "FROM base\n")
+    write(dir .. "/twine/storyformats/x/format.js", "window.storyFormat({})\n")
+    write(dir .. "/mine/Containerfile", "FROM base\n")
+    local cat = images.catalog()
+    t:eq(#cat.errors, 1, "one refusal")
+    t:match(cat.errors[1].message, "Bad Name: \"Bad Name\" is not an image name")
+    t:eq(cat:get("Bad Name"), nil)
+    t:eq(images.origin("twine"), "built-in", "extra context does not replace the built-in")
+    t:eq(images.origin("mine"), "user")
+    t:eq(images.origin("base"), "built-in")
+    t:eq(images.user_names(), { "mine" })
+  end)
 end
 
 function tests.a_user_image_builds_from_a_builtin_by_name(t)

@@ -26,7 +26,7 @@ local function setup()
   end)
   jobs.kinds.fake = {
     -- plan: {ms = how long, outcome = table | nil, err = string | nil}
-    run = function(job, plan)
+    run = function(_, plan)
       local _ <close> = setmetatable({}, { __close = function()
         async.sleep(1) -- cleanup may wait, as a container removal does
         env.closed = env.closed + 1

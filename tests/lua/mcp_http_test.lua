@@ -33,7 +33,8 @@ local function tmpdir()
   return setmetatable({ path = dir }, { __close = function(d) fs.remove_tree(d.path) end })
 end
 
-local ECHO = { name = "echo", description = "echoes", inputSchema = { type = "object", properties = { text = { type = "string" } } },
+local ECHO = { name = "echo", description = "echoes",
+  inputSchema = { type = "object", properties = { text = { type = "string" } } },
   run = function(_, args) return { text = args.text } end }
 
 local function registry()
@@ -115,7 +116,8 @@ function tests.sessions_capped_v6_listener_and_clean_stop(t)
     t:eq(h.sessions(), 2)
     -- a 2026-07-28 request needs no session and is not counted
     local m = { jsonrpc = "2.0", id = 2, method = "tools/call", params = { name = "echo", arguments = { text = "hi" },
-      _meta = { ["io.modelcontextprotocol/protocolVersion"] = "2026-07-28", ["io.modelcontextprotocol/clientCapabilities"] = {} } } }
+      _meta = { ["io.modelcontextprotocol/protocolVersion"] = "2026-07-28",
+        ["io.modelcontextprotocol/clientCapabilities"] = {} } } }
     local r3 = post(v4, "lua-test-token-0123456789", m, { ["MCP-Protocol-Version"] = "2026-07-28", ["Mcp-Method"] = "tools/call",
       ["Mcp-Name"] = "echo" })
     t:eq(r3.status, 200)

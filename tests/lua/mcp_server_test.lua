@@ -4,6 +4,7 @@
 local async = require("demesne.async")
 local json = require("demesne.json")
 local server = require("demesne.mcp.server")
+local errors = require("demesne.errors")
 local tools = require("demesne.tools")
 
 local tests = {}
@@ -219,11 +220,11 @@ end
 function tests.tool_failures_become_is_error(t)
   local h <close> = harness({
     { name = "fails", description = "d", inputSchema = { type = "object" },
-      run = function() error(tools.fail("path: no such file", { path = "/x" })) end },
+      run = function() error(errors.new("path: no such file", nil, { path = "/x" })) end },
     { name = "crashes", description = "d", inputSchema = { type = "object" },
       run = function() local x = nil; return x.y end },
     { name = "sandbox_style", description = "d", inputSchema = { type = "object" },
-      run = function() error({ demesne_error = true, message = "image: not found", code = "ENOENT" }, 0) end },
+      run = function() errors.raise("image: not found", "ENOENT") end },
   })
   h.init()
   h.call(1, "tools/call", { name = "fails" })
@@ -594,8 +595,8 @@ end
 function tests.ids_round_trip_exactly(t)
   local h <close> = harness({ SLEEP })
   h.init()
-  for _, id in ipairs({ "9007199254740993", "-9223372036854775809", "12345678901234567890123", "123456789012345", "99999999999999", "1.5", "1e3", "1.0",
-    '"s"', "0", "-7" }) do
+  for _, id in ipairs({ "9007199254740993", "-9223372036854775809", "12345678901234567890123", "123456789012345",
+    "99999999999999", "1.5", "1e3", "1.0", '"s"', "0", "-7" }) do
     h.send('{"jsonrpc":"2.0","id":' .. id .. ',"method":"ping"}')
     local raw = h.raw[1]
     h.take()

@@ -63,7 +63,8 @@ function tests.bad_descriptors_are_refused_naming_file_and_field(t)
   write(d.path, "badname.lua", GOOD:format("has space", "x"))
   write(d.path, "longname.lua", GOOD:format(("n"):rep(129), "x"))
   write(d.path, "noschema.lua", [[return { name = "a", description = "d", run = function() end }]])
-  write(d.path, "arrayschema.lua", [[return { name = "a", description = "d", inputSchema = { type = "array" }, run = function() end }]])
+  write(d.path, "arrayschema.lua",
+    [[return { name = "a", description = "d", inputSchema = { type = "array" }, run = function() end }]])
   write(d.path, "badprop.lua", [[return { name = "a", description = "d",
     inputSchema = { type = "object", properties = { x = { type = "strng" } } }, run = function() end }]])
   write(d.path, "norun.lua", [[return { name = "a", description = "d", inputSchema = { type = "object" } }]])
@@ -89,14 +90,14 @@ function tests.bad_descriptors_are_refused_naming_file_and_field(t)
 end
 
 function tests.tool_environment_refuses_core_bindings(t)
-  local env = tools.sandbox_env("test")
+  local env = tools.environment("test")
   local ok, err = pcall(env.require, "core.stream")
   t:eq(ok, false)
   t:match(err, "core%.%* bindings are not available to tools")
   ok, err = pcall(env.require, "socket")
   t:eq(ok, false)
   t:match(err, "not available to tools")
-  t:eq(env.require("demesne.json"), json)
+  t:eq(env.require("demesne.json").encode, json.encode, "the runtime API's functions are the runtime's")
   t:eq(env.require("string").format, string.format)
   t:eq(env.os.execute, nil)
   t:eq(env.os.exit, nil)
@@ -117,6 +118,39 @@ function tests.tool_environment_refuses_core_bindings(t)
   t:eq(ok, false, "binary chunks are refused")
 end
 
+-- The runtime API is all a tool reaches: not the engine adapter, not the raw bindings, not
+-- the internals of the modules it may use (docs/reference/runtime-api.md).
+function tests.tool_environment_reaches_only_the_runtime_api(t)
+  local env = tools.environment("test")
+  for _, name in ipairs({ "demesne.engines", "demesne.engines.docker", "demesne.egress", "demesne.vendor",
+    "demesne.providers", "demesne.plugins", "demesne.runtime", "demesne.mcp.server", "demesne.images", "demesne" }) do
+    local ok, err = pcall(env.require, name)
+    t:eq(ok, false, name .. " is refused")
+    t:match(err, "not available to tools", name)
+  end
+  local sandbox = env.require("demesne.sandbox")
+  t:eq(type(sandbox.run_script), "function", "sandbox.run_script is in the API")
+  for _, internal in ipairs({ "engine", "script_prepare", "script_start", "prepare", "reap", "lookup", "fail" }) do
+    t:eq(sandbox[internal], nil, "sandbox." .. internal .. " is not")
+  end
+  local ok, err = pcall(function() sandbox.engine = function() end end)
+  t:eq(ok, false, "a runtime module is read-only")
+  t:match(err, "read%-only")
+  t:eq(getmetatable(sandbox), "read-only", "and its metatable is out of reach")
+  t:eq(env.require("demesne.jobs").launch, nil, "jobs.launch is not in the API")
+  t:eq(env.require("demesne.tools").fail, require("demesne.errors").new, "tools.fail is errors.new")
+end
+
+function tests.tool_file_cannot_reach_the_engine(t)
+  local d <close> = tmpdir()
+  write(d.path, "engine.lua", [[
+local engines = require("demesne.engines")
+return { name = "engine", description = "d", inputSchema = { type = "object" }, run = function() end }]])
+  local reg = load(d.path)
+  t:eq(#reg:list(), 0)
+  t:match(reg.errors[1].message, "engine%.lua:.*require%(\"demesne%.engines\"%): module not available to tools")
+end
+
 function tests.tool_file_cannot_reach_core_through_require(t)
   local d <close> = tmpdir()
   write(d.path, "sneaky.lua", [[
@@ -130,9 +164,15 @@ end
 function tests.builtin_tools_load_cleanly(t)
   local reg = tools.load({ user_dir = false, quiet = true })
   for _, e in ipairs(reg.errors) do error("built-in tool refused: " .. e.message) end
+  local names = {}
   for _, d in ipairs(reg:list()) do
     t:match(d.name, "^[A-Za-z0-9_.-]+$")
+    t:match(d.origin, "tools/" .. d.name .. "%.lua$", "each descriptor lives in tools/, in a file of its name")
+    names[#names + 1] = d.name
   end
+  t:eq(names, { "sandbox_agent", "sandbox_cancel", "sandbox_create", "sandbox_destroy", "sandbox_download",
+    "sandbox_exec", "sandbox_jobs", "sandbox_list", "sandbox_research", "sandbox_script", "sandbox_status",
+    "sandbox_upload", "sandbox_usage_report", "sandbox_wait" })
 end
 
 function tests.fixture_tools_load_cleanly(t)

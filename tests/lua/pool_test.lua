@@ -156,7 +156,8 @@ function tests.a_warm_sandbox_that_dies_is_replaced(t)
   t:eq(#w.specs, 3, "one more was made in its place")
   t:ok(teardown.wait(5000), "its cleanup finished")
   t:eq({ fs.stat(w.dir .. "/out/" .. victim) == nil, fs.stat(w.dir .. "/state/run/" .. victim) == nil,
-    fs.stat(w.dir .. "/state/pool/" .. victim) == nil }, { true, true, true }, "its output folder, run folder and marker are gone")
+    fs.stat(w.dir .. "/state/pool/" .. victim) == nil }, { true, true, true },
+    "its output folder, run folder and marker are gone")
   local r = sandbox.run_script(nil, { image = IMAGE, command = "echo ok" })
   t:eq(r.stdout, "ok\n", "a call works")
   t:ok(r.run_id ~= victim, "and did not get the dead one")

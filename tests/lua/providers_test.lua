@@ -83,7 +83,7 @@ local function close(a, b) return math.abs(a - b) < 1e-12 end
 -- Usage parsing
 
 function tests.anthropic_sse_usage_from_message_start_and_delta(t)
-  local _, env <close> = scene()
+  local _, _env <close> = scene()
   local p = reload().by_name.claude_code
   local want = { model = "claude-sonnet-5", id = "msg_01XbT2", input = 1200, output = 87, cache_creation = 300,
     cache_read = 5000 }
@@ -102,7 +102,7 @@ end
 -- 1e400 decodes as infinity and was kept, so the run's totals and cost became infinite and
 -- usage.json (which JSON cannot write infinity into) was no longer updated.
 function tests.infinite_or_huge_token_count_is_not_counted(t)
-  local _, env <close> = scene()
+  local _, _env <close> = scene()
   local reg = reload()
   local text = 'event: message_start\ndata: {"type":"message_start","message":{"model":"claude-sonnet-5",'
     .. '"usage":{"input_tokens":1e400,"output_tokens":3,"cache_read_input_tokens":-1,'
@@ -124,7 +124,7 @@ function tests.infinite_or_huge_token_count_is_not_counted(t)
 end
 
 function tests.anthropic_json_usage_and_error_body(t)
-  local _, env <close> = scene()
+  local _, _env <close> = scene()
   local p = reload().by_name.claude_code
   t:eq(p.usage_from_json(fixture("anthropic_messages.json")), { model = "claude-haiku-4-5-20251001", id = "msg_01Yq",
     input = 2100, output = 12, cache_creation = 0, cache_read = 40000 })
@@ -140,7 +140,7 @@ function tests.anthropic_json_usage_and_error_body(t)
 end
 
 function tests.openai_sse_usage_from_response_completed(t)
-  local _, env <close> = scene()
+  local _, _env <close> = scene()
   local p = reload().by_name.codex
   local want = { model = "gpt-5.6-sol", id = "resp_68a1", input = 500, cache_read = 1500, cache_creation = 0,
     output = 300, reasoning = 120 }
@@ -158,7 +158,7 @@ function tests.openai_sse_usage_from_response_completed(t)
 end
 
 function tests.openai_json_usage_and_error_body(t)
-  local _, env <close> = scene()
+  local _, _env <close> = scene()
   local p = reload().by_name.codex
   t:eq(p.usage_from_json(fixture("openai_responses.json")), { model = "gpt-5.4-mini", id = "resp_77b2", input = 800,
     cache_read = 0, cache_creation = 0, output = 50, reasoning = 0 })
@@ -178,7 +178,7 @@ end
 -- Final answers
 
 function tests.claude_code_transcript_final_answer(t)
-  local _, env <close> = scene()
+  local _, _env <close> = scene()
   local p = reload().by_name.claude_code
   local answer, d = p.parse_answer(providers.lines(fixture("claude_code_transcript.jsonl")))
   t:eq(answer, 'Done: /out/answer.txt holds "done".')
@@ -205,7 +205,7 @@ function tests.claude_code_transcript_final_answer(t)
 end
 
 function tests.codex_transcript_final_answer(t)
-  local _, env <close> = scene()
+  local _, _env <close> = scene()
   local p = reload().by_name.codex
   local answer, d = p.parse_answer(providers.lines(fixture("codex_transcript.jsonl")))
   t:eq(answer, 'Done: /out/answer.txt holds "done".')
@@ -228,7 +228,7 @@ end
 -- Cost
 
 function tests.cost_from_indicative_prices(t)
-  local _, env <close> = scene()
+  local _, _env <close> = scene()
   local reg = reload()
   local claude, codex = reg.by_name.claude_code, reg.by_name.codex
   -- sonnet: 1200 in × 3 + 87 out × 15 + 300 cache-write × 3.75 + 5000 cache-read × 0.30 per million
@@ -255,7 +255,7 @@ end
 -- Resolution
 
 function tests.model_names_are_unique_and_the_first_is_the_default(t)
-  local _, env <close> = scene({ ANTHROPIC_API_KEY = "sk-ant-host-real", OPENAI_API_KEY = "sk-openai-host-real" })
+  local _, _env <close> = scene({ ANTHROPIC_API_KEY = "sk-ant-host-real", OPENAI_API_KEY = "sk-openai-host-real" })
   local reg = reload()
   t:eq(#reg.errors, 0, "built-ins load cleanly: " .. json.encode(reg.errors))
   t:eq(reg.order, { "claude_code", "codex" }, "openai_compatible offers nothing unconfigured")
@@ -278,7 +278,7 @@ function tests.model_names_are_unique_and_the_first_is_the_default(t)
 end
 
 function tests.unknown_model_lists_the_known_ones(t)
-  local _, env <close> = scene({ ANTHROPIC_API_KEY = "k" })
+  local _, _env <close> = scene({ ANTHROPIC_API_KEY = "k" })
   reload()
   local p, err = providers.resolve("gpt-9-ultra")
   t:eq(p, nil)
@@ -287,7 +287,7 @@ function tests.unknown_model_lists_the_known_ones(t)
 end
 
 function tests.disabled_provider_is_unavailable_and_left_out_of_the_enum(t)
-  local _, env <close> = scene({ ANTHROPIC_API_KEY = "k", OPENAI_API_KEY = "k2", DEMESNE_CLAUDE_CODE_ENABLED = "false" })
+  local _, _env <close> = scene({ ANTHROPIC_API_KEY = "k", OPENAI_API_KEY = "k2", DEMESNE_CLAUDE_CODE_ENABLED = "false" })
   reload()
   local p, err = providers.resolve("opus")
   t:eq(p, nil)
@@ -307,13 +307,13 @@ function tests.disabled_provider_is_unavailable_and_left_out_of_the_enum(t)
 end
 
 function tests.missing_credentials_name_what_to_set(t)
-  local _, env <close> = scene()
+  local _, _env <close> = scene()
   reload()
   local p, err = providers.resolve("sonnet")
   t:eq(p, nil)
   t:match(err, '^model "sonnet" has no credentials: set ANTHROPIC_API_KEY or CLAUDE_CODE_OAUTH_TOKEN')
   t:match(err, "available: none")
-  p, err = providers.resolve("gpt-5.5")
+  _, err = providers.resolve("gpt-5.5")
   t:match(err, "has no credentials: set OPENAI_API_KEY, or log in with `codex login`")
   p, err = providers.resolve(nil)
   t:eq(p, nil)
@@ -325,7 +325,7 @@ end
 -- Credentials and the vendor route
 
 function tests.claude_code_vendor_route_swaps_the_token_for_the_credential(t)
-  local _, env <close> = scene({ ANTHROPIC_API_KEY = "sk-ant-REAL" })
+  local _, _env <close> = scene({ ANTHROPIC_API_KEY = "sk-ant-REAL" })
   local p = reload().by_name.claude_code
   local cred = providers.credential(p)
   local token = providers.new_token()
@@ -361,7 +361,7 @@ function tests.claude_code_vendor_route_swaps_the_token_for_the_credential(t)
 end
 
 function tests.claude_code_oauth_token_travels_as_bearer(t)
-  local _, env <close> = scene({ CLAUDE_CODE_OAUTH_TOKEN = "sk-ant-oat01-REAL" })
+  local _, _env <close> = scene({ CLAUDE_CODE_OAUTH_TOKEN = "sk-ant-oat01-REAL" })
   local p = reload().by_name.claude_code
   local cred = providers.credential(p)
   t:eq(cred.kind, "oauth_token")
@@ -377,7 +377,7 @@ function tests.claude_code_oauth_token_travels_as_bearer(t)
 end
 
 function tests.codex_credentials_from_the_auth_file(t)
-  local dir, env <close> = scene()
+  local dir, _env <close> = scene()
   local p = reload().by_name.codex
   write(dir .. "/auth.json", json.encode({ OPENAI_API_KEY = json.null,
     tokens = { access_token = "chatgpt-REAL", refresh_token = "r", account_id = "acct-1" } }))
@@ -433,7 +433,7 @@ if [ -f "${CODEX_HOME:-/nonexistent}/config.toml" ]; then cp "$CODEX_HOME/config
 end
 
 function tests.claude_code_argv_and_env(t)
-  local dir, env <close> = scene({ ANTHROPIC_API_KEY = "sk-ant-REAL" })
+  local dir, _env <close> = scene({ ANTHROPIC_API_KEY = "sk-ant-REAL" })
   local p = reload().by_name.claude_code
   fs.mkdir_p(dir .. "/in")
   local prompt = "-n looks like a flag\nsecond line with 'quotes' and $HOME"
@@ -467,12 +467,12 @@ function tests.claude_code_argv_and_env(t)
     "--dangerously-skip-permissions", "--model", "claude-fable-5", "--", "continue" })
 end
 
--- demesne's in-sandbox MCP server as the runner lists it (lua/agent.lua agent.mcp_servers)
+-- demesne's in-sandbox MCP server as the runner lists it (lua/agent/init.lua agent.mcp_servers)
 local DEMESNE_MCP = { name = "demesne", url = "http://127.0.0.1:3130/mcp", token = "mcp-tok-0123",
   token_env = "DEMESNE_MCP_TOKEN", tool_timeout_ms = 660000, startup_timeout_ms = 60000 }
 
 function tests.claude_code_takes_the_demesne_mcp_server_from_a_file(t)
-  local dir, env <close> = scene({ ANTHROPIC_API_KEY = "sk-ant-REAL" })
+  local dir, _env <close> = scene({ ANTHROPIC_API_KEY = "sk-ant-REAL" })
   local p = reload().by_name.claude_code
   t:eq(p.mcp, "http")
   fs.mkdir_p(dir .. "/in")
@@ -498,7 +498,7 @@ function tests.claude_code_takes_the_demesne_mcp_server_from_a_file(t)
 end
 
 function tests.codex_takes_the_demesne_mcp_server_in_its_config(t)
-  local _, env <close> = scene({ OPENAI_API_KEY = "sk-openai-REAL" })
+  local _, _env <close> = scene({ OPENAI_API_KEY = "sk-openai-REAL" })
   local p = reload().by_name.codex
   t:eq(p.mcp, "http")
   local run = { prompt_file = "/p", model = "gpt-5.5", vendor_base_url = "http://127.0.0.1:3129", token = "dmsn-tok",
@@ -515,7 +515,7 @@ function tests.codex_takes_the_demesne_mcp_server_in_its_config(t)
 end
 
 function tests.an_adapters_mcp_and_files_are_checked(t)
-  local dir, env <close> = scene({ GATEWAY_API_KEY = "k" })
+  local dir, _env <close> = scene({ GATEWAY_API_KEY = "k" })
   local good = fixture("user/gateway.lua")
   local udir = dir .. "/config/demesne/providers"
   write(udir .. "/a.lua", (good:gsub('name = "gateway"', 'name = "stdio_mcp"')
@@ -547,7 +547,7 @@ function tests.an_adapters_mcp_and_files_are_checked(t)
 end
 
 function tests.codex_argv_env_and_config(t)
-  local dir, env <close> = scene({ OPENAI_API_KEY = "sk-openai-REAL" })
+  local dir, _env <close> = scene({ OPENAI_API_KEY = "sk-openai-REAL" })
   local p = reload().by_name.codex
   fs.mkdir_p(dir .. "/in")
   write(dir .. "/in/prompt.txt", "write 'done' to /out/answer.txt")
@@ -587,7 +587,7 @@ end
 -- Configured and user-added providers
 
 function tests.openai_compatible_from_config(t)
-  local dir, env <close> = scene({ LOCAL_LLM_KEY = "local-REAL" })
+  local dir, _env <close> = scene({ LOCAL_LLM_KEY = "local-REAL" })
   write(dir .. "/config/demesne/config.lua", [[return { providers = { openai_compatible = {
     base_url = "http://127.0.0.1:8000/v1", models = { "qwen3-coder", "gpt-oss-120b" }, api_key_env = "LOCAL_LLM_KEY",
     prices = { ["qwen3-coder"] = { input = 0.1, output = 0.4 } } } } }]])
@@ -613,7 +613,7 @@ function tests.openai_compatible_from_config(t)
 end
 
 function tests.user_provider_file_is_loaded_resolved_and_run(t)
-  local dir, env <close> = scene({ GATEWAY_API_KEY = "gw-REAL" })
+  local dir, _env <close> = scene({ GATEWAY_API_KEY = "gw-REAL" })
   local udir = dir .. "/config/demesne/providers"
   write(udir .. "/gateway.lua", fixture("user/gateway.lua"))
   write(udir .. "/local_llm.lua", fixture("user/local_llm.lua"))
@@ -657,7 +657,7 @@ function tests.user_provider_file_is_loaded_resolved_and_run(t)
 end
 
 function tests.bad_and_clashing_provider_files_are_refused_with_file_and_field(t)
-  local dir, env <close> = scene({ ANTHROPIC_API_KEY = "k" })
+  local dir, _env <close> = scene({ ANTHROPIC_API_KEY = "k" })
   local udir = dir .. "/config/demesne/providers"
   local good = fixture("user/gateway.lua")
   write(udir .. "/a_no_swap.lua", (good:gsub('name = "gateway"', 'name = "no_swap"'):gsub("swap_auth = function",
@@ -681,10 +681,21 @@ function tests.bad_and_clashing_provider_files_are_refused_with_file_and_field(t
   t:eq(reg.order, { "claude_code", "codex", "gateway" }, "the good file still loads")
   t:eq((providers.resolve("sonnet")).name, "claude_code")
   t:eq(select(2, providers.resolve("cl-1")):match("unknown") ~= nil, true)
+  -- `demesne providers` lists them and says what was refused: exit status 1
+  local out_path = dir .. "/providers.out"
+  local stdout = io.stdout
+  io.stdout = assert(io.open(out_path, "w")) -- luacheck: ignore 122
+  local ok, status = pcall(require("demesne.cmd.providers"), {})
+  io.stdout:close()
+  io.stdout = stdout -- luacheck: ignore 122
+  t:eq({ ok, status }, { true, 1 })
+  local printed = read(out_path)
+  t:match(printed, "\ngateway +Claude Code via the company gateway\n +from [^\n]*/e_ok%.lua\n +models: gw%-sonnet, gw%-haiku")
+  t:match(printed, "refused:\n  [^\n]*a_no_swap%.lua: vendor%.swap_auth: must be a function")
 end
 
 function tests.user_file_replaces_a_builtin_of_the_same_name(t)
-  local dir, env <close> = scene({ GATEWAY_API_KEY = "k" })
+  local dir, _env <close> = scene({ GATEWAY_API_KEY = "k" })
   write(dir .. "/config/demesne/providers/codex.lua",
     (fixture("user/gateway.lua"):gsub('name = "gateway"', 'name = "codex"')))
   local reg = reload()
@@ -695,7 +706,7 @@ function tests.user_file_replaces_a_builtin_of_the_same_name(t)
 end
 
 function tests.provider_files_cannot_reach_core_bindings(t)
-  local dir, env <close> = scene()
+  local dir, _env <close> = scene()
   write(dir .. "/config/demesne/providers/sneaky.lua", 'local http = require("core.http")\nreturn nil')
   local reg = reload(true)
   t:eq(#reg.errors, 1)

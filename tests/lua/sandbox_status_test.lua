@@ -1,7 +1,8 @@
--- What the host makes of a command's status.json (lua/sandbox.lua read_status), which a
+-- What the host makes of a command's status.json (lua/sandbox/files.lua read_status), which a
 -- process inside the sandbox can rewrite.
+local errors = require("demesne.errors")
 local sandbox = require("demesne.sandbox")
-local schema = require("demesne.mcp.schema")
+local schema = require("demesne.jsonschema")
 local tools = require("demesne.tools")
 local fs = require("core.fs")
 local loop = require("core.loop")
@@ -37,7 +38,7 @@ function tests.status_json_written_in_the_sandbox_cannot_break_the_output_schema
       local rok, rerr = pcall(sandbox.exec_result, e, 3, 10)
       t:eq(rok, false, "a forged record is an error: " .. c[1])
       local msg = type(rerr) == "table" and rerr.message or tostring(rerr)
-      t:ok(type(rerr) == "table" and rerr.demesne_error, "a user-facing error, not a Lua error: " .. msg)
+      t:ok(errors.is(rerr), "a user-facing error, not a Lua error: " .. msg)
       t:match(msg, "status%.json", "names the file: " .. msg)
       t:match(msg, c[2], "names what is wrong: " .. msg)
       local sok = pcall(sandbox.script_result, { run_dir = dir .. "/run", exec_id = "e1", output_dir = dir .. "/out",

@@ -1,4 +1,4 @@
--- lua/sandbox.lua on the fake engine (tests/fixtures/engines/fake.lua), loaded the way a
+-- lua/sandbox/ on the fake engine (tests/fixtures/engines/fake.lua), loaded the way a
 -- user adapter is (DEMESNE_ENGINE_ADAPTER=fake, engines/fake.lua in the config folder):
 -- the spec a sandbox gets (limits, env, mounts, labels, network), one-shot runs, persistent
 -- sandboxes and their execs, TTL renewal and the reaper's decisions. The fake passes the

@@ -1,6 +1,6 @@
--- JSON Schema validation of tool arguments (demesne.mcp.schema, exposed as tools.validate).
+-- JSON Schema validation of tool arguments (demesne.jsonschema, exposed as tools.validate).
 local json = require("demesne.json")
-local schema = require("demesne.mcp.schema")
+local schema = require("demesne.jsonschema")
 
 local tests = {}
 
@@ -115,7 +115,8 @@ function tests.local_refs(t)
 end
 
 function tests.unique_items(t)
-  t:eq(errors_of({ type = "array", uniqueItems = true }, decode('[1,2,1]')), "arguments[2]: duplicates item 0 (items must be unique)")
+  t:eq(errors_of({ type = "array", uniqueItems = true }, decode('[1,2,1]')),
+    "arguments[2]: duplicates item 0 (items must be unique)")
 end
 
 function tests.simple_patterns_are_checked(t)
@@ -157,8 +158,10 @@ function tests.check_rejects_malformed_schemas(t)
   t:eq(ok, nil)
   t:eq(err, 'inputSchema.properties.a.type: unknown type "strin"')
   ok, err = schema.check({ type = "object", required = "a" }, "inputSchema")
+  t:eq(ok, nil)
   t:eq(err, "inputSchema.required: must be a list of property names")
   ok, err = schema.check({ type = "object", properties = { n = { type = "integer", minimum = "1" } } }, "inputSchema")
+  t:eq(ok, nil)
   t:eq(err, "inputSchema.properties.n.minimum: must be a number")
 end
 

@@ -40,8 +40,8 @@
 #error "FUZZ_TARGET_LUA must name the harness's Lua file"
 #endif
 
-#define LUA_MEM_CAP ((size_t)1 << 30)          /* as core/main.c */
-#define MEM_GROWTH_MAX ((size_t)256 << 20)     /* Lua memory an input may leave behind, in total */
+#define LUA_MEM_CAP ((size_t)1 << 30)      /* as core/main.c */
+#define MEM_GROWTH_MAX ((size_t)256 << 20) /* Lua memory an input may leave behind, in total */
 #define MEM_CHECK_EVERY 4096
 #define EDGES (1u << 16)
 #define LINES_BITS (1u << 20)

@@ -1,19 +1,16 @@
--- Background jobs: a registry persisted under the state folder, status, wait, cancel of a
--- whole job tree, and one terminal notification per job.
+-- Background jobs: the registry. Records persisted under the state folder, status,
+-- wait, cancel of a whole job tree, adoption after a restart, and one terminal
+-- notification per job. It knows no kind of job: each kind registers itself
+-- (jobs.register) with how it starts, runs and re-attaches: lua/jobs/script.lua (one-shot
+-- sandboxes), lua/jobs/exec.lua (commands in a persistent sandbox), lua/agent/job.lua
+-- (agent runs).
 --
--- A job is a tool call (sandbox_script, sandbox_exec) that was started with
--- `background: true`. It runs in its own task, not in the request's, so it outlives the
--- call. Its record is a JSON file, $DEMESNE_STATE_DIR/jobs/<job id>.json, rewritten
--- atomically at every change; the record holds what is needed to re-attach to the job
--- from the engine and the files alone (container, run folder, exec id), so a server that
--- starts after another one died (even by SIGKILL) adopts the running jobs it left:
---
---   * a one-shot job (sandbox_script): wait for its container to stop, read the exit
---     status demesne-init recorded, remove the container;
---   * an exec job (sandbox_exec): poll the exec's status.json in the sandbox's run folder
---     while the sandbox runs;
---   * a job whose container is gone is `lost` (with the reason), unless its status.json
---     shows it finished, which then gives the result.
+-- A job is a tool call that was started with `background: true`. It runs in its own task,
+-- not in the request's, so it outlives the call. Its record is a JSON file,
+-- $DEMESNE_STATE_DIR/jobs/<job id>.json, rewritten atomically at every change; the record
+-- holds what its kind needs to re-attach to the job from the engine and the files alone,
+-- so a server that starts after another one died (even by SIGKILL) adopts the running jobs
+-- it left.
 --
 -- Statuses: running → succeeded | failed | cancelled | lost. Exactly one terminal
 -- transition per job (jobs.finish), and with it exactly one log record from logger
@@ -26,12 +23,15 @@
 -- servers that share a state folder never watch the same job twice.
 local async = require("demesne.async")
 local config = require("demesne.config")
+local errors = require("demesne.errors")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local output = require("demesne.output")
 local sandbox = require("demesne.sandbox")
+local util = require("demesne.util")
 local fs = require("core.fs")
 local loop = require("core.loop")
+local core_text = require("core.text")
 
 local jobs = {}
 
@@ -87,19 +87,8 @@ end
 local live = {}
 local service -- the sweep task of jobs.start
 
-local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
-local function now_ms() return math.floor(loop.time() * 1000) end
-local function fail(msg) sandbox.fail(msg) end
-
--- Is there anything at `rel` below the run folder `run_dir`? Looked up confined (no
--- symlink, no ".."): the run folder is the sandbox's to write.
-local function exists_in(run_dir, rel)
-  local d = fs.opendir(run_dir)
-  if not d then return false end
-  local st = d:stat(rel)
-  d:close()
-  return st ~= nil
-end
+local hex, now_ms = util.hex, util.now_ms
+local fail = errors.raise
 
 --- The folder of the job records: $DEMESNE_STATE_DIR/jobs.
 ---@return string
@@ -114,7 +103,7 @@ function jobs.valid_id(id)
   return type(id) == "string" and #id <= 128 and id:match("^job%-[%w%-]+$") ~= nil
 end
 
-local function new_id() return "job-" .. os.date("!%Y%m%dT%H%M%SZ") .. "-" .. hex(loop.random(5)) end
+local function new_id() return util.new_id("job-", 5) end
 
 -- Writes a record atomically. A failure is logged (the job goes on; the record on disk is
 -- then stale, which a restart would see).
@@ -179,288 +168,101 @@ function jobs.finish(job, status, fields)
   return true
 end
 
--- What a job's exit status (demesne-init's status.json) means for the job.
-local function outcome_of(st, timeout)
-  local code = math.tointeger(st.exit_code)
-  local out = { exit_code = code, timed_out = st.timed_out == true,
-    finished_ms = math.tointeger(st.finished_at) }
-  if type(st.error) == "string" then
-    out.status, out.reason = "failed", "the command could not start: " .. st.error:sub(1, 600)
-  elseif out.timed_out then
-    out.status, out.reason = "failed", ("timed out after %d s; the command's process group was killed"):format(timeout)
-  elseif st.cancelled == true then
-    out.status, out.reason = "cancelled", "the command was stopped by a signal to its sandbox"
-  elseif code == 0 then
-    out.status = "succeeded"
-  elseif code then
-    out.status, out.reason = "failed", ("the command exited with code %d"):format(code)
-    local oom = require("demesne.sandbox").oom_note(st)
-    if oom then out.reason = out.reason .. "; " .. oom end
-  else
-    out.status, out.reason = "failed", "demesne-init recorded no exit code"
-  end
-  return out
-end
-
-local function closer(fn) return setmetatable({}, { __close = fn }) end
-
--- Retries while the engine is not answering (a restarted engine must not make jobs lost).
-local function engine_retry(ecode)
-  if ecode == "ENOENGINE" then
-    async.sleep(5000)
-    return true
-  end
-  return false
-end
-
 --------------------------------------------------------------------------------------------
--- Kinds: how a job of each kind runs the first time (run) and after a restart (attach).
--- Both return an outcome {status, exit_code?, timed_out?, reason?, finished_ms?}; they are
--- cancelled through their task, and their <close> handlers kill the job's processes.
--- `after` runs once the terminal record is saved.
+-- Kinds. The registry knows no kind: each kind registers itself (jobs.register) with how a
+-- job of it starts from a tool call (start), runs the first time (run) and after a restart
+-- (attach). run and attach return an outcome {status, exit_code?, timed_out?, reason?,
+-- finished_ms?}; they are cancelled through their task, and their <close> handlers kill
+-- the job's processes. `job.after` runs once the terminal record is saved.
 
+---@class JobOutcome
+---@field status string          succeeded, failed, cancelled or lost
+---@field exit_code integer|nil
+---@field timed_out boolean|nil
+---@field reason string|nil
+---@field finished_ms integer|nil
+
+---@class JobKind
+---@field start fun(ctx: ToolContext, args: table, tool: string|nil): table  starts a job for a call of `tool`; returns {job_id, status = "running", output_dir, …}
+---@field run fun(job: table, plan: any): JobOutcome        watches the job it started (in the job's task)
+---@field attach fun(job: table): JobOutcome                re-attaches to a job a server that is gone left running
+---@field view (fun(rec: JobRecord): table|nil)|nil         extra fields of jobs.view for a job of this kind
+
+---@type table<string, JobKind>
 local kinds = {}
 jobs.kinds = kinds
 
--- One-shot jobs: the container runs `demesne-init run` as PID 1.
-local function script_outcome(rec, o, code, err, ecode)
-  local st = sandbox.read_status(o.run_dir, o.exec_id)
-  if st then return outcome_of(st, rec.timeout_seconds) end
-  if code ~= nil then
-    return { status = code == 0 and "succeeded" or "failed", exit_code = math.tointeger(code),
-      reason = ("the sandbox stopped with code %s and no exit status was recorded"):format(tostring(code)) }
+--- Registers a kind of job under `name` (the `kind` field of its records). A later
+--- registration of the same name replaces the earlier one.
+---@param name string
+---@param kind JobKind
+---@return JobKind kind
+function jobs.register(name, kind)
+  assert(type(name) == "string" and name:match("^[%w_]+$"), "jobs.register: a kind name of letters, digits and _")
+  for _, f in ipairs({ "start", "run", "attach" }) do
+    assert(type(kind[f]) == "function", ("jobs.register: kind %s has no %s function"):format(name, f))
   end
-  if ecode == "ENOENT" then
-    return { status = "lost", reason = ("container %s no longer exists and no exit status was recorded "
-      .. "(it was removed while no server was watching it)"):format(rec.container) }
-  end
-  if ecode == "ETIMEDOUT" then
-    return { status = "failed", timed_out = true,
-      reason = "the sandbox did not stop within its timeout; it was removed" }
-  end
-  return { status = "failed", reason = tostring(err) }
+  kinds[name] = kind
+  return kind
 end
 
--- Watches a one-shot job's container until it stops.
-local function script_watch(job, o)
-  local rec = job.rec
-  -- the container goes on success, failure and cancel; the run folder (status.json) only
-  -- once the terminal record is saved, so a crash in between still finds the exit status
-  local _ <close> = closer(function() sandbox.script_remove(o) end)
-  if not o.id then return script_outcome(rec, o, nil, "gone", "ENOENT") end
-  while true do
-    local left = rec.started_ms + (rec.timeout_seconds + 60) * 1000 - now_ms()
-    local code, err, ecode = sandbox.script_wait(o, math.max(left, 30000))
-    if code ~= nil or not engine_retry(ecode) then return script_outcome(rec, o, code, err, ecode) end
+--- The id a new job gets: "job-<UTC time>-<10 hex digits>".
+---@return string
+function jobs.new_id() return new_id() end
+
+--- The path of a job's record file (the sandbox's job_record label: the reaper leaves a
+--- container alone while the record it names says running).
+---@param id string
+---@return string
+function jobs.record_path(id) return record_path(id) end
+
+--- The job a tool call runs in, when a background job's agent made it (ctx.job_id): the
+--- parent of a job that call starts.
+---@param ctx ToolContext|nil
+---@return string|nil
+function jobs.parent_of(ctx) return type(ctx) == "table" and ctx.job_id or nil end
+
+--- The first 1000 bytes of a command or prompt for a record, cut on a code point.
+---@param s any
+---@return string
+function jobs.short(s)
+  s = tostring(s or "")
+  if #s > 1000 then s = s:sub(1, core_text.utf8_floor(s, 1000)) .. "…" end
+  return s
+end
+
+--- Starts a background job of kind `kind` for a call of the tool `tool` (the kind's
+--- start). Returns what the kind's start returns.
+---@param kind string
+---@param ctx ToolContext
+---@param args table
+---@param tool string|nil  the tool's name (default: the kind's own tool)
+---@return table started  {job_id, status = "running", output_dir, …}
+function jobs.background(kind, ctx, args, tool)
+  local k = kinds[kind]
+  if not k then error(("jobs.background: no job kind %q is registered"):format(tostring(kind)), 2) end
+  return k.start(ctx, args, tool)
+end
+
+--- The `run` of a tool that can run in the background: with args.background a job of
+--- `kind` starts and the result says how to follow it; otherwise `foreground(ctx, args)`
+--- runs the call to its end.
+---@param kind string  a registered job kind ("script", "exec", "agent")
+---@param foreground fun(ctx: ToolContext, args: table): any, string|nil
+---@param tool string|nil  the tool's name, handed to the kind's start
+---@return fun(ctx: ToolContext, args: table): any, string|nil
+function jobs.dispatch(kind, foreground, tool)
+  return function(ctx, args)
+    if args.background then
+      local j = jobs.background(kind, ctx, args, tool)
+      return j, jobs.started_text(j)
+    end
+    return foreground(ctx, args)
   end
 end
-
-kinds.script = {
-  -- o: a plan whose container sandbox.script_start has started
-  run = function(job, o)
-    job.after = function() sandbox.remove_tree(o.run_dir) end
-    return script_watch(job, o)
-  end,
-  attach = function(job)
-    local rec = job.rec
-    local o = { engine = sandbox.engine(), id = rec.container, run_dir = rec.run_dir, exec_id = rec.exec_id,
-      output_dir = rec.output_dir, tree = rec.run_id }
-    job.after = function() sandbox.remove_tree(o.run_dir) end
-    local info, err, ecode
-    repeat info, err, ecode = o.engine:inspect(rec.container) until info or not engine_retry(ecode)
-    if not info and ecode ~= "ENOENT" then return { status = "failed", reason = tostring(err) } end
-    if not info then o.id = nil end
-    if info and info.state == "created" then
-      local out = { status = "lost", reason = "the server stopped before the sandbox was started" }
-      o.engine:remove(o.id)
-      return out
-    end
-    return script_watch(job, o)
-  end,
-}
-
--- Agent jobs (sandbox_agent, sandbox_research in the background): a one-shot container
--- plus the run's vendor route, stopped once the container has; results.json is written
--- before the terminal record. After a restart the vendor route is gone, so the agent's
--- model calls fail and it ends; the job is then watched like a script job.
-kinds.agent = {
-  run = function(job, o)
-    job.after = function()
-      sandbox.remove_tree(o.run_dir)
-      require("demesne.vendor").forget(o.run_id)
-    end
-    local started = now_ms()
-    local finished = false
-    -- a cancel: the container goes first (script_watch), then the vendor route stops (its
-    -- held requests and timers with it) and results.json says the run was cancelled
-    local _ <close> = closer(function()
-      if finished then return end
-      local ok, err = pcall(require("demesne.agent").finish, o, nil, nil, now_ms() - started,
-        "cancelled: " .. tostring(job.cancel_reason or "cancelled"))
-      if not ok then log.warning(LOGGER, "%s: results.json: %s", job.rec.job_id, tostring(err)) end
-      if o.vendor then o.vendor:stop() end
-    end)
-    local out = script_watch(job, o)
-    finished = true
-    local ok, err, read_error = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason, now_ms() - started)
-    if not ok then log.warning(LOGGER, "%s: results.json: %s", job.rec.job_id, tostring(err)) end
-    if ok and read_error and out.status == "succeeded" then
-      out = { status = "failed", exit_code = out.exit_code, reason = err.reason }
-    end
-    return out
-  end,
-  -- after a restart: the vendor route is started again with the token kept in the record
-  -- (a per-run token, not the credential), the container watched like a script job; the
-  -- result names the run as a tree node (o.tree) so that results.json lists its children
-  attach = function(job)
-    local rec = job.rec
-    local providers = require("demesne.providers")
-    local p = rec.provider and providers.get(rec.provider)
-    local route
-    if p and rec.vendor_token then
-      local cred, why = providers.ready(p)
-      if cred then
-        local err
-        route, err = require("demesne.vendor").start({ run_id = rec.run_id, run_dir = rec.run_dir,
-          output_dir = rec.output_dir, provider = p, token = rec.vendor_token, credential = cred,
-          deadline = rec.started_ms / 1000 + rec.timeout_seconds,
-          decide = require("demesne.agent").decider(p, rec.output_dir, rec.resumable) })
-        if not route then log.warning(LOGGER, "%s: vendor route: %s", rec.job_id, tostring(err)) end
-      else
-        log.warning(LOGGER, "%s: vendor route not restarted: %s", rec.job_id, tostring(why))
-      end
-    end
-    local finished = false
-    local _ <close> = closer(function()
-      if finished or not route then return end
-      local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
-        output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model, tree = rec.run_id }
-      local ok, err = pcall(require("demesne.agent").finish, o, nil, nil, now_ms() - rec.started_ms,
-        "cancelled: " .. tostring(job.cancel_reason or "cancelled"))
-      if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(err)) end
-      route:stop()
-      require("demesne.vendor").forget(rec.run_id)
-    end)
-    local out = kinds.script.attach(job)
-    finished = true
-    local after = job.after
-    job.after = function()
-      if after then after() end
-      require("demesne.vendor").forget(rec.run_id)
-    end
-    if route then
-      local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
-        output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model, tree = rec.run_id }
-      local ok, err, read_error = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason,
-        now_ms() - rec.started_ms)
-      if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(err)) end
-      if ok and read_error and out.status == "succeeded" then
-        out = { status = "failed", exit_code = out.exit_code, reason = err.reason }
-      end
-    end
-    return out
-  end,
-}
-
--- Exec jobs: `demesne-init run` through the engine's exec API in a persistent sandbox.
-local function exec_outcome(rec, gone_reason)
-  local st = sandbox.read_status(rec.run_dir, rec.exec_id)
-  if st then return outcome_of(st, rec.timeout_seconds) end
-  return { status = "lost", reason = gone_reason }
-end
-
--- Polls the exec's status.json while its sandbox runs (after a restart there is no exec
--- stream to wait on). demesne-init writes it atomically, last, so its presence means done.
-local function exec_poll(job, eng)
-  local rec = job.rec
-  local poll_ms = math.max(math.floor(config.get("jobs_poll_interval") * 1000), 50)
-  while true do
-    local st = sandbox.read_status(rec.run_dir, rec.exec_id)
-    if st then return outcome_of(st, rec.timeout_seconds) end
-    -- (by list, not inspect: see sandbox.state_of)
-    local info, err, ecode = sandbox.state_of(eng, rec.sandbox_id)
-    if not info and ecode == "ENOENT" then
-      return exec_outcome(rec, ("sandbox %s no longer exists and the command recorded no exit status"):format(rec.sandbox_id))
-    elseif not info and not engine_retry(ecode) then
-      return { status = "failed", reason = tostring(err) }
-    elseif info and info.state ~= "running" then
-      return exec_outcome(rec, ("sandbox %s stopped before the command recorded an exit status"):format(rec.sandbox_id))
-    end
-    local age = now_ms() - rec.started_ms
-    if age > sandbox.deadline_ms(rec.timeout_seconds) then
-      -- demesne-init enforces the timeout inside: a record still missing now means it does
-      -- not answer (stopped or hung), and the sandbox is stopped
-      st = sandbox.read_status(rec.run_dir, rec.exec_id)
-      if st then return outcome_of(st, rec.timeout_seconds) end
-      return { status = "failed", reason = sandbox.stop_unresponsive(eng, rec.container, rec.sandbox_id,
-        ("the command recorded no exit status within its timeout (%d s) plus the grace"):format(rec.timeout_seconds)) }
-    end
-    if age > 60000 and not exists_in(rec.run_dir, "exec/" .. rec.exec_id .. "/pid") then
-      return exec_outcome(rec, "the command never started (the server stopped before it ran)")
-    end
-    async.sleep(poll_ms)
-  end
-end
-
-local function exec_watch(job, eng, first_run, e)
-  local rec = job.rec
-  local finished = false
-  -- a cancel kills the command's whole process group inside the sandbox
-  local _ <close> = closer(function()
-    if e and e.started then e.started.set(false) end -- start_exec waits no longer
-    if finished then return end
-    local _, kerr, kcode = sandbox.exec_kill(eng, rec.container, "/.demesne/run/exec/" .. rec.exec_id, rec.sandbox_id)
-    if kcode == "ETIMEDOUT" then job.cancel_reason = (job.cancel_reason or "cancelled") .. "; " .. tostring(kerr) end
-  end)
-  local out
-  if first_run then
-    local code, err, ecode = sandbox.exec_run(e)
-    if code ~= nil then
-      out = exec_outcome(rec, "the command recorded no exit status")
-      if out.status == "lost" then
-        -- no status.json: most likely the sandbox went away under the command (as a
-        -- synchronous sandbox_exec says through check_alive)
-        local ok, gone = pcall(sandbox.check_alive, eng, rec.sandbox_id)
-        if not ok then
-          out = { status = "lost", reason = type(gone) == "table" and tostring(gone.message) or tostring(gone) }
-        else
-          out = { status = code == 0 and "succeeded" or "failed", exit_code = math.tointeger(code),
-            reason = "demesne-init recorded no exit status" }
-        end
-      end
-    elseif ecode == "ETIMEDOUT" and not sandbox.read_status(rec.run_dir, rec.exec_id) then
-      out = { status = "failed", reason = sandbox.stop_unresponsive(eng, rec.container, rec.sandbox_id,
-        ("the command did not end within its timeout (%d s) plus the grace"):format(rec.timeout_seconds)) }
-    elseif ecode == "ENOENGINE" then
-      out = exec_poll(job, eng) -- the engine went away: the command may well still run
-    else
-      local info, _, icode = sandbox.state_of(eng, rec.sandbox_id)
-      if not info and icode == "ENOENT" then
-        out = exec_outcome(rec, ("sandbox %s was removed before the command finished"):format(rec.sandbox_id))
-      else
-        out = exec_poll(job, eng) -- the exec stream broke; the command records its status itself
-        if out.status == "lost" and err then out.reason = out.reason .. " (" .. tostring(err) .. ")" end
-      end
-    end
-  else
-    out = exec_poll(job, eng)
-  end
-  finished = true
-  return out
-end
-
-kinds.exec = {
-  run = function(job, e) return exec_watch(job, e.engine, true, e) end,
-  attach = function(job) return exec_watch(job, sandbox.engine(), false) end,
-}
 
 --------------------------------------------------------------------------------------------
 -- Running
-
-local function error_text(e)
-  if type(e) == "table" and e.message then return tostring(e.message) end
-  return (tostring(e):match("^[^\n]*"))
-end
 
 -- Runs fn(job, ...) in the job's own task and makes the terminal transition from what it
 -- returns, raises or whether it was cancelled.
@@ -476,8 +278,10 @@ local function spawn(job, fn, ...)
     elseif not ok and out == async.CANCELLED then
       jobs.finish(job, "cancelled", { reason = job.cancel_reason or "cancelled" })
     else
-      if not ok and type(out) == "string" and out:find("traceback", 1, true) then log.error(LOGGER, "%s: %s", job.rec.job_id, out) end
-      jobs.finish(job, "failed", { reason = ok and "the job returned no outcome" or error_text(out) })
+      if not ok and type(out) == "string" and out:find("traceback", 1, true) then
+        log.error(LOGGER, "%s: %s", job.rec.job_id, out)
+      end
+      jobs.finish(job, "failed", { reason = ok and "the job returned no outcome" or errors.message(out) })
     end
     if job.after then
       local aok, aerr = pcall(job.after)
@@ -526,7 +330,7 @@ end
 -- is stale: it is moved aside (rename: of two servers doing this at once, one wins) and the
 -- claim is tried once more.
 local function claim(rec, retried)
-  local path = ("%s/%s.adopt-%s"):format(jobs.dir(), rec.job_id, require("core.text").hash(tostring(rec.owner)))
+  local path = ("%s/%s.adopt-%s"):format(jobs.dir(), rec.job_id, core_text.hash(tostring(rec.owner)))
   local f = fs.open(path, "wx", 384) -- 0600
   if not f then
     if retried then return false end
@@ -637,6 +441,7 @@ end
 ---@param id string
 ---@param reason string|nil
 ---@return JobRecord rec, string[] cancelled
+---@param cancelled string[]|nil  the list this call adds to (over a job tree)
 function jobs.cancel(id, reason, cancelled)
   cancelled = cancelled or json.array()
   local rec = jobs.must_get(id)
@@ -790,12 +595,6 @@ end
 --------------------------------------------------------------------------------------------
 -- Views for the tools
 
---- Formats Unix time in ms as ISO 8601 UTC with milliseconds (nil for nil).
-function jobs.iso(ms)
-  if not ms then return nil end
-  return os.date("!%Y-%m-%dT%H:%M:%S", ms // 1000) .. (".%03dZ"):format(ms % 1000)
-end
-
 local function log_rel(rec, stream)
   -- agent jobs: the CLI's stdout is transcript.jsonl in the output folder
   if stream == "stdout" and rec.stdout_file then return rec.stdout_file end
@@ -811,12 +610,12 @@ end
 ---@return table
 function jobs.view(rec)
   local stop = rec.finished_ms or now_ms()
-  local v = {
+  local out = {
     job_id = rec.job_id,
     status = rec.status,
     tool = rec.tool,
-    started_at = jobs.iso(rec.started_ms),
-    finished_at = jobs.iso(rec.finished_ms),
+    started_at = util.iso_ms(rec.started_ms),
+    finished_at = util.iso_ms(rec.finished_ms),
     elapsed_seconds = math.max(stop - rec.started_ms, 0) / 1000,
     exit_code = rec.exit_code,
     timed_out = rec.timed_out,
@@ -827,43 +626,12 @@ function jobs.view(rec)
     sandbox_id = rec.sandbox_id,
     parent = rec.parent,
     children = json.array({ table.unpack(rec.children or {}) }),
-    agent = rec.kind == "agent" and TERMINAL[rec.status] and jobs.agent_result(rec) or nil,
   }
-  run_hooks("view", rec, v)
-  return v
-end
-
-local AGENT_FIELDS = { "answer", "reason", "cost_usd", "usage", "rate_limited", "model", "provider", "session_id", "is_error" }
-
---- An ended agent job's result, from results.json in its output folder (written by
---- lua/agent.lua; read confined: no link followed, a regular file of at most 256 KiB),
---- reduced to AGENT_FIELDS. nil when there is none; {is_error = true, reason} when it
---- cannot be read or is not a JSON object (the sandbox can write its output folder).
----@param rec JobRecord
----@return table|nil
-function jobs.agent_result(rec)
-  if type(rec.output_dir) ~= "string" then return nil end
-  local d, derr, dcode = fs.opendir(rec.output_dir)
-  if not d and dcode == "ENOENT" then return nil end
-  local text, err, code
-  if d then
-    text, err, code = d:read("results.json", 256 * 1024)
-    d:close()
-  else
-    err, code = derr, dcode
+  local k = kinds[rec.kind]
+  if k and k.view then
+    for key, v in pairs(k.view(rec) or {}) do out[key] = v end
   end
-  if not text then
-    if code == "ENOENT" then return nil end
-    return { is_error = true, reason = "cannot read results.json: " .. tostring(err) }
-  end
-  local ok, r = pcall(json.decode, text)
-  if not ok or type(r) ~= "table" then
-    return { is_error = true, reason = "results.json in the output folder is not a JSON object" }
-  end
-  local out = {}
-  for _, k in ipairs(AGENT_FIELDS) do
-    if r[k] ~= nil and r[k] ~= json.null then out[k] = r[k] end
-  end
+  run_hooks("view", rec, out)
   return out
 end
 
@@ -876,132 +644,40 @@ end
 function jobs.read_stdout(rec, since, max)
   local final = TERMINAL[rec.status] == true -- decided before reading: a later byte is never missed
   local text, nxt, size = output.read_from(rec.output_dir, log_rel(rec, "stdout"), since, max, final)
-  if not text then sandbox.fail("cannot read the job's output: " .. tostring(nxt), size) end
+  if not text then fail("cannot read the job's output: " .. tostring(nxt), size) end
   return text, nxt, size, final and nxt >= size
 end
 
 --- The last `max` bytes of a job's stdout.log (whole lines) and the log's size. A log that
 --- cannot be read (anything but missing) fails naming it.
+---@param rec JobRecord
+---@param max integer
+---@return string text, integer size
 function jobs.stdout_tail(rec, max)
   local text, size, code = output.tail(rec.output_dir, log_rel(rec, "stdout"), max)
-  if not text then sandbox.fail("cannot read the job's output: " .. tostring(size), code) end
+  if not text then fail("cannot read the job's output: " .. tostring(size), code) end
   return text, size
 end
 
 --- The bounded head and tail of a job's stdout and stderr: stdout, stderr, truncated.
+---@param rec JobRecord
+---@return string stdout, string stderr, boolean truncated
 function jobs.collect(rec)
   if rec.stdout_file then
     local head, tail = config.get("output_head_bytes"), config.get("output_tail_bytes")
     local so, cut1, c1 = output.view(rec.output_dir, rec.stdout_file, head, tail)
-    if not so then sandbox.fail("cannot read the job's output: " .. tostring(cut1), c1) end
+    if not so then fail("cannot read the job's output: " .. tostring(cut1), c1) end
     local se, cut2, c2 = output.view(rec.output_dir, "stderr.log", head, tail)
-    if not se then sandbox.fail("cannot read the job's output: " .. tostring(cut2), c2) end
+    if not se then fail("cannot read the job's output: " .. tostring(cut2), c2) end
     return so, se, cut1 or cut2
   end
   local rel = (rec.log_dir or rec.output_dir):sub(#rec.output_dir + 2)
   return sandbox.collect(rec.output_dir, rel ~= "" and rel or nil)
 end
 
---------------------------------------------------------------------------------------------
--- Starting the sandbox tools in the background
-
-local function short(s)
-  s = tostring(s or "")
-  if #s > 1000 then s = s:sub(1, require("core.text").utf8_floor(s, 1000)) .. "…" end
-  return s
-end
-
-local function parent_of(ctx) return type(ctx) == "table" and ctx.job_id or nil end
-
---- sandbox_script with background = true: checks the call and starts the sandbox (the
---- image is built first if needed, with progress), then hands the running container to a
---- job and returns {job_id, status = "running", output_dir, run_id}. Once it returns, the
---- command runs on its own: a server stop does not stop it.
----@param ctx ToolContext
----@param args table
-function jobs.start_script(ctx, args)
-  local o = sandbox.script_prepare(args, "job")
-  local id = new_id()
-  local handed = false
-  -- a call that fails or is cancelled before the job exists leaves nothing behind
-  local _ <close> = closer(function()
-    if not handed then
-      sandbox.script_remove(o)
-      sandbox.remove_tree(o.run_dir)
-    end
-  end)
-  sandbox.script_start(ctx, o, { job_id = id, job_record = record_path(id) })
-  local rec = jobs.launch({
-    job_id = id, tool = "sandbox_script", kind = "script", command = short(args.command), timeout_seconds = o.timeout,
-    output_dir = o.output_dir, log_dir = o.output_dir, run_dir = o.run_dir, exec_id = o.exec_id,
-    container = o.name, run_id = o.run_id,
-  }, o, parent_of(ctx))
-  handed = true
-  return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }
-end
-
---- sandbox_agent / sandbox_research with background = true: as start_script, for an agent
---- run (lua/agent.lua). Returns {job_id, status = "running", output_dir, run_id}.
----@param ctx ToolContext
----@param args table
----@param tool string
-function jobs.start_agent(ctx, args, tool)
-  local agent = require("demesne.agent")
-  local o = agent.prepare(args, tool, "job")
-  local id = new_id()
-  local handed = false
-  local _ <close> = closer(function()
-    if not handed then
-      sandbox.script_remove(o)
-      if o.vendor then o.vendor:stop() end
-      sandbox.remove_tree(o.run_dir)
-    end
-  end)
-  sandbox.script_start(ctx, o, { job_id = id, job_record = record_path(id) })
-  local rec = jobs.launch({
-    job_id = id, tool = tool, kind = "agent", command = short(args.prompt), timeout_seconds = o.timeout,
-    output_dir = o.output_dir, log_dir = o.output_dir, run_dir = o.run_dir, exec_id = o.exec_id,
-    container = o.name, run_id = o.run_id, provider = o.provider.name, model = o.model, vendor_token = o.token,
-    resumable = o.resumable,
-    stdout_file = "transcript.jsonl",
-  }, o, parent_of(ctx))
-  handed = true
-  return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }
-end
-
---- sandbox_exec with background = true: checks the call, starts the job and returns once
---- demesne-init has started the command (its pid file exists, at most 10 s):
---- {job_id, status = "running", output_dir, log_dir}. From then on the command runs on its
---- own in the sandbox: a server stop does not stop it.
----@param ctx ToolContext
----@param args table
-function jobs.start_exec(ctx, args)
-  local e = sandbox.exec_prepare(args)
-  local rec = jobs.launch({
-    tool = "sandbox_exec", kind = "exec", command = short(args.command), timeout_seconds = e.timeout,
-    output_dir = e.output_dir, log_dir = e.log_dir, run_dir = e.run_dir, exec_id = e.exec_id,
-    container = e.container, sandbox_id = args.sandbox_id,
-  }, e, parent_of(ctx))
-  local returned = false
-  local _ <close> = closer(function()
-    if not returned then pcall(jobs.cancel, rec.job_id, "the call that started it was cancelled") end
-  end)
-  -- through the control socket demesne-init says when the command runs; through the exec
-  -- API only its pid file does
-  local started = async.timeout(10000, e.started.wait)
-  if started == false then
-    local dir = "exec/" .. e.exec_id
-    local deadline = loop.now() + 10000
-    while rec.status == "running" and loop.now() < deadline
-      and not exists_in(e.run_dir, dir .. "/pid") and not exists_in(e.run_dir, dir .. "/status.json") do
-      async.sleep(20)
-    end
-  end
-  returned = true
-  return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, log_dir = rec.log_dir }
-end
-
 --- Readable text for a "job started" result.
+---@param r table  {job_id, output_dir}
+---@return string
 function jobs.started_text(r)
   return ("job_id: %s\nstatus: running\noutput_dir: %s\nUse sandbox_status (with `since` to read stdout "
     .. "incrementally), sandbox_wait or sandbox_cancel with this job_id."):format(r.job_id, r.output_dir)

@@ -93,9 +93,12 @@ end
 
 local function list_of(t) return type(t) == "table" and t or {} end
 
--- Translates a simple ECMA-262 regular expression into a Lua pattern; nil when it uses
--- anything without a faithful Lua equivalent.
 local pattern_cache = {}
+
+--- Translates a simple ECMA-262 regular expression into a Lua pattern; nil when it uses
+--- anything without a faithful Lua equivalent.
+---@param re string
+---@return string|nil
 local function translate(re)
   if pattern_cache[re] ~= nil then return pattern_cache[re] or nil end
   local out, i, n = {}, 1, #re
@@ -240,8 +243,12 @@ local function check_array(s, v, path, errs, root, depth)
 end
 
 local function check_number(s, v, path, errs)
-  if type(s.minimum) == "number" and v < s.minimum then add(errs, path, ("must be >= %s (got %s)"):format(num(s.minimum), num(v))) end
-  if type(s.maximum) == "number" and v > s.maximum then add(errs, path, ("must be <= %s (got %s)"):format(num(s.maximum), num(v))) end
+  if type(s.minimum) == "number" and v < s.minimum then
+    add(errs, path, ("must be >= %s (got %s)"):format(num(s.minimum), num(v)))
+  end
+  if type(s.maximum) == "number" and v > s.maximum then
+    add(errs, path, ("must be <= %s (got %s)"):format(num(s.maximum), num(v)))
+  end
   if type(s.exclusiveMinimum) == "number" and v <= s.exclusiveMinimum then
     add(errs, path, ("must be > %s (got %s)"):format(num(s.exclusiveMinimum), num(v)))
   end
@@ -304,7 +311,8 @@ validate = function(s, v, path, errs, root, depth)
       local opts = {}
       for i, e in ipairs(list_of(s.enum)) do
         if i > 20 then opts[#opts + 1] = "…" break end
-        opts[#opts + 1] = type(e) == "string" and ("%q"):format(e) or (e == null and "null" or type(e) == "number" and num(e) or tostring(e))
+        opts[#opts + 1] = type(e) == "string" and ("%q"):format(e)
+          or (e == null and "null" or type(e) == "number" and num(e) or tostring(e))
       end
       add(errs, path, ("must be one of %s (got %s)"):format(table.concat(opts, ", "), describe(v)))
     end
@@ -386,6 +394,9 @@ function schema.format_errors(errs, root_name)
   return table.concat(parts, "; ")
 end
 
+--- A deep copy of a JSON value (tables copied with their metatables: json.array stays one).
+---@param v any
+---@return any
 local function copy(v)
   if type(v) ~= "table" then return v end
   local out = {}
@@ -434,6 +445,7 @@ local VALUE_KEYS = { default = true, const = true, examples = true, enum = true 
 --- (required, enum, anyOf, …, a list of types) encode as [] even when empty; subschemas
 --- are normalised recursively. Values (default, const, enum members) are copied as is.
 ---@param s any
+---@param depth integer|nil  nesting so far (internal)
 ---@return any
 function schema.for_json(s, depth)
   depth = depth or 0
@@ -468,6 +480,7 @@ local TYPES = { object = true, array = true, string = true, number = true, integ
 --- Returns true, or nil and "path: reason" (path like `properties.limits.type`).
 ---@param s any
 ---@param path string|nil
+---@param depth integer|nil  nesting so far (internal)
 ---@return boolean|nil ok, string|nil err
 function schema.check(s, path, depth)
   path = path or ""
@@ -480,7 +493,9 @@ function schema.check(s, path, depth)
     for _, t in ipairs(type_list(s.type)) do
       if not TYPES[t] then return nil, ("%s: unknown type %q"):format(at("type"), tostring(t)) end
     end
-    if type(s.type) ~= "string" and type(s.type) ~= "table" then return nil, at("type") .. ": must be a string or a list of strings" end
+    if type(s.type) ~= "string" and type(s.type) ~= "table" then
+      return nil, at("type") .. ": must be a string or a list of strings"
+    end
   end
   if s.properties ~= nil then
     if type(s.properties) ~= "table" then return nil, at("properties") .. ": must be a table" end

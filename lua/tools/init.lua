@@ -17,13 +17,29 @@
 -- A file that fails to load or returns a bad descriptor is refused with a log message
 -- naming the file and the field; the others still load.
 --
--- Tool files run in a fresh environment of safe globals whose `require` gives the
--- demesne.* runtime modules and string/table/math/utf8/os (os without execute, exit,
--- remove, rename, setlocale), and refuses the raw core.* bindings. `io` offers open,
--- lines (with a file name) and type only; `print` writes a log record to stderr.
+-- Tool files run in a fresh environment of safe globals (demesne.plugins) whose `require`
+-- gives string/table/math/utf8/os (os without execute, exit, remove, rename, setlocale)
+-- and the runtime API of lua/tools/api.lua, documented in docs/reference/runtime-api.md:
+-- of each module only the names listed there. Everything else, the raw core.* bindings and
+-- the engine adapter included, is unreachable. `io` offers open, lines (with a file name)
+-- and type only; `print` writes a log record to stderr.
+local api = require("demesne.tools.api")
+local async = require("demesne.async")
+local config = require("demesne.config")
+local errors = require("demesne.errors")
 local json = require("demesne.json")
 local log = require("demesne.log")
-local schema = require("demesne.mcp.schema")
+local plugins = require("demesne.plugins")
+local schema = require("demesne.jsonschema")
+
+-- The kinds of background job the built-in tools start (sandbox_script, sandbox_exec and
+-- the agent tools with background = true). Each registers itself with demesne.jobs when
+-- it loads; loading them here, in the tools layer above jobs, sandbox and agent, has them
+-- registered before a tool, tasks/* or the jobs service (which re-attaches jobs after a
+-- restart) needs one.
+require("demesne.jobs.script")
+require("demesne.jobs.exec")
+require("demesne.agent.job")
 
 local tools = {}
 
@@ -55,92 +71,14 @@ local LOGGER = "demesne.tools"
 ---@field request fun(method: string, params: table|nil, opts: table|nil): table|nil, string|nil, any
 
 --------------------------------------------------------------------------------------------
--- Failures
-
-local Fail = {}
-Fail.__index = Fail
-Fail.__name = "demesne.tools.fail"
-Fail.__tostring = function(e) return e.message end
-
---- A user-facing failure. Raise it from a tool with `error(tools.fail("files[0]: no such file"))`:
---- the call returns `isError: true` with `msg` as its text (and `data`, when given, as a
---- second text block holding its JSON). The message should name the field and the reason.
----@param msg string
----@param data any|nil  extra detail (JSON-encodable)
----@return table err
-function tools.fail(msg, data)
-  return setmetatable({ demesne_error = true, message = tostring(msg), data = data }, Fail)
-end
-
---- True for an error raised with tools.fail (or any table with demesne_error = true and a
---- message, as lua/sandbox.lua raises).
----@param e any
----@return boolean
-function tools.is_fail(e)
-  return type(e) == "table" and e.demesne_error == true and e.message ~= nil
-end
-
---------------------------------------------------------------------------------------------
 -- The environment tool files run in
 
-local SAFE_GLOBALS = { "assert", "error", "ipairs", "next", "pairs", "pcall", "rawequal", "rawget", "rawlen",
-  "rawset", "select", "setmetatable", "getmetatable", "tonumber", "tostring", "type", "xpcall", "_VERSION",
-  "collectgarbage" }
-local OS_ALLOWED = { "clock", "date", "difftime", "getenv", "time", "tmpname" }
-
-local function copy_lib(lib, names)
-  local out = {}
-  if names then
-    for _, k in ipairs(names) do out[k] = lib[k] end
-  else
-    for k, v in pairs(lib) do out[k] = v end
-  end
-  return out
-end
-
---- Builds the environment a tool file runs in. `origin` names the file in errors.
+--- Builds the environment a tool file runs in (demesne.plugins: safe globals, and `require`
+--- of the runtime API in lua/tools/api.lua only). `origin` names the file in errors.
 ---@param origin string
 ---@return table env
-function tools.sandbox_env(origin)
-  local env = {}
-  for _, k in ipairs(SAFE_GLOBALS) do env[k] = _G[k] end
-  local libs = {
-    string = copy_lib(string), table = copy_lib(table), math = copy_lib(math), utf8 = copy_lib(utf8),
-    os = copy_lib(os, OS_ALLOWED),
-  }
-  for k, v in pairs(libs) do env[k] = v end
-  env.io = {
-    open = function(path, mode)
-      if type(path) ~= "string" then error("io.open: a file name is required", 2) end
-      return io.open(path, mode)
-    end,
-    lines = function(path, ...)
-      if type(path) ~= "string" then error("io.lines: a file name is required (stdin carries the protocol)", 2) end
-      return io.lines(path, ...)
-    end,
-    type = io.type,
-  }
-  env.print = function(...)
-    local parts = table.pack(...)
-    for i = 1, parts.n do parts[i] = tostring(parts[i]) end
-    log.info(LOGGER, "%s: %s", origin, table.concat(parts, "\t", 1, parts.n))
-  end
-  env.load = function(chunk, name, mode, e)
-    if mode ~= nil and mode ~= "t" then error("load: only text chunks are allowed in a tool", 2) end
-    return load(chunk, name, "t", e == nil and env or e)
-  end
-  env.require = function(name)
-    if type(name) ~= "string" then error("require: module name must be a string", 2) end
-    if libs[name] then return libs[name] end
-    if name:match("^core%.") or name == "core" then
-      error(("require(%q) is not allowed in a tool: the raw core.* bindings are not available to tools; "
-        .. "use the demesne.* runtime modules"):format(name), 2)
-    end
-    if name:match("^demesne%.") or name == "demesne" then return require(name) end
-    error(("require(%q): module not available to tools (only demesne.* and string, table, math, utf8, os)"):format(name), 2)
-  end
-  env._G = env
-  return env
+function tools.environment(origin)
+  return plugins.environment(origin, { kind = "tool", kinds = "tools", api = api, logger = LOGGER })
 end
 
 --------------------------------------------------------------------------------------------
@@ -194,27 +132,32 @@ function tools.check_descriptor(d)
   return true
 end
 
+-- The tool kind of plugin (demesne.plugins); `opts` as tools.load takes them.
+local function kind(opts)
+  return {
+    kind = "tool", kinds = "tools", logger = LOGGER, quiet = opts.quiet,
+    builtin = opts.builtin ~= false and "tools/" or nil,
+    user_dir = opts.user_dir == nil and (config.dir() .. "/tools") or opts.user_dir,
+    dirs = opts.fixtures and { opts.fixtures } or nil,
+    env = tools.environment,
+    check = function(d, file)
+      local good, why = tools.check_descriptor(d)
+      if not good then return nil, why end
+      d.origin = file.origin
+      return d
+    end,
+    key = function(d) return d.name end,
+  }
+end
+
 --- Loads one tool file's source in the tool environment and checks its descriptor.
 --- Returns the descriptor (with `origin` set), or nil and an error naming the origin and field.
 ---@param src string      the file's contents
 ---@param origin string   where it came from (a path or "embedded:tools/x.lua"), used in messages
 ---@return ToolDescriptor|nil tool, string|nil err
 function tools.load_source(src, origin)
-  local env = tools.sandbox_env(origin)
-  local chunkname = origin:gsub("^embedded:", "")
-  -- Lua errors already start with "chunkname:line:"; others get the origin in front
-  local function located(e)
-    e = tostring(e)
-    if e:sub(1, #chunkname + 1) == chunkname .. ":" then return e end
-    return ("%s: %s"):format(origin, e)
-  end
-  local chunk, err = load(src, "@" .. chunkname, "t", env)
-  if not chunk then return nil, located(err) end
-  local ok, d = pcall(chunk)
-  if not ok then return nil, located(d) end
-  local good, why = tools.check_descriptor(d)
-  if not good then return nil, ("%s: %s"):format(origin, why) end
-  d.origin = origin
+  local d, err = plugins.load_source(kind({}), src, { name = origin:match("([^/]+)%.lua$") or origin, origin = origin })
+  if not d then return nil, err or ("%s: the file must return a descriptor table"):format(origin) end
   return d
 end
 
@@ -279,87 +222,19 @@ function Registry:listing()
   return out
 end
 
---- The plugin files of a user folder: its *.lua files (not hidden), sorted by name.
---- A missing folder gives an empty list. Shared by the tool and provider loaders.
----@param dir string
----@return string[] paths
-function tools.lua_files_in(dir)
-  local fs = require("core.fs")
-  local st = fs.stat(dir)
-  if not st or st.type ~= "directory" then return {} end
-  local out = {}
-  for _, n in ipairs(fs.readdir(dir) or {}) do
-    if n:match("%.lua$") and not n:match("^%.") then out[#out + 1] = dir .. "/" .. n end
-  end
-  table.sort(out)
-  return out
-end
-
---- Reads a whole file. Returns its contents, or nil and the error.
----@param path string
----@return string|nil contents, string|nil err
-function tools.read_file(path)
-  local f, err = io.open(path, "rb")
-  if not f then return nil, err end
-  local s = f:read("a")
-  f:close()
-  return s
-end
-
-local lua_files_in, read = tools.lua_files_in, tools.read_file
-
---- The folder users drop their own tools into: $XDG_CONFIG_HOME/demesne/tools.
----@return string
-function tools.user_dir()
-  local ok, config = pcall(require, "demesne.config")
-  if ok and type(config) == "table" and config.dir then return config.dir() .. "/tools" end
-  local base = os.getenv("XDG_CONFIG_HOME")
-  if not base or base == "" then base = (os.getenv("HOME") or "/root") .. "/.config" end
-  return base .. "/demesne/tools"
-end
-
---- Loads every tool: built-in tools/*.lua, then the user folder, then `opts.fixtures`.
---- Refused files are logged (unless opts.quiet) and listed in registry.errors.
----@param opts {fixtures: string|nil, user_dir: string|nil, builtin: boolean|nil, quiet: boolean|nil}|nil
+--- Loads every tool: built-in tools/*.lua, then the user folder
+--- ($XDG_CONFIG_HOME/demesne/tools), then `opts.fixtures`, through demesne.plugins. A later
+--- tool with the same name replaces an earlier one. Refused files are logged (unless
+--- opts.quiet) and listed in registry.errors.
+---@param opts {fixtures: string|nil, user_dir: string|false|nil, builtin: boolean|nil, quiet: boolean|nil}|nil
 ---   builtin = false skips the built-in tools; user_dir overrides the user folder (false: none)
 ---@return ToolRegistry
 function tools.load(opts)
   opts = opts or {}
+  local set = plugins.load(kind(opts))
   local reg = tools.registry()
-  local function take(src, origin, read_err)
-    local d, err
-    if not src then
-      err = ("%s: %s"):format(origin, tostring(read_err))
-    else
-      d, err = tools.load_source(src, origin)
-    end
-    if d then
-      reg:add(d)
-      log.debug(LOGGER, "loaded tool %s from %s", d.name, origin)
-    else
-      reg.errors[#reg.errors + 1] = { origin = origin, message = err }
-      if not opts.quiet then log.error(LOGGER, "refused %s", err) end
-    end
-  end
-  if opts.builtin ~= false then
-    local runtime = require("demesne.runtime")
-    for _, rel in ipairs(runtime.list("tools/")) do
-      if rel:match("%.lua$") then
-        local src, origin = runtime.source(rel)
-        take(src, origin or rel, "cannot read")
-      end
-    end
-  end
-  local user = opts.user_dir
-  if user == nil then user = tools.user_dir() end
-  if user then
-    for _, path in ipairs(lua_files_in(user)) do take(read(path), path) end
-  end
-  if opts.fixtures then
-    local files = lua_files_in(opts.fixtures)
-    if #files == 0 then log.warning(LOGGER, "no tool files in --fixtures folder %s", opts.fixtures) end
-    for _, path in ipairs(files) do take(read(path), path) end
-  end
+  for _, d in ipairs(set:list()) do reg.by_name[d.name] = d end
+  reg.errors = set.errors
   return reg
 end
 
@@ -397,7 +272,7 @@ end
 ---@param text string|nil
 ---@return table
 function tools.to_result(res, text)
-  if type(res) == "table" and getmetatable(res) ~= Fail and type(res.content) == "table" then
+  if type(res) == "table" and not errors.is(res) and type(res.content) == "table" then
     local content = json.array()
     for i, c in ipairs(res.content) do content[i] = c end
     return { content = content, structuredContent = res.structuredContent, isError = res.isError == true,
@@ -413,7 +288,7 @@ function tools.to_result(res, text)
 end
 
 --- Validates `args` against the tool's inputSchema (defaults applied to a copy), runs the
---- tool in the current task and returns a CallToolResult. Invalid arguments, tools.fail()
+--- tool in the current task and returns a CallToolResult. Invalid arguments, demesne.errors
 --- and any other error become `isError: true` results; a Lua error's traceback goes to the
 --- log only. async.CANCELLED is re-raised (the caller sends no response for it).
 ---@param tool ToolDescriptor
@@ -421,7 +296,6 @@ end
 ---@param args table|nil
 ---@return table result
 function tools.call(tool, ctx, args)
-  local async = require("demesne.async")
   if args == nil then args = {} end
   local prepared = schema.apply_defaults(tool.inputSchema, args)
   local ok, errs = schema.validate(tool.inputSchema, prepared)
@@ -430,13 +304,13 @@ function tools.call(tool, ctx, args)
     return error_result(msg)
   end
   local packed = table.pack(xpcall(tool.run, function(e)
-    if e == async.CANCELLED or tools.is_fail(e) then return e end
+    if e == async.CANCELLED or errors.is(e) then return e end
     return { traceback = debug.traceback(tostring(e), 2), message = e }
   end, ctx, prepared))
   if not packed[1] then
     local e = packed[2]
     if e == async.CANCELLED then error(e, 0) end
-    if tools.is_fail(e) then return error_result(tostring(e.message), e.data) end
+    if errors.is(e) then return error_result(e.message, e.data) end
     log.error(LOGGER, "tool %s failed: %s", tool.name, e.traceback or tostring(e))
     return error_result(("Tool %s failed: %s"):format(tool.name, first_line(e.message)))
   end
@@ -451,7 +325,11 @@ end
 
 tools.schema = schema
 
---- Validates a value against a JSON Schema: see demesne.mcp.schema.validate.
+--- The error constructor under its older name (demesne.errors.new): tool files written
+--- before demesne.errors raise `error(require("demesne.tools").fail("field: reason"))`.
+tools.fail = errors.new
+
+--- Validates a value against a JSON Schema: see demesne.jsonschema.validate.
 tools.validate = schema.validate
 
 return tools

@@ -1,0 +1,171 @@
+-- The context file of an agent run (CLAUDE.md, AGENTS.md, …): what the agent is told about
+-- its sandbox, its network, the child sandboxes it may spawn (lua/tree), the definition of
+-- done, then the task.
+local context = {}
+
+local AGENT_DIR = "/.demesne/agent" -- the run's read-only folder in the sandbox (lua/agent/init.lua mounts it)
+
+local EGRESS_TEXT = {
+  none = "There is no network access except the model API (used by your CLI itself). Package installs and "
+    .. "downloads will fail; work with what is in the image and the inputs.",
+  ["package-managers"] = "Outbound access is limited to package registries (npm, PyPI, Debian archives, …) "
+    .. "through an HTTP proxy already configured in the environment. Other hosts are refused.",
+  open = "Outbound network access is open (no host inputs are mounted).",
+}
+
+-- A sum in USD for the context file: cents, or four decimals below a cent.
+local function usd(x)
+  if x >= 0.01 or x == 0 then return ("$%.2f"):format(x) end
+  return ("$%.4f"):format(x)
+end
+
+--- Adds the context file's section on child sandboxes (through the `demesne` MCP server) to
+--- `add`, when the run's CLI is wired to its endpoint (o.run.mcp_servers). The limits come
+--- from o.endpoint.tree (lua/tree's tree.info: {depth, limits = {depth, children, running},
+--- children_used, budget_usd, spent_usd}); missing ones are left out.
+---@param o table  the plan
+---@param add fun(line: string)
+function context.children(o, add)
+  local servers = o.run and o.run.mcp_servers
+  if type(o.endpoint) ~= "table" then return end
+  if not servers or #servers == 0 then
+    add("## demesne")
+    add("")
+    add("demesne's MCP server (Streamable HTTP) is at `$DEMESNE_MCP_URL` with `Authorization: Bearer "
+      .. "$DEMESNE_MCP_TOKEN`; your CLI is not connected to it.")
+    add("")
+    return
+  end
+  local t = type(o.endpoint.tree) == "table" and o.endpoint.tree or {}
+  local limits = type(t.limits) == "table" and t.limits or {}
+  local depth, max = tonumber(t.depth), tonumber(limits.depth)
+  add("## Child sandboxes (the `demesne` tools)")
+  add("")
+  add("You can hand work to child sandboxes with the tools of the MCP server `demesne` (already connected, no "
+    .. "approval needed). Each child is a fresh disposable container started by the host, not inside yours.")
+  if o.provider.mcp_hint then
+    local ok, hint = pcall(o.provider.mcp_hint, servers[1].name)
+    if ok and type(hint) == "string" and hint ~= "" then add(hint) end
+  end
+  add("")
+  add("- `sandbox_script`: run a shell command in a fresh sandbox (pick an `image`); returns its exit code and output.")
+  add("- `sandbox_agent`: another AI agent with a prompt of its own (and a `model`); `sandbox_research`: an agent "
+    .. "with open network access and no inputs, for web research.")
+  add("- `sandbox_create`, `sandbox_exec`, `sandbox_destroy`: a sandbox that stays up for several commands.")
+  add("- `sandbox_status`, `sandbox_wait`, `sandbox_cancel`, `sandbox_jobs`: children running in the background.")
+  add("- `sandbox_usage_report`: the cost and tokens of everything below you.")
+  add("")
+  add("How children relate to you:")
+  add("")
+  add("- Every spawning call takes a `name`: lowercase letters, digits and inner hyphens, at most 40 characters, "
+    .. "unique among your children for your whole run (a name is used up even when the spawn fails). Use "
+    .. "distinct, descriptive names (`fetch-data`, `review-2`).")
+  add("- A child's `/out` is your `/out/child/<name>/` (read-only for you): read its results there.")
+  add("- Script, create and agent children see your `/in` read-only and share your `/workspace` read-write: hand "
+    .. "them files through `/workspace` and give each child its own paths to write.")
+  add("- A child sees the output of each child you spawned before it at `/in/previous-jobs/<name>/`.")
+  add("- `sandbox_research` children get none of that (no `/in`, no `/workspace`, no previous jobs).")
+  add("- A child's egress is never wider than yours; `open` is only for `sandbox_research`.")
+  add("- Children you leave running are cancelled when you finish.")
+  add("")
+  add("Habits that work:")
+  add("")
+  add("- Fan out with `background: true`: each spawn answers at once with a `job_id`. Then call `sandbox_wait` "
+    .. "on every job as a barrier. From here `sandbox_wait` waits at most a few minutes and then answers "
+    .. "`status: running`: call it again until the status is final. Block (no `background`) only for short calls.")
+  add("- Check each child's `status` and `exit_code`; for a failed one read `/out/child/<name>/stderr.log` (a "
+    .. "script) or its `results.json` and `transcript.jsonl` (an agent).")
+  add("- Verify claims with a script child (build, run the tests) instead of trusting an answer.")
+  add("- Your caller reads your `/out` and your final message, not your children's answers: copy or summarise "
+    .. "what must surface into your own `/out` files yourself (a child cannot write there).")
+  add("")
+  add("Limits of this tree:")
+  add("")
+  if depth and max then
+    if depth >= max then
+      add(("- You are at depth %d, the deepest allowed (%d): you cannot spawn children; do the work yourself."):format(
+        depth, max))
+    else
+      add(("- You are at depth %d (the host's run is 0); children may go down to depth %d."):format(depth, max))
+    end
+  end
+  if tonumber(limits.children) then
+    add(("- At most %d children in your run."):format(math.floor(limits.children)))
+  end
+  if tonumber(limits.running) then
+    add(("- At most %d sandboxes of the whole tree run at once (you included); a spawn past that waits its turn.")
+      :format(math.floor(limits.running)))
+  end
+  local budget = tonumber(t.budget_usd)
+  if budget then
+    local spent = tonumber(t.spent_usd) or 0
+    add(("- The whole tree may spend %s on model requests (%s left when you started). Past it every model request "
+      .. "is refused and every run of the tree ends: prefer scripts to agents where a script will do, and a "
+      .. "cheaper model for simple work."):format(usd(budget), usd(math.max(budget - spent, 0))))
+  else
+    add("- No budget is set for the tree's model requests; spend with care all the same.")
+  end
+  add("")
+end
+
+--- The context file's text for the run planned in `o` (agent.prepare) and the call's args.
+---@param o table     the plan: mounts, egress, workspace, endpoint, provider, run
+---@param args table  prompt, preamble, success_criteria, output_path, output_format
+---@return string
+function context.text(o, args)
+  local out = {}
+  local function add(s) out[#out + 1] = s end
+  if args.preamble and args.preamble ~= "" then add(args.preamble) add("") end
+  add("# Your environment")
+  add("")
+  add("You run with full autonomy inside a disposable Linux container that is removed when you finish. "
+    .. "Nobody answers questions: decide and proceed.")
+  add("")
+  if o.workspace and o.endpoint then
+    add("- `/workspace`: your writable working folder, shared with the child sandboxes of your tree (removed "
+      .. "when the run that made it ends).")
+  else
+    add("- `/workspace`: your writable working folder (scratch; discarded after the run).")
+  end
+  add("- `/out`: the deliverables folder. Everything written here is kept on the host.")
+  add(("- `%s`: this file and the task (read-only)."):format(AGENT_DIR))
+  if #(o.mounts or {}) > 0 then
+    add("- `/in`: read-only inputs from the host:")
+    for _, m in ipairs(o.mounts) do
+      local sibling = m.target:match("^/in/previous%-jobs/(.+)$")
+      if sibling then
+        add(("  - `%s` (the output of `%s`, a child your parent spawned before you)"):format(m.target, sibling))
+      elseif m.target:sub(1, 4) == "/in/" or m.target == "/in" then
+        add("  - `" .. m.target .. "`")
+      end
+    end
+  end
+  add("")
+  add("## Network")
+  add("")
+  add(EGRESS_TEXT[o.egress.name] or ("Egress policy `" .. o.egress.name .. "`: other hosts are refused."))
+  add("")
+  context.children(o, add)
+  add("## Definition of done")
+  add("")
+  local any = false
+  if args.success_criteria and #args.success_criteria > 0 then
+    for _, c in ipairs(args.success_criteria) do add("- [ ] " .. c) any = true end
+  end
+  if args.output_path then
+    add(("- [ ] The deliverable is written to `/out/%s`%s."):format(args.output_path,
+      args.output_format and (" as " .. args.output_format) or "")) any = true
+  elseif args.output_format then
+    add("- [ ] Deliverables in `/out` are in this format: " .. args.output_format) any = true
+  end
+  add("- [ ] Your final message summarises what you did and where the results are.")
+  if not any then add("- [ ] The task below is complete.") end
+  add("")
+  add("## Task")
+  add("")
+  add(args.prompt)
+  add("")
+  return table.concat(out, "\n")
+end
+
+return context

@@ -1,0 +1,244 @@
+-- Egress: the per-sandbox proxy listeners, and the proxy settings a sandbox gets.
+--
+-- A sandbox has no network (network mode none). demesne-init relays 127.0.0.1:3128 inside
+-- it to <run_dir>/egress.sock on the host; core.proxy listens there, parses each request
+-- head and asks the sandbox's policy (lua/egress/policy.lua) for a verdict on the *name*
+-- (before any DNS lookup). After an allow, C resolves the name itself and dials only an
+-- address that passes the address checks (loopback, private, link-local, metadata, IPv6…
+-- are refused unless a CIDR rule allows them). Every connection ends as one JSON line in
+-- <output_dir>/egress.jsonl.
+local async = require("demesne.async")
+local config = require("demesne.config")
+local json = require("demesne.json")
+local log = require("demesne.log")
+local policy = require("demesne.egress.policy")
+local proxy = require("core.proxy")
+local fs = require("core.fs")
+local loop = require("core.loop")
+local util = require("demesne.util")
+
+local egress = {}
+
+local LOGGER = "demesne.egress"
+
+egress.ALLOW, egress.DENY = policy.ALLOW, policy.DENY
+--- The proxy's port inside every sandbox.
+egress.PORT = proxy.PORT
+--- The socket inside the sandbox (the run folder is bind-mounted at /.demesne/run).
+egress.SANDBOX_SOCKET = "/.demesne/run/egress.sock"
+--- The socket's name in the host's run folder.
+egress.SOCKET_NAME = "egress.sock"
+
+--------------------------------------------------------------------------------------------
+-- Inside the sandbox
+
+local TELEMETRY_OFF = {
+  DO_NOT_TRACK = "1", WRANGLER_SEND_METRICS = "false", WRANGLER_SEND_ERROR_REPORTS = "false",
+  NEXT_TELEMETRY_DISABLED = "1", NUXT_TELEMETRY_DISABLED = "1", NG_CLI_ANALYTICS = "false",
+  STORYBOOK_DISABLE_TELEMETRY = "1", VERCEL_TELEMETRY_DISABLED = "1", YARN_ENABLE_TELEMETRY = "0",
+  NO_UPDATE_NOTIFIER = "1", npm_config_fund = "false", npm_config_update_notifier = "false",
+  DISABLE_OPENCOLLECTIVE = "true", PIP_DISABLE_PIP_VERSION_CHECK = "1", PIP_NO_INPUT = "1",
+  CHECKPOINT_DISABLE = "1", NX_NO_CLOUD = "true", DOTNET_CLI_TELEMETRY_OPTOUT = "1",
+  HOMEBREW_NO_ANALYTICS = "1", GATSBY_TELEMETRY_DISABLED = "1", ASTRO_TELEMETRY_DISABLED = "1",
+}
+
+--- Environment variables for a sandbox under `pol`: the proxy for every common client
+--- (curl, pip, npm, apt, Go, Python, Node…) and build-tool telemetry turned off. The
+--- variables only help tools find the proxy; enforcement is the missing network.
+---@param pol table|nil  a compiled policy (nil or open: telemetry only)
+---@return table<string, string>
+function egress.env(pol)
+  local env = {}
+  for k, v in pairs(TELEMETRY_OFF) do env[k] = v end
+  if pol and pol.open then return env end
+  local url = ("http://127.0.0.1:%d"):format(egress.PORT)
+  for _, k in ipairs({ "HTTP_PROXY", "HTTPS_PROXY", "http_proxy", "https_proxy",
+      "npm_config_proxy", "npm_config_https_proxy", "PIP_PROXY", "YARN_HTTP_PROXY", "YARN_HTTPS_PROXY" }) do
+    env[k] = url
+  end
+  env.NO_PROXY, env.no_proxy = "localhost,127.0.0.1,::1", "localhost,127.0.0.1,::1"
+  env.GOPROXY = "https://proxy.golang.org"
+  -- apt reads http_proxy/https_proxy itself; APT_CONFIG adds Acquire::*::Proxy for tools
+  -- that clear the environment (the file is written by egress.start)
+  env.APT_CONFIG = "/.demesne/run/apt.conf"
+  return env
+end
+
+--- The demesne-init options that start the relay of the proxy port ({} for open egress).
+---@param pol table
+---@return string[]
+function egress.relay_args(pol)
+  if pol.open then return {} end
+  return { "--relay", ("%d=%s"):format(egress.PORT, egress.SANDBOX_SOCKET) }
+end
+
+--------------------------------------------------------------------------------------------
+-- The per-sandbox listener
+
+local active = {} -- run_id -> handle
+
+local iso_now = util.iso_now
+
+local Handle = {}
+Handle.__index = Handle
+
+--- Starts the proxy of one sandbox: listens on <run_dir>/egress.sock and appends to
+--- <output_dir>/egress.jsonl. `o`: {run_id, run_dir, output_dir, policy (or egress) = compiled policy}.
+--- The listener admits at most egress_max_connections connections whose descriptors stay
+--- within sandbox_max_descriptors (see core/proxy.h); a connection over either ceiling is
+--- answered 503 naming it, and egress.jsonl gets a "ceiling" line (at most one a second,
+--- with the count of refusals since the last one).
+--- Returns a handle (closing it — or egress.stop — stops the listener and waits for its
+--- connections to end), or a handle that does nothing for open egress; nil, err on failure.
+---@param o table  the sandbox's plan: run_id, run_dir, its policy (o.policy or o.egress)
+---@return table|nil handle, string|nil err
+function egress.start(o)
+  local pol = o.policy or o.egress
+  local h = setmetatable({ run_id = o.run_id, policy = pol, pending = {}, closed = false }, Handle)
+  if pol.open then h.closed = true return h end
+  -- the output and run folders are the sandbox's to write (and it runs already after a
+  -- server restart): every file in them is reached through a held folder, confined (no
+  -- link, no FIFO, never blocking; core.fs.dir)
+  local out, oerr, ocode = fs.opendir(o.output_dir)
+  if not out then return nil, "egress: " .. tostring(oerr), ocode end
+  local file, ferr, fcode = out:open("egress.jsonl", "a")
+  out:close()
+  if not file then return nil, "egress: " .. tostring(ferr), fcode end
+  h.file = file
+  local run, rerr, rcode = fs.opendir(o.run_dir)
+  if not run then
+    file:close()
+    return nil, "egress: " .. tostring(rerr), rcode
+  end
+  local _ <close> = run
+  run:write_atomic("apt.conf", ("Acquire::http::Proxy \"http://127.0.0.1:%d\";\n"
+    .. "Acquire::https::Proxy \"http://127.0.0.1:%d\";\n"):format(egress.PORT, egress.PORT))
+  local path = o.run_dir .. "/" .. egress.SOCKET_NAME
+  local resolver = config.get("egress_resolver")
+  local listener, err, code = proxy.listen(path, { rules = pol.addr_rules, resolver = resolver ~= "" and resolver or nil,
+      max_conns = math.max(1, math.floor(config.get("egress_max_connections"))),
+      max_fds = math.max(1, math.floor(config.get("sandbox_max_descriptors"))),
+      ceiling_hint = "(egress_max_connections / sandbox_max_descriptors in the demesne configuration)",
+      on_refused = function(info) h:on_refused(info) end },
+    function(conn, req) h:on_request(conn, req) end,
+    function(conn, res) h:on_done(conn, res) end)
+  if not listener then
+    file:close()
+    return nil, ("egress: cannot listen on %s: %s"):format(path, tostring(err)), code
+  end
+  run:chmod(egress.SOCKET_NAME, 438) -- 0666: whatever user the image runs as can connect
+  h.listener = listener
+  active[o.run_id] = h
+  return h
+end
+
+--- core.proxy's on_request: judges the name and answers allow or deny.
+---@param conn userdata  a core.proxy.conn
+---@param req table      {method, host, port, ip, form, path, host_header}
+function Handle:on_request(conn, req)
+  local verdict, label = policy.decide(self.policy, req)
+  self.pending[conn] = { req = req, verdict = verdict, rule = label, time = iso_now() }
+  if verdict == egress.ALLOW then conn:allow()
+  else conn:deny(("denied by egress policy %s (%s)"):format(self.policy.name, label)) end
+end
+
+--- core.proxy's on_done: appends the connection's line to egress.jsonl.
+---@param conn userdata
+---@param res table  {bytes_up, bytes_down, status, denied, rule, address, error, code}
+function Handle:on_done(conn, res)
+  local p = self.pending[conn]
+  self.pending[conn] = nil
+  if not p then return end
+  local allowed = p.verdict == egress.ALLOW and not res.denied
+  local rule = p.rule
+  if res.code == "ELIMIT" then
+    allowed, rule = false, "ceiling" -- a descriptor ceiling stopped it while it dialled
+  elseif p.verdict == egress.ALLOW and res.denied then
+    local r = res.rule and self.policy.rules[res.rule]
+    rule = r and r.label or ("address:" .. tostring((res.error or ""):match("is (.*)$") or "refused"))
+  end
+  local rec = {
+    time = p.time, sandbox = self.run_id, method = p.req.method, host = p.req.host, port = p.req.port,
+    verdict = allowed and "allow" or "deny", rule = rule, status = res.status,
+    bytes_up = res.bytes_up, bytes_down = res.bytes_down, address = res.address, error = res.error,
+  }
+  if p.req.form ~= "connect" then rec.path = p.req.path end
+  if self.file then
+    local ok, line = pcall(json.encode, rec)
+    if ok then self.file:write(line .. "\n") end
+  end
+end
+
+--- Writes the pending "ceiling" line: the refusals since the last one, and why.
+function Handle:flush_refusals()
+  local r = self.refusals
+  if not r or r.count == 0 or not self.file then return end
+  local ok, line = pcall(json.encode, { time = iso_now(), sandbox = self.run_id, verdict = "deny", rule = "ceiling",
+    status = 503, refused = r.count, limit = r.limit, error = r.message })
+  if ok then self.file:write(line .. "\n") end
+  r.count, r.last = 0, loop.now()
+end
+
+--- core.proxy's on_refused: a connection over a ceiling. Counted, and written to
+--- egress.jsonl at most once a second (a flood must not become a flood of lines).
+---@param info table  {limit, active, ceiling, answered, message}
+function Handle:on_refused(info)
+  local r = self.refusals or { count = 0, last = -math.huge }
+  self.refusals = r
+  r.count, r.limit, r.message = r.count + 1, info.limit, info.message
+  if r.count == 1 and r.total == nil then
+    log.warning(LOGGER, "sandbox %s: egress connection refused: %s", self.run_id, tostring(info.message))
+  end
+  r.total = (r.total or 0) + 1
+  if loop.now() - r.last >= 1000 then self:flush_refusals() end
+end
+
+--- Stops the listener; inside a task, waits until every connection has ended (so
+--- egress.jsonl is complete). Idempotent.
+function Handle:stop()
+  if self.closed then return end
+  self.closed = true
+  if active[self.run_id] == self then active[self.run_id] = nil end
+  local listener = self.listener
+  self.listener = nil
+  if listener then
+    local ev = async.event()
+    listener:close(function() ev.set() end)
+    if async.current() then
+      local ok, err = pcall(async.timeout, 5000, ev.wait)
+      if not ok and err == async.CANCELLED then error(err, 0) end
+    end
+  end
+  self:flush_refusals()
+  if self.file then self.file:close() self.file = nil end
+end
+Handle.__close = Handle.stop
+
+--- The live handle of a sandbox, or nil.
+---@param run_id string
+---@return table|nil handle
+function egress.get(run_id) return active[run_id] end
+
+--- Stops the proxy of a sandbox if one runs. Idempotent.
+---@param run_id string
+function egress.stop(run_id)
+  local h = active[run_id]
+  if h then h:stop() end
+end
+
+--- Makes sure a persistent sandbox has its proxy (after a server restart the listener is
+--- gone while the container lives on). Returns the handle, or nil, err.
+---@param run_id string
+---@param run_dir string
+---@param output_dir string
+---@param policy_name string
+function egress.ensure(run_id, run_dir, output_dir, policy_name)
+  if active[run_id] then return active[run_id] end
+  local pol, err = policy.policy(policy_name)
+  if not pol then return nil, err end
+  if pol.open then return setmetatable({ closed = true }, Handle) end
+  log.info(LOGGER, "re-attaching the proxy of sandbox %s (policy %s)", run_id, policy_name)
+  return egress.start({ run_id = run_id, run_dir = run_dir, output_dir = output_dir, policy = pol })
+end
+
+return egress

@@ -1,0 +1,101 @@
+-- The "script" kind of background job (sandbox_script with background = true): a
+-- one-shot sandbox whose container runs `demesne-init run` as PID 1, watched until it
+-- stops, and found again from its record after a server restart. Agent runs use its
+-- launch and watch (lua/agent/job.lua).
+local jobs = require("demesne.jobs")
+local outcome = require("demesne.jobs.outcome")
+local sandbox = require("demesne.sandbox")
+local util = require("demesne.util")
+
+local closer, now_ms = util.closer, util.now_ms
+local outcome_of, engine_retry = outcome.of, outcome.engine_retry
+
+-- One-shot jobs: the container runs `demesne-init run` as PID 1.
+local function script_outcome(rec, o, code, err, ecode)
+  local st = sandbox.read_status(o.run_dir, o.exec_id)
+  if st then return outcome_of(st, rec.timeout_seconds) end
+  if code ~= nil then
+    return { status = code == 0 and "succeeded" or "failed", exit_code = math.tointeger(code),
+      reason = ("the sandbox stopped with code %s and no exit status was recorded"):format(tostring(code)) }
+  end
+  if ecode == "ENOENT" then
+    return { status = "lost", reason = ("container %s no longer exists and no exit status was recorded "
+      .. "(it was removed while no server was watching it)"):format(rec.container) }
+  end
+  if ecode == "ETIMEDOUT" then
+    return { status = "failed", timed_out = true,
+      reason = "the sandbox did not stop within its timeout; it was removed" }
+  end
+  return { status = "failed", reason = tostring(err) }
+end
+
+-- Watches a one-shot job's container until it stops.
+local function script_watch(job, o)
+  local rec = job.rec
+  -- the container goes on success, failure and cancel; the run folder (status.json) only
+  -- once the terminal record is saved, so a crash in between still finds the exit status
+  local _ <close> = closer(function() sandbox.script_remove(o) end)
+  if not o.id then return script_outcome(rec, o, nil, "gone", "ENOENT") end
+  while true do
+    local left = rec.started_ms + (rec.timeout_seconds + 60) * 1000 - now_ms()
+    local code, err, ecode = sandbox.script_wait(o, math.max(left, 30000))
+    if code ~= nil or not engine_retry(ecode) then return script_outcome(rec, o, code, err, ecode) end
+  end
+end
+
+-- Hands a planned one-shot run to a new job: starts its sandbox (the image is built first
+-- if needed, with progress), then launches the job (fields: the record's kind-specific
+-- fields; the sandbox's are filled in) and returns {job_id, status = "running",
+-- output_dir, run_id}. A call that fails or is cancelled before the job exists leaves
+-- nothing behind: the container goes, `abandon` (optional) runs, the run folder goes.
+local function launch_oneshot(ctx, o, fields, abandon)
+  local id = jobs.new_id()
+  local handed = false
+  local _ <close> = closer(function()
+    if not handed then
+      sandbox.script_remove(o)
+      if abandon then abandon() end
+      sandbox.remove_tree(o.run_dir)
+    end
+  end)
+  sandbox.script_start(ctx, o, { job_id = id, job_record = jobs.record_path(id) })
+  fields.job_id, fields.timeout_seconds, fields.container, fields.run_id = id, o.timeout, o.name, o.run_id
+  fields.output_dir, fields.log_dir, fields.run_dir, fields.exec_id = o.output_dir, o.output_dir, o.run_dir, o.exec_id
+  local rec = jobs.launch(fields, o, jobs.parent_of(ctx))
+  handed = true
+  return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }
+end
+
+return jobs.register("script", {
+  -- sandbox_script with background = true: checks the call and starts the sandbox, then
+  -- hands the running container to a job. Once it returns, the command runs on its own: a
+  -- server stop does not stop it.
+  start = function(ctx, args)
+    local o = sandbox.script_prepare(args, "job")
+    return launch_oneshot(ctx, o, { tool = "sandbox_script", kind = "script", command = jobs.short(args.command) })
+  end,
+  -- o: a plan whose container sandbox.script_start has started
+  run = function(job, o)
+    job.after = function() sandbox.remove_tree(o.run_dir) end
+    return script_watch(job, o)
+  end,
+  attach = function(job)
+    local rec = job.rec
+    local o = { engine = sandbox.engine(), id = rec.container, run_dir = rec.run_dir, exec_id = rec.exec_id,
+      output_dir = rec.output_dir, tree = rec.run_id }
+    job.after = function() sandbox.remove_tree(o.run_dir) end
+    local info, err, ecode
+    repeat info, err, ecode = o.engine:inspect(rec.container) until info or not engine_retry(ecode)
+    if not info and ecode ~= "ENOENT" then return { status = "failed", reason = tostring(err) } end
+    if not info then o.id = nil end
+    if info and info.state == "created" then
+      local out = { status = "lost", reason = "the server stopped before the sandbox was started" }
+      o.engine:remove(o.id)
+      return out
+    end
+    return script_watch(job, o)
+  end,
+  -- for kinds that run a one-shot sandbox too (agent runs)
+  launch = launch_oneshot,
+  watch = script_watch,
+})

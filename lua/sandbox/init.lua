@@ -1,0 +1,52 @@
+-- The sandbox lifecycle over an engine adapter, as one face for the tools and jobs: every
+-- name below is defined in one of the files of this folder, each of one concern:
+--
+--   owner.lua       which server process owns a sandbox, and whether it still runs
+--   hooks.lua       the hooks of the layer above (nested sandboxes, lua/tree): sandbox.hooks
+--   spec.lua        a sandbox's plan: settings checked, folders, claim, the neutral spec
+--   files.lua       what the host reads and removes of a sandbox's files (status, logs)
+--   oneshot.lua     one-shot runs (sandbox_script)
+--   persistent.lua  persistent sandboxes: create, look up, renew, expire, destroy, list
+--   exec.lua        commands in a persistent sandbox through demesne-init (sandbox_exec)
+--   transfer.lua    sandbox_upload and sandbox_download
+--   reaper.lua      removes expired sandboxes and what a server that is gone left behind
+--
+-- Host layout (DESIGN.md "State on the host"):
+--   <output_root>/<run id>/              = /out of that sandbox (stdout.log, stderr.log, exec/<n>/…)
+--   <state_dir>/run/<run id>/            = /.demesne/run (exec records written by demesne-init)
+--   <state_dir>/expiry/<run id>          = renewed expiry (labels are immutable; kept outside
+--                                          the run folder, which the sandbox can write)
+--   <state_dir>/claims/<run id>          = {engine, owner} of the run folder, for the reaper
+--                                          (also outside the sandbox's reach)
+local exec = require("demesne.sandbox.exec")
+local files = require("demesne.sandbox.files")
+local hooks = require("demesne.sandbox.hooks")
+local oneshot = require("demesne.sandbox.oneshot")
+local owner = require("demesne.sandbox.owner")
+local persistent = require("demesne.sandbox.persistent")
+local reaper = require("demesne.sandbox.reaper")
+local spec = require("demesne.sandbox.spec")
+local transfer = require("demesne.sandbox.transfer")
+
+local sandbox = {}
+
+--- Hooks of the layer above (lua/sandbox/hooks.lua): plan, removing, removed.
+sandbox.hooks = hooks.hooks
+
+local function export(from, names)
+  for name in names:gmatch("%S+") do
+    sandbox[name] = assert(from[name], name)
+  end
+end
+
+export(owner, "owner owner_alive")
+export(spec, "new_run_id engine num limits env check_command timeout dirs prepare default_env make_dirs deadline_ms")
+export(files, "oom_note check_status read_status collect remove_in remove_tree")
+export(oneshot, "script_prepare script_env script_start script_send script_remove script_wait script_result run_script")
+export(oneshot, "script_teardown use_pool")
+export(persistent, "create write_expiry expiry_file lookup state_of check_alive stop_unresponsive destroy list")
+export(exec, "exec_prepare exec_run exec_kill exec_result exec")
+export(transfer, "upload download")
+export(reaper, "reap")
+
+return sandbox

@@ -1,0 +1,260 @@
+-- One-shot runs (sandbox_script): a fresh container that runs one command and is removed
+-- when the call ends, or handed to a background job.
+local async = require("demesne.async")
+local channel = require("demesne.channel")
+local egress = require("demesne.egress")
+local errors = require("demesne.errors")
+local images = require("demesne.images")
+local log = require("demesne.log")
+local loop = require("core.loop")
+local progress = require("demesne.progress")
+local teardown = require("demesne.teardown")
+local util = require("demesne.util")
+local files = require("demesne.sandbox.files")
+local hooks = require("demesne.sandbox.hooks")
+local persistent = require("demesne.sandbox.persistent")
+local spec = require("demesne.sandbox.spec")
+
+local oneshot = {}
+
+local warm_pool -- [pool] set by oneshot.use_pool
+
+local fail, check = errors.raise, errors.check
+local read_status, collect = files.read_status, files.collect
+local RUN, container_spec, default_env = spec.RUN, spec.container_spec, spec.default_env
+local prepare, make_dirs = spec.prepare, spec.make_dirs
+
+--- Checks a sandbox_script call and plans its run; nothing is created yet. `kind` is the
+--- container's kind label: "oneshot" (removed when the call ends, or by the reaper once its
+--- server is gone) or "job" (a background job's: left to lua/jobs/). Returns the plan
+--- {engine, run_id, name, output_dir, run_dir, exec_id, timeout, …} that script_start,
+--- script_wait and script_result take.
+---@param args table  command, image, files, directories, env, timeout_seconds, limits
+---@param kind string|nil
+---@return table plan
+function oneshot.script_prepare(args, kind)
+  local timeout = spec.timeout(args.timeout_seconds)
+  local o = prepare(args, kind or "oneshot", "sandbox_script", timeout + 600)
+  o.env = spec.env(args.env, default_env(o.run_id, o.egress))
+  o.timeout, o.exec_id, o.name = timeout, "main", "demesne-" .. o.run_id
+  o.image_arg, o.command = args.image, spec.check_command("command", args.command)
+  o.args = args -- for the plan hooks (mcp, tree, budget_usd)
+  o.caller_env = args.env -- [channel] script_env: a warm sandbox gets it with its own run id
+  return o
+end
+
+--- The environment of a planned one-shot's command: the caller's variables over demesne's
+--- own for the plan's run id and egress. A list of "K=V".
+---@param o table  the plan
+---@return string[]
+function oneshot.script_env(o)
+  return spec.env(o.caller_env, default_env(o.run_id, o.egress))
+end
+
+-- The words of `demesne-init run` (after "run") that run a planned one-shot's command.
+local function run_args(o)
+  local args = { "--id", o.exec_id, "--dir", RUN .. "/exec/" .. o.exec_id,
+    "--stdout", o.stdout_path or "/out/stdout.log", "--stderr", "/out/stderr.log",
+    "--cwd", o.cwd or "/out", "--timeout", tostring(o.timeout), "--" }
+  for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do args[#args + 1] = a end
+  return args
+end
+
+-- Runs the plan hooks of a one-shot plan once (run_script runs them before the pool is
+-- asked: a tree node's plan changes its folders and relay, and is never pooled).
+local function plan_once(ctx, o)
+  if o.planned then return end
+  o.planned = true
+  hooks.run("plan", ctx, o, o.args)
+end
+
+--- Starts a planned one-shot run: image, folders, container (with `labels`, names without
+--- the io.demesne. prefix, added), start. Sets plan.id. ctx (may be nil) gets image progress.
+---@param ctx ToolContext|nil
+---@param o table  from script_prepare
+---@param labels table<string,string>|nil
+function oneshot.script_start(ctx, o, labels)
+  plan_once(ctx, o)
+  local img = check(images.ensure(o.engine, o.image_arg, ctx))
+  make_dirs(o)
+  o.image_ref, o.image_name = img.ref, img.name
+  local relay = egress.relay_args(o.egress)
+  for _, a in ipairs(o.extra_relay or {}) do relay[#relay + 1] = a end
+  if o.control then
+    -- [channel] demesne-init waits for the command on its control socket (script_send)
+    o.cmd = { "wait", "--control", channel.PATH, table.unpack(relay) }
+  else
+    o.cmd = { "run", table.unpack(relay) }
+    for _, a in ipairs(run_args(o)) do o.cmd[#o.cmd + 1] = a end
+  end
+  if o.before_create then o.before_create(o) end -- e.g. the vendor route of an agent run
+  o.egress_handle = check(egress.start(o)) -- stopped by script_remove
+  o.labels = labels
+  local cspec = container_spec(o)
+  -- the create runs in a task of its own: a cancel must not abort it half-way (the engine
+  -- may create the container anyway); script_remove waits for it and removes the result
+  o.creating = async.spawn("create " .. o.name, function() return o.engine:create(cspec) end)
+  local function create_and_start()
+    local _, id, err, code = o.creating:wait()
+    o.id = check(id, err, code)
+    check(o.engine:start(o.id))
+  end
+  -- a call waits for this: removals and warm fills hold back meanwhile (lua/teardown.lua)
+  if o.background then create_and_start() else teardown.urgent(create_and_start) end
+  if o.control then
+    -- [channel] the connection demesne-init answers on; script_send hands it the command
+    local eng, rid = o.engine, o.run_id
+    o.conn = check(channel.connect_wait(o.run_dir, 30000, function()
+      local info = persistent.state_of(eng, rid) -- by list, not inspect: see state_of
+      if info and info.state ~= "running" and info.state ~= "created" then
+        return false, ("the sandbox stopped (%s) before demesne-init opened its control socket"):format(info.state)
+      end
+      return true
+    end))
+  end
+end
+
+--- [channel] Hands a started one-shot's command to demesne-init over the control socket
+--- (o.conn, from script_start or a warm sandbox): the command, its environment
+--- (script_env) and its timeout. Returns once demesne-init has accepted it; fails otherwise.
+---@param o table  the plan
+function oneshot.script_send(o)
+  o.env = oneshot.script_env(o)
+  local ok, err, code = o.conn:send("run", run_args(o), o.env)
+  if ok then
+    local r
+    r, err, code = o.conn:next(10000)
+    if r and r.kind == "ok" then return end
+    if r then err, code = "demesne-init refused the command: " .. tostring(r.text or r.kind), "EPROTO" end
+  end
+  fail("sandbox run failed: " .. tostring(err), code)
+end
+
+--- Removes a one-shot run's container, if it was created (waiting for a create still in
+--- flight). Returns true, or nil and the engine's message.
+---@param o table  the plan
+---@return boolean|nil ok, string|nil err
+function oneshot.script_remove(o)
+  -- the proxy stops after the container, and waits for its connections: egress.jsonl is complete
+  local _eg <close> = o.egress_handle
+  -- a tree node's children end once it has (lua/tree), whatever the way out
+  local _tree <close> = util.closer(function()
+    if o.tree and not o.tree_removed then
+      o.tree_removed = true
+      hooks.run_removal("removed", o)
+    end
+  end)
+  -- demesne-init's control connection closes after the removal: a `wait` that sees the
+  -- host hang up exits, and Podman refuses to remove a container caught stopping
+  local _conn <close> = o.conn
+  if not o.id and o.creating then
+    local ok, id = o.creating:wait()
+    if ok then o.id = id end
+  end
+  if not o.id then return true end
+  local ok, err = o.engine:remove(o.id)
+  if not ok then log.warning("demesne.sandbox", "remove %s: %s", o.name or o.id, tostring(err)) end
+  return ok, err
+end
+
+--- Waits up to `ms` for a one-shot container to stop. Returns its exit code, or nil, message,
+--- code ("ETIMEDOUT", "ENOENT" when the container is gone, "ENOENGINE" …).
+---@param o table  a plan with id (a container id or name)
+---@param ms integer
+function oneshot.script_wait(o, ms)
+  if o.conn then
+    -- [channel] demesne-init says "exit CODE" once status.json is written; no engine wait
+    -- (Podman's polls). A connection that ends without it: the container's state decides.
+    local deadline = loop.now() + ms
+    while true do
+      local r, err, code = o.conn:next(math.max(math.floor(deadline - loop.now()), 1))
+      if r and r.kind == "exit" then return r.code end
+      if not r then
+        if code == "ETIMEDOUT" then return nil, err, code end
+        return async.timeout(math.max(math.min(10000, math.floor(deadline - loop.now())), 1),
+          function() return o.engine:wait(o.id) end)
+      end
+    end
+  end
+  return async.timeout(ms, function() return o.engine:wait(o.id) end)
+end
+
+--- The result table of a finished one-shot run, from demesne-init's status.json and the
+--- logs (bounded head and tail); `code, err` are what script_wait returned.
+---@param o table  the plan
+---@param code integer|nil
+---@param err string|nil
+---@param duration_ms integer
+---@return table result  exit_code, stdout, stderr, output_dir, run_id, duration_ms, timed_out, truncated
+function oneshot.script_result(o, code, err, duration_ms)
+  local st = read_status(o.run_dir, o.exec_id)
+  local timed_out = (st and st.timed_out) or (code == nil and err and err:find("timed out") ~= nil) or false
+  local stdout, stderr, truncated = collect(o.output_dir)
+  local exit_code = st and st.exit_code or code
+  if exit_code == nil then fail("sandbox run failed: " .. tostring(err)) end
+  return {
+    exit_code = exit_code,
+    stdout = stdout,
+    stderr = stderr,
+    output_dir = o.output_dir,
+    run_id = o.run_id,
+    duration_ms = duration_ms,
+    timed_out = timed_out and true or false,
+    truncated = truncated,
+    oom_killed = files.oom_note(st, o.limits and o.limits.memory_mb),
+  }
+end
+
+--- Runs one command in a fresh container that is removed afterwards (sandbox_script).
+--- args: command, image, files, directories, env, timeout_seconds, limits.
+--- ctx: the MCP tool context (progress/log). Returns the result table.
+---@param ctx table
+---@param args table
+---@return table result
+function oneshot.run_script(ctx, args)
+  local o = oneshot.script_prepare(args)
+  o.control = true -- [channel] the command goes to demesne-init over its control socket
+  local started = loop.hrtime()
+  -- the container goes on success, failure, timeout and cancel alike, after the answer
+  local _ <close> = util.closer(function() oneshot.script_teardown(o) end)
+  plan_once(ctx, o)
+  -- [pool] a warm sandbox of the same kind when there is one (lua/pool.lua), else a new one
+  if not (warm_pool and warm_pool.claim(ctx, o)) then
+    oneshot.script_start(ctx, o)
+    oneshot.script_send(o)
+  end
+  local _hb <close> = progress.heartbeat(ctx)
+  -- demesne-init enforces the timeout inside; this host-side deadline covers a stuck engine
+  -- or sandbox (the container is removed on the way out either way)
+  local code, err = oneshot.script_wait(o, spec.deadline_ms(o.timeout))
+  -- every process in the sandbox is gone: the proxy's last lines reach egress.jsonl now
+  if o.egress_handle then o.egress_handle:stop() end
+  return oneshot.script_result(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
+end
+
+--- Removes a one-shot's container and run folder in a tracked task of its own
+--- (lua/teardown.lua), so the call's answer does not wait for the engine; a server that
+--- stops gracefully waits for it, and after a crash the reaper removes the container.
+--- `after` (optional) runs in the same task once the container is gone; the plan's own
+--- `o.after_call` (optional, set by the pool) runs at once.
+---@param o table  the plan
+---@param after function|nil
+function oneshot.script_teardown(o, after)
+  if o.after_call then o.after_call() end -- [pool] e.g. the kind refills
+  teardown.spawn("remove " .. tostring(o.name), function()
+    oneshot.script_remove(o)
+    if o.run_dir then
+      files.remove_tree(o.run_dir)
+      local ef = persistent.expiry_file(o.run_dir)
+      if ef then os.remove(ef) end
+    end
+    if after then after() end
+  end)
+end
+
+--- [pool] The warm pool run_script claims from: an object with claim(ctx, plan) ->
+--- boolean (lua/pool.lua registers itself when `demesne serve` starts it), or nil.
+---@param p table|nil
+function oneshot.use_pool(p) warm_pool = p end
+
+return oneshot

@@ -1,0 +1,299 @@
+-- Persistent sandboxes (sandbox_create): create, look up, renew and expire, stop when
+-- unresponsive, destroy, list.
+local async = require("demesne.async")
+local channel = require("demesne.channel")
+local config = require("demesne.config")
+local egress = require("demesne.egress")
+local errors = require("demesne.errors")
+local fs = require("core.fs")
+local images = require("demesne.images")
+local json = require("demesne.json")
+local log = require("demesne.log")
+local loop = require("core.loop")
+local paths = require("demesne.paths")
+local util = require("demesne.util")
+local files = require("demesne.sandbox.files")
+local hooks = require("demesne.sandbox.hooks")
+local spec = require("demesne.sandbox.spec")
+
+local persistent = {}
+
+local seen = {} -- [h10] sandbox_id -> {sb, engine, at (loop.now() ms)}: lookup_running
+local SEEN_MS = 30000
+
+local fail, check = errors.raise, errors.check
+local LABEL, container_spec, default_env = spec.LABEL, spec.container_spec, spec.default_env
+local prepare, make_dirs = spec.prepare, spec.make_dirs
+
+--- Creates a persistent sandbox (sandbox_create). Returns {sandbox_id, output_dir,
+--- expires_at, image, mcp}: mcp = {url, token} of its in-sandbox endpoint when the plan
+--- hooks (lua/tree) gave it one.
+---@param ctx table
+---@param args table  ttl_seconds, image, files, directories, env, limits, egress, mcp, tree, budget_usd
+---@return table
+function persistent.create(ctx, args)
+  local ttl = args.ttl_seconds or config.get("ttl_default")
+  if ttl > config.get("ttl_max") then
+    fail(("ttl_seconds: %s is above the ceiling of %s"):format(spec.num(ttl), spec.num(config.get("ttl_max"))))
+  end
+  local o = prepare(args, "persistent", "sandbox_create", ttl)
+  o.env = spec.env(args.env, default_env(o.run_id, o.egress))
+  local started = false
+  -- a sandbox that never came up is no tree node either (lua/tree)
+  local _tree <close> = util.closer(function()
+    if o.tree and not started then hooks.run_removal("removed", o, "the sandbox could not be started") end
+  end)
+  hooks.run("plan", ctx, o, args)
+  local img = check(images.ensure(o.engine, args.image, ctx))
+  make_dirs(o)
+  o.image_ref, o.image_name = img.ref, img.name
+  o.cmd = { "serve", "--control", channel.PATH, table.unpack(egress.relay_args(o.egress)) } -- [channel]
+  for _, a in ipairs(o.extra_relay or {}) do o.cmd[#o.cmd + 1] = a end
+  o.name = "demesne-" .. o.run_id
+  local cspec = container_spec(o)
+  local eg = check(egress.start(o)) -- lives as long as the sandbox (egress.stop in destroy/reap)
+  local id, cerr, ccode = o.engine:create(cspec)
+  if not id then eg:stop() fail(cerr, ccode) end
+  local ok, err = o.engine:start(id)
+  if not ok then
+    o.engine:remove(id)
+    eg:stop()
+    files.remove_tree(o.run_dir)
+    fail(err)
+  end
+  started = true
+  -- [channel] answer once demesne-init listens on its control socket, so that the first
+  -- exec does not find it missing (and fall back to the exec API); a few ms at most
+  local conn, cerr2 = channel.connect_wait(o.run_dir, 5000, function()
+    local info = persistent.state_of(o.engine, o.run_id)
+    return not info or info.state == "running" or info.state == "created"
+  end)
+  if conn then conn:close() else log.warning("demesne.sandbox", "sandbox %s: %s", o.run_id, tostring(cerr2)) end
+  local expires = math.floor(loop.time()) + ttl
+  persistent.write_expiry(o.run_dir, expires)
+  return {
+    sandbox_id = o.run_id,
+    output_dir = o.output_dir,
+    expires_at = util.iso(expires),
+    image = img.name,
+    mcp = o.endpoint and { url = o.endpoint.url, token = o.endpoint.token } or nil,
+  }
+end
+
+--- <state>/run/<id> -> <state>/expiry/<id>: out of the sandbox's reach.
+---@param run_dir string|nil
+---@return string|nil
+local function expiry_file(run_dir)
+  local state, id = tostring(run_dir):match("^(.*)/run/([^/]+)$")
+  return state and (state .. "/expiry/" .. id)
+end
+
+--- Records a renewed expiry (unix seconds) for the sandbox whose run folder is run_dir.
+---@param run_dir string
+---@param expires number  epoch seconds
+function persistent.write_expiry(run_dir, expires)
+  local f = expiry_file(run_dir)
+  if not f then return end
+  fs.mkdir_p(f:match("^(.*)/"), 448) -- 0700
+  fs.write_atomic(f, tostring(expires))
+end
+
+--- A sandbox's expiry (epoch seconds): its label, or the later renewal recorded under
+--- <state>/expiry.
+---@param labels table<string, string>  the container's labels
+---@return number
+local function expiry_of(labels)
+  local e = tonumber(labels[LABEL .. "expires_at"]) or 0
+  local f = expiry_file(labels[LABEL .. "run_dir"])
+  local s = f and fs.read_file(f)
+  if s and tonumber(s) and tonumber(s) > e then e = tonumber(s) end
+  return e
+end
+
+--- Looks up a persistent sandbox by id. Returns {id, name, labels, output_dir, run_dir,
+--- running} or fails with a message that says it is unknown or gone.
+---@param eng table  the engine adapter
+---@param sandbox_id string
+---@return table
+function persistent.lookup(eng, sandbox_id)
+  if type(sandbox_id) ~= "string" or not sandbox_id:match("^[%w%-]+$") then
+    fail(("sandbox_id: %q is not a sandbox id"):format(tostring(sandbox_id)))
+  end
+  local info, err, code = persistent.state_of(eng, sandbox_id)
+  if not info then
+    if code == "ENOENT" then
+      fail(("sandbox_id: no sandbox %s (it was destroyed or has expired)"):format(sandbox_id), "ENOENT")
+    end
+    fail(err, code)
+  end
+  local labels = info.labels or {}
+  if labels[LABEL .. "managed"] ~= "1" or labels[LABEL .. "kind"] ~= "persistent" then
+    fail(("sandbox_id: %s is not a persistent demesne sandbox"):format(sandbox_id))
+  end
+  return {
+    id = info.id, name = "demesne-" .. sandbox_id, labels = labels,
+    output_dir = labels[LABEL .. "output_dir"], run_dir = labels[LABEL .. "run_dir"],
+    running = info.state == "running",
+    expires_at = expiry_of(labels),
+    memory_mb = tonumber(labels[LABEL .. "memory_mb"]),
+  }
+end
+
+--- The engine's summary of the demesne sandbox `run_id` ({id, name, image, state, labels},
+--- see docs/reference/engines.md), found by its run_id label through `list`, not
+--- `inspect`: on Podman 4.3 an inspect of a container takes its lock and then the storage
+--- lock, which deadlocks against the `container cleanup` process of an exec that just ended
+--- in that container (it takes them the other way round; fixed in Podman 4.4). Sandboxes
+--- are looked up before and after every exec and transfer, so they stay off that path.
+--- Returns the summary, or nil, message, code ("ENOENT" when there is none).
+---@param eng table
+---@param run_id string
+---@return table|nil info, string|nil err, string|nil code
+function persistent.state_of(eng, run_id)
+  local list, err, code = eng:list({ LABEL .. "managed=1", LABEL .. "run_id=" .. tostring(run_id) })
+  if not list then return nil, err, code end
+  for _, c in ipairs(list) do
+    if (c.labels or {})[LABEL .. "run_id"] == run_id then return c end
+  end
+  return nil, ("no sandbox %s"):format(tostring(run_id)), "ENOENT"
+end
+
+--- Fails with a plain message when a persistent sandbox is no longer running (destroyed,
+--- expired or stopped while a command or transfer used it). Returns nothing otherwise.
+--- A removal can still be under way when the command's stream ends, so this watches the
+--- container for up to 2 s before concluding it is alive.
+---@param eng table  the engine adapter
+---@param sandbox_id string
+function persistent.check_alive(eng, sandbox_id)
+  seen[sandbox_id] = nil -- asked because something went wrong: look it up afresh next time
+  for _ = 1, 10 do
+    local info, _, code = persistent.state_of(eng, tostring(sandbox_id))
+    if not info and code == "ENOENT" then
+      fail(("sandbox_id: sandbox %s was destroyed (or expired) while the call was running"):format(sandbox_id), "ENOENT")
+    end
+    -- (a container being removed is not running either: ask about removal first)
+    if info and info.state == "removing" then
+      fail(("sandbox_id: sandbox %s was destroyed while the call was running"):format(sandbox_id), "ENOENT")
+    end
+    if info and info.state ~= "running" then
+      fail(("sandbox_id: sandbox %s stopped while the call was running"):format(sandbox_id))
+    end
+    async.sleep(200)
+  end
+end
+
+--- Renews the TTL by the sandbox's own ttl_seconds from now; never shortens it. `busy`
+--- (seconds) keeps it alive at least that long: an exec that may run for its whole timeout
+--- must not see its sandbox expire under it.
+---@param sb table         the sandbox (persistent.lookup)
+---@param busy number|nil
+local function renew(sb, busy)
+  local created = tonumber(sb.labels[LABEL .. "created_at"]) or 0
+  local ttl = (tonumber(sb.labels[LABEL .. "expires_at"]) or 0) - created
+  if ttl <= 0 then ttl = config.get("ttl_default") end
+  if busy and busy + 60 > ttl then ttl = busy + 60 end
+  local new = math.floor(loop.time()) + ttl
+  -- [h10] written (with an fsync) when it moves by a tenth of the TTL or a minute, not on
+  -- every exec: back-to-back execs would each pay for it
+  if new >= sb.expires_at + math.min(60, ttl // 10) and new > sb.expires_at then
+    persistent.write_expiry(sb.run_dir, new)
+    sb.expires_at = new
+  end
+end
+
+--- Stops a persistent sandbox that did not answer within a host-side deadline: the engine
+--- kills its container (every process in it; the container and its output folder stay
+--- until sandbox_destroy or expiry) and its egress proxy stops. Returns the sentence that
+--- says so, for the caller's error.
+---@param eng table
+---@param container string     container id or name
+---@param sandbox_id string|nil
+---@param what string          what overran, e.g. "the command did not end within its timeout (5 s) plus a grace of 30 s"
+---@return string message
+function persistent.stop_unresponsive(eng, container, sandbox_id, what)
+  log.warning("demesne.sandbox", "sandbox %s: %s; stopping it as unresponsive", tostring(sandbox_id or container), what)
+  local ok, err = (eng.kill and eng.kill or eng.remove)(eng, container, "KILL")
+  if sandbox_id then egress.stop(sandbox_id) end
+  return ("%s: the sandbox's demesne-init is not responding (stopped or hung), so sandbox %s %s; its output "
+    .. "folder is kept. sandbox_destroy removes it; create a new sandbox to go on"):format(what,
+    tostring(sandbox_id or container), ok and "was stopped" or ("could not be stopped (" .. tostring(err) .. ")"))
+end
+
+--- Destroys a persistent sandbox. Idempotent: a gone sandbox is success, with status
+--- "already gone". Returns {sandbox_id, status}.
+---@param ctx table
+---@param args table  sandbox_id
+---@return table
+function persistent.destroy(ctx, args)
+  local eng = spec.engine()
+  local ok, sb = pcall(persistent.lookup, eng, args.sandbox_id)
+  if not ok then
+    if errors.is(sb) and sb.code == "ENOENT" then
+      return { sandbox_id = args.sandbox_id, status = "already gone" }
+    end
+    error(sb, 0)
+  end
+  hooks.run_removal("removing", args.sandbox_id) -- its children go first (lua/tree)
+  local removed, how = eng:remove(sb.id)
+  if not removed then fail(how) end
+  hooks.run_removal("removed", { run_id = args.sandbox_id })
+  seen[args.sandbox_id] = nil
+  egress.stop(args.sandbox_id)
+  if sb.run_dir then
+    files.remove_tree(sb.run_dir)
+    local ef = expiry_file(sb.run_dir)
+    if ef then os.remove(ef) end
+  end
+  return { sandbox_id = args.sandbox_id, status = how == "gone" and "already gone" or "destroyed",
+    output_dir = sb.output_dir }
+end
+
+--- Lists the live persistent sandboxes of this configuration (those whose run folder is
+--- under this state_dir): {sandboxes = {{sandbox_id, image, created_at, expires_at, output_dir, state}}}.
+function persistent.list()
+  local eng = spec.engine()
+  local list = check(eng:list({ LABEL .. "managed=1", LABEL .. "kind=persistent" }))
+  local out = json.array()
+  local mine = config.get("state_dir") .. "/run"
+  for _, c in ipairs(list) do
+    local l = c.labels or {}
+    if paths.within(tostring(l[LABEL .. "run_dir"]), mine) then out[#out + 1] = {
+      sandbox_id = l[LABEL .. "run_id"],
+      image = l[LABEL .. "image"],
+      created_at = util.iso(tonumber(l[LABEL .. "created_at"]) or 0),
+      expires_at = util.iso(expiry_of(l)),
+      output_dir = l[LABEL .. "output_dir"],
+      state = c.state,
+    } end
+  end
+  table.sort(out, function(a, b) return tostring(a.sandbox_id) < tostring(b.sandbox_id) end)
+  return { sandboxes = out }
+end
+
+--- [h10] sandbox_exec's lookups: a persistent sandbox found running is remembered for a
+--- while (its labels never change), so back-to-back execs do not each ask the engine. One
+--- that has gone or stopped meanwhile is found out as before: its control socket no longer
+--- answers, the exec API fails, and check_alive (which forgets it) says what happened.
+--- Returns what persistent.lookup returns.
+---@param eng table  the engine adapter
+---@param id string  the sandbox id
+---@return table
+function persistent.lookup_running(eng, id)
+  local s = seen[id]
+  if s and s.engine == eng and loop.now() - s.at < SEEN_MS then
+    s.sb.expires_at = expiry_of(s.sb.labels) -- the renewed expiry lives in a file
+    return s.sb
+  end
+  local sb = persistent.lookup(eng, id)
+  for k, v in pairs(seen) do -- the stale ones go (the table holds the sandboxes of the last 30 s)
+    if loop.now() - v.at >= SEEN_MS then seen[k] = nil end
+  end
+  seen[id] = sb.running and { sb = sb, engine = eng, at = loop.now() } or nil
+  return sb
+end
+
+persistent.expiry_file = expiry_file
+persistent.expiry_of = expiry_of
+persistent.renew = renew
+
+return persistent

@@ -1,0 +1,264 @@
+-- A sandbox's plan before it exists: the call's settings checked against the configuration
+-- (limits, env, timeout, command), its folders and their claim, and the engine-neutral
+-- spec (lua/engines/spec.lua) built from them.
+local config = require("demesne.config")
+local egress = require("demesne.egress")
+local egress_policy = require("demesne.egress.policy")
+local engine_spec = require("demesne.engines.spec")
+local engines = require("demesne.engines")
+local errors = require("demesne.errors")
+local fs = require("core.fs")
+local json = require("demesne.json")
+local loop = require("core.loop")
+local paths = require("demesne.paths")
+local util = require("demesne.util")
+local owner = require("demesne.sandbox.owner")
+
+local spec = {}
+
+local fail, check = errors.raise, errors.check
+
+-- Linux refuses a single argv or environment string of 128 KiB or more (MAX_ARG_STRLEN),
+-- and the exec would fail with no output at all: refuse such values up front.
+local MAX_ARG_BYTES = 128 * 1024 - 1024
+
+local LABEL = "io.demesne."
+
+local INIT = "/.demesne/init"
+
+local RUN = "/.demesne/run"
+
+--- A new run id: sortable by time, unique ("20261129T101500Z-3fa9c2d1").
+function spec.new_run_id()
+  return util.new_id("", 4)
+end
+
+--- The engine adapter, or a failure that says how to start one.
+function spec.engine()
+  return check(engines.get())
+end
+
+--- A number for a message: integral values without a fraction (also beyond the 64-bit
+--- range, where "%d" cannot print them), others as Lua writes them.
+---@param x number
+---@return string
+function spec.num(x)
+  if math.tointeger(x) then return ("%d"):format(x) end
+  if x == math.floor(x) and x > -math.huge and x < math.huge then return ("%.0f"):format(x) end
+  return tostring(x)
+end
+
+--- Resolves limits against defaults and ceilings. Returns {memory_mb, cpus, pids}.
+---@param l table|nil  the call's limits
+---@return table
+function spec.limits(l)
+  l = l or {}
+  local out = {}
+  for _, k in ipairs({ "memory_mb", "cpus", "pids" }) do
+    local v = l[k] or config.get(k .. "_default")
+    local max = config.get(k .. "_max")
+    if v > max then
+      fail(("limits.%s: %s is above the ceiling of %s set in the configuration"):format(k, spec.num(v), spec.num(max)))
+    end
+    if v <= 0 then fail(("limits.%s: must be positive"):format(k)) end
+    out[k] = v
+  end
+  return out
+end
+
+--- Validates a caller's env map. Variables demesne sets itself cannot be overridden.
+--- Returns a list of "K=V".
+---@param env table<string, string>|nil    the caller's
+---@param extra table<string, string>|nil  demesne's defaults (default_env)
+---@return string[]
+function spec.env(env, extra)
+  local list = {}
+  local keys = {}
+  for k in pairs(env or {}) do keys[#keys + 1] = k end
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    local v = env[k]
+    if not k:match("^[A-Za-z_][A-Za-z0-9_]*$") then fail(("env: %q is not a valid variable name"):format(k)) end
+    if k:match("^DEMESNE_") then
+      fail(("env.%s: variables starting with DEMESNE_ are set by demesne and cannot be overridden"):format(k))
+    end
+    if type(v) ~= "string" then fail(("env.%s: value must be a string"):format(k)) end
+    if v:find("\0", 1, true) then fail(("env.%s: value contains a NUL byte"):format(k)) end
+    if #k + #v + 1 > MAX_ARG_BYTES then
+      fail(("env.%s: %d bytes is more than the %d one variable can hold; pass large data as a file"):format(k, #v, MAX_ARG_BYTES))
+    end
+    list[#list + 1] = k .. "=" .. v
+  end
+  -- demesne's defaults (PATH, HOME, proxy settings) yield to the caller's own value
+  for k, v in pairs(extra or {}) do
+    if env == nil or env[k] == nil or k:match("^DEMESNE_") then list[#list + 1] = k .. "=" .. v end
+  end
+  return json.array(list)
+end
+
+--- Checks a shell command: a string without NUL bytes that fits in one argument.
+---@param field string
+---@param cmd string
+function spec.check_command(field, cmd)
+  if type(cmd) ~= "string" or cmd == "" then fail(field .. ": must be a non-empty string") end
+  if cmd:find("\0", 1, true) then fail(field .. ": contains a NUL byte, which a shell command cannot hold") end
+  if #cmd > MAX_ARG_BYTES then
+    fail(("%s: %d bytes is more than the %d a single argument can hold; put the script in a file "
+      .. "(mount it with files or upload it) and run that file"):format(field, #cmd, MAX_ARG_BYTES))
+  end
+  return cmd
+end
+
+--- Resolves timeout_seconds against the default and ceiling.
+---@param t number|nil
+---@return integer
+function spec.timeout(t)
+  t = t or config.get("timeout_default")
+  local max = config.get("timeout_max")
+  if t > max then fail(("timeout_seconds: %s is above the ceiling of %s"):format(spec.num(t), spec.num(max))) end
+  if t < 1 then fail("timeout_seconds: must be at least 1") end
+  return math.floor(t)
+end
+
+--- A run's output folder and run folder.
+---@param run_id string
+---@return string output_dir, string run_dir
+local function dirs(run_id)
+  return config.get("output_root") .. "/" .. run_id, config.get("state_dir") .. "/run/" .. run_id
+end
+
+--- Builds the engine-neutral sandbox spec (lua/engines/spec.lua) of a sandbox, checked
+--- against the engine's capabilities: an engine that cannot honour all of it is refused.
+---@param o table  the plan (prepare) with name, image_ref, cmd, env, labels set
+---@return table spec
+local function container_spec(o)
+  local init = check(config.init_path())
+  local lim = o.limits
+  local mounts = {
+    { source = init, target = INIT, mode = "ro" },
+    { source = o.run_dir, target = RUN, mode = "rw", relay = true }, -- exec records and relay sockets
+    { source = o.output_dir, target = "/out", mode = "rw" },
+  }
+  for _, m in ipairs(o.mounts or {}) do mounts[#mounts + 1] = { source = m.host, target = m.target, mode = "ro" } end
+  local tmpfs = { { target = "/tmp", mode = "1777", exec = true } }
+  if o.workspace then -- a run that can have children shares its /workspace with them: a host folder
+    mounts[#mounts + 1] = { source = o.workspace, target = "/workspace", mode = "rw" }
+  else
+    tmpfs[#tmpfs + 1] = { target = "/workspace", mode = "0777", exec = true }
+  end
+  if config.get("readonly_rootfs") then
+    tmpfs[#tmpfs + 1] = { target = "/var/tmp", mode = "1777", exec = true }
+    tmpfs[#tmpfs + 1] = { target = "/root", mode = "0700", exec = true }
+    tmpfs[#tmpfs + 1] = { target = "/run", mode = "0755" }
+  end
+  local now = math.floor(loop.time())
+  local labels = {
+    [LABEL .. "managed"] = "1",
+    [LABEL .. "run_id"] = o.run_id,
+    [LABEL .. "tool"] = o.tool or "",
+    [LABEL .. "kind"] = o.kind,
+    [LABEL .. "owner"] = owner.owner(),
+    [LABEL .. "expires_at"] = tostring(now + o.ttl),
+    [LABEL .. "created_at"] = tostring(now),
+    [LABEL .. "output_dir"] = o.output_dir,
+    [LABEL .. "run_dir"] = o.run_dir,
+    [LABEL .. "image"] = o.image_name,
+    [LABEL .. "egress"] = o.egress and o.egress.name or "none",
+    [LABEL .. "memory_mb"] = tostring(math.floor(lim.memory_mb)),
+    -- open egress is a property of the policy, kept here as it was at create
+    [LABEL .. "egress_unrestricted"] = o.egress and o.egress.unrestricted and "1" or "0",
+  }
+  for k, v in pairs(o.labels or {}) do labels[LABEL .. k] = v end
+  local cspec = {
+    name = o.name,
+    image = o.image_ref,
+    entrypoint = { INIT },
+    command = o.cmd,
+    env = o.env,
+    workdir = "/out",
+    labels = labels,
+    hostname = "sandbox",
+    mounts = mounts,
+    tmpfs = tmpfs,
+    network = o.egress and o.egress.open and "bridge" or "none", -- egress goes through the proxy
+    read_only_rootfs = config.get("readonly_rootfs") and true or false,
+    security = { no_new_privileges = true, cap_drop = { "NET_RAW" } },
+    limits = { memory_bytes = math.floor(lim.memory_mb * 1024 * 1024), cpus = lim.cpus, pids = math.floor(lim.pids) },
+  }
+  check(engine_spec.check(cspec, o.engine.capabilities))
+  return cspec
+end
+
+--- The variables demesne sets in every sandbox: the proxy settings of its egress policy,
+--- DEMESNE_RUN_ID, DEMESNE_OUT, HOME, PATH.
+---@param run_id string
+---@param pol table  the egress policy
+---@return table<string, string>
+local function default_env(run_id, pol)
+  local env = egress.env(pol) -- proxy variables, telemetry off
+  env.DEMESNE_RUN_ID = run_id
+  env.DEMESNE_OUT = "/out"
+  env.HOME = "/root"
+  env.PATH = "/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin"
+  return env
+end
+
+--- The plan of a new sandbox from a call's arguments, checked: engine, limits, mounts,
+--- egress policy, a fresh run id and its folders. Nothing is created yet.
+---@param args table         limits, files, directories, egress
+---@param kind string        the container's kind label ("oneshot", "job", "persistent")
+---@param tool string|nil    the tool that asked
+---@param ttl number         seconds the container may live (its expires_at label)
+---@return table plan
+local function prepare(args, kind, tool, ttl)
+  local eng = spec.engine()
+  local lim = spec.limits(args.limits)
+  local mounts = check(paths.inputs(args.files, args.directories))
+  local pol = check(egress_policy.select(args.egress, #mounts > 0))
+  local run_id = spec.new_run_id()
+  local output_dir, run_dir = dirs(run_id)
+  return {
+    egress = pol, engine = eng, limits = lim, mounts = mounts, run_id = run_id, output_dir = output_dir,
+    run_dir = run_dir, kind = kind, tool = tool, ttl = ttl,
+  }
+end
+
+--- <state>/claims/<run id>: which engine and which server a run folder belongs to, kept out
+--- of the sandbox's reach, so that the reaper can tell a folder a killed server left behind
+--- from one another live server (or another engine) still uses.
+---@param run_id string
+---@return string
+local function claim_path(run_id) return config.get("state_dir") .. "/claims/" .. run_id end
+
+--- Creates a plan's output and run folders, then its claim.
+---@param o table  the plan (prepare)
+local function make_dirs(o)
+  check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
+  check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)
+  -- after the folder: a claim without its folder is always stale (a young folder without a
+  -- claim is left alone by the reaper)
+  check(fs.mkdir_p(config.get("state_dir") .. "/claims", 448)) -- 0700
+  check(fs.write_atomic(claim_path(o.run_id), json.encode({ engine = o.engine.socket, owner = owner.owner() }) .. "\n"))
+end
+
+--- The host-side deadline of a command that may run `timeout_s` seconds in a sandbox: its
+--- timeout plus exec_grace_seconds, in ms. demesne-init enforces the timeout inside; this
+--- bounds the host's wait when demesne-init itself does not answer (stopped with SIGSTOP
+--- by the sandbox, or hung).
+---@param timeout_s number
+---@return integer ms
+function spec.deadline_ms(timeout_s)
+  return math.floor((timeout_s + config.get("exec_grace_seconds")) * 1000)
+end
+
+spec.LABEL = LABEL
+spec.INIT = INIT
+spec.RUN = RUN
+spec.container_spec = container_spec
+spec.default_env = default_env
+spec.prepare = prepare
+spec.claim_path = claim_path
+spec.make_dirs = make_dirs
+spec.dirs = dirs
+
+return spec

@@ -1,0 +1,77 @@
+-- Small helpers the runtime shares instead of copying: timestamps, ids, shell quoting and
+-- `<close>` guards.
+local loop = require("core.loop")
+
+local util = {}
+
+--- Lowercase hex of a byte string.
+---@param bytes string
+---@return string
+function util.hex(bytes)
+  return (bytes:gsub(".", function(c) return ("%02x"):format(c:byte()) end))
+end
+
+--- `n` random bytes from the OS's random source, as 2n hex digits.
+---@param n integer
+---@return string
+function util.random_hex(n)
+  return util.hex(loop.random(n))
+end
+
+--- A new id that sorts by creation time: `<prefix><UTC time>-<2n random hex digits>`
+--- ("job-20261129T101500Z-3fa9c2d1e0" for new_id("job-", 5)).
+---@param prefix string|nil
+---@param n integer  random bytes
+---@return string
+function util.new_id(prefix, n)
+  return (prefix or "") .. os.date("!%Y%m%dT%H%M%SZ") .. "-" .. util.random_hex(n)
+end
+
+--- Unix time now in whole milliseconds (the loop's clock, refreshed each iteration).
+---@return integer
+function util.now_ms()
+  return math.floor(loop.time() * 1000)
+end
+
+--- Unix time in seconds as RFC 3339 UTC without a fraction ("2026-11-29T10:15:00Z").
+---@param seconds number
+---@return string
+function util.iso(seconds)
+  return os.date("!%Y-%m-%dT%H:%M:%SZ", math.floor(seconds))
+end
+
+--- Unix time in ms as RFC 3339 UTC with milliseconds ("2026-11-29T10:15:00.250Z"); nil
+--- for nil.
+---@param ms integer|nil
+---@return string|nil
+function util.iso_ms(ms)
+  if not ms then return nil end
+  ms = math.floor(ms)
+  return os.date("!%Y-%m-%dT%H:%M:%S", ms // 1000) .. (".%03dZ"):format(ms % 1000)
+end
+
+--- The current time as RFC 3339 UTC with milliseconds.
+---@return string
+function util.iso_now()
+  return util.iso_ms(loop.time() * 1000)
+end
+
+--- Quotes a string for a POSIX shell: one word, whatever it holds.
+---@param s any  turned into a string
+---@return string
+function util.sh_quote(s)
+  return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
+end
+
+--- A to-be-closed value that calls `fn(err)` when it goes out of scope (on return, error
+--- or cancellation): `local _ <close> = util.closer(function() … end)`.
+---@param fn fun(err: any)
+---@return table
+function util.closer(fn)
+  return setmetatable({}, { __close = function(_, err) fn(err) end })
+end
+
+--- A to-be-closed value that does nothing (where a guard is optional).
+util.NOOP = setmetatable({}, { __close = function() end })
+
+return util
