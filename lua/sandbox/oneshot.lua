@@ -235,13 +235,15 @@ end
 --- Removes a one-shot's container and run folder in a tracked task of its own
 --- (lua/teardown.lua), so the call's answer does not wait for the engine; a server that
 --- stops gracefully waits for it, and after a crash the reaper removes the container.
---- `after` (optional) runs in the same task once the container is gone; the plan's own
---- `o.after_call` (optional, set by the pool) runs at once.
+--- A tree node (o.tree, lua/tree) is removed before the answer instead: its removal ends
+--- its children and writes its results.json, which the caller reads with the answer.
+--- `after` (optional) runs once the container is gone; the plan's own `o.after_call`
+--- (optional, set by the pool) runs at once.
 ---@param o table  the plan
 ---@param after function|nil
 function oneshot.script_teardown(o, after)
   if o.after_call then o.after_call() end -- [pool] e.g. the kind refills
-  teardown.spawn("remove " .. tostring(o.name), function()
+  local function remove()
     oneshot.script_remove(o)
     if o.run_dir then
       files.remove_tree(o.run_dir)
@@ -249,7 +251,9 @@ function oneshot.script_teardown(o, after)
       if ef then os.remove(ef) end
     end
     if after then after() end
-  end)
+  end
+  if o.tree then return teardown.urgent(remove) end
+  teardown.spawn("remove " .. tostring(o.name), remove)
 end
 
 --- [pool] The warm pool run_script claims from: an object with claim(ctx, plan) ->
