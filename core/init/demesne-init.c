@@ -6,10 +6,11 @@
 #include <string.h>
 
 static const char usage_text[] =
-	"usage: demesne-init serve [--relay PORT=PATH]...\n"
+	"usage: demesne-init serve [--relay PORT=PATH]... [--relay-copy]\n"
 	"       demesne-init run --id ID --dir DIR [--cwd CWD] [--timeout SECONDS]\n"
 	"                        [--stdin FILE] [--stdout FILE] [--stderr FILE]\n"
-	"                        [--kill-group-on-exit] [--relay PORT=PATH]... -- ARGV...\n"
+	"                        [--kill-group-on-exit] [--relay PORT=PATH]... [--relay-copy]\n"
+	"                        -- ARGV...\n"
 	"       demesne-init kill --dir DIR [--signal TERM|KILL|INT|QUIT|HUP|USR1|USR2]\n"
 	"                         [--grace SECONDS]\n"
 	"       demesne-init --version | --help\n"
@@ -22,6 +23,8 @@ static const char usage_text[] =
 	"       SIGKILL after 2 s. As PID 1 it kills every process before exiting.\n"
 	"--relay PORT=PATH (serve, run): listen on 127.0.0.1:PORT and carry each connection\n"
 	"       to the unix socket PATH (egress); a child process that dies with demesne-init.\n"
+	"       It passes the accepted socket to the host, or, with --relay-copy or where that\n"
+	"       fails (gVisor), copies the connection's bytes.\n"
 	"kill   signals the group recorded in DIR/pid (default TERM); with --grace, SIGKILL\n"
 	"       after that many seconds. Exits 0 when the group is gone, 1 when it remains.\n"
 	"\n"

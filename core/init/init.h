@@ -61,6 +61,11 @@ struct relay_route {
 /// sockaddr_un path). Returns 0, or -1 (reported) for a malformed spec or too many routes.
 int relay_parse(const char *spec);
 
+/// Makes the relay copy each connection's bytes (a child per connection) instead of passing
+/// the accepted socket to the host: for kernels that cannot pass it (gVisor's), where the
+/// relay also switches by itself after the first failed attempt.
+void relay_copy(void);
+
 /// Binds every route's listening socket, then forks the relay process that serves them
 /// (it dies with its parent: PR_SET_PDEATHSIG). Returns its pid, 0 when there is no route,
 /// or -1 when nothing could be started (reported; the sandbox then has no relay).

@@ -75,6 +75,10 @@ static int run_parse(struct run *r, int argc, char **argv)
 			r->kill_group_on_exit = true;
 			continue;
 		}
+		if (strcmp(a, "--relay-copy") == 0) {
+			relay_copy();
+			continue;
+		}
 		const char *relay = NULL;
 		if ((m = opt_value(argc, argv, &i, "--relay", &relay))) {
 			if (m < 0 || relay_parse(relay) < 0)

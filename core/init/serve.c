@@ -138,6 +138,10 @@ int init_serve(int argc, char **argv)
 			init_usage(1);
 			return INIT_EXIT_OK;
 		}
+		if (strcmp(argv[i], "--relay-copy") == 0) {
+			relay_copy();
+			continue;
+		}
 		const char *relay = NULL;
 		int m = opt_value(argc, argv, &i, "--relay", &relay);
 		if (m > 0 && relay_parse(relay) == 0)
