@@ -11,8 +11,10 @@ Commands:
   tools               list the loaded tools and where each came from
   check-config        print the effective configuration and where each value came from
   doctor              check the engine, images, config, folders and demesne-init; say how to fix each problem
-  images list         list the built-in images and whether each is built
-  images build [NAME] build an image (all when NAME is omitted)
+  images list [NAME...]
+                      list the images (built-in and your own) and whether each is built
+  images build [--all | NAME...]
+                      build images ahead of use (all when no NAME is given)
   policy list         list the egress policies and where each came from
   policy test NAME HOST[:PORT]
                       what egress policy NAME decides for HOST (or a URL)

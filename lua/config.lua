@@ -82,6 +82,9 @@ local SPEC = {
     doc = "seconds between checks of a re-attached exec job's status file" },
   jobs_tail_bytes = { default = 16384, number = true, doc = "bytes of stdout in sandbox_status's stdout_tail" },
   jobs_read_bytes = { default = 65536, number = true, doc = "default bytes of stdout one sandbox_status `since` read returns" },
+  twine_official_formats = { env = "DEMESNE_TWINE_OFFICIAL_FORMATS", default = true, bool = true,
+    doc = "when the twine image is built, also fetch the official Harlowe and SugarCube story formats "
+      .. "(from the Twine repository on GitHub; skipped when unreachable)" },
   readonly_rootfs = { env = "DEMESNE_READONLY_ROOTFS", default = true, bool = true,
     doc = "mount each sandbox's root filesystem read-only (tmpfs on /tmp, /var/tmp, /root, /run)" },
 }

@@ -1,6 +1,6 @@
 -- Egress: policies and the per-sandbox proxy listeners.
 --
--- A sandbox has no network (NetworkMode none). demesne-init relays 127.0.0.1:3128 inside
+-- A sandbox has no network (network mode none). demesne-init relays 127.0.0.1:3128 inside
 -- it to <run_dir>/egress.sock on the host; core.proxy listens there, parses each request
 -- head and asks this module for a verdict on the *name* (before any DNS lookup). After an
 -- allow, C resolves the name itself and dials only an address that passes the address

@@ -1,8 +1,11 @@
--- Container images: built locally from images/<name>/Containerfile through the engine on
--- first use, cached by a content hash of the build context (and of the parent image).
--- The base image's parent is debian:bookworm-slim from a registry when one answers,
--- otherwise a Debian root filesystem made by mmdebstrap from this machine's own apt
--- sources and imported into the engine.
+-- Container images: built locally through the engine on first use, cached by a content hash
+-- of the build context (and of the parent images' tags).
+-- Built-in images come from images/<name>/ (embedded in the binary, or the source tree).
+-- User images come from $XDG_CONFIG_HOME/demesne/images/<name>/ (a Containerfile and its
+-- context); one may build FROM any demesne image by name, and one with a built-in's name
+-- replaces that built-in. The base image's parent is debian:bookworm-slim from a registry
+-- when one answers, otherwise a Debian root filesystem made by mmdebstrap from this
+-- machine's own apt sources and imported into the engine.
 local async = require("demesne.async")
 local runtime = require("demesne.runtime")
 local log = require("demesne.log")
@@ -14,7 +17,9 @@ local process = require("core.process")
 
 local images = {}
 
---- Built-in images and their parents.
+--- Built-in images: `parent` is the image each builds FROM (passed as the build argument
+--- BASE); `user_context` names folders a user may add to the build context from
+--- $XDG_CONFIG_HOME/demesne/images/<name>/<folder>/ (see images/twine/README.md).
 images.BUILTIN = {
   base = { parent = "@rootfs" },
   python = { parent = "base" },
@@ -23,35 +28,186 @@ images.BUILTIN = {
   default = { parent = "base" },
   ["agent-claude_code"] = { parent = "base" },
   ["agent-codex"] = { parent = "base" },
+  browser = { parent = "base" },
+  media = { parent = "base" },
+  webgamedev = { parent = "browser" },
+  twine = { parent = "browser", user_context = { "storyformats" } },
 }
+
+--- Limits on a user image's folder, read whole into memory to hash it.
+images.USER_MAX_FILES = 10000
+images.USER_MAX_BYTES = 256 * 1024 * 1024
 
 local ROOTFS_REPO, ROOTFS_TAG = "demesne/debian-rootfs", "bookworm"
 local REGISTRY_BASE = "docker.io/library/debian:bookworm-slim"
 local ROOTFS_PACKAGES = "bash,coreutils,ca-certificates,curl,git,procps"
+local NAME_PATTERN = "^[a-z0-9][a-z0-9_.-]*$"
+local NOTE_PATTERN = "^%s*demesne%-note:%s*(.-)%s*$" -- a build output line that is a note
+local NOTES_LABEL = "io.demesne.notes"
 
 local building = {} -- "<engine socket>|<tag>" -> event, while a build runs
 local known = {}    -- "<engine socket>|<tag>" -> true once seen
 
-local function context_files(name)
+--- The folder users drop their own images into: $XDG_CONFIG_HOME/demesne/images.
+---@return string
+function images.user_dir() return config.dir() .. "/images" end
+
+-- Whether `name` is a usable image name (lower-case letters, digits, `_`, `.`, `-`).
+local function valid_name(name)
+  return type(name) == "string" and #name <= 64 and name:match(NAME_PATTERN) ~= nil
+end
+
+-- A built-in image's context: every file under images/<name>/, recursively, except what
+-- npm or a build leaves there (node_modules/, dist/).
+local function builtin_files(name)
   local prefix = "images/" .. name .. "/"
-  local files = {}
+  local rels = {}
   if runtime.source_dir then
-    for _, n in ipairs(fs.readdir(runtime.source_dir .. "/" .. prefix) or {}) do
-      files[#files + 1] = prefix .. n
+    local function walk(rel)
+      for _, n in ipairs(fs.readdir(runtime.source_dir .. "/" .. prefix .. rel) or {}) do
+        local st = fs.lstat(runtime.source_dir .. "/" .. prefix .. rel .. n)
+        if st and st.type == "directory" and n ~= "node_modules" and n ~= "dist" then
+          walk(rel .. n .. "/")
+        elseif st and st.type == "file" then
+          rels[#rels + 1] = rel .. n
+        end
+      end
     end
+    walk("")
   else
     for rel in pairs(require("core.loop").embedded()) do
-      if rel:sub(1, #prefix) == prefix then files[#files + 1] = rel end
+      if rel:sub(1, #prefix) == prefix then rels[#rels + 1] = rel:sub(#prefix + 1) end
     end
   end
-  table.sort(files)
+  table.sort(rels)
   local out = {}
-  for _, rel in ipairs(files) do
-    local src = runtime.source(rel)
-    if src then out[#out + 1] = { name = rel:sub(#prefix + 1), data = src, mode = 420 } end
+  for _, rel in ipairs(rels) do
+    local src = runtime.source(prefix .. rel)
+    if src then out[#out + 1] = { name = rel, data = src, mode = 420 } end
   end
   return out
 end
+
+-- Reads a folder of the user's into a context list {name, data, mode}, recursively and
+-- sorted. Regular files and folders only: a symlink, socket or device is refused by name.
+-- Returns the list, or nil and a message.
+local function read_folder(dir, prefix, out, total)
+  out, total = out or {}, total or { bytes = 0 }
+  local names, err = fs.readdir(dir)
+  if not names then return nil, err end
+  for _, n in ipairs(names) do
+    local path, rel = dir .. "/" .. n, (prefix or "") .. n
+    local st, serr = fs.lstat(path)
+    if not st then return nil, serr end
+    if st.type == "directory" then
+      local ok, rerr = read_folder(path, rel .. "/", out, total)
+      if not ok then return nil, rerr end
+    elseif st.type == "file" then
+      if #out >= images.USER_MAX_FILES then
+        return nil, ("%s holds more than %d files"):format(dir, images.USER_MAX_FILES)
+      end
+      total.bytes = total.bytes + st.size
+      if total.bytes > images.USER_MAX_BYTES then
+        return nil, ("the files under %s add up to more than %d MiB"):format(dir, images.USER_MAX_BYTES // 1048576)
+      end
+      local data, rerr = fs.read_file(path)
+      if not data then return nil, rerr end
+      out[#out + 1] = { name = rel, data = data, mode = st.mode & 511 }
+    else
+      return nil, ("%s is a %s: an image folder may hold only files and folders (copy the file in)"):format(path,
+        st.type == "link" and "symlink" or st.type)
+    end
+  end
+  return out
+end
+
+-- The user's image folder for `name`, when it holds a Containerfile.
+local function user_image_dir(name)
+  local dir = images.user_dir() .. "/" .. name
+  local st = fs.stat(dir .. "/Containerfile")
+  if st and st.type == "file" then return dir end
+end
+
+--- The names of the user's images (folders with a Containerfile), sorted. Folders whose
+--- names are not valid image names are skipped.
+---@return string[]
+function images.user_names()
+  local out = {}
+  for _, n in ipairs(fs.readdir(images.user_dir()) or {}) do
+    if valid_name(n) and user_image_dir(n) then out[#out + 1] = n end
+  end
+  return out
+end
+
+--- Every image name, built-in and user, sorted; each once.
+---@return string[]
+function images.list()
+  local seen, names = {}, {}
+  for n in pairs(images.BUILTIN) do seen[n] = true end
+  for _, n in ipairs(images.user_names()) do seen[n] = true end
+  for n in pairs(seen) do names[#names + 1] = n end
+  table.sort(names)
+  return names
+end
+
+--- Where an image comes from: "user" (it replaces a built-in of the same name),
+--- "built-in", or nil when there is no image of that name.
+---@param name string
+---@return string|nil origin, string|nil dir  dir: the user's folder
+function images.origin(name)
+  if not valid_name(name) then return nil end
+  local dir = user_image_dir(name)
+  if dir then return "user", dir end
+  if images.BUILTIN[name] then return "built-in" end
+end
+
+--- The images a Containerfile builds FROM, in order: {line=n, ref=word, stage=alias|nil}.
+--- `ref` is the image word as written (`${BASE}`, `python`, `debian:bookworm`, a stage
+--- alias); flags such as --platform are skipped. Line continuations are not followed.
+---@param src string
+---@return {line: integer, ref: string, stage: string|nil}[]
+function images.parse_from(src)
+  local out, n = {}, 0
+  for line in (src .. "\n"):gmatch("([^\n]*)\n") do
+    n = n + 1
+    local rest = line:match("^%s*[Ff][Rr][Oo][Mm]%s+(.*)$")
+    if rest then
+      local words = {}
+      for w in rest:gmatch("%S+") do words[#words + 1] = w end
+      local i = 1
+      while words[i] and words[i]:sub(1, 2) == "--" do i = i + 1 end
+      if words[i] then
+        local stage = words[i + 1] and words[i + 1]:lower() == "as" and words[i + 2] or nil
+        out[#out + 1] = { line = n, ref = words[i], stage = stage }
+      end
+    end
+  end
+  return out
+end
+
+-- Rewrites the FROM lines of a user's Containerfile: each image word that names a demesne
+-- image (and no stage defined above it) becomes `tags[word]`. Returns the new text.
+local function rewrite_from(src, tags)
+  local stages, lines = {}, {}
+  for line, nl in src:gmatch("([^\n]*)(\n?)") do
+    if line:match("^%s*[Ff][Rr][Oo][Mm]%s") then
+      local words = {}
+      for from, w, to in line:gmatch("()(%S+)()") do words[#words + 1] = { from = from, w = w, to = to } end
+      local i = 2
+      while words[i] and words[i].w:sub(1, 2) == "--" do i = i + 1 end
+      local img = words[i]
+      if img and not stages[img.w] and tags[img.w] then
+        line = line:sub(1, img.from - 1) .. tags[img.w] .. line:sub(img.to)
+      end
+      if img and words[i + 1] and words[i + 1].w:lower() == "as" and words[i + 2] then stages[words[i + 2].w] = true end
+    end
+    lines[#lines + 1] = line .. nl
+  end
+  return table.concat(lines)
+end
+
+--- The same, for tests: rewrite_from(src, {name = tag}).
+images._rewrite_from = rewrite_from
 
 local function tmp_path(suffix)
   local dir = config.get("state_dir") .. "/tmp"
@@ -134,22 +290,10 @@ local function host_ca_certs()
   return table.concat(parts, "\n")
 end
 
--- Builds (or finds) the image `name`; returns its tag. With `dry`, builds nothing:
--- returns the tag when the image is present, else nil and the reason.
-local function ensure_builtin(eng, name, ctx, dry)
-  local spec = images.BUILTIN[name]
-  local parent, err
-  if spec.parent == "@rootfs" then
-    parent, err = ensure_rootfs(eng, ctx, dry)
-  else
-    parent, err = ensure_builtin(eng, spec.parent, ctx, dry)
-  end
-  if not parent then return nil, err end
-  local files = context_files(name)
-  if #files == 0 then return nil, ("image %q has no build context in this binary"):format(name) end
-  local key = { parent }
-  for _, f in ipairs(files) do key[#key + 1] = f.name .. "\0" .. f.data end
-  local tag = ("demesne/%s:%s"):format(name, text.hash(table.concat(key, "\0")):sub(1, 12))
+-- Builds `plan` (tag, files, buildargs, labels) unless it is present; joins a build of the
+-- same tag that is already running. Returns the tag, or nil and a message.
+local function build(eng, plan, ctx, dry)
+  local name, tag = plan.name, plan.tag
   local k = eng.socket .. "|" .. tag
   if known[k] then return tag end
   while building[k] do building[k].wait() end
@@ -167,21 +311,45 @@ local function ensure_builtin(eng, name, ctx, dry)
   async.spawn("build " .. name, function()
     local _ <close> = setmetatable({}, { __close = function() building[k] = nil; ev.set() end })
     progress(ctx, ("building image %s (%s) — first use only"):format(name, tag))
-    files[#files + 1] = { name = "host-ca-certificates.crt", data = host_ca_certs(), mode = 420 }
+    local files = { table.unpack(plan.files) }
+    local has_ca = false
+    for _, f in ipairs(files) do has_ca = has_ca or f.name == "host-ca-certificates.crt" end
+    if not has_ca then files[#files + 1] = { name = "host-ca-certificates.crt", data = host_ca_certs(), mode = 420 } end
     local tar = tmp_path(".context.tar")
     local _t <close> = setmetatable({}, { __close = function() os.remove(tar) end })
     local ok, perr = archive.pack(tar, files)
     if not ok then result.err = "packing the build context failed: " .. tostring(perr) return end
-    local last = ""
+    local last, notes = "", {}
     local berr
-    ok, berr = eng:build(tar, { tag = tag, buildargs = { BASE = parent }, networkmode = "host",
-      labels = { ["io.demesne.image"] = name } }, function(line)
-      if line.stream and line.stream:match("%S") then
-        last = line.stream:gsub("%s+$", "")
-        if last:match("^STEP") or last:match("^Step") then progress(ctx, name .. ": " .. last) end
-      end
-    end)
+    ok, berr = eng:build(tar, { tag = tag, buildargs = plan.buildargs, network = "host", labels = plan.labels },
+      function(text)
+        for l in text:gmatch("[^\r\n]+") do
+          if l:match("%S") then last = l:gsub("%s+$", "") end
+          local note = l:match(NOTE_PATTERN)
+          if note and note ~= "" and not notes[note] then
+            notes[note] = true
+            notes[#notes + 1] = note
+            progress(ctx, name .. ": " .. note)
+          elseif l:match("^%[%d+/%d+%] STEP %d") or l:match("^STEP %d") or l:match("^Step %d") then
+            progress(ctx, name .. ": " .. l)
+          end
+        end
+      end)
     if not ok then result.err = ("building image %s failed: %s (last output: %s)"):format(name, berr, last) return end
+    -- Notes the build printed ("demesne-note: …") become a label of the image, so that they
+    -- can be shown for it later: a second, one-line build on top of it, under the same tag.
+    -- A step the engine takes from its cache prints nothing: an image prints its notes in
+    -- a step after `ARG DEMESNE_TAG` (the build argument is the tag), which runs on every
+    -- build of a new tag.
+    if #notes > 0 then
+      local labels = { [NOTES_LABEL] = table.concat(notes, "\n") }
+      for lk, lv in pairs(plan.labels) do labels[lk] = lv end
+      local ntar = tmp_path(".notes.tar")
+      local _n <close> = setmetatable({}, { __close = function() os.remove(ntar) end })
+      ok, perr = archive.pack(ntar, { { name = "Containerfile", data = "ARG BASE\nFROM ${BASE}\n" } })
+      if ok then ok, perr = eng:build(ntar, { tag = tag, buildargs = { BASE = tag }, labels = labels }) end
+      if not ok then log.warn("demesne.images", "image %s: could not record its notes: %s", name, tostring(perr)) end
+    end
     known[k] = true
   end)
   ev.wait()
@@ -190,28 +358,152 @@ local function ensure_builtin(eng, name, ctx, dry)
   return tag
 end
 
---- Makes sure an image is available. `name` is a built-in image (base, python, node, go,
---- default) or the reference of an image already present in the engine.
---- Returns {name=, ref=} or nil and a message that lists the built-in names.
+local ensure_named
+
+-- The tag of a content key: demesne/<name>:<12 hex digits>.
+local function tag_of(name, key)
+  return ("demesne/%s:%s"):format(name, text.hash(table.concat(key, "\0")):sub(1, 12))
+end
+
+-- A built-in image: its parent first, then its own context (plus the user folders it takes).
+local function ensure_builtin(eng, name, ctx, dry, visiting)
+  local spec = images.BUILTIN[name]
+  local parent, err
+  if spec.parent == "@rootfs" then
+    parent, err = ensure_rootfs(eng, ctx, dry)
+  else
+    parent, err = ensure_named(eng, spec.parent, ctx, dry, visiting)
+  end
+  if not parent then return nil, err end
+  local files = builtin_files(name)
+  if #files == 0 then return nil, ("image %q has no build context in this binary"):format(name) end
+  for _, folder in ipairs(spec.user_context or {}) do
+    local dir = images.user_dir() .. "/" .. name .. "/" .. folder
+    local st = fs.stat(dir)
+    if st and st.type == "directory" then
+      local extra, rerr = read_folder(dir, folder .. "/")
+      if not extra then return nil, ("image %s: %s"):format(name, rerr) end
+      local byname = {}
+      for i, f in ipairs(files) do byname[f.name] = i end
+      for _, f in ipairs(extra) do
+        if byname[f.name] then files[byname[f.name]] = f else files[#files + 1] = f end
+      end
+      table.sort(files, function(a, b) return a.name < b.name end)
+    end
+  end
+  local key = { parent }
+  for _, f in ipairs(files) do key[#key + 1] = f.name .. "\0" .. f.data end
+  local tag = tag_of(name, key)
+  local buildargs = { BASE = parent, DEMESNE_TAG = tag }
+  if name == "twine" then -- images/twine/install-storyformats.sh
+    buildargs.TWINE_FETCH_OFFICIAL = config.get("twine_official_formats") and "1" or "0"
+  end
+  return build(eng, { name = name, tag = tag, files = files, buildargs = buildargs,
+    labels = { ["io.demesne.image"] = name, ["io.demesne.origin"] = "built-in" } }, ctx, dry)
+end
+
+-- A user image: every demesne image its FROM lines name, then its own folder. Inside the
+-- user image `name`, `FROM name` means the built-in `name` it replaces. BASE is the base
+-- image (its root filesystem for a user image named base).
+local function ensure_user(eng, name, dir, ctx, dry, visiting)
+  local files, err = read_folder(dir)
+  if not files then return nil, ("image %s (%s): %s"):format(name, dir, err) end
+  local containerfile
+  for _, f in ipairs(files) do if f.name == "Containerfile" then containerfile = f end end
+  local tags, key, stages = {}, {}, {}
+  for _, from in ipairs(images.parse_from(containerfile.data)) do
+    local ref = from.ref
+    if not tags[ref] and not stages[ref] and valid_name(ref)
+      and (ref == name and images.BUILTIN[ref] or images.origin(ref)) then
+      local t, perr = ensure_named(eng, ref, ctx, dry, visiting, ref == name)
+      if not t then return nil, ("image %s: FROM %s (Containerfile line %d): %s"):format(name, ref, from.line, perr) end
+      tags[ref] = t
+      key[#key + 1] = ref .. "=" .. t
+    end
+    if from.stage then stages[from.stage] = true end
+  end
+  local buildargs = {}
+  if (containerfile.data .. "\n"):find("%$%{?BASE[^%w_]") then
+    local base, berr
+    if name == "base" then
+      base, berr = ensure_rootfs(eng, ctx, dry)
+    else
+      base, berr = ensure_named(eng, "base", ctx, dry, visiting)
+    end
+    if not base then return nil, berr end
+    buildargs.BASE = base
+    key[#key + 1] = "BASE=" .. base
+  end
+  local out = {}
+  for _, f in ipairs(files) do
+    key[#key + 1] = f.name .. "\0" .. f.mode .. "\0" .. f.data
+    if f == containerfile then
+      out[#out + 1] = { name = f.name, data = rewrite_from(f.data, tags), mode = f.mode }
+    else
+      out[#out + 1] = f
+    end
+  end
+  local tag = tag_of(name, key)
+  buildargs.DEMESNE_TAG = tag
+  return build(eng, { name = name, tag = tag, files = out, buildargs = buildargs,
+    labels = { ["io.demesne.image"] = name, ["io.demesne.origin"] = "user" } }, ctx, dry)
+end
+
+-- Builds (or finds) the image `name`; returns its tag. With `dry`, builds nothing: returns
+-- the tag when the image is present, else nil and the reason. `builtin_only` skips a user
+-- image of that name. `visiting` holds the images being resolved, to refuse a cycle.
+function ensure_named(eng, name, ctx, dry, visiting, builtin_only)
+  local dir = not builtin_only and user_image_dir(name) or nil
+  local id = (dir and "user:" or "built-in:") .. name
+  visiting = visiting or {}
+  if visiting[id] then
+    return nil, ("image %s builds FROM itself (through %s)"):format(name, table.concat(visiting, " -> "))
+  end
+  visiting[id] = true
+  visiting[#visiting + 1] = name
+  local tag, err
+  if dir then
+    tag, err = ensure_user(eng, name, dir, ctx, dry, visiting)
+  elseif images.BUILTIN[name] then
+    tag, err = ensure_builtin(eng, name, ctx, dry, visiting)
+  else
+    err = ("no image %q"):format(name)
+  end
+  visiting[id] = nil
+  visiting[#visiting] = nil
+  return tag, err
+end
+
+--- Makes sure an image is available. `name` is a demesne image (a user image in
+--- $XDG_CONFIG_HOME/demesne/images/<name>/, or a built-in) or the reference of an image
+--- already present in the engine. ctx (may be nil) gets build progress.
+--- Returns {name=, ref=} or nil and a message that lists the image names.
+---@param eng table  an engine adapter object
+---@param name string|nil  default: the default_image setting
+---@param ctx ToolContext|nil
+---@return {name: string, ref: string}|nil image, string|nil err
 function images.ensure(eng, name, ctx)
   name = name or config.get("default_image")
-  if images.BUILTIN[name] then
-    local ref, err = ensure_builtin(eng, name, ctx)
+  if images.origin(name) then
+    local ref, err = ensure_named(eng, name, ctx)
     if not ref then return nil, err end
     return { name = name, ref = ref }
   end
   if eng:image_inspect(name) then return { name = name, ref = name } end
-  local names = {}
-  for n in pairs(images.BUILTIN) do names[#names + 1] = n end
-  table.sort(names)
-  return nil, ("image: %q is neither a built-in image (%s) nor an image present in the engine"):format(name,
-    table.concat(names, ", "))
+  return nil, ("image: %q is neither a built-in or user image (%s) nor an image present in the engine"):format(name,
+    table.concat(images.list(), ", "))
 end
 
---- Whether a built-in image is present in the engine, without building anything.
---- Returns its tag, or nil and "not built".
+--- Whether a demesne image is present in the engine, without building anything.
+--- Returns its tag and its notes (the lines its build printed as "demesne-note: …", or nil),
+--- or nil and "not built" (or the reason it cannot be built).
+---@param eng table
+---@param name string
+---@return string|nil tag, string|nil notes_or_err
 function images.status(eng, name)
-  return ensure_builtin(eng, name, nil, true)
+  local tag, err = ensure_named(eng, name, nil, true)
+  if not tag then return nil, err end
+  return tag, images.notes(eng, tag)
 end
 
 -- The first executable file `prog` in $PATH, or nil.
@@ -250,7 +542,7 @@ end
 ---@param name string
 ---@return table|nil state, string|nil reason, string|nil fix
 function images.readiness(eng, name)
-  if not images.BUILTIN[name] then
+  if not images.origin(name) then
     if eng:image_inspect(name) then return { state = "built", ref = name } end
     return nil, ("image %q is neither built-in nor present in the engine"):format(name),
       ("pull or build %s into the engine, or set default_image to a built-in image (%s)"):format(name,
@@ -275,12 +567,33 @@ function images.readiness(eng, name)
   return { state = "buildable", from = "mmdebstrap", mmdebstrap = mm, sources = sources }
 end
 
---- The names of the built-in images, sorted.
-function images.list()
-  local names = {}
-  for n in pairs(images.BUILTIN) do names[#names + 1] = n end
-  table.sort(names)
-  return names
+--- The notes recorded on a built image (see images.status), or nil.
+---@param eng table
+---@param tag string
+---@return string|nil
+function images.notes(eng, tag)
+  local info = eng:image_inspect(tag)
+  return info and type(info.labels) == "table" and info.labels[NOTES_LABEL] or nil
+end
+
+--- The parent of a demesne image, for display: a built-in's parent name ("@rootfs" for
+--- base), or for a user image the demesne images its FROM lines name (", "-joined), else
+--- the first FROM word.
+---@param name string
+---@return string|nil
+function images.parent(name)
+  local origin, dir = images.origin(name)
+  if origin == "built-in" then return images.BUILTIN[name].parent end
+  if origin ~= "user" then return nil end
+  local src = fs.read_file(dir .. "/Containerfile") or ""
+  local named, first = {}, nil
+  for _, f in ipairs(images.parse_from(src)) do
+    first = first or f.ref
+    if valid_name(f.ref) and (f.ref == name and images.BUILTIN[f.ref] or images.origin(f.ref)) then
+      named[#named + 1] = f.ref == name and (f.ref .. " (built-in)") or f.ref
+    end
+  end
+  return #named > 0 and table.concat(named, ", ") or first
 end
 
 return images

@@ -243,7 +243,7 @@ kinds.script = {
     repeat info, err, ecode = o.engine:inspect(rec.container) until info or not engine_retry(ecode)
     if not info and ecode ~= "ENOENT" then return { status = "failed", reason = tostring(err) } end
     if not info then o.id = nil end
-    if info and info.State and info.State.Status == "created" then
+    if info and info.state == "created" then
       local out = { status = "lost", reason = "the server stopped before the sandbox was started" }
       o.engine:remove(o.id)
       return out
@@ -347,7 +347,7 @@ local function exec_poll(job, eng)
       return exec_outcome(rec, ("sandbox %s no longer exists and the command recorded no exit status"):format(rec.sandbox_id))
     elseif not info and not engine_retry(ecode) then
       return { status = "failed", reason = tostring(err) }
-    elseif info and not (info.State and info.State.Running) then
+    elseif info and info.state ~= "running" then
       return exec_outcome(rec, ("sandbox %s stopped before the command recorded an exit status"):format(rec.sandbox_id))
     end
     local age = now_ms() - rec.started_ms

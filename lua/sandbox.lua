@@ -10,6 +10,7 @@ local async = require("demesne.async")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
 local engines = require("demesne.engines")
+local engine_spec = require("demesne.engines.spec")
 local images = require("demesne.images")
 local json = require("demesne.json")
 local log = require("demesne.log")
@@ -158,21 +159,22 @@ local function dirs(run_id)
 end
 sandbox.dirs = dirs
 
--- Builds the ContainerCreate body for a sandbox.
+-- Builds the engine-neutral sandbox spec (lua/engines/spec.lua) of a sandbox, checked
+-- against the engine's capabilities: an engine that cannot honour all of it is refused.
 local function container_spec(o)
   local init = check(config.init_path())
   local lim = o.limits
-  local binds = {
-    init .. ":" .. INIT .. ":ro",
-    o.run_dir .. ":" .. RUN .. ":rw",
-    o.output_dir .. ":/out:rw",
+  local mounts = {
+    { source = init, target = INIT, mode = "ro" },
+    { source = o.run_dir, target = RUN, mode = "rw", relay = true }, -- exec records and relay sockets
+    { source = o.output_dir, target = "/out", mode = "rw" },
   }
-  for _, m in ipairs(o.mounts or {}) do binds[#binds + 1] = m.host .. ":" .. m.target .. ":ro" end
-  local tmpfs = { ["/tmp"] = "rw,exec,mode=1777", ["/workspace"] = "rw,exec,mode=0777" }
+  for _, m in ipairs(o.mounts or {}) do mounts[#mounts + 1] = { source = m.host, target = m.target, mode = "ro" } end
+  local tmpfs = { { target = "/tmp", mode = "1777", exec = true }, { target = "/workspace", mode = "0777", exec = true } }
   if config.get("readonly_rootfs") then
-    tmpfs["/var/tmp"] = "rw,exec,mode=1777"
-    tmpfs["/root"] = "rw,exec,mode=0700"
-    tmpfs["/run"] = "rw,mode=0755"
+    tmpfs[#tmpfs + 1] = { target = "/var/tmp", mode = "1777", exec = true }
+    tmpfs[#tmpfs + 1] = { target = "/root", mode = "0700", exec = true }
+    tmpfs[#tmpfs + 1] = { target = "/run", mode = "0755" }
   end
   local now = math.floor(loop.time())
   local labels = {
@@ -188,28 +190,25 @@ local function container_spec(o)
     [LABEL .. "image"] = o.image_name,
     [LABEL .. "egress"] = o.egress and o.egress.name or "none",
   }
-  return {
-    Image = o.image_ref,
-    Entrypoint = { INIT },
-    Cmd = o.cmd,
-    Env = o.env,
-    WorkingDir = "/out",
-    Labels = labels,
-    Hostname = "sandbox",
-    HostConfig = {
-      Binds = binds,
-      Tmpfs = tmpfs,
-      NetworkMode = o.egress and o.egress.open and "bridge" or "none", -- egress goes through the proxy
-      ReadonlyRootfs = config.get("readonly_rootfs") and true or false,
-      SecurityOpt = { "no-new-privileges" },
-      CapDrop = { "NET_RAW" },
-      Memory = math.floor(lim.memory_mb * 1024 * 1024),
-      MemorySwap = math.floor(lim.memory_mb * 1024 * 1024),
-      NanoCpus = math.floor(lim.cpus * 1e9),
-      PidsLimit = math.floor(lim.pids),
-      Init = false,
-    },
+  for k, v in pairs(o.labels or {}) do labels[LABEL .. k] = v end
+  local spec = {
+    name = o.name,
+    image = o.image_ref,
+    entrypoint = { INIT },
+    command = o.cmd,
+    env = o.env,
+    workdir = "/out",
+    labels = labels,
+    hostname = "sandbox",
+    mounts = mounts,
+    tmpfs = tmpfs,
+    network = o.egress and o.egress.open and "bridge" or "none", -- egress goes through the proxy
+    read_only_rootfs = config.get("readonly_rootfs") and true or false,
+    security = { no_new_privileges = true, cap_drop = { "NET_RAW" } },
+    limits = { memory_bytes = math.floor(lim.memory_mb * 1024 * 1024), cpus = lim.cpus, pids = math.floor(lim.pids) },
   }
+  check(engine_spec.check(spec, o.engine.capabilities))
+  return spec
 end
 
 local function default_env(run_id, pol)
@@ -317,11 +316,11 @@ function sandbox.script_start(ctx, o, labels)
   for i, a in ipairs(relay) do table.insert(o.cmd, 1 + i, a) end
   if o.before_create then o.before_create(o) end -- e.g. the vendor route of an agent run
   o.egress_handle = check(egress.start(o)) -- stopped by script_remove
+  o.labels = labels
   local spec = container_spec(o)
-  for k, v in pairs(labels or {}) do spec.Labels[LABEL .. k] = v end
   -- the create runs in a task of its own: a cancel must not abort it half-way (the engine
   -- may create the container anyway); script_remove waits for it and removes the result
-  o.creating = async.spawn("create " .. o.name, function() return o.engine:create(spec, o.name) end)
+  o.creating = async.spawn("create " .. o.name, function() return o.engine:create(spec) end)
   local _, id, err, code = o.creating:wait()
   o.id = check(id, err, code)
   check(o.engine:start(o.id))
@@ -408,9 +407,10 @@ function sandbox.create(ctx, args)
   o.image_ref, o.image_name = img.ref, img.name
   o.env = sandbox.env(args.env, default_env(o.run_id, o.egress))
   o.cmd = { "serve", table.unpack(egress.relay_args(o.egress)) }
+  o.name = "demesne-" .. o.run_id
+  local spec = container_spec(o)
   local eg = check(egress.start(o)) -- lives as long as the sandbox (egress.stop in destroy/reap)
-  local name = "demesne-" .. o.run_id
-  local id, cerr, ccode = o.engine:create(container_spec(o), name)
+  local id, cerr, ccode = o.engine:create(spec)
   if not id then eg:stop() fail(cerr, ccode) end
   local ok, err = o.engine:start(id)
   if not ok then
@@ -462,17 +462,17 @@ function sandbox.lookup(eng, sandbox_id)
     if code == "ENOENT" then fail(("sandbox_id: no sandbox %s (it was destroyed or has expired)"):format(sandbox_id), "ENOENT") end
     fail(err, code)
   end
-  local labels = (info.Config or {}).Labels or {}
+  local labels = info.labels or {}
   if labels[LABEL .. "managed"] ~= "1" or labels[LABEL .. "kind"] ~= "persistent" then
     fail(("sandbox_id: %s is not a persistent demesne sandbox"):format(sandbox_id))
   end
+  local memory = info.limits and info.limits.memory_bytes
   return {
-    id = info.Id, name = "demesne-" .. sandbox_id, labels = labels,
+    id = info.id, name = "demesne-" .. sandbox_id, labels = labels,
     output_dir = labels[LABEL .. "output_dir"], run_dir = labels[LABEL .. "run_dir"],
-    running = info.State and info.State.Running,
+    running = info.state == "running",
     expires_at = expiry_of(labels),
-    memory_mb = type((info.HostConfig or {}).Memory) == "number" and info.HostConfig.Memory > 0
-      and info.HostConfig.Memory / (1024 * 1024) or nil,
+    memory_mb = memory and memory / (1024 * 1024) or nil,
   }
 end
 
@@ -486,11 +486,12 @@ function sandbox.check_alive(eng, sandbox_id)
     if not info and code == "ENOENT" then
       fail(("sandbox_id: sandbox %s was destroyed (or expired) while the call was running"):format(sandbox_id), "ENOENT")
     end
-    if info and not (info.State and info.State.Running) then
-      fail(("sandbox_id: sandbox %s stopped while the call was running"):format(sandbox_id))
-    end
-    if info and info.State and info.State.Status == "removing" then
+    -- (a container being removed is not running either: ask about removal first)
+    if info and info.state == "removing" then
       fail(("sandbox_id: sandbox %s was destroyed while the call was running"):format(sandbox_id), "ENOENT")
+    end
+    if info and info.state ~= "running" then
+      fail(("sandbox_id: sandbox %s stopped while the call was running"):format(sandbox_id))
     end
     async.sleep(200)
   end
@@ -807,14 +808,14 @@ function sandbox.list()
   local out = json.array()
   local mine = config.get("state_dir") .. "/run"
   for _, c in ipairs(list) do
-    local l = c.Labels or {}
+    local l = c.labels or {}
     if paths.within(tostring(l[LABEL .. "run_dir"]), mine) then out[#out + 1] = {
       sandbox_id = l[LABEL .. "run_id"],
       image = l[LABEL .. "image"],
       created_at = os.date("!%Y-%m-%dT%H:%M:%SZ", tonumber(l[LABEL .. "created_at"]) or 0),
       expires_at = os.date("!%Y-%m-%dT%H:%M:%SZ", expiry_of(l)),
       output_dir = l[LABEL .. "output_dir"],
-      state = c.State,
+      state = c.state,
     } end
   end
   table.sort(out, function(a, b) return tostring(a.sandbox_id) < tostring(b.sandbox_id) end)
@@ -841,12 +842,12 @@ function sandbox.reap()
   local now = loop.time()
   local n = 0
   for _, c in ipairs(list) do
-    local l = c.Labels or {}
+    local l = c.labels or {}
     local kind = l[LABEL .. "kind"]
     local expired = expiry_of(l) < now
     local orphan = (kind == "oneshot" or kind == "job") and not owner_alive(l[LABEL .. "owner"])
     if (expired or orphan) and not (kind == "job" and job_running(l)) then
-      if eng:remove(c.Id) then
+      if eng:remove(c.id) then
         n = n + 1
         if l[LABEL .. "run_id"] then egress.stop(l[LABEL .. "run_id"]) end
         local rd = l[LABEL .. "run_dir"]
@@ -854,7 +855,7 @@ function sandbox.reap()
           fs.remove_tree(rd)
           os.remove(expiry_file(rd))
         end
-        log.info("demesne.reaper", "removed %s (%s)", l[LABEL .. "run_id"] or c.Id, expired and "expired" or "owner gone")
+        log.info("demesne.reaper", "removed %s (%s)", l[LABEL .. "run_id"] or c.id, expired and "expired" or "owner gone")
       end
     end
   end

@@ -17,7 +17,11 @@ function schemas.directories()
 end
 
 schemas.image = { type = "string", description =
-  "Image: a built-in one (default: base + python3 + nodejs + build-essential + git; base; python; node; go) or the reference of an image present in the engine. Default: default." }
+  "Image: a built-in one (default: base + python3 + nodejs + build-essential + git; base; python; node; go; "
+  .. "browser: headless Chromium + Playwright + React, `render-png`; media: ffmpeg, ImageMagick, vips, sox; "
+  .. "webgamedev: Phaser 4 + Vite template in /opt/game-template, `playtest-game`; twine: extwee, "
+  .. "`twine-compile`, `playtest-story`), a user image from $XDG_CONFIG_HOME/demesne/images/, or the "
+  .. "reference of an image present in the engine. Each works with no network once built. Default: default." }
 
 schemas.env = { type = "object", additionalProperties = { type = "string" },
   description = "Environment variables for the command (string values). Names starting with DEMESNE_ are reserved." }

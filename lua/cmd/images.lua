@@ -1,15 +1,38 @@
--- `demesne images list|build [NAME]`: the built-in images and building them ahead of use.
+-- `demesne images list [NAME...]` and `demesne images build [--all | NAME...]`: the images
+-- (built-in and the user's own) and building them ahead of use.
 local async = require("demesne.async")
 local images = require("demesne.images")
 local engines = require("demesne.engines")
 local loop = require("core.loop")
 
+local USAGE = "usage: demesne images list [NAME...] | build [--all | NAME...]\n"
+
+local function origin_text(name)
+  local origin, dir = images.origin(name)
+  if origin == "user" then
+    return (images.BUILTIN[name] and "user (replaces the built-in) " or "user ") .. dir
+  end
+  return origin or "?"
+end
+
+local function print_notes(notes)
+  for line in (notes or ""):gmatch("[^\n]+") do io.stdout:write("    ", line, "\n") end
+end
+
 return function(args)
   local sub = args[1] or "list"
   if sub ~= "list" and sub ~= "build" then
-    io.stderr:write("usage: demesne images list|build [NAME]\n")
+    io.stderr:write(USAGE)
     return 2
   end
+  local names, all = {}, false
+  for i = 2, #args do
+    if args[i] == "--all" and sub == "build" then all = true
+    elseif args[i]:sub(1, 1) == "-" then io.stderr:write("demesne: images: unknown option ", args[i], "\n", USAGE) return 2
+    else names[#names + 1] = args[i] end
+  end
+  if all and #names > 0 then io.stderr:write("demesne: images build: --all takes no NAME\n", USAGE) return 2 end
+  if #names == 0 then names = images.list() end
   local status = 0
   local task = async.spawn("images", function()
     local eng, err = engines.get()
@@ -18,22 +41,23 @@ return function(args)
       status = 1
       return
     end
-    local names = args[2] and { args[2] } or images.list()
     for _, name in ipairs(names) do
       if sub == "list" then
-        local spec = images.BUILTIN[name]
-        if not spec then
-          io.stderr:write("demesne: no built-in image ", name, "\n")
+        if not images.origin(name) then
+          io.stderr:write("demesne: no image ", name, "\n")
           status = 1
         else
-          local tag = images.status(eng, name)
-          io.stdout:write(("%-18s %-34s from %s\n"):format(name, tag or "not built", spec.parent == "@rootfs" and "Debian root filesystem" or spec.parent))
+          local tag, notes = images.status(eng, name)
+          io.stdout:write(("%-18s %-34s %s, from %s\n"):format(name, tag or notes or "not built", origin_text(name),
+            images.parent(name) or "?"))
+          if tag then print_notes(notes) end
         end
       else
         local t0 = loop.hrtime()
         local img, berr = images.ensure(eng, name, nil) -- progress goes to the log on stderr
         if img then
-          io.stdout:write(("%-10s %s (%.1f s)\n"):format(name, img.ref, (loop.hrtime() - t0) / 1e9))
+          io.stdout:write(("%-18s %s (%.1f s)\n"):format(name, img.ref, (loop.hrtime() - t0) / 1e9))
+          print_notes(images.origin(name) and images.notes(eng, img.ref))
         else
           io.stderr:write("demesne: ", berr, "\n")
           status = 1

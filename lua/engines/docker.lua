@@ -3,9 +3,14 @@
 -- returns its value, or nil, message, code. Messages are the engine's own reason, parsed
 -- from its JSON error body, never the raw body. The interface is documented in
 -- docs/reference/engines.md. API reference: https://docs.docker.com/reference/api/engine/
+--
+-- The only place that knows Docker's JSON: it takes the engine-neutral sandbox spec
+-- (lua/engines/spec.lua) and returns neutral container info; nothing above it sees
+-- HostConfig, Binds, State or Config.Labels.
 local http = require("core.http")
 local async = require("demesne.async")
 local json = require("demesne.json")
+local engine_spec = require("demesne.engines.spec")
 
 local docker = {}
 local Engine = {}
@@ -48,10 +53,114 @@ local function engine_error(res, what)
   return nil, ("%s: %s"):format(what, msg), CODES[res.status] or "EENGINE"
 end
 
+--- What this adapter can do (docs/reference/engines.md, "Capabilities"). Host folders and
+--- the unix sockets in them are shared live through bind mounts.
+docker.CAPABILITIES = {
+  bind_mounts = true,
+  unix_socket_mounts = true,
+  tmpfs = true,
+  read_only_rootfs = true,
+  networks = { none = true, bridge = true },
+  runtimes = {}, -- spec.runtime is not offered yet
+  userns = false,
+}
+
 --- Creates an adapter for the Docker Engine API at a unix socket path.
 ---@param socket string
 function docker.new(socket)
-  return setmetatable({ socket = socket, name = "docker" }, Engine)
+  return setmetatable({ socket = socket, name = "docker", capabilities = docker.CAPABILITIES }, Engine)
+end
+
+-- Copies a list into a JSON array (an empty list must encode as [], not {}).
+local function array(list)
+  if list == nil then return nil end
+  local out = json.array()
+  for i, v in ipairs(list) do out[i] = v end
+  return out
+end
+
+--- Translates a sandbox spec (checked with spec.check) into a Docker ContainerCreate body.
+--- The memory limit includes swap (MemorySwap = Memory); the entrypoint runs as PID 1
+--- (Init = false: demesne-init is the container's init).
+---@param s table  the sandbox spec
+---@return table body  https://docs.docker.com/reference/api/engine/version/v1.41/#operation/ContainerCreate
+function docker.create_body(s)
+  local binds = json.array()
+  for _, m in ipairs(s.mounts or {}) do binds[#binds + 1] = m.source .. ":" .. m.target .. ":" .. m.mode end
+  local tmpfs = {}
+  for _, t in ipairs(s.tmpfs or {}) do tmpfs[t.target] = "rw," .. (t.exec and "exec," or "") .. "mode=" .. t.mode end
+  local lim = s.limits or {}
+  local sec = s.security or {}
+  return {
+    Image = s.image,
+    Entrypoint = array(s.entrypoint),
+    Cmd = array(s.command),
+    Env = array(s.env),
+    WorkingDir = s.workdir,
+    User = s.user,
+    Labels = s.labels,
+    Hostname = s.hostname,
+    HostConfig = {
+      Binds = binds,
+      Tmpfs = tmpfs,
+      NetworkMode = s.network or "none",
+      ReadonlyRootfs = s.read_only_rootfs and true or false,
+      SecurityOpt = sec.no_new_privileges and { "no-new-privileges" } or nil,
+      CapDrop = array(sec.cap_drop),
+      Memory = lim.memory_bytes,
+      MemorySwap = lim.memory_bytes,
+      NanoCpus = lim.cpus and math.floor(lim.cpus * 1e9),
+      PidsLimit = lim.pids,
+      Init = false,
+    },
+  }
+end
+
+-- Docker's container states (State.Status in inspect, State in list; Podman's compatible
+-- API uses the same words) -> the neutral states of spec.STATES.
+local STATES = {
+  created = "created", configured = "created", running = "running", paused = "running", restarting = "running",
+  stopping = "running", removing = "removing", exited = "exited", stopped = "exited", dead = "gone",
+}
+
+local function positive(n) return type(n) == "number" and n > 0 and n or nil end
+
+--- Neutral container info from a Docker inspect body (GET /containers/{id}/json):
+--- {id, name, image, state, exit_code, labels, limits = {memory_bytes, cpus, pids}}.
+---@param t table
+---@return table info
+function docker.container_info(t)
+  local st = type(t.State) == "table" and t.State or {}
+  local hc = type(t.HostConfig) == "table" and t.HostConfig or {}
+  local cfg = type(t.Config) == "table" and t.Config or {}
+  -- Running decides first, as Docker's own State.Status does (paused and restarting are running)
+  local state = st.Running == true and "running" or STATES[st.Status] or "exited"
+  if state == "running" and st.Running ~= true then state = "exited" end
+  local nano = positive(hc.NanoCpus)
+  return {
+    id = t.Id,
+    name = type(t.Name) == "string" and (t.Name:gsub("^/", "")) or nil,
+    image = cfg.Image,
+    state = state,
+    exit_code = (state == "exited" or state == "gone") and math.tointeger(st.ExitCode) or nil,
+    labels = type(cfg.Labels) == "table" and cfg.Labels or {},
+    limits = { memory_bytes = positive(hc.Memory), cpus = nano and nano / 1e9, pids = positive(hc.PidsLimit) },
+  }
+end
+
+--- Neutral container info from one entry of a Docker list (GET /containers/json):
+--- {id, name, image, state, labels}.
+---@param c table
+---@return table info
+function docker.container_summary(c)
+  local name = type(c.Names) == "table" and c.Names[1] or nil
+  return {
+    id = c.Id,
+    name = type(name) == "string" and (name:gsub("^/", "")) or nil,
+    image = c.Image,
+    state = STATES[c.State] or "exited",
+    labels = type(c.Labels) == "table" and c.Labels or {},
+  }
 end
 
 --- Low-level call: method, path (with query table), optional JSON body or opts
@@ -110,10 +219,21 @@ function Engine:info()
   return { name = name, version = v.Version, api = v.ApiVersion }
 end
 
---- POST /containers/create. spec: the Docker API ContainerCreate body. Returns id.
-function Engine:create(spec, name)
-  local t, err, code = ok_json(self, "POST", "/containers/create", name and { name = name } or nil, spec, "create container")
-  if not t then return nil, err, code end
+--- POST /containers/create?name=<spec.name> with the sandbox spec translated
+--- (docker.create_body). Returns the container's id. A spec this adapter cannot honour is
+--- refused (spec.check: EINVAL, ENOTSUP), a taken name is ECONFLICT, a missing image ENOENT.
+---@param s table  the sandbox spec
+---@return string|nil id, string|nil err, string|nil code
+function Engine:create(s)
+  local ok, cerr, ccode = engine_spec.check(s, self.capabilities)
+  if not ok then return nil, "create container: " .. cerr, ccode end
+  local t, err, code = ok_json(self, "POST", "/containers/create", s.name and { name = s.name } or nil,
+    docker.create_body(s), "create container")
+  if not t then
+    -- Podman 4 answers a taken name with HTTP 500 ("… is already in use"), Docker with 409
+    if code == "EENGINE" and tostring(err):find("already in use", 1, true) then code = "ECONFLICT" end
+    return nil, err, code
+  end
   return t.Id
 end
 
@@ -160,14 +280,30 @@ function Engine:remove(id)
   return true
 end
 
---- GET /containers/{id}/json. Returns the inspect table, or nil, msg, "ENOENT".
+--- GET /containers/{id}/json. Returns neutral container info (docker.container_info), or
+--- nil, msg, "ENOENT" when there is no such container. `id` may be a name.
+---@param id string
+---@return table|nil info, string|nil err, string|nil code
 function Engine:inspect(id)
-  return ok_json(self, "GET", "/containers/" .. id .. "/json", nil, nil, "inspect container")
+  local t, err, code = ok_json(self, "GET", "/containers/" .. id .. "/json", nil, nil, "inspect container")
+  if not t then return nil, err, code end
+  if type(t) ~= "table" then return nil, "inspect container: the engine answered no JSON object", "EENGINE" end
+  return docker.container_info(t)
 end
 
---- GET /containers/json?all=true&filters={label:[...]}. labels: list of "k=v" or "k".
+--- GET /containers/json?all=true&filters={label:[...]}. labels: list of "k=v" or "k", all
+--- of which must match. Returns a list of neutral summaries (docker.container_summary),
+--- stopped containers included.
+---@param labels string[]
+---@return table[]|nil list, string|nil err, string|nil code
 function Engine:list(labels)
-  return ok_json(self, "GET", "/containers/json", { all = true, filters = { label = labels } }, nil, "list containers")
+  local t, err, code = ok_json(self, "GET", "/containers/json", { all = true, filters = { label = labels } }, nil,
+    "list containers")
+  if not t then return nil, err, code end
+  if type(t) ~= "table" then return nil, "list containers: the engine answered no JSON list", "EENGINE" end
+  local out = {}
+  for i, c in ipairs(t) do out[i] = docker.container_summary(c) end
+  return out
 end
 
 --- Runs argv in a running container through the exec API and waits for it to end.
@@ -180,7 +316,16 @@ function Engine:exec(id, argv, opts)
     Cmd = argv, Env = opts.env, WorkingDir = opts.workdir, User = opts.user,
     AttachStdout = true, AttachStderr = true, AttachStdin = false, Tty = false,
   }, "create exec")
-  if not t then return nil, err, code end
+  if not t then
+    -- a stopped container: Docker answers 409, Podman 4 500 ("container state improper")
+    if code == "EENGINE" then
+      local info = self:inspect(id)
+      if info and info.state ~= "running" then
+        return nil, ("create exec: container %s is not running"):format(id), "ECONFLICT"
+      end
+    end
+    return nil, err, code
+  end
   local exec_id = t.Id
   local res
   res, err, code = self:call("POST", "/exec/" .. exec_id .. "/start", nil, { Detach = false, Tty = false },
@@ -221,12 +366,19 @@ function Engine:get_archive(id, path, out_path)
   return true
 end
 
---- GET /images/{ref}/json. Returns the inspect table, or nil, msg, "ENOENT".
+--- GET /images/{ref}/json. Returns {id, labels}, or nil, msg, "ENOENT".
+---@param ref string
+---@return table|nil image, string|nil err, string|nil code
 function Engine:image_inspect(ref)
-  return ok_json(self, "GET", "/images/" .. ref .. "/json", nil, nil, "inspect image")
+  local t, err, code = ok_json(self, "GET", "/images/" .. ref .. "/json", nil, nil, "inspect image")
+  if not t then return nil, err, code end
+  if type(t) ~= "table" then return nil, "inspect image: the engine answered no JSON object", "EENGINE" end
+  local cfg = type(t.Config) == "table" and t.Config or {}
+  return { id = t.Id, labels = type(cfg.Labels) == "table" and cfg.Labels or {} }
 end
 
--- Streams the engine's JSON progress lines (build, import, pull) to on_line(table).
+-- Streams the engine's JSON progress lines (build, import, pull) to on_line(text): the
+-- text of each line ({stream=…} of a build, {status=…} of a pull or import).
 local function progress_stream(on_line, state)
   local buf = ""
   return function(chunk)
@@ -239,18 +391,20 @@ local function progress_stream(on_line, state)
       local t = json.decode(line)
       if type(t) == "table" then
         if t.error or t.errorDetail then state.error = t.error or (t.errorDetail and t.errorDetail.message) end
-        if on_line then on_line(t) end
+        local text = t.stream or t.status
+        if on_line and type(text) == "string" then on_line(text) end
       end
     end
     if #buf > 1024 * 1024 then buf = "" end
   end
 end
 
---- POST /build with a tar build context from disk. opts: tag, buildargs (table),
---- networkmode, dockerfile. on_line(t) receives each progress line ({stream=...}).
+--- POST /build with a tar build context from disk. opts: tag, buildargs (table), network
+--- (the build's network mode: "host"), dockerfile (default "Containerfile"), labels.
+--- on_line(text) receives the text of each progress line ("STEP 1/3: FROM …").
 function Engine:build(context_tar, opts, on_line)
   local state = {}
-  local q = { t = opts.tag, rm = true, forcerm = true, networkmode = opts.networkmode,
+  local q = { t = opts.tag, rm = true, forcerm = true, networkmode = opts.network,
     dockerfile = opts.dockerfile or "Containerfile", buildargs = opts.buildargs, labels = opts.labels }
   local res, err, code = self:call("POST", "/build", q, nil, { body_file = context_tar, timeout_ms = 0,
     headers = { ["Content-Type"] = "application/x-tar" }, on_data = progress_stream(on_line, state) })

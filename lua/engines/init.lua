@@ -73,7 +73,8 @@ function engines.load_user(name)
   return mod
 end
 
---- The methods the runtime calls on an engine (docs/reference/engines.md, "Adding another adapter").
+--- The methods the runtime calls on an engine (docs/reference/engines.md, "Methods"); an
+--- engine also carries a `capabilities` table ("Capabilities").
 engines.METHODS = { "create", "start", "wait", "remove", "inspect", "list", "exec", "image_inspect", "build",
   "import", "pull" }
 
@@ -98,6 +99,10 @@ function engines.new_user(name, mod, endpoint)
   end
   if #missing > 0 then
     return nil, ("engine_adapter %s: the engine new() returned has no method %s"):format(name, table.concat(missing, ", "))
+  end
+  if type(eng.capabilities) ~= "table" then
+    return nil, ("engine_adapter %s: the engine new() returned has no capabilities table "
+      .. "(docs/reference/engines.md, \"Capabilities\")"):format(name)
   end
   return eng
 end

@@ -1,0 +1,277 @@
+-- The engine adapter contract (docs/reference/engines.md): the tests every adapter must
+-- pass. Not a test file itself: a runner file calls it with a fixture function that
+-- returns {engine = <adapter>, image = <an image with /bin/sh>}.
+--   tests/lua/engine_contract_fake_test.lua   the fake engine (CTest, every build)
+--   tests/lua/engine_contract_live.lua        the engine at DEMESNE_ENGINE (Podman and Docker,
+--                                             through tests/integration/engine-contract.test.mjs)
+-- Each test makes its own containers, labelled io.demesne.contract=<random>, and removes
+-- them; it sees no other container on the engine.
+local async = require("demesne.async")
+local fs = require("core.fs")
+local loop = require("core.loop")
+
+local function hex(n) return (loop.random(n):gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
+
+local MiB = 1024 * 1024
+local WAIT_MS = 60000 -- a bound against a hang, not a timing assertion
+
+-- A test's world: the adapter, a scratch host folder, and the containers it made (removed,
+-- with the folder, when the test ends).
+local function world(fixture)
+  local f = fixture()
+  local dir = os.tmpname()
+  os.remove(dir)
+  assert(fs.mkdir_p(dir .. "/out", 493))
+  assert(fs.chmod(dir .. "/out", 511)) -- 0777: a container user other than root writes there too
+  local w = { eng = f.engine, image = f.image, dir = dir, tag = hex(6), made = {}, n = 0 }
+  --- A spec with every field set; `over` replaces fields.
+  function w.spec(over)
+    w.n = w.n + 1
+    local s = {
+      name = ("demesne-contract-%s-%d"):format(w.tag, w.n),
+      image = w.image,
+      entrypoint = { "/bin/sh", "-c" },
+      command = { "sleep 60" },
+      env = { "A=1", "B=2" },
+      workdir = "/out",
+      hostname = "contract",
+      labels = { ["io.demesne.contract"] = w.tag, ["io.demesne.n"] = tostring(w.n) },
+      mounts = { { source = dir .. "/out", target = "/out", mode = "rw" } },
+      tmpfs = { { target = "/tmp", mode = "1777", exec = true } },
+      limits = { memory_bytes = 256 * MiB, cpus = 0.5, pids = 64 },
+      network = "none",
+      read_only_rootfs = true,
+      security = { no_new_privileges = true, cap_drop = { "NET_RAW" } },
+    }
+    for k, v in pairs(over or {}) do s[k] = v end
+    return s
+  end
+  --- Creates a container from spec(over), remembered for removal; returns its id and spec.
+  function w.create(over)
+    local s = w.spec(over)
+    local id, err, code = w.eng:create(s)
+    assert(id, ("create: %s (%s)"):format(tostring(err), tostring(code)))
+    w.made[#w.made + 1] = id
+    return id, s
+  end
+  --- Creates and starts one.
+  function w.run(over)
+    local id, s = w.create(over)
+    assert(w.eng:start(id))
+    return id, s
+  end
+  --- Runs a sh script in a running container; returns its exit code.
+  function w.sh(id, script, opts)
+    return w.eng:exec(id, { "/bin/sh", "-c", script }, opts)
+  end
+  --- A file of the scratch folder, or nil.
+  function w.read(rel)
+    return fs.read_file(dir .. "/" .. rel)
+  end
+  return setmetatable(w, { __close = function()
+    for _, id in ipairs(w.made) do w.eng:remove(id) end
+    fs.remove_tree(dir)
+  end })
+end
+
+-- Runs fn in a task of its own, bounded by WAIT_MS; returns what it returned.
+local function bounded(fn)
+  return async.timeout(WAIT_MS, fn)
+end
+
+return function(fixture)
+  local tests = {}
+
+  function tests.info_names_the_engine(t)
+    local w <close> = world(fixture)
+    local i = t:ok(w.eng:info(), "info")
+    t:eq(type(i.name), "string", "info.name")
+    t:eq(type(i.version), "string", "info.version")
+  end
+
+  function tests.capabilities_are_declared(t)
+    local w <close> = world(fixture)
+    local caps = w.eng.capabilities
+    t:eq(type(caps), "table", "capabilities")
+    for _, k in ipairs({ "bind_mounts", "unix_socket_mounts", "tmpfs", "read_only_rootfs", "userns" }) do
+      t:eq(type(caps[k]), "boolean", "capabilities." .. k)
+    end
+    t:eq(caps.networks.none, true, "every adapter offers network none (the egress enforcement)")
+    t:eq(type(caps.runtimes), "table", "capabilities.runtimes")
+  end
+
+  function tests.a_created_container_is_inspected_listed_and_removed(t)
+    local w <close> = world(fixture)
+    local id, s = w.create()
+    t:eq(type(id), "string", "create returns an id")
+    for _, ref in ipairs({ id, s.name }) do
+      local i = t:ok(w.eng:inspect(ref), "inspect " .. ref)
+      t:eq(i.id, id, "info.id")
+      t:eq(i.name, s.name, "info.name (no leading /)")
+      t:eq(i.state, "created", "info.state")
+      t:eq(i.exit_code, nil, "no exit code before it ran")
+      for k, v in pairs(s.labels) do t:eq(i.labels[k], v, "info.labels." .. k) end
+      t:eq(i.limits, s.limits, "info.limits")
+      t:ok(i.image == s.image or i.image:sub(-#s.image - 1) == "/" .. s.image, "info.image names " .. s.image)
+    end
+    local list = t:ok(w.eng:list({ "io.demesne.contract=" .. w.tag }), "list")
+    t:eq(#list, 1, "one container with the label")
+    t:eq({ list[1].id, list[1].name, list[1].state, list[1].labels["io.demesne.n"] }, { id, s.name, "created", "1" },
+      "summary")
+    t:eq(w.eng:remove(id), true, "remove")
+    local none, msg, code = w.eng:inspect(id)
+    t:eq({ none, code }, { nil, "ENOENT" }, "inspect after remove")
+    t:eq(type(msg), "string", "a message")
+    t:eq({ w.eng:remove(id) }, { true, "gone" }, "removing again")
+    t:eq(#t:ok(w.eng:list({ "io.demesne.contract=" .. w.tag })), 0, "listed no more")
+  end
+
+  function tests.list_matches_every_label_filter(t)
+    local w <close> = world(fixture)
+    local a = w.create({ labels = { ["io.demesne.contract"] = w.tag, ["io.demesne.x"] = "1" } })
+    local b = w.create({ labels = { ["io.demesne.contract"] = w.tag, ["io.demesne.x"] = "2" } })
+    local function ids(filters)
+      local out = {}
+      for _, c in ipairs(t:ok(w.eng:list(filters))) do out[#out + 1] = c.id end
+      table.sort(out)
+      return out
+    end
+    local both = { a, b }
+    table.sort(both)
+    t:eq(ids({ "io.demesne.contract=" .. w.tag }), both, "by one label")
+    t:eq(ids({ "io.demesne.contract=" .. w.tag, "io.demesne.x=2" }), { b }, "by two labels")
+    t:eq(ids({ "io.demesne.contract=" .. w.tag, "io.demesne.x" }), both, "by a key alone")
+    t:eq(ids({ "io.demesne.contract=" .. w.tag, "io.demesne.x=3" }), {}, "no match")
+  end
+
+  function tests.a_taken_name_is_ECONFLICT(t)
+    local w <close> = world(fixture)
+    local _, s = w.create()
+    local id, msg, code = w.eng:create(w.spec({ name = s.name }))
+    if id then w.made[#w.made + 1] = id end
+    t:eq({ id, code }, { nil, "ECONFLICT" }, "second create")
+    t:eq(type(msg), "string", "a message")
+  end
+
+  function tests.a_missing_image_is_ENOENT(t)
+    local w <close> = world(fixture)
+    local id, _, code = w.eng:create(w.spec({ image = "demesne/no-such-image:contract-" .. w.tag }))
+    if id then w.made[#w.made + 1] = id end
+    t:eq({ id, code }, { nil, "ENOENT" }, "create")
+    local img, _, icode = w.eng:image_inspect("demesne/no-such-image:contract-" .. w.tag)
+    t:eq({ img, icode }, { nil, "ENOENT" }, "image_inspect")
+    local found = t:ok(w.eng:image_inspect(w.image), "image_inspect of the fixture's image")
+    t:eq(type(found.id), "string", "image.id")
+    t:eq(type(found.labels), "table", "image.labels")
+  end
+
+  function tests.a_spec_it_cannot_honour_is_refused_not_weakened(t)
+    local w <close> = world(fixture)
+    local cases = {
+      { { network = "host" }, "EINVAL", "spec%.network" },
+      { { privileged = true }, "EINVAL", "spec%.privileged: unknown field" },
+      { { mounts = { { source = w.dir .. "/out", target = "/out", mode = "rwx" } } }, "EINVAL", "spec%.mounts%[1%]%.mode" },
+      { { limits = { memory_bytes = 0 } }, "EINVAL", "spec%.limits%.memory_bytes" },
+    }
+    for _, c in ipairs(cases) do
+      local id, msg, code = w.eng:create(w.spec(c[1]))
+      if id then w.made[#w.made + 1] = id end
+      t:eq({ id, code }, { nil, c[2] }, "create with " .. next(c[1]))
+      t:match(msg, c[3], "message")
+    end
+  end
+
+  function tests.start_and_wait_give_the_exit_code(t)
+    local w <close> = world(fixture)
+    local id = w.run({ command = { "echo started > /out/main; exit 7" } })
+    t:eq(w.eng:start(id), true, "a second start is success")
+    t:eq(bounded(function() return w.eng:wait(id) end), 7, "wait")
+    local i = t:ok(w.eng:inspect(id))
+    t:eq({ i.state, i.exit_code }, { "exited", 7 }, "inspect after the end")
+    t:eq(w.read("out/main"), "started\n", "the main process ran in the spec's workdir with /out mounted")
+  end
+
+  function tests.exec_gets_the_container_env_plus_its_own(t)
+    local w <close> = world(fixture)
+    local id = w.run()
+    t:eq(t:ok(w.eng:inspect(id)).state, "running", "running")
+    t:eq(w.sh(id, 'printf "%s %s %s" "$A" "$B" "$C" > /out/env; pwd > /out/pwd', { env = { "B=exec", "C=3" } }), 0,
+      "exec")
+    t:eq(w.read("out/env"), "1 exec 3", "container env, the exec's env winning")
+    t:eq(w.read("out/pwd"), "/out\n", "the container's workdir by default")
+    t:eq(w.sh(id, "pwd > /out/pwd2", { workdir = "/tmp" }), 0, "exec in /tmp")
+    t:eq(w.read("out/pwd2"), "/tmp\n", "opts.workdir")
+    t:eq(w.sh(id, "exit 5"), 5, "the exit code")
+  end
+
+  function tests.user_runs_the_processes(t)
+    local w <close> = world(fixture)
+    local id = w.run({ user = "1000" })
+    t:eq(w.sh(id, "id -u > /out/uid"), 0, "exec")
+    t:eq(w.read("out/uid"), "1000\n", "the spec's user by default")
+    t:eq(w.sh(id, "id -u > /out/uid0", { user = "0" }), 0, "exec as 0")
+    t:eq(w.read("out/uid0"), "0\n", "opts.user")
+  end
+
+  function tests.mounts_keep_their_modes(t)
+    local w <close> = world(fixture)
+    assert(fs.mkdir_p(w.dir .. "/in", 493))
+    assert(fs.write_atomic(w.dir .. "/in/data.txt", "host data\n"))
+    local spec = w.spec()
+    spec.mounts[#spec.mounts + 1] = { source = w.dir .. "/in", target = "/in/data", mode = "ro" }
+    local id = w.run({ mounts = spec.mounts })
+    t:eq(w.sh(id, "cat /in/data/data.txt > /out/copy"), 0, "read a read-only mount")
+    t:eq(w.read("out/copy"), "host data\n", "its content")
+    t:ok(w.sh(id, "echo changed > /in/data/data.txt") ~= 0, "writing a read-only mount fails")
+    t:eq(w.read("in/data.txt"), "host data\n", "the host file is unchanged")
+    t:eq(w.sh(id, "echo new > /out/new"), 0, "write a read-write mount")
+    t:eq(w.read("out/new"), "new\n", "the host sees it")
+  end
+
+  function tests.root_is_read_only_tmpfs_is_not(t)
+    local w <close> = world(fixture)
+    local id = w.run()
+    t:ok(w.sh(id, "touch /etc/contract") ~= 0, "the read-only root refuses a write")
+    t:eq(w.sh(id, "touch /tmp/contract && test -f /tmp/contract"), 0, "the tmpfs takes one")
+    local rw = w.run({ read_only_rootfs = false })
+    t:eq(w.sh(rw, "touch /etc/contract"), 0, "a writable root")
+  end
+
+  function tests.network_none_has_only_loopback(t)
+    local w <close> = world(fixture)
+    local id = w.run()
+    t:eq(w.sh(id, "cat /proc/net/dev > /out/net"), 0, "exec")
+    local names = {}
+    for name in (w.read("out/net") or ""):gmatch("\n%s*([%w%.%-_@]+):") do names[#names + 1] = name end
+    t:eq(names, { "lo" }, "interfaces")
+  end
+
+  function tests.exec_in_a_stopped_container_is_ECONFLICT(t)
+    local w <close> = world(fixture)
+    local id = w.run({ command = { "exit 0" } })
+    t:eq(bounded(function() return w.eng:wait(id) end), 0, "wait")
+    local code, msg, ecode = w.sh(id, "true")
+    t:eq({ code, ecode }, { nil, "ECONFLICT" }, "exec")
+    t:eq(type(msg), "string", "a message")
+    local none, _, ncode = w.sh(w.tag .. "-no-such-container", "true")
+    t:eq({ none, ncode }, { nil, "ENOENT" }, "exec in a missing container")
+  end
+
+  function tests.remove_ends_a_running_container_its_wait_and_its_exec(t)
+    local w <close> = world(fixture)
+    local id = w.run()
+    local waiting = async.spawn("wait", function() return w.eng:wait(id) end)
+    local exec = async.spawn("exec", function() return w.sh(id, "sleep 60") end)
+    async.sleep(500) -- let the exec start (a wait for a result that comes either way)
+    t:eq(w.eng:remove(id), true, "remove")
+    local r1 = { bounded(function() return waiting:wait() end) }
+    local r2 = { bounded(function() return exec:wait() end) }
+    t:ok(r1[1] == true, "the wait ended: " .. tostring(r1[2]))
+    t:ok(r2[1] == true, "the exec ended: " .. tostring(r2[2]))
+    t:ok(r2[2] ~= 0, "the exec did not succeed")
+    local none, _, code = w.eng:inspect(id)
+    t:eq({ none, code }, { nil, "ENOENT" }, "gone")
+  end
+
+  return tests
+end
