@@ -189,6 +189,7 @@ local function container_spec(o)
     [LABEL .. "run_dir"] = o.run_dir,
     [LABEL .. "image"] = o.image_name,
     [LABEL .. "egress"] = o.egress and o.egress.name or "none",
+    [LABEL .. "isolation"] = o.isolation or "container",
   }
   for k, v in pairs(o.labels or {}) do labels[LABEL .. k] = v end
   local spec = {
@@ -206,6 +207,8 @@ local function container_spec(o)
     read_only_rootfs = config.get("readonly_rootfs") and true or false,
     security = { no_new_privileges = true, cap_drop = { "NET_RAW" } },
     limits = { memory_bytes = math.floor(lim.memory_mb * 1024 * 1024), cpus = lim.cpus, pids = math.floor(lim.pids) },
+    runtime = o.isolation == "gvisor" and "gvisor" or nil,
+    userns = o.userns or nil,
   }
   check(engine_spec.check(spec, o.engine.capabilities))
   return spec
@@ -234,6 +237,21 @@ function sandbox.oom_note(st, memory_mb)
     memory_mb and (" (its limit is %d MiB)"):format(math.floor(memory_mb)) or "")
 end
 
+--- Under gVisor a sandbox that passes its memory limit is ended as a whole by the host's
+--- OOM killer (gVisor's kernel is one host process), so no status.json says so: a sentence
+--- for the result when a gVisor one-shot's container ended with 137 and no status, else nil.
+---@param o table  the plan (isolation, limits)
+---@param st table|nil  status.json
+---@param code integer|nil  the container's exit code
+---@return string|nil
+function sandbox.gvisor_kill_note(o, st, code)
+  if o.isolation ~= "gvisor" or st ~= nil or code ~= 137 then return nil end
+  local mb = o.limits and o.limits.memory_mb
+  return ("the sandbox was killed (exit 137) before its command finished, most likely for passing its memory "
+    .. "limit%s: under gVisor the whole sandbox ends when it does; files in /tmp and /workspace count against it")
+    :format(mb and (" of %d MiB"):format(math.floor(mb)) or "")
+end
+
 local function read_status(run_dir, exec_id)
   local f = fs.open_beneath(run_dir, "exec/" .. exec_id .. "/status.json")
   if not f then return nil end
@@ -252,22 +270,72 @@ local function collect(output_dir, rel_dir)
   return so, se, cut1 or cut2
 end
 
+--- The isolation levels a sandbox call may ask for (the `isolation` parameter).
+sandbox.ISOLATIONS = { container = true, gvisor = true }
+
+--- Decides how a new sandbox is isolated: `isolation` ("container" or "gvisor"; nil = the
+--- isolation_default setting) and whether it gets a user namespace (the userns setting,
+--- where the engine offers one; not under gVisor, whose Debian build cannot stat files in
+--- one). Asks the engine what it offers (eng:probe, when the adapter has it). Fails, naming
+--- the field, when gVisor is asked for and the engine cannot give it: never a silent
+--- downgrade to the plain container. Returns {isolation = string, userns = boolean}.
+---@param eng table  the engine adapter
+---@param isolation string|nil
+---@param open_egress boolean  the sandbox gets the engine's bridge network (open egress)
+---@return {isolation: string, userns: boolean}
+function sandbox.isolation(eng, isolation, open_egress)
+  local field = isolation ~= nil and "isolation" or "isolation_default (configuration)"
+  isolation = isolation or config.get("isolation_default")
+  if not sandbox.ISOLATIONS[isolation] then
+    fail(("%s: %q is not container or gvisor"):format(field, tostring(isolation)))
+  end
+  local facts
+  if type(eng.probe) == "function" then facts = check(eng:probe()) end
+  local caps = eng.capabilities or {}
+  if isolation == "gvisor" then
+    if not (caps.runtimes or {}).gvisor then
+      local g = facts and facts.gvisor or {}
+      fail(("%s: gvisor is not available on this engine%s%s"):format(field, g.detail and (": " .. g.detail) or "",
+        g.fix and ("; to offer it: " .. g.fix) or ""), "ENOTSUP")
+    end
+    if open_egress then
+      fail(("%s: gvisor sandboxes have no network but loopback (gVisor runs with --network=none), so the open "
+        .. "egress policy cannot be given; use a proxied policy (package-managers, an allowlist) or isolation "
+        .. "container"):format(field), "ENOTSUP")
+    end
+  end
+  return { isolation = isolation, userns = isolation ~= "gvisor" and config.get("userns") == true and caps.userns == true }
+end
+
 local function prepare(args, kind, tool, ttl)
   local eng = sandbox.engine()
   local lim = sandbox.limits(args.limits)
   local mounts = check(paths.inputs(args.files, args.directories))
   local pol = check(egress.select(args.egress, #mounts > 0))
+  local iso = sandbox.isolation(eng, args.isolation, pol.open == true)
   local run_id = sandbox.new_run_id()
   local output_dir, run_dir = dirs(run_id)
   return {
     egress = pol, engine = eng, limits = lim, mounts = mounts, run_id = run_id, output_dir = output_dir,
-    run_dir = run_dir, kind = kind, tool = tool, ttl = ttl,
+    run_dir = run_dir, kind = kind, tool = tool, ttl = ttl, isolation = iso.isolation, userns = iso.userns,
   }
 end
 
+-- The folders a sandbox writes to, made before it exists: with a user namespace the engine
+-- hands them (and what is in them) to the sandbox's root when it starts, so the transfer
+-- folder is made here too.
 local function make_dirs(o)
   check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)
+  check(fs.mkdir_p(o.run_dir .. "/xfer", 448)) -- 0700
+end
+
+-- demesne-init's relay options: under gVisor it copies from the start (a socket cannot be passed).
+local function relay_args(o)
+  local relay = egress.relay_args(o.egress)
+  for _, a in ipairs(o.extra_relay or {}) do relay[#relay + 1] = a end
+  if o.isolation == "gvisor" and #relay > 0 then relay[#relay + 1] = "--relay-copy" end
+  return relay
 end
 
 sandbox.read_status = read_status
@@ -311,9 +379,7 @@ function sandbox.script_start(ctx, o, labels)
   else
     for _, a in ipairs({ "/bin/sh", "-c", o.command }) do o.cmd[#o.cmd + 1] = a end
   end
-  local relay = egress.relay_args(o.egress)
-  for _, a in ipairs(o.extra_relay or {}) do relay[#relay + 1] = a end
-  for i, a in ipairs(relay) do table.insert(o.cmd, 1 + i, a) end
+  for i, a in ipairs(relay_args(o)) do table.insert(o.cmd, 1 + i, a) end
   if o.before_create then o.before_create(o) end -- e.g. the vendor route of an agent run
   o.egress_handle = check(egress.start(o)) -- stopped by script_remove
   o.labels = labels
@@ -373,7 +439,7 @@ function sandbox.script_result(o, code, err, duration_ms)
     duration_ms = duration_ms,
     timed_out = timed_out and true or false,
     truncated = truncated,
-    oom_killed = sandbox.oom_note(st, o.limits and o.limits.memory_mb),
+    oom_killed = sandbox.oom_note(st, o.limits and o.limits.memory_mb) or sandbox.gvisor_kill_note(o, st, code),
   }
 end
 
@@ -406,7 +472,7 @@ function sandbox.create(ctx, args)
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
   o.env = sandbox.env(args.env, default_env(o.run_id, o.egress))
-  o.cmd = { "serve", table.unpack(egress.relay_args(o.egress)) }
+  o.cmd = { "serve", table.unpack(relay_args(o)) }
   o.name = "demesne-" .. o.run_id
   local spec = container_spec(o)
   local eg = check(egress.start(o)) -- lives as long as the sandbox (egress.stop in destroy/reap)

@@ -23,6 +23,7 @@ return {
       background = schemas.background,
       timeout_seconds = schemas.timeout_seconds,
       limits = schemas.limits,
+      isolation = schemas.isolation,
     },
   },
   outputSchema = schemas.or_job(schemas.run_result({ run_id = { type = "string" } })),

@@ -8,6 +8,8 @@
 -- (lua/engines/spec.lua) and returns neutral container info; nothing above it sees
 -- HostConfig, Binds, State or Config.Labels.
 local http = require("core.http")
+local fs = require("core.fs")
+local loop = require("core.loop")
 local async = require("demesne.async")
 local json = require("demesne.json")
 local engine_spec = require("demesne.engines.spec")
@@ -54,21 +56,39 @@ local function engine_error(res, what)
 end
 
 --- What this adapter can do (docs/reference/engines.md, "Capabilities"). Host folders and
---- the unix sockets in them are shared live through bind mounts.
+--- the unix sockets in them are shared live through bind mounts. `runtimes` and `userns`
+--- depend on the engine's set-up: each adapter starts with these and Engine:probe() fills
+--- them in from what the engine says.
 docker.CAPABILITIES = {
   bind_mounts = true,
   unix_socket_mounts = true,
   tmpfs = true,
   read_only_rootfs = true,
   networks = { none = true, bridge = true },
-  runtimes = {}, -- spec.runtime is not offered yet
+  runtimes = {},
   userns = false,
 }
 
---- Creates an adapter for the Docker Engine API at a unix socket path.
+--- Under gVisor the host's pids cgroup counts the gVisor kernel's own threads (about five
+--- per sandbox process on its ptrace platform, measured with runsc 20221219), and running
+--- out of them ends the whole sandbox. So the process limit is enforced inside, by gVisor's
+--- RLIMIT_NPROC, and the host limit is this many times larger, as a backstop.
+docker.GVISOR_PIDS_FACTOR = 8
+
+--- Creates an adapter for the Docker Engine API at a unix socket path. opts (optional):
+--- gvisor_runtime = the runtime name gVisor is registered under in Docker's daemon.json
+--- (default "runsc"); gvisor_socket = the socket path of a Podman API service whose default
+--- runtime is gVisor (Podman's API cannot choose a runtime per container).
 ---@param socket string
-function docker.new(socket)
-  return setmetatable({ socket = socket, name = "docker", capabilities = docker.CAPABILITIES }, Engine)
+---@param opts {gvisor_runtime: string|nil, gvisor_socket: string|nil}|nil
+function docker.new(socket, opts)
+  opts = opts or {}
+  local caps = {}
+  for k, v in pairs(docker.CAPABILITIES) do caps[k] = v end
+  caps.networks = { none = true, bridge = true }
+  caps.runtimes = {}
+  return setmetatable({ socket = socket, name = "docker", capabilities = caps,
+    gvisor_runtime = opts.gvisor_runtime or "runsc", gvisor_socket = opts.gvisor_socket }, Engine)
 end
 
 -- Copies a list into a JSON array (an empty list must encode as [], not {}).
@@ -81,16 +101,35 @@ end
 
 --- Translates a sandbox spec (checked with spec.check) into a Docker ContainerCreate body.
 --- The memory limit includes swap (MemorySwap = Memory); the entrypoint runs as PID 1
---- (Init = false: demesne-init is the container's init).
+--- (Init = false: demesne-init is the container's init). `how` says how this engine does
+--- what the spec asks beyond the defaults (Engine:probe() finds it out):
+---   gvisor_runtime = the runtime name for spec.runtime "gvisor" on Docker (HostConfig.Runtime;
+---     nil on Podman, whose gVisor is a separate service);
+---   userns = "auto" (rootful Podman: UsernsMode auto, and the rw mounts' folders handed to the
+---     sandbox's root with the U option), "remap" or "rootless" (the engine maps every
+---     container: nothing to ask), nil (no user namespace).
+--- Under gVisor the process limit is RLIMIT_NPROC inside (Ulimits nproc) and PidsLimit is
+--- docker.GVISOR_PIDS_FACTOR times it.
 ---@param s table  the sandbox spec
+---@param how {gvisor_runtime: string|nil, userns: string|nil}|nil
 ---@return table body  https://docs.docker.com/reference/api/engine/version/v1.41/#operation/ContainerCreate
-function docker.create_body(s)
+function docker.create_body(s, how)
+  how = how or {}
+  local auto = s.userns and how.userns == "auto"
   local binds = json.array()
-  for _, m in ipairs(s.mounts or {}) do binds[#binds + 1] = m.source .. ":" .. m.target .. ":" .. m.mode end
+  for _, m in ipairs(s.mounts or {}) do
+    binds[#binds + 1] = m.source .. ":" .. m.target .. ":" .. m.mode .. (auto and m.mode == "rw" and ",U" or "")
+  end
   local tmpfs = {}
   for _, t in ipairs(s.tmpfs or {}) do tmpfs[t.target] = "rw," .. (t.exec and "exec," or "") .. "mode=" .. t.mode end
   local lim = s.limits or {}
   local sec = s.security or {}
+  local gvisor = s.runtime == "gvisor"
+  local pids, ulimits = lim.pids, nil
+  if gvisor and pids then
+    ulimits = { { Name = "nproc", Soft = pids, Hard = pids } }
+    pids = pids * docker.GVISOR_PIDS_FACTOR
+  end
   return {
     Image = s.image,
     Entrypoint = array(s.entrypoint),
@@ -110,7 +149,10 @@ function docker.create_body(s)
       Memory = lim.memory_bytes,
       MemorySwap = lim.memory_bytes,
       NanoCpus = lim.cpus and math.floor(lim.cpus * 1e9),
-      PidsLimit = lim.pids,
+      PidsLimit = pids,
+      Ulimits = ulimits,
+      Runtime = gvisor and how.gvisor_runtime or nil,
+      UsernsMode = auto and "auto" or nil,
       Init = false,
     },
   }
@@ -164,14 +206,17 @@ function docker.container_summary(c)
 end
 
 --- Low-level call: method, path (with query table), optional JSON body or opts
---- ({body_file=, output_file=, on_data=, timeout_ms=, headers=}). Returns res or nil, msg, code.
+--- ({body_file=, output_file=, on_data=, timeout_ms=, headers=, socket=, prefix=}; socket:
+--- another socket than the adapter's; prefix: the API path prefix, default "/v1.41").
+--- Returns res or nil, msg, code.
 function Engine:call(method, path, q, body, opts)
   opts = opts or {}
   local headers = opts.headers or {}
+  local socket = opts.socket or self.socket
   local req = {
     method = method,
-    url = "http://d/v1.41" .. path .. query(q), -- 1.41: spoken by Docker 20.10+ and Podman 4
-    unix_socket = self.socket,
+    url = "http://d" .. (opts.prefix or "/v1.41") .. path .. query(q), -- 1.41: spoken by Docker 20.10+ and Podman 4
+    unix_socket = socket,
     headers = headers,
     timeout_ms = opts.timeout_ms,
     connect_timeout_ms = 5000,
@@ -189,7 +234,7 @@ function Engine:call(method, path, q, body, opts)
   local res, err, code = request(req)
   if not res then
     if code == "ENOENT" or code == "ECONNREFUSED" then
-      return nil, ("container engine at %s is not answering (%s)"):format(self.socket, err), "ENOENGINE"
+      return nil, ("container engine at %s is not answering (%s)"):format(socket, err), "ENOENGINE"
     end
     return nil, err, code
   end
@@ -219,20 +264,204 @@ function Engine:info()
   return { name = name, version = v.Version, api = v.ApiVersion }
 end
 
+-- How long a probe's answer is kept: daemon.json or a service can change under a server.
+local PROBE_SECONDS = 30
+
+local DOCKER_GVISOR_FIX = 'install gVisor (`apt-get install runsc`), register it in /etc/docker/daemon.json as '
+  .. '{"runtimes": {"%s": {"path": "/usr/bin/runsc", "runtimeArgs": ["--network=none", "--host-uds=open"]}}} '
+  .. "and reload Docker (`kill -HUP $(pidof dockerd)`)"
+local PODMAN_GVISOR_FIX = "install gVisor (`apt-get install runsc`) and start a second Podman service whose runtime is "
+  .. "gVisor with the flags demesne needs, e.g. a script /usr/local/libexec/demesne/runsc containing "
+  .. '`exec /usr/bin/runsc --network=none --host-uds=open "$@"` and `podman --runtime '
+  .. "/usr/local/libexec/demesne/runsc system service --time=0 unix:///run/podman/podman-gvisor.sock &`; then set "
+  .. "DEMESNE_GVISOR_ENGINE=unix:///run/podman/podman-gvisor.sock"
+
+local function list_has(list, pred)
+  for _, x in ipairs(type(list) == "table" and list or {}) do
+    if pred(x) then return true end
+  end
+  return false
+end
+
+-- gVisor on Docker: a runtime registered under `name`, with --host-uds=open (or all) for the
+-- relay sockets. Returns {ok, detail, fix}.
+local function docker_gvisor(info, name)
+  local rts = type(info.Runtimes) == "table" and info.Runtimes or {}
+  local rt = rts[name]
+  if type(rt) ~= "table" then
+    local names = {}
+    for k in pairs(rts) do names[#names + 1] = k end
+    table.sort(names)
+    return { ok = false, detail = ("Docker has no runtime named %s (it has %s)"):format(name, table.concat(names, ", ")),
+      fix = DOCKER_GVISOR_FIX:format(name) }
+  end
+  local args = type(rt.runtimeArgs) == "table" and rt.runtimeArgs or {}
+  local how = ("%s %s"):format(tostring(rt.path), table.concat(args, " "))
+  if not list_has(args, function(a) return tostring(a):match("^%-%-?host%-uds=") and not tostring(a):match("=none$") end) then
+    return { ok = false, detail = ("Docker's runtime %s (%s) lacks --host-uds=open: the sandbox's relays could not "
+      .. "reach the host"):format(name, how), fix = DOCKER_GVISOR_FIX:format(name) }
+  end
+  return { ok = true, detail = ("Docker runtime %s: %s"):format(name, how) }
+end
+
+--- Finds out what this engine offers beyond the defaults, fills in capabilities.runtimes
+--- (gvisor) and capabilities.userns, and returns the facts (kept for 30 s):
+--- {engine = "podman"|"docker", rootless = boolean,
+---  userns = "auto"|"remap"|"rootless"|nil, userns_detail = string,
+---  gvisor = {ok = boolean, detail = string, fix = string|nil}}.
+--- Returns nil, message, code when the engine does not answer.
+---@return table|nil facts, string|nil err, string|nil code
+function Engine:probe()
+  local now = loop.time()
+  if self.facts and now - self.facts_at < PROBE_SECONDS then return self.facts end
+  local v, err, code = self:info()
+  if not v then return nil, err, code end
+  local f = { engine = v.name, rootless = false }
+  if v.name == "podman" then
+    local li
+    li, err, code = ok_json(self, "GET", "/info", nil, nil, "engine info", { prefix = "/v4.0.0/libpod" })
+    if not li then return nil, err, code end
+    local host = type(li) == "table" and type(li.host) == "table" and li.host or {}
+    f.rootless = type(host.security) == "table" and host.security.rootless == true
+    if f.rootless then
+      f.userns, f.userns_detail = "rootless", "rootless Podman: uid 0 in a sandbox is your own uid on the host"
+    else
+      f.userns, f.userns_detail = "auto", "rootful Podman: each sandbox gets its own user namespace (userns=auto), "
+        .. "so uid 0 in a sandbox is an unprivileged uid from the containers range of /etc/subuid"
+    end
+    if not self.gvisor_socket then
+      f.gvisor = { ok = false, detail = "Podman's API cannot choose a runtime per container, and no Podman service "
+        .. "running gVisor is configured (gvisor_engine)", fix = PODMAN_GVISOR_FIX }
+    else
+      local gi, gerr = ok_json(self, "GET", "/info", nil, nil, "gVisor service info",
+        { socket = self.gvisor_socket, prefix = "/v4.0.0/libpod" })
+      local rt = type(gi) == "table" and type(gi.host) == "table" and gi.host.ociRuntime or nil
+      if not gi then
+        f.gvisor = { ok = false, detail = ("the gVisor service (gvisor_engine) does not answer: %s"):format(tostring(gerr)),
+          fix = PODMAN_GVISOR_FIX }
+      elseif type(rt) ~= "table" or not tostring(rt.version):find("runsc", 1, true) then
+        f.gvisor = { ok = false, detail = ("the Podman service at %s runs %s, not gVisor"):format(self.gvisor_socket,
+          tostring(type(rt) == "table" and rt.path or "an unknown runtime")), fix = PODMAN_GVISOR_FIX }
+      else
+        f.gvisor_path = rt.path
+        f.gvisor = { ok = true, detail = ("the Podman service at %s runs %s (%s)"):format(self.gvisor_socket,
+          tostring(rt.path), (tostring(rt.version):gsub("\n.*", ""))) }
+      end
+    end
+  else
+    local i
+    i, err, code = ok_json(self, "GET", "/info", nil, nil, "engine info")
+    if not i then return nil, err, code end
+    i = type(i) == "table" and i or {}
+    local function secopt(name)
+      return list_has(i.SecurityOptions, function(o) return tostring(o):match("name=([^,]+)") == name end)
+    end
+    f.rootless = secopt("rootless")
+    if f.rootless then
+      f.userns, f.userns_detail = "rootless", "rootless Docker: uid 0 in a sandbox is your own uid on the host"
+    elseif secopt("userns") then
+      -- the remapped root's ids name Docker's data folder: /var/lib/docker/231072.231072
+      local uid, gid = tostring(i.DockerRootDir):match("/(%d+)%.(%d+)$")
+      f.remap_uid, f.remap_gid = tonumber(uid), tonumber(gid)
+      f.userns, f.userns_detail = "remap", ("Docker's userns-remap is on: uid 0 in a sandbox is uid %s on the host")
+        :format(uid or "(unknown)")
+    else
+      f.userns_detail = "Docker without userns-remap: uid 0 in a sandbox is uid 0 on the host, held back by "
+        .. "namespaces, capabilities and seccomp (turn on userns-remap in /etc/docker/daemon.json for a user namespace)"
+    end
+    f.gvisor = docker_gvisor(i, self.gvisor_runtime)
+  end
+  -- Debian's runsc 20221219 fails statx with EINVAL in a user namespace: gVisor runs without one
+  self.capabilities.runtimes = { gvisor = f.gvisor.ok or nil }
+  self.capabilities.userns = f.userns ~= nil
+  self.facts, self.facts_at = f, now
+  return f
+end
+
+-- lchown of `path` and, in a folder, of what lies beneath it down to `depth` more levels
+-- (symlinks themselves, never followed).
+local function lchown_tree(path, uid, gid, depth)
+  local ok, err = fs.lchown(path, uid, gid)
+  if not ok then return nil, err end
+  local st = fs.lstat(path)
+  if depth > 0 and st and st.type == "directory" then
+    for _, n in ipairs(fs.readdir(path) or {}) do
+      ok, err = lchown_tree(path .. "/" .. n, uid, gid, depth - 1)
+      if not ok then return nil, err end
+    end
+  end
+  return true
+end
+
+-- The folders of the spec's rw mounts, handed to Docker's remapped root (userns-remap has no
+-- per-mount option like Podman's U). Only folders demesne made for this sandbox, before the
+-- sandbox exists, are rw: nothing in them was written by a sandbox.
+local function give_to_remapped_root(s, f)
+  if not (f.remap_uid and f.remap_gid) then
+    return nil, "Docker's userns-remap is on but its remapped root could not be found (DockerRootDir)", "ENOTSUP"
+  end
+  for _, m in ipairs(s.mounts or {}) do
+    if m.mode == "rw" then
+      local ok, err = lchown_tree(m.source, f.remap_uid, f.remap_gid, 2)
+      if not ok then return nil, ("mount %s: %s"):format(m.target, tostring(err)), "EENGINE" end
+    end
+  end
+  return true
+end
+
+-- After a gVisor create: the engine really runs it on gVisor (a silent downgrade to the
+-- default runtime would be worse than a refusal). Returns true or nil, message.
+local function check_gvisor(self, id, f)
+  if f.engine == "podman" then
+    local t = ok_json(self, "GET", "/containers/" .. id .. "/json", nil, nil, "inspect container", { prefix = "/v4.0.0/libpod" })
+    local rt = type(t) == "table" and t.OCIRuntime or nil
+    if rt ~= f.gvisor_path then return nil, ("the engine created it with runtime %s"):format(tostring(rt)) end
+  else
+    local t = ok_json(self, "GET", "/containers/" .. id .. "/json", nil, nil, "inspect container")
+    local rt = type(t) == "table" and type(t.HostConfig) == "table" and t.HostConfig.Runtime or nil
+    if rt ~= self.gvisor_runtime then return nil, ("the engine created it with runtime %s"):format(tostring(rt)) end
+  end
+  return true
+end
+
 --- POST /containers/create?name=<spec.name> with the sandbox spec translated
 --- (docker.create_body). Returns the container's id. A spec this adapter cannot honour is
 --- refused (spec.check: EINVAL, ENOTSUP), a taken name is ECONFLICT, a missing image ENOENT.
+--- spec.runtime "gvisor": on Docker the registered runtime (gvisor_runtime), on Podman a
+--- create through the gVisor service (gvisor_socket); either way the created container's
+--- runtime is checked, and one that is not gVisor is removed and refused (ENOTSUP).
+--- spec.userns: rootful Podman's userns=auto with the U option on rw mounts; Docker's
+--- userns-remap with the rw mounts' folders chowned to the remapped root first.
 ---@param s table  the sandbox spec
 ---@return string|nil id, string|nil err, string|nil code
 function Engine:create(s)
+  local f, perr, pcode = self:probe()
+  if not f then return nil, "create container: " .. tostring(perr), pcode end
   local ok, cerr, ccode = engine_spec.check(s, self.capabilities)
   if not ok then return nil, "create container: " .. cerr, ccode end
+  if s.userns and f.userns == "remap" then
+    ok, cerr, ccode = give_to_remapped_root(s, f)
+    if not ok then return nil, "create container: " .. cerr, ccode end
+  end
+  local gvisor = s.runtime == "gvisor"
   local t, err, code = ok_json(self, "POST", "/containers/create", s.name and { name = s.name } or nil,
-    docker.create_body(s), "create container")
+    docker.create_body(s, { gvisor_runtime = f.engine == "docker" and self.gvisor_runtime or nil, userns = f.userns }),
+    "create container", { socket = gvisor and f.engine == "podman" and self.gvisor_socket or nil })
   if not t then
     -- Podman 4 answers a taken name with HTTP 500 ("… is already in use"), Docker with 409
     if code == "EENGINE" and tostring(err):find("already in use", 1, true) then code = "ECONFLICT" end
+    if s.userns and f.userns == "auto" and tostring(err):find("subuid", 1, true) then
+      err = err .. " (Podman's userns=auto needs a range for the user containers in /etc/subuid and /etc/subgid, "
+        .. "e.g. the line containers:2147483647:2147483648 in both; or set userns = false)"
+    end
     return nil, err, code
+  end
+  if gvisor then
+    local gok, gerr = check_gvisor(self, t.Id, f)
+    if not gok then
+      self:remove(t.Id)
+      return nil, ("create container: refused to run it without gVisor: %s"):format(gerr), "ENOTSUP"
+    end
   end
   return t.Id
 end
