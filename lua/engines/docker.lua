@@ -179,6 +179,11 @@ function docker.container_info(t)
   local state = st.Running == true and "running" or STATES[st.Status] or "exited"
   if state == "running" and st.Running ~= true then state = "exited" end
   local nano = positive(hc.NanoCpus)
+  -- under gVisor the process limit is RLIMIT_NPROC (docker.create_body), PidsLimit a backstop
+  local pids = positive(hc.PidsLimit)
+  for _, u in ipairs(type(hc.Ulimits) == "table" and hc.Ulimits or {}) do
+    if type(u) == "table" and tostring(u.Name):lower() == "nproc" then pids = positive(u.Soft) or pids end
+  end
   return {
     id = t.Id,
     name = type(t.Name) == "string" and (t.Name:gsub("^/", "")) or nil,
@@ -186,7 +191,7 @@ function docker.container_info(t)
     state = state,
     exit_code = (state == "exited" or state == "gone") and math.tointeger(st.ExitCode) or nil,
     labels = type(cfg.Labels) == "table" and cfg.Labels or {},
-    limits = { memory_bytes = positive(hc.Memory), cpus = nano and nano / 1e9, pids = positive(hc.PidsLimit) },
+    limits = { memory_bytes = positive(hc.Memory), cpus = nano and nano / 1e9, pids = pids },
   }
 end
 
@@ -304,24 +309,26 @@ local function docker_gvisor(info, name)
   return { ok = true, detail = ("Docker runtime %s: %s"):format(name, how) }
 end
 
---- Finds out what this engine offers beyond the defaults, fills in capabilities.runtimes
---- (gvisor) and capabilities.userns, and returns the facts (kept for 30 s):
---- {engine = "podman"|"docker", rootless = boolean,
----  userns = "auto"|"remap"|"rootless"|nil, userns_detail = string,
+--- What an engine offers beyond the defaults, from its own answers (pure: tested on
+--- recorded bodies). raw = {version = GET /version, info = GET /info (Docker) or
+--- GET /libpod/info (Podman), gvisor_info = the gVisor service's GET /libpod/info (Podman;
+--- nil when none is configured), gvisor_err = why that service did not answer}.
+--- opts = {gvisor_runtime, gvisor_socket}. Returns the facts:
+--- {engine = "podman"|"docker", rootless = boolean, userns = "auto"|"remap"|"rootless"|nil,
+---  userns_detail = string, remap_uid, remap_gid (remap), gvisor_path (Podman),
 ---  gvisor = {ok = boolean, detail = string, fix = string|nil}}.
---- Returns nil, message, code when the engine does not answer.
----@return table|nil facts, string|nil err, string|nil code
-function Engine:probe()
-  local now = loop.time()
-  if self.facts and now - self.facts_at < PROBE_SECONDS then return self.facts end
-  local v, err, code = self:info()
-  if not v then return nil, err, code end
-  local f = { engine = v.name, rootless = false }
-  if v.name == "podman" then
-    local li
-    li, err, code = ok_json(self, "GET", "/info", nil, nil, "engine info", { prefix = "/v4.0.0/libpod" })
-    if not li then return nil, err, code end
-    local host = type(li) == "table" and type(li.host) == "table" and li.host or {}
+---@param raw table
+---@param opts {gvisor_runtime: string, gvisor_socket: string|nil}
+---@return table facts
+function docker.read_facts(raw, opts)
+  local v = type(raw.version) == "table" and raw.version or {}
+  local engine = list_has(v.Components, function(c)
+    return type(c) == "table" and tostring(c.Name):lower():find("podman", 1, true) ~= nil
+  end) and "podman" or "docker"
+  local f = { engine = engine, rootless = false }
+  local i = type(raw.info) == "table" and raw.info or {}
+  if engine == "podman" then
+    local host = type(i.host) == "table" and i.host or {}
     f.rootless = type(host.security) == "table" and host.security.rootless == true
     if f.rootless then
       f.userns, f.userns_detail = "rootless", "rootless Podman: uid 0 in a sandbox is your own uid on the host"
@@ -329,49 +336,63 @@ function Engine:probe()
       f.userns, f.userns_detail = "auto", "rootful Podman: each sandbox gets its own user namespace (userns=auto), "
         .. "so uid 0 in a sandbox is an unprivileged uid from the containers range of /etc/subuid"
     end
-    if not self.gvisor_socket then
+    local gi = raw.gvisor_info
+    local rt = type(gi) == "table" and type(gi.host) == "table" and gi.host.ociRuntime or nil
+    if not opts.gvisor_socket then
       f.gvisor = { ok = false, detail = "Podman's API cannot choose a runtime per container, and no Podman service "
         .. "running gVisor is configured (gvisor_engine)", fix = PODMAN_GVISOR_FIX }
+    elseif type(gi) ~= "table" then
+      f.gvisor = { ok = false, detail = ("the gVisor service at %s (gvisor_engine) does not answer: %s"):format(
+        opts.gvisor_socket, tostring(raw.gvisor_err)), fix = PODMAN_GVISOR_FIX }
+    elseif type(rt) ~= "table" or not tostring(rt.version):find("runsc", 1, true) then
+      f.gvisor = { ok = false, detail = ("the Podman service at %s runs %s, not gVisor"):format(opts.gvisor_socket,
+        tostring(type(rt) == "table" and rt.path or "an unknown runtime")), fix = PODMAN_GVISOR_FIX }
     else
-      local gi, gerr = ok_json(self, "GET", "/info", nil, nil, "gVisor service info",
-        { socket = self.gvisor_socket, prefix = "/v4.0.0/libpod" })
-      local rt = type(gi) == "table" and type(gi.host) == "table" and gi.host.ociRuntime or nil
-      if not gi then
-        f.gvisor = { ok = false, detail = ("the gVisor service (gvisor_engine) does not answer: %s"):format(tostring(gerr)),
-          fix = PODMAN_GVISOR_FIX }
-      elseif type(rt) ~= "table" or not tostring(rt.version):find("runsc", 1, true) then
-        f.gvisor = { ok = false, detail = ("the Podman service at %s runs %s, not gVisor"):format(self.gvisor_socket,
-          tostring(type(rt) == "table" and rt.path or "an unknown runtime")), fix = PODMAN_GVISOR_FIX }
-      else
-        f.gvisor_path = rt.path
-        f.gvisor = { ok = true, detail = ("the Podman service at %s runs %s (%s)"):format(self.gvisor_socket,
-          tostring(rt.path), (tostring(rt.version):gsub("\n.*", ""))) }
-      end
+      f.gvisor_path = rt.path
+      f.gvisor = { ok = true, detail = ("the Podman service at %s runs %s (%s)"):format(opts.gvisor_socket,
+        tostring(rt.path), (tostring(rt.version):gsub("\n.*", ""))) }
     end
-  else
-    local i
-    i, err, code = ok_json(self, "GET", "/info", nil, nil, "engine info")
-    if not i then return nil, err, code end
-    i = type(i) == "table" and i or {}
-    local function secopt(name)
-      return list_has(i.SecurityOptions, function(o) return tostring(o):match("name=([^,]+)") == name end)
-    end
-    f.rootless = secopt("rootless")
-    if f.rootless then
-      f.userns, f.userns_detail = "rootless", "rootless Docker: uid 0 in a sandbox is your own uid on the host"
-    elseif secopt("userns") then
-      -- the remapped root's ids name Docker's data folder: /var/lib/docker/231072.231072
-      local uid, gid = tostring(i.DockerRootDir):match("/(%d+)%.(%d+)$")
-      f.remap_uid, f.remap_gid = tonumber(uid), tonumber(gid)
-      f.userns, f.userns_detail = "remap", ("Docker's userns-remap is on: uid 0 in a sandbox is uid %s on the host")
-        :format(uid or "(unknown)")
-    else
-      f.userns_detail = "Docker without userns-remap: uid 0 in a sandbox is uid 0 on the host, held back by "
-        .. "namespaces, capabilities and seccomp (turn on userns-remap in /etc/docker/daemon.json for a user namespace)"
-    end
-    f.gvisor = docker_gvisor(i, self.gvisor_runtime)
+    return f
   end
-  -- Debian's runsc 20221219 fails statx with EINVAL in a user namespace: gVisor runs without one
+  local function secopt(name)
+    return list_has(i.SecurityOptions, function(o) return tostring(o):match("name=([^,]+)") == name end)
+  end
+  f.rootless = secopt("rootless")
+  if f.rootless then
+    f.userns, f.userns_detail = "rootless", "rootless Docker: uid 0 in a sandbox is your own uid on the host"
+  elseif secopt("userns") then
+    -- the remapped root's ids name Docker's data folder: /var/lib/docker/231072.231072
+    local uid, gid = tostring(i.DockerRootDir):match("/(%d+)%.(%d+)$")
+    f.remap_uid, f.remap_gid = tonumber(uid), tonumber(gid)
+    f.userns, f.userns_detail = "remap", ("Docker's userns-remap is on: uid 0 in a sandbox is uid %s on the host")
+      :format(uid or "(unknown)")
+  else
+    f.userns_detail = "Docker without userns-remap: uid 0 in a sandbox is uid 0 on the host, held back by "
+      .. "namespaces, capabilities and seccomp (turn on userns-remap in /etc/docker/daemon.json for a user namespace)"
+  end
+  f.gvisor = docker_gvisor(i, opts.gvisor_runtime)
+  return f
+end
+
+--- Asks the engine what it offers beyond the defaults (docker.read_facts), fills in
+--- capabilities.runtimes (gvisor) and capabilities.userns, and returns the facts, kept for
+--- 30 s. Returns nil, message, code when the engine does not answer.
+---@return table|nil facts, string|nil err, string|nil code
+function Engine:probe()
+  local now = loop.time()
+  if self.facts and now - self.facts_at < PROBE_SECONDS then return self.facts end
+  local v, err, code = ok_json(self, "GET", "/version", nil, nil, "engine version")
+  if not v then return nil, err, code end
+  local raw = { version = v }
+  local podman = docker.read_facts(raw, {}).engine == "podman"
+  raw.info, err, code = ok_json(self, "GET", "/info", nil, nil, "engine info", podman and { prefix = "/v4.0.0/libpod" } or nil)
+  if not raw.info then return nil, err, code end
+  if podman and self.gvisor_socket then
+    raw.gvisor_info, raw.gvisor_err = ok_json(self, "GET", "/info", nil, nil, "gVisor service info",
+      { socket = self.gvisor_socket, prefix = "/v4.0.0/libpod" })
+  end
+  local f = docker.read_facts(raw, { gvisor_runtime = self.gvisor_runtime, gvisor_socket = self.gvisor_socket })
+  self.kind = f.engine
   self.capabilities.runtimes = { gvisor = f.gvisor.ok or nil }
   self.capabilities.userns = f.userns ~= nil
   self.facts, self.facts_at = f, now
