@@ -75,6 +75,30 @@ docker.CAPABILITIES = {
 --- RLIMIT_NPROC, and the host limit is this many times larger, as a backstop.
 docker.GVISOR_PIDS_FACTOR = 8
 
+--- Rootful Podman's automatic user namespace, with its size given. Without a size, Podman
+--- 4.3 (containers/storage 1.43) measures the image by mounting a temporary layer while it
+--- holds the layer store's lock, and so takes storage.lock in the wrong order: creates that
+--- run while containers are cleaned up deadlock the whole engine (podman#16062, measured here
+--- with 20 sandboxes at once). 65536 ids cover every uid and gid of a Debian image (nobody
+--- is 65534).
+docker.USERNS_AUTO = "auto:size=65536"
+
+--- The first Podman whose userns=auto demesne uses. Podman 4.3.1 (Debian bookworm), measured
+--- here with 20 sandboxes at once: without a size its engine deadlocks (podman#16062, fixed
+--- in 4.4); with a size, starts fail now and then with "mounting storage … permission denied".
+docker.PODMAN_USERNS_AUTO_MIN = "4.4"
+
+-- "4.3.1" < "4.4"? Dotted versions compared part by part as numbers.
+local function version_before(v, min)
+  local a, b = {}, {}
+  for n in tostring(v):gmatch("%d+") do a[#a + 1] = tonumber(n) end
+  for n in min:gmatch("%d+") do b[#b + 1] = tonumber(n) end
+  for i = 1, #b do
+    if (a[i] or 0) ~= b[i] then return (a[i] or 0) < b[i] end
+  end
+  return false
+end
+
 --- Creates an adapter for the Docker Engine API at a unix socket path. opts (optional):
 --- gvisor_runtime = the runtime name gVisor is registered under in Docker's daemon.json
 --- (default "runsc"); gvisor_socket = the socket path of a Podman API service whose default
@@ -105,7 +129,7 @@ end
 --- what the spec asks beyond the defaults (Engine:probe() finds it out):
 ---   gvisor_runtime = the runtime name for spec.runtime "gvisor" on Docker (HostConfig.Runtime;
 ---     nil on Podman, whose gVisor is a separate service);
----   userns = "auto" (rootful Podman: UsernsMode auto, and the rw mounts' folders handed to the
+---   userns = "auto" (rootful Podman: UsernsMode docker.USERNS_AUTO, and the rw mounts' folders handed to the
 ---     sandbox's root with the U option), "remap" or "rootless" (the engine maps every
 ---     container: nothing to ask), nil (no user namespace).
 --- Under gVisor the process limit is RLIMIT_NPROC inside (Ulimits nproc) and PidsLimit is
@@ -152,7 +176,7 @@ function docker.create_body(s, how)
       PidsLimit = pids,
       Ulimits = ulimits,
       Runtime = gvisor and how.gvisor_runtime or nil,
-      UsernsMode = auto and "auto" or nil,
+      UsernsMode = auto and docker.USERNS_AUTO or nil,
       Init = false,
     },
   }
@@ -332,6 +356,11 @@ function docker.read_facts(raw, opts)
     f.rootless = type(host.security) == "table" and host.security.rootless == true
     if f.rootless then
       f.userns, f.userns_detail = "rootless", "rootless Podman: uid 0 in a sandbox is your own uid on the host"
+    elseif version_before(v.Version, docker.PODMAN_USERNS_AUTO_MIN) then
+      f.userns_detail = ("rootful Podman %s: uid 0 in a sandbox is uid 0 on the host, held back by namespaces, "
+        .. "capabilities and seccomp; its automatic user namespaces (userns=auto) wedge the engine or fail to mount "
+        .. "when sandboxes start and end at once (podman#16062), so demesne asks for them from Podman %s on; "
+        .. "rootless Podman gives one now"):format(tostring(v.Version), docker.PODMAN_USERNS_AUTO_MIN)
     else
       f.userns, f.userns_detail = "auto", "rootful Podman: each sandbox gets its own user namespace (userns=auto), "
         .. "so uid 0 in a sandbox is an unprivileged uid from the containers range of /etc/subuid"

@@ -119,7 +119,7 @@ function tests.docker_translates_gvisor_and_the_user_namespace(t)
   t:eq({ hc.Runtime, hc.UsernsMode }, { nil, nil }, "Podman: no runtime field (its gVisor is a service); no userns asked")
   s.runtime, s.userns = nil, true
   hc = json.decode(json.encode(docker.create_body(s, { userns = "auto" }))).HostConfig
-  t:eq(hc.UsernsMode, "auto", "rootful Podman: an automatic user namespace")
+  t:eq(hc.UsernsMode, "auto:size=65536", "rootful Podman: an automatic user namespace, its size given (podman#16062)")
   t:eq(hc.Binds, { "/usr/lib/demesne/demesne-init:/.demesne/init:ro", "/state/run/r1:/.demesne/run:rw,U",
     "/output/r1:/out:rw,U", "/home/me/data.csv:/in/data.csv:ro" }, "the rw folders are handed to the sandbox's root")
   t:eq({ hc.PidsLimit, hc.Ulimits }, { 1024, nil }, "no gVisor: the pids cgroup is the limit")
@@ -173,7 +173,12 @@ end
 function tests.podman_offers_gvisor_only_through_a_service_that_runs_it(t)
   local p = RECORDED.podman_4_3
   local f = docker.read_facts(p, {})
-  t:eq({ f.engine, f.rootless, f.userns, f.gvisor.ok }, { "podman", false, "auto", false }, "rootful Podman, no service")
+  t:eq({ f.engine, f.rootless, f.userns, f.gvisor.ok }, { "podman", false, nil, false }, "rootful Podman 4.3, no service")
+  t:match(f.userns_detail, "^rootful Podman 4%.3%.1: uid 0 in a sandbox is uid 0 on the host.*podman#16062",
+    "4.3's userns=auto wedges the engine: not used, and said why")
+  local newer = copy(p)
+  newer.version.Version = "4.4.0"
+  t:eq(docker.read_facts(newer, {}).userns, "auto", "rootful Podman 4.4: userns=auto")
   t:match(f.gvisor.detail, "^Podman's API cannot choose a runtime per container", "says why")
   local with = copy(p)
   with.gvisor_info = RECORDED.podman_4_3_gvisor_service
