@@ -298,9 +298,10 @@ relay_host() { # relay_host SOCKET LOG CONNECTIONS
 import array, os, socket, sys
 path, log, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-s.bind(path)
-os.chmod(path, 0o666)
+s.bind(path + ".new")  # listening before the name appears: the caller waits for the name
+os.chmod(path + ".new", 0o666)
 s.listen(8)
+os.rename(path + ".new", path)
 s.settimeout(20)
 out = open(log, "w")
 for _ in range(count):
