@@ -318,6 +318,7 @@ for _ in range(count):
         mode = "copy"
     else:
         mode = "bad %r %d" % (byte, len(fds))
+    c.settimeout(20)  # the relay's socket arrives non-blocking
     got = b""
     while not got.endswith(b"ping"):
         d = c.recv(100)
