@@ -16,6 +16,7 @@
 #include <curl/curl.h>
 #include <ctype.h>
 #include <errno.h>
+#include <sys/socket.h>
 #include <fcntl.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -78,6 +79,8 @@ struct dm_http_req {
   uint64_t received, max_body;
   const char *fail_code;   /* set when one of our callbacks aborts the transfer */
   char fail_msg[256];
+  const char *sock_code;   /* the last socket() failure (EMFILE...): reported if the transfer fails */
+  char sock_msg[128];
   char errbuf[CURL_ERROR_SIZE];
   dm_http_req *prev, *next, *qnext;
 };
@@ -221,6 +224,21 @@ static int abort_with(dm_http_req *r, const char *code, const char *fmt, const c
   r->fail_code = code;
   snprintf(r->fail_msg, sizeof r->fail_msg, fmt, arg);
   return 0;
+}
+
+/* curl's socket(), watched: when it fails, the failure is reported by its name (EMFILE,
+ * ENFILE…) instead of curl's "Couldn't connect to server", which a caller would take for
+ * a server that is down. Close-on-exec, so that no child process inherits it. */
+static curl_socket_t open_socket_cb(void *ud, curlsocktype purpose, struct curl_sockaddr *a) {
+  dm_http_req *r = ud;
+  (void)purpose;
+  curl_socket_t s = socket(a->family, a->socktype | SOCK_CLOEXEC, a->protocol);
+  if (s == CURL_SOCKET_BAD) {
+    int e = errno;
+    r->sock_code = errno_code(e);
+    snprintf(r->sock_msg, sizeof r->sock_msg, "cannot open a socket: %s (%s)", strerror(e), r->sock_code);
+  }
+  return s;
 }
 
 static char *dup_range(const char *p, size_t n) {
@@ -382,6 +400,8 @@ static void complete(dm_http_req *r, CURLcode rc) {
       curl_easy_getinfo(r->easy, CURLINFO_RESPONSE_CODE, &r->status);
       r->head_done = 1;
     }
+  } else if (r->sock_code && (rc == CURLE_COULDNT_CONNECT || rc == CURLE_OPERATION_TIMEDOUT)) {
+    set_err(&err, r->sock_code, "http: %s", r->sock_msg);
   } else {
     const char *text = r->errbuf[0] ? r->errbuf : curl_easy_strerror(rc);
     const char *code = "EHTTP";
@@ -653,6 +673,8 @@ dm_http_req *dm_http_start(dm_http *h, const dm_http_opts *o, const dm_http_hand
   SET(CURLOPT_HEADERDATA, r);
   SET(CURLOPT_WRITEFUNCTION, write_cb);
   SET(CURLOPT_WRITEDATA, r);
+  SET(CURLOPT_OPENSOCKETFUNCTION, open_socket_cb);
+  SET(CURLOPT_OPENSOCKETDATA, r);
   if (o->unix_socket) SET(CURLOPT_UNIX_SOCKET_PATH, o->unix_socket);
   if (o->timeout_ms > 0) SET(CURLOPT_TIMEOUT_MS, o->timeout_ms);
   if (o->connect_timeout_ms > 0) SET(CURLOPT_CONNECTTIMEOUT_MS, o->connect_timeout_ms);

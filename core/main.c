@@ -8,6 +8,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 #define LUA_MEM_CAP ((size_t)1 << 30) /* 1 GiB: a runaway allocation fails, it does not OOM the host */
 
@@ -25,6 +26,30 @@ static int load_boot(lua_State *L) {
   return LUA_ERRFILE;
 }
 
+/* Raises the soft open-file limit to the hard one. Clients start servers with the soft
+ * limit they got (often 1024); every sandbox's proxy connections and every engine call
+ * hold descriptors, and the per-sandbox ceilings (core/proxy.c) are sized against the
+ * hard limit. Nothing is said when it cannot be raised: the ceilings then read the
+ * lower limit. */
+static void raise_nofile(void) {
+  struct rlimit rl;
+  if (getrlimit(RLIMIT_NOFILE, &rl) != 0) return;
+  rlim_t want = rl.rlim_max;
+  if (want == RLIM_INFINITY) {
+    /* setrlimit refuses more than fs.nr_open */
+    want = 1 << 20;
+    FILE *f = fopen("/proc/sys/fs/nr_open", "r");
+    unsigned long n;
+    if (f) {
+      if (fscanf(f, "%lu", &n) == 1 && n > 0) want = (rlim_t)n;
+      fclose(f);
+    }
+  }
+  if (rl.rlim_cur != RLIM_INFINITY && rl.rlim_cur >= want) return;
+  rl.rlim_cur = want;
+  setrlimit(RLIMIT_NOFILE, &rl);
+}
+
 static int traceback(lua_State *L) {
   luaL_traceback(L, L, lua_tostring(L, 1), 1);
   return 1;
@@ -32,6 +57,7 @@ static int traceback(lua_State *L) {
 
 int main(int argc, char **argv) {
   signal(SIGPIPE, SIG_IGN);
+  raise_nofile();
   /* UTF-8 file names in tars (libarchive converts names through the locale's charset) */
   if (!setlocale(LC_CTYPE, "C.UTF-8")) setlocale(LC_CTYPE, "");
   if (dm_runtime_init(LUA_MEM_CAP) != 0) return 70;

@@ -27,6 +27,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <errno.h>
@@ -37,7 +38,6 @@
 #define SPLICE_PIPE (256 * 1024) /* pipe size asked for the download direction; the upload
                                     direction keeps the default (pipe pages count against
                                     the user's pipe-user-pages-soft budget) */
-#define MAX_CONNS 1024
 #define MAX_ADDRS 16
 
 /* ------------------------------------------------------------------------------------ */
@@ -88,6 +88,8 @@ struct dm_proxy_conn {
   char error[512];
   const char *code;
   void *data;
+  size_t fds;               /* descriptors counted against the ceilings (fds_take) */
+  int refused;              /* over a ceiling: answered 503 once its head is in, never judged */
 };
 
 struct dm_proxy {
@@ -103,10 +105,64 @@ struct dm_proxy {
   unsigned head_timeout_ms, connect_timeout_ms;
   dm_proxy_handler cb;
   void *ud;
-  dm_proxy_conn *conns;
-  size_t nconns;
+  dm_proxy_conn *conns;     /* admitted and refused connections alike */
+  size_t nconns;            /* admitted connections */
+  size_t nrefusing;         /* refused connections being answered */
+  size_t max_conns, max_fds, fds;
+  char *hint;
+  uv_pipe_t spare;          /* accepts (and closes) a connection when no memory is left */
+  int spare_busy;
   int closing, server_open;
 };
+
+/* Descriptors held by the connections of every listener, and the most they may hold. */
+static size_t g_fds, g_fds_cap = 768;
+
+/* The soft RLIMIT_NOFILE less a reserve (a quarter, at least 256) for the rest of the server. */
+static void fds_cap_update(void) {
+  struct rlimit rl;
+  size_t soft = 1024;
+  if (getrlimit(RLIMIT_NOFILE, &rl) == 0) soft = rl.rlim_cur == RLIM_INFINITY ? (size_t)1 << 20 : (size_t)rl.rlim_cur;
+  size_t reserve = soft / 4 > 256 ? soft / 4 : 256;
+  g_fds_cap = soft > 2 * reserve ? soft - reserve : soft / 2;
+}
+
+/* Counts n more descriptors for c. Returns 0, or -1 with *limit naming the ceiling that
+ * n more would cross ("descriptors": the listener's, "server": the process-wide one). */
+static int fds_take(dm_proxy_conn *c, size_t n, const char **limit) {
+  dm_proxy *p = c->p;
+  if (!c->refused && p->fds + n > p->max_fds) {
+    *limit = "descriptors";
+    return -1;
+  }
+  if (g_fds + n > g_fds_cap) {
+    *limit = "server";
+    return -1;
+  }
+  if (!c->refused) p->fds += n;
+  g_fds += n;
+  c->fds += n;
+  return 0;
+}
+
+static void fds_release(dm_proxy_conn *c) {
+  if (!c->refused) c->p->fds -= c->fds;
+  g_fds -= c->fds;
+  c->fds = 0;
+}
+
+/* The text of a refusal for a ceiling. */
+static void ceiling_text(const dm_proxy *p, const char *limit, char *out, size_t cap) {
+  if (!strcmp(limit, "connections"))
+    snprintf(out, cap, "this sandbox has %zu connections open through its egress proxy, its ceiling; close some and retry%s%s",
+             p->nconns, p->hint ? " " : "", p->hint ? p->hint : "");
+  else if (!strcmp(limit, "descriptors"))
+    snprintf(out, cap, "this sandbox's egress connections hold %zu descriptors on the host, its ceiling of %zu; "
+             "close some connections and retry%s%s", p->fds, p->max_fds, p->hint ? " " : "", p->hint ? p->hint : "");
+  else
+    snprintf(out, cap, "the host's egress proxies hold %zu descriptors, all they may (the rest is kept for the server); "
+             "retry later", g_fds);
+}
 
 typedef struct {
   uv_write_t req;
@@ -119,11 +175,12 @@ static void conn_close(dm_proxy_conn *c, const char *code, const char *fmt, ...)
 static void start_splice(dm_proxy_conn *c);
 
 static void maybe_free_proxy(dm_proxy *p) {
-  if (!p->closing || p->server_open || p->conns) return;
+  if (!p->closing || p->server_open || p->conns || p->spare_busy) return;
   void *ud = p->ud;
   void (*on_closed)(void *) = p->cb.on_closed;
   free(p->rules);
   free(p->path);
+  free(p->hint);
   free(p);
   if (on_closed) on_closed(ud);
 }
@@ -141,7 +198,8 @@ static void conn_finalize(dm_proxy_conn *c) {
   if (c->prev) c->prev->next = c->next;
   else p->conns = c->next;
   if (c->next) c->next->prev = c->prev;
-  p->nconns--;
+  if (c->refused) p->nrefusing--;
+  else p->nconns--;
   dm_proxy_head_free(&c->head);
   dir *ds[2] = {&c->up, &c->down};
   for (int i = 0; i < 2; i++) {
@@ -151,6 +209,7 @@ static void conn_finalize(dm_proxy_conn *c) {
   }
   if (c->cfd >= 0) close(c->cfd);
   if (c->ufd >= 0) close(c->ufd);
+  fds_release(c);
   free(c);
   maybe_free_proxy(p);
 }
@@ -222,6 +281,7 @@ static const char *status_text(int status) {
   case 431: return "Request Header Fields Too Large";
   case 501: return "Not Implemented";
   case 502: return "Bad Gateway";
+  case 503: return "Service Unavailable";
   case 504: return "Gateway Timeout";
   default: return "Error";
   }
@@ -269,7 +329,7 @@ static void reply(dm_proxy_conn *c, int status, const char *reason) {
   int n = snprintf(msg, sizeof msg,
                    "HTTP/1.1 %d %s\r\nContent-Type: text/plain; charset=utf-8\r\nContent-Length: %d\r\n"
                    "Connection: close\r\nX-Demesne-Egress: %s\r\n\r\n%s",
-                   status, status_text(status), bl, status == 403 ? "denied" : "error", body);
+                   status, status_text(status), bl, status == 403 ? "denied" : status == 503 ? "ceiling" : "error", body);
   if (n < 0 || (size_t)n >= sizeof msg) n = (int)strlen(msg);
   if (write_copy(c, c->client, msg, (size_t)n, 1) != 0) conn_close(c, NULL, NULL);
 }
@@ -278,7 +338,8 @@ static void on_timeout(uv_timer_t *t) {
   dm_proxy_conn *c = t->data;
   switch (c->state) {
   case C_HEAD:
-    reply(c, 408, "no complete request head in time");
+    if (c->refused) reply(c, 503, c->error);
+    else reply(c, 408, "no complete request head in time");
     break;
   case C_VERDICT:
     snprintf(c->error, sizeof c->error, "no verdict in time");
@@ -502,6 +563,18 @@ static void on_connect(uv_connect_t *req, int status) {
   dm_proxy_conn *c = req->data;
   if (c->state != C_DIAL) return; /* closing, or timed out and replying */
   if (status == 0) {
+    /* the tunnel holds two descriptors more than the dial (dups of both sockets replace
+     * them, plus the pipes: two per direction for CONNECT, the download's for plain) */
+    const char *limit;
+    if (fds_take(c, c->plain ? 1 : 3, &limit) < 0) {
+      char why[400];
+      ceiling_text(c->p, limit, why, sizeof why);
+      snprintf(c->error, sizeof c->error, "%s", why);
+      c->code = "ELIMIT";
+      close_upstream(c);
+      reply(c, 503, c->error);
+      return;
+    }
     uv_tcp_nodelay(c->upstream, 1);
     start_splice(c);
     return;
@@ -630,6 +703,13 @@ void dm_proxy_allow(dm_proxy_conn *c) {
   if (!c || c->state != C_VERDICT) return;
   dm_proxy *p = c->p;
   const dm_proxy_request *r = &c->head.req;
+  const char *limit;
+  if (fds_take(c, 1, &limit) < 0) { /* the upstream socket */
+    ceiling_text(p, limit, c->error, sizeof c->error);
+    c->code = "ELIMIT";
+    reply(c, 503, c->error);
+    return;
+  }
   c->plain = r->form != DM_FORM_CONNECT;
   c->state = C_RESOLVE;
   uv_timer_start(&c->timer, on_timeout, p->connect_timeout_ms, 0);
@@ -737,8 +817,18 @@ static void head_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf) {
       if (--n == 0) return;
     }
   }
+  if (!c->handed && uv_pipe_pending_count((uv_pipe_t *)c->client) > 0) {
+    /* descriptors sent after the first read would pile up in libuv's queue, each one held
+     * by this process: a client that sends them is cut off */
+    conn_close(c, NULL, NULL);
+    return;
+  }
   int r = dm_proxy_head_advance(&c->head, (size_t)n);
   if (r == 0) return;
+  if (c->refused) {
+    reply(c, 503, c->error);
+    return;
+  }
   if (r < 0) {
     reply(c, c->head.status, c->head.why);
     return;
@@ -751,24 +841,73 @@ static void head_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf) {
   else dm_proxy_deny(c, "no policy");
 }
 
+static void spare_closed(uv_handle_t *h) {
+  dm_proxy *p = h->data;
+  p->spare_busy = 0;
+  maybe_free_proxy(p);
+}
+
+static void free_closed(uv_handle_t *h) { free(h); }
+
+/* Takes the connection libuv has accepted and closes it: libuv stops accepting until
+ * uv_accept() is called, so every path of on_connection must take the connection. */
+static void drop_connection(dm_proxy *p, uv_pipe_t *pipe) {
+  if (!pipe && !p->spare_busy) {
+    pipe = &p->spare;
+    p->spare_busy = 1;
+  }
+  if (!pipe) return; /* out of memory twice in one loop turn: nothing left to accept with */
+  uv_pipe_init(p->loop, pipe, 0);
+  pipe->data = p;
+  uv_accept((uv_stream_t *)&p->server, (uv_stream_t *)pipe);
+  uv_close((uv_handle_t *)pipe, pipe == &p->spare ? spare_closed : free_closed);
+}
+
 static void on_connection(uv_stream_t *server, int status) {
   dm_proxy *p = server->data;
-  if (status < 0 || p->closing) return;
-  dm_proxy_conn *c = calloc(1, sizeof *c);
-  if (!c || dm_proxy_head_init(&c->head) != 0) {
+  /* EMFILE/ENFILE: libuv has already accepted and closed what was pending (its reserve
+   * descriptor) and keeps listening */
+  if (status < 0) return;
+  uv_pipe_t *pipe = malloc(sizeof *pipe);
+  if (p->closing) {
+    drop_connection(p, pipe);
+    return;
+  }
+  const char *limit = NULL;
+  if (p->nconns >= p->max_conns) limit = "connections";
+  else if (p->fds + 2 > p->max_fds) limit = "descriptors";
+  else if (g_fds + 2 > g_fds_cap) limit = "server";
+  int refused = limit != NULL;
+  char why[400] = "";
+  if (refused) ceiling_text(p, limit, why, sizeof why);
+  int answer = !refused || (p->nrefusing < DM_PROXY_REFUSING_MAX && g_fds + 2 <= g_fds_cap);
+  dm_proxy_conn *c = answer && pipe ? calloc(1, sizeof *c) : NULL;
+  if (c && dm_proxy_head_init(&c->head) != 0) {
     free(c);
-    return; /* the pending connection stays in the backlog; libuv retries on the next event */
+    c = NULL;
+  }
+  if (refused && p->cb.on_refused) {
+    dm_proxy_refusal r = {.limit = limit, .active = (unsigned)p->nconns,
+                          .ceiling = (unsigned)(!strcmp(limit, "connections") ? p->max_conns
+                                                : !strcmp(limit, "descriptors") ? p->max_fds : g_fds_cap),
+                          .answered = c != NULL, .message = why};
+    p->cb.on_refused(p->ud, &r);
+  }
+  if (c && p->closing) { /* the owner closed the listener from on_refused */
+    dm_proxy_head_free(&c->head);
+    free(c);
+    c = NULL;
+  }
+  if (!c) {
+    drop_connection(p, pipe);
+    return;
   }
   c->p = p;
   c->rule = -1;
   c->cfd = c->ufd = -1;
+  c->refused = refused;
   c->up.pipe[0] = c->up.pipe[1] = c->down.pipe[0] = c->down.pipe[1] = -1;
-  uv_pipe_t *pipe = malloc(sizeof *pipe);
-  if (!pipe) {
-    dm_proxy_head_free(&c->head);
-    free(c);
-    return;
-  }
+  if (refused) snprintf(c->error, sizeof c->error, "%s", why);
   uv_pipe_init(p->loop, pipe, 1); /* ipc: the relay passes sockets over it */
   c->client = (uv_stream_t *)pipe;
   uv_timer_init(p->loop, &c->timer);
@@ -777,12 +916,14 @@ static void on_connection(uv_stream_t *server, int status) {
   c->next = p->conns;
   if (p->conns) p->conns->prev = c;
   p->conns = c;
-  p->nconns++;
-  if (uv_accept(server, c->client) != 0 || p->nconns > MAX_CONNS) {
+  if (refused) p->nrefusing++;
+  else p->nconns++;
+  fds_take(c, 2, &limit); /* the unix connection and the socket it hands over; room checked above */
+  if (uv_accept(server, c->client) != 0) {
     conn_close(c, NULL, NULL);
     return;
   }
-  uv_timer_start(&c->timer, on_timeout, p->head_timeout_ms, 0);
+  uv_timer_start(&c->timer, on_timeout, refused ? DM_PROXY_REFUSE_MS : p->head_timeout_ms, 0);
   uv_read_start(c->client, head_alloc, head_read);
 }
 
@@ -824,6 +965,10 @@ dm_proxy *dm_proxy_new(uv_loop_t *loop, const dm_proxy_opts *opts, const dm_prox
   p->ud = ud;
   p->head_timeout_ms = opts->head_timeout_ms ? opts->head_timeout_ms : 30000;
   p->connect_timeout_ms = opts->connect_timeout_ms ? opts->connect_timeout_ms : 15000;
+  p->max_conns = opts->max_conns ? opts->max_conns : DM_PROXY_MAX_CONNS;
+  p->max_fds = opts->max_fds ? opts->max_fds : DM_PROXY_MAX_FDS;
+  if (p->max_fds < DM_PROXY_CONN_FDS) p->max_fds = DM_PROXY_CONN_FDS;
+  fds_cap_update();
   if (opts->resolver && *opts->resolver) {
     if (parse_resolver(opts->resolver, &p->resolver) < 0) {
       free(p);
@@ -833,6 +978,7 @@ dm_proxy *dm_proxy_new(uv_loop_t *loop, const dm_proxy_opts *opts, const dm_prox
     p->has_resolver = 1;
   }
   p->path = strdup(opts->path);
+  if (opts->ceiling_hint && *opts->ceiling_hint) p->hint = strdup(opts->ceiling_hint);
   if (opts->nrules) {
     p->rules = malloc(opts->nrules * sizeof *p->rules);
     if (p->rules) memcpy(p->rules, opts->rules, opts->nrules * sizeof *p->rules);
@@ -840,6 +986,7 @@ dm_proxy *dm_proxy_new(uv_loop_t *loop, const dm_proxy_opts *opts, const dm_prox
   }
   if (!p->path || (opts->nrules && !p->rules)) {
     free(p->path);
+    free(p->hint);
     free(p->rules);
     free(p);
     *err = UV_ENOMEM;
@@ -851,8 +998,8 @@ dm_proxy *dm_proxy_new(uv_loop_t *loop, const dm_proxy_opts *opts, const dm_prox
   p->server_open = 1;
   int r = uv_pipe_bind(&p->server, p->path);
   if (!r) r = uv_listen((uv_stream_t *)&p->server, 256, on_connection);
-  struct stat st;
-  if (!r && stat(p->path, &st) == 0) {
+  struct stat st; /* lstat: the socket's folder is the sandbox's to write, never follow a link */
+  if (!r && lstat(p->path, &st) == 0) {
     p->dev = st.st_dev;
     p->ino = st.st_ino;
   }
@@ -870,10 +1017,17 @@ void dm_proxy_close(dm_proxy *p) {
   if (!p || p->closing) return;
   p->closing = 1;
   struct stat st; /* another server may have taken the path over since: leave its socket */
-  if (stat(p->path, &st) == 0 && st.st_dev == p->dev && st.st_ino == p->ino) unlink(p->path);
+  if (lstat(p->path, &st) == 0 && st.st_dev == p->dev && st.st_ino == p->ino) unlink(p->path);
   uv_close((uv_handle_t *)&p->server, server_closed);
   for (dm_proxy_conn *c = p->conns; c; c = c->next)
     if (c->state != C_CLOSING) conn_close(c, "ECANCELED", "the sandbox's proxy was closed");
 }
 
 size_t dm_proxy_active(const dm_proxy *p) { return p->nconns; }
+
+size_t dm_proxy_fds(const dm_proxy *p) { return p->fds; }
+
+size_t dm_proxy_fds_total(size_t *cap) {
+  if (cap) *cap = g_fds_cap;
+  return g_fds;
+}

@@ -21,8 +21,22 @@
  *    loop callback, after every handle of the connection is closed; the connection is
  *    freed when it returns. Connections refused before on_request (bad head, timeout) end
  *    silently;
+ *  - on_refused (optional) is called once per connection refused for a ceiling, from the
+ *    loop, when it is refused (such a connection never reaches on_request);
  *  - on_closed is called once, from the loop, after dm_proxy_close() when the last
  *    connection is gone and the listener's handles are closed; the listener is then freed.
+ *
+ * Ceilings: one sandbox must not exhaust the descriptors the server needs for everything
+ * else. A listener admits at most `max_conns` connections at once, and its connections
+ * together hold at most `max_fds` descriptors (counted as they open: 2 while a connection
+ * reads its head, 3 while it dials, 4 for a forwarded plain request, 6 for a CONNECT
+ * tunnel, whose two splice pipes hold two each). Every listener of the process together
+ * stays below the soft RLIMIT_NOFILE less a reserve (a quarter of it, at least 256), so
+ * the rest of the server always has descriptors. A connection over a ceiling is answered
+ * "503 Service Unavailable" with a body naming the ceiling (at most DM_PROXY_REFUSING_MAX
+ * such answers at once per listener, each within DM_PROXY_REFUSE_MS; beyond that it is
+ * closed at once); a connection that would cross the descriptor ceiling while it dials or
+ * starts its tunnel gets the same 503.
  */
 #include <stddef.h>
 #include <stdint.h>
@@ -32,6 +46,11 @@
 #define DM_PROXY_HEAD_MAX 65536    ///< largest request head accepted (431 above)
 #define DM_PROXY_HEADERS_MAX 128   ///< most header lines accepted (431 above)
 #define DM_PROXY_PORT 3128         ///< the proxy's port inside every sandbox
+#define DM_PROXY_MAX_CONNS 256     ///< default ceiling on a listener's connections
+#define DM_PROXY_MAX_FDS 1024      ///< default ceiling on the descriptors a listener's connections hold
+#define DM_PROXY_CONN_FDS 6        ///< the most descriptors one connection holds (a CONNECT tunnel)
+#define DM_PROXY_REFUSING_MAX 32   ///< refused connections answered (503) at once per listener
+#define DM_PROXY_REFUSE_MS 2000    ///< how long a refused connection may take to send its head
 
 typedef struct dm_proxy dm_proxy;
 typedef struct dm_proxy_conn dm_proxy_conn;
@@ -154,7 +173,21 @@ typedef struct dm_proxy_opts {
   size_t nrules;
   unsigned head_timeout_ms;        ///< head + verdict, default 30000
   unsigned connect_timeout_ms;     ///< name lookup + dial, default 15000
+  unsigned max_conns;              ///< connections at once, default DM_PROXY_MAX_CONNS
+  unsigned max_fds;                ///< descriptors the connections hold, default DM_PROXY_MAX_FDS
+                                   ///< (raised to DM_PROXY_CONN_FDS when set below it)
+  const char *ceiling_hint;        ///< appended to a refusal's text (e.g. which setting raises it), or NULL
 } dm_proxy_opts;
+
+/// A connection refused for a ceiling (valid during on_refused).
+typedef struct dm_proxy_refusal {
+  const char *limit;       ///< "connections" (max_conns), "descriptors" (max_fds) or "server" (the
+                           ///< process-wide reserve)
+  unsigned active;         ///< the listener's connections at the time
+  unsigned ceiling;        ///< the ceiling crossed (connections or descriptors)
+  int answered;            ///< 1: the sandbox gets a 503 naming the ceiling; 0: closed at once
+  const char *message;     ///< the refusal's text (what the 503 says)
+} dm_proxy_refusal;
 
 /// What became of a connection (valid during on_done).
 typedef struct dm_proxy_result {
@@ -173,6 +206,7 @@ typedef struct dm_proxy_handler {
   void (*on_request)(void *ud, dm_proxy_conn *c, const dm_proxy_request *req);
   void (*on_done)(void *ud, dm_proxy_conn *c, const dm_proxy_result *res);
   void (*on_closed)(void *ud);
+  void (*on_refused)(void *ud, const dm_proxy_refusal *r); ///< optional
 } dm_proxy_handler;
 
 /// Starts listening. Returns the listener, or NULL with *err set to a libuv error number
@@ -184,8 +218,16 @@ dm_proxy *dm_proxy_new(uv_loop_t *loop, const dm_proxy_opts *opts, const dm_prox
 /// later with code "ECANCELED" unless it had finished); on_closed follows. Idempotent.
 void dm_proxy_close(dm_proxy *p);
 
-/// Number of live connections.
+/// Number of live admitted connections (refused ones being answered are not counted).
 size_t dm_proxy_active(const dm_proxy *p);
+
+/// Descriptors the listener's connections hold now (see the ceilings above).
+size_t dm_proxy_fds(const dm_proxy *p);
+
+/// Descriptors the connections of every listener of the process hold now, and the most
+/// they may hold (*cap: the soft RLIMIT_NOFILE less the reserve, read at the last
+/// dm_proxy_new()).
+size_t dm_proxy_fds_total(size_t *cap);
 
 /// The verdict "allow": resolve, check, dial, then answer 200 (CONNECT) or forward.
 /// Ignored unless the connection is waiting for its verdict.

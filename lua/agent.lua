@@ -8,6 +8,7 @@
 -- event stream goes to /out/transcript.jsonl while it runs; stderr to /out/stderr.log.
 -- After the run, results.json in the output folder holds the result the tool returns.
 local config = require("demesne.config")
+local egress = require("demesne.egress")
 local fs = require("core.fs")
 local json = require("demesne.json")
 local loop = require("core.loop")
@@ -195,8 +196,9 @@ function agent.decide(provider, output_dir, route, info, resumable)
   end
   local d = (function()
     if info.exit_code == 0 then return stop() end
-    local text = output.tail(output_dir, "transcript.jsonl", TRANSCRIPT_MAX)
-    local ok, _, details = pcall(provider.parse_answer, providers.lines(text or ""))
+    local text, terr = output.tail(output_dir, "transcript.jsonl", TRANSCRIPT_MAX)
+    if not text then return stop("demesne cannot read the transcript: " .. tostring(terr)) end
+    local ok, _, details = pcall(provider.parse_answer, providers.lines(text))
     if not ok or type(details) ~= "table" then details = {} end
     local passed = type(rate.passed_at) == "number" and rate.passed_at >= (rate.attempt_started or 0)
     if not (details.rate_limited or passed) then return stop() end
@@ -255,6 +257,11 @@ function agent.prepare(args, tool, kind)
     if args.egress ~= "none" and args.egress ~= "package-managers" then
       fail(("egress: %q is not permitted for sandbox_agent (none or package-managers)"):format(args.egress))
     end
+    -- by property, not by name: a user file may replace package-managers with an open policy
+    if egress.is_unrestricted(args.egress) then
+      fail(("egress: the policy %q gives open egress (a bridge network, or a rule for any host), which "
+        .. "sandbox_agent does not run with; sandbox_research is the open-network agent"):format(args.egress))
+    end
   end
   if args.output_path and (args.output_path:find("^/") or args.output_path:find("%.%.")) then
     fail("output_path: must be a relative path inside /out without '..'")
@@ -293,10 +300,13 @@ function agent.prepare(args, tool, kind)
   o.args = args
   local host_agent_dir = o.run_dir .. "/agent"
   o.before_create = function(plan)
-    assert(fs.mkdir_p(host_agent_dir, 493))
-    assert(fs.write_atomic(host_agent_dir .. "/prompt.md", args.prompt .. "\n"))
-    assert(fs.write_atomic(host_agent_dir .. "/" .. p.context_file_name, agent.context_text(plan, args)))
-    assert(fs.write_atomic(host_agent_dir .. "/run.sh", plan.wrapper))
+    -- the run folder is the sandbox's to write once it runs: written through held folders
+    local run <close> = assert(fs.opendir(plan.run_dir))
+    assert(run:mkdir("agent", 493))
+    local dir <close> = assert(run:opendir("agent"))
+    assert(dir:write_atomic("prompt.md", args.prompt .. "\n"))
+    assert(dir:write_atomic(p.context_file_name, agent.context_text(plan, args)))
+    assert(dir:write_atomic("run.sh", plan.wrapper))
     plan.mounts[#plan.mounts + 1] = { host = host_agent_dir, target = AGENT_DIR }
     local route, verr = vendor.start({ run_id = plan.run_id, run_dir = plan.run_dir, output_dir = plan.output_dir,
       provider = p, token = plan.token, credential = cred, deadline = loop.time() + plan.timeout,
@@ -321,19 +331,30 @@ end
 
 --- After the container stopped: stops the vendor route and builds the result (also written
 --- to results.json). `code, err` as script_wait returned them; `reason` (optional) says why
---- the run ended early (a cancel), replacing the message built from `err`.
+--- the run ended early (a cancel), replacing the message built from `err`. Returns the
+--- result and, when demesne could not read the run's exit status, transcript or stderr
+--- (a FIFO, a link, a malformed status.json …), a message naming what failed: the result
+--- then says so in `reason` and `is_error`, and must not be taken for a success.
+---@return table result, string|nil read_error
 function agent.finish(o, code, err, duration_ms, reason)
   if o.vendor then o.vendor:stop() end
-  local st = sandbox.read_status(o.run_dir, o.exec_id)
+  local read_error
+  local sok, st = pcall(sandbox.read_status, o.run_dir, o.exec_id)
+  if not sok then
+    read_error = type(st) == "table" and tostring(st.message) or tostring(st)
+    st = nil
+  end
   local exit_code = st and st.exit_code or code
   local timed_out = (st and st.timed_out) or (code == nil and err and tostring(err):find("timed out") ~= nil) or false
-  local text = output.tail(o.output_dir, "transcript.jsonl", TRANSCRIPT_MAX)
-  local ok, answer, details = pcall(o.provider.parse_answer, providers.lines(text or ""))
+  local text, terr = output.tail(o.output_dir, "transcript.jsonl", TRANSCRIPT_MAX)
+  if not text then read_error, text = read_error or tostring(terr), "" end
+  local ok, answer, details = pcall(o.provider.parse_answer, providers.lines(text))
   if not ok then answer, details = nil, {} end
   if type(answer) == "string" and #answer > ANSWER_MAX then
     answer = answer:sub(1, require("core.text").utf8_floor(answer, ANSWER_MAX)) .. "\n[answer truncated]"
   end
-  local stderr = output.tail(o.output_dir, "stderr.log", STDERR_MAX) or ""
+  local stderr, serr = output.tail(o.output_dir, "stderr.log", STDERR_MAX)
+  if not stderr then read_error, stderr = read_error or tostring(serr), "" end
   local totals = o.vendor and o.vendor:totals() or { models = {}, cost_usd = 0 }
   local r = {
     exit_code = exit_code, answer = answer or "", stderr = stderr, output_dir = o.output_dir, run_id = o.run_id,
@@ -356,11 +377,23 @@ function agent.finish(o, code, err, duration_ms, reason)
     r.reason = agent.rate_reason({ budget = require("demesne.vendor").rate_budget(),
       reset_at = details.resets_at })
   end
+  if read_error then
+    r.reason = "demesne could not read the run's results: " .. read_error
+    r.is_error = true
+  end
   local jok, text_out = pcall(json.encode, r)
-  if jok then fs.write_atomic(o.output_dir .. "/results.json", text_out .. "\n") end
+  if jok then -- the output folder is the sandbox's: written through the held folder
+    local out, oerr = fs.opendir(o.output_dir)
+    local w, werr = nil, oerr
+    if out then
+      w, werr = out:write_atomic("results.json", text_out .. "\n")
+      out:close()
+    end
+    if not w then require("demesne.log").warning("demesne.agent", "results.json: %s", tostring(werr)) end
+  end
   vendor.forget(o.run_id)
   if r.exit_code == nil then r.exit_code = -1 end
-  return r
+  return r, read_error
 end
 
 --- Runs an agent to the end (foreground). Returns the result.
@@ -376,7 +409,7 @@ function agent.run(ctx, args, tool)
     end
     if o.vendor then o.vendor:stop() end
     vendor.forget(o.run_id)
-    fs.remove_tree(o.run_dir)
+    sandbox.remove_tree(o.run_dir)
   end })
   sandbox.script_start(ctx, o)
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
@@ -384,7 +417,9 @@ function agent.run(ctx, args, tool)
   sandbox.script_remove(o)
   o.removed = true
   finished = true
-  return agent.finish(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
+  local r, read_error = agent.finish(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
+  if read_error then sandbox.fail(r.reason) end
+  return r
 end
 
 --- Readable text of a result.

@@ -8,6 +8,9 @@ usage: demesne [COMMAND] [OPTIONS]
 
 Commands:
   serve               run the MCP server over stdio (the default)
+  serve --http ADDR   run it over Streamable HTTP on ADDR instead: 127.0.0.1:PORT,
+                      [::1]:PORT or unix:/path (repeatable; endpoint /mcp; bearer token
+                      from DEMESNE_HTTP_TOKEN or the file check-config names)
   tools               list the loaded tools and where each came from
   check-config        print the effective configuration and where each value came from
   doctor              check the engine, images, config, folders and demesne-init; say how to fix each problem
@@ -27,7 +30,7 @@ Options:
   --fixtures DIR      also load the tools in DIR (test fixtures)
 
 Environment: DEMESNE_ENGINE, DEMESNE_ALLOWED_PATHS, DEMESNE_OUTPUT_ROOT, DEMESNE_STATE_DIR,
-DEMESNE_LOG_LEVEL, DEMESNE_EGRESS_ALLOW (see `demesne check-config`).
+DEMESNE_LOG_LEVEL, DEMESNE_EGRESS_ALLOW, DEMESNE_HTTP_TOKEN (see `demesne check-config`).
 ]]
 
 local commands = {}

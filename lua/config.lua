@@ -65,6 +65,19 @@ local SPEC = {
   agent_rate_limit_hold_seconds = { env = "DEMESNE_AGENT_RATE_LIMIT_HOLD_SECONDS", default = 60, number = true,
     zero = true, doc = "longest reset the vendor route waits out holding the request; a later one ends the CLI's "
       .. "attempt and its session is resumed after the reset; 0: never hold" },
+  host_mcp_import = { env = "DEMESNE_HOST_MCP_IMPORT", default = {}, list = true, sep = ",",
+    doc = "host MCP servers to import as well as host_mcp's (','-separated): claude_code (~/.claude.json), "
+      .. "codex (~/.codex/config.toml); an imported server offers no tool until host_mcp names its tools" },
+  host_mcp_timeout_seconds = { env = "DEMESNE_HOST_MCP_TIMEOUT_SECONDS", default = 120, number = true,
+    doc = "longest wait for a host MCP server's answer to one tool call (a call may ask for less)" },
+  host_mcp_startup_timeout_seconds = { default = 30, number = true,
+    doc = "longest wait for a host MCP server to start and answer initialize" },
+  host_mcp_idle_seconds = { env = "DEMESNE_HOST_MCP_IDLE_SECONDS", default = 600, number = true,
+    doc = "a host MCP server unused this long is stopped (started again on its next use)" },
+  host_mcp_max_message_bytes = { default = 4 * 1024 * 1024, number = true,
+    doc = "largest message exchanged with a host MCP server, either way" },
+  host_mcp_record_arguments = { env = "DEMESNE_HOST_MCP_RECORD_ARGUMENTS", default = false, bool = true,
+    doc = "also write each proxied call's arguments to mcp.jsonl in the run's output folder" },
   output_head_bytes = { env = "DEMESNE_OUTPUT_HEAD_BYTES", default = 32768, number = true,
     doc = "bytes of the start of each stream kept in a result" },
   output_tail_bytes = { env = "DEMESNE_OUTPUT_TAIL_BYTES", default = 32768, number = true,
@@ -73,6 +86,16 @@ local SPEC = {
     doc = "ceiling on the unpacked size of one sandbox_download" },
   upload_max_bytes = { env = "DEMESNE_UPLOAD_MAX_BYTES", default = 4 * 1024 * 1024 * 1024, number = true,
     doc = "ceiling on the size of the files one sandbox_upload copies (sparse files count in full)" },
+  egress_max_connections = { env = "DEMESNE_EGRESS_MAX_CONNECTIONS", default = 256, number = true,
+    doc = "connections one sandbox may hold open through its egress proxy at once; more are answered 503" },
+  sandbox_max_descriptors = { env = "DEMESNE_SANDBOX_MAX_DESCRIPTORS", default = 1024, number = true,
+    doc = "descriptors one sandbox's egress connections may make the server hold (a CONNECT tunnel holds 6); "
+      .. "sized so that many sandboxes at their ceiling stay under the server's open-file limit" },
+  vendor_max_connections = { env = "DEMESNE_VENDOR_MAX_CONNECTIONS", default = 32, number = true,
+    doc = "connections one agent sandbox may hold open on its vendor (model API) route at once; more are answered 503" },
+  exec_grace_seconds = { env = "DEMESNE_EXEC_GRACE_SECONDS", default = 30, number = true,
+    doc = "seconds the host waits for a sandbox beyond a command's own timeout (and for demesne-init kill) before "
+      .. "it calls the sandbox unresponsive and stops it" },
   reap_interval = { default = 300, number = true, doc = "seconds between reaper passes" },
   progress_interval = { env = "DEMESNE_PROGRESS_INTERVAL", default = 10, number = true,
     doc = "seconds between notifications/progress while a call waits (when the caller sent a progressToken)" },
@@ -85,6 +108,11 @@ local SPEC = {
   twine_official_formats = { env = "DEMESNE_TWINE_OFFICIAL_FORMATS", default = true, bool = true,
     doc = "when the twine image is built, also fetch the official Harlowe and SugarCube story formats "
       .. "(from the Twine repository on GitHub; skipped when unreachable)" },
+  http_max_body_bytes = { env = "DEMESNE_HTTP_MAX_BODY_BYTES", default = 4 * 1024 * 1024, number = true,
+    doc = "largest request body `serve --http` accepts (413 above, refused before it is read)" },
+  http_max_sessions = { env = "DEMESNE_HTTP_MAX_SESSIONS", default = 1000, number = true,
+    doc = "MCP sessions (2025 revisions) `serve --http` keeps at once; past it the longest-idle one without a "
+      .. "request in progress, an open stream or a job or sandbox it started goes, else initialize gets 503" },
   readonly_rootfs = { env = "DEMESNE_READONLY_ROOTFS", default = true, bool = true,
     doc = "mount each sandbox's root filesystem read-only (tmpfs on /tmp, /var/tmp, /root, /run)" },
   isolation_default = { env = "DEMESNE_ISOLATION", default = "container", choices = { "container", "gvisor" },

@@ -27,6 +27,14 @@
 -- IP literals are judged by CIDR rules only; the same CIDR rules (with their ports) decide
 -- which resolved addresses may be dialled. Each rule counts the decisions it made (`hits`).
 -- A policy that returns { open = true } gives the sandbox a bridge network and no proxy.
+--
+-- "Open egress" is a property of the policy, not of its name: a compiled policy has
+-- `unrestricted = true` when it lets a sandbox reach hosts it does not name — a bridge
+-- network ({ open = true }), an ALLOW rule for every name (host = "*"), an ALLOW rule for
+-- a CIDR block of IPv4 /0–/7 or IPv6 /0–/15, whatever ports and DENY rules come with them
+-- — or when the file declares { unrestricted = true }. Host inputs plus such a policy is
+-- the exfiltration shape: egress.select refuses it for calls that mount files, and
+-- sandbox_upload for sandboxes created with it.
 local config = require("demesne.config")
 local json = require("demesne.json")
 local log = require("demesne.log")
@@ -87,7 +95,7 @@ function egress.compile(name, def, origin)
   origin = origin or name
   if type(def) ~= "table" then return nil, ("%s: a policy file must return a table"):format(origin) end
   local pol = { name = name, description = def.description or "", origin = origin, open = def.open == true,
-    rules = {}, addr_rules = {} }
+    unrestricted = def.open == true or def.unrestricted == true, rules = {}, addr_rules = {} }
   if pol.open then return pol end
   local rules = def.rules or def
   if type(rules) ~= "table" then return nil, ("%s: rules must be a list"):format(origin) end
@@ -110,6 +118,15 @@ function egress.compile(name, def, origin)
         return nil, where .. (".cidr: %q is not a CIDR (a.b.c.d/n or v6/n)"):format(tostring(c))
       end
       rule.cidrs[#rule.cidrs + 1] = c
+    end
+    if action == egress.ALLOW then
+      for _, pat in ipairs(rule.hosts) do
+        if pat.kind == "any" then pol.unrestricted = true end
+      end
+      for _, c in ipairs(rule.cidrs) do
+        local bits = tonumber(c:match("/(%d+)$") or "")
+        if bits and bits < (c:find(":", 1, true) and 16 or 8) then pol.unrestricted = true end
+      end
     end
     if r.port ~= nil then
       rule.ports = {}
@@ -322,17 +339,28 @@ function egress.policy(name)
   return nil, ("egress: no policy %q (known: %s)"):format(tostring(name), table.concat(names, ", "))
 end
 
---- Picks the policy for a new sandbox: `name` or the default, refusing `open` when host
---- inputs are mounted. Returns the policy or nil, err.
+--- Whether the policy called `name` gives open egress (its `unrestricted` property; see
+--- the top of this file). An unknown name counts as open: a check that cannot tell refuses.
+---@param name string
+---@return boolean
+function egress.is_unrestricted(name)
+  local pol = egress.policy(name)
+  return pol == nil or pol.unrestricted == true
+end
+
+--- Picks the policy for a new sandbox: `name` or the default, refusing an unrestricted
+--- one (open egress, whatever its name) when host inputs are mounted. Returns the policy
+--- or nil, err.
 ---@param name string|nil
 ---@param has_inputs boolean
 function egress.select(name, has_inputs)
   name = name or config.get("egress_default") or "package-managers"
   local pol, err = egress.policy(name)
   if not pol then return nil, err end
-  if pol.open and has_inputs then
-    return nil, ("egress: %q is not permitted for a call that mounts files or directories "
-      .. "(host inputs plus open egress is the exfiltration shape); use a restricted policy"):format(name)
+  if pol.unrestricted and has_inputs then
+    return nil, ("egress: %q is not permitted for a call that mounts files or directories: it gives open egress "
+      .. "(%s), and host inputs plus open egress is the exfiltration shape; use a restricted policy"):format(name,
+      pol.open and "a bridge network" or "an ALLOW rule for any host or a wide address block")
   end
   return pol
 end
@@ -395,32 +423,47 @@ Handle.__index = Handle
 
 --- Starts the proxy of one sandbox: listens on <run_dir>/egress.sock and appends to
 --- <output_dir>/egress.jsonl. `o`: {run_id, run_dir, output_dir, policy (or egress) = compiled policy}.
+--- The listener admits at most egress_max_connections connections whose descriptors stay
+--- within sandbox_max_descriptors (see core/proxy.h); a connection over either ceiling is
+--- answered 503 naming it, and egress.jsonl gets a "ceiling" line (at most one a second,
+--- with the count of refusals since the last one).
 --- Returns a handle (closing it — or egress.stop — stops the listener and waits for its
 --- connections to end), or a handle that does nothing for open egress; nil, err on failure.
 function egress.start(o)
   local pol = o.policy or o.egress
   local h = setmetatable({ run_id = o.run_id, policy = pol, pending = {}, closed = false }, Handle)
   if pol.open then h.closed = true return h end
-  local logpath = o.output_dir .. "/egress.jsonl"
-  local st = fs.lstat(logpath)
-  if st and st.type ~= "file" then
-    return nil, ("egress: %s exists and is not a regular file (%s)"):format(logpath, st.type), "EEXIST"
-  end
-  local file, ferr, fcode = fs.open(logpath, "a")
+  -- the output and run folders are the sandbox's to write (and it runs already after a
+  -- server restart): every file in them is reached through a held folder, confined (no
+  -- link, no FIFO, never blocking; core.fs.dir)
+  local out, oerr, ocode = fs.opendir(o.output_dir)
+  if not out then return nil, "egress: " .. tostring(oerr), ocode end
+  local file, ferr, fcode = out:open("egress.jsonl", "a")
+  out:close()
   if not file then return nil, "egress: " .. tostring(ferr), fcode end
   h.file = file
-  fs.write_atomic(o.run_dir .. "/apt.conf", ("Acquire::http::Proxy \"http://127.0.0.1:%d\";\n"
+  local run, rerr, rcode = fs.opendir(o.run_dir)
+  if not run then
+    file:close()
+    return nil, "egress: " .. tostring(rerr), rcode
+  end
+  local _ <close> = run
+  run:write_atomic("apt.conf", ("Acquire::http::Proxy \"http://127.0.0.1:%d\";\n"
     .. "Acquire::https::Proxy \"http://127.0.0.1:%d\";\n"):format(egress.PORT, egress.PORT))
   local path = o.run_dir .. "/" .. egress.SOCKET_NAME
   local resolver = config.get("egress_resolver")
-  local listener, err, code = proxy.listen(path, { rules = pol.addr_rules, resolver = resolver ~= "" and resolver or nil },
+  local listener, err, code = proxy.listen(path, { rules = pol.addr_rules, resolver = resolver ~= "" and resolver or nil,
+      max_conns = math.max(1, math.floor(config.get("egress_max_connections"))),
+      max_fds = math.max(1, math.floor(config.get("sandbox_max_descriptors"))),
+      ceiling_hint = "(egress_max_connections / sandbox_max_descriptors in the demesne configuration)",
+      on_refused = function(info) h:on_refused(info) end },
     function(conn, req) h:on_request(conn, req) end,
     function(conn, res) h:on_done(conn, res) end)
   if not listener then
     file:close()
     return nil, ("egress: cannot listen on %s: %s"):format(path, tostring(err)), code
   end
-  fs.chmod(path, 438) -- 0666: whatever user the image runs as can connect
+  run:chmod(egress.SOCKET_NAME, 438) -- 0666: whatever user the image runs as can connect
   h.listener = listener
   active[o.run_id] = h
   return h
@@ -444,7 +487,9 @@ function Handle:on_done(conn, res)
   if not p then return end
   local allowed = p.verdict == egress.ALLOW and not res.denied
   local rule = p.rule
-  if p.verdict == egress.ALLOW and res.denied then
+  if res.code == "ELIMIT" then
+    allowed, rule = false, "ceiling" -- a descriptor ceiling stopped it while it dialled
+  elseif p.verdict == egress.ALLOW and res.denied then
     local r = res.rule and self.policy.rules[res.rule]
     rule = r and r.label or ("address:" .. tostring((res.error or ""):match("is (.*)$") or "refused"))
   end
@@ -458,6 +503,30 @@ function Handle:on_done(conn, res)
     local ok, line = pcall(json.encode, rec)
     if ok then self.file:write(line .. "\n") end
   end
+end
+
+-- Writes the pending "ceiling" line: the refusals since the last one, and why.
+function Handle:flush_refusals()
+  local r = self.refusals
+  if not r or r.count == 0 or not self.file then return end
+  local ok, line = pcall(json.encode, { time = iso_now(), sandbox = self.run_id, verdict = "deny", rule = "ceiling",
+    status = 503, refused = r.count, limit = r.limit, error = r.message })
+  if ok then self.file:write(line .. "\n") end
+  r.count, r.last = 0, loop.now()
+end
+
+--- core.proxy's on_refused: a connection over a ceiling. Counted, and written to
+--- egress.jsonl at most once a second (a flood must not become a flood of lines).
+---@param info table  {limit, active, ceiling, answered, message}
+function Handle:on_refused(info)
+  local r = self.refusals or { count = 0, last = -math.huge }
+  self.refusals = r
+  r.count, r.limit, r.message = r.count + 1, info.limit, info.message
+  if r.count == 1 and r.total == nil then
+    log.warning(LOGGER, "sandbox %s: egress connection refused: %s", self.run_id, tostring(info.message))
+  end
+  r.total = (r.total or 0) + 1
+  if loop.now() - r.last >= 1000 then self:flush_refusals() end
 end
 
 --- Stops the listener; inside a task, waits until every connection has ended (so
@@ -477,6 +546,7 @@ function Handle:stop()
       if not ok and err == async.CANCELLED then error(err, 0) end
     end
   end
+  self:flush_refusals()
   if self.file then self.file:close() self.file = nil end
 end
 Handle.__close = Handle.stop

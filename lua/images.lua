@@ -228,7 +228,12 @@ local function run(file, args)
   local tail = ""
   local code = async.await(function(cb)
     local proc, streams = process.spawn({ file = file, args = args, stderr = true, stdout = true }, function(c) cb(c) end)
-    if not proc then cb(127); return end
+    if not proc then
+      -- not started (EMFILE, ENOENT…): the reason is the error, never an empty tail
+      tail = ("cannot start %s: %s"):format(file, tostring(streams))
+      cb(127)
+      return
+    end
     for _, s in pairs(streams) do
       s:read_start(function(chunk)
         if chunk then tail = (tail .. chunk):sub(-2000) else s:close() end
@@ -474,9 +479,98 @@ function ensure_named(eng, name, ctx, dry, visiting, builtin_only)
   return tag, err
 end
 
+--------------------------------------------------------------------------------------------
+-- Image references (the OCI distribution reference grammar, as distribution/reference
+-- writes it):
+--
+--   reference        := name [ ":" tag ] [ "@" digest ]
+--   name             := [domain "/"] path-component ["/" path-component]*   (at most 255 characters)
+--   domain           := host [":" port]      host: domain-name | IPv4 | "[" IPv6 "]"
+--   domain-component := [a-zA-Z0-9] | [a-zA-Z0-9][a-zA-Z0-9-]*[a-zA-Z0-9]
+--   path-component   := [a-z0-9]+ ( ("." | "_" | "__" | "-"+) [a-z0-9]+ )*
+--   tag              := [A-Za-z0-9_][A-Za-z0-9_.-]{0,127}
+--   digest           := algorithm ":" [0-9a-fA-F]{32,}   algorithm: [A-Za-z][A-Za-z0-9]* ([+._-] [A-Za-z][A-Za-z0-9]*)*
+--
+-- As Docker decides it, the first component is a domain only when it holds a "." or a
+-- ":" or is "localhost" (and there are more components); otherwise it is part of the
+-- repository path, which must be lowercase.
+
+local NAME_MAX = 255
+
+local function path_component_ok(c)
+  local _, e = c:find("^[a-z0-9]+")
+  if not e then return false end
+  local i = e + 1
+  while i <= #c do
+    local sep = c:match("^__", i) or c:match("^[._]", i) or c:match("^%-+", i)
+    if not sep then return false end
+    _, e = c:find("^[a-z0-9]+", i + #sep)
+    if not e then return false end
+    i = e + 1
+  end
+  return true
+end
+
+local function domain_ok(d)
+  local host, port = d:match("^(.-):(%d+)$")
+  host = host or d
+  if port and (#port > 5 or tonumber(port) > 65535) then return false end
+  if host:match("^%[[%x:.]+%]$") then return true end -- an IPv6 literal
+  if host == "" or #host > 253 then return false end
+  for label in (host .. "."):gmatch("(.-)%.") do
+    if not (label:match("^[A-Za-z0-9]$") or label:match("^[A-Za-z0-9][A-Za-z0-9%-]*[A-Za-z0-9]$")) then return false end
+  end
+  return true
+end
+
+--- Checks an image reference against the OCI distribution reference grammar (above).
+--- Returns true, or nil and the reason (a sentence without the field name).
+---@param ref any
+---@return boolean|nil ok, string|nil why
+function images.check_reference(ref)
+  if type(ref) ~= "string" then return nil, "must be a string" end
+  if ref == "" then return nil, "must not be empty" end
+  if #ref > NAME_MAX + 1 + 128 + 1 + 7 + 1 + 128 then return nil, ("is %d characters long, far over the grammar's limits"):format(#ref) end
+  local rest, digest = ref, nil
+  local at = ref:find("@", 1, true)
+  if at then rest, digest = ref:sub(1, at - 1), ref:sub(at + 1) end
+  if digest then
+    local alg, hexd = digest:match("^([^:]+):(.*)$")
+    local alg_ok = alg and (alg .. "+"):gsub("[A-Za-z][A-Za-z0-9]*[+._%-]", "") == ""
+    if not (alg_ok and hexd:match("^%x+$") and #hexd >= 32) then
+      return nil, ("has an invalid digest %q (algorithm:hex, e.g. sha256: and 64 hex digits)"):format(digest)
+    end
+  end
+  local name, tag = rest, nil
+  local colon = rest:match("^.*():") -- the last ':'
+  if colon and not rest:find("/", colon, true) then name, tag = rest:sub(1, colon - 1), rest:sub(colon + 1) end
+  if tag and not (tag:match("^[A-Za-z0-9_][A-Za-z0-9_.%-]*$") and #tag <= 128) then
+    return nil, ("has an invalid tag %q (letters, digits, '_', '.' and '-', at most 128, not starting with '.' or '-')"):format(tag)
+  end
+  if name == "" then return nil, "has no repository name" end
+  if #name > NAME_MAX then return nil, ("has a name of %d characters, more than %d"):format(#name, NAME_MAX) end
+  local parts = {}
+  for p in (name .. "/"):gmatch("(.-)/") do parts[#parts + 1] = p end
+  local first = 1
+  if #parts > 1 and (parts[1]:find("[.:]") or parts[1] == "localhost") then
+    if not domain_ok(parts[1]) then return nil, ("has an invalid registry host %q"):format(parts[1]) end
+    first = 2
+  end
+  for i = first, #parts do
+    local c = parts[i]
+    if not path_component_ok(c) then
+      if c:lower() ~= c and path_component_ok(c:lower()) then return nil, "has uppercase letters: repository names must be lowercase" end
+      return nil, ("has an invalid path component %q (lowercase letters and digits, separated by one '.', "
+        .. "'_', '__' or dashes)"):format(c)
+    end
+  end
+  return true
+end
+
 --- Makes sure an image is available. `name` is a demesne image (a user image in
 --- $XDG_CONFIG_HOME/demesne/images/<name>/, or a built-in) or the reference of an image
---- already present in the engine. ctx (may be nil) gets build progress.
+--- already present in the engine (checked against the OCI reference grammar first: a
+--- malformed one never reaches the engine). ctx (may be nil) gets build progress.
 --- Returns {name=, ref=} or nil and a message that lists the image names.
 ---@param eng table  an engine adapter object
 ---@param name string|nil  default: the default_image setting
@@ -488,6 +582,11 @@ function images.ensure(eng, name, ctx)
     local ref, err = ensure_named(eng, name, ctx)
     if not ref then return nil, err end
     return { name = name, ref = ref }
+  end
+  local ok, why = images.check_reference(name)
+  if not ok then
+    local shown = type(name) == "string" and #name > 80 and (name:sub(1, text.utf8_floor(name, 80)) .. "…") or name
+    return nil, ("image: %q is not a valid image reference: it %s"):format(tostring(shown), why)
   end
   if eng:image_inspect(name) then return { name = name, ref = name } end
   return nil, ("image: %q is neither a built-in or user image (%s) nor an image present in the engine"):format(name,

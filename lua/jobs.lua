@@ -75,6 +75,16 @@ local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:b
 local function now_ms() return math.floor(loop.time() * 1000) end
 local function fail(msg) sandbox.fail(msg) end
 
+-- Is there anything at `rel` below the run folder `run_dir`? Looked up confined (no
+-- symlink, no ".."): the run folder is the sandbox's to write.
+local function exists_in(run_dir, rel)
+  local d = fs.opendir(run_dir)
+  if not d then return false end
+  local st = d:stat(rel)
+  d:close()
+  return st ~= nil
+end
+
 --- The folder of the job records: $DEMESNE_STATE_DIR/jobs.
 ---@return string
 function jobs.dir() return config.get("state_dir") .. "/jobs" end
@@ -231,14 +241,14 @@ end
 kinds.script = {
   -- o: a plan whose container sandbox.script_start has started
   run = function(job, o)
-    job.after = function() fs.remove_tree(o.run_dir) end
+    job.after = function() sandbox.remove_tree(o.run_dir) end
     return script_watch(job, o)
   end,
   attach = function(job)
     local rec = job.rec
     local o = { engine = sandbox.engine(), id = rec.container, run_dir = rec.run_dir, exec_id = rec.exec_id,
       output_dir = rec.output_dir }
-    job.after = function() fs.remove_tree(o.run_dir) end
+    job.after = function() sandbox.remove_tree(o.run_dir) end
     local info, err, ecode
     repeat info, err, ecode = o.engine:inspect(rec.container) until info or not engine_retry(ecode)
     if not info and ecode ~= "ENOENT" then return { status = "failed", reason = tostring(err) } end
@@ -259,7 +269,7 @@ kinds.script = {
 kinds.agent = {
   run = function(job, o)
     job.after = function()
-      fs.remove_tree(o.run_dir)
+      sandbox.remove_tree(o.run_dir)
       require("demesne.vendor").forget(o.run_id)
     end
     local started = now_ms()
@@ -275,8 +285,11 @@ kinds.agent = {
     end)
     local out = script_watch(job, o)
     finished = true
-    local ok, err = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason, now_ms() - started)
+    local ok, err, read_error = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason, now_ms() - started)
     if not ok then log.warning(LOGGER, "%s: results.json: %s", job.rec.job_id, tostring(err)) end
+    if ok and read_error and out.status == "succeeded" then
+      out = { status = "failed", exit_code = out.exit_code, reason = err.reason }
+    end
     return out
   end,
   -- after a restart: the vendor route is started again with the token kept in the record
@@ -320,8 +333,12 @@ kinds.agent = {
     if route then
       local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
         output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model }
-      local ok, err = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason, now_ms() - rec.started_ms)
+      local ok, err, read_error = pcall(require("demesne.agent").finish, o, out.exit_code, out.reason,
+        now_ms() - rec.started_ms)
       if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(err)) end
+      if ok and read_error and out.status == "succeeded" then
+        out = { status = "failed", exit_code = out.exit_code, reason = err.reason }
+      end
     end
     return out
   end,
@@ -342,7 +359,8 @@ local function exec_poll(job, eng)
   while true do
     local st = sandbox.read_status(rec.run_dir, rec.exec_id)
     if st then return outcome_of(st, rec.timeout_seconds) end
-    local info, err, ecode = eng:inspect(rec.container)
+    -- (by list, not inspect: see sandbox.state_of)
+    local info, err, ecode = sandbox.state_of(eng, rec.sandbox_id)
     if not info and ecode == "ENOENT" then
       return exec_outcome(rec, ("sandbox %s no longer exists and the command recorded no exit status"):format(rec.sandbox_id))
     elseif not info and not engine_retry(ecode) then
@@ -351,10 +369,15 @@ local function exec_poll(job, eng)
       return exec_outcome(rec, ("sandbox %s stopped before the command recorded an exit status"):format(rec.sandbox_id))
     end
     local age = now_ms() - rec.started_ms
-    if age > (rec.timeout_seconds + 60) * 1000 then
-      return exec_outcome(rec, "the command recorded no exit status within its timeout")
+    if age > sandbox.deadline_ms(rec.timeout_seconds) then
+      -- demesne-init enforces the timeout inside: a record still missing now means it does
+      -- not answer (stopped or hung), and the sandbox is stopped
+      st = sandbox.read_status(rec.run_dir, rec.exec_id)
+      if st then return outcome_of(st, rec.timeout_seconds) end
+      return { status = "failed", reason = sandbox.stop_unresponsive(eng, rec.container, rec.sandbox_id,
+        ("the command recorded no exit status within its timeout (%d s) plus the grace"):format(rec.timeout_seconds)) }
     end
-    if age > 60000 and not fs.lstat(rec.run_dir .. "/exec/" .. rec.exec_id .. "/pid") then
+    if age > 60000 and not exists_in(rec.run_dir, "exec/" .. rec.exec_id .. "/pid") then
       return exec_outcome(rec, "the command never started (the server stopped before it ran)")
     end
     async.sleep(poll_ms)
@@ -366,7 +389,9 @@ local function exec_watch(job, eng, first_run, e)
   local finished = false
   -- a cancel kills the command's whole process group inside the sandbox
   local _ <close> = closer(function()
-    if not finished then sandbox.exec_kill(eng, rec.container, "/.demesne/run/exec/" .. rec.exec_id) end
+    if finished then return end
+    local _, kerr, kcode = sandbox.exec_kill(eng, rec.container, "/.demesne/run/exec/" .. rec.exec_id, rec.sandbox_id)
+    if kcode == "ETIMEDOUT" then job.cancel_reason = (job.cancel_reason or "cancelled") .. "; " .. tostring(kerr) end
   end)
   local out
   if first_run then
@@ -384,10 +409,13 @@ local function exec_watch(job, eng, first_run, e)
             reason = "demesne-init recorded no exit status" }
         end
       end
+    elseif ecode == "ETIMEDOUT" and not sandbox.read_status(rec.run_dir, rec.exec_id) then
+      out = { status = "failed", reason = sandbox.stop_unresponsive(eng, rec.container, rec.sandbox_id,
+        ("the command did not end within its timeout (%d s) plus the grace"):format(rec.timeout_seconds)) }
     elseif ecode == "ENOENGINE" then
       out = exec_poll(job, eng) -- the engine went away: the command may well still run
     else
-      local info, _, icode = eng:inspect(rec.container)
+      local info, _, icode = sandbox.state_of(eng, rec.sandbox_id)
       if not info and icode == "ENOENT" then
         out = exec_outcome(rec, ("sandbox %s was removed before the command finished"):format(rec.sandbox_id))
       else
@@ -783,17 +811,30 @@ end
 local AGENT_FIELDS = { "answer", "reason", "cost_usd", "usage", "rate_limited", "model", "provider", "session_id", "is_error" }
 
 --- An ended agent job's result, from results.json in its output folder (written by
---- lua/agent.lua; read without following links, at most 256 KiB), reduced to
---- AGENT_FIELDS. nil when there is none.
+--- lua/agent.lua; read confined: no link followed, a regular file of at most 256 KiB),
+--- reduced to AGENT_FIELDS. nil when there is none; {is_error = true, reason} when it
+--- cannot be read or is not a JSON object (the sandbox can write its output folder).
 ---@param rec JobRecord
 ---@return table|nil
 function jobs.agent_result(rec)
-  local f = rec.output_dir and fs.open_beneath(rec.output_dir, "results.json")
-  if not f then return nil end
-  local text = f:read(256 * 1024)
-  f:close()
-  local ok, r = pcall(json.decode, text or "")
-  if not ok or type(r) ~= "table" then return nil end
+  if type(rec.output_dir) ~= "string" then return nil end
+  local d, derr, dcode = fs.opendir(rec.output_dir)
+  if not d and dcode == "ENOENT" then return nil end
+  local text, err, code
+  if d then
+    text, err, code = d:read("results.json", 256 * 1024)
+    d:close()
+  else
+    err, code = derr, dcode
+  end
+  if not text then
+    if code == "ENOENT" then return nil end
+    return { is_error = true, reason = "cannot read results.json: " .. tostring(err) }
+  end
+  local ok, r = pcall(json.decode, text)
+  if not ok or type(r) ~= "table" then
+    return { is_error = true, reason = "results.json in the output folder is not a JSON object" }
+  end
   local out = {}
   for _, k in ipairs(AGENT_FIELDS) do
     if r[k] ~= nil and r[k] ~= json.null then out[k] = r[k] end
@@ -810,20 +851,26 @@ end
 function jobs.read_stdout(rec, since, max)
   local final = TERMINAL[rec.status] == true -- decided before reading: a later byte is never missed
   local text, nxt, size = output.read_from(rec.output_dir, log_rel(rec, "stdout"), since, max, final)
+  if not text then sandbox.fail("cannot read the job's output: " .. tostring(nxt), size) end
   return text, nxt, size, final and nxt >= size
 end
 
---- The last `max` bytes of a job's stdout.log (whole lines) and the log's size.
+--- The last `max` bytes of a job's stdout.log (whole lines) and the log's size. A log that
+--- cannot be read (anything but missing) fails naming it.
 function jobs.stdout_tail(rec, max)
-  return output.tail(rec.output_dir, log_rel(rec, "stdout"), max)
+  local text, size, code = output.tail(rec.output_dir, log_rel(rec, "stdout"), max)
+  if not text then sandbox.fail("cannot read the job's output: " .. tostring(size), code) end
+  return text, size
 end
 
 --- The bounded head and tail of a job's stdout and stderr: stdout, stderr, truncated.
 function jobs.collect(rec)
   if rec.stdout_file then
     local head, tail = config.get("output_head_bytes"), config.get("output_tail_bytes")
-    local so, cut1 = output.view(rec.output_dir, rec.stdout_file, head, tail)
-    local se, cut2 = output.view(rec.output_dir, "stderr.log", head, tail)
+    local so, cut1, c1 = output.view(rec.output_dir, rec.stdout_file, head, tail)
+    if not so then sandbox.fail("cannot read the job's output: " .. tostring(cut1), c1) end
+    local se, cut2, c2 = output.view(rec.output_dir, "stderr.log", head, tail)
+    if not se then sandbox.fail("cannot read the job's output: " .. tostring(cut2), c2) end
     return so, se, cut1 or cut2
   end
   local rel = (rec.log_dir or rec.output_dir):sub(#rec.output_dir + 2)
@@ -855,7 +902,7 @@ function jobs.start_script(ctx, args)
   local _ <close> = closer(function()
     if not handed then
       sandbox.script_remove(o)
-      fs.remove_tree(o.run_dir)
+      sandbox.remove_tree(o.run_dir)
     end
   end)
   sandbox.script_start(ctx, o, { job_id = id, job_record = record_path(id) })
@@ -882,7 +929,7 @@ function jobs.start_agent(ctx, args, tool)
     if not handed then
       sandbox.script_remove(o)
       if o.vendor then o.vendor:stop() end
-      fs.remove_tree(o.run_dir)
+      sandbox.remove_tree(o.run_dir)
     end
   end)
   sandbox.script_start(ctx, o, { job_id = id, job_record = record_path(id) })
@@ -914,10 +961,10 @@ function jobs.start_exec(ctx, args)
   local _ <close> = closer(function()
     if not returned then pcall(jobs.cancel, rec.job_id, "the call that started it was cancelled") end
   end)
-  local dir = e.run_dir .. "/exec/" .. e.exec_id
+  local dir = "exec/" .. e.exec_id
   local deadline = loop.now() + 10000
   while rec.status == "running" and loop.now() < deadline
-    and not fs.lstat(dir .. "/pid") and not fs.lstat(dir .. "/status.json") do
+    and not exists_in(e.run_dir, dir .. "/pid") and not exists_in(e.run_dir, dir .. "/status.json") do
     async.sleep(20)
   end
   returned = true

@@ -25,18 +25,21 @@ function log.add_sink(fn)
   return function() sinks[fn] = nil end
 end
 
---- Writes a record. `data` (optional table) rides along to sinks.
+--- Writes a record. `data` (optional table) rides along to sinks. `stderr_only` keeps the
+--- record from the sinks (the MCP session sends a tool's own log records to its caller only).
 ---@param level string
 ---@param logger string  e.g. "demesne.sandbox"
 ---@param msg string
 ---@param data table|nil
-function log.log(level, logger, msg, data)
+---@param stderr_only boolean|nil
+function log.log(level, logger, msg, data, stderr_only)
   local n = log.LEVELS[level] or 1
   if n >= threshold then
     local t = loop.time()
     io.stderr:write(os.date("!%Y-%m-%dT%H:%M:%S", math.floor(t)), (".%03dZ "):format(math.floor((t % 1) * 1000)),
       level, " ", logger, ": ", msg, "\n")
   end
+  if stderr_only then return end
   for fn in pairs(sinks) do pcall(fn, level, logger, msg, data) end
 end
 

@@ -6,15 +6,31 @@ local text = require("core.text")
 
 local output = {}
 
---- Reads a bounded view of `root/rel` (opened beneath root: no symlinks followed).
+-- Opens `root/rel` for reading, confined (core.fs.open_beneath: no symlink, no "..", a
+-- regular file only, never blocking). A missing log means the command wrote nothing: nil
+-- with no error. Any other failure (a symlink, a FIFO, a folder, EMFILE …) is returned
+-- as nil, message, code: it must never read as empty output.
+local function open_log(root, rel)
+  local f, err, code = fs.open_beneath(root, rel)
+  if f then return f end
+  if code == "ENOENT" then return nil end
+  return nil, ("cannot read %s/%s: %s"):format(root, rel, tostring(err)), code or "EIO"
+end
+
+--- Reads a bounded view of `root/rel` (opened beneath root: no symlinks followed, a
+--- regular file only). A missing file reads as "" (the command wrote nothing); any other
+--- failure returns nil, message, code.
 ---@param root string  the output folder
 ---@param rel string   e.g. "stdout.log"
 ---@param head integer bytes kept from the start
 ---@param tail integer bytes kept from the end
----@return string text, boolean truncated, integer size
+---@return string|nil text, boolean|string truncated_or_err, integer|string size_or_code
 function output.view(root, rel, head, tail)
-  local f = fs.open_beneath(root, rel)
-  if not f then return "", false, 0 end
+  local f, err, code = open_log(root, rel)
+  if not f then
+    if err then return nil, err, code end
+    return "", false, 0
+  end
   local size = f:size() or 0
   local s, truncated
   if size <= head + tail then
@@ -45,17 +61,20 @@ end
 --- (a sequence still being written is left for the next read) unless `final` says the log
 --- is complete. Returns the text (invalid bytes replaced by U+FFFD), the offset to read
 --- from next (a byte offset into the file: concatenated parts never miss or repeat a
---- byte), and the log's size. A missing log reads as empty. Opened beneath root: no link
---- is followed.
+--- byte), and the log's size. A missing log reads as empty; any other failure returns
+--- nil, message, code. Opened beneath root: no link is followed.
 ---@param root string
 ---@param rel string
 ---@param from integer  byte offset, >= 0
 ---@param max integer   bytes, >= 4
 ---@param final boolean|nil
----@return string text, integer next, integer size
+---@return string|nil text, integer|string next_or_err, integer|string size_or_code
 function output.read_from(root, rel, from, max, final)
-  local f = fs.open_beneath(root, rel)
-  if not f then return "", from, 0 end
+  local f, err, code = open_log(root, rel)
+  if not f then
+    if err then return nil, err, code end
+    return "", from, 0
+  end
   local size = f:size() or 0
   if from >= size then
     f:close()
@@ -70,14 +89,18 @@ end
 
 --- The last `max` bytes of `root/rel`, starting on a code-point boundary and, when the log
 --- is longer, after the first line break in them (no partial first line). Returns the
---- text (invalid bytes replaced) and the log's size.
+--- text (invalid bytes replaced) and the log's size. A missing log reads as empty; any
+--- other failure returns nil, message, code.
 ---@param root string
 ---@param rel string
 ---@param max integer
----@return string text, integer size
+---@return string|nil text, integer|string size_or_err, string|nil code
 function output.tail(root, rel, max)
-  local f = fs.open_beneath(root, rel)
-  if not f then return "", 0 end
+  local f, err, code = open_log(root, rel)
+  if not f then
+    if err then return nil, err, code end
+    return "", 0
+  end
   local size = f:size() or 0
   local from = math.max(size - max, 0)
   local s = f:read(size - from, from) or ""

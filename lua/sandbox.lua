@@ -6,6 +6,8 @@
 --   <state_dir>/run/<run id>/            = /.demesne/run (exec records written by demesne-init)
 --   <state_dir>/expiry/<run id>          = renewed expiry (labels are immutable; kept outside
 --                                          the run folder, which the sandbox can write)
+--   <state_dir>/claims/<run id>          = {engine, owner} of the run folder, for the reaper
+--                                          (also outside the sandbox's reach)
 local async = require("demesne.async")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
@@ -73,6 +75,11 @@ local function owner_alive(owner)
   local host, pid, start = tostring(owner):match("^(.*)/(%d+)/(%d+)$")
   if not host then return false end
   if host ~= loop.hostname() then return true end -- another host's: not ours to judge
+  -- only a process that is not there is gone: a server out of descriptors (EMFILE) that
+  -- cannot open /proc must not take live servers for dead and reap their sandboxes
+  local f, _, errno = io.open("/proc/" .. pid .. "/stat")
+  if not f then return errno ~= 2 and errno ~= 3 end -- ENOENT, ESRCH: gone
+  f:close()
   return proc_start(pid) == start
 end
 
@@ -189,6 +196,9 @@ local function container_spec(o)
     [LABEL .. "run_dir"] = o.run_dir,
     [LABEL .. "image"] = o.image_name,
     [LABEL .. "egress"] = o.egress and o.egress.name or "none",
+    [LABEL .. "memory_mb"] = tostring(math.floor(lim.memory_mb)),
+    -- open egress is a property of the policy, kept here as it was at create
+    [LABEL .. "egress_unrestricted"] = o.egress and o.egress.unrestricted and "1" or "0",
     [LABEL .. "isolation"] = o.isolation or "container",
   }
   for k, v in pairs(o.labels or {}) do labels[LABEL .. k] = v end
@@ -252,21 +262,88 @@ function sandbox.gvisor_kill_note(o, st, code)
     :format(mb and (" of %d MiB"):format(math.floor(mb)) or "")
 end
 
-local function read_status(run_dir, exec_id)
-  local f = fs.open_beneath(run_dir, "exec/" .. exec_id .. "/status.json")
-  if not f then return nil end
-  local s = f:read(65536)
-  f:close()
-  local st = json.decode(s or "")
-  return type(st) == "table" and st or nil -- written inside the sandbox: untrusted
+-- The largest status.json read; demesne-init writes well under 8 KiB.
+local STATUS_MAX = 65536
+
+-- An integer JSON number within [lo, hi] (JSON numbers decode as floats), or nil.
+local function int_in(v, lo, hi)
+  if type(v) ~= "number" or v ~= v or v < lo or v > hi or v ~= math.floor(v) then return nil end
+  return math.tointeger(v)
 end
 
--- Bounded stdout/stderr of one command, from its log files under the output folder.
+--- Checks a decoded status.json (demesne-init's record of one command, written inside the
+--- sandbox and therefore untrusted: core/init/run.c writes id, exit_code (0-255), signal
+--- (null or 1-64), timed_out, cancelled, started_at, finished_at, duration_ms (ms),
+--- oom_kills (optional), error (optional)). Returns a new table holding only well-typed
+--- fields, or nil and the first field that is wrong.
+---@param t any
+---@return table|nil status, string|nil why
+function sandbox.check_status(t)
+  if type(t) ~= "table" then return nil, "it is not a JSON object" end
+  local out = { exit_code = int_in(t.exit_code, 0, 255) }
+  if not out.exit_code then return nil, "exit_code is not an integer from 0 to 255" end
+  for _, k in ipairs({ "timed_out", "cancelled" }) do
+    if t[k] ~= nil and type(t[k]) ~= "boolean" then return nil, k .. " is not a boolean" end
+    out[k] = t[k] == true
+  end
+  if t.signal ~= nil and t.signal ~= json.null then
+    out.signal = int_in(t.signal, 1, 64)
+    if not out.signal then return nil, "signal is not null or an integer from 1 to 64" end
+  end
+  for _, k in ipairs({ "started_at", "finished_at", "duration_ms", "oom_kills" }) do
+    if t[k] ~= nil then
+      out[k] = int_in(t[k], 0, 2 ^ 53)
+      if not out[k] then return nil, k .. " is not a non-negative integer" end
+    end
+  end
+  if t.error ~= nil then
+    if type(t.error) ~= "string" or #t.error > 4096 then return nil, "error is not a string of at most 4096 bytes" end
+    out.error = t.error
+  end
+  return out
+end
+
+--- The exit status demesne-init recorded for one command (run_dir/exec/<exec_id>/status.json),
+--- read confined (no symlink, no FIFO, a regular file of at most 64 KiB) and checked field
+--- by field. Returns the status table, or nil when there is none (the command has not ended,
+--- or nothing was recorded). Any other failure (a FIFO, a link, a folder, a huge or
+--- malformed file, EMFILE) fails with a message naming the file: it never reads as
+--- "no status" or as success.
+---@param run_dir string
+---@param exec_id string
+---@return table|nil
+local function read_status(run_dir, exec_id)
+  local rel = "exec/" .. exec_id .. "/status.json"
+  local d, derr, dcode = fs.opendir(run_dir)
+  if not d then
+    if dcode == "ENOENT" then return nil end
+    fail(("cannot read the command's exit status: %s"):format(tostring(derr)), dcode)
+  end
+  local s, err, code = d:read(rel, STATUS_MAX)
+  d:close()
+  if not s then
+    if code == "ENOENT" then return nil end
+    fail(("cannot read the command's exit status: %s"):format(tostring(err)), code)
+  end
+  local t, jerr = json.decode(s)
+  local st, why = sandbox.check_status(t)
+  if not st then
+    if t == nil then why = "it is not JSON: " .. tostring(jerr) end
+    fail(("the command's exit status %s/%s is not valid (%s); it was written inside the sandbox"):format(run_dir, rel,
+      why), "EINVAL")
+  end
+  return st
+end
+
+-- Bounded stdout/stderr of one command, from its log files under the output folder. A log
+-- that cannot be read (anything but missing) fails: a result never shows it as empty.
 local function collect(output_dir, rel_dir)
   local head, tail = config.get("output_head_bytes"), config.get("output_tail_bytes")
   local prefix = rel_dir and (rel_dir .. "/") or ""
-  local so, cut1 = output.view(output_dir, prefix .. "stdout.log", head, tail)
-  local se, cut2 = output.view(output_dir, prefix .. "stderr.log", head, tail)
+  local so, cut1, c1 = output.view(output_dir, prefix .. "stdout.log", head, tail)
+  if not so then fail("cannot read the command's output: " .. tostring(cut1), c1) end
+  local se, cut2, c2 = output.view(output_dir, prefix .. "stderr.log", head, tail)
+  if not se then fail("cannot read the command's output: " .. tostring(cut2), c2) end
   return so, se, cut1 or cut2
 end
 
@@ -307,6 +384,48 @@ function sandbox.isolation(eng, isolation, open_egress)
   return { isolation = isolation, userns = isolation ~= "gvisor" and config.get("userns") == true and caps.userns == true }
 end
 
+local function closer(fn) return setmetatable({}, { __close = fn }) end
+
+--- Removes `name` (a file, a link or a folder with everything in it) from the held folder
+--- `dir` off the loop (dir:remove_tree: unlinkat on held descriptors, never through a
+--- link). Inside a task it waits for the removal; outside one it starts it and returns.
+--- Failures are logged and returned.
+---@param dir userdata  a core.fs.dir
+---@param name string
+---@return boolean|nil ok, string|nil err
+function sandbox.remove_in(dir, name)
+  local function start(cb)
+    local w, e, c = dir:remove_tree(name, cb)
+    if not w then cb(nil, e, c) end
+  end
+  local function report(ok, e)
+    if not ok then log.warning("demesne.sandbox", "remove %s: %s", name, tostring(e)) end
+    return ok, e
+  end
+  if not async.current() then
+    start(report)
+    return true
+  end
+  return report(async.await(start))
+end
+
+--- Removes a folder the host made but a sandbox could write (a run folder) with everything
+--- in it, as sandbox.remove_in does, from its parent folder. A missing folder is fine.
+---@param path string
+---@return boolean|nil ok, string|nil err
+function sandbox.remove_tree(path)
+  local parent, name = tostring(path):match("^(.*)/([^/]+)$")
+  if not parent then return nil, "not an absolute path: " .. tostring(path) end
+  local d, err, code = fs.opendir(parent ~= "" and parent or "/")
+  if not d then
+    if code == "ENOENT" then return true end
+    log.warning("demesne.sandbox", "remove %s: %s", path, tostring(err))
+    return nil, err
+  end
+  local _ <close> = d
+  return sandbox.remove_in(d, name)
+end
+
 local function prepare(args, kind, tool, ttl)
   local eng = sandbox.engine()
   local lim = sandbox.limits(args.limits)
@@ -321,13 +440,22 @@ local function prepare(args, kind, tool, ttl)
   }
 end
 
--- The folders a sandbox writes to, made before it exists: with a user namespace the engine
--- hands them (and what is in them) to the sandbox's root when it starts, so the transfer
--- folder is made here too.
+-- <state>/claims/<run id>: which engine and which server a run folder belongs to, kept out
+-- of the sandbox's reach, so that the reaper can tell a folder a killed server left behind
+-- from one another live server (or another engine) still uses.
+local function claim_path(run_id) return config.get("state_dir") .. "/claims/" .. run_id end
+
+-- The folders a sandbox writes to are made before it exists: with a user namespace the
+-- engine hands them (and what is in them) to the sandbox's root when it starts, so the
+-- transfer folder is made here too.
 local function make_dirs(o)
   check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/xfer", 448)) -- 0700
+  -- after the folder: a claim without its folder is always stale (a young folder without a
+  -- claim is left alone by the reaper)
+  check(fs.mkdir_p(config.get("state_dir") .. "/claims", 448)) -- 0700
+  check(fs.write_atomic(claim_path(o.run_id), json.encode({ engine = o.engine.socket, owner = sandbox.owner() }) .. "\n"))
 end
 
 -- demesne-init's relay options: under gVisor it copies from the start (a socket cannot be passed).
@@ -452,12 +580,13 @@ function sandbox.run_script(ctx, args)
   -- the container goes on success, failure, timeout and cancel alike
   local _ <close> = setmetatable({}, { __close = function()
     sandbox.script_remove(o)
-    fs.remove_tree(o.run_dir)
+    sandbox.remove_tree(o.run_dir)
   end })
   sandbox.script_start(ctx, o)
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
-  -- demesne-init enforces the timeout inside; this host-side guard covers a stuck engine
-  local code, err = sandbox.script_wait(o, (o.timeout + 30) * 1000)
+  -- demesne-init enforces the timeout inside; this host-side deadline covers a stuck engine
+  -- or sandbox (the container is removed on the way out either way)
+  local code, err = sandbox.script_wait(o, sandbox.deadline_ms(o.timeout))
   return sandbox.script_result(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
 end
 
@@ -482,7 +611,7 @@ function sandbox.create(ctx, args)
   if not ok then
     o.engine:remove(id)
     eg:stop()
-    fs.remove_tree(o.run_dir)
+    sandbox.remove_tree(o.run_dir)
     fail(err)
   end
   local expires = math.floor(loop.time()) + ttl
@@ -523,7 +652,7 @@ function sandbox.lookup(eng, sandbox_id)
   if type(sandbox_id) ~= "string" or not sandbox_id:match("^[%w%-]+$") then
     fail(("sandbox_id: %q is not a sandbox id"):format(tostring(sandbox_id)))
   end
-  local info, err, code = eng:inspect("demesne-" .. sandbox_id)
+  local info, err, code = sandbox.state_of(eng, sandbox_id)
   if not info then
     if code == "ENOENT" then fail(("sandbox_id: no sandbox %s (it was destroyed or has expired)"):format(sandbox_id), "ENOENT") end
     fail(err, code)
@@ -532,14 +661,32 @@ function sandbox.lookup(eng, sandbox_id)
   if labels[LABEL .. "managed"] ~= "1" or labels[LABEL .. "kind"] ~= "persistent" then
     fail(("sandbox_id: %s is not a persistent demesne sandbox"):format(sandbox_id))
   end
-  local memory = info.limits and info.limits.memory_bytes
   return {
     id = info.id, name = "demesne-" .. sandbox_id, labels = labels,
     output_dir = labels[LABEL .. "output_dir"], run_dir = labels[LABEL .. "run_dir"],
     running = info.state == "running",
     expires_at = expiry_of(labels),
-    memory_mb = memory and memory / (1024 * 1024) or nil,
+    memory_mb = tonumber(labels[LABEL .. "memory_mb"]),
   }
+end
+
+--- The engine's summary of the demesne sandbox `run_id` ({id, name, image, state, labels},
+--- see docs/reference/engines.md), found by its run_id label through `list`, not
+--- `inspect`: on Podman 4.3 an inspect of a container takes its lock and then the storage
+--- lock, which deadlocks against the `container cleanup` process of an exec that just ended
+--- in that container (it takes them the other way round; fixed in Podman 4.4). Sandboxes
+--- are looked up before and after every exec and transfer, so they stay off that path.
+--- Returns the summary, or nil, message, code ("ENOENT" when there is none).
+---@param eng table
+---@param run_id string
+---@return table|nil info, string|nil err, string|nil code
+function sandbox.state_of(eng, run_id)
+  local list, err, code = eng:list({ LABEL .. "managed=1", LABEL .. "run_id=" .. tostring(run_id) })
+  if not list then return nil, err, code end
+  for _, c in ipairs(list) do
+    if (c.labels or {})[LABEL .. "run_id"] == run_id then return c end
+  end
+  return nil, ("no sandbox %s"):format(tostring(run_id)), "ENOENT"
 end
 
 --- Fails with a plain message when a persistent sandbox is no longer running (destroyed,
@@ -548,7 +695,7 @@ end
 --- container for up to 2 s before concluding it is alive.
 function sandbox.check_alive(eng, sandbox_id)
   for _ = 1, 10 do
-    local info, _, code = eng:inspect("demesne-" .. tostring(sandbox_id))
+    local info, _, code = sandbox.state_of(eng, tostring(sandbox_id))
     if not info and code == "ENOENT" then
       fail(("sandbox_id: sandbox %s was destroyed (or expired) while the call was running"):format(sandbox_id), "ENOENT")
     end
@@ -613,21 +760,61 @@ function sandbox.exec_prepare(args)
   }
 end
 
---- Runs a planned exec through the engine and waits for it. Returns the exec's exit code,
---- or nil, message, code. Cancelling the task stops the wait only: call exec_kill.
+--- The host-side deadline of a command that may run `timeout_s` seconds in a sandbox: its
+--- timeout plus exec_grace_seconds, in ms. demesne-init enforces the timeout inside; this
+--- bounds the host's wait when demesne-init itself does not answer (stopped with SIGSTOP
+--- by the sandbox, or hung).
+---@param timeout_s number
+---@return integer ms
+function sandbox.deadline_ms(timeout_s)
+  return math.floor((timeout_s + config.get("exec_grace_seconds")) * 1000)
+end
+
+--- Stops a persistent sandbox that did not answer within a host-side deadline: the engine
+--- kills its container (every process in it; the container and its output folder stay
+--- until sandbox_destroy or expiry) and its egress proxy stops. Returns the sentence that
+--- says so, for the caller's error.
+---@param eng table
+---@param container string     container id or name
+---@param sandbox_id string|nil
+---@param what string          what overran, e.g. "the command did not end within its timeout (5 s) plus a grace of 30 s"
+---@return string message
+function sandbox.stop_unresponsive(eng, container, sandbox_id, what)
+  log.warning("demesne.sandbox", "sandbox %s: %s; stopping it as unresponsive", tostring(sandbox_id or container), what)
+  local ok, err = (eng.kill and eng.kill or eng.remove)(eng, container, "KILL")
+  if sandbox_id then egress.stop(sandbox_id) end
+  return ("%s: the sandbox's demesne-init is not responding (stopped or hung), so sandbox %s %s; its output "
+    .. "folder is kept. sandbox_destroy removes it; create a new sandbox to go on"):format(what,
+    tostring(sandbox_id or container), ok and "was stopped" or ("could not be stopped (" .. tostring(err) .. ")"))
+end
+
+--- Runs a planned exec through the engine and waits for it, at most its timeout plus
+--- exec_grace_seconds. Returns the exec's exit code, or nil, message, code ("ETIMEDOUT":
+--- the deadline passed and the sandbox did not answer). Cancelling the task stops the
+--- wait only: call exec_kill.
 ---@param e table  the plan from exec_prepare
 ---@return integer|nil code, string|nil err, string|nil ecode
 function sandbox.exec_run(e)
-  return e.engine:exec(e.container, e.argv, { env = e.env })
+  return e.engine:exec(e.container, e.argv, { env = e.env, timeout_ms = sandbox.deadline_ms(e.timeout) })
 end
 
 --- Kills a planned exec's whole process group inside the sandbox (demesne-init kill:
 --- SIGTERM, SIGKILL after 2 s). Works after a restart: needs only the container and dir.
+--- The kill itself has a host-side deadline (its own 5 s plus exec_grace_seconds): a
+--- sandbox that does not answer it is stopped (stop_unresponsive). Returns what the
+--- engine's exec returned, or nil, message, "ETIMEDOUT".
 ---@param eng table       the engine adapter
 ---@param container string
 ---@param dir string      the exec's folder inside the sandbox (/.demesne/run/exec/<id>)
-function sandbox.exec_kill(eng, container, dir)
-  return eng:exec(container, { INIT, "kill", "--dir", dir, "--signal", "TERM", "--grace", "2" })
+---@param sandbox_id string|nil
+function sandbox.exec_kill(eng, container, dir, sandbox_id)
+  local code, err, ecode = eng:exec(container, { INIT, "kill", "--dir", dir, "--signal", "TERM", "--grace", "2" },
+    { timeout_ms = sandbox.deadline_ms(5) })
+  if code == nil and ecode == "ETIMEDOUT" then
+    return nil, sandbox.stop_unresponsive(eng, container, sandbox_id,
+      ("cancelling the command: demesne-init kill did not end within %d s"):format(sandbox.deadline_ms(5) // 1000)), ecode
+  end
+  return code, err, ecode
 end
 
 --- The result table of a finished exec, from status.json and its logs; `code` is what
@@ -661,25 +848,20 @@ function sandbox.exec(ctx, args)
   local finished = false
   -- cancelling the call kills the command's whole process group inside the sandbox
   local _ <close> = setmetatable({}, { __close = function()
-    if not finished then sandbox.exec_kill(e.engine, e.container, e.dir) end
+    if not finished then sandbox.exec_kill(e.engine, e.container, e.dir, args.sandbox_id) end
   end })
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
-  local code, err = sandbox.exec_run(e)
+  local code, err, ecode = sandbox.exec_run(e)
   finished = true
+  if code == nil and ecode == "ETIMEDOUT" and not read_status(e.run_dir, e.exec_id) then
+    fail("sandbox_exec: " .. sandbox.stop_unresponsive(e.engine, e.container, args.sandbox_id,
+      ("the command did not end within its timeout (%d s) plus a grace of %s s"):format(e.timeout,
+        sandbox.num(config.get("exec_grace_seconds")))), "ETIMEDOUT")
+  end
   -- a sandbox destroyed (or expired) under a running command: say so, not the engine's text
   if not read_status(e.run_dir, e.exec_id) then sandbox.check_alive(e.engine, args.sandbox_id) end
   if code == nil then fail("sandbox_exec failed: " .. tostring(err)) end
   return sandbox.exec_result(e, code, math.floor((loop.hrtime() - started) / 1e6))
-end
-
-local function tmp_file(suffix)
-  local dir = config.get("state_dir") .. "/tmp"
-  check(fs.mkdir_p(dir))
-  return ("%s/%s%s"):format(dir, hex(loop.random(8)), suffix)
-end
-
-local function temp_guard(path)
-  return setmetatable({}, { __close = function() fs.remove_tree(path) end })
 end
 
 -- Runs argv (no shell) in a persistent sandbox through demesne-init and waits for it.
@@ -690,14 +872,21 @@ local function run_quiet(eng, sb, argv)
   local dir = RUN .. "/exec/" .. id
   local cmd = { INIT, "run", "--id", id, "--dir", dir, "--timeout", "3600", "--" }
   for _, a in ipairs(argv) do cmd[#cmd + 1] = a end
-  local code, err = eng:exec(sb.id, cmd, { env = json.array() })
+  local code, err, ecode = eng:exec(sb.id, cmd, { env = json.array(), timeout_ms = sandbox.deadline_ms(3600) })
+  if code == nil and ecode == "ETIMEDOUT" then
+    fail("file transfer failed: " .. sandbox.stop_unresponsive(eng, sb.id, sb.labels[LABEL .. "run_id"],
+      "the transfer did not end within its hour plus the grace"), "ETIMEDOUT")
+  end
   if code == nil then
     sandbox.check_alive(eng, sb.labels[LABEL .. "run_id"])
     fail("file transfer failed: " .. tostring(err))
   end
+  local run = check(fs.opendir(sb.run_dir))
+  local _ <close> = run
+  local _rm <close> = closer(function() sandbox.remove_in(run, "exec/" .. id) end)
   local st = read_status(sb.run_dir, id)
-  local msg = output.view(sb.run_dir, "exec/" .. id .. "/stderr.log", 2048, 2048)
-  fs.remove_tree(sb.run_dir .. "/exec/" .. id)
+  local msg, merr = output.view(sb.run_dir, "exec/" .. id .. "/stderr.log", 2048, 2048)
+  if not msg then fail("file transfer: " .. tostring(merr)) end
   return st and st.exit_code or code, (msg:gsub("%s+$", "")), st
 end
 
@@ -716,35 +905,55 @@ end
 -- Transfers go through a tar in the sandbox's run folder (bind-mounted at /.demesne/run)
 -- and the image's own tar, not the engine's archive API: Docker's archive API neither
 -- sees nor writes tmpfs mounts (/tmp, /workspace), where an upload would vanish.
-local function xfer_paths(sb)
+-- The sandbox can write that folder while the host works in it, so the host holds the
+-- xfer folder by descriptor (core.fs.dir) and touches the tar only through it. Returns
+-- the held folder (closed, with the tar removed, when the returned guard closes), the
+-- tar's name in it and its path inside the sandbox.
+local function xfer_dir(sb)
+  local run = check(fs.opendir(sb.run_dir))
+  local ok, err, code = run:mkdir("xfer", 448) -- 0700
+  if not ok and code ~= "EEXIST" then
+    run:close()
+    fail("file transfer: " .. tostring(err), code)
+  end
+  local x, xerr = run:opendir("xfer")
+  run:close()
+  if not x then
+    fail(("file transfer refused: the sandbox's run folder has an xfer entry that is not a plain folder; "
+      .. "refusing to work through it (%s)"):format(tostring(xerr)))
+  end
   local name = hex(loop.random(8)) .. ".tar"
-  check(fs.mkdir_p(sb.run_dir .. "/xfer", 448)) -- 0700
-  return sb.run_dir .. "/xfer/" .. name, RUN .. "/xfer/" .. name
+  local guard = closer(function()
+    x:unlink(name)
+    x:close()
+  end)
+  return x, name, RUN .. "/xfer/" .. name, guard
+end
+
+-- Waits inside the current task for a core.* work started by `start(cb)` (which returns
+-- a core.fs.work, or nil, msg, code). Cancelling the task cancels the work.
+local function await_work(start)
+  return async.await(function(cb)
+    local w, err, code = start(cb)
+    if not w then
+      cb(nil, err, code)
+      return nil
+    end
+    return function() w:cancel() end
+  end)
+end
+
+-- Bytes of the tar the sandbox may write for a download of at most `max` bytes of files:
+-- room for headers (512 B per entry, pax records for long names) on top of the data.
+local function download_tar_cap(max)
+  return max + math.max(64 * 1024 * 1024, max // 8)
 end
 
 --- Copies a host file or folder into a sandbox (sandbox_upload).
 --- args: sandbox_id, src (host path inside an allowed root), dst (absolute path in the sandbox).
--- The bytes of the regular files under `path` (symlinks not followed), counting stops once
--- over `limit`: what archive.pack would copy. Sparse files count their full size, as the
--- archive holds them in full.
-local function tree_bytes(path, limit)
-  local total = 0
-  local function walk(p)
-    local st = fs.lstat(p)
-    if not st then return end
-    if st.type == "file" then
-      total = total + (st.size or 0)
-    elseif st.type == "directory" then
-      for _, n in ipairs(fs.readdir(p) or {}) do
-        if total > limit then return end
-        walk(p .. "/" .. n)
-      end
-    end
-  end
-  walk(path)
-  return total
-end
-
+--- The tar is packed off the loop into a file created O_EXCL in the held xfer folder;
+--- src is walked by descriptors (never through a link) and its files' sizes (sparse files
+--- count in full) are summed against upload_max_bytes before anything is written.
 function sandbox.upload(ctx, args)
   local eng = sandbox.engine()
   local src = check(paths.check("src", args.src, "any"))
@@ -755,9 +964,13 @@ function sandbox.upload(ctx, args)
   if not base or base == "." or base == ".." then fail("dst: must name a file or folder, e.g. /out/data.csv") end
   if parent == "" then parent = "/" end
   local sb = sandbox.lookup(eng, args.sandbox_id)
-  if sb.labels[LABEL .. "egress"] == "open" then
-    -- host inputs plus open egress is the exfiltration shape sandbox_create refuses
-    fail(("sandbox_id: %s has open egress; host files cannot be uploaded into it"):format(args.sandbox_id))
+  -- host inputs plus open egress is the exfiltration shape sandbox_create refuses: open as
+  -- the policy was at create (label), or as the policy of that name is now (the proxy of a
+  -- re-attached sandbox follows the current file)
+  local pol_name = sb.labels[LABEL .. "egress"] or "none"
+  if sb.labels[LABEL .. "egress_unrestricted"] == "1" or egress.is_unrestricted(pol_name) then
+    fail(("sandbox_id: %s has open egress (policy %q); host files cannot be uploaded into it"):format(args.sandbox_id,
+      pol_name))
   end
   -- tar would silently replace an existing file with a folder, or an empty folder with a file
   -- (the checks exit 1 for a clash; anything else is a failure of the check itself)
@@ -773,14 +986,22 @@ function sandbox.upload(ctx, args)
     if code ~= 0 then transfer_failure(eng, sb, "checking dst in the sandbox", code, msg, st) end
   end
   local max = config.get("upload_max_bytes")
-  local size = tree_bytes(src, max)
-  if size > max then
-    fail(("src: %s holds more than %s bytes of files, over upload_max_bytes (%s); raise it with "
-      .. "DEMESNE_UPLOAD_MAX_BYTES or upload less"):format(src, sandbox.num(max), sandbox.num(max)))
+  local xfer, name, sandbox_tar, guard = xfer_dir(sb)
+  local _ <close> = guard
+  local f <close>, ferr, fcode = xfer:open(name, "wx", 420) -- 0644
+  if not f then fail("file transfer: " .. tostring(ferr), fcode) end
+  local stats, perr, pcode = await_work(function(cb)
+    return archive.pack_to(f, { { src = src, name = base } }, { max_bytes = max, max_entries = 1000000, strict = true },
+      cb)
+  end)
+  f:close()
+  if not stats then
+    if pcode == "E2BIG" and tostring(perr):find("max_bytes", 1, true) then
+      fail(("src: %s holds more than %s bytes of files, over upload_max_bytes (%s); raise it with "
+        .. "DEMESNE_UPLOAD_MAX_BYTES or upload less"):format(src, sandbox.num(max), sandbox.num(max)))
+    end
+    fail(("src: %s cannot be packed: %s"):format(src, tostring(perr)), pcode)
   end
-  local host_tar, sandbox_tar = xfer_paths(sb)
-  local _ <close> = temp_guard(host_tar)
-  local stats = check(archive.pack(host_tar, { { src = src, name = base } }))
   -- --no-overwrite-dir: uploading into an existing folder (/tmp) keeps its mode and owner
   local code, msg, st = run_quiet(eng, sb, { "tar", "-x", "--no-same-owner", "--no-overwrite-dir", "-f", sandbox_tar, "-C", parent })
   if code ~= 0 then
@@ -797,8 +1018,14 @@ function sandbox.upload(ctx, args)
 end
 
 --- Copies a file or folder out of a sandbox into <output_dir>/downloads/<basename>
---- (sandbox_download). Entries with absolute paths, "..", or links leading outside are
---- refused; the unpacked size is capped by download_max_bytes.
+--- (sandbox_download). The sandbox's own tar writes the archive into its run folder (at
+--- most download_max_bytes plus room for headers: RLIMIT_FSIZE through `ulimit -f`); the
+--- host opens it through the held xfer folder (a regular file only) and extracts it off the
+--- loop into a fresh staging folder under the held downloads folder, writing every entry
+--- itself on held descriptors. Entries with absolute paths, "..", links leading outside,
+--- devices, or more than 256 levels are refused; the unpacked size is capped by
+--- download_max_bytes while writing (holes of sparse files count). The result is then
+--- renamed into place within the held downloads folder.
 function sandbox.download(ctx, args)
   local eng = sandbox.engine()
   local src = args.src
@@ -817,30 +1044,55 @@ function sandbox.download(ctx, args)
   if not base or base == "." then fail("src: must name a file or folder (not / and not ending in /.)") end
   if parent == "" then parent = "/" end
   local sb = sandbox.lookup(eng, args.sandbox_id)
-  -- the sandbox can write its own /out: never follow a link it planted there
-  local dl = sb.output_dir .. "/downloads"
-  local st = fs.lstat(dl)
-  if st and st.type ~= "directory" then
-    fail(("the sandbox's output folder has a downloads entry that is not a plain folder (%s); refusing to write through it"):format(st.type))
+  local max = config.get("download_max_bytes")
+  local cap = download_tar_cap(max)
+  -- the sandbox can write its own /out: the downloads folder is held by descriptor and
+  -- never followed through a link it planted there
+  local out = check(fs.opendir(sb.output_dir))
+  local _o <close> = out
+  local mk, merr, mcode = out:mkdir("downloads", 493) -- 0755 (Lua has no octal literals)
+  if not mk and mcode ~= "EEXIST" then fail("download: " .. tostring(merr), mcode) end
+  local dl, derr = out:opendir("downloads")
+  if not dl then
+    fail(("the sandbox's output folder has a downloads entry that is not a plain folder; refusing to write "
+      .. "through it (%s)"):format(tostring(derr)))
   end
-  local host_tar, sandbox_tar = xfer_paths(sb)
-  local _ <close> = temp_guard(host_tar)
-  local code, msg, xst = run_quiet(eng, sb, { "tar", "-c", "-f", sandbox_tar, "-C", parent, "--", base })
+  local _d <close> = dl
+  local xfer, name, sandbox_tar, guard = xfer_dir(sb)
+  local _x <close> = guard
+  -- ulimit -f counts 512-byte blocks (POSIX sh): tar is stopped (SIGXFSZ) at the cap
+  local code, msg, xst = run_quiet(eng, sb, { "/bin/sh", "-c", 'ulimit -f "$1" && shift && exec tar "$@"', "sh",
+    tostring(cap // 512 + 1), "-c", "-f", sandbox_tar, "-C", parent, "--", base })
   if code ~= 0 then
     if msg:find("No such file", 1, true) then fail(("src: %s does not exist in the sandbox"):format(src)) end
+    if code == 128 + 25 or msg:find("File too large", 1, true) then
+      fail(("src: %s holds more than download_max_bytes (%s bytes) of files and archive headers; raise it with "
+        .. "DEMESNE_DOWNLOAD_MAX_BYTES or download less"):format(src, sandbox.num(max)), "E2BIG")
+    end
     transfer_failure(eng, sb, "download of " .. src, code, msg, xst)
   end
-  local tst = fs.lstat(host_tar)
-  if not tst or tst.type ~= "file" then fail("download refused: the archive written in the sandbox is not a regular file") end
-  check(fs.mkdir_p(dl, 493)) -- 0755 (Lua has no octal literals)
-  local staging = dl .. "/.incoming-" .. hex(loop.random(6))
-  local _s <close> = temp_guard(staging)
-  local stats, xerr = archive.extract(host_tar, staging, { max_bytes = config.get("download_max_bytes"), max_entries = 100000 })
-  if not stats then fail("download refused: " .. tostring(xerr)) end
-  local target = dl .. "/" .. base
-  if fs.lstat(target) then fs.remove_tree(target) end
-  check(fs.rename(staging .. "/" .. base, target))
-  return { sandbox_id = args.sandbox_id, src = src, path = target, files = stats.files, bytes = stats.bytes }
+  local tar, terr = xfer:open(name, "r")
+  if not tar then fail("download refused: the archive written in the sandbox cannot be read: " .. tostring(terr)) end
+  local _t <close> = tar
+  local staging = ".incoming-" .. hex(loop.random(6))
+  local stats, xerr, xcode = await_work(function(cb)
+    return archive.extract_at(tar, dl, staging, { max_bytes = max, max_entries = 100000, max_archive_bytes = cap }, cb)
+  end)
+  if not stats then fail("download refused: " .. tostring(xerr), xcode) end
+  -- the extraction removed its folder on failure; after success it goes here
+  local _s <close> = closer(function() sandbox.remove_in(dl, staging) end)
+  local moved, rerr, rcode
+  for _ = 1, 3 do -- the sandbox may put something at the target again meanwhile
+    sandbox.remove_in(dl, base)
+    moved, rerr, rcode = dl:rename(staging .. "/" .. base, dl, base, true)
+    if moved or (rcode ~= "EEXIST" and rcode ~= "ENOTEMPTY") then break end
+  end
+  if not moved then
+    if rcode == "ENOENT" then fail(("download refused: the archive from the sandbox does not hold %s"):format(base)) end
+    fail("download: cannot move the result into place: " .. tostring(rerr), rcode)
+  end
+  return { sandbox_id = args.sandbox_id, src = src, path = sb.output_dir .. "/downloads/" .. base, files = stats.files,
+    bytes = stats.bytes }
 end
 
 --- Destroys a persistent sandbox. Idempotent: a gone sandbox is success, with status
@@ -858,7 +1110,7 @@ function sandbox.destroy(ctx, args)
   if not removed then fail(how) end
   egress.stop(args.sandbox_id)
   if sb.run_dir then
-    fs.remove_tree(sb.run_dir)
+    sandbox.remove_tree(sb.run_dir)
     local ef = expiry_file(sb.run_dir)
     if ef then os.remove(ef) end
   end
@@ -893,13 +1145,103 @@ end
 local function job_running(labels)
   local p = labels[LABEL .. "job_record"]
   if type(p) ~= "string" or not p:match("/jobs/job%-[%w%-]+%.json$") then return false end
-  local rec = json.decode(fs.read_file(p, 0, 1024 * 1024) or "")
+  local text, _, code = fs.read_file(p, 0, 1024 * 1024)
+  if not text then return code ~= "ENOENT" end -- cannot tell (EMFILE…): keep the container
+  local rec = json.decode(text)
   return type(rec) == "table" and rec.status == "running"
+end
+
+-- Removes a tree a sandbox could once write (a run folder), never following a link in it.
+-- The one place such a removal happens in the reaper: switch it to core.fs's fd-relative
+-- tree removal when that lands.
+local function remove_leftover(path)
+  return sandbox.remove_tree(path)
+end
+
+-- A run folder older than this with no claim file (made before claims existed) and no
+-- container is taken for a leftover: longer than a one-shot may run.
+local function unclaimed_age() return config.get("timeout_max") + 3600 end
+local TMP_AGE = 24 * 3600 -- seconds: state_dir/tmp files (build contexts, transfers) older than this are leftovers
+
+-- What a server killed at the wrong moment (SIGKILL) leaves in the state folder: run
+-- folders (exec records, proxy sockets, transfer staging) whose sandbox has no container,
+-- their expiry and claim files, and old temporary files. A run folder is kept while a
+-- container on this engine names it, a running job record names it, this process runs
+-- its proxy, or the server that made it is alive (it cleans up itself); a folder claimed
+-- for another engine is never touched. `containers` is the engine's list of demesne
+-- containers (all states). Returns the number of run folders removed.
+local function reap_leftovers(eng, containers)
+  local state = config.get("state_dir")
+  local keep = {}
+  for _, c in ipairs(containers) do
+    local l = c.labels or {}
+    if l[LABEL .. "run_id"] then keep[l[LABEL .. "run_id"]] = true end
+    local rd = tostring(l[LABEL .. "run_dir"] or "")
+    if rd:match("/run/([^/]+)$") then keep[rd:match("/run/([^/]+)$")] = true end
+  end
+  -- whatever cannot be read (EMFILE…) stops the pass: a folder is removed only on what is known
+  local job_names, _, jcode = fs.readdir(state .. "/jobs")
+  if not job_names and jcode ~= "ENOENT" then return 0 end
+  for _, name in ipairs(job_names or {}) do
+    if name:match("^job%-[%w%-]+%.json$") then
+      local text, _, rcode = fs.read_file(state .. "/jobs/" .. name, 0, 1024 * 1024)
+      if not text and rcode ~= "ENOENT" then return 0 end
+      local rec = json.decode(text or "")
+      if type(rec) == "table" and rec.status == "running" and type(rec.run_dir) == "string" then
+        local id = rec.run_dir:match("/run/([^/]+)$")
+        if id then keep[id] = true end
+      end
+    end
+  end
+  local now = loop.time()
+  local n = 0
+  for _, id in ipairs(fs.readdir(state .. "/run") or {}) do
+    local path = state .. "/run/" .. id
+    local st = fs.lstat(path)
+    if st and id:match("^[%w%-]+$") and not keep[id] and not egress.get(id) then
+      local text, _, ccode = fs.read_file(claim_path(id), 0, 4096)
+      local claim = json.decode(text or "")
+      local leftover
+      if type(claim) == "table" then
+        leftover = claim.engine == eng.socket and not owner_alive(claim.owner)
+      elseif not text and ccode == "ENOENT" then
+        local etext, _, ecode = fs.read_file(expiry_file(path), 0, 64)
+        local expires = tonumber(etext or "") or 0
+        leftover = (etext or ecode == "ENOENT") and now - (st.mtime or now) > unclaimed_age() and expires < now
+      end
+      if leftover then
+        local ok, err = remove_leftover(path)
+        if ok then
+          n = n + 1
+          os.remove(expiry_file(path))
+          os.remove(claim_path(id))
+          log.info("demesne.reaper", "removed the leftover run folder %s (no container, job or live server claims it)", id)
+        else
+          log.warning("demesne.reaper", "cannot remove the run folder %s: %s", id, tostring(err))
+        end
+      end
+    end
+  end
+  -- expiry and claim files whose run folder is gone (a claim is written after its folder)
+  for _, sub in ipairs({ "expiry", "claims" }) do
+    for _, id in ipairs(fs.readdir(state .. "/" .. sub) or {}) do
+      if id:match("^[%w%-]+$") and not keep[id] and not fs.lstat(state .. "/run/" .. id) then
+        fs.unlink(state .. "/" .. sub .. "/" .. id)
+      end
+    end
+  end
+  for _, name in ipairs(fs.readdir(state .. "/tmp") or {}) do
+    local st = fs.lstat(state .. "/tmp/" .. name)
+    if st and now - (st.mtime or now) > TMP_AGE then remove_leftover(state .. "/tmp/" .. name) end
+  end
+  return n
 end
 
 --- One reaper pass: removes containers past their expiry and one-shot containers whose
 --- owner process is gone, but never a background job's container while its job record
---- says running. Works from the engine's state. Returns the number removed.
+--- says running; then what a killed server left in the state folder (run folders without
+--- a container, their expiry and claim files, old temporary files). Works from the
+--- engine's state. Returns the number of containers removed.
 function sandbox.reap()
   local eng = engines.get()
   if not eng then return 0 end
@@ -918,13 +1260,17 @@ function sandbox.reap()
         if l[LABEL .. "run_id"] then egress.stop(l[LABEL .. "run_id"]) end
         local rd = l[LABEL .. "run_dir"]
         if rd and paths.within(rd, config.get("state_dir") .. "/run") then
-          fs.remove_tree(rd)
+          sandbox.remove_tree(rd)
           os.remove(expiry_file(rd))
+          os.remove(claim_path(rd:match("([^/]+)$")))
         end
         log.info("demesne.reaper", "removed %s (%s)", l[LABEL .. "run_id"] or c.id, expired and "expired" or "owner gone")
       end
     end
   end
+  -- the list again: what was just removed no longer claims its folder
+  local now_list = eng:list({ LABEL .. "managed=1" })
+  if now_list then reap_leftovers(eng, now_list) end
   return n
 end
 

@@ -37,6 +37,8 @@ local LOGGER = "demesne.tools"
 ---@field outputSchema table|nil
 ---@field annotations table|nil
 ---@field execution table|nil  {taskSupport = "forbidden"|"optional"|"required"} (MCP 2025-11-25 tasks)
+---@field clientCapabilities string[]|nil  client capabilities the tool needs ("sampling", "elicitation",
+---   "roots"); a 2026-07-28 call from a client that did not declare one is refused with -32021
 ---@field run fun(ctx: ToolContext, args: table): any, string|nil
 ---@field origin string   where it was loaded from (set by the loader)
 
@@ -180,6 +182,12 @@ function tools.check_descriptor(d)
     local ts = d.execution.taskSupport
     if ts ~= nil and ts ~= "forbidden" and ts ~= "optional" and ts ~= "required" then
       return nil, 'execution.taskSupport: must be "forbidden", "optional" or "required"'
+    end
+  end
+  if d.clientCapabilities ~= nil then
+    if type(d.clientCapabilities) ~= "table" then return nil, "clientCapabilities: must be a list of strings" end
+    for i, c in ipairs(d.clientCapabilities) do
+      if type(c) ~= "string" then return nil, ("clientCapabilities[%d]: must be a string"):format(i - 1) end
     end
   end
   if type(d.run) ~= "function" then return nil, "run: must be a function(ctx, args)" end

@@ -15,6 +15,7 @@
 -- request's headers: it is never logged, written or put into the sandbox.
 local fs = require("core.fs")
 local http = require("core.http")
+local config = require("demesne.config")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local loop = require("core.loop")
@@ -349,15 +350,25 @@ function vendor.start(o)
     deadline = o.deadline, waits = {}, decide = o.decide, holds = o.holds ~= false,
     rate = load_rate(o.run_id, vendor.rate_budget(o.rate_limit_retries)),
     total = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 } }, Route)
-  -- a route started again (a background job re-attached after a restart) keeps the totals
-  local prev = fs.read_file(o.output_dir .. "/usage.json", 0, 1 << 20)
-  prev = prev and json.decode(prev)
+  -- the output folder is the sandbox's to write: held by descriptor, every file in it
+  -- opened confined (no link, no FIFO; core.fs.dir), so a restarted server never blocks here
+  local out, oerr = fs.opendir(o.output_dir)
+  if not out then return nil, "vendor: " .. tostring(oerr) end
+  r.out = out
+  -- a route started again (a background job re-attached after a restart) keeps the totals;
+  -- they are the sandbox's word (it can write usage.json): only finite counts are taken
+  local prev, perr, pcode = out:read("usage.json", 1 << 20)
+  if not prev and pcode ~= "ENOENT" then log.warning(LOGGER, "%s: previous totals not read: %s", o.run_id, tostring(perr)) end
+  local pok
+  pok, prev = pcall(json.decode, prev or "")
+  if not pok then prev = nil end
   if type(prev) == "table" and type(prev.models) == "table" then
     for name, m in pairs(prev.models) do
       if type(name) == "string" and type(m) == "table" then
         local rec = { requests = 0, input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 }
         for k in pairs(rec) do
-          if type(m[k]) == "number" then rec[k] = m[k] end
+          local v = m[k]
+          if type(v) == "number" and v >= 0 and v < 2 ^ 53 then rec[k] = math.tointeger(v) or v end
         end
         r.models[name] = rec
         for _, k in ipairs({ "input", "output", "cache_creation", "cache_read", "cost_usd" }) do
@@ -367,17 +378,27 @@ function vendor.start(o)
       end
     end
   end
-  local file, ferr = fs.open(o.output_dir .. "/usage.jsonl", "a")
-  if not file then return nil, "vendor: " .. tostring(ferr) end
+  local file, ferr = out:open("usage.jsonl", "a")
+  if not file then
+    out:close()
+    return nil, "vendor: " .. tostring(ferr)
+  end
   r.file = file
   r:write_totals()
   local path = o.run_dir .. "/" .. vendor.SOCKET_NAME
   local server, err = stream.listen_relay(path, function(conn) r:accept(conn) end)
   if not server then
     file:close()
+    out:close()
     return nil, ("vendor: cannot listen on %s: %s"):format(path, tostring(err))
   end
-  fs.chmod(path, 438) -- 0666: whatever user the image runs as can connect
+  -- 0666: whatever user the image runs as can connect; the run folder is the sandbox's to
+  -- write, so the socket is changed through the held folder, never through a link
+  local run = fs.opendir(o.run_dir)
+  if run then
+    run:chmod(vendor.SOCKET_NAME, 438)
+    run:close()
+  end
   r.server = server
   active[o.run_id] = r
   return r
@@ -412,7 +433,8 @@ end
 function Route:write_totals()
   local ok, text = pcall(json.encode, self:totals())
   if ok then
-    local w, err = fs.write_atomic(self.output_dir .. "/usage.json", text .. "\n")
+    local w, err = nil, "the route is stopped"
+    if self.out then w, err = self.out:write_atomic("usage.json", text .. "\n") end
     if not w then log.warning(LOGGER, "%s: usage.json: %s", self.run_id, tostring(err)) end
   end
 end
@@ -450,8 +472,36 @@ local function error_body(p, status, message)
     code = tostring(status) } })
 end
 
+--- Takes one connection of the agent (from the relay). A route holds at most
+--- vendor_max_connections at once: one more is answered 503 naming the ceiling (each
+--- connection holds descriptors on the host; a sandbox must not starve the others).
+---@param conn userdata  a core.stream
 function Route:accept(conn)
   if self.closed then conn:close() return end
+  local max = math.max(1, math.floor(config.get("vendor_max_connections")))
+  if self.nconns >= max then
+    local why = ("this sandbox has %d connections open on its vendor route, its ceiling "
+      .. "(vendor_max_connections in the demesne configuration); close some and retry"):format(self.nconns)
+    -- answered before the request is read: the request is drained (for at most 2 s) so
+    -- that closing does not reset the connection under the answer
+    local body = error_body(self.provider, 503, why)
+    local closed = false
+    local function close()
+      if not closed then closed = true conn:close() end
+    end
+    local linger = timer.after(2000, close)
+    conn:read_start(function(data)
+      if data == nil then linger:close() close() end
+    end)
+    conn:write(("HTTP/1.1 503 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s")
+      :format(REASONS[503], #body, body), function() if not closed then conn:shutdown() end end)
+    self.refused = (self.refused or 0) + 1
+    if self.refused == 1 or loop.now() - (self.refused_logged or 0) >= 1000 then
+      self.refused_logged = loop.now()
+      self:log_line({ time = iso_now(), verdict = "deny", status = 503, reason = why, refused = self.refused })
+    end
+    return
+  end
   self.conns[conn] = true
   self.nconns = self.nconns + 1
   local state = { buf = "", started = loop.hrtime() }
@@ -784,6 +834,7 @@ function Route:stop()
   for c in pairs(self.conns) do pcall(c.close, c) end
   self:write_totals()
   if self.file then self.file:close() self.file = nil end
+  if self.out then self.out:close() self.out = nil end
 end
 Route.__close = Route.stop
 

@@ -79,6 +79,8 @@ set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)            # demesne_<version>_<arch>.de
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
 # An engine to talk to, and mmdebstrap to build the base image when no registry answers.
 set(CPACK_DEBIAN_PACKAGE_RECOMMENDS "podman | docker.io, mmdebstrap")
+# python3 (3.11: tomllib) reads ~/.codex/config.toml when host_mcp_import names codex
+set(CPACK_DEBIAN_PACKAGE_SUGGESTS "python3 (>= 3.11)")
 set(CPACK_DEBIAN_PACKAGE_CONTROL_STRICT_PERMISSION ON)
 set(CPACK_STRIP_FILES ON)
 set(CPACK_PACKAGING_INSTALL_PREFIX /usr)

@@ -4,6 +4,7 @@
 #include <lua.h>
 #include <lauxlib.h>
 #include <uv.h>
+#include "work.h"
 
 int luaopen_core_loop(lua_State *L);
 int luaopen_core_timer(lua_State *L);
@@ -16,6 +17,7 @@ int luaopen_core_json(lua_State *L);
 int luaopen_core_text(lua_State *L);
 int luaopen_core_archive(lua_State *L);
 int luaopen_core_proxy(lua_State *L);
+int luaopen_core_httpd(lua_State *L);
 
 /// A libuv stream (pipe or TCP) owned by Lua as a `core.stream` userdata (core/bind/stream.c).
 /// `h` is heap-allocated and freed in its close callback, after the userdata may be gone.
@@ -27,5 +29,31 @@ dm_stream *dm_stream_push(lua_State *L, uv_stream_t *h);
 
 /// Allocates and initialises a uv_pipe_t on the runtime loop (counted as a handle).
 uv_pipe_t *dm_pipe_new(void);
+
+/// Heavy work with a Lua callback (core/bind/fs.c): the binding allocates a struct whose
+/// first member is a dm_lwork, sets `w.run` (worker thread), `push` and `release`, and
+/// calls dm_lwork_start. On the loop, once `run` returned, the callback is called (through
+/// dm_call) with what `push` leaves on the stack; then `release` frees what the job owns
+/// and the struct is freed.
+typedef struct dm_lwork dm_lwork;
+struct dm_lwork {
+  dm_work w;                                ///< first member
+  int (*push)(lua_State *L, dm_lwork *lw);  ///< pushes the callback's arguments, returns how many
+  void (*release)(dm_lwork *lw);            ///< frees what the job owns (not the struct)
+  int cb_ref, ud_ref;
+  void *ud; ///< the core.fs.work handle while the work is pending
+};
+
+/// Queues `lw` (heap-allocated) with the Lua function at stack index `cb` as its callback
+/// and pushes a `core.fs.work` handle (work:cancel()). Returns 1. Never calls back before
+/// it returns.
+int dm_lwork_start(lua_State *L, dm_lwork *lw, int cb);
+
+/// The descriptor of the open `core.fs.file` at `idx` (raises when it is not one or closed).
+int dm_fs_check_file(lua_State *L, int idx);
+
+/// The descriptor of the open `core.fs.dir` at `idx` (raises when it is not one or closed);
+/// *path (may be NULL) gets the folder's path for messages.
+int dm_fs_check_dir(lua_State *L, int idx, const char **path);
 
 #endif

@@ -1,20 +1,24 @@
-/* core.fs: synchronous filesystem helpers (local, short operations on the loop thread). */
+/* core.fs: filesystem helpers. Path-based functions are for the host's own files; a
+ * `core.fs.dir` handle (core/confine.c underneath) is for every tree a sandbox can write:
+ * each name is resolved below the held folder with no symlink and no "..", files are
+ * type-checked before they are opened, and heavy work (tree removal) runs off the loop
+ * as a `core.fs.work`. Short operations run on the loop thread. */
 #include "runtime.h"
 #include "bind/bind.h"
+#include "confine.h"
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
-#include <ftw.h>
 #include <limits.h>
-#include <linux/openat2.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
-#include <sys/syscall.h>
 #include <unistd.h>
 
 #define FILE_MT "core.fs.file"
+#define DIR_MT "core.fs.dir"
+#define WORK_MT "core.fs.work"
 
 static int fail_errno(lua_State *L, const char *what, const char *path) {
   int e = errno;
@@ -56,42 +60,50 @@ static int l_mkdir_p(lua_State *L) {
   return 1;
 }
 
+/* Splits `path` into its folder (opened, following links: the host's own path) and last
+ * name. Returns the folder's descriptor or -1/errno. */
+static int open_parent_path(const char *path, char *base, size_t cap) {
+  size_t len = strlen(path);
+  while (len > 1 && path[len - 1] == '/') len--;
+  size_t b = len;
+  while (b > 0 && path[b - 1] != '/') b--;
+  size_t bl = len - b;
+  if (bl == 0 || bl >= cap || (bl == 1 && path[b] == '.') || (bl == 2 && path[b] == '.' && path[b + 1] == '.')) {
+    errno = bl >= cap ? ENAMETOOLONG : EINVAL;
+    return -1;
+  }
+  memcpy(base, path + b, bl);
+  base[bl] = '\0';
+  char dir[PATH_MAX];
+  if (b >= sizeof dir) {
+    errno = ENAMETOOLONG;
+    return -1;
+  }
+  if (b == 0) strcpy(dir, ".");
+  else if (b == 1) strcpy(dir, "/");
+  else {
+    memcpy(dir, path, b - 1);
+    dir[b - 1] = '\0';
+  }
+  return open(dir, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+}
+
 /// core.fs.write_atomic(path, data [, mode=0644]) -> true | nil, msg, code.
-/// Writes to a temporary file in the same folder, fsyncs, then renames over `path`:
-/// readers see the old or the new contents, never a half-written file.
+/// Writes to a new temporary file (O_EXCL) in the same folder, fsyncs, then renames it over
+/// `path` within that held folder: readers see the old or the new contents, never a
+/// half-written file.
 static int l_write_atomic(lua_State *L) {
   const char *p = luaL_checkstring(L, 1);
   size_t len;
   const char *data = luaL_checklstring(L, 2, &len);
   mode_t mode = (mode_t)luaL_optinteger(L, 3, 0644);
-  char tmp[PATH_MAX];
-  if (snprintf(tmp, sizeof tmp, "%s.tmp.%d", p, (int)getpid()) >= (int)sizeof tmp)
-    return dm_fail(L, "write: path too long", "ENAMETOOLONG");
-  int fd = open(tmp, O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC | O_NOFOLLOW, mode);
-  if (fd < 0) return fail_errno(L, "write", tmp);
-  size_t off = 0;
-  while (off < len) {
-    ssize_t n = write(fd, data + off, len - off);
-    if (n < 0) {
-      if (errno == EINTR) continue;
-      int e = errno;
-      close(fd);
-      unlink(tmp);
-      errno = e;
-      return fail_errno(L, "write", tmp);
-    }
-    off += (size_t)n;
-  }
-  if (fsync(fd) != 0 || close(fd) != 0) {
-    unlink(tmp);
-    return fail_errno(L, "write", tmp);
-  }
-  if (rename(tmp, p) != 0) {
-    int e = errno;
-    unlink(tmp);
-    errno = e;
-    return fail_errno(L, "rename", p);
-  }
+  char base[NAME_MAX + 1];
+  int pfd = open_parent_path(p, base, sizeof base);
+  if (pfd < 0) return fail_errno(L, "write", p);
+  dm_err err;
+  int r = dm_cf_write_atomic(pfd, base, data, len, mode, &err);
+  close(pfd);
+  if (r != 0) return dm_fail(L, lua_pushfstring(L, "%s (%s)", err.msg, p), err.code);
   lua_pushboolean(L, 1);
   return 1;
 }
@@ -215,20 +227,25 @@ static int l_rename(lua_State *L) {
   return 1;
 }
 
-static int rm_entry(const char *p, const struct stat *st, int flag, struct FTW *ftw) {
-  return remove(p);
-}
-
 /// core.fs.remove_tree(path) -> true | nil, msg, code. Removes a file or a folder with
-/// everything in it; symlinks are removed, never followed. A missing path is fine.
+/// everything in it, synchronously, by unlinkat on held folder descriptors; symlinks are
+/// removed, never followed. A missing path is fine. For the host's own folders; a tree a
+/// sandbox can write goes through dir:remove_tree (off the loop).
 static int l_remove_tree(lua_State *L) {
   const char *p = luaL_checkstring(L, 1);
-  struct stat st;
-  if (lstat(p, &st) != 0 && errno == ENOENT) {
-    lua_pushboolean(L, 1);
-    return 1;
+  char base[NAME_MAX + 1];
+  int pfd = open_parent_path(p, base, sizeof base);
+  if (pfd < 0) {
+    if (errno == ENOENT) {
+      lua_pushboolean(L, 1);
+      return 1;
+    }
+    return fail_errno(L, "remove", p);
   }
-  if (nftw(p, rm_entry, 32, FTW_DEPTH | FTW_PHYS) != 0) return fail_errno(L, "remove", p);
+  dm_err err;
+  int r = dm_cf_remove_tree(pfd, base, &err);
+  close(pfd);
+  if (r != 0) return dm_fail(L, lua_pushfstring(L, "%s (%s)", err.msg, p), err.code);
   lua_pushboolean(L, 1);
   return 1;
 }
@@ -291,27 +308,19 @@ static int l_open(lua_State *L) {
 
 /// core.fs.open_beneath(root, relpath) -> file | nil, msg, code. Opens `relpath` for
 /// reading only if it lies beneath `root` with no symlink and no ".." on the way
-/// (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS), so a sandbox that planted a link in its
-/// output folder cannot make the host read a file outside it.
+/// (openat2 RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS) and is a
+/// regular file (checked before it is opened for data: a FIFO or device is never opened;
+/// the descriptor is O_NONBLOCK), so a sandbox that planted a link or a FIFO in its
+/// output folder cannot make the host read a file outside it or block.
 static int l_open_beneath(lua_State *L) {
   const char *root = luaL_checkstring(L, 1);
   const char *rel = luaL_checkstring(L, 2);
-  int dfd = open(root, O_PATH | O_DIRECTORY | O_CLOEXEC);
+  int dfd = open(root, O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dfd < 0) return fail_errno(L, "open", root);
-  struct open_how how;
-  memset(&how, 0, sizeof how);
-  how.flags = O_RDONLY | O_CLOEXEC | O_NOFOLLOW;
-  how.resolve = RESOLVE_BENEATH | RESOLVE_NO_SYMLINKS | RESOLVE_NO_MAGICLINKS;
-  int fd = (int)syscall(SYS_openat2, dfd, rel, &how, sizeof how);
-  int e = errno;
+  dm_err err;
+  int fd = dm_cf_open_file(dfd, rel, DM_CF_READ, 0, NULL, &err);
   close(dfd);
-  errno = e;
-  if (fd < 0) return fail_errno(L, "open", rel);
-  struct stat st;
-  if (fstat(fd, &st) != 0 || !S_ISREG(st.st_mode)) {
-    close(fd);
-    return dm_fail(L, "open: not a regular file", "EINVAL");
-  }
+  if (fd < 0) return dm_fail(L, err.msg, err.code);
   return push_file(L, fd);
 }
 
@@ -360,6 +369,334 @@ static int l_file_close(lua_State *L) {
   return 0;
 }
 
+/* ================================ core.fs.work ================================ */
+
+typedef struct {
+  dm_lwork *lw; /* NULL once the work is done */
+} work_ud;
+
+static int lwork_call(lua_State *L) {
+  dm_lwork *lw = lua_touserdata(L, 1);
+  dm_push_ref(L, lw->cb_ref);
+  int n = lw->push(L, lw);
+  lua_call(L, n, 0);
+  return 0;
+}
+
+static void lwork_done(dm_work *w) {
+  dm_lwork *lw = (dm_lwork *)w;
+  lua_State *L = dm_rt.L;
+  if (L && lw->ud) ((work_ud *)lw->ud)->lw = NULL; /* after lua_close the handle is gone */
+  if (L) {
+    lua_pushcfunction(L, lwork_call);
+    lua_pushlightuserdata(L, lw);
+    dm_call(L, 1);
+  }
+  dm_unref(L, &lw->cb_ref);
+  dm_unref(L, &lw->ud_ref);
+  lw->release(lw);
+  free(lw);
+  dm_handle_count(-1);
+}
+
+int dm_lwork_start(lua_State *L, dm_lwork *lw, int cb) {
+  luaL_checktype(L, cb, LUA_TFUNCTION);
+  work_ud *u = lua_newuserdatauv(L, sizeof *u, 0); /* [.., work] */
+  u->lw = lw;
+  luaL_setmetatable(L, WORK_MT);
+  lua_pushvalue(L, -1);
+  lw->ud_ref = dm_ref(L); /* the handle lives while the work is pending */
+  lua_pushvalue(L, cb);
+  lw->cb_ref = dm_ref(L);
+  lw->ud = u;
+  lw->w.done = lwork_done;
+  atomic_store(&lw->w.cancel, 0);
+  dm_handle_count(1);
+  dm_work_submit(dm_rt.loop, &lw->w);
+  return 1;
+}
+
+/// work:cancel() -> nil. Asks the work to stop early; its callback is still called once,
+/// later, with nil, "cancelled", "ECANCELED" (unless it had already finished). Work that
+/// was stopped half-way cleans up after itself. Does nothing once the work is done.
+static int l_work_cancel(lua_State *L) {
+  work_ud *u = luaL_checkudata(L, 1, WORK_MT);
+  if (u->lw) atomic_store(&u->lw->w.cancel, 1);
+  return 0;
+}
+
+/* ================================ core.fs.dir ================================ */
+
+typedef struct {
+  int fd;
+  char *path; /* for messages */
+} dm_dir;
+
+static dm_dir *check_dir(lua_State *L, int idx) {
+  dm_dir *d = luaL_checkudata(L, idx, DIR_MT);
+  luaL_argcheck(L, d->fd >= 0, idx, "folder is closed");
+  return d;
+}
+
+int dm_fs_check_dir(lua_State *L, int idx, const char **path) {
+  dm_dir *d = check_dir(L, idx);
+  if (path) *path = d->path;
+  return d->fd;
+}
+
+int dm_fs_check_file(lua_State *L, int idx) {
+  dm_file *f = luaL_checkudata(L, idx, FILE_MT);
+  luaL_argcheck(L, f->fd >= 0, idx, "file is closed");
+  return f->fd;
+}
+
+/* Pushes a dir handle around fd (owned) named `path` (or parent/rel). */
+static int push_dir(lua_State *L, int fd, const char *parent, const char *rel) {
+  dm_dir *d = lua_newuserdatauv(L, sizeof *d, 0);
+  d->fd = -1;
+  d->path = NULL;
+  luaL_setmetatable(L, DIR_MT);
+  size_t n = strlen(parent) + (rel ? strlen(rel) + 1 : 0) + 1;
+  d->path = malloc(n);
+  if (!d->path) {
+    close(fd);
+    return luaL_error(L, "out of memory");
+  }
+  if (rel) snprintf(d->path, n, "%s/%s", parent, rel);
+  else snprintf(d->path, n, "%s", parent);
+  d->fd = fd;
+  return 1;
+}
+
+/* nil, "<what> <dir>/<rel>: <reason>", code from errno */
+static int fail_at(lua_State *L, const char *what, dm_dir *d, const char *rel, int e) {
+  dm_err err;
+  char name[PATH_MAX + 64];
+  snprintf(name, sizeof name, "%s/%s", d->path, rel && *rel ? rel : ".");
+  dm_err_errno(&err, e, what, name);
+  return dm_fail(L, err.msg, err.code);
+}
+
+static int fail_err(lua_State *L, dm_dir *d, const dm_err *err) {
+  lua_pushnil(L);
+  lua_pushfstring(L, "%s (in %s)", err->msg, d->path);
+  lua_pushstring(L, err->code);
+  return 3;
+}
+
+/// core.fs.opendir(path) -> dir | nil, msg, code. Opens a folder the host made (an output
+/// folder, a run folder) and holds it: every name given to the handle's methods is then
+/// resolved below it with no symlink, no ".." and no magic link. A final symlink at `path`
+/// is not followed (ELOOP).
+static int l_opendir(lua_State *L) {
+  const char *p = luaL_checkstring(L, 1);
+  int fd = open(p, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_CLOEXEC);
+  if (fd < 0) return fail_errno(L, "open", p);
+  return push_dir(L, fd, p, NULL);
+}
+
+/// dir:opendir(rel) -> dir | nil, msg, code: a folder below this one, confined.
+static int l_dir_opendir(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  const char *rel = luaL_checkstring(L, 2);
+  int fd = dm_cf_open_dir(d->fd, rel);
+  if (fd < 0) return fail_at(L, "open", d, rel, errno);
+  return push_dir(L, fd, d->path, rel);
+}
+
+/// dir:open(rel, mode [, perm=0644]) -> file | nil, msg, code. mode "r" (read), "a"
+/// (append; created when missing) or "wx" (create; EEXIST when anything is there).
+/// Regular files only, type-checked before they are opened; O_NONBLOCK | O_NOFOLLOW.
+static int l_dir_open(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  const char *rel = luaL_checkstring(L, 2);
+  const char *m = luaL_checkstring(L, 3);
+  mode_t perm = (mode_t)luaL_optinteger(L, 4, 0644);
+  dm_cf_mode mode;
+  if (!strcmp(m, "r")) mode = DM_CF_READ;
+  else if (!strcmp(m, "a")) mode = DM_CF_APPEND;
+  else if (!strcmp(m, "wx")) mode = DM_CF_CREATE;
+  else return luaL_argerror(L, 3, "mode must be 'r', 'a' or 'wx'");
+  dm_err err;
+  int fd = dm_cf_open_file(d->fd, rel, mode, perm, NULL, &err);
+  if (fd < 0) return fail_err(L, d, &err);
+  return push_file(L, fd);
+}
+
+/// dir:read(rel, max_bytes) -> string | nil, msg, code. The whole regular file `rel`, at
+/// most max_bytes: a longer one fails with EFBIG (nothing is returned). Confined and
+/// non-blocking like dir:open(rel, "r").
+static int l_dir_read(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  const char *rel = luaL_checkstring(L, 2);
+  lua_Integer max = luaL_checkinteger(L, 3);
+  luaL_argcheck(L, max >= 0 && max < LUA_MAXINTEGER, 3, "max_bytes must be >= 0");
+  dm_err err;
+  struct stat st;
+  int fd = dm_cf_open_file(d->fd, rel, DM_CF_READ, 0, &st, &err);
+  if (fd < 0) return fail_err(L, d, &err);
+  if (st.st_size > max) {
+    close(fd);
+    lua_pushnil(L);
+    lua_pushfstring(L, "read %s/%s: %I bytes, more than the %I read at most", d->path, rel, (lua_Integer)st.st_size, max);
+    lua_pushliteral(L, "EFBIG");
+    return 3;
+  }
+  int r = read_fd(L, fd, 0, max + 1, rel);
+  int e = errno;
+  close(fd);
+  if (r) return fail_at(L, "read", d, rel, e);
+  if ((lua_Integer)lua_rawlen(L, -1) > max) {
+    lua_pushnil(L);
+    lua_pushfstring(L, "read %s/%s: grew past the %I read at most", d->path, rel, max);
+    lua_pushliteral(L, "EFBIG");
+    return 3;
+  }
+  return 1;
+}
+
+/// dir:stat([rel]) -> {type, size, mode, mtime, uid} | nil, msg, code. Follows nothing: a
+/// symlink at the end is described itself (type "link"); "" or none is the folder itself.
+static int l_dir_stat(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  const char *rel = luaL_optstring(L, 2, "");
+  struct stat st;
+  if (dm_cf_lstat(d->fd, rel, &st) != 0) return fail_at(L, "stat", d, rel, errno);
+  push_stat(L, &st);
+  return 1;
+}
+
+/// dir:mkdir(rel [, mode=0755]) -> true | nil, msg, code (EEXIST when something is there).
+static int l_dir_mkdir(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  const char *rel = luaL_checkstring(L, 2);
+  if (dm_cf_mkdir(d->fd, rel, (mode_t)luaL_optinteger(L, 3, 0755)) != 0) return fail_at(L, "mkdir", d, rel, errno);
+  lua_pushboolean(L, 1);
+  return 1;
+}
+
+/// dir:unlink(rel) -> true | nil, msg, code. A file or symlink (not a folder).
+static int l_dir_unlink(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  const char *rel = luaL_checkstring(L, 2);
+  if (dm_cf_unlink(d->fd, rel) != 0) return fail_at(L, "unlink", d, rel, errno);
+  lua_pushboolean(L, 1);
+  return 1;
+}
+
+/// dir:rename(from, to_dir, to [, noreplace]) -> true | nil, msg, code. Moves `from` (below
+/// this folder) to `to` below the handle to_dir (may be this one), both confined; with
+/// noreplace an existing `to` fails with EEXIST instead of being replaced.
+static int l_dir_rename(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  const char *from = luaL_checkstring(L, 2);
+  dm_dir *t = check_dir(L, 3);
+  const char *to = luaL_checkstring(L, 4);
+  if (dm_cf_rename(d->fd, from, t->fd, to, lua_toboolean(L, 5)) != 0) return fail_at(L, "rename", d, from, errno);
+  lua_pushboolean(L, 1);
+  return 1;
+}
+
+/// dir:write_atomic(rel, data [, mode=0644]) -> true | nil, msg, code. A new temporary file
+/// (O_EXCL) in the held folder of `rel`, fsynced, renamed over `rel` within that folder.
+static int l_dir_write_atomic(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  const char *rel = luaL_checkstring(L, 2);
+  size_t len;
+  const char *data = luaL_checklstring(L, 3, &len);
+  dm_err err;
+  if (dm_cf_write_atomic(d->fd, rel, data, len, (mode_t)luaL_optinteger(L, 4, 0644), &err) != 0)
+    return fail_err(L, d, &err);
+  lua_pushboolean(L, 1);
+  return 1;
+}
+
+/// dir:chmod(rel, mode) -> true | nil, msg, code. Never of or through a symlink (ELOOP).
+static int l_dir_chmod(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  const char *rel = luaL_checkstring(L, 2);
+  if (dm_cf_chmod(d->fd, rel, (mode_t)luaL_checkinteger(L, 3)) != 0) return fail_at(L, "chmod", d, rel, errno);
+  lua_pushboolean(L, 1);
+  return 1;
+}
+
+typedef struct {
+  dm_lwork lw;
+  int fd;
+  char *rel;
+  char *path;
+  int rc;
+  dm_err err;
+} rm_job;
+
+static void rm_run(dm_work *w) {
+  rm_job *j = (rm_job *)w;
+  j->rc = dm_cf_remove_tree(j->fd, j->rel, &j->err);
+}
+
+static int rm_push(lua_State *L, dm_lwork *lw) {
+  rm_job *j = (rm_job *)lw;
+  if (j->rc == 0) {
+    lua_pushboolean(L, 1);
+    return 1;
+  }
+  lua_pushnil(L);
+  lua_pushfstring(L, "%s (in %s)", j->err.msg, j->path);
+  lua_pushstring(L, j->err.code);
+  return 3;
+}
+
+static void rm_release(dm_lwork *lw) {
+  rm_job *j = (rm_job *)lw;
+  if (j->fd >= 0) close(j->fd);
+  free(j->rel);
+  free(j->path);
+}
+
+/// dir:remove_tree(rel, callback) -> work | nil, msg, code. Removes `rel` (a file, a link,
+/// or a folder with everything in it; "." empties this folder) off the loop, by unlinkat
+/// on held folder descriptors: never through a link, at most 32 descriptors held however
+/// deep the tree. A missing `rel` is success. callback(true) | callback(nil, msg, code).
+static int l_dir_remove_tree(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  const char *rel = luaL_checkstring(L, 2);
+  luaL_checktype(L, 3, LUA_TFUNCTION);
+  if (strcmp(rel, ".") && *rel && dm_cf_check_rel(rel) != 0) return fail_at(L, "remove", d, rel, errno);
+  rm_job *j = calloc(1, sizeof *j);
+  if (!j) return dm_fail(L, "remove: out of memory", "ENOMEM");
+  j->fd = fcntl(d->fd, F_DUPFD_CLOEXEC, 0);
+  j->rel = strdup(rel);
+  j->path = strdup(d->path);
+  if (j->fd < 0 || !j->rel || !j->path) {
+    int e = errno;
+    rm_release(&j->lw);
+    free(j);
+    return fail_at(L, "remove", d, rel, e ? e : ENOMEM);
+  }
+  j->lw.w.run = rm_run;
+  j->lw.push = rm_push;
+  j->lw.release = rm_release;
+  return dm_lwork_start(L, &j->lw, 3);
+}
+
+/// dir:close() -> nil. Idempotent; also __gc and __close.
+static int l_dir_close(lua_State *L) {
+  dm_dir *d = luaL_checkudata(L, 1, DIR_MT);
+  if (d->fd >= 0) close(d->fd);
+  d->fd = -1;
+  free(d->path);
+  d->path = NULL;
+  return 0;
+}
+
+static const luaL_Reg dir_methods[] = {
+  {"opendir", l_dir_opendir}, {"open", l_dir_open}, {"read", l_dir_read}, {"stat", l_dir_stat},
+  {"mkdir", l_dir_mkdir}, {"unlink", l_dir_unlink}, {"rename", l_dir_rename},
+  {"write_atomic", l_dir_write_atomic}, {"chmod", l_dir_chmod}, {"remove_tree", l_dir_remove_tree},
+  {"close", l_dir_close}, {NULL, NULL},
+};
+static const luaL_Reg work_methods[] = {{"cancel", l_work_cancel}, {NULL, NULL}};
+
 static const luaL_Reg file_methods[] = {
   {"write", l_file_write}, {"read", l_file_read}, {"size", l_file_size},
   {"close", l_file_close}, {NULL, NULL},
@@ -368,7 +705,8 @@ static const luaL_Reg funcs[] = {
   {"mkdir_p", l_mkdir_p}, {"write_atomic", l_write_atomic}, {"realpath", l_realpath},
   {"stat", l_stat}, {"lstat", l_lstat}, {"read_file", l_read_file}, {"readdir", l_readdir},
   {"unlink", l_unlink}, {"rename", l_rename}, {"remove_tree", l_remove_tree},
-  {"chmod", l_chmod}, {"lchown", l_lchown}, {"open", l_open}, {"open_beneath", l_open_beneath}, {NULL, NULL},
+  {"chmod", l_chmod}, {"lchown", l_lchown}, {"open", l_open}, {"open_beneath", l_open_beneath},
+  {"opendir", l_opendir}, {NULL, NULL},
 };
 
 int luaopen_core_fs(lua_State *L) {
@@ -379,6 +717,18 @@ int luaopen_core_fs(lua_State *L) {
   lua_setfield(L, -2, "__gc");
   lua_pushcfunction(L, l_file_close);
   lua_setfield(L, -2, "__close");
+  lua_pop(L, 1);
+  luaL_newmetatable(L, DIR_MT);
+  luaL_newlib(L, dir_methods);
+  lua_setfield(L, -2, "__index");
+  lua_pushcfunction(L, l_dir_close);
+  lua_setfield(L, -2, "__gc");
+  lua_pushcfunction(L, l_dir_close);
+  lua_setfield(L, -2, "__close");
+  lua_pop(L, 1);
+  luaL_newmetatable(L, WORK_MT);
+  luaL_newlib(L, work_methods);
+  lua_setfield(L, -2, "__index");
   lua_pop(L, 1);
   luaL_newlib(L, funcs);
   return 1;

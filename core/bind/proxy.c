@@ -14,7 +14,7 @@
 /* Owned by the engine's lifetime, not by the userdata: freed in on_closed. */
 typedef struct lproxy {
   dm_proxy *p;
-  int req_ref, done_ref, close_ref, self_ref;
+  int req_ref, done_ref, close_ref, self_ref, refused_ref;
   int closed;
 } lproxy;
 
@@ -113,6 +113,25 @@ static void on_done(void *ud, dm_proxy_conn *c, const dm_proxy_result *res) {
   dm_unref(L, &ref);
 }
 
+static void on_refused(void *ud, const dm_proxy_refusal *r) {
+  lproxy *lp = ud;
+  lua_State *L = dm_rt.L;
+  if (!L || lp->refused_ref == LUA_NOREF) return;
+  dm_push_ref(L, lp->refused_ref);
+  lua_createtable(L, 0, 5);
+  lua_pushstring(L, r->limit);
+  lua_setfield(L, -2, "limit");
+  lua_pushinteger(L, r->active);
+  lua_setfield(L, -2, "active");
+  lua_pushinteger(L, r->ceiling);
+  lua_setfield(L, -2, "ceiling");
+  lua_pushboolean(L, r->answered);
+  lua_setfield(L, -2, "answered");
+  lua_pushstring(L, r->message);
+  lua_setfield(L, -2, "message");
+  dm_call(L, 1);
+}
+
 static void on_closed(void *ud) {
   lproxy *lp = ud;
   lua_State *L = dm_rt.L;
@@ -124,6 +143,7 @@ static void on_closed(void *ud) {
   dm_unref(L, &lp->done_ref);
   dm_unref(L, &lp->close_ref);
   dm_unref(L, &lp->self_ref);
+  dm_unref(L, &lp->refused_ref);
   dm_handle_count(-1);
   free(lp);
 }
@@ -139,7 +159,11 @@ static int opt_int(lua_State *L, int t, const char *k, int def) {
 /// Listens on the unix socket `path` (an existing file is replaced). opts: resolver
 /// ("ip:port" of a test DNS server; default getaddrinfo), rules (list of {cidr = string,
 /// allow = boolean, port = integer|nil, index = integer|nil}: address rules in order),
-/// head_timeout_ms, connect_timeout_ms. on_request(conn, req) for each request head, req =
+/// head_timeout_ms, connect_timeout_ms, max_conns (connections at once, default 256), max_fds
+/// (descriptors the connections hold, default 1024), ceiling_hint (text added to a refusal),
+/// on_refused (function(info) per connection refused for a ceiling, info = {limit =
+/// "connections"|"descriptors"|"server", active, ceiling, answered, message}; the sandbox
+/// gets a 503 carrying `message` when answered). on_request(conn, req) for each request head, req =
 /// {method, host, port, ip = 4|6|nil, form = "connect"|"absolute"|"origin", path,
 /// host_header}; the callback answers with conn:allow() or conn:deny(reason), now or later.
 /// on_done(conn, res) once per connection that reached on_request, res = {bytes_up,
@@ -155,6 +179,16 @@ static int l_listen(lua_State *L) {
   lua_pop(L, 1); /* the string stays alive in opts */
   o.head_timeout_ms = (unsigned)opt_int(L, 2, "head_timeout_ms", 0);
   o.connect_timeout_ms = (unsigned)opt_int(L, 2, "connect_timeout_ms", 0);
+  int max_conns = opt_int(L, 2, "max_conns", 0), max_fds = opt_int(L, 2, "max_fds", 0);
+  luaL_argcheck(L, max_conns >= 0 && max_fds >= 0, 2, "max_conns and max_fds must not be negative");
+  o.max_conns = (unsigned)max_conns;
+  o.max_fds = (unsigned)max_fds;
+  lua_getfield(L, 2, "ceiling_hint");
+  o.ceiling_hint = lua_isnil(L, -1) ? NULL : luaL_checkstring(L, -1);
+  lua_pop(L, 1); /* the string stays alive in opts */
+  lua_getfield(L, 2, "on_refused");
+  luaL_argcheck(L, lua_isnil(L, -1) || lua_isfunction(L, -1), 2, "on_refused must be a function");
+  lua_pop(L, 1);
   lua_getfield(L, 2, "rules");
   size_t n = lua_istable(L, -1) ? lua_rawlen(L, -1) : 0;
   dm_proxy_rule *rules = n ? calloc(n, sizeof *rules) : NULL;
@@ -187,8 +221,8 @@ static int l_listen(lua_State *L) {
     free(rules);
     return luaL_error(L, "out of memory");
   }
-  lp->req_ref = lp->done_ref = lp->close_ref = lp->self_ref = LUA_NOREF;
-  dm_proxy_handler h = {on_request, on_done, on_closed};
+  lp->req_ref = lp->done_ref = lp->close_ref = lp->self_ref = lp->refused_ref = LUA_NOREF;
+  dm_proxy_handler h = {on_request, on_done, on_closed, on_refused};
   int err = 0;
   lp->p = dm_proxy_new(dm_rt.loop, &o, &h, lp, &err);
   free(rules);
@@ -202,6 +236,9 @@ static int l_listen(lua_State *L) {
   lp->req_ref = dm_ref(L);
   lua_pushvalue(L, 4);
   lp->done_ref = dm_ref(L);
+  lua_getfield(L, 2, "on_refused");
+  if (lua_isfunction(L, -1)) lp->refused_ref = dm_ref(L);
+  else lua_pop(L, 1);
   listener_ud *u = lua_newuserdatauv(L, sizeof *u, 0);
   u->lp = lp;
   luaL_setmetatable(L, LISTENER_MT);
@@ -235,6 +272,23 @@ static int l_listener_active(lua_State *L) {
   listener_ud *u = check_listener(L);
   lua_pushinteger(L, u->lp ? (lua_Integer)dm_proxy_active(u->lp->p) : 0);
   return 1;
+}
+
+/// listener:descriptors() -> integer: descriptors its connections hold now (0 once closed).
+static int l_listener_descriptors(lua_State *L) {
+  listener_ud *u = check_listener(L);
+  lua_pushinteger(L, u->lp ? (lua_Integer)dm_proxy_fds(u->lp->p) : 0);
+  return 1;
+}
+
+/// core.proxy.descriptors() -> held, cap: descriptors the connections of every egress
+/// listener hold now, and the most they may hold together (the soft RLIMIT_NOFILE less a
+/// reserve kept for the rest of the server).
+static int l_descriptors(lua_State *L) {
+  size_t cap;
+  lua_pushinteger(L, (lua_Integer)dm_proxy_fds_total(&cap));
+  lua_pushinteger(L, (lua_Integer)cap);
+  return 2;
 }
 
 static dm_proxy_conn *check_conn(lua_State *L) {
@@ -332,11 +386,12 @@ static int l_match_cidr(lua_State *L) {
   return 1;
 }
 
-static const luaL_Reg listener_methods[] = {{"close", l_listener_close}, {"active", l_listener_active}, {NULL, NULL}};
+static const luaL_Reg listener_methods[] = {
+  {"close", l_listener_close}, {"active", l_listener_active}, {"descriptors", l_listener_descriptors}, {NULL, NULL}};
 static const luaL_Reg conn_methods[] = {{"allow", l_conn_allow}, {"deny", l_conn_deny}, {NULL, NULL}};
 static const luaL_Reg funcs[] = {
   {"listen", l_listen}, {"normalize_host", l_normalize_host}, {"split_authority", l_split_authority},
-  {"classify", l_classify}, {"match_cidr", l_match_cidr}, {NULL, NULL},
+  {"classify", l_classify}, {"match_cidr", l_match_cidr}, {"descriptors", l_descriptors}, {NULL, NULL},
 };
 
 int luaopen_core_proxy(lua_State *L) {

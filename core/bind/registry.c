@@ -14,6 +14,7 @@ static const luaL_Reg modules[] = {
   {"core.text", luaopen_core_text},
   {"core.archive", luaopen_core_archive},
   {"core.proxy", luaopen_core_proxy},
+  {"core.httpd", luaopen_core_httpd},
   {NULL, NULL},
 };
 

@@ -13,6 +13,7 @@ struct dm_stream {
   int self_ref;     /* keeps the userdata alive while reading or with writes pending */
   int pending;      /* writes + shutdown + connect in flight */
   int server_ref;   /* listen callback */
+  int relay_pending; /* relay listeners: connections that have not handed their socket over yet */
 };
 
 typedef struct {
@@ -52,6 +53,7 @@ dm_stream *dm_stream_push(lua_State *L, uv_stream_t *h) {
   s->h = h;
   s->read_ref = s->self_ref = s->server_ref = LUA_NOREF;
   s->pending = 0;
+  s->relay_pending = 0;
   h->data = s;
   luaL_setmetatable(L, STREAM_MT);
   return s;
@@ -380,17 +382,21 @@ static int l_connect_tcp(lua_State *L) {
 static void on_connection(uv_stream_t *server, int status) {
   dm_stream *s = server->data;
   lua_State *L = dm_rt.L;
-  if (!L || !s || s->server_ref == LUA_NOREF) return;
+  /* EMFILE/ENFILE: libuv has accepted and closed what was pending and keeps listening */
   if (status < 0) return;
   uv_stream_t *client;
   if (server->type == UV_TCP) {
     client = malloc(sizeof(uv_tcp_t));
-    uv_tcp_init(dm_rt.loop, (uv_tcp_t *)client);
-    dm_handle_count(1);
+    if (client) {
+      uv_tcp_init(dm_rt.loop, (uv_tcp_t *)client);
+      dm_handle_count(1);
+    }
   } else {
     client = (uv_stream_t *)dm_pipe_new();
   }
-  if (uv_accept(server, client) != 0) {
+  if (!client) return; /* out of memory: libuv accepts again at the next uv_accept */
+  /* every path takes the connection: libuv accepts no other until it is taken */
+  if (uv_accept(server, client) != 0 || !L || !s || s->server_ref == LUA_NOREF) {
     uv_close((uv_handle_t *)client, on_close);
     return;
   }
@@ -459,10 +465,17 @@ static int l_listen_tcp(lua_State *L) {
 /* Relay listeners: demesne-init's relay in a sandbox connects to a unix socket and hands
  * over the TCP socket it accepted (SCM_RIGHTS, with the byte 'F'), then hangs up. Where
  * sockets cannot be passed (gVisor) it sends the byte '\0' with no socket and then copies
- * the client's bytes over the unix connection, which is then the client itself. */
+ * the client's bytes over the unix connection, which is then the client itself. A sandbox
+ * can also connect to the socket itself and send nothing: at most RELAY_PENDING_MAX such
+ * connections per listener are kept (each holds a descriptor), later ones are closed at
+ * once. */
+#define RELAY_PENDING_MAX 16
+
 typedef struct {
   uv_pipe_t pipe; /* first member: the close callback frees the struct */
   int cb_ref;
+  int srv_ref;    /* the listener's userdata: keeps its relay_pending count alive */
+  dm_stream *srv;
 } relay_conn;
 
 static void relay_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
@@ -480,6 +493,11 @@ static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   uv_pipe_t *pipe = &rc->pipe;
   int cb = rc->cb_ref;
   rc->cb_ref = LUA_NOREF;
+  if (rc->srv) {
+    rc->srv->relay_pending--;
+    rc->srv = NULL;
+    dm_unref(L, &rc->srv_ref);
+  }
   if (n > 0 && L && cb != LUA_NOREF && uv_pipe_pending_count(pipe) > 0 &&
       uv_pipe_pending_type(pipe) == UV_TCP) {
     uv_tcp_t *tcp = malloc(sizeof *tcp);
@@ -510,20 +528,31 @@ static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
 static void on_relay_connection(uv_stream_t *server, int status) {
   dm_stream *s = server->data;
   lua_State *L = dm_rt.L;
-  if (!L || !s || s->server_ref == LUA_NOREF || status < 0) return;
+  /* EMFILE/ENFILE: libuv has accepted and closed what was pending and keeps listening */
+  if (status < 0) return;
   relay_conn *rc = malloc(sizeof *rc);
-  if (!rc) return;
+  if (!rc) return; /* the connection stays with libuv, which stops accepting until the next uv_accept */
   uv_pipe_init(dm_rt.loop, &rc->pipe, 1);
   dm_handle_count(1);
-  rc->cb_ref = LUA_NOREF;
-  if (uv_accept(server, (uv_stream_t *)&rc->pipe) != 0) {
+  rc->cb_ref = rc->srv_ref = LUA_NOREF;
+  rc->srv = NULL;
+  /* every path takes the connection: libuv accepts no other until it is taken */
+  if (uv_accept(server, (uv_stream_t *)&rc->pipe) != 0 || !L || !s || s->server_ref == LUA_NOREF ||
+      s->self_ref == LUA_NOREF || s->relay_pending >= RELAY_PENDING_MAX) {
     uv_close((uv_handle_t *)&rc->pipe, on_close);
     return;
   }
+  dm_push_ref(L, s->self_ref);
+  rc->srv_ref = dm_ref(L);
+  rc->srv = s;
+  s->relay_pending++;
   dm_push_ref(L, s->server_ref);
   rc->cb_ref = dm_ref(L);
   if (uv_read_start((uv_stream_t *)&rc->pipe, relay_alloc, relay_read) != 0) {
     dm_unref(L, &rc->cb_ref);
+    s->relay_pending--;
+    rc->srv = NULL;
+    dm_unref(L, &rc->srv_ref);
     uv_close((uv_handle_t *)&rc->pipe, on_close);
   }
 }

@@ -114,8 +114,144 @@ static int l_hash(lua_State *L) {
   return 1;
 }
 
+
+/* ---- json_raw: the raw text of a member of a JSON object ------------------------------ */
+
+static const char *ws(const char *p, const char *e) {
+  while (p < e && (*p == ' ' || *p == '\t' || *p == '\n' || *p == '\r')) p++;
+  return p;
+}
+
+/* p at '"': returns the byte after the closing quote, or NULL. */
+static const char *skip_string(const char *p, const char *e) {
+  p++;
+  while (p < e) {
+    const char *q = memchr(p, '"', (size_t)(e - p));
+    if (!q) return NULL;
+    /* count the backslashes before the quote */
+    const char *b = q;
+    while (b > p && b[-1] == '\\') b--;
+    if (((q - b) & 1) == 0) return q + 1;
+    p = q + 1;
+  }
+  return NULL;
+}
+
+/* Returns the byte after the value at p, or NULL when malformed. */
+static const char *skip_value(const char *p, const char *e) {
+  if (p >= e) return NULL;
+  if (*p == '"') return skip_string(p, e);
+  if (*p == '{' || *p == '[') {
+    size_t depth = 0;
+    while (p < e) {
+      char c = *p;
+      if (c == '"') {
+        p = skip_string(p, e);
+        if (!p) return NULL;
+        continue;
+      }
+      if (c == '{' || c == '[') depth++;
+      else if (c == '}' || c == ']') {
+        if (--depth == 0) return p + 1;
+      }
+      p++;
+    }
+    return NULL;
+  }
+  const char *s = p;
+  while (p < e && *p != ',' && *p != '}' && *p != ']' && *p != ' ' && *p != '\t' && *p != '\n' && *p != '\r') p++;
+  return p > s ? p : NULL;
+}
+
+/* Does the string token [s, t) (quotes included) spell `key`? Escapes of ASCII characters
+ * are decoded; a key needing any other escape never matches. */
+static int key_is(const char *s, const char *t, const char *key) {
+  const char *p = s + 1, *end = t - 1;
+  size_t k = 0, kn = strlen(key);
+  while (p < end) {
+    char c = *p++;
+    if (c == '\\') {
+      if (p >= end) return 0;
+      char x = *p++;
+      if (x == 'u') {
+        if (end - p < 4) return 0;
+        unsigned v = 0;
+        for (int i = 0; i < 4; i++) {
+          char h = p[i];
+          v = v * 16 + (unsigned)(h >= '0' && h <= '9' ? h - '0' : h >= 'a' && h <= 'f' ? h - 'a' + 10
+                                 : h >= 'A' && h <= 'F' ? h - 'A' + 10 : 99);
+        }
+        if (v > 127) return 0;
+        c = (char)v;
+        p += 4;
+      } else {
+        c = x == 'n' ? '\n' : x == 't' ? '\t' : x == 'r' ? '\r' : x == 'b' ? '\b' : x == 'f' ? '\f' : x;
+      }
+    }
+    if (k >= kn || key[k] != c) return 0;
+    k++;
+  }
+  return k == kn;
+}
+
+/* In the object at p, finds the LAST member named key (as lua-cjson keeps the last of
+ * duplicates). Sets [*vs, *ve) and returns 1, or returns 0. */
+static int find_member(const char *p, const char *e, const char *key, const char **vs, const char **ve) {
+  p = ws(p, e);
+  if (p >= e || *p != '{') return 0;
+  p = ws(p + 1, e);
+  int found = 0;
+  if (p < e && *p == '}') return 0;
+  while (p < e) {
+    if (*p != '"') return found;
+    const char *ks = p;
+    p = skip_string(p, e);
+    if (!p) return found;
+    int match = key_is(ks, p, key);
+    p = ws(p, e);
+    if (p >= e || *p != ':') return found;
+    p = ws(p + 1, e);
+    const char *v = p;
+    p = skip_value(p, e);
+    if (!p) return found;
+    if (match) {
+      *vs = v;
+      *ve = p;
+      found = 1;
+    }
+    p = ws(p, e);
+    if (p >= e || *p != ',') return found;
+    p = ws(p + 1, e);
+  }
+  return found;
+}
+
+/// core.text.json_raw(s, key1 [, key2 …]) -> string | nil. The exact text of a member's
+/// value in the JSON object `s` (`key2` inside the object that `key1` holds…), as sent:
+/// `9007199254740993` stays those digits, a string keeps its quotes and escapes. Of
+/// duplicate keys the last counts (as lua-cjson decodes). nil when absent or malformed.
+/// Used for JSON-RPC ids, which must go back exactly as they came (lua-cjson decodes every
+/// number to a double).
+static int l_json_raw(lua_State *L) {
+  size_t n;
+  const char *s = luaL_checklstring(L, 1, &n);
+  int nkeys = lua_gettop(L) - 1;
+  luaL_argcheck(L, nkeys >= 1, 2, "at least one key");
+  const char *p = s, *e = s + n, *vs = NULL, *ve = NULL;
+  for (int i = 0; i < nkeys; i++) {
+    if (!find_member(p, e, luaL_checkstring(L, i + 2), &vs, &ve)) {
+      lua_pushnil(L);
+      return 1;
+    }
+    p = vs;
+    e = ve;
+  }
+  lua_pushlstring(L, vs, (size_t)(ve - vs));
+  return 1;
+}
+
 static const luaL_Reg funcs[] = {
-  {"hash", l_hash},
+  {"hash", l_hash}, {"json_raw", l_json_raw},
   {"utf8_clean", l_utf8_clean}, {"utf8_floor", l_utf8_floor}, {"utf8_ceil", l_utf8_ceil},
   {NULL, NULL},
 };

@@ -1,6 +1,38 @@
 -- `demesne check-config`: the effective configuration and where each value came from.
+local async = require("demesne.async")
 local config = require("demesne.config")
 local engines = require("demesne.engines")
+local hostmcp = require("demesne.hostmcp")
+local loop = require("core.loop")
+
+-- The host MCP servers that will be offered to agent sandboxes (server, origin, transport,
+-- allowed tools) and the entries refused. Returns true when config.lua has an error there.
+local function host_mcp_section()
+  local t = async.spawn("check-config: host MCP", hostmcp.describe)
+  if not t.done then
+    t:on_done(function() loop.stop() end)
+    loop.run()
+  end
+  local ok, rows, problems = table.unpack(t.result, 1, 3)
+  if not ok then
+    io.stderr:write("demesne: host MCP servers: ", tostring(rows), "\n")
+    return true
+  end
+  local import = config.get("host_mcp_import") or {}
+  io.stdout:write(("\nhost MCP servers (offered to agent sandboxes; import: %s)\n"):format(
+    #import > 0 and table.concat(import, ", ") or "off"))
+  if #rows == 0 then io.stdout:write("  none\n") end
+  for _, r in ipairs(rows) do
+    io.stdout:write(("  %s  %s  %s\n    from:  %s\n    tools: %s%s\n"):format(r.name, r.transport, r.target, r.origin,
+      r.tools, r.source ~= "config" and r.tools == "none" and " (imported: name its tools in host_mcp in config.lua)" or ""))
+  end
+  local failed = false
+  for _, p in ipairs(problems) do
+    io.stdout:write(("  %s: %s\n"):format(p.level == "error" and "refused" or "note", p.message))
+    if p.level == "error" then failed = true end
+  end
+  return failed
+end
 
 return function()
   local d, err = config.describe()
@@ -14,6 +46,19 @@ return function()
     if v == nil then v = "(unset)" end
     io.stdout:write(("%-20s = %-40s (%s)\n"):format(k, tostring(v), d[k].origin))
   end
+  -- the bearer token of `serve --http`: where it comes from, never its value
+  local http = require("demesne.mcp.http")
+  local tok, where = http.token(false)
+  if tok then
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("http token", where == "$DEMESNE_HTTP_TOKEN" and "(set)" or where,
+      where == "$DEMESNE_HTTP_TOKEN" and where or "file, mode 0600"))
+  elseif os.getenv("DEMESNE_HTTP_TOKEN") and os.getenv("DEMESNE_HTTP_TOKEN") ~= "" then
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("http token", "(unusable)", where))
+    err = err or where
+  else
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format("http token", http.token_path(),
+      "created by the first `serve --http`; or set DEMESNE_HTTP_TOKEN"))
+  end
   if (config.get("engine_adapter") or "docker") ~= "docker" then
     local adapter, aerr = engines.check_adapter()
     io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine adapter file", adapter and adapter.origin or "not loaded",
@@ -24,6 +69,7 @@ return function()
     io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine socket", tostring(sock or "none found"),
       sock and "discovered" or ("tried " .. table.concat(tried or {}, ", "))))
   end
+  if host_mcp_section() then err = err or "host_mcp has refused entries (see above)" end
   if err then
     io.stderr:write("demesne: config error: ", err, "\n")
     return 1

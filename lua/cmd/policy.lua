@@ -31,7 +31,7 @@ local function list()
   table.sort(names)
   for _, n in ipairs(names) do
     local p = all[n]
-    io.stdout:write(("%-20s %s (%s)\n"):format(n, p.description, p.origin))
+    io.stdout:write(("%-20s %s%s (%s)\n"):format(n, p.description, p.unrestricted and " [open egress]" or "", p.origin))
   end
   for _, e in ipairs(errors) do io.stderr:write("refused: ", e, "\n") end
   return #errors > 0 and 1 or 0

@@ -1,8 +1,11 @@
--- `demesne serve` (the default command): the MCP server over stdio.
--- stdout carries only the protocol; logs go to stderr (level from DEMESNE_LOG_LEVEL).
--- `--fixtures DIR` also loads the tool files in DIR (test fixtures).
+-- `demesne serve` (the default command): the MCP server over stdio, or over Streamable
+-- HTTP with `--http ADDR` (repeatable: 127.0.0.1:PORT, [::1]:PORT, localhost:PORT,
+-- unix:/path; `--http-allow-remote` permits a non-loopback address).
+-- Over stdio, stdout carries only the protocol; logs go to stderr (level from
+-- DEMESNE_LOG_LEVEL). `--fixtures DIR` also loads the tool files in DIR (test fixtures).
 local async = require("demesne.async")
 local config = require("demesne.config")
+local hostmcp = require("demesne.hostmcp")
 local log = require("demesne.log")
 
 -- The reaper: at start and every reap_interval seconds, remove expired sandboxes and
@@ -22,8 +25,29 @@ end
 ---@param opts {fixtures: string|nil}
 ---@return integer status
 return function(args, opts)
-  if args[1] then
-    io.stderr:write("demesne serve: unexpected argument '", args[1], "'\n")
+  local addrs, allow_remote = {}, false
+  local i = 1
+  while i <= #args do
+    local a = args[i]
+    if a == "--http" then
+      if not args[i + 1] then
+        io.stderr:write("demesne serve: --http needs an address (127.0.0.1:PORT, [::1]:PORT or unix:/path)\n")
+        return 2
+      end
+      addrs[#addrs + 1] = args[i + 1]
+      i = i + 1
+    elseif a:match("^%-%-http=") then
+      addrs[#addrs + 1] = a:sub(8)
+    elseif a == "--http-allow-remote" then
+      allow_remote = true
+    else
+      io.stderr:write("demesne serve: unexpected argument '", a, "'\n")
+      return 2
+    end
+    i = i + 1
+  end
+  if allow_remote and #addrs == 0 then
+    io.stderr:write("demesne serve: --http-allow-remote goes with --http ADDR\n")
     return 2
   end
   local _, cerr = config.describe()
@@ -35,8 +59,20 @@ return function(args, opts)
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
   local jobs = require("demesne.jobs")
   jobs.start()
-  local status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures })
+  -- host MCP servers: their declaration problems are logged now; they start on first use
+  async.spawn("host MCP configuration", function()
+    local ok, err = pcall(hostmcp.load)
+    if not ok and err ~= async.CANCELLED then log.error("demesne.hostmcp", "%s", tostring(err)) end
+  end)
+  local status
+  if #addrs > 0 then
+    status = require("demesne.mcp.http").serve({ addrs = addrs, allow_remote = allow_remote, fixtures = opts.fixtures })
+  else
+    status = require("demesne.mcp.stdio").serve({ fixtures = opts.fixtures })
+  end
   jobs.stop()
+  -- no host MCP server outlives the server
+  hostmcp.shutdown_outside_task()
   async.cancel(reaper, "shutdown")
   return status
 end

@@ -24,6 +24,22 @@ local function urlencode(s)
   return (tostring(s):gsub("[^%w%-%._~]", function(c) return ("%%%02X"):format(c:byte()) end))
 end
 
+--- One segment of an API path built from a caller's or a sandbox's data (a container name
+--- or id, an exec id, an image reference): every byte but RFC 3986's unreserved ones is
+--- percent-escaped, '/' included, so that no value can add a segment, climb with "..",
+--- or start a query ("../events?x=" becomes "..%2Fevents%3Fx%3D"). Docker and Podman
+--- both decode escaped segments (an image reference's '/' and ':' included).
+--- Raises on an empty value (it would name another endpoint: "/containers//json" is the list).
+---@param s string|number
+---@return string
+function docker.segment(s)
+  local v = urlencode(s)
+  if v == "" then error("engine API path: an empty segment", 2) end
+  if v == "." or v == ".." then v = v:gsub("%.", "%%2E") end -- never a dot segment
+  return v
+end
+local seg = docker.segment
+
 local function query(q)
   if not q then return "" end
   local keys = {}
@@ -234,9 +250,16 @@ function docker.container_summary(c)
   }
 end
 
+--- The deadline of an engine call that sets none (ms): a hung engine must not hold a
+--- caller (or a cancel's cleanup) for ever. Streams that may run long pass their own
+--- (timeout_ms = 0: none).
+docker.DEFAULT_TIMEOUT_MS = 300000
+
 --- Low-level call: method, path (with query table), optional JSON body or opts
---- ({body_file=, output_file=, on_data=, timeout_ms=, headers=, socket=, prefix=}; socket:
---- another socket than the adapter's; prefix: the API path prefix, default "/v1.41").
+--- ({body_file=, output_file=, on_data=, timeout_ms= (default DEFAULT_TIMEOUT_MS, 0: none),
+--- headers=, socket=, prefix=}; socket: another socket than the adapter's; prefix: the API
+--- path prefix, default "/v1.41"). `path` must be built with docker.segment for every value
+--- it holds.
 --- Returns res or nil, msg, code.
 function Engine:call(method, path, q, body, opts)
   opts = opts or {}
@@ -247,7 +270,7 @@ function Engine:call(method, path, q, body, opts)
     url = "http://d" .. (opts.prefix or "/v1.41") .. path .. query(q), -- 1.41: spoken by Docker 20.10+ and Podman 4
     unix_socket = socket,
     headers = headers,
-    timeout_ms = opts.timeout_ms,
+    timeout_ms = opts.timeout_ms == nil and docker.DEFAULT_TIMEOUT_MS or opts.timeout_ms,
     connect_timeout_ms = 5000,
     body_file = opts.body_file,
     output_file = opts.output_file,
@@ -463,11 +486,11 @@ end
 -- default runtime would be worse than a refusal). Returns true or nil, message.
 local function check_gvisor(self, id, f)
   if f.engine == "podman" then
-    local t = ok_json(self, "GET", "/containers/" .. id .. "/json", nil, nil, "inspect container", { prefix = "/v4.0.0/libpod" })
+    local t = ok_json(self, "GET", "/containers/" .. seg(id) .. "/json", nil, nil, "inspect container", { prefix = "/v4.0.0/libpod" })
     local rt = type(t) == "table" and t.OCIRuntime or nil
     if rt ~= f.gvisor_path then return nil, ("the engine created it with runtime %s"):format(tostring(rt)) end
   else
-    local t = ok_json(self, "GET", "/containers/" .. id .. "/json", nil, nil, "inspect container")
+    local t = ok_json(self, "GET", "/containers/" .. seg(id) .. "/json", nil, nil, "inspect container")
     local rt = type(t) == "table" and type(t.HostConfig) == "table" and t.HostConfig.Runtime or nil
     if rt ~= self.gvisor_runtime then return nil, ("the engine created it with runtime %s"):format(tostring(rt)) end
   end
@@ -518,7 +541,7 @@ end
 
 --- POST /containers/{id}/start.
 function Engine:start(id)
-  local res, err, code = self:call("POST", "/containers/" .. id .. "/start")
+  local res, err, code = self:call("POST", "/containers/" .. seg(id) .. "/start")
   if not res then return nil, err, code end
   if res.status >= 300 and res.status ~= 304 then return engine_error(res, "start container") end
   return true
@@ -526,7 +549,7 @@ end
 
 --- POST /containers/{id}/wait: blocks until the container stops. Returns its exit code.
 function Engine:wait(id)
-  local t, err, code = ok_json(self, "POST", "/containers/" .. id .. "/wait", { condition = "not-running" }, nil,
+  local t, err, code = ok_json(self, "POST", "/containers/" .. seg(id) .. "/wait", { condition = "not-running" }, nil,
     "wait for container", { timeout_ms = 0 })
   if not t then return nil, err, code end
   return t.StatusCode
@@ -534,7 +557,7 @@ end
 
 --- POST /containers/{id}/kill with a signal name ("KILL", "TERM").
 function Engine:kill(id, signal)
-  local res, err, code = self:call("POST", "/containers/" .. id .. "/kill", { signal = signal or "KILL" })
+  local res, err, code = self:call("POST", "/containers/" .. seg(id) .. "/kill", { signal = signal or "KILL" })
   if not res then return nil, err, code end
   if res.status >= 300 then return engine_error(res, "kill container") end
   return true
@@ -543,14 +566,14 @@ end
 --- DELETE /containers/{id}?force=true&v=true. A container that is already gone is success
 --- with the second value "gone".
 function Engine:remove(id)
-  local res, err, code = self:call("DELETE", "/containers/" .. id, { force = true, v = true })
+  local res, err, code = self:call("DELETE", "/containers/" .. seg(id), { force = true, v = true })
   if not res then return nil, err, code end
   if res.status == 404 then return true, "gone" end
   if res.status == 409 then
     -- removal already in progress (e.g. two destroys at once): wait for it to finish
     for _ = 1, 50 do
       async.sleep(100)
-      local r2 = self:call("GET", "/containers/" .. id .. "/json")
+      local r2 = self:call("GET", "/containers/" .. seg(id) .. "/json")
       if r2 and r2.status == 404 then return true, "gone" end
     end
     return engine_error(res, "remove container")
@@ -564,7 +587,7 @@ end
 ---@param id string
 ---@return table|nil info, string|nil err, string|nil code
 function Engine:inspect(id)
-  local t, err, code = ok_json(self, "GET", "/containers/" .. id .. "/json", nil, nil, "inspect container")
+  local t, err, code = ok_json(self, "GET", "/containers/" .. seg(id) .. "/json", nil, nil, "inspect container")
   if not t then return nil, err, code end
   if type(t) ~= "table" then return nil, "inspect container: the engine answered no JSON object", "EENGINE" end
   return docker.container_info(t)
@@ -586,12 +609,14 @@ function Engine:list(labels)
 end
 
 --- Runs argv in a running container through the exec API and waits for it to end.
---- opts: env (list "K=V"), workdir, user. Output is discarded (demesne-init writes it to
---- files). Returns exit code. Cancelling the task aborts the wait, not the process: use
---- demesne-init kill for that.
+--- opts: env (list "K=V"), workdir, user, timeout_ms (the host-side deadline for the whole
+--- run, from the exec's start; 0 or nil: none). Output is discarded (demesne-init writes it
+--- to files). Returns exit code, or nil, msg, code: "ETIMEDOUT" when the deadline passed
+--- (the process may still run: the exec API cannot stop it). Cancelling the task aborts the
+--- wait, not the process: use demesne-init kill for that.
 function Engine:exec(id, argv, opts)
   opts = opts or {}
-  local t, err, code = ok_json(self, "POST", "/containers/" .. id .. "/exec", nil, {
+  local t, err, code = ok_json(self, "POST", "/containers/" .. seg(id) .. "/exec", nil, {
     Cmd = argv, Env = opts.env, WorkingDir = opts.workdir, User = opts.user,
     AttachStdout = true, AttachStderr = true, AttachStdin = false, Tty = false,
   }, "create exec")
@@ -607,23 +632,33 @@ function Engine:exec(id, argv, opts)
   end
   local exec_id = t.Id
   local res
-  res, err, code = self:call("POST", "/exec/" .. exec_id .. "/start", nil, { Detach = false, Tty = false },
-    { timeout_ms = 0, on_data = function() end })
-  if not res then return nil, err, code end
+  local deadline = opts.timeout_ms and opts.timeout_ms > 0 and math.floor(opts.timeout_ms) or 0
+  res, err, code = self:call("POST", "/exec/" .. seg(exec_id) .. "/start", nil, { Detach = false, Tty = false },
+    { timeout_ms = deadline, on_data = function() end })
+  if not res then
+    if code == "ETIMEDOUT" and deadline > 0 then
+      return nil, ("the command in container %s did not end within %d s"):format(id, deadline // 1000), "ETIMEDOUT"
+    end
+    return nil, err, code
+  end
   if res.status >= 300 then return engine_error(res, "start exec") end
   local info
   for _ = 1, 100 do
-    info, err, code = ok_json(self, "GET", "/exec/" .. exec_id .. "/json", nil, nil, "inspect exec")
+    info, err, code = ok_json(self, "GET", "/exec/" .. seg(exec_id) .. "/json", nil, nil, "inspect exec")
     if not info then return nil, err, code end
     if not info.Running then break end
     async.sleep(20)
   end
-  return info.ExitCode
+  local exit = type(info.ExitCode) == "number" and math.tointeger(info.ExitCode) or nil
+  if info.Running or not exit then
+    return nil, ("exec in container %s: its output ended but the engine reports no exit code"):format(id), "EENGINE"
+  end
+  return exit
 end
 
 --- PUT /containers/{id}/archive?path=DIR with a tar file as the body (streamed from disk).
 function Engine:put_archive(id, dir, tar_path)
-  local res, err, code = self:call("PUT", "/containers/" .. id .. "/archive", { path = dir }, nil, {
+  local res, err, code = self:call("PUT", "/containers/" .. seg(id) .. "/archive", { path = dir }, nil, {
     body_file = tar_path, headers = { ["Content-Type"] = "application/x-tar" }, timeout_ms = 0 })
   if not res then return nil, err, code end
   if res.status >= 300 then return engine_error(res, "upload") end
@@ -632,7 +667,7 @@ end
 
 --- GET /containers/{id}/archive?path=PATH, the tar written to out_path (streamed).
 function Engine:get_archive(id, path, out_path)
-  local res, err, code = self:call("GET", "/containers/" .. id .. "/archive", { path = path }, nil, {
+  local res, err, code = self:call("GET", "/containers/" .. seg(id) .. "/archive", { path = path }, nil, {
     output_file = out_path, timeout_ms = 0 })
   if not res then return nil, err, code end
   if res.status >= 300 then
@@ -649,7 +684,7 @@ end
 ---@param ref string
 ---@return table|nil image, string|nil err, string|nil code
 function Engine:image_inspect(ref)
-  local t, err, code = ok_json(self, "GET", "/images/" .. ref .. "/json", nil, nil, "inspect image")
+  local t, err, code = ok_json(self, "GET", "/images/" .. seg(ref) .. "/json", nil, nil, "inspect image")
   if not t then return nil, err, code end
   if type(t) ~= "table" then return nil, "inspect image: the engine answered no JSON object", "EENGINE" end
   local cfg = type(t.Config) == "table" and t.Config or {}

@@ -54,8 +54,9 @@ function engines.load_user(name)
   if not tostring(name):match("^[%w_%-]+$") then
     return nil, ("engine_adapter: %q is not a valid adapter name (letters, digits, '_', '-')"):format(tostring(name))
   end
-  if user_modules[name] then return user_modules[name] end
+  -- cached by file: a changed config folder (XDG_CONFIG_HOME) loads its own adapter
   local path = config.dir() .. "/engines/" .. name .. ".lua"
+  if user_modules[path] then return user_modules[path] end
   local chunk, err = loadfile(path, "t")
   if not chunk then
     if not fs.stat(path) then
@@ -69,7 +70,7 @@ function engines.load_user(name)
     return nil, ("engine_adapter: %s must return a table with a function new(endpoint)"):format(path)
   end
   mod.origin = path
-  user_modules[name] = mod
+  user_modules[path] = mod
   return mod
 end
 
@@ -130,12 +131,14 @@ end
 function engines.get()
   local which = config.get("engine_adapter") or "docker"
   if which ~= "docker" then
-    if current and current.adapter_name == which then return current end
     local mod, err = engines.load_user(which)
     if not mod then return nil, err, "ENOENGINE" end
+    if current and current.adapter_module == mod and current.adapter_endpoint == config.get("engine") then
+      return current
+    end
     local eng, nerr = engines.new_user(which, mod, config.get("engine"))
     if not eng then return nil, nerr, "ENOENGINE" end
-    eng.adapter_name = which
+    eng.adapter_name, eng.adapter_module, eng.adapter_endpoint = which, mod, config.get("engine")
     eng.socket = eng.socket or ("adapter:" .. which) -- lua/images.lua keys its cache by it
     current = eng
     return current

@@ -1,17 +1,34 @@
--- The MCP server: JSON-RPC 2.0 dispatch, lifecycle and version negotiation, tools/list,
--- tools/call, ping, cancellation, progress and logging. Transport-agnostic: it is handed
--- one line (one JSON-RPC message) at a time (server:receive) and writes whole encoded
--- messages through `send`; lua/mcp/stdio.lua wires it to stdin/stdout.
+-- The MCP session layer: JSON-RPC 2.0 dispatch, lifecycle and version negotiation,
+-- tools/list, tools/call, ping, cancellation, progress, logging, resources (background
+-- jobs) and subscriptions. Transport-agnostic: it is handed one message at a time
+-- (server:receive) together with the transport its answer goes back on (lua/mcp/transport.lua),
+-- and writes whole encoded messages through it. lua/mcp/stdio.lua and lua/mcp/http.lua are
+-- the transports.
+--
+-- Two protocol eras are served side by side, chosen per message as the 2026-07-28 revision
+-- says a dual-era server does:
+--   * legacy (2025-11-25, 2025-06-18): `initialize` negotiates a version for the session;
+--     logging/setLevel sets the session's level; job ends arrive as notifications/message;
+--   * modern (2026-07-28, stateless): a request whose params._meta carries
+--     io.modelcontextprotocol/protocolVersion is served on its own: no initialize, the
+--     client's capabilities and log level come with the request, results carry resultType
+--     and the server's identity, server/discover and subscriptions/listen exist, and
+--     initialize, ping and logging/setLevel do not.
 --
 -- Every request runs in its own task (demesne.async), so responses may go out in any
--- order. notifications/cancelled cancels the request's task (its <close> handlers run)
--- and no response is sent for it. Every outgoing message is encoded once and bounded by
--- max_message_bytes; a tool result over the bound is replaced by an isError result.
+-- order. notifications/cancelled (or, over HTTP in 2026-07-28, closing the request's
+-- stream) cancels the request's task (its <close> handlers run) and no response is sent
+-- for it. Every outgoing message is encoded once and bounded by max_message_bytes; a tool
+-- result over the bound is replaced by an isError result. JSON-RPC ids go back exactly as
+-- they came (core.text.json_raw): lua-cjson alone would turn 2^53+1 into a rounded float.
 local async = require("demesne.async")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local tools = require("demesne.tools")
 local schema = require("demesne.mcp.schema")
+local tasks = require("demesne.mcp.tasks")
+local resources = require("demesne.mcp.resources")
+local transport = require("demesne.mcp.transport")
 local loop = require("core.loop")
 local timer = require("core.timer")
 local text = require("core.text")
@@ -21,19 +38,59 @@ local server = {}
 local LOGGER = "demesne.mcp"
 local null = json.null
 
---- Protocol revisions we speak, newest first. A client asking for one of these gets it;
---- any other request gets the newest. Per-revision differences live in this table.
+--- Legacy protocol revisions (negotiated by initialize), newest first. A client asking for
+--- one of these gets it; any other initialize gets the newest. Per-revision differences
+--- live in this table.
 server.VERSIONS = {
   { version = "2025-11-25", server_description = true, tasks = true },
   { version = "2025-06-18", server_description = false },
 }
 
---- JSON-RPC error codes.
+--- Modern (stateless, per-request) revisions.
+server.MODERN_VERSIONS = { ["2026-07-28"] = true }
+
+--- Every revision served, newest first (server/discover's supportedVersions).
+server.SUPPORTED_VERSIONS = { "2026-07-28", "2025-11-25", "2025-06-18" }
+
+--- The reserved _meta keys of 2026-07-28.
+server.META = {
+  PROTOCOL_VERSION = "io.modelcontextprotocol/protocolVersion",
+  CLIENT_INFO = "io.modelcontextprotocol/clientInfo",
+  CLIENT_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities",
+  LOG_LEVEL = "io.modelcontextprotocol/logLevel",
+  SERVER_INFO = "io.modelcontextprotocol/serverInfo",
+  SUBSCRIPTION_ID = "io.modelcontextprotocol/subscriptionId",
+}
+local META = server.META
+
+--- JSON-RPC error codes (and the MCP 2026-07-28 ones).
 server.PARSE_ERROR = -32700
 server.INVALID_REQUEST = -32600
 server.METHOD_NOT_FOUND = -32601
 server.INVALID_PARAMS = -32602
 server.INTERNAL_ERROR = -32603
+server.RESOURCE_NOT_FOUND = -32002 -- 2025 revisions; 2026-07-28 uses -32602
+server.HEADER_MISMATCH = -32020
+server.MISSING_CLIENT_CAPABILITY = -32021
+server.UNSUPPORTED_PROTOCOL_VERSION = -32022
+
+--- True for a revision served statelessly (2026-07-28).
+---@param v any
+---@return boolean
+function server.is_modern(v) return type(v) == "string" and server.MODERN_VERSIONS[v] == true end
+
+--- True for any revision this server speaks.
+---@param v any
+---@return boolean
+function server.is_supported(v)
+  if server.is_modern(v) then return true end
+  for _, rev in ipairs(server.VERSIONS) do if rev.version == v then return true end end
+  return false
+end
+
+--- The server's identity: {name, title, version}.
+---@return table
+function server.info() return { name = "demesne", title = "demesne", version = loop.version } end
 
 server.DEFAULT_MAX_MESSAGE_BYTES = 4 * 1024 * 1024
 server.DEFAULT_LOG_LEVEL = "info"
@@ -69,6 +126,10 @@ end
 local function invalid_params(message) error(server.rpc_error(server.INVALID_PARAMS, message), 0) end
 
 local function id_key(id)
+  if json.is_raw(id) then
+    if type(id.value) == "string" then return "s:" .. id.value end
+    return "r:" .. id.token
+  end
   if type(id) == "string" then return "s:" .. id end
   if math.type(id) == "integer" or (id == math.floor(id) and math.abs(id) < 2 ^ 63) then
     return ("n:%d"):format(math.tointeger(id) or id)
@@ -77,8 +138,26 @@ local function id_key(id)
 end
 
 local function valid_id(id)
-  return type(id) == "string" or (type(id) == "number" and id == id and id ~= math.huge and id ~= -math.huge)
+  return type(id) == "string" or json.is_raw(id)
+    or (type(id) == "number" and id == id and id ~= math.huge and id ~= -math.huge)
 end
+
+--- The id to answer with: exactly the token the client sent. `id` is the decoded value of
+--- the member at the key path `...` of `line`. A number goes back verbatim unless it is a
+--- plain integer of at most 14 digits (lua-cjson encodes numbers with 14 significant
+--- digits, so those come out the same). A string is a string: it goes back as the same
+--- string (escapes may be spelled differently, as JSON allows).
+---@param id any
+---@param line string|nil
+---@return any
+function server.exact_id(id, line, ...)
+  if not line or type(id) ~= "number" then return id end
+  local raw = text.json_raw(line, ...)
+  if not raw then return id end
+  if raw:match("^%-?%d%d?%d?%d?%d?%d?%d?%d?%d?%d?%d?%d?%d?%d?$") and raw ~= "-0" then return math.tointeger(id) or id end
+  return json.raw(raw, id)
+end
+local exact_id = server.exact_id
 
 local function is_object(v) return type(v) == "table" and schema.type_of(v) == "object" end
 
@@ -88,30 +167,37 @@ local function describe(v)
 end
 
 ---@class ServerOptions
----@field send fun(line: string): boolean|nil, string|nil  writes one encoded message (without the newline)
----@field backlog fun(): integer|nil    bytes written but not yet taken by the peer (optional)
----@field drain fun()|nil               waits (inside a task) until the backlog is small (optional)
+---@field transport McpTransport|nil   the session's standing transport: answers to requests
+---   received without a channel, and messages that relate to no request
+---@field send (fun(line: string): boolean|nil, string|nil)|nil  shorthand for transport.of(send, backlog, drain)
+---@field backlog (fun(): integer)|nil
+---@field drain fun()|nil
 ---@field registry ToolRegistry
 ---@field max_message_bytes integer|nil  bound on one outgoing message (default 4 MiB)
 ---@field instructions string|nil
----@field forward_logs boolean|nil       send log records as notifications/message (default true)
+---@field forward_logs boolean|nil       send log records as notifications/message to a legacy session (default true)
+---@field listener string|nil            the listener the session's requests arrive on (HTTP), given to tools
 
 ---@class McpServer
 local Server = {}
 Server.__index = Server
 
---- Creates a server. Call server:close() when done with it (removes its log sink).
+--- Creates a session. Call server:close() (or shutdown) when done with it (removes its log sink).
 ---@param opts ServerOptions
 ---@return McpServer
 function server.new(opts)
+  local t = opts.transport
+  if not t then
+    assert(opts.send, "opts.transport or opts.send is required")
+    t = transport.of(opts.send, opts.backlog, opts.drain)
+  end
   local self = setmetatable({
-    send_line = assert(opts.send, "opts.send is required"),
-    backlog = opts.backlog or function() return 0 end,
-    drain = opts.drain,
+    transport = t,
     registry = opts.registry or tools.registry(),
     max_message = opts.max_message_bytes or server.DEFAULT_MAX_MESSAGE_BYTES,
     instructions = opts.instructions or server.INSTRUCTIONS,
-    inflight = {},   -- id key -> {id, method, task, cancelled, done}
+    listener = opts.listener,
+    inflight = {},   -- id key -> entry {id, method, task, cancelled, done, channel, modern, listen}
     outgoing = {},   -- our request id -> callback(result | nil, msg, error)
     next_out = 0,
     dropped_logs = 0,
@@ -143,69 +229,86 @@ local function encode(msg)
   return clean
 end
 
---- Writes one message (a table). Returns true, or nil and why it was not sent (too large,
---- cannot be encoded, transport failed). Inside a task it waits while the transport is
---- backed up; outside a task it only queues.
+local function kind_of(msg)
+  if msg.method == nil then return "response" end
+  if msg.id ~= nil then return "request" end
+  return "notification"
+end
+
+--- Writes one message (a table) on `channel` (default: the session's transport). Returns
+--- true, or nil and why it was not sent (too large, cannot be encoded, transport failed).
+--- Inside a task it waits while the transport is backed up; outside a task it only queues.
 ---@param msg table
+---@param channel McpTransport|nil
 ---@return boolean|nil ok, string|nil err
-function Server:send(msg)
+function Server:send(msg, channel)
   local line, err = encode(msg)
   if not line then return nil, "cannot encode: " .. err end
   if #line > self.max_message then
     return nil, ("message of %d bytes exceeds the limit of %d bytes"):format(#line, self.max_message)
   end
-  return self:write_line(line)
+  return self:write_line(line, kind_of(msg), channel)
 end
 
 --- Writes one encoded message; waits for the transport to drain when called in a task
 --- and the backlog is over 1 MiB.
 ---@param line string
+---@param kind "response"|"notification"|"request"
+---@param channel McpTransport|nil
 ---@return boolean|nil ok, string|nil err
-function Server:write_line(line)
-  local ok, err = self.send_line(line)
+function Server:write_line(line, kind, channel)
+  local t = channel or self.transport
+  local ok, err = t:write(line, kind or "notification")
   if not ok then return nil, err or "write failed" end
-  if self.drain and async.current() and (self.backlog() or 0) > BACKPRESSURE_BYTES then self.drain() end
+  if t.drain and async.current() and t.backlog and (t:backlog() or 0) > BACKPRESSURE_BYTES then t:drain() end
   return true
 end
 
---- Sends a notification (no response expected). Oversized or unencodable ones are
---- dropped with a log record. Returns true when sent.
+--- Sends a notification (no response expected) on `channel` (default: the session's
+--- transport). Oversized or unencodable ones are dropped with a log record. Returns true when sent.
 ---@param method string
 ---@param params table|nil
+---@param channel McpTransport|nil
 ---@return boolean
-function Server:notify(method, params)
-  local ok, err = self:send({ jsonrpc = "2.0", method = method, params = params })
+function Server:notify(method, params, channel)
+  local ok, err = self:send({ jsonrpc = "2.0", method = method, params = params }, channel)
   if not ok then
-    if method ~= "notifications/message" then log.warning(LOGGER, "dropped %s: %s", method, err) end
+    if method ~= "notifications/message" and method ~= "notifications/progress" then
+      log.warning(LOGGER, "dropped %s: %s", method, err)
+    end
     return false
   end
   return true
 end
 
 --- Sends a JSON-RPC error response. `id` nil or json.null answers with id null.
----@param id string|number|nil
+---@param id any
 ---@param code integer    a JSON-RPC error code (server.PARSE_ERROR …)
 ---@param message string
 ---@param data any|nil
-function Server:respond_error(id, code, message, data)
+---@param channel McpTransport|nil
+function Server:respond_error(id, code, message, data, channel)
   local err = { code = code, message = message, data = data }
-  local ok, why = self:send({ jsonrpc = "2.0", id = id == nil and null or id, error = err })
+  local ok, why = self:send({ jsonrpc = "2.0", id = id == nil and null or id, error = err }, channel)
   if not ok then
     log.error(LOGGER, "cannot send error response: %s", why)
-    if data ~= nil then self:send({ jsonrpc = "2.0", id = id == nil and null or id, error = { code = code, message = message } }) end
+    if data ~= nil then
+      self:send({ jsonrpc = "2.0", id = id == nil and null or id, error = { code = code, message = message } }, channel)
+    end
   end
 end
 
 --- Sends a result, encoded once. `tool` names the tool when `result` is a CallToolResult:
 --- an oversized one is then replaced by an isError result; any other oversized result
 --- becomes a -32603 error.
----@param id string|number
+---@param id any
 ---@param result table
 ---@param tool string|nil
-function Server:respond(id, result, tool)
+---@param channel McpTransport|nil
+function Server:respond(id, result, tool, channel)
   local line, err = encode({ jsonrpc = "2.0", id = id, result = result })
   if line and #line <= self.max_message then
-    local ok, werr = self:write_line(line)
+    local ok, werr = self:write_line(line, "response", channel)
     if not ok then log.warning(LOGGER, "response to %s not sent: %s", tostring(id), tostring(werr)) end
     return
   end
@@ -216,12 +319,13 @@ function Server:respond(id, result, tool)
     log.warning(LOGGER, "tool %s: result replaced: %s", tool, why)
     local replacement = tools.error_result(("Tool %s produced a result too large to send: %s. "
       .. "Ask for less output (full output stays in the files the tool names)."):format(tool, why))
-    if not self:send({ jsonrpc = "2.0", id = id, result = replacement }) then
-      self:respond_error(id, server.INTERNAL_ERROR, "Internal error: result too large")
+    if result.resultType then replacement.resultType = result.resultType; replacement._meta = result._meta end
+    if not self:send({ jsonrpc = "2.0", id = id, result = replacement }, channel) then
+      self:respond_error(id, server.INTERNAL_ERROR, "Internal error: result too large", nil, channel)
     end
   else
     log.error(LOGGER, "response to %s replaced: %s", tostring(id), why)
-    self:respond_error(id, server.INTERNAL_ERROR, "Internal error: " .. why)
+    self:respond_error(id, server.INTERNAL_ERROR, "Internal error: " .. why, nil, channel)
   end
 end
 
@@ -231,8 +335,21 @@ end
 local LEVELS = log.LEVELS
 local EARLY_LOGS_MAX = 256 -- job-end records kept for a client that has not finished connecting
 
---- The log sink: forwards a record as notifications/message when the session is
---- initialised and the record is at or above the level the client set.
+-- The params of a notifications/message for a record.
+local function log_params(level, logger, msg, data)
+  msg = tostring(msg)
+  -- tracebacks stay in the stderr log; the client gets the first line
+  local tb = msg:find("\nstack traceback:", 1, true)
+  if tb then msg = msg:sub(1, tb - 1) end
+  if #msg > LOG_MESSAGE_MAX then msg = msg:sub(1, text.utf8_floor(msg, LOG_MESSAGE_MAX)) .. "…" end
+  local payload = msg
+  if data ~= nil then payload = { message = msg, data = data } end
+  return { level = level, logger = logger, data = payload }, msg
+end
+
+--- The log sink of a legacy session: forwards a record as notifications/message on the
+--- session's transport when the session is initialised and the record is at or above the
+--- level the client set.
 function Server:forward_log(level, logger, msg, data)
   if self.in_forward or self.closing then return end
   if not self.session.announced then
@@ -248,38 +365,57 @@ function Server:forward_log(level, logger, msg, data)
   end
   local n = LEVELS[level]
   if not n or n < (LEVELS[self.session.log_level] or 0) then return end
-  if (self.backlog() or 0) > LOG_DROP_BACKLOG then
+  local t = self.transport
+  if t:is_closing() then return end
+  if t.backlog and (t:backlog() or 0) > LOG_DROP_BACKLOG then
     self.dropped_logs = self.dropped_logs + 1
     return
   end
   self.in_forward = true
-  msg = tostring(msg)
-  -- tracebacks stay in the stderr log; the client gets the first line
-  local tb = msg:find("\nstack traceback:", 1, true)
-  if tb then msg = msg:sub(1, tb - 1) end
-  if #msg > LOG_MESSAGE_MAX then msg = msg:sub(1, text.utf8_floor(msg, LOG_MESSAGE_MAX)) .. "…" end
-  local payload = msg
-  if data ~= nil then payload = { message = msg, data = data } end
-  if not self:notify("notifications/message", { level = level, logger = logger, data = payload }) and data ~= nil then
-    self:notify("notifications/message", { level = level, logger = logger, data = msg })
+  local params, short = log_params(level, logger, msg, data)
+  if not self:notify("notifications/message", params) and data ~= nil then
+    self:notify("notifications/message", { level = level, logger = logger, data = short })
   end
   self.in_forward = false
+end
+
+-- A tool's own log record goes to its caller only: the request's stream, at the level the
+-- session set (legacy) or the request's _meta logLevel (2026-07-28; none without it).
+function Server:log_to_caller(entry, level, logger, msg, data)
+  if self.closing or entry.done or entry.cancelled then return end
+  local threshold
+  if entry.modern then
+    threshold = entry.modern.log_level
+  elseif self.session.announced then
+    threshold = self.session.log_level
+  end
+  if not threshold or (LEVELS[level] or 0) < (LEVELS[threshold] or 0) then return end
+  local params, short = log_params(level, logger, msg, data)
+  if not self:notify("notifications/message", params, entry.channel) and data ~= nil then
+    self:notify("notifications/message", { level = level, logger = logger, data = short }, entry.channel)
+  end
 end
 
 --------------------------------------------------------------------------------------------
 -- Requests to the client (sampling/createMessage, elicitation/create, roots/list)
 
---- Sends a request to the client and waits (inside a task) for its response.
+--- Sends a request to the client and waits (inside a task) for its response, on the
+--- stream of the request in progress `entry` (or the session's transport).
 --- Returns the result table, or nil, a message and the JSON-RPC error object (or a code:
---- "ETIMEDOUT", "ECANCELED", "EIO"). Cancelling the calling task sends
---- notifications/cancelled for it.
+--- "ETIMEDOUT", "ECANCELED", "EIO", "ENOTSUP" in 2026-07-28, which has no server-to-client
+--- requests). Cancelling the calling task sends notifications/cancelled for it.
 ---@param method string
 ---@param params table|nil
 ---@param opts {timeout_ms: integer|nil}|nil
+---@param entry table|nil
 ---@return table|nil result, string|nil err, any detail
-function Server:request(method, params, opts)
+function Server:request(method, params, opts, entry)
   assert(async.current(), "server:request must be called inside a task")
   if self.closing then return nil, "server is shutting down", "ECANCELED" end
+  if entry and entry.modern then
+    return nil, ("%s: revision 2026-07-28 has no requests from server to client"):format(method), "ENOTSUP"
+  end
+  local channel = entry and entry.channel
   self.next_out = self.next_out + 1
   local id = "demesne-" .. self.next_out
   local ms = opts and opts.timeout_ms or CLIENT_REQUEST_TIMEOUT_MS
@@ -293,15 +429,15 @@ function Server:request(method, params, opts)
     self.outgoing[id] = finish
     t = timer.after(ms, function()
       t = nil
-      self:notify("notifications/cancelled", { requestId = id, reason = "timed out" })
+      self:notify("notifications/cancelled", { requestId = id, reason = "timed out" }, channel)
       finish(nil, ("%s: no response from the client after %d ms"):format(method, ms), "ETIMEDOUT")
     end)
-    local ok, err = self:send({ jsonrpc = "2.0", id = id, method = method, params = params })
+    local ok, err = self:send({ jsonrpc = "2.0", id = id, method = method, params = params }, channel)
     if not ok then finish(nil, ("%s: %s"):format(method, err), "EIO") end
     return function()
       if t then t:close(); t = nil end
       self.outgoing[id] = nil
-      self:notify("notifications/cancelled", { requestId = id, reason = "cancelled" })
+      self:notify("notifications/cancelled", { requestId = id, reason = "cancelled" }, channel)
     end
   end)
 end
@@ -309,7 +445,7 @@ end
 --- Delivers a response from the client to the request (server:request) waiting for it.
 ---@param msg table
 function Server:handle_response(msg)
-  local fn = valid_id(msg.id) and self.outgoing[msg.id]
+  local fn = type(msg.id) == "string" and self.outgoing[msg.id]
   if not fn then
     log.debug(LOGGER, "response to unknown request %s ignored", tostring(msg.id))
     return
@@ -325,10 +461,23 @@ end
 
 --------------------------------------------------------------------------------------------
 -- Method handlers: function(self, params, entry) -> result, [tool name]
+-- `legacy` holds the methods of a session opened by initialize, `modern` those of a
+-- 2026-07-28 request. A handler serving both reads entry.modern.
 
-local methods = {}
+local legacy, modern = {}, {}
 
-function methods.initialize(self, params)
+local function capabilities(era)
+  local caps = { tools = { listChanged = false } }
+  if era == "modern" then
+    caps.resources = { subscribe = true, listChanged = false }
+  else
+    caps.resources = { subscribe = false, listChanged = false }
+    caps.logging = {}
+  end
+  return caps
+end
+
+function legacy.initialize(self, params)
   local v = params.protocolVersion
   if type(v) ~= "string" then invalid_params("params.protocolVersion: expected a string, got " .. describe(v)) end
   if params.capabilities ~= nil and not is_object(params.capabilities) then
@@ -352,30 +501,42 @@ function methods.initialize(self, params)
   log.info(LOGGER, "session: client %s %s asked for %s, speaking %s",
     tostring(type(s.client_info) == "table" and s.client_info.name or "?"),
     tostring(type(s.client_info) == "table" and s.client_info.version or "?"), v, chosen.version)
-  local info = { name = "demesne", title = "demesne", version = loop.version }
+  local info = server.info()
   if chosen.server_description then
     info.description = "Runs commands, scripts and coding agents in disposable containers"
   end
+  local caps = capabilities("legacy")
+  caps.tasks = chosen.tasks and tasks.capability() or nil
   return {
     protocolVersion = chosen.version,
-    capabilities = { tools = { listChanged = false }, logging = {},
-      tasks = chosen.tasks and require("demesne.mcp.tasks").capability() or nil },
+    capabilities = caps,
     serverInfo = info,
     instructions = self.instructions,
   }
 end
 
-function methods.ping() return {} end
+function legacy.ping() return {} end
 
-methods["tools/list"] = function(self, params)
+-- 2026-07-28 CacheableResult fields: job status changes at any moment, the template never
+local function cacheable(entry, r, ttl_ms)
+  if entry.modern then
+    r.ttlMs = ttl_ms
+    r.cacheScope = "private"
+  end
+  return r
+end
+
+local function tools_list(self, params, entry)
   if params.cursor ~= nil and params.cursor ~= null and type(params.cursor) ~= "string" then
     invalid_params("params.cursor: expected a string, got " .. describe(params.cursor))
   end
   -- one page: nextCursor is never set
-  return { tools = self.registry:listing() }
+  -- the list is the same for every caller and changes only with a restart
+  return cacheable(entry, { tools = self.registry:listing() }, 300000)
 end
+legacy["tools/list"], modern["tools/list"] = tools_list, tools_list
 
-methods["logging/setLevel"] = function(self, params)
+legacy["logging/setLevel"] = function(self, params)
   local level = params.level
   if type(level) ~= "string" or not LEVELS[level] then
     invalid_params("params.level: expected one of debug, info, notice, warning, error, critical, alert, emergency, got "
@@ -385,9 +546,40 @@ methods["logging/setLevel"] = function(self, params)
   return {}
 end
 
+local function resources_list(_, params, entry)
+  if params.cursor ~= nil and params.cursor ~= null and type(params.cursor) ~= "string" then
+    invalid_params("params.cursor: expected a string, got " .. describe(params.cursor))
+  end
+  return cacheable(entry, resources.list(), 0)
+end
+legacy["resources/list"], modern["resources/list"] = resources_list, resources_list
+legacy["resources/templates/list"] = function(_, _, entry) return cacheable(entry, resources.templates(), 300000) end
+modern["resources/templates/list"] = legacy["resources/templates/list"]
+
+local function resources_read(_, params, entry)
+  if type(params.uri) ~= "string" then invalid_params("params.uri: expected a string, got " .. describe(params.uri)) end
+  local r, err = resources.read(params.uri)
+  if not r then
+    error(server.rpc_error(entry.modern and server.INVALID_PARAMS or server.RESOURCE_NOT_FOUND, err,
+      { uri = params.uri }), 0)
+  end
+  return cacheable(entry, r, 0)
+end
+legacy["resources/read"], modern["resources/read"] = resources_read, resources_read
+
+modern["server/discover"] = function(self)
+  return {
+    supportedVersions = json.array({ table.unpack(server.SUPPORTED_VERSIONS) }),
+    capabilities = capabilities("modern"),
+    instructions = self.instructions,
+    ttlMs = 300000,
+    cacheScope = "public",
+  }
+end
+
 --- Builds the ToolContext handed to a tool's run(ctx, args) (see lua/tools.lua).
 ---@param tool ToolDescriptor
----@param entry table  the request in progress ({id, cancelled, done})
+---@param entry table  the request in progress ({id, cancelled, done, channel, modern})
 ---@param meta table|nil  the request's params._meta
 ---@return ToolContext
 function Server:tool_context(tool, entry, meta)
@@ -395,13 +587,15 @@ function Server:tool_context(tool, entry, meta)
   if token == null then token = nil end
   local last
   local s = self.session
+  local m = entry.modern
   local ctx = {
     request_id = entry.id,
     tool = tool.name,
-    client_info = s.client_info,
-    client_capabilities = s.client_capabilities,
-    protocol_version = s.protocol_version,
+    client_info = m and m.client_info or s.client_info,
+    client_capabilities = m and m.capabilities or s.client_capabilities,
+    protocol_version = m and m.version or s.protocol_version,
     meta = meta,
+    listener = self.listener,
   }
   local logger = "demesne.tools." .. tool.name
   function ctx.progress(progress, total, message)
@@ -420,18 +614,19 @@ function Server:tool_context(tool, entry, meta)
       if #message > 4096 then message = message:sub(1, text.utf8_floor(message, 4096)) .. "…" end
       p.message = message
     end
-    return self:notify("notifications/progress", p)
+    return self:notify("notifications/progress", p, entry.channel)
   end
   function ctx.log(level, message, data)
     if not LEVELS[level] then level = "info" end
-    log.log(level, logger, tostring(message), data)
+    log.log(level, logger, tostring(message), data, true)
+    self:log_to_caller(entry, level, logger, message, data)
   end
   function ctx.is_cancelled() return entry.cancelled or self.closing end
-  function ctx.request(method, params, opts) return self:request(method, params, opts) end
+  function ctx.request(method, params, opts) return self:request(method, params, opts, entry) end
   return ctx
 end
 
-methods["tools/call"] = function(self, params, entry)
+local function tools_call(self, params, entry)
   local name = params.name
   if type(name) ~= "string" then invalid_params("params.name: expected a string, got " .. describe(name)) end
   local args = params.arguments
@@ -452,12 +647,29 @@ methods["tools/call"] = function(self, params, entry)
   if not tool then
     error(server.rpc_error(server.INVALID_PARAMS, ("Unknown tool: %s"):format(name)), 0)
   end
+  if entry.modern and tool.clientCapabilities then
+    local missing
+    for _, cap in ipairs(tool.clientCapabilities) do
+      if entry.modern.capabilities[cap] == nil then
+        missing = missing or {}
+        missing[cap] = {}
+      end
+    end
+    if missing then
+      local names = {}
+      for k in pairs(missing) do names[#names + 1] = k end
+      table.sort(names)
+      error(server.rpc_error(server.MISSING_CLIENT_CAPABILITY, ("Missing required client capability: tool %s needs %s, "
+        .. "which the request's clientCapabilities do not declare"):format(name, table.concat(names, ", ")),
+        { requiredCapabilities = missing }), 0)
+    end
+  end
   local ctx = self:tool_context(tool, entry, meta)
   -- task-augmented call (2025-11-25 experimental tasks): lua/mcp/tasks.lua
   local task = params.task
   if task == null then task = nil end
-  if task ~= nil or (type(tool.execution) == "table" and tool.execution.taskSupport == "required") then
-    return require("demesne.mcp.tasks").call(tool, ctx, args or {}, task), name
+  if not entry.modern and (task ~= nil or (type(tool.execution) == "table" and tool.execution.taskSupport == "required")) then
+    return tasks.call(tool, ctx, args or {}, task), name
   end
   local started = loop.hrtime()
   local result = tools.call(tool, ctx, args or {})
@@ -469,9 +681,71 @@ methods["tools/call"] = function(self, params, entry)
     result.isError and " (isError)" or "")
   return result, name
 end
+legacy["tools/call"], modern["tools/call"] = tools_call, tools_call
 
--- tasks/get, tasks/result, tasks/list, tasks/cancel: lua/mcp/tasks.lua
-for m, fn in pairs(require("demesne.mcp.tasks").methods) do methods[m] = fn end
+-- tasks/get, tasks/result, tasks/list, tasks/cancel (2025-11-25): lua/mcp/tasks.lua
+for m, fn in pairs(tasks.methods) do legacy[m] = fn end
+
+--------------------------------------------------------------------------------------------
+-- Subscriptions (2026-07-28 subscriptions/listen): job ends as resource updates
+
+-- every open subscription: entry -> {server, filter = {uri…}}
+local subscriptions = {}
+local remove_job_sink
+
+local function on_job_record(_, logger, _, data)
+  if logger ~= "demesne.jobs" or type(data) ~= "table" or type(data.job_id) ~= "string" then return end
+  if data.status == "running" then return end
+  for entry, sub in pairs(subscriptions) do
+    for _, uri in ipairs(sub.uris) do
+      if resources.covers(uri, data.job_id) then
+        sub.server:notify("notifications/resources/updated", { uri = resources.job_uri(data.job_id),
+          _meta = { [META.SUBSCRIPTION_ID] = entry.id } }, entry.channel)
+        break
+      end
+    end
+  end
+end
+
+modern["subscriptions/listen"] = function(self, params, entry)
+  local filter = params.notifications
+  if filter ~= nil and not is_object(filter) then
+    invalid_params("params.notifications: expected an object, got " .. describe(filter))
+  end
+  filter = filter or {}
+  local uris = {}
+  local asked = filter.resourceSubscriptions
+  if asked ~= nil and asked ~= null then
+    if type(asked) ~= "table" or schema.type_of(asked) == "object" and next(asked) ~= nil then
+      invalid_params("params.notifications.resourceSubscriptions: expected a list of URIs")
+    end
+    for i, uri in ipairs(asked) do
+      if type(uri) ~= "string" then
+        invalid_params(("params.notifications.resourceSubscriptions[%d]: expected a string"):format(i - 1))
+      end
+      if resources.subscribable(uri) then uris[#uris + 1] = uri end
+    end
+  end
+  -- the acknowledgment names what is honoured: job resources only (the tool list never changes)
+  local honoured = {}
+  if #uris > 0 then honoured.resourceSubscriptions = json.array({ table.unpack(uris) }) end
+  local sid = { [META.SUBSCRIPTION_ID] = entry.id }
+  self:notify("notifications/subscriptions/acknowledged", { _meta = sid, notifications = honoured }, entry.channel)
+  if not remove_job_sink then remove_job_sink = log.add_sink(on_job_record) end
+  local stop = async.event()
+  entry.listen = { stop = stop }
+  subscriptions[entry] = { server = self, uris = uris }
+  local _ <close> = setmetatable({}, { __close = function() subscriptions[entry] = nil end })
+  -- a job named by URI that has already ended gets its update at once
+  for _, uri in ipairs(uris) do
+    local id = resources.job_of(uri)
+    if id and resources.ended(id) then
+      self:notify("notifications/resources/updated", { uri = uri, _meta = sid }, entry.channel)
+    end
+  end
+  stop.wait() -- until the client cancels (stream closed / notifications/cancelled) or the server stops
+  return { _meta = sid }
+end
 
 --------------------------------------------------------------------------------------------
 -- Dispatch
@@ -481,39 +755,95 @@ local function handler_error(e)
   return { internal = true, message = tostring(e), traceback = debug.traceback(tostring(e), 2) }
 end
 
---- Starts a request in its own task; the response is sent when it finishes.
+-- The request's 2026-07-28 envelope: {version, client_info, capabilities, log_level}, or
+-- raises the error a malformed one gets.
+local function modern_envelope(params)
+  local meta = params._meta
+  local function missing(what)
+    error(server.rpc_error(server.INVALID_PARAMS, ("Invalid params: params._meta must carry %s (revision 2026-07-28 "
+      .. "sends the protocol version and client capabilities with every request)"):format(what)), 0)
+  end
+  if not is_object(meta) then missing(META.PROTOCOL_VERSION .. " and " .. META.CLIENT_CAPABILITIES) end
+  local v = meta[META.PROTOCOL_VERSION]
+  if type(v) ~= "string" then missing(META.PROTOCOL_VERSION) end
+  local caps = meta[META.CLIENT_CAPABILITIES]
+  if not is_object(caps) then missing(META.CLIENT_CAPABILITIES) end
+  if not server.is_modern(v) then
+    error(server.rpc_error(server.UNSUPPORTED_PROTOCOL_VERSION, ("Unsupported protocol version: %s"):format(v),
+      { supported = json.array({ table.unpack(server.SUPPORTED_VERSIONS) }), requested = v }), 0)
+  end
+  local info = meta[META.CLIENT_INFO]
+  local level = meta[META.LOG_LEVEL]
+  return {
+    version = v,
+    capabilities = caps,
+    client_info = is_object(info) and info or nil,
+    log_level = type(level) == "string" and LEVELS[level] and level or nil,
+  }
+end
+
+--- True when `msg` (a decoded request) is in the 2026-07-28 shape: its params._meta names
+--- a protocol version.
+---@param msg table
+---@return boolean
+function server.is_modern_request(msg)
+  local p = msg.params
+  return type(p) == "table" and type(p._meta) == "table" and p._meta[META.PROTOCOL_VERSION] ~= nil
+end
+
+--- Starts a request in its own task; the response is sent on `channel` when it finishes.
 ---@param msg table  a checked request: {jsonrpc, id, method, params?}
-function Server:handle_request(msg)
+---@param channel McpTransport|nil
+function Server:handle_request(msg, channel)
   local id = msg.id
   local key = id_key(id)
   if self.inflight[key] then
     -- answered with a null id: an error under the same id would read as the answer to the
     -- request that is still running (JSON-RPC 2.0 §5: null when the id cannot be used)
-    local shown = (math.type(id) == "float" and id == math.floor(id)) and ("%d"):format(id) or tostring(id)
-    return self:respond_error(json.null, server.INVALID_REQUEST, "Invalid Request: id " .. shown .. " is already in use by a request in progress")
-  end
-  local handler = methods[msg.method]
-  if not handler then
-    return self:respond_error(id, server.METHOD_NOT_FOUND, "Method not found: " .. msg.method)
-  end
-  if self.closing then
-    return self:respond_error(id, server.INTERNAL_ERROR, "server is shutting down")
+    local v = json.is_raw(id) and id.token or id
+    local shown = (math.type(v) == "float" and v == math.floor(v)) and ("%d"):format(v) or tostring(v)
+    return self:respond_error(json.null, server.INVALID_REQUEST,
+      "Invalid Request: id " .. shown .. " is already in use by a request in progress", nil, channel)
   end
   local params = msg.params
   if params == nil or params == null then params = {} end
-  local entry = { id = id, method = msg.method, cancelled = false, done = false }
+  local era = (channel and channel.modern or server.is_modern_request(msg)) and modern or legacy
+  local env
+  if era == modern then
+    local ok, e = pcall(modern_envelope, params)
+    if not ok then
+      if type(e) == "table" and e.rpc_error then return self:respond_error(id, e.code, e.message, e.data, channel) end
+      error(e, 0)
+    end
+    env = e
+  end
+  local handler = era[msg.method]
+  if not handler then
+    return self:respond_error(id, server.METHOD_NOT_FOUND, "Method not found: " .. msg.method
+      .. (era == modern and legacy[msg.method] and " (not part of revision 2026-07-28)" or ""), nil, channel)
+  end
+  if self.closing then
+    return self:respond_error(id, server.INTERNAL_ERROR, "server is shutting down", nil, channel)
+  end
+  local entry = { id = id, key = key, method = msg.method, cancelled = false, done = false, channel = channel,
+    modern = env }
   self.inflight[key] = entry
   local task = async.spawn(msg.method .. " " .. key, function()
     local ok, res, tool = xpcall(handler, handler_error, self, params, entry)
     entry.done = true
     if self.inflight[key] == entry then self.inflight[key] = nil end
-    if entry.cancelled then
+    if entry.cancelled and not (entry.listen and ok) then
       log.debug(LOGGER, "%s %s cancelled: no response", msg.method, tostring(id))
       return
     end
     if ok then
-      self:respond(id, res, tool)
-      if msg.method == "initialize" then
+      if env then
+        res.resultType = res.resultType or "complete"
+        res._meta = type(res._meta) == "table" and res._meta or {}
+        res._meta[META.SERVER_INFO] = server.info()
+      end
+      self:respond(id, res, tool, channel)
+      if msg.method == "initialize" and not env then
         self.session.announced = true
         local early = self.early_logs or {}
         self.early_logs = nil
@@ -522,85 +852,114 @@ function Server:handle_request(msg)
     elseif res == async.CANCELLED then
       log.debug(LOGGER, "%s %s cancelled", msg.method, tostring(id))
     elseif type(res) == "table" and res.rpc_error then
-      self:respond_error(id, res.code, res.message, res.data)
+      self:respond_error(id, res.code, res.message, res.data, channel)
     else
       log.error(LOGGER, "%s failed: %s", msg.method, tostring(res.traceback or res.message or res))
-      self:respond_error(id, server.INTERNAL_ERROR, "Internal error: " .. tostring(res.message or res):match("^[^\n]*"))
+      self:respond_error(id, server.INTERNAL_ERROR, "Internal error: " .. tostring(res.message or res):match("^[^\n]*"),
+        nil, channel)
     end
   end)
   if not entry.done then entry.task = task end
 end
 
+--- Cancels a request in progress (notifications/cancelled, or its stream closed): its task
+--- is cancelled and no response is sent; a subscription ends. Unknown, finished and
+--- initialize requests are left alone. Returns true when something was cancelled.
+---@param id any
+---@param reason string|nil
+---@return boolean
+function Server:cancel(id, reason)
+  if not valid_id(id) then return false end
+  local entry = self.inflight[id_key(id)]
+  if not entry or entry.done or entry.method == "initialize" then
+    log.debug(LOGGER, "cancel of %s: not in progress", tostring(id))
+    return false
+  end
+  entry.cancelled = true
+  log.info(LOGGER, "request %s (%s) cancelled%s", tostring(id), entry.method, reason and (": " .. reason) or "")
+  if entry.task then async.cancel(entry.task, reason or "cancelled by client") end
+  return true
+end
+
 --- Handles a notification (never answered).
 ---@param msg table
-function Server:handle_notification(msg)
+---@param line string|nil  the raw message (for an exact requestId)
+function Server:handle_notification(msg, line)
   local params = msg.params
   if not is_object(params) then params = {} end
   local m = msg.method
   if m == "notifications/initialized" then
     self.session.ready = true
   elseif m == "notifications/cancelled" then
-    local rid = params.requestId
+    local rid = exact_id(params.requestId, line, "params", "requestId")
     if not valid_id(rid) then
       log.debug(LOGGER, "notifications/cancelled without a valid requestId ignored")
       return
     end
-    local entry = self.inflight[id_key(rid)]
-    if not entry or entry.done or entry.method == "initialize" then
-      log.debug(LOGGER, "notifications/cancelled for %s: not in progress", tostring(rid))
-      return
-    end
-    entry.cancelled = true
-    log.info(LOGGER, "request %s (%s) cancelled by the client%s", tostring(rid), entry.method,
-      type(params.reason) == "string" and (": " .. params.reason) or "")
-    if entry.task then async.cancel(entry.task, type(params.reason) == "string" and params.reason or "cancelled by client") end
+    self:cancel(rid, type(params.reason) == "string" and ("by the client: " .. params.reason) or "by the client")
   else
     log.debug(LOGGER, "notification %s ignored", m)
   end
 end
 
---- Handles one incoming line (one JSON-RPC message).
+--- Handles one incoming message (the text of one JSON-RPC message). Its answer goes on
+--- `channel` (default: the session's transport).
 ---@param line string
-function Server:receive(line)
+---@param channel McpTransport|nil
+function Server:receive(line, channel)
   local msg, err = json.decode(line)
   if msg == nil and err ~= nil then
-    return self:respond_error(null, server.PARSE_ERROR, "Parse error: " .. err)
+    return self:respond_error(null, server.PARSE_ERROR, "Parse error: " .. err, nil, channel)
   end
-  if line:match("^%s*%[") then
+  return self:receive_message(msg, line, channel)
+end
+
+--- Handles one decoded message; `line` is its text (for exact ids), `channel` where its
+--- answer goes (default: the session's transport).
+---@param msg any
+---@param line string|nil
+---@param channel McpTransport|nil
+function Server:receive_message(msg, line, channel)
+  if line and line:match("^%s*%[") then
     return self:respond_error(null, server.INVALID_REQUEST,
-      "Invalid Request: batches (JSON arrays) are not supported; JSON-RPC batching was removed in MCP 2025-06-18")
+      "Invalid Request: batches (JSON arrays) are not supported; JSON-RPC batching was removed in MCP 2025-06-18",
+      nil, channel)
   end
   if type(msg) ~= "table" then
     return self:respond_error(null, server.INVALID_REQUEST, "Invalid Request: a message must be a JSON object, got "
-      .. describe(msg))
+      .. describe(msg), nil, channel)
   end
-  local id = msg.id
+  local id = exact_id(msg.id, line, "id")
+  msg.id = id
   local reply_id = valid_id(id) and id or null
   if msg.jsonrpc ~= "2.0" then
-    return self:respond_error(reply_id, server.INVALID_REQUEST, 'Invalid Request: jsonrpc must be "2.0"')
+    return self:respond_error(reply_id, server.INVALID_REQUEST, 'Invalid Request: jsonrpc must be "2.0"', nil, channel)
   end
   if msg.method ~= nil then
     if type(msg.method) ~= "string" then
-      return self:respond_error(reply_id, server.INVALID_REQUEST, "Invalid Request: method must be a string")
+      return self:respond_error(reply_id, server.INVALID_REQUEST, "Invalid Request: method must be a string", nil, channel)
     end
     if id == nil then
-      local ok, e = pcall(self.handle_notification, self, msg)
+      local ok, e = pcall(self.handle_notification, self, msg, line)
       if not ok then log.error(LOGGER, "notification %s: %s", msg.method, tostring(e)) end
       return
     end
     if not valid_id(id) then
-      return self:respond_error(null, server.INVALID_REQUEST, "Invalid Request: id must be a string or a number")
+      return self:respond_error(null, server.INVALID_REQUEST, "Invalid Request: id must be a string or a number", nil,
+        channel)
     end
     local p = msg.params
     if p ~= nil and p ~= null and not is_object(p) then
-      return self:respond_error(id, server.INVALID_PARAMS, "Invalid params: params must be an object, got " .. describe(p))
+      return self:respond_error(id, server.INVALID_PARAMS, "Invalid params: params must be an object, got "
+        .. describe(p), nil, channel)
     end
-    return self:handle_request(msg)
+    return self:handle_request(msg, channel)
   end
   if id ~= nil and (msg.result ~= nil or msg.error ~= nil) then
     return self:handle_response(msg)
   end
-  return self:respond_error(reply_id, server.INVALID_REQUEST, "Invalid Request: neither a request, a notification nor a response")
+  return self:respond_error(reply_id, server.INVALID_REQUEST,
+    "Invalid Request: neither a request, a notification nor a response", nil, channel)
 end
 
 --- Reports a line that exceeded the transport's cap (it is being discarded).
@@ -620,19 +979,26 @@ function Server:pending()
   return n
 end
 
---- Graceful stop, inside a task: refuses new requests, cancels every request in
---- progress and waits up to `timeout_ms` for their cleanup (<close> handlers) to finish.
---- Returns true when all finished in time.
+--- Graceful stop, inside a task: refuses new requests, ends open subscriptions with their
+--- completion result, cancels every other request in progress and waits up to
+--- `timeout_ms` for their cleanup (<close> handlers) to finish. Returns true when all
+--- finished in time.
 ---@param timeout_ms integer
 ---@return boolean
 function Server:shutdown(timeout_ms)
   self.closing = true
   local waiting = {}
   for _, entry in pairs(self.inflight) do
-    entry.cancelled = true
     if entry.task and not entry.task.done then waiting[#waiting + 1] = entry.task end
+    if entry.listen then
+      entry.listen.stop.set()
+    else
+      entry.cancelled = true
+    end
   end
-  for _, task in ipairs(waiting) do async.cancel(task, "server shutting down") end
+  for _, entry in pairs(self.inflight) do
+    if not entry.listen and entry.task and not entry.task.done then async.cancel(entry.task, "server shutting down") end
+  end
   for _, fn in pairs(self.outgoing) do fn(nil, "server is shutting down", "ECANCELED") end
   local all = true
   local pending = {}

@@ -1,17 +1,20 @@
 -- MCP over stdio: newline-delimited JSON-RPC on fd 0 / fd 1, logs on stderr.
 --
 -- Reads stdin through the line framer (lines over max_line_bytes are discarded with an
--- error), hands each line to the server, writes its messages to stdout with the stream's
--- write queue as back-pressure, and stops gracefully on stdin EOF, SIGINT or SIGTERM:
--- requests in progress are cancelled and their cleanup awaited (bounded), queued output
--- is flushed, then the loop stops. A second signal during that stops at once.
+-- error), hands each line to the session (lua/mcp/server.lua), and writes its messages to
+-- stdout — the one McpTransport of this session — with the stream's write queue as
+-- back-pressure. Stops gracefully on stdin EOF, SIGINT, SIGTERM or SIGHUP, in any order
+-- and any number: requests in progress are cancelled and their cleanup awaited (bounded
+-- by shutdown_timeout_ms), queued output is flushed, then the loop stops. Later signals
+-- do not cut the cleanup short (Claude Code sends SIGINT then SIGTERM 100 ms later; Codex
+-- SIGTERM to the process group); only SIGKILL does, and the next start reaps what that leaves.
 local async = require("demesne.async")
 local log = require("demesne.log")
 local framing = require("demesne.mcp.framing")
 local server = require("demesne.mcp.server")
+local mcp_transport = require("demesne.mcp.transport")
 local loop = require("core.loop")
 local stream = require("core.stream")
-local signal = require("core.signal")
 local timer = require("core.timer")
 
 local stdio = {}
@@ -52,10 +55,13 @@ function stdio.limits()
   }
 end
 
--- The output side: a libuv stream when fd 1 is a pipe, socket or terminal, else blocking
--- writes (a regular file). on_broken() is called once when the peer went away.
+-- The output side, an McpTransport: a libuv stream when fd 1 is a pipe, socket or
+-- terminal, else blocking writes (a regular file). on_broken() is called once when the
+-- peer went away.
 local function open_output(fd, on_broken, on_drained)
   local out = {}
+  function out.is_closing() return out.closed == true end
+  function out.terminate() out.close() end
   local s = stream.open_fd(fd)
   local broken = false
   local waiters = {}
@@ -76,7 +82,7 @@ local function open_output(fd, on_broken, on_drained)
         on_drained()
       end
     end
-    function out.write(line)
+    function out.write(_, line)
       if broken or not s then return nil, "stdout is closed" end
       local ok, err = s:write(line .. "\n", written)
       if not ok then
@@ -112,12 +118,13 @@ local function open_output(fd, on_broken, on_drained)
       end)
     end
     function out.close()
+      out.closed = true
       if s then s:close(); s = nil end
       wake()
     end
   else
     local f = io.stdout
-    function out.write(line)
+    function out.write(_, line)
       if broken then return nil, "stdout is closed" end
       local ok, err = f:write(line, "\n")
       if ok then ok, err = f:flush() end
@@ -131,7 +138,7 @@ local function open_output(fd, on_broken, on_drained)
     function out.backlog() return 0 end
     function out.drain() end
     function out.flush() end
-    function out.close() end
+    function out.close() out.closed = true end
   end
   return out
 end
@@ -192,8 +199,8 @@ local function open_input(fd, on_chunk, on_end)
   }
 end
 
---- Runs the MCP server on stdin/stdout until stdin closes or SIGINT/SIGTERM arrives.
---- Returns the process exit status (0 after a graceful stop).
+--- Runs the MCP server on stdin/stdout until stdin closes or SIGINT, SIGTERM or SIGHUP
+--- arrives. Returns the process exit status (0 after a graceful stop).
 ---@param opts {fixtures: string|nil, registry: ToolRegistry|nil, input_fd: integer|nil, output_fd: integer|nil}|nil
 ---@return integer
 function stdio.serve(opts)
@@ -210,7 +217,7 @@ function stdio.serve(opts)
   local status = 0
   local shutting_down = false
   local input
-  local signals = {}
+  local signals
   local begin_shutdown
 
   local out = open_output(opts.output_fd or 1, function()
@@ -219,16 +226,14 @@ function stdio.serve(opts)
     if input then input.resume() end
   end)
   local srv = server.new({
-    send = out.write,
-    backlog = out.backlog,
-    drain = out.drain,
+    transport = out,
     registry = registry,
     max_message_bytes = limits.max_message_bytes,
+    listener = "stdio",
   })
 
   local function close_all()
-    for _, w in ipairs(signals) do w:close() end
-    signals = {}
+    if signals then signals(); signals = nil end
     if input then input.stop() end
     out.close()
   end
@@ -257,19 +262,7 @@ function stdio.serve(opts)
     srv:overflow(bytes, limits.max_line_bytes)
   end)
 
-  for _, name in ipairs({ "INT", "TERM" }) do
-    local w = signal.watch(name, function()
-      if shutting_down then
-        log.warning(LOGGER, "SIG%s again: stopping now", name)
-        status = 1
-        close_all()
-        loop.stop()
-        return
-      end
-      begin_shutdown("SIG" .. name)
-    end)
-    if w then signals[#signals + 1] = w end
-  end
+  signals = mcp_transport.watch_signals(function(name) begin_shutdown("SIG" .. name) end)
 
   input = open_input(opts.input_fd or 0, function(data) reader.feed(data) end, function(err)
     if err then log.warning(LOGGER, "stdin: %s", tostring(err)) end

@@ -307,7 +307,7 @@ static void test_safe_links_and_limits(void) {
   }
   rm_rf(dest);
 
-  dm_archive_limits lim = {0, 3};
+  dm_archive_limits lim = {.max_entries = 3};
   rc = dm_archive_extract(tar, dest, &lim, &st, NULL, NULL, &err);
   CHECK(rc == -1 && !strcmp(err.code, "E2BIG"), "max_entries: %s", rc ? err.code : "ok");
   CHECK(!exists(dest), "max_entries: dest removed");
@@ -485,6 +485,202 @@ static void test_round_trip(void) {
   close(sfd);
 }
 
+/* A pax tar with one sparse file of `realsize` bytes whose only data is `data` at offset 0
+ * (GNU.sparse 1.0 map, written by libarchive), then a plain file "after". */
+static void build_sparse_tar(const char *path, int64_t realsize, const char *data) {
+  struct archive *a = archive_write_new();
+  archive_write_set_format_pax(a);
+  archive_write_open_filename(a, path);
+  struct archive_entry *e = archive_entry_new();
+  archive_entry_set_pathname(e, "sparse.bin");
+  archive_entry_set_filetype(e, AE_IFREG);
+  archive_entry_set_perm(e, 0644);
+  archive_entry_set_size(e, realsize);
+  archive_entry_sparse_add_entry(e, 0, (la_int64_t)strlen(data));
+  archive_write_header(a, e);
+  archive_write_data(a, data, strlen(data));
+  archive_entry_free(e);
+  e = archive_entry_new();
+  archive_entry_set_pathname(e, "after");
+  archive_entry_set_filetype(e, AE_IFREG);
+  archive_entry_set_perm(e, 0644);
+  archive_entry_set_size(e, 1);
+  archive_write_header(a, e);
+  archive_write_data(a, "z", 1);
+  archive_entry_free(e);
+  archive_write_close(a);
+  archive_write_free(a);
+}
+
+static long long disk_bytes(const char *path) {
+  char cmd[PATH_MAX + 64];
+  snprintf(cmd, sizeof cmd, "du -s -B1 '%s' | cut -f1", path);
+  FILE *f = popen(cmd, "r");
+  long long n = -1;
+  if (f) {
+    if (fscanf(f, "%lld", &n) != 1) n = -1;
+    pclose(f);
+  }
+  return n;
+}
+
+static void test_sparse_and_lying(void) {
+  /* 100 GiB apparent, 5 bytes of data: refused on the declared size, nothing written */
+  const char *tar = path_in("sparse.tar");
+  build_sparse_tar(tar, 100LL << 30, "hello");
+  dm_archive_item *items;
+  size_t ni;
+  dm_archive_err err;
+  if (dm_archive_list(tar, &items, &ni, &err) == 0) {
+    CHECK(ni == 2 && items[0].size == (100LL << 30), "the tar declares 100 GiB: %lld", (long long)items[0].size);
+    dm_archive_items_free(items, ni);
+  }
+  const char *dest = path_in("sparse-dest");
+  dm_archive_limits lim = {.max_bytes = 10 << 20};
+  dm_archive_stats st;
+  int rc = dm_archive_extract(tar, dest, &lim, &st, NULL, NULL, &err);
+  CHECK(rc == -1 && !strcmp(err.code, "E2BIG") && strstr(err.msg, "sparse.bin"), "100 GiB sparse under 10 MiB: %s %s",
+        rc ? err.code : "ok", rc ? err.msg : "");
+  CHECK(!exists(dest), "nothing left of the refused extraction");
+
+  /* a small sparse file within the cap: holes stay holes, the apparent size is right */
+  build_sparse_tar(tar, 1 << 20, "hello");
+  rc = dm_archive_extract(tar, dest, &lim, &st, NULL, NULL, &err);
+  CHECK(rc == 0, "1 MiB sparse: %s", rc ? err.msg : "");
+  if (rc == 0) {
+    char p[PATH_MAX];
+    snprintf(p, sizeof p, "%s/sparse.bin", dest);
+    struct stat sst;
+    CHECK(stat(p, &sst) == 0 && sst.st_size == (1 << 20), "apparent size 1 MiB");
+    CHECK(st.bytes == 6, "bytes counts what was written (5 + 1): %llu", (unsigned long long)st.bytes);
+    CHECK(disk_bytes(dest) < (512 << 10), "the holes were not written: %lld bytes on disk", disk_bytes(dest));
+    char buf[8] = {0};
+    int fd = open(p, O_RDONLY);
+    CHECK(fd >= 0 && read(fd, buf, 5) == 5 && !strcmp(buf, "hello"), "data at offset 0");
+    if (fd >= 0) close(fd);
+  }
+  rm_rf(dest);
+
+  /* a tar cut short: the header promises more data than there is */
+  spec one[] = {{"big", 'f', NULL, "0123456789abcdef0123456789abcdef"}};
+  build_tar(tar, one, 1);
+  int fd = open(tar, O_WRONLY);
+  CHECK(fd >= 0 && ftruncate(fd, 512 + 10) == 0, "truncate");
+  if (fd >= 0) close(fd);
+  rc = dm_archive_extract(tar, dest, NULL, &st, NULL, NULL, &err);
+  CHECK(rc == -1 && !strcmp(err.code, "EARCHIVE"), "truncated: %s %s", rc ? err.code : "ok", rc ? err.msg : "");
+  CHECK(!exists(dest), "nothing left of the truncated extraction");
+
+  /* a tar larger than max_archive_bytes is refused before anything is read */
+  build_tar(tar, one, 1);
+  int tfd = open(tar, O_RDONLY);
+  mkdir(dest, 0755);
+  int dfd = open(dest, O_RDONLY | O_DIRECTORY);
+  dm_archive_limits small = {.max_archive_bytes = 1024};
+  rc = dm_archive_extract_fd(tfd, dfd, &small, &st, NULL, NULL, &err, NULL);
+  CHECK(rc == -1 && !strcmp(err.code, "E2BIG") && strstr(err.msg, "max_archive_bytes"), "max_archive_bytes: %s",
+        rc ? err.msg : "ok");
+  /* cancelled before it starts: ECANCELED, nothing written */
+  atomic_int cancel = 1;
+  rc = dm_archive_extract_fd(tfd, dfd, NULL, &st, NULL, NULL, &err, &cancel);
+  CHECK(rc == -1 && !strcmp(err.code, "ECANCELED"), "cancel: %s", rc ? err.code : "ok");
+  CHECK(is_empty_dir(dest), "nothing written when cancelled");
+  /* the archive must be a regular file */
+  rc = dm_archive_extract_fd(dfd, dfd, NULL, &st, NULL, NULL, &err, NULL);
+  CHECK(rc == -1 && !strcmp(err.code, "EINVAL"), "a folder as the archive: %s", rc ? err.code : "ok");
+  close(dfd);
+  close(tfd);
+  rm_rf(dest);
+}
+
+/* Names `depth` levels deep: "a/a/.../f". */
+static void test_depth(void) {
+  const char *tar = path_in("deep.tar");
+  for (int depth = 250; depth <= 300; depth += 50) {
+    struct archive *a = archive_write_new();
+    archive_write_set_format_pax_restricted(a);
+    archive_write_open_filename(a, tar);
+    char name[PATH_MAX] = "";
+    for (int i = 0; i < depth; i++) strcat(name, "a/");
+    struct archive_entry *e = archive_entry_new();
+    strcat(name, "f");
+    archive_entry_set_pathname(e, name);
+    archive_entry_set_filetype(e, AE_IFREG);
+    archive_entry_set_perm(e, 0644);
+    archive_entry_set_size(e, 1);
+    archive_write_header(a, e);
+    archive_write_data(a, "x", 1);
+    archive_entry_free(e);
+    archive_write_close(a);
+    archive_write_free(a);
+    const char *dest = path_in("deep-dest");
+    dm_archive_stats st;
+    dm_archive_err err;
+    int rc = dm_archive_extract(tar, dest, NULL, &st, NULL, NULL, &err);
+    if (depth + 1 <= DM_TREE_MAX_DEPTH) {
+      CHECK(rc == 0 && st.files == 1, "%d levels extract: %s", depth, rc ? err.msg : "");
+    } else {
+      CHECK(rc == -1 && !strcmp(err.code, "E2BIG") && strstr(err.msg, "a/a/a") && strstr(err.msg, "256 levels"),
+            "%d levels refused naming the path: %s %s", depth, rc ? err.code : "ok", rc ? err.msg : "");
+      CHECK(!exists(dest), "nothing left");
+    }
+    rm_rf(dest);
+  }
+}
+
+/* pack_fd: sizes are summed first (nothing written over the cap), folders too deep refused. */
+static void test_pack_limits(void) {
+  const char *src = path_in("psrc");
+  mkdir(src, 0755);
+  char p[PATH_MAX];
+  snprintf(p, sizeof p, "%s/big", src);
+  int fd = open(p, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  CHECK(fd >= 0 && ftruncate(fd, 100LL << 30) == 0, "a 100 GiB sparse source");
+  if (fd >= 0) close(fd);
+  const char *out = path_in("p.tar");
+  int ofd = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  dm_archive_entry en[] = {{.src = src, .name = "psrc"}};
+  dm_archive_limits lim = {.max_bytes = 1 << 20, .strict_src = 1};
+  dm_archive_stats st;
+  dm_archive_err err;
+  int rc = dm_archive_pack_fd(ofd, en, 1, &lim, &st, &err, NULL);
+  struct stat ost;
+  fstat(ofd, &ost);
+  CHECK(rc == -1 && !strcmp(err.code, "E2BIG"), "over the cap: %s", rc ? err.code : "ok");
+  CHECK(ost.st_size == 0, "nothing written when over the cap: %lld bytes", (long long)ost.st_size);
+  close(ofd);
+  unlink(p);
+  /* an entry cap: refused in the sizing pass, nothing written */
+  ofd = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  for (int i = 0; i < 20; i++) {
+    snprintf(p, sizeof p, "%s/n%d", src, i);
+    int nf = open(p, O_WRONLY | O_CREAT, 0644);
+    if (nf >= 0) close(nf);
+  }
+  dm_archive_limits few = {.max_entries = 10};
+  rc = dm_archive_pack_fd(ofd, en, 1, &few, &st, &err, NULL);
+  fstat(ofd, &ost);
+  CHECK(rc == -1 && !strcmp(err.code, "E2BIG") && ost.st_size == 0, "max_entries: %s, %lld bytes written",
+        rc ? err.code : "ok", (long long)ost.st_size);
+  close(ofd);
+  snprintf(p, sizeof p, "%s/big", src);
+  /* a source through a symlink is refused in strict mode */
+  char link[PATH_MAX + 16], via[PATH_MAX + 32];
+  snprintf(link, sizeof link, "%s/plink", base);
+  symlink(src, link);
+  mkdir(p, 0755); /* psrc/big, now a folder */
+  snprintf(via, sizeof via, "%s/big", link);
+  ofd = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  dm_archive_entry en2[] = {{.src = via, .name = "v"}};
+  rc = dm_archive_pack_fd(ofd, en2, 1, &lim, &st, &err, NULL);
+  CHECK(rc == -1 && !strcmp(err.code, "ELOOP"), "strict: a link on the way is refused: %s", rc ? err.code : "ok");
+  lim.strict_src = 0;
+  rc = dm_archive_pack_fd(ofd, en2, 1, &lim, &st, &err, NULL);
+  CHECK(rc == 0, "not strict: the host's own link is followed: %s", rc ? err.msg : "ok");
+  close(ofd);
+  unlink(out);
+}
+
 int main(void) {
   snprintf(base, sizeof base, "%s/dm-archive-XXXXXX", getenv("TMPDIR") ? getenv("TMPDIR") : "/tmp");
   if (!mkdtemp(base)) {
@@ -494,6 +690,9 @@ int main(void) {
   test_unsafe_entries();
   test_safe_links_and_limits();
   test_round_trip();
+  test_sparse_and_lying();
+  test_depth();
+  test_pack_limits();
   rm_rf(base);
   if (failures) {
     fprintf(stderr, "%d check(s) failed\n", failures);

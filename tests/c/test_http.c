@@ -5,6 +5,7 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/resource.h>
 
 static int failures;
 #define CHECK(cond, ...) \
@@ -91,6 +92,7 @@ typedef struct {
   int headers, done;
   long status;
   char code[32];
+  char msg[512];
   char body[64];
   char thing[32];
   int inside_call; /* set while dm_http_start/cancel runs: on_done must not fire then */
@@ -109,6 +111,7 @@ static void p_done(void *ud, dm_http_req *r, const dm_http_err *err) {
   CHECK(!p->inside_call, "on_done re-entrant");
   p->done++;
   snprintf(p->code, sizeof p->code, "%s", err ? err->code : "OK");
+  snprintf(p->msg, sizeof p->msg, "%s", err ? err->msg : "");
   if (!err) {
     size_t len;
     const char *b = dm_http_body(r, &len);
@@ -166,6 +169,31 @@ int main(void) {
   CHECK(!strcmp(a.body, "hello"), "body '%s'", a.body);
   CHECK(!strcmp(a.thing, "ab"), "both repeated headers kept in order: '%s'", a.thing);
   CHECK(dm_http_active(h) == 0, "nothing active");
+
+  /* out of descriptors: the request fails with an error that names it, and the next one
+   * works once descriptors are free again (issue 10: never a silent success) */
+  {
+    dm_http *h2 = dm_http_new(&loop); /* its own connection cache: the request needs a new socket */
+    struct rlimit old, low;
+    getrlimit(RLIMIT_NOFILE, &old);
+    low = old;
+    low.rlim_cur = 64;
+    setrlimit(RLIMIT_NOFILE, &low);
+    int held[64], n = 0;
+    for (int fd; n < 64 && (fd = dup(0)) >= 0;) held[n++] = fd;
+    probe e = {0};
+    start(h2, "/hello", &e);
+    run_until(&e.done, 1);
+    CHECK(e.done == 1 && !strcmp(e.code, "EMFILE"), "out of descriptors: %s", e.code);
+    CHECK(strcasestr(e.msg, "too many open files"), "the message names it: %s", e.msg);
+    while (n > 0) close(held[--n]);
+    setrlimit(RLIMIT_NOFILE, &old);
+    probe e2 = {0};
+    start(h2, "/hello", &e2);
+    run_until(&e2.done, 1);
+    CHECK(e2.done == 1 && !strcmp(e2.code, "OK"), "descriptors back: %s", e2.code);
+    dm_http_free(h2);
+  }
 
   /* cancel: once, later */
   probe c = {0};

@@ -1,7 +1,9 @@
 /* core/proxy.c without Lua: request-head parsing (the three target forms, refusals, the
  * rewrite of a plain request), host normalisation, address classes and rules, the DNS
  * codec, and the data path end to end on loopback: CONNECT, absolute-form GET, a denial,
- * an address refused by class, and a test resolver. Run under the sanitizer build too. */
+ * an address refused by class, a test resolver, and the per-listener ceilings (connections,
+ * descriptors, descriptors smuggled over the unix connection). Run under the sanitizer
+ * build too. */
 #include "proxy.h"
 #include "dns.h"
 #include <arpa/inet.h>
@@ -397,6 +399,141 @@ static void test_handover(const char *sock) {
         "through the handed-over socket: %s up %llu", last_upstream_req, (unsigned long long)last.bytes_up);
 }
 
+static int refused_count;
+static char refused_limit[32];
+static void on_refused(void *ud, const dm_proxy_refusal *r) {
+  refused_count++;
+  snprintf(refused_limit, sizeof refused_limit, "%s", r->limit);
+}
+
+/* A plain unix client of the proxy socket, non-blocking once connected (-1 on failure). */
+static int unix_client(const char *sock) {
+  int u = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+  struct sockaddr_un ua = {.sun_family = AF_UNIX};
+  snprintf(ua.sun_path, sizeof ua.sun_path, "%s", sock);
+  if (u < 0 || connect(u, (struct sockaddr *)&ua, sizeof ua) != 0) {
+    if (u >= 0) close(u);
+    return -1;
+  }
+  fcntl(u, F_SETFL, O_NONBLOCK);
+  return u;
+}
+
+/* Turns the loop until `fd` has answered `want` (or hung up when want is NULL). */
+static int await_answer(int fd, const char *want, char *got, size_t cap) {
+  size_t len = 0;
+  got[0] = '\0';
+  for (int spins = 0; spins < 200000; spins++) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    ssize_t r = recv(fd, got + len, cap - len - 1, 0);
+    if (r > 0) {
+      len += (size_t)r;
+      got[len] = '\0';
+      if (want && strstr(got, want)) return 1;
+    } else if (r == 0 || (r < 0 && errno != EAGAIN)) {
+      return want == NULL;
+    } else {
+      usleep(50);
+    }
+  }
+  return 0;
+}
+
+static void spin(int turns) {
+  for (int i = 0; i < turns; i++) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(200);
+  }
+}
+
+/* One sandbox must not make the server hold unbounded descriptors: a connection over the
+ * ceilings is answered 503 naming the ceiling; descriptors sent after the first read end
+ * the connection. */
+static void test_ceilings(const char *dir) {
+  char sock[160], got[4096], req[128];
+  snprintf(sock, sizeof sock, "%s/ceiling.sock", dir);
+  snprintf(req, sizeof req, "CONNECT allowed.test:%d HTTP/1.1\r\n\r\n", upstream_port);
+  dm_proxy_rule rule = {0};
+  dm_proxy_parse_cidr("127.0.0.1/32", &rule);
+  rule.allow = 1;
+  rule.port = upstream_port;
+  rule.index = 1;
+  char resolver[64];
+  snprintf(resolver, sizeof resolver, "127.0.0.1:%d", dns_port);
+  dm_proxy_opts o = {.path = sock, .resolver = resolver, .rules = &rule, .nrules = 1, .max_conns = 2, .max_fds = 8,
+                     .ceiling_hint = "(raise the test ceiling)"};
+  dm_proxy_handler h = {on_request, on_done, on_closed, on_refused};
+  int err = 0, closed_before = closed;
+  dm_proxy *p = dm_proxy_new(&loop, &o, &h, NULL, &err);
+  CHECK(p != NULL, "listen: %s", uv_strerror(err));
+  if (!p) return;
+  size_t g0 = dm_proxy_fds_total(NULL);
+
+  int a = unix_client(sock), b = unix_client(sock);
+  spin(50);
+  CHECK(dm_proxy_active(p) == 2 && dm_proxy_fds(p) == 4, "two idle connections: %zu, %zu fds", dm_proxy_active(p),
+        dm_proxy_fds(p));
+  int c = unix_client(sock);
+  CHECK(c >= 0 && send(c, req, strlen(req), 0) == (ssize_t)strlen(req), "third client");
+  CHECK(await_answer(c, "\r\n\r\n", got, sizeof got) && strstr(got, "HTTP/1.1 503 Service Unavailable") &&
+            strstr(got, "X-Demesne-Egress: ceiling") && strstr(got, "2 connections") && strstr(got, "(raise the test ceiling)"),
+        "over max_conns: %s", got);
+  CHECK(refused_count == 1 && !strcmp(refused_limit, "connections"), "on_refused: %d %s", refused_count, refused_limit);
+  CHECK(dm_proxy_active(p) == 2, "the refused one is not counted: %zu", dm_proxy_active(p));
+  close(a);
+  close(b);
+  close(c);
+  for (int i = 0; i < 2000 && (dm_proxy_active(p) || dm_proxy_fds(p)); i++) spin(1);
+  CHECK(dm_proxy_active(p) == 0 && dm_proxy_fds(p) == 0, "released: %zu conns, %zu fds", dm_proxy_active(p), dm_proxy_fds(p));
+
+  /* a tunnel holds 6 of the 8 descriptors: the next connection is admitted (2) but cannot dial */
+  int t1 = unix_client(sock);
+  CHECK(t1 >= 0 && send(t1, req, strlen(req), 0) > 0, "tunnel client");
+  CHECK(await_answer(t1, "established\r\n\r\n", got, sizeof got), "tunnel: %s", got);
+  CHECK(dm_proxy_fds(p) == 6, "a CONNECT tunnel holds 6 descriptors: %zu", dm_proxy_fds(p));
+  int t2 = unix_client(sock);
+  CHECK(t2 >= 0 && send(t2, req, strlen(req), 0) > 0, "second tunnel client");
+  CHECK(await_answer(t2, "\r\n\r\n", got, sizeof got) && strstr(got, "503") && strstr(got, "ceiling of 8"),
+        "over max_fds: %s", got);
+  for (int i = 0; i < 2000 && dm_proxy_active(p) > 1; i++) spin(1);
+  CHECK(!strcmp(last.code ? last.code : "", "ELIMIT") && last.status == 503, "on_done: %s %d", last.code, last.status);
+  close(t1);
+  close(t2);
+  for (int i = 0; i < 2000 && dm_proxy_active(p); i++) spin(1);
+
+  /* descriptors sent after the first read (the relay sends one, with its first byte) */
+  int u = unix_client(sock);
+  CHECK(u >= 0 && send(u, "GET /", 5, 0) == 5, "stray client");
+  spin(20);
+  int sent = 0;
+  for (int i = 0; i < 20; i++) {
+    int fds[8];
+    for (int k = 0; k < 8; k++) fds[k] = 0; /* stdin, eight times: each arrives as a new descriptor */
+    char byte = 'a'; /* the path goes on: the head stays valid */
+    struct iovec iov = {.iov_base = &byte, .iov_len = 1};
+    union { struct cmsghdr h; char space[CMSG_SPACE(sizeof fds)]; } ctl;
+    memset(&ctl, 0, sizeof ctl);
+    struct msghdr msg = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl.space, .msg_controllen = sizeof ctl.space};
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&msg);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof fds);
+    memcpy(CMSG_DATA(cm), fds, sizeof fds);
+    if (sendmsg(u, &msg, MSG_NOSIGNAL) == 1) sent++;
+    spin(5);
+  }
+  spin(20);
+  CHECK(sent >= 1 && dm_proxy_active(p) == 0 && dm_proxy_fds(p) == 0, "a client that sends descriptors is cut off at once "
+        "(%d sent, %zu connections)", sent, dm_proxy_active(p));
+  CHECK(await_answer(u, NULL, got, sizeof got) && got[0] == '\0', "hung up without an answer: %s", got);
+  close(u);
+  for (int i = 0; i < 2000 && dm_proxy_active(p); i++) spin(1);
+  CHECK(dm_proxy_active(p) == 0 && dm_proxy_fds(p) == 0 && dm_proxy_fds_total(NULL) == g0, "all released: %zu %zu",
+        dm_proxy_fds(p), dm_proxy_fds_total(NULL));
+  dm_proxy_close(p);
+  while (closed == closed_before) uv_run(&loop, UV_RUN_ONCE);
+}
+
 /* What demesne-init's relay does where it cannot pass a socket (gVisor): the byte '\0' and
  * then the client's own bytes, copied over the unix connection; the proxy drops the byte
  * and talks to that connection as the client. */
@@ -466,7 +603,7 @@ static void test_end_to_end(void) {
   rule.port = upstream_port;
   rule.index = 1;
   dm_proxy_opts o = {.path = sock, .resolver = resolver, .rules = &rule, .nrules = 1};
-  dm_proxy_handler h = {on_request, on_done, on_closed};
+  dm_proxy_handler h = {on_request, on_done, on_closed, NULL};
   int err = 0;
   dm_proxy *p = dm_proxy_new(&loop, &o, &h, NULL, &err);
   CHECK(p != NULL, "listen: %s", uv_strerror(err));
@@ -508,6 +645,8 @@ static void test_end_to_end(void) {
   CHECK(strstr(c.got, "502") && !last.denied, "unknown name: %s", c.got);
   exchange_opt(sock, &c, "GARBAGE\r\n\r\n", 0);
   CHECK(strstr(c.got, "HTTP/1.1 501") || strstr(c.got, "HTTP/1.1 400"), "bad head: %s", c.got);
+
+  test_ceilings(path);
 
   dm_proxy_close(p);
   while (!closed) uv_run(&loop, UV_RUN_ONCE);

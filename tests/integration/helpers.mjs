@@ -1,10 +1,12 @@
 // Shared helpers for the integration tests: start build/demesne over stdio, either behind
-// the official MCP SDK client (connect) or as a raw process for malformed frames (spawnRaw).
+// the official MCP SDK client (connect) or as a raw process for malformed frames (spawnRaw),
+// or over Streamable HTTP on a free loopback port (startHttp).
 // The binary runs its embedded runtime (DEMESNE_SOURCE_DIR is removed from its environment)
 // and a fresh, empty XDG_CONFIG_HOME unless the caller passes one.
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
 import { spawn } from "node:child_process";
+import { randomBytes } from "node:crypto";
 import { mkdtempSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -44,13 +46,15 @@ function argv(args, fixtures) {
  * @param {string[]} [o.args]               extra options placed before `serve`
  * @param {boolean|string} [o.fixtures=true] load tests/fixtures/tools (or the given folder)
  * @param {object} [o.capabilities]         client capabilities to declare
+ * @param {string[]} [o.wrap]               a command line that runs the server (e.g. ["prlimit", "--nofile=1024:"]):
+ *   it must exec the binary, so that transport.pid is the server's
  * @returns {Promise<{client: Client, transport: StdioClientTransport, stderr: () => string}>}
  *   stderr() returns everything the server wrote to stderr so far.
  */
-export async function connect({ env = {}, args = [], fixtures = true, capabilities = {} } = {}) {
+export async function connect({ env = {}, args = [], fixtures = true, capabilities = {}, wrap = [] } = {}) {
   const transport = new StdioClientTransport({
-    command: BIN,
-    args: argv(args, fixtures),
+    command: wrap.length ? wrap[0] : BIN,
+    args: [...wrap.slice(1), ...(wrap.length ? [BIN] : []), ...argv(args, fixtures)],
     env: serverEnv(env),
     stderr: "pipe",
     cwd: ROOT,
@@ -107,7 +111,8 @@ export function spawnRaw({ env = {}, args = [], fixtures = true } = {}) {
       const line = buf.slice(0, nl);
       buf = buf.slice(nl + 1);
       if (!line.trim()) continue;
-      queue.push(JSON.parse(line)); // stdout must carry only JSON-RPC: anything else fails the test
+      // stdout must carry only JSON-RPC: anything else fails the test; .raw keeps the text
+      queue.push(Object.defineProperty(JSON.parse(line), "raw", { value: line }));
       deliver();
     }
   });
@@ -160,4 +165,49 @@ export function spawnRaw({ env = {}, args = [], fixtures = true } = {}) {
     clearTimeout(t);
   }
   return { proc, send, next, request, initialize, exited, stderr: () => err, close };
+}
+
+/**
+ * Starts `demesne serve --http 127.0.0.1:0` (or `addr`) with a fresh bearer token and waits
+ * for the URL it prints on stderr.
+ * @param {object} [o]
+ * @param {Record<string,string>} [o.env]
+ * @param {string[]} [o.args]   extra options placed before `serve`
+ * @param {boolean|string} [o.fixtures=true]
+ * @param {string[]} [o.listen] --http addresses (default ["127.0.0.1:0"])
+ * @param {boolean} [o.group]   start in its own process group (detached), for signals to the group
+ * @returns {Promise<{url: string, token: string, proc, pid: number, stderr: () => string,
+ *   exited: Promise<{code: number|null, signal: string|null}>, stop: (sig?: string) => Promise<object>}>}
+ */
+export async function startHttp({ env = {}, args = [], fixtures = true, listen = ["127.0.0.1:0"], group = false } = {}) {
+  const token = randomToken();
+  const argv = [...args, ...(fixtures ? ["--fixtures", typeof fixtures === "string" ? fixtures : FIXTURES] : []), "serve"];
+  for (const a of listen) argv.push("--http", a);
+  const proc = spawn(BIN, argv, {
+    env: serverEnv({ DEMESNE_HTTP_TOKEN: token, ...env }), cwd: ROOT, stdio: ["ignore", "pipe", "pipe"], detached: group,
+  });
+  let err = "";
+  const exited = new Promise((resolve) => proc.on("exit", (code, signal) => resolve({ code, signal })));
+  const url = await new Promise((resolve, reject) => {
+    const timer = setTimeout(() => reject(new Error(`no URL on stderr within 10 s:\n${err}`)), 10000);
+    proc.stderr.on("data", (c) => {
+      err += c.toString();
+      if (process.env.DEMESNE_TEST_VERBOSE) process.stderr.write(c);
+      const m = err.match(/serving MCP over HTTP on (http:\/\/\S+|unix:\S+)/);
+      if (m) { clearTimeout(timer); resolve(m[1]); }
+    });
+    proc.on("exit", (code) => { clearTimeout(timer); reject(new Error(`exited with ${code}:\n${err}`)); });
+  });
+  async function stop(sig = "SIGTERM") {
+    proc.kill(sig);
+    const t = setTimeout(() => proc.kill("SIGKILL"), 30000);
+    const r = await exited;
+    clearTimeout(t);
+    return r;
+  }
+  return { url, token, proc, pid: proc.pid, stderr: () => err, exited, stop };
+}
+
+function randomToken() {
+  return randomBytes(24).toString("hex");
 }

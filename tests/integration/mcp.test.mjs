@@ -6,7 +6,9 @@ import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { LoggingMessageNotificationSchema, McpError } from "@modelcontextprotocol/sdk/types.js";
-import { connect, spawnRaw } from "./helpers.mjs";
+import { Client as ClientV2 } from "@modelcontextprotocol/client";
+import { StdioClientTransport as StdioV2 } from "@modelcontextprotocol/client/stdio";
+import { connect, spawnRaw, BIN, FIXTURES, ROOT, serverEnv } from "./helpers.mjs";
 
 const work = mkdtempSync(path.join(tmpdir(), "demesne-mcp-it-"));
 after(() => rmSync(work, { recursive: true, force: true }));
@@ -265,6 +267,13 @@ describe("raw frames", () => {
     const first = await raw.next((x) => x.id === 41);
     assert.ok(first.result, JSON.stringify(first));
   });
+  test("ids beyond 2^53, fractions and strings come back exactly as sent (not as rounded floats)", async () => {
+    for (const id of ["9007199254740993", "123456789012345678901234567890", "-9007199254740995", "1.25", "1e3", '"id-\\u00e9"']) {
+      raw.send(`{"jsonrpc":"2.0","id":${id},"method":"ping"}\n`);
+      const m = await raw.next((x) => x.method === undefined);
+      assert.ok(m.raw.includes(`"id":${id.startsWith('"') ? '"id-é"' : id}`), `${id} -> ${m.raw}`);
+    }
+  });
   test("unknown method -> -32601", () => expectError('{"jsonrpc":"2.0","id":7,"method":"no/such"}', -32601, 7));
   test("wrong param types -> -32602 naming the field", async () => {
     await expectError('{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{"name":42}}', -32602, 8, /params\.name/);
@@ -292,6 +301,29 @@ describe("raw frames", () => {
     const m = await raw.next();
     assert.equal(m.id, "after");
   });
+});
+
+test("SDK v2 client over stdio: probes with server/discover and speaks 2026-07-28 (stateless)", async () => {
+  const transport = new StdioV2({ command: BIN, args: ["--fixtures", FIXTURES, "serve"], env: serverEnv(), cwd: ROOT, stderr: "ignore" });
+  const client = new ClientV2({ name: "demesne-stdio-v2", version: "2" }, { versionNegotiation: { mode: "auto" } });
+  await client.connect(transport);
+  try {
+    assert.equal(client.getNegotiatedProtocolVersion(), "2026-07-28");
+    const { tools } = await client.listTools();
+    assert.ok(tools.some((t) => t.name === "fixture_echo"));
+    const seen = [];
+    const r = await client.callTool({ name: "fixture_progress", arguments: { steps: 3, delay_ms: 20 } },
+      { onprogress: (p) => seen.push(p.progress) });
+    assert.deepEqual(r.structuredContent, { steps: 3, sent: 3 });
+    assert.deepEqual(seen, [1, 2, 3]);
+    const ac = new AbortController();
+    const slow = client.callTool({ name: "fixture_sleep", arguments: { seconds: 30 } }, { signal: ac.signal });
+    setTimeout(() => ac.abort(), 200);
+    await assert.rejects(slow);
+    assert.equal((await client.callTool({ name: "fixture_echo", arguments: { text: "after" } })).structuredContent.text, "after");
+  } finally {
+    await client.close();
+  }
 });
 
 test("a line over the configured cap is discarded with -32600 and the server keeps serving", async () => {

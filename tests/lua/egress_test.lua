@@ -283,4 +283,70 @@ function T.relay_copy_marker(t)
   server:close()
 end
 
+-- "Open egress" is a property of the policy, not its name (issue 10): a bridge network, an
+-- ALLOW for every name or a wide address block, or a declaration.
+function T.open_egress_is_a_property_not_a_name(t)
+  local function unrestricted(def) return assert(egress.compile("mine", def)).unrestricted end
+  t:eq(unrestricted({ open = true }), true, "bridge network")
+  t:eq(unrestricted({ rules = { { egress.ALLOW, host = "*" } } }), true, "any name")
+  t:eq(unrestricted({ rules = { { egress.DENY, host = ".evil.test" }, { egress.ALLOW, host = "*", port = 443 } } }),
+    true, "any name on one port, after a carve-out")
+  t:eq(unrestricted({ rules = { { egress.ALLOW, cidr = "0.0.0.0/0" } } }), true, "every IPv4 address")
+  t:eq(unrestricted({ rules = { { egress.ALLOW, cidr = { "0.0.0.0/1", "128.0.0.0/1" } } } }), true, "two halves")
+  t:eq(unrestricted({ rules = { { egress.ALLOW, cidr = "::/0" } } }), true, "every IPv6 address")
+  t:eq(unrestricted({ unrestricted = true, rules = {} }), true, "declared")
+  t:eq(unrestricted({ rules = { { egress.DENY, host = "*" } } }), false, "a DENY for every name is not open")
+  t:eq(unrestricted({ rules = { { egress.ALLOW, host = ".example.com" }, { egress.ALLOW, cidr = "10.0.0.0/8" } } }),
+    false, "named hosts and a private block")
+  t:eq(assert(egress.policy("package-managers")).unrestricted, false, "package-managers")
+  t:eq(assert(egress.policy("none")).unrestricted, false, "none")
+  t:eq(assert(egress.policy("open")).unrestricted, true, "open")
+  -- a user's open policy under another name is refused with host inputs
+  local all = egress.policies()
+  all.wideopen = assert(egress.compile("wideopen", { rules = { { egress.ALLOW, host = "*" } } }))
+  local pol, err = egress.select("wideopen", true)
+  all.wideopen = nil
+  t:eq(pol, nil, "refused with inputs")
+  t:match(err, "open egress", "the refusal says why")
+  t:ok(egress.select("package-managers", true), "a restricted policy is fine")
+  t:eq(egress.is_unrestricted("no-such-policy"), true, "an unknown name counts as open")
+end
+
+-- A sandbox over its ceiling gets a 503 that names it, and egress.jsonl says why.
+function T.sandbox_proxy_connection_ceiling(t)
+  local config = require("demesne.config")
+  local dir <close> = tmpdir()
+  fs.mkdir_p(dir.path .. "/run")
+  fs.mkdir_p(dir.path .. "/out")
+  loop.setenv("DEMESNE_EGRESS_MAX_CONNECTIONS", "2")
+  config.load()
+  local h = assert(egress.start({ run_id = "r2", run_dir = dir.path .. "/run", output_dir = dir.path .. "/out",
+    policy = assert(egress.policy("none")) }))
+  loop.setenv("DEMESNE_EGRESS_MAX_CONNECTIONS", nil)
+  config.load()
+  local sock = dir.path .. "/run/egress.sock"
+  local connect = async.wrap(stream.connect_unix)
+  local a, b = assert(connect(sock)), assert(connect(sock))
+  for _ = 1, 100 do
+    if h.listener:active() == 2 then break end
+    async.sleep(10)
+  end
+  t:eq(h.listener:active(), 2, "two idle connections held")
+  t:eq(h.listener:descriptors(), 4, "two descriptors each")
+  local held, cap = proxy.descriptors()
+  t:ok(held >= 4 and cap > held, "the process-wide count")
+  local out = exchange(sock, "CONNECT pypi.org:443 HTTP/1.1\r\n\r\n")
+  t:match(out, "^HTTP/1.1 503 Service Unavailable", "over the ceiling")
+  t:match(out, "X%-Demesne%-Egress: ceiling", "marked")
+  t:match(out, "egress_max_connections", "the setting is named")
+  a:close()
+  b:close()
+  h:stop()
+  local lines = {}
+  for line in (fs.read_file(dir.path .. "/out/egress.jsonl") or ""):gmatch("[^\n]+") do lines[#lines + 1] = json.decode(line) end
+  t:eq(#lines, 1, "one line for the refusal")
+  t:eq({ lines[1].verdict, lines[1].rule, lines[1].refused, lines[1].limit, lines[1].status },
+    { "deny", "ceiling", 1, "connections", 503 }, "the ceiling line")
+end
+
 return T

@@ -153,7 +153,7 @@ function tests.broken_user_images_are_refused_by_name(t)
     t:ok(err and #eng.builds == before + 1, "a failed build is tried again, not remembered")
     t:ok(images.ensure(eng, "base"), "the other images still work")
     _, err = images.ensure(eng, "Bad Name")
-    t:match(err, "neither a built%-in or user image")
+    t:match(err, '^image: "Bad Name" is not a valid image reference', "a user folder with a bad name is no image")
   end)
 end
 

@@ -127,7 +127,7 @@ function tests.jsonrpc_errors(t)
     { '{"jsonrpc":"2.0","id":{"a":1},"method":"ping"}', server.INVALID_REQUEST, json.null },
     { '{"jsonrpc":"2.0","id":3,"method":7}', server.INVALID_REQUEST, 3 },
     { '{"jsonrpc":"2.0","id":4}', server.INVALID_REQUEST, 4 },
-    { '{"jsonrpc":"2.0","id":5,"method":"resources/list"}', server.METHOD_NOT_FOUND, 5 },
+    { '{"jsonrpc":"2.0","id":5,"method":"prompts/list"}', server.METHOD_NOT_FOUND, 5 },
     { '{"jsonrpc":"2.0","id":6,"method":"tools/call","params":"x"}', server.INVALID_PARAMS, 6 },
     { '{"jsonrpc":"2.0","id":7,"method":"tools/call","params":{"name":5}}', server.INVALID_PARAMS, 7, "params%.name" },
     { '{"jsonrpc":"2.0","id":8,"method":"tools/call","params":{"name":"echo","arguments":[1]}}', server.INVALID_PARAMS, 8,
@@ -437,6 +437,132 @@ function tests.shutdown_cancels_in_flight_requests_and_waits_for_cleanup(t)
   t:eq(#h.responses(), 0)
   h.call(3, "ping")
   t:eq(h.responses()[1].error.code, server.INTERNAL_ERROR, "no new work after shutdown")
+end
+
+
+-- 2026-07-28: the stateless request shape, next to legacy sessions on the same server.
+local MODERN = { ["io.modelcontextprotocol/protocolVersion"] = "2026-07-28",
+  ["io.modelcontextprotocol/clientCapabilities"] = {}, ["io.modelcontextprotocol/clientInfo"] = { name = "m", version = "2" } }
+local function meta(extra)
+  local m = {}
+  for k, v in pairs(MODERN) do m[k] = v end
+  for k, v in pairs(extra or {}) do m[k] = v end
+  return m
+end
+
+function tests.modern_discover_without_initialize(t)
+  local h <close> = harness({ ECHO })
+  h.call(1, "server/discover", { _meta = meta() })
+  local r = h.responses()[1].result
+  t:eq(r.supportedVersions, { "2026-07-28", "2025-11-25", "2025-06-18" })
+  t:eq(r.resultType, "complete")
+  t:eq(r._meta["io.modelcontextprotocol/serverInfo"].name, "demesne")
+  t:ok(r.capabilities.tools and r.capabilities.resources.subscribe, "tools and resource subscriptions")
+  t:eq(r.capabilities.logging, nil, "logging is deprecated in 2026-07-28: not declared")
+  -- tools/list and tools/call, no initialize ever sent
+  h.call(2, "tools/list", { _meta = meta() })
+  r = h.responses()[1].result
+  t:eq({ r.tools[1].name, r.resultType, r.cacheScope, r.ttlMs }, { "echo", "complete", "private", 300000 })
+  h.call(3, "tools/call", { name = "echo", arguments = { text = "hi" }, _meta = meta() })
+  r = h.responses()[1].result
+  t:eq({ r.structuredContent.text, r.resultType, r._meta["io.modelcontextprotocol/serverInfo"].version },
+    { "hi", "complete", require("core.loop").version })
+end
+
+function tests.modern_envelope_errors(t)
+  local h <close> = harness({ ECHO })
+  local function err(params, method)
+    h.call(7, method or "server/discover", params)
+    local r = h.responses()[1]
+    return r.error and r.error.code, r.error, r.id
+  end
+  t:eq(err({ _meta = { ["io.modelcontextprotocol/protocolVersion"] = "2026-07-28" } }), server.INVALID_PARAMS,
+    "no clientCapabilities")
+  local code, e, id = err({ _meta = meta({ ["io.modelcontextprotocol/protocolVersion"] = "2099-01-01" }) })
+  t:eq({ code, id, e.data.requested }, { server.UNSUPPORTED_PROTOCOL_VERSION, 7, "2099-01-01" })
+  t:eq(e.data.supported, server.SUPPORTED_VERSIONS)
+  for _, m in ipairs({ "initialize", "ping", "logging/setLevel", "tasks/list", "nope/nope" }) do
+    t:eq(err({ _meta = meta() }, m), server.METHOD_NOT_FOUND, m .. " is not a 2026-07-28 method")
+  end
+  -- the same server still speaks the legacy era
+  t:eq(h.init().result.protocolVersion, "2025-11-25")
+end
+
+function tests.modern_logs_only_with_a_log_level(t)
+  local h <close> = harness({ { name = "talk", description = "d", inputSchema = { type = "object" }, run = function(ctx)
+    ctx.log("info", "hello")
+    ctx.log("debug", "detail")
+    return {}
+  end } })
+  h.call(1, "tools/call", { name = "talk", _meta = meta() })
+  local out = h.take()
+  t:eq(#out, 1, "no notifications/message without a logLevel")
+  h.call(2, "tools/call", { name = "talk", _meta = meta({ ["io.modelcontextprotocol/logLevel"] = "info" }) })
+  out = h.take()
+  t:eq({ #out, out[1].method, out[1].params.data, out[1].params.logger }, { 2, "notifications/message", "hello",
+    "demesne.tools.talk" })
+end
+
+function tests.modern_listen_acknowledges_and_reports_job_ends(t)
+  local log = require("demesne.log")
+  local h <close> = harness()
+  h.call("listen:0", "subscriptions/listen", { _meta = meta(), notifications = { toolsListChanged = true,
+    resourceSubscriptions = { "demesne://jobs", "file:///etc/passwd" } } })
+  local out = h.take()
+  t:eq(#out, 1)
+  t:eq(out[1].method, "notifications/subscriptions/acknowledged")
+  t:eq(out[1].params._meta["io.modelcontextprotocol/subscriptionId"], "listen:0")
+  t:eq(out[1].params.notifications, { resourceSubscriptions = { "demesne://jobs" } }, "only what is honoured")
+  log.log("info", "demesne.jobs", "background job job-x-1 succeeded", { job_id = "job-x-1", status = "succeeded" })
+  out = h.take()
+  t:eq(#out, 1)
+  t:eq({ out[1].method, out[1].params.uri, out[1].params._meta["io.modelcontextprotocol/subscriptionId"] },
+    { "notifications/resources/updated", "demesne://jobs/job-x-1", "listen:0" })
+  -- a stop ends it with the completion result
+  local stopped = async.spawn("stop", function() return h.srv:shutdown(1000) end)
+  stopped:wait()
+  out = h.take()
+  t:eq(#out, 1)
+  t:eq({ out[1].id, out[1].result.resultType, out[1].result._meta["io.modelcontextprotocol/subscriptionId"] },
+    { "listen:0", "complete", "listen:0" })
+end
+
+function tests.modern_listen_cancelled_gets_no_response(t)
+  local h <close> = harness()
+  h.call(5, "subscriptions/listen", { _meta = meta(), notifications = {} })
+  t:eq(h.take()[1].method, "notifications/subscriptions/acknowledged")
+  h.send({ jsonrpc = "2.0", method = "notifications/cancelled", params = { requestId = 5 } })
+  async.sleep(5)
+  t:eq(#h.take(), 0)
+  t:eq(h.srv:pending(), 0)
+end
+
+function tests.ids_round_trip_exactly(t)
+  local h <close> = harness({ SLEEP })
+  h.init()
+  for _, id in ipairs({ "9007199254740993", "-9223372036854775809", "12345678901234567890123", "123456789012345", "99999999999999", "1.5", "1e3", "1.0",
+    '"s"', "0", "-7" }) do
+    h.send('{"jsonrpc":"2.0","id":' .. id .. ',"method":"ping"}')
+    local raw = h.raw[1]
+    h.take()
+    t:match(raw, '"id":' .. id:gsub("%p", "%%%0") .. '[,}]', "id " .. id .. " in " .. tostring(raw))
+  end
+  -- a string id with escapes comes back as the same string
+  h.send('{"jsonrpc":"2.0","id":"\\u00e9\\/x","method":"ping"}')
+  t:eq(h.take()[1].id, "é/x")
+  -- an error answer keeps the id too, and cancellation finds a request by its exact id
+  h.send('{"jsonrpc":"2.0","id":9007199254740993,"method":"nope"}')
+  t:match(h.raw[1], '"id":9007199254740993[,}]')
+  h.take()
+  h.send('{"jsonrpc":"2.0","id":9007199254740993,"method":"tools/call","params":{"name":"sleep","arguments":{"ms":60000}}}')
+  h.send('{"jsonrpc":"2.0","id":9007199254740992,"method":"tools/call","params":{"name":"sleep","arguments":{"ms":20}}}')
+  h.send('{"jsonrpc":"2.0","method":"notifications/cancelled","params":{"requestId":9007199254740993}}')
+  async.sleep(60)
+  local answered = {}
+  for _, line in ipairs(h.raw) do if not line:find('"method"', 1, true) then answered[#answered + 1] = line end end
+  t:eq(#answered, 1, "only the other call answered: " .. table.concat(answered, " | "))
+  t:match(answered[1], '"id":9007199254740992[,}]')
+  t:eq(h.srv:pending(), 0)
 end
 
 return tests

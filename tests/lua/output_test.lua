@@ -59,9 +59,34 @@ end
 function tests.C13_symlinked_log_is_not_followed(t)
   local d = tmpdir()
   os.execute("ln -s /etc/passwd " .. d .. "/stdout.log")
-  local s, _, size = output.view(d, "stdout.log", 100, 100)
-  t:eq(s, "")
-  t:eq(size, 0)
+  local s, err, code = output.view(d, "stdout.log", 100, 100)
+  t:eq({ s, code }, { nil, "ELOOP" }, "a link is an error, never empty output")
+  t:match(err, "stdout%.log")
+  fs.remove_tree(d)
+end
+
+function tests.a_missing_log_is_empty_output(t)
+  local d = tmpdir()
+  t:eq({ output.view(d, "stdout.log", 100, 100) }, { "", false, 0 })
+  t:eq({ output.tail(d, "stdout.log", 100) }, { "", 0 })
+  fs.remove_tree(d)
+end
+
+function tests.a_fifo_log_is_an_error_at_once(t)
+  local d = tmpdir()
+  t:eq(os.execute("mkfifo " .. d .. "/stdout.log"), true, "mkfifo")
+  local loop = require("core.loop")
+  local started = loop.hrtime()
+  for _, read in ipairs({
+    function() return output.view(d, "stdout.log", 100, 100) end,
+    function() return output.read_from(d, "stdout.log", 0, 100) end,
+    function() return output.tail(d, "stdout.log", 100) end,
+  }) do
+    local s, err = read()
+    t:eq(s, nil, "no text from a FIFO")
+    t:match(err, "not a regular file %(a fifo%)")
+  end
+  t:ok(loop.hrtime() - started < 1e9, "never blocks")
   fs.remove_tree(d)
 end
 

@@ -124,6 +124,53 @@ function tests.route_checks_token_and_path_swaps_credential_and_counts_usage(t)
   fs.remove_tree(dir)
 end
 
+-- One agent sandbox must not make the server hold unbounded connections: past
+-- vendor_max_connections a connection is answered 503 naming the ceiling.
+function tests.route_refuses_connections_over_its_ceiling(t)
+  local config = require("demesne.config")
+  local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-vendor-" .. hex(loop.random(6))
+  assert(fs.mkdir_p(dir .. "/run", 493))
+  assert(fs.mkdir_p(dir .. "/out", 493))
+  loop.setenv("DEMESNE_VENDOR_MAX_CONNECTIONS", "2")
+  config.load()
+  local reg = providers.load({ user_dir = false, quiet = true })
+  local p = reg:get("claude_code")
+  local cred = { present = true, kind = "api_key", value = function() return "real-secret" end }
+  local route = assert(vendor.start({ run_id = "vc", run_dir = dir .. "/run", output_dir = dir .. "/out", provider = p,
+    token = "dmsn-good", credential = cred }))
+  local front, fport = assert(stream.listen_tcp("127.0.0.1", 0, function(c) route:accept(c) end))
+  local connect = async.wrap(stream.connect_tcp)
+  local ok, err = pcall(function()
+    -- two idle connections (no request yet) fill the ceiling
+    local a = assert(connect("127.0.0.1", fport))
+    local b = assert(connect("127.0.0.1", fport))
+    for _ = 1, 50 do
+      if route.nconns == 2 then break end
+      async.sleep(10)
+    end
+    t:eq(route.nconns, 2, "two connections held")
+    local res = assert(request({ url = ("http://127.0.0.1:%d/v1/messages"):format(fport), method = "POST",
+      headers = { ["x-api-key"] = "dmsn-good" }, body = "{}", timeout_ms = 5000 }))
+    t:eq(res.status, 503, "the third is refused")
+    t:match(res.body, "vendor_max_connections", "the answer names the ceiling")
+    a:close()
+    b:close()
+    for _ = 1, 100 do
+      if route.nconns == 0 then break end
+      async.sleep(10)
+    end
+    t:eq(route.nconns, 0, "released")
+  end)
+  route:stop()
+  front:close()
+  loop.setenv("DEMESNE_VENDOR_MAX_CONNECTIONS", nil)
+  config.load()
+  local lines = fs.read_file(dir .. "/out/usage.jsonl") or ""
+  fs.remove_tree(dir)
+  if not ok then error(err, 0) end
+  t:match(lines, '"status":503', "usage.jsonl records the refusal")
+end
+
 function tests.parse_reset_reads_the_vendors_formats(t)
   local now = 1800000000 -- 2027-01-15T08:00:00Z
   t:eq(vendor.parse_reset("2", now), 2)

@@ -1,0 +1,291 @@
+/* core/httpd.c without Lua: the constant-time token compare, then whole exchanges on a
+ * loopback listener driven by a blocking client thread: a request answered whole, a
+ * pipelined pair answered in order, a streamed answer, the listener's refusals (token,
+ * Host, Origin, body size) that never reach the owner, a body cut off, and a close of the
+ * server with a stream open. Run under the sanitizer build too. */
+#include "httpd.h"
+#include <arpa/inet.h>
+#include <pthread.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/socket.h>
+#include <sys/un.h>
+#include <unistd.h>
+
+static int failures;
+#define CHECK(cond, ...) \
+  do { \
+    if (!(cond)) { \
+      failures++; \
+      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
+      fprintf(stderr, __VA_ARGS__); \
+      fputc('\n', stderr); \
+    } \
+  } while (0)
+
+static void test_token_equal(void) {
+  CHECK(dm_httpd_token_equal("secret", 6, "secret"), "equal");
+  CHECK(!dm_httpd_token_equal("secreT", 6, "secret"), "one byte differs");
+  CHECK(!dm_httpd_token_equal("secret-and-more", 15, "secret"), "longer");
+  CHECK(!dm_httpd_token_equal("secr", 4, "secret"), "shorter");
+  CHECK(!dm_httpd_token_equal("", 0, "secret"), "empty");
+}
+
+/* ---- the owner ---- */
+
+static uv_loop_t loop;
+static dm_httpd *srv;
+static int port;
+static int requests, closes, closed;
+static char last_target[256], last_listener[64], last_body[64];
+static int last_had_auth;
+static dm_httpd_conn *streaming;
+
+static void on_request(void *ud, dm_httpd_conn *c, const dm_httpd_request *r) {
+  (void)ud;
+  requests++;
+  snprintf(last_target, sizeof last_target, "%s", r->target);
+  snprintf(last_listener, sizeof last_listener, "%s", r->listener);
+  snprintf(last_body, sizeof last_body, "%.*s", (int)(r->body_len < 63 ? r->body_len : 63), r->body);
+  last_had_auth = 0;
+  for (size_t i = 0; i < r->nheaders; i++)
+    if (r->headers[i].name_len == 13 && !strncasecmp(r->headers[i].name, "authorization", 13)) last_had_auth = 1;
+  if (!strcmp(r->target, "/stream")) {
+    static const dm_httpd_header h[] = {{"Content-Type", 12, "text/event-stream", 17}};
+    dm_httpd_stream_start(c, 200, h, 1);
+    dm_httpd_stream_write(c, "data: 1\n\n", 9);
+    dm_httpd_stream_write(c, "data: 2\n\n", 9);
+    dm_httpd_stream_end(c);
+    return;
+  }
+  if (!strcmp(r->target, "/hold")) { /* answered only when the server closes */
+    static const dm_httpd_header h[] = {{"Content-Type", 12, "text/event-stream", 17}};
+    dm_httpd_stream_start(c, 200, h, 1);
+    dm_httpd_stream_write(c, "data: held\n\n", 12);
+    streaming = c;
+    return;
+  }
+  static const dm_httpd_header h[] = {{"X-Seen", 6, "yes", 3}};
+  CHECK(dm_httpd_respond(c, 200, h, 1, r->target, strlen(r->target)) == 0, "respond");
+  CHECK(dm_httpd_respond(c, 200, NULL, 0, "", 0) == -1, "a second answer is refused");
+}
+static void on_close(void *ud, dm_httpd_conn *c, const char *why) {
+  (void)ud;
+  (void)why;
+  if (c == streaming) streaming = NULL;
+  closes++;
+}
+static void on_closed(void *ud) {
+  (void)ud;
+  closed = 1;
+}
+
+/* ---- a blocking client on its own thread ---- */
+
+typedef struct {
+  const char *send;
+  int shut; /* shut the write side after sending */
+  char got[8192];
+  size_t len;
+  int done;
+} exchange_t;
+
+static void *client(void *arg) {
+  exchange_t *x = arg;
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  struct timeval tv = {5, 0};
+  setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) == 0) {
+    size_t n = strlen(x->send);
+    if (write(fd, x->send, n) != (ssize_t)n) x->len = 0;
+    if (x->shut) shutdown(fd, SHUT_WR);
+    ssize_t r;
+    while (x->len < sizeof x->got - 1 && (r = read(fd, x->got + x->len, sizeof x->got - 1 - x->len)) > 0) {
+      x->len += (size_t)r;
+      x->got[x->len] = '\0';
+      if (!x->shut && strstr(x->got, "Connection: close") && strstr(x->got, "\r\n\r\n") &&
+          !strstr(x->got, "chunked"))
+        break;
+    }
+  }
+  close(fd);
+  x->done = 1;
+  return NULL;
+}
+
+static void exchange(exchange_t *x) {
+  pthread_t t;
+  x->done = 0;
+  x->len = 0;
+  x->got[0] = '\0';
+  pthread_create(&t, NULL, client, x);
+  while (!x->done) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  pthread_join(t, NULL);
+  for (int i = 0; i < 10; i++) uv_run(&loop, UV_RUN_NOWAIT);
+}
+
+#define AUTH "Authorization: Bearer tok-0123456789abcdef\r\n"
+
+static void test_exchanges(void) {
+  uv_loop_init(&loop);
+  dm_httpd_opts o = {.max_body = 100, .request_timeout_ms = 500};
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  srv = dm_httpd_new(&loop, &o, &h, NULL);
+  const char *hosts[] = {"localhost", "127.0.0.1"};
+  dm_httpd_listen_opts lo = {.tag = "host", .token = "tok-0123456789abcdef", .hosts = hosts, .nhosts = 2};
+  CHECK(dm_httpd_listen_tcp(srv, "127.0.0.1", 0, &lo, &port) == 0 && port > 0, "listen");
+
+  exchange_t x = {.send = "POST /one HTTP/1.1\r\nHost: localhost\r\n" AUTH "Content-Length: 3\r\nConnection: close\r\n\r\nabc"};
+  exchange(&x);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK\r\n") && strstr(x.got, "X-Seen: yes\r\n") && strstr(x.got, "\r\n\r\n/one"),
+        "answered: %s", x.got);
+  CHECK(!strcmp(last_body, "abc") && !strcmp(last_listener, "host") && !last_had_auth, "body %s, tag %s, auth %d",
+        last_body, last_listener, last_had_auth);
+
+  x = (exchange_t){.send = "GET /a HTTP/1.1\r\nHost: localhost\r\n" AUTH "\r\nGET /b HTTP/1.1\r\nHost: localhost\r\n" AUTH
+                           "Connection: close\r\n\r\n"};
+  exchange(&x);
+  char *a = strstr(x.got, "\r\n\r\n/a"), *b = strstr(x.got, "\r\n\r\n/b");
+  CHECK(a && b && a < b, "pipelined in order: %s", x.got);
+
+  x = (exchange_t){.send = "GET /stream HTTP/1.1\r\nHost: localhost\r\n" AUTH "\r\n", .shut = 1};
+  exchange(&x);
+  CHECK(strstr(x.got, "Transfer-Encoding: chunked") && strstr(x.got, "9\r\ndata: 1\n\n\r\n9\r\ndata: 2\n\n\r\n0\r\n\r\n"),
+        "chunked stream: %s", x.got);
+
+  int before = requests;
+  x = (exchange_t){.send = "GET /x HTTP/1.1\r\nHost: localhost\r\n\r\n"};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 401 ", 13) && strstr(x.got, "WWW-Authenticate: Bearer realm=\"demesne\"\r\n"),
+        "no token: %s", x.got);
+  x = (exchange_t){.send = "GET /x HTTP/1.1\r\nHost: localhost\r\nAuthorization: Bearer tok-0123456789abcdeX\r\n\r\n"};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 401 ", 13) && strstr(x.got, "invalid_token") && !strstr(x.got, "tok-"),
+        "wrong token: %s", x.got);
+  x = (exchange_t){.send = "GET /x HTTP/1.1\r\nHost: evil.example\r\n" AUTH "\r\n"};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 421 ", 13), "bad host: %s", x.got);
+  x = (exchange_t){.send = "GET /x HTTP/1.1\r\nHost: localhost:9\r\nOrigin: http://evil.example\r\n" AUTH "\r\n"};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 403 ", 13), "bad origin: %s", x.got);
+  x = (exchange_t){.send = "POST /x HTTP/1.1\r\nHost: localhost\r\n" AUTH "Content-Length: 101\r\n\r\n"};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 413 ", 13), "body over max: %s", x.got);
+  x = (exchange_t){.send = "POST /x HTTP/1.1\r\nHost: localhost\r\n" AUTH "Content-Length: 50\r\n\r\nshort", .shut = 1};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 400 ", 13), "cut off: %s", x.got);
+  CHECK(requests == before, "refused requests never reached the owner (%d)", requests - before);
+
+  /* a stream held open, then the server closes: the connection goes, on_close and on_closed come */
+  pthread_t t;
+  exchange_t hold = {.send = "GET /hold HTTP/1.1\r\nHost: localhost\r\n" AUTH "\r\n"};
+  pthread_create(&t, NULL, client, &hold);
+  while (!streaming) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  int closes_before = closes;
+  dm_httpd_close(srv);
+  while (!hold.done || !closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  pthread_join(t, NULL);
+  CHECK(strstr(hold.got, "data: held"), "held stream: %s", hold.got);
+  CHECK(closes > closes_before && closed, "on_close %d, on_closed %d", closes - closes_before, closed);
+  CHECK(uv_loop_close(&loop) == 0, "every handle closed");
+}
+
+/* ---- a relay hands over a TCP socket; the request is tagged with the relay's listener ---- */
+
+typedef struct {
+  char path[108];
+  char got[2048];
+  size_t len;
+  int done;
+} relay_t;
+
+static void *relay_client(void *arg) {
+  relay_t *x = arg;
+  /* a TCP connection on loopback: we keep one end and hand the other over */
+  int lfd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET};
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  socklen_t al = sizeof a;
+  bind(lfd, (struct sockaddr *)&a, sizeof a);
+  listen(lfd, 1);
+  getsockname(lfd, (struct sockaddr *)&a, &al);
+  int cfd = socket(AF_INET, SOCK_STREAM, 0);
+  connect(cfd, (struct sockaddr *)&a, sizeof a);
+  int sfd = accept(lfd, NULL, NULL);
+  close(lfd);
+  int ufd = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un un = {.sun_family = AF_UNIX};
+  snprintf(un.sun_path, sizeof un.sun_path, "%s", x->path);
+  if (connect(ufd, (struct sockaddr *)&un, sizeof un) == 0) {
+    char byte = 'x';
+    struct iovec iov = {&byte, 1};
+    char ctl[CMSG_SPACE(sizeof(int))];
+    memset(ctl, 0, sizeof ctl);
+    struct msghdr m = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = ctl, .msg_controllen = sizeof ctl};
+    struct cmsghdr *cm = CMSG_FIRSTHDR(&m);
+    cm->cmsg_level = SOL_SOCKET;
+    cm->cmsg_type = SCM_RIGHTS;
+    cm->cmsg_len = CMSG_LEN(sizeof(int));
+    memcpy(CMSG_DATA(cm), &sfd, sizeof(int));
+    sendmsg(ufd, &m, 0);
+  }
+  close(ufd);
+  close(sfd);
+  const char *req = "GET /via-relay HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+  if (write(cfd, req, strlen(req)) < 0) x->len = 0;
+  struct timeval tv = {5, 0};
+  setsockopt(cfd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+  ssize_t r;
+  while (x->len < sizeof x->got - 1 && (r = read(cfd, x->got + x->len, sizeof x->got - 1 - x->len)) > 0) x->len += (size_t)r;
+  x->got[x->len] = '\0';
+  close(cfd);
+  x->done = 1;
+  return NULL;
+}
+
+static void test_relay(void) {
+  uv_loop_init(&loop);
+  closed = 0;
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  srv = dm_httpd_new(&loop, NULL, &h, NULL);
+  relay_t x = {0};
+  snprintf(x.path, sizeof x.path, "/tmp/demesne-httpd-relay-%d.sock", (int)getpid());
+  dm_httpd_listen_opts lo = {.tag = "sandbox-42"};
+  CHECK(dm_httpd_listen_relay(srv, x.path, &lo) == 0, "listen_relay");
+  pthread_t t;
+  pthread_create(&t, NULL, relay_client, &x);
+  while (!x.done) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  pthread_join(t, NULL);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK") && strstr(x.got, "/via-relay"), "answered through the relay: %s", x.got);
+  CHECK(!strcmp(last_listener, "sandbox-42"), "tagged with the relay's listener: %s", last_listener);
+  dm_httpd_close(srv);
+  while (!closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(access(x.path, F_OK) != 0, "socket file removed");
+  CHECK(uv_loop_close(&loop) == 0, "every handle closed");
+}
+
+int main(void) {
+  test_token_equal();
+  test_exchanges();
+  test_relay();
+  if (failures) fprintf(stderr, "%d failure(s)\n", failures);
+  return failures ? 1 : 0;
+}

@@ -1,0 +1,136 @@
+-- lua/mcp/http.lua inside the binary: listen addresses, the bearer token (environment or a
+-- 0600 file), and the server itself on loopback TCP (IPv4 and IPv6) driven by libcurl
+-- (core.http): sessions, the session cap, 2026-07-28 requests next to 2025 ones, and a clean
+-- stop with nothing left open.
+local http = require("demesne.mcp.http")
+local config = require("demesne.config")
+local json = require("demesne.json")
+local tools = require("demesne.tools")
+local async = require("demesne.async")
+local fs = require("core.fs")
+local loop = require("core.loop")
+local curl = require("core.http")
+
+local request = async.wrap(curl.request)
+local tests = {}
+
+local function hex(s) return (s:gsub(".", function(c) return ("%02x"):format(c:byte()) end)) end
+
+-- Runs fn with environment variables set (and config reloaded), restoring them after.
+local function with_env(vars, fn)
+  local old = {}
+  for k, v in pairs(vars) do old[k] = os.getenv(k) or false; loop.setenv(k, v or nil) end
+  config.load()
+  local ok, err = pcall(fn)
+  for k, v in pairs(old) do loop.setenv(k, v or nil) end
+  config.load()
+  if not ok then error(err, 0) end
+end
+
+local function tmpdir()
+  local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-mcp-http-" .. hex(loop.random(6))
+  assert(fs.mkdir_p(dir))
+  return setmetatable({ path = dir }, { __close = function(d) fs.remove_tree(d.path) end })
+end
+
+local ECHO = { name = "echo", description = "echoes", inputSchema = { type = "object", properties = { text = { type = "string" } } },
+  run = function(_, args) return { text = args.text } end }
+
+local function registry()
+  local reg = tools.registry()
+  reg:add(ECHO)
+  return reg
+end
+
+function tests.parse_addr(t)
+  t:eq(http.parse_addr("127.0.0.1:8765"), { kind = "tcp", ip = "127.0.0.1", port = 8765, loopback = true, v6 = false,
+    text = "127.0.0.1:8765" })
+  t:eq(http.parse_addr("localhost:0").ip, "127.0.0.1")
+  local v6 = http.parse_addr("[::1]:9")
+  t:eq({ v6.ip, v6.port, v6.loopback, v6.v6 }, { "::1", 9, true, true })
+  t:eq(http.parse_addr("0.0.0.0:80").loopback, false)
+  t:eq(http.parse_addr("unix:/run/x.sock"), { kind = "unix", path = "/run/x.sock", text = "unix:/run/x.sock" })
+  for _, bad in ipairs({ "", "8765", "example.com:80", "127.0.0.1:70000", "unix:relative", "[::1]", "127.0.0.1:x" }) do
+    local a, err = http.parse_addr(bad)
+    t:eq(a, nil, bad)
+    t:ok(type(err) == "string" and #err > 0, "a reason for " .. bad)
+  end
+end
+
+function tests.token_from_env_or_a_private_file(t)
+  local d <close> = tmpdir()
+  with_env({ DEMESNE_STATE_DIR = d.path .. "/state", DEMESNE_HTTP_TOKEN = false }, function()
+    local tok, where = http.token(false)
+    t:eq({ tok, where }, { nil, d.path .. "/state/http-token" }, "no file yet, not created by a read")
+    tok, where = http.token(true)
+    t:ok(tok and #tok == 64, "a generated token")
+    t:eq(where, d.path .. "/state/http-token")
+    t:eq(fs.stat(where).mode & 511, 384, "mode 0600")
+    t:eq(http.token(true), tok, "the same token next time")
+    fs.chmod(where, 420) -- 0644: tightened on use
+    http.token(false)
+    t:eq(fs.stat(where).mode & 511, 384, "tightened back to 0600")
+  end)
+  with_env({ DEMESNE_HTTP_TOKEN = "short" }, function()
+    local tok, err = http.token(true)
+    t:eq(tok, nil)
+    t:match(err, "shorter than 16")
+  end)
+  with_env({ DEMESNE_HTTP_TOKEN = "0123456789abcdef-from-env" }, function()
+    t:eq({ http.token(true) }, { "0123456789abcdef-from-env", "$DEMESNE_HTTP_TOKEN" })
+  end)
+end
+
+function tests.refuses_non_loopback_without_the_flag(t)
+  local h, err = http.start({ addrs = { "0.0.0.0:0" }, registry = registry() })
+  t:eq(h, nil)
+  t:match(err, "not a loopback address")
+end
+
+local function post(url, token, body, headers)
+  local h = { ["Content-Type"] = "application/json", Accept = "application/json, text/event-stream",
+    Authorization = "Bearer " .. token }
+  for k, v in pairs(headers or {}) do h[k] = v end
+  return assert(request({ url = url, method = "POST", body = json.encode(body), headers = h }))
+end
+
+function tests.sessions_capped_v6_listener_and_clean_stop(t)
+  local d <close> = tmpdir()
+  with_env({ DEMESNE_STATE_DIR = d.path .. "/state", DEMESNE_HTTP_TOKEN = "lua-test-token-0123456789",
+    DEMESNE_HTTP_MAX_SESSIONS = "2" }, function()
+    local h = assert(http.start({ addrs = { "127.0.0.1:0", "[::1]:0" }, registry = registry() }))
+    t:eq(#h.urls, 2)
+    local v4 = h.urls[1]:find("127.0.0.1", 1, true) and h.urls[1] or h.urls[2]
+    local v6 = h.urls[1]:find("[::1]", 1, true) and h.urls[1] or h.urls[2]
+    local init = { jsonrpc = "2.0", id = 1, method = "initialize",
+      params = { protocolVersion = "2025-06-18", capabilities = {}, clientInfo = { name = "lua", version = "1" } } }
+    local r1 = post(v4, "lua-test-token-0123456789", init)
+    t:eq(r1.status, 200)
+    t:eq(json.decode(r1.body).result.protocolVersion, "2025-06-18")
+    local sid = r1.headers["mcp-session-id"]
+    t:match(sid, "^%x+$")
+    local r2 = post(v6, "lua-test-token-0123456789", init)
+    t:eq(r2.status, 200, "over IPv6")
+    t:eq(post(v4, "lua-test-token-0123456789", init).status, 503, "a third session over the cap")
+    t:eq(h.sessions(), 2)
+    -- a 2026-07-28 request needs no session and is not counted
+    local m = { jsonrpc = "2.0", id = 2, method = "tools/call", params = { name = "echo", arguments = { text = "hi" },
+      _meta = { ["io.modelcontextprotocol/protocolVersion"] = "2026-07-28", ["io.modelcontextprotocol/clientCapabilities"] = {} } } }
+    local r3 = post(v4, "lua-test-token-0123456789", m, { ["MCP-Protocol-Version"] = "2026-07-28", ["Mcp-Method"] = "tools/call",
+      ["Mcp-Name"] = "echo" })
+    t:eq(r3.status, 200)
+    t:match(r3.body, '"text":"hi"')
+    -- the session answers on its id; DELETE ends it
+    local r4 = post(v4, "lua-test-token-0123456789", { jsonrpc = "2.0", id = 3, method = "tools/list" },
+      { ["Mcp-Session-Id"] = sid, ["MCP-Protocol-Version"] = "2025-06-18" })
+    t:eq(json.decode(r4.body).result.tools[1].name, "echo")
+    local del = assert(request({ url = v4, method = "DELETE", headers = { Authorization = "Bearer lua-test-token-0123456789",
+      ["Mcp-Session-Id"] = sid } }))
+    t:eq(del.status, 200)
+    t:eq(h.sessions(), 1)
+    h.stop(2000)
+    t:eq(h.connections(), 0)
+  end)
+end
+
+return tests
