@@ -275,9 +275,7 @@ local function check_userns(ctx)
         "add the line containers:2147483647:2147483648 to /etc/subuid and /etc/subgid (or set userns = false)")
     end
   end
-  local gv = (f.gvisor and f.gvisor.ok) and "; gVisor sandboxes run without one (Debian's runsc cannot stat files "
-    .. "in a user namespace)" or ""
-  if f.userns then return ok(("on: %s%s"):format(f.userns_detail, gv)) end
+  if f.userns then return ok(("on: %s"):format(f.userns_detail)) end
   return ok(("not available: %s"):format(f.userns_detail))
 end
 

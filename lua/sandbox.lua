@@ -352,8 +352,8 @@ sandbox.ISOLATIONS = { container = true, gvisor = true }
 
 --- Decides how a new sandbox is isolated: `isolation` ("container" or "gvisor"; nil = the
 --- isolation_default setting) and whether it gets a user namespace (the userns setting,
---- where the engine offers one; not under gVisor, whose Debian build cannot stat files in
---- one). Asks the engine what it offers (eng:probe, when the adapter has it). Fails, naming
+--- where the engine offers one). Asks the engine what it offers (eng:probe, when the
+--- adapter has it). Fails, naming
 --- the field, when gVisor is asked for and the engine cannot give it: never a silent
 --- downgrade to the plain container. Returns {isolation = string, userns = boolean}.
 ---@param eng table  the engine adapter
@@ -381,7 +381,7 @@ function sandbox.isolation(eng, isolation, open_egress)
         .. "container"):format(field), "ENOTSUP")
     end
   end
-  return { isolation = isolation, userns = isolation ~= "gvisor" and config.get("userns") == true and caps.userns == true }
+  return { isolation = isolation, userns = config.get("userns") == true and caps.userns == true }
 end
 
 local function closer(fn) return setmetatable({}, { __close = fn }) end

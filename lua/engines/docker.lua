@@ -122,7 +122,8 @@ end
 ---@param socket string
 ---@param opts {gvisor_runtime: string|nil, gvisor_socket: string|nil}|nil
 function docker.new(socket, opts)
-  opts = opts or {}
+  -- not a table: e.g. the count of docker.new(endpoint:gsub("^unix://", "")), ignored
+  if type(opts) ~= "table" then opts = {} end
   local caps = {}
   for k, v in pairs(docker.CAPABILITIES) do caps[k] = v end
   caps.networks = { none = true, bridge = true }
@@ -146,7 +147,8 @@ end
 ---   gvisor_runtime = the runtime name for spec.runtime "gvisor" on Docker (HostConfig.Runtime;
 ---     nil on Podman, whose gVisor is a separate service);
 ---   userns = "auto" (rootful Podman: UsernsMode docker.USERNS_AUTO, and the rw mounts' folders handed to the
----     sandbox's root with the U option), "remap" or "rootless" (the engine maps every
+---     sandbox's root with the U option), "remap" (Docker maps every container; a spec
+---     without userns opts out with UsernsMode host), "rootless" (the engine maps every
 ---     container: nothing to ask), nil (no user namespace).
 --- Under gVisor the process limit is RLIMIT_NPROC inside (Ulimits nproc) and PidsLimit is
 --- docker.GVISOR_PIDS_FACTOR times it.
@@ -192,7 +194,8 @@ function docker.create_body(s, how)
       PidsLimit = pids,
       Ulimits = ulimits,
       Runtime = gvisor and how.gvisor_runtime or nil,
-      UsernsMode = auto and docker.USERNS_AUTO or nil,
+      -- userns-remap maps every container unless it opts out: a spec without userns does
+      UsernsMode = auto and docker.USERNS_AUTO or (not s.userns and how.userns == "remap" and "host") or nil,
       Init = false,
     },
   }

@@ -127,6 +127,9 @@ function tests.docker_translates_gvisor_and_the_user_namespace(t)
     hc = json.decode(json.encode(docker.create_body(s, { userns = mode }))).HostConfig
     t:eq({ hc.UsernsMode, hc.Binds[2] }, { nil, "/state/run/r1:/.demesne/run:rw" }, mode .. ": the engine maps every container")
   end
+  s.userns = nil
+  hc = json.decode(json.encode(docker.create_body(s, { userns = "remap" }))).HostConfig
+  t:eq(hc.UsernsMode, "host", "userns-remap, and the spec asks for none (userns = false): the container opts out")
   local inspect = { Id = "x", HostConfig = { PidsLimit = 8192, Ulimits = { { Name = "nproc", Soft = 1024, Hard = 1024 } } } }
   t:eq(docker.container_info(inspect).limits.pids, 1024, "inspect reports the limit inside gVisor")
 end

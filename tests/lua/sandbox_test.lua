@@ -222,8 +222,8 @@ function tests.isolation_gvisor_is_asked_for_and_never_dropped(t)
   local r = sandbox.run_script(nil, { image = IMAGE, command = "echo hi", isolation = "gvisor" })
   t:eq(r.stdout, "hi\n", "it runs")
   local s = w.specs[1]
-  t:eq({ s.runtime, s.userns, s.labels["io.demesne.isolation"] }, { "gvisor", nil, "gvisor" },
-    "runtime gvisor, without a user namespace (Debian's runsc cannot stat files in one)")
+  t:eq({ s.runtime, s.userns, s.labels["io.demesne.isolation"] }, { "gvisor", true, "gvisor" },
+    "runtime gvisor, in a user namespace where the engine has one")
   t:eq({ s.command[2], s.command[3], s.command[4] }, { "--relay", "3128=/.demesne/run/egress.sock", "--relay-copy" },
     "the relay copies from the start: gVisor cannot pass a socket to the host")
   msg = failure(sandbox.run_script, nil, { image = IMAGE, command = "true", isolation = "gvisor", egress = "open" })
