@@ -241,7 +241,7 @@ local function check_gvisor(ctx)
   if type(ctx.engine.probe) ~= "function" then
     return ok("the engine adapter does not say whether it offers gVisor (it has no probe method)")
   end
-  local f, err = ctx.engine:probe()
+  local f, err = ctx.engine:probe({ gvisor = true })
   if not f then return fail("the engine did not answer: " .. tostring(err), "start the engine, then run doctor again") end
   ctx.facts = f
   local g = f.gvisor or {}

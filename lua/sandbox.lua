@@ -367,7 +367,7 @@ function sandbox.isolation(eng, isolation, open_egress)
     fail(("%s: %q is not container or gvisor"):format(field, tostring(isolation)))
   end
   local facts
-  if type(eng.probe) == "function" then facts = check(eng:probe()) end
+  if type(eng.probe) == "function" then facts = check(eng:probe({ gvisor = isolation == "gvisor" })) end
   local caps = eng.capabilities or {}
   if isolation == "gvisor" then
     if not (caps.runtimes or {}).gvisor then

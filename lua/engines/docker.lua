@@ -319,8 +319,10 @@ function Engine:info()
   return { name = name, version = v.Version, api = v.ApiVersion }
 end
 
--- How long a probe's answer is kept: daemon.json or a service can change under a server.
+-- How long a probe's answers are kept: daemon.json or a service can change under a server.
+-- The engine's own (a Podman's /libpod/info takes half a second) for longer.
 local PROBE_SECONDS = 30
+local ENGINE_FACTS_SECONDS = 300
 
 local DOCKER_GVISOR_FIX = 'install gVisor (`apt-get install runsc`), register it in /etc/docker/daemon.json as '
   .. '{"runtimes": {"%s": {"path": "/usr/bin/runsc", "runtimeArgs": ["--network=none", "--host-uds=open"]}}} '
@@ -430,27 +432,43 @@ function docker.read_facts(raw, opts)
 end
 
 --- Asks the engine what it offers beyond the defaults (docker.read_facts), fills in
---- capabilities.runtimes (gvisor) and capabilities.userns, and returns the facts, kept for
---- 30 s. Returns nil, message, code when the engine does not answer.
+--- capabilities.runtimes (gvisor) and capabilities.userns, and returns the facts. The
+--- engine's own answers are kept for 5 minutes (30 seconds when asked about gVisor: a
+--- runtime registered meanwhile is seen soon). Podman's gVisor lives in another service,
+--- asked only when `opts.gvisor` is true (a gVisor sandbox, `demesne doctor`) and kept for
+--- 30 seconds; until then its facts say it was not asked. Returns nil, message, code when
+--- the engine does not answer.
+---@param opts {gvisor: boolean|nil}|nil
 ---@return table|nil facts, string|nil err, string|nil code
-function Engine:probe()
+function Engine:probe(opts)
+  local want_gvisor = type(opts) == "table" and opts.gvisor == true
   local now = loop.time()
-  if self.facts and now - self.facts_at < PROBE_SECONDS then return self.facts end
-  local v, err, code = ok_json(self, "GET", "/version", nil, nil, "engine version")
-  if not v then return nil, err, code end
-  local raw = { version = v }
-  local podman = docker.read_facts(raw, {}).engine == "podman"
-  raw.info, err, code = ok_json(self, "GET", "/info", nil, nil, "engine info", podman and { prefix = "/v4.0.0/libpod" } or nil)
-  if not raw.info then return nil, err, code end
-  if podman and self.gvisor_socket then
-    raw.gvisor_info, raw.gvisor_err = ok_json(self, "GET", "/info", nil, nil, "gVisor service info",
-      { socket = self.gvisor_socket, prefix = "/v4.0.0/libpod" })
+  local raw = self.raw
+  -- asked about gVisor, Docker's answer (its Runtimes) is not older than PROBE_SECONDS either
+  if not raw or now - self.raw_at >= (want_gvisor and PROBE_SECONDS or ENGINE_FACTS_SECONDS) then
+    local v, err, code = ok_json(self, "GET", "/version", nil, nil, "engine version")
+    if not v then return nil, err, code end
+    raw = { version = v }
+    local podman = docker.read_facts(raw, {}).engine == "podman"
+    raw.info, err, code = ok_json(self, "GET", "/info", nil, nil, "engine info", podman and { prefix = "/v4.0.0/libpod" } or nil)
+    if not raw.info then return nil, err, code end
+    raw.podman = podman
+    self.raw, self.raw_at = raw, now
   end
-  local f = docker.read_facts(raw, { gvisor_runtime = self.gvisor_runtime, gvisor_socket = self.gvisor_socket })
+  local asked = self.gvisor_raw
+  if raw.podman and self.gvisor_socket and want_gvisor and (not asked or now - asked.at >= PROBE_SECONDS) then
+    local gi, gerr = ok_json(self, "GET", "/info", nil, nil, "gVisor service info",
+      { socket = self.gvisor_socket, prefix = "/v4.0.0/libpod" })
+    asked = { info = gi, err = gerr, at = now }
+    self.gvisor_raw = asked
+  end
+  local f = docker.read_facts({ version = raw.version, info = raw.info, gvisor_info = asked and asked.info,
+    gvisor_err = asked and asked.err or "not asked yet" }, { gvisor_runtime = self.gvisor_runtime,
+    gvisor_socket = self.gvisor_socket })
   self.kind = f.engine
   self.capabilities.runtimes = { gvisor = f.gvisor.ok or nil }
   self.capabilities.userns = f.userns ~= nil
-  self.facts, self.facts_at = f, now
+  self.facts = f
   return f
 end
 
@@ -511,7 +529,7 @@ end
 ---@param s table  the sandbox spec
 ---@return string|nil id, string|nil err, string|nil code
 function Engine:create(s)
-  local f, perr, pcode = self:probe()
+  local f, perr, pcode = self:probe({ gvisor = s.runtime == "gvisor" })
   if not f then return nil, "create container: " .. tostring(perr), pcode end
   local ok, cerr, ccode = engine_spec.check(s, self.capabilities)
   if not ok then return nil, "create container: " .. cerr, ccode end
