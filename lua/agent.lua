@@ -430,7 +430,8 @@ function agent.prepare(args, tool, kind)
   if not p then fail(model) end
   if tool == "sandbox_research" then
     args.files, args.directories = nil, nil
-    args.egress = "open"
+    -- gVisor gives no network but loopback: the open network becomes the proxy's web policy
+    args.egress = (args.isolation or config.get("isolation_default")) == "gvisor" and "web" or "open"
   else
     args.egress = args.egress or "none"
     if args.egress ~= "none" and args.egress ~= "package-managers" then
@@ -660,7 +661,14 @@ function agent.descriptor(research)
     background = schemas.background,
     budget_usd = schemas.budget_usd,
     tree = schemas.tree,
+    isolation = schemas.isolation,
   }
+  if research then
+    props.isolation = { type = "string", enum = json.array({ "container", "gvisor" }), description =
+      schemas.isolation.description .. " Under gvisor the research run's network is the proxy's web policy (any "
+        .. "host name on ports 80 and 443, public addresses only, each request in egress.jsonl) instead of an "
+        .. "open network." }
+  end
   if not research then
     props.files = schemas.files()
     props.directories = schemas.directories()

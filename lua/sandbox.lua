@@ -231,6 +231,7 @@ local function container_spec(o)
     [LABEL .. "memory_mb"] = tostring(math.floor(lim.memory_mb)),
     -- open egress is a property of the policy, kept here as it was at create
     [LABEL .. "egress_unrestricted"] = o.egress and o.egress.unrestricted and "1" or "0",
+    [LABEL .. "isolation"] = o.isolation or "container",
   }
   for k, v in pairs(o.labels or {}) do labels[LABEL .. k] = v end
   local spec = {
@@ -248,6 +249,8 @@ local function container_spec(o)
     read_only_rootfs = config.get("readonly_rootfs") and true or false,
     security = { no_new_privileges = true, cap_drop = { "NET_RAW" } },
     limits = { memory_bytes = math.floor(lim.memory_mb * 1024 * 1024), cpus = lim.cpus, pids = math.floor(lim.pids) },
+    runtime = o.isolation == "gvisor" and "gvisor" or nil,
+    userns = o.userns or nil,
   }
   check(engine_spec.check(spec, o.engine.capabilities))
   return spec
@@ -274,6 +277,21 @@ function sandbox.oom_note(st, memory_mb)
   return ("the kernel killed %d process%s in the sandbox for lack of memory%s; files in /tmp and /workspace "
     .. "count against the limit"):format(n, n == 1 and "" or "es",
     memory_mb and (" (its limit is %d MiB)"):format(math.floor(memory_mb)) or "")
+end
+
+--- Under gVisor a sandbox that passes its memory limit is ended as a whole by the host's
+--- OOM killer (gVisor's kernel is one host process), so no status.json says so: a sentence
+--- for the result when a gVisor one-shot's container ended with 137 and no status, else nil.
+---@param o table  the plan (isolation, limits)
+---@param st table|nil  status.json
+---@param code integer|nil  the container's exit code
+---@return string|nil
+function sandbox.gvisor_kill_note(o, st, code)
+  if o.isolation ~= "gvisor" or st ~= nil or code ~= 137 then return nil end
+  local mb = o.limits and o.limits.memory_mb
+  return ("the sandbox was killed (exit 137) before its command finished, most likely for passing its memory "
+    .. "limit%s: under gVisor the whole sandbox ends when it does; files in /tmp and /workspace count against it")
+    :format(mb and (" of %d MiB"):format(math.floor(mb)) or "")
 end
 
 -- The largest status.json read; demesne-init writes well under 8 KiB.
@@ -361,6 +379,43 @@ local function collect(output_dir, rel_dir)
   return so, se, cut1 or cut2
 end
 
+--- The isolation levels a sandbox call may ask for (the `isolation` parameter).
+sandbox.ISOLATIONS = { container = true, gvisor = true }
+
+--- Decides how a new sandbox is isolated: `isolation` ("container" or "gvisor"; nil = the
+--- isolation_default setting) and whether it gets a user namespace (the userns setting,
+--- where the engine offers one). Asks the engine what it offers (eng:probe, when the
+--- adapter has it). Fails, naming
+--- the field, when gVisor is asked for and the engine cannot give it: never a silent
+--- downgrade to the plain container. Returns {isolation = string, userns = boolean}.
+---@param eng table  the engine adapter
+---@param isolation string|nil
+---@param open_egress boolean  the sandbox gets the engine's bridge network (open egress)
+---@return {isolation: string, userns: boolean}
+function sandbox.isolation(eng, isolation, open_egress)
+  local field = isolation ~= nil and "isolation" or "isolation_default (configuration)"
+  isolation = isolation or config.get("isolation_default")
+  if not sandbox.ISOLATIONS[isolation] then
+    fail(("%s: %q is not container or gvisor"):format(field, tostring(isolation)))
+  end
+  local facts
+  if type(eng.probe) == "function" then facts = check(eng:probe({ gvisor = isolation == "gvisor" })) end
+  local caps = eng.capabilities or {}
+  if isolation == "gvisor" then
+    if not (caps.runtimes or {}).gvisor then
+      local g = facts and facts.gvisor or {}
+      fail(("%s: gvisor is not available on this engine%s%s"):format(field, g.detail and (": " .. g.detail) or "",
+        g.fix and ("; to offer it: " .. g.fix) or ""), "ENOTSUP")
+    end
+    if open_egress then
+      fail(("%s: gvisor sandboxes have no network but loopback (gVisor runs with --network=none), so the open "
+        .. "egress policy cannot be given; use a proxied policy (package-managers, an allowlist) or isolation "
+        .. "container"):format(field), "ENOTSUP")
+    end
+  end
+  return { isolation = isolation, userns = config.get("userns") == true and caps.userns == true }
+end
+
 local function closer(fn) return setmetatable({}, { __close = fn }) end
 
 --- Removes `name` (a file, a link or a folder with everything in it) from the held folder
@@ -408,11 +463,12 @@ local function prepare(args, kind, tool, ttl)
   local lim = sandbox.limits(args.limits)
   local mounts = check(paths.inputs(args.files, args.directories))
   local pol = check(egress.select(args.egress, #mounts > 0))
+  local iso = sandbox.isolation(eng, args.isolation, pol.open == true)
   local run_id = sandbox.new_run_id()
   local output_dir, run_dir = dirs(run_id)
   return {
     egress = pol, engine = eng, limits = lim, mounts = mounts, run_id = run_id, output_dir = output_dir,
-    run_dir = run_dir, kind = kind, tool = tool, ttl = ttl,
+    run_dir = run_dir, kind = kind, tool = tool, ttl = ttl, isolation = iso.isolation, userns = iso.userns,
   }
 end
 
@@ -421,13 +477,25 @@ end
 -- from one another live server (or another engine) still uses.
 local function claim_path(run_id) return config.get("state_dir") .. "/claims/" .. run_id end
 
+-- The folders a sandbox writes to are made before it exists: with a user namespace the
+-- engine hands them (and what is in them) to the sandbox's root when it starts, so the
+-- transfer folder is made here too.
 local function make_dirs(o)
   check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)
+  check(fs.mkdir_p(o.run_dir .. "/xfer", 448)) -- 0700
   -- after the folder: a claim without its folder is always stale (a young folder without a
   -- claim is left alone by the reaper)
   check(fs.mkdir_p(config.get("state_dir") .. "/claims", 448)) -- 0700
   check(fs.write_atomic(claim_path(o.run_id), json.encode({ engine = o.engine.socket, owner = sandbox.owner() }) .. "\n"))
+end
+
+-- demesne-init's relay options: under gVisor it copies from the start (a socket cannot be passed).
+local function relay_args(o)
+  local relay = egress.relay_args(o.egress)
+  for _, a in ipairs(o.extra_relay or {}) do relay[#relay + 1] = a end
+  if o.isolation == "gvisor" and #relay > 0 then relay[#relay + 1] = "--relay-copy" end
+  return relay
 end
 
 sandbox.read_status = read_status
@@ -491,8 +559,7 @@ function sandbox.script_start(ctx, o, labels)
   local img = check(images.ensure(o.engine, o.image_arg, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
-  local relay = egress.relay_args(o.egress)
-  for _, a in ipairs(o.extra_relay or {}) do relay[#relay + 1] = a end
+  local relay = relay_args(o)
   if o.control then
     -- [channel] demesne-init waits for the command on its control socket (script_send)
     o.cmd = { "wait", "--control", channel.PATH, table.unpack(relay) }
@@ -614,7 +681,7 @@ function sandbox.script_result(o, code, err, duration_ms)
     duration_ms = duration_ms,
     timed_out = timed_out and true or false,
     truncated = truncated,
-    oom_killed = sandbox.oom_note(st, o.limits and o.limits.memory_mb),
+    oom_killed = sandbox.oom_note(st, o.limits and o.limits.memory_mb) or sandbox.gvisor_kill_note(o, st, code),
   }
 end
 
@@ -623,7 +690,9 @@ end
 --- ctx: the MCP tool context (progress/log). Returns the result table.
 function sandbox.run_script(ctx, args)
   local o = sandbox.script_prepare(args)
-  o.control = true -- [channel] the command goes to demesne-init over its control socket
+  -- [channel] the command goes to demesne-init over its control socket; not under gVisor,
+  -- where the host cannot connect to a socket made in the sandbox (runsc's --host-uds=open)
+  o.control = o.isolation ~= "gvisor"
   local started = loop.hrtime()
   -- the container goes on success, failure, timeout and cancel alike, after the answer
   local _ <close> = setmetatable({}, { __close = function() sandbox.script_teardown(o) end })
@@ -631,7 +700,7 @@ function sandbox.run_script(ctx, args)
   -- [pool] a warm sandbox of the same kind when there is one (lua/pool.lua), else a new one
   if not (warm_pool and warm_pool.claim(ctx, o)) then
     sandbox.script_start(ctx, o)
-    sandbox.script_send(o)
+    if o.control then sandbox.script_send(o) end
   end
   local _hb <close> = require("demesne.progress").heartbeat(ctx)
   -- demesne-init enforces the timeout inside; this host-side deadline covers a stuck engine
@@ -684,8 +753,14 @@ function sandbox.create(ctx, args)
   local img = check(images.ensure(o.engine, args.image, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
-  o.cmd = { "serve", "--control", channel.PATH, table.unpack(egress.relay_args(o.egress)) } -- [channel]
-  for _, a in ipairs(o.extra_relay or {}) do o.cmd[#o.cmd + 1] = a end
+  -- [channel] a control socket, except under gVisor: the host cannot connect to a socket made
+  -- in its sandbox (runsc's --host-uds=open); execs there go through the engine's exec API
+  o.control = o.isolation ~= "gvisor"
+  o.cmd = { "serve", table.unpack(relay_args(o)) }
+  if o.control then
+    table.insert(o.cmd, 2, "--control")
+    table.insert(o.cmd, 3, channel.PATH)
+  end
   o.name = "demesne-" .. o.run_id
   local spec = container_spec(o)
   local eg = check(egress.start(o)) -- lives as long as the sandbox (egress.stop in destroy/reap)
@@ -701,11 +776,13 @@ function sandbox.create(ctx, args)
   started = true
   -- [channel] answer once demesne-init listens on its control socket, so that the first
   -- exec does not find it missing (and fall back to the exec API); a few ms at most
-  local conn, cerr2 = channel.connect_wait(o.run_dir, 5000, function()
-    local info = sandbox.state_of(o.engine, o.run_id)
-    return not info or info.state == "running" or info.state == "created"
-  end)
-  if conn then conn:close() else log.warning("demesne.sandbox", "sandbox %s: %s", o.run_id, tostring(cerr2)) end
+  if o.control then
+    local conn, cerr2 = channel.connect_wait(o.run_dir, 5000, function()
+      local info = sandbox.state_of(o.engine, o.run_id)
+      return not info or info.state == "running" or info.state == "created"
+    end)
+    if conn then conn:close() else log.warning("demesne.sandbox", "sandbox %s: %s", o.run_id, tostring(cerr2)) end
+  end
   local expires = math.floor(loop.time()) + ttl
   sandbox.write_expiry(o.run_dir, expires)
   return {

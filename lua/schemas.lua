@@ -37,6 +37,12 @@ schemas.limits = { type = "object", additionalProperties = false, description =
     pids = { type = "integer", minimum = 8, description = "maximum number of processes" },
   } }
 
+schemas.isolation = { type = "string", enum = json.array({ "container", "gvisor" }), description =
+  "The wall between the sandbox and the host. 'container': the engine's namespaces, capabilities and seccomp "
+  .. "(default unless the configuration says otherwise). 'gvisor': a second wall: the sandbox runs on gVisor's own "
+  .. "kernel, so its system calls never reach the host kernel directly; slower to start, and a call that asks for "
+  .. "it where the engine has no gVisor fails instead of running without it." }
+
 schemas.sandbox_id = { type = "string", minLength = 1, description = "The id returned by sandbox_create." }
 
 --- The result of a command: shared by sandbox_script and sandbox_exec.

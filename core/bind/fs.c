@@ -258,6 +258,18 @@ static int l_chmod(lua_State *L) {
   return 1;
 }
 
+/// core.fs.lchown(path, uid, gid) -> true | nil, msg, code. Changes the owner of `path`
+/// itself (a symlink is not followed). Needs CAP_CHOWN for another user's ids.
+static int l_lchown(lua_State *L) {
+  const char *p = luaL_checkstring(L, 1);
+  lua_Integer uid = luaL_checkinteger(L, 2), gid = luaL_checkinteger(L, 3);
+  luaL_argcheck(L, uid >= 0 && uid <= 0xfffffffe, 2, "not a uid");
+  luaL_argcheck(L, gid >= 0 && gid <= 0xfffffffe, 3, "not a gid");
+  if (lchown(p, (uid_t)uid, (gid_t)gid) != 0) return fail_errno(L, "lchown", p);
+  lua_pushboolean(L, 1);
+  return 1;
+}
+
 typedef struct {
   int fd;
 } dm_file;
@@ -693,8 +705,8 @@ static const luaL_Reg funcs[] = {
   {"mkdir_p", l_mkdir_p}, {"write_atomic", l_write_atomic}, {"realpath", l_realpath},
   {"stat", l_stat}, {"lstat", l_lstat}, {"read_file", l_read_file}, {"readdir", l_readdir},
   {"unlink", l_unlink}, {"rename", l_rename}, {"remove_tree", l_remove_tree},
-  {"chmod", l_chmod}, {"open", l_open}, {"open_beneath", l_open_beneath}, {"opendir", l_opendir},
-  {NULL, NULL},
+  {"chmod", l_chmod}, {"lchown", l_lchown}, {"open", l_open}, {"open_beneath", l_open_beneath},
+  {"opendir", l_opendir}, {NULL, NULL},
 };
 
 int luaopen_core_fs(lua_State *L) {
