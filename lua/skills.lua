@@ -29,6 +29,7 @@ local json = require("demesne.json")
 local schema = require("demesne.mcp.schema")
 local tools = require("demesne.tools")
 local fs = require("core.fs")
+local loop = require("core.loop")
 
 -- LibYAML through lyaml (the Debian package lua-yaml); loaded by the standard searchers
 local has_yaml, lyaml = pcall(require, "lyaml")
@@ -195,7 +196,8 @@ function skills.read(s, rel)
   local text, err = r()
   if not text then return nil, err or ("%s: cannot read %s"):format(s.origin, rel) end
   if #text > skills.MAX_FILE then
-    return nil, ("%s/%s: %d bytes, more than the %d a skill file may hold"):format(s.origin, rel, #text, skills.MAX_FILE)
+    return nil, ("%s/%s: %d bytes, more than the %d a skill file may hold"):format(s.origin, rel, #text,
+      skills.MAX_FILE)
   end
   return text
 end
@@ -337,7 +339,7 @@ function skills.mentions(doc)
   for _, l in ipairs(lines) do
     local text = l.text
     local taken = {}
-    for s, tool, inner, e in text:gmatch("()(sandbox_[%w_]+)%(([^()]*)%)()") do
+    for s, tool, inner in text:gmatch("()(sandbox_[%w_]+)%(([^()]*)%)") do
       local params = {}
       for part in (inner .. ","):gmatch("([^,]*),") do
         local p = part:match("^%s*([%a_][%w_]*)")
@@ -427,7 +429,9 @@ function skills.check_call(c, reg, where)
   if not ok then
     for _, e in ipairs(errs) do
       local skip = (marks[e.path] and e.message:match("^must be one of")) or e.message == "is not an allowed property"
-      if not skip then out[#out + 1] = ("%s: %s: %s"):format(c.tool, e.path ~= "" and e.path or "arguments", e.message) end
+      if not skip then
+        out[#out + 1] = ("%s: %s: %s"):format(c.tool, e.path ~= "" and e.path or "arguments", e.message)
+      end
     end
   end
   return out
@@ -461,7 +465,8 @@ local function check_front(front, s, add)
     add("error", 1, "name: required, a string")
   else
     if #name > NAME_MAX or not valid_name(name) then
-      add("error", 1, ("name: %q must be 1-%d lowercase letters, digits and single inner hyphens"):format(name, NAME_MAX))
+      add("error", 1, ("name: %q must be 1-%d lowercase letters, digits and single inner hyphens"):format(name,
+        NAME_MAX))
     end
     if name ~= s.name then
       add("error", 1, ("name: %q must be the skill's folder name, %q"):format(name, s.name))
@@ -491,7 +496,8 @@ local function check_front(front, s, add)
     else
       for k, v in pairs(front.metadata) do
         if type(k) ~= "string" or type(v) ~= "string" then
-          add("error", 1, ("metadata.%s: must map a string to a string (quote numbers and booleans)"):format(tostring(k)))
+          add("error", 1, ("metadata.%s: must map a string to a string (quote numbers and booleans)"):format(
+            tostring(k)))
         end
       end
     end
@@ -563,7 +569,9 @@ function skills.check(s, surf)
   check_front(doc.front, s, add)
 
   local secs = sections(doc)
-  if not secs["procedure"] then add("error", nil, "no '## Procedure' section: the steps the skill has an agent take") end
+  if not secs["procedure"] then
+    add("error", nil, "no '## Procedure' section: the steps the skill has an agent take")
+  end
   local contract = secs["output contract"]
   if not contract then
     add("error", nil, "no '## Output contract' section: the files the run leaves under /out")
@@ -650,7 +658,180 @@ function skills.summary(s)
   if not text then return nil, err end
   local doc, perr = skills.parse(text)
   if not doc then return nil, perr end
-  return { name = doc.front.name, description = type(doc.front.description) == "string" and doc.front.description or "" }
+  local d = doc.front.description
+  return { name = doc.front.name, description = type(d) == "string" and d or "" }
+end
+
+--------------------------------------------------------------------------------------------
+-- Installing into the agents' skill folders
+
+local function hex(n)
+  local b = loop.random(n) or tostring(loop.hrtime())
+  return (b:gsub(".", function(c) return ("%02x"):format(c:byte()) end))
+end
+
+local function home() return os.getenv("HOME") or "/root" end
+
+--- Claude Code's user skill folder: $CLAUDE_CONFIG_DIR/skills, else ~/.claude/skills.
+---@return string
+function skills.claude_dir()
+  local d = os.getenv("CLAUDE_CONFIG_DIR")
+  if d and d ~= "" then return d .. "/skills" end
+  return home() .. "/.claude/skills"
+end
+
+--- Codex's user skill folder: ~/.agents/skills (Codex reads it and follows links there; its
+--- older $CODEX_HOME/skills is deprecated).
+---@return string
+function skills.codex_dir() return home() .. "/.agents/skills" end
+
+--- Writes a skill's files to `root`/<name>, replacing what is there only when it differs
+--- (written to a new folder beside it, then swapped in by rename). For the embedded skills,
+--- which agents must read from disk.
+---@param s Skill
+---@param root string
+---@return string|nil folder, string how_or_err  "written" | "unchanged", or why it failed
+function skills.materialize(s, root)
+  local dest = root .. "/" .. s.name
+  local ok, err = fs.mkdir_p(root)
+  if not ok then return nil, err end
+  local want = {}
+  for rel in pairs(s.files) do
+    local text, rerr = skills.read(s, rel)
+    if not text then return nil, rerr end
+    want[rel] = text
+  end
+  local st = fs.lstat(dest)
+  if st and st.type == "directory" then
+    local have = skills.from_dir(dest)
+    local same = have ~= nil
+    if same then
+      for rel in pairs(have.files) do if want[rel] == nil then same = false end end
+      for rel, text in pairs(want) do
+        if not have.files[rel] or have.files[rel]() ~= text then same = false end
+      end
+    end
+    if same then return dest, "unchanged" end
+  end
+  local tmp = ("%s/.%s.new-%s"):format(root, s.name, hex(6))
+  for rel, text in pairs(want) do
+    ok, err = fs.mkdir_p((tmp .. "/" .. rel):match("^(.*)/[^/]+$"))
+    if ok then ok, err = fs.write_atomic(tmp .. "/" .. rel, text) end
+    if not ok then fs.remove_tree(tmp) return nil, err end
+  end
+  if st then
+    local old = ("%s/.%s.old-%s"):format(root, s.name, hex(6))
+    ok, err = fs.rename(dest, old)
+    if not ok then fs.remove_tree(tmp) return nil, err end
+    ok, err = fs.rename(tmp, dest)
+    if not ok then fs.rename(old, dest) fs.remove_tree(tmp) return nil, err end
+    fs.remove_tree(old)
+  else
+    ok, err = fs.rename(tmp, dest)
+    if not ok then fs.remove_tree(tmp) return nil, err end
+  end
+  return dest, "written"
+end
+
+local function under(path, dir) return path == dir or path:sub(1, #dir + 1) == dir .. "/" end
+
+--- Links `target`/`name` to the folder `src`. A link that already points there is left
+--- as it is; a link demesne made (one pointing under a folder of `ours`) is replaced;
+--- anything else (a folder, a file, someone else's link) is left alone and refused.
+---@param target string  the agent's skill folder (must exist)
+---@param name string
+---@param src string     the skill's folder
+---@param ours string[]  folders whose links demesne may replace
+---@return string|nil how, string|nil err  "linked" | "relinked" | "unchanged"
+function skills.link(target, name, src, ours)
+  local path = target .. "/" .. name
+  local st = fs.lstat(path)
+  if st and st.type == "link" then
+    local cur = fs.readlink(path)
+    if cur == src then return "unchanged" end
+    local mine = false
+    for _, d in ipairs(ours) do if cur and under(cur, d) then mine = true end end
+    if not mine then
+      return nil, ("%s is a link to %s, not demesne's: left alone (remove it to install this skill)"):format(path,
+        tostring(cur))
+    end
+    local ok, err = fs.unlink(path)
+    if not ok then return nil, err end
+  elseif st then
+    return nil, ("%s already exists and is not a link: left alone (remove it to install this skill)"):format(path)
+  end
+  local ok, err = fs.symlink(src, path)
+  if not ok then return nil, err end
+  return st and "relinked" or "linked"
+end
+
+--- Installs skills into agents' skill folders: each skill that passes the check is linked as
+--- `<target>/<name>`; an embedded skill is first written to skills.data_dir(). Links to
+--- the data folder for skills demesne no longer has are removed. Safe to run again: what
+--- is already in place is left as it is.
+---@param list Skill[]
+---@param surf SkillSurfaces
+---@param targets string[]  the agents' skill folders
+---@param say fun(line: string)  one line per thing done or refused
+---@return boolean ok  false when a skill was skipped or a link refused
+function skills.install(list, surf, targets, say)
+  local data = skills.data_dir()
+  local user = skills.user_dir()
+  local ours = { data, user, fs.realpath(user) or user }
+  local good = true
+  local sources = {}
+  for _, s in ipairs(list) do
+    local bad = 0
+    for _, p in ipairs(skills.check(s, surf)) do if p.level == "error" then bad = bad + 1 end end
+    if bad > 0 then
+      say(("skipped  %s: it fails `demesne skills check` (%d error(s)); fix it first"):format(s.name, bad))
+      good = false
+    elseif s.dir then
+      sources[#sources + 1] = { name = s.name, src = fs.realpath(s.dir) or s.dir }
+    else
+      local dest, how = skills.materialize(s, data)
+      if not dest then
+        say(("failed   %s: cannot write it to %s: %s"):format(s.name, data, tostring(how)))
+        good = false
+      else
+        if how == "written" then say(("wrote    %s to %s"):format(s.name, dest)) end
+        sources[#sources + 1] = { name = s.name, src = dest }
+      end
+    end
+  end
+  local wanted = {}
+  for _, x in ipairs(sources) do wanted[x.name] = true end
+  for _, dir in ipairs(targets) do
+    dir = dir:gsub("/+$", "")
+    local ok, err = fs.mkdir_p(dir)
+    if not ok then
+      say(("failed   %s: %s"):format(dir, err))
+      good = false
+    else
+      local counts = { linked = 0, relinked = 0, unchanged = 0 }
+      for _, x in ipairs(sources) do
+        local how, lerr = skills.link(dir, x.name, x.src, ours)
+        if how then
+          counts[how] = counts[how] + 1
+          if how ~= "unchanged" then say(("%-8s %s/%s -> %s"):format(how, dir, x.name, x.src)) end
+        else
+          say("refused  " .. lerr)
+          good = false
+        end
+      end
+      for _, n in ipairs(fs.readdir(dir) or {}) do
+        local p = dir .. "/" .. n
+        local st = fs.lstat(p)
+        local cur = st and st.type == "link" and fs.readlink(p)
+        if cur and under(cur, data) and not wanted[n] and fs.unlink(p) then
+          say(("removed  %s (demesne no longer has this skill)"):format(p))
+        end
+      end
+      say(("%s: %d skill(s) linked, %d relinked, %d already in place"):format(dir, counts.linked, counts.relinked,
+        counts.unchanged))
+    end
+  end
+  return good
 end
 
 return skills

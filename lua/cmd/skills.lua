@@ -2,8 +2,6 @@
 -- the orchestration skills demesne ships (and the user's own), the check that keeps each
 -- one true to the live tools, and linking them into the agents' skill folders.
 local skills = require("demesne.skills")
-local loop = require("core.loop")
-local fs = require("core.fs")
 
 local USAGE = [[
 usage: demesne skills list
@@ -71,7 +69,8 @@ local function report(s, problems)
   else
     io.stdout:write(errors > 0 and "FAILED   " or "warning  ", s.name, "\n")
     for _, p in ipairs(problems) do
-      io.stdout:write(("  %s/%s%s: %s: %s\n"):format(where, p.file, p.line and (":" .. p.line) or "", p.level, p.message))
+      local at = p.line and (":" .. p.line) or ""
+      io.stdout:write(("  %s/%s%s: %s: %s\n"):format(where, p.file, at, p.level, p.message))
     end
   end
   return errors, warnings
@@ -83,10 +82,14 @@ local function check(args)
     list_of = skills.all()
   else
     for _, dir in ipairs(args) do
-      if dir:sub(1, 1) == "-" then io.stderr:write("demesne: skills check: unknown option ", dir, "\n", USAGE) return 2 end
+      if dir:sub(1, 1) == "-" then
+        io.stderr:write("demesne: skills check: unknown option ", dir, "\n", USAGE)
+        return 2
+      end
       local found = skills.in_dir(dir)
       if #found == 0 then
-        io.stderr:write(("demesne: skills check: %s holds no skill (a folder with SKILL.md, or folders of them)\n"):format(dir))
+        io.stderr:write(("demesne: skills check: %s holds no skill (a folder with SKILL.md, or folders of them)\n")
+          :format(dir))
         return 1
       end
       for _, s in ipairs(found) do list_of[#list_of + 1] = s end
@@ -107,103 +110,17 @@ end
 --------------------------------------------------------------------------------------------
 -- install
 
-local function hex(n)
-  return ((loop.random(n) or tostring(loop.hrtime())):gsub(".", function(c) return ("%02x"):format(c:byte()) end))
-end
-
-local function home() return os.getenv("HOME") or "/root" end
-
---- The skill folders of the agents: Claude Code reads ~/.claude/skills (or
---- $CLAUDE_CONFIG_DIR/skills), Codex ~/.agents/skills (its current user folder; the older
---- $CODEX_HOME/skills is deprecated there).
-local function claude_dir()
-  local d = os.getenv("CLAUDE_CONFIG_DIR")
-  if d and d ~= "" then return d .. "/skills" end
-  return home() .. "/.claude/skills"
-end
-local function codex_dir() return home() .. "/.agents/skills" end
-
--- Writes an embedded skill's files to root/<name>, replacing what is there only when it
--- differs. Returns the folder and "written" | "unchanged", or nil and why.
-local function materialize(s, root)
-  local dest = root .. "/" .. s.name
-  local ok, err = fs.mkdir_p(root)
-  if not ok then return nil, err end
-  local want = {}
-  for rel in pairs(s.files) do
-    local text, rerr = skills.read(s, rel)
-    if not text then return nil, rerr end
-    want[rel] = text
-  end
-  local st = fs.lstat(dest)
-  if st and st.type == "directory" then
-    local have = skills.from_dir(dest)
-    local same = have ~= nil
-    if same then
-      for rel in pairs(have.files) do if want[rel] == nil then same = false end end
-      for rel, text in pairs(want) do
-        if not have.files[rel] or have.files[rel]() ~= text then same = false end
-      end
-    end
-    if same then return dest, "unchanged" end
-  end
-  local tmp = ("%s/.%s.new-%s"):format(root, s.name, hex(6))
-  for rel, text in pairs(want) do
-    local dir = (tmp .. "/" .. rel):match("^(.*)/[^/]+$")
-    ok, err = fs.mkdir_p(dir)
-    if ok then ok, err = fs.write_atomic(tmp .. "/" .. rel, text) end
-    if not ok then fs.remove_tree(tmp) return nil, err end
-  end
-  if st then
-    local old = ("%s/.%s.old-%s"):format(root, s.name, hex(6))
-    ok, err = fs.rename(dest, old)
-    if not ok then fs.remove_tree(tmp) return nil, err end
-    ok, err = fs.rename(tmp, dest)
-    if not ok then fs.rename(old, dest) fs.remove_tree(tmp) return nil, err end
-    fs.remove_tree(old)
-  else
-    ok, err = fs.rename(tmp, dest)
-    if not ok then fs.remove_tree(tmp) return nil, err end
-  end
-  return dest, "written"
-end
-
-local function under(path, dir) return path == dir or path:sub(1, #dir + 1) == dir .. "/" end
-
--- Links target/<name> to `src`. A link demesne made before (to its data folder or the
--- user's skills folder) is replaced; anything else is left alone and reported.
-local function link(target, name, src, ours)
-  local path = target .. "/" .. name
-  local st = fs.lstat(path)
-  if st and st.type == "link" then
-    local cur = fs.readlink(path)
-    if cur == src then return "unchanged" end
-    local mine = false
-    for _, d in ipairs(ours) do if cur and under(cur, d) then mine = true end end
-    if not mine then
-      return nil, ("%s is a link to %s, not demesne's: left alone (remove it to install this skill)"):format(path, tostring(cur))
-    end
-    local ok, err = fs.unlink(path)
-    if not ok then return nil, err end
-  elseif st then
-    return nil, ("%s already exists and is not a link: left alone (remove it to install this skill)"):format(path)
-  end
-  local ok, err = fs.symlink(src, path)
-  if not ok then return nil, err end
-  return st and "relinked" or "linked"
-end
-
 local function install(args)
   local targets = {}
   local i = 1
   while i <= #args do
     local a = args[i]
-    if a == "--claude" then targets[#targets + 1] = { label = "Claude Code", dir = claude_dir() }
-    elseif a == "--codex" then targets[#targets + 1] = { label = "Codex", dir = codex_dir() }
+    if a == "--claude" then targets[#targets + 1] = skills.claude_dir()
+    elseif a == "--codex" then targets[#targets + 1] = skills.codex_dir()
     elseif a == "--dir" then
       local d = args[i + 1]
       if not d or d == "" then io.stderr:write("demesne: skills install: --dir needs a folder\n", USAGE) return 2 end
-      targets[#targets + 1] = { label = "folder", dir = d }
+      targets[#targets + 1] = d
       i = i + 1
     else
       io.stderr:write("demesne: skills install: unexpected argument ", a, "\n", USAGE)
@@ -211,70 +128,11 @@ local function install(args)
     end
     i = i + 1
   end
-  if #targets == 0 then
-    targets = { { label = "Claude Code", dir = claude_dir() }, { label = "Codex", dir = codex_dir() } }
-  end
-  for _, t in ipairs(targets) do t.dir = t.dir:gsub("/+$", "") end
-
-  local surf = skills.surfaces()
-  local data = skills.data_dir()
-  local user = skills.user_dir()
-  local ours = { data, fs.realpath(user) or user }
-  local status = 0
-  local sources = {} -- {name, src}
-  for _, s in ipairs(skills.all()) do
-    local problems = skills.check(s, surf)
-    local bad = 0
-    for _, p in ipairs(problems) do if p.level == "error" then bad = bad + 1 end end
-    if bad > 0 then
-      io.stdout:write(("skipped  %s: it fails `demesne skills check` (%d error(s)); fix it first\n"):format(s.name, bad))
-      status = 1
-    elseif s.dir then
-      sources[#sources + 1] = { name = s.name, src = fs.realpath(s.dir) or s.dir }
-    else
-      local dest, how = materialize(s, data)
-      if not dest then
-        io.stdout:write(("failed   %s: cannot write it to %s: %s\n"):format(s.name, data, tostring(how)))
-        status = 1
-      else
-        if how == "written" then io.stdout:write(("wrote    %s to %s\n"):format(s.name, dest)) end
-        sources[#sources + 1] = { name = s.name, src = dest }
-      end
-    end
-  end
-  local wanted = {}
-  for _, x in ipairs(sources) do wanted[x.name] = true end
-  for _, t in ipairs(targets) do
-    local ok, err = fs.mkdir_p(t.dir)
-    if not ok then
-      io.stdout:write(("failed   %s: %s\n"):format(t.dir, err))
-      status = 1
-    else
-      local counts = { linked = 0, relinked = 0, unchanged = 0 }
-      for _, x in ipairs(sources) do
-        local how, lerr = link(t.dir, x.name, x.src, ours)
-        if how then
-          counts[how] = counts[how] + 1
-          if how ~= "unchanged" then io.stdout:write(("%-8s %s/%s -> %s\n"):format(how, t.dir, x.name, x.src)) end
-        else
-          io.stdout:write("refused  ", lerr, "\n")
-          status = 1
-        end
-      end
-      -- links to demesne's data folder for skills it no longer has
-      for _, n in ipairs(fs.readdir(t.dir) or {}) do
-        local p = t.dir .. "/" .. n
-        local st = fs.lstat(p)
-        local cur = st and st.type == "link" and fs.readlink(p)
-        if cur and under(cur, data) and not wanted[n] then
-          if fs.unlink(p) then io.stdout:write(("removed  %s (demesne no longer has this skill)\n"):format(p)) end
-        end
-      end
-      io.stdout:write(("%s (%s): %d skill(s) linked, %d relinked, %d already there\n"):format(t.label, t.dir,
-        counts.linked, counts.relinked, counts.unchanged))
-    end
-  end
-  return status
+  if #targets == 0 then targets = { skills.claude_dir(), skills.codex_dir() } end
+  local ok = skills.install(skills.all(), skills.surfaces(), targets, function(line)
+    io.stdout:write(line, "\n")
+  end)
+  return ok and 0 or 1
 end
 
 ---@param args string[]
