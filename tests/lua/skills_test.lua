@@ -107,9 +107,9 @@ function tests.calls_are_found_with_their_lines_and_indentation(t)
   local doc = assert(skills.parse(GOOD_FRONT .. GOOD_BODY))
   local calls = skills.calls(doc)
   t:eq(#calls, 2)
-  t:eq({ calls[1].surface, calls[1].tool, calls[1].args.name, calls[1].line }, { "child", "sandbox_script", "first", 13 })
+  t:eq({ calls[1].surface, calls[1].tool, calls[1].args.name, calls[1].line }, { "child", "sandbox_script", "first", 12 })
   t:eq({ calls[2].surface, calls[2].tool, calls[2].args.timeout_seconds, calls[2].line },
-    { "child", "sandbox_wait", 240, 20 })
+    { "child", "sandbox_wait", 240, 19 })
   local bad = assert(skills.parse(GOOD_FRONT .. "```call\nsandbox_wait {}\n```\n```call host\nsandbox_wait {job_id: 1}\n```\n"
     .. "```call host\nsandbox_wait [1, 2]\n```\n```call host\nsandbox_jobs\n```\n"))
   calls = skills.calls(bad)
@@ -148,6 +148,11 @@ function tests.the_check_names_each_problem_and_its_line(t)
 
 ```call child
 sandbox_scrpt
+{"name": "z", "command": "true"}
+```
+
+```call child
+sandbox_script
 {"name": "a", "command": "true"}
 ```
 
@@ -186,21 +191,21 @@ Nothing here.
     "^1: name: \"Other_Name\" must be the skill's folder name, \"demo\"",
     "^1: metadata%.version: must map a string to a string",
     "^12: sandbox_scrpt: no such tool among the tools a sandbox sees",
-    "^17: sandbox_script: no parameter \"comand\" among the tools a sandbox sees %(it takes .*command",
-    "^17: sandbox_script: command: is required",
-    "^17: sandbox_script: background: expected boolean",
-    "^17: sandbox_script: the child name \"a\" is already used on line 12",
-    "^22: sandbox_agent: name: must match the pattern",
-    "^32: sandbox_script: no parameter \"name\" among the host tools",
-    "^36: sandbox_wait%(timeout%): no parameter \"timeout\"",
-    "^36: sandbox_nothing: no such tool",
-    "^36: link to missing%.md: no such file",
+    "^22: sandbox_script: no parameter \"comand\" among the tools a sandbox sees %(it takes .*command",
+    "^22: sandbox_script: command: is required",
+    "^22: sandbox_script: background: expected boolean",
+    "^22: sandbox_script: the child name \"a\" is already used on line 17",
+    "^27: sandbox_agent: name: must match the pattern",
+    "^37: sandbox_script: no parameter \"name\" among the host tools",
+    "^42: sandbox_wait%(timeout%): no parameter \"timeout\"",
+    "^42: sandbox_nothing: no such tool",
+    "^42: link to missing%.md: no such file",
     "the output contract names no file under /out/",
   }
   for _, w in ipairs(want) do t:ok(has(errs, w), "error " .. w .. " in:\n  " .. table.concat(errs, "\n  ")) end
   t:eq(#errs, #want, "no other error:\n  " .. table.concat(errs, "\n  "))
-  t:ok(not has(errs, "^22: sandbox_agent: model"), "a template value skips the enum")
-  t:ok(not has(errs, "^27:"), "a template name is checked against the pattern as x1 (b-x1 is fine)")
+  t:ok(not has(errs, "^27: sandbox_agent: model"), "a template value skips the enum")
+  t:ok(not has(errs, "^32:"), "a template name is checked against the pattern as x1 (b-x1 is fine)")
   t:ok(has(warns, "\"extra\" is not a field of the Agent Skills format"), table.concat(warns, "; "))
   t:ok(has(warns, "say when not to use the skill"), table.concat(warns, "; "))
 end
