@@ -16,10 +16,14 @@ local function origin_text(s)
   return (s.replaces and "user (replaces the built-in) " or "user ") .. s.origin
 end
 
--- The first sentence of a description, for a one-line listing.
+-- The first sentence of a description, at most 100 characters, for a one-line listing.
 local function first_sentence(d)
   d = d:gsub("%s+", " "):gsub("^ ", "")
-  return d:match("^(.-[%.!?])%s") or d
+  d = d:match("^(.-[%.!?])%s") or d
+  if utf8.len(d) and utf8.len(d) > 100 then
+    d = d:sub(1, utf8.offset(d, 100) - 1):gsub("%s+%S*$", "") .. " …"
+  end
+  return d
 end
 
 local function list(args)

@@ -264,6 +264,18 @@ function tests.renamed_parameter_breaks_the_check(t)
   t:eq(broken, waiting, "each of them fails the check")
 end
 
+-- The example in docs/how-to/write-a-skill.md is a skill that passes the check.
+function tests.the_how_to_example_passes_the_check(t)
+  local doc = assert(fs.read_file(source_root() .. "/docs/how-to/write-a-skill.md"))
+  local example = doc:match("\n````markdown\n(.-\n)````\n")
+  t:ok(example, "the how-to has a ````markdown example")
+  local dir = scratch()
+  write(dir .. "/lint-sweep/SKILL.md", example)
+  local problems = skills.check(assert(skills.from_dir(dir .. "/lint-sweep")), surfaces())
+  fs.remove_tree(dir)
+  t:eq(messages(problems), {})
+end
+
 function tests.user_skills_replace_builtin_ones(t)
   local dir = scratch()
   make_skill(dir, "demesne-bisect-hunt", GOOD_FRONT:gsub("name: demo", "name: demesne-bisect-hunt"), GOOD_BODY)
