@@ -1,0 +1,347 @@
+// Every shipped skill end to end: a scripted loopback vendor (scripted-vendor.mjs) plays the
+// orchestrator through the skill's procedure with the real Claude Code CLI in its real image
+// (Codex for one reviewer of demesne-build-and-land), on a real engine (Podman in CI), with
+// real child sandboxes in the images the skill names. The calls the orchestrator makes are
+// the skill's own call blocks, read from its SKILL.md, with their <templates> filled (and a
+// PLAN:<id> marker appended to a child agent's prompt so the vendor knows which plan plays
+// it); every call block of the skill must be played, or be named as one a scenario skips.
+// Each test then asserts the skill's output contract (the files exist and have the declared
+// shape) and that the tree ran as the procedure says: the children and their names, kinds
+// and statuses in results.json, and a sandbox_wait on every background child.
+//
+// These tests prove the plumbing each skill relies on, not the quality of a model's work:
+// every answer is scripted.
+//
+// DEMESNE_SKILL_TESTS=0 skips the file (tests/run runs it on Podman only, where the working
+// images are built); DEMESNE_SKILL_TEST=<skill> runs one skill.
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import http from "node:http";
+import { execFileSync } from "node:child_process";
+import { randomBytes } from "node:crypto";
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, readdirSync, rmSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { connect, ROOT } from "./helpers.mjs";
+import { startVendor, jobOf, stillRunning, statusOf } from "./scripted-vendor.mjs";
+
+const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
+const SOCKET = ENGINE.replace(/^unix:\/\//, "");
+const SKIP = process.env.DEMESNE_SKILL_TESTS === "0" ? "DEMESNE_SKILL_TESTS=0" : false;
+const ONLY = process.env.DEMESNE_SKILL_TEST;
+const work = mkdtempSync(path.join(tmpdir(), "demesne-skills-"));
+const SECRET = `sk-test-real-${randomBytes(12).toString("hex")}`;
+const LONG = { timeout: 900_000, resetTimeoutOnProgress: true, onprogress: () => {} };
+const read = (...p) => readFileSync(path.join(...p), "utf8");
+const readJson = (...p) => JSON.parse(read(...p));
+const firstLine = (s) => s.split("\n")[0];
+
+let vendor;
+let conn;
+
+// ---- the skill's text --------------------------------------------------------------------
+
+/** A shipped skill: its SKILL.md, its call blocks, and which of them a test has played. */
+class Skill {
+  constructor(name) {
+    this.name = name;
+    this.text = readFileSync(path.join(ROOT, "skills", name, "SKILL.md"), "utf8");
+    this.blocks = [];
+    const lines = this.text.split("\n");
+    for (let i = 0; i < lines.length; i++) {
+      const open = lines[i].match(/^(\s*)```call (host|child)\s*$/);
+      if (!open) continue;
+      const body = [];
+      let j = i + 1;
+      for (; j < lines.length && !/^\s*```\s*$/.test(lines[j]); j++) body.push(lines[j]);
+      const m = body.join("\n").match(/^\s*([\w.-]+)([\s\S]*)$/);
+      this.blocks.push({ surface: open[2], tool: m[1], args: JSON.parse(m[2].trim() || "{}"), line: i + 1 });
+      i = j;
+    }
+    this.used = new Set();
+  }
+
+  /** The call block of `tool` on `surface` (with args.name `name`, when given). */
+  block(surface, tool, name) {
+    const b = this.blocks.find((x) => x.surface === surface && x.tool === tool && (name === undefined || x.args.name === name));
+    assert.ok(b, `${this.name}: no \`\`\`call ${surface} block for ${tool}${name ? ` named ${name}` : ""}`);
+    this.used.add(b);
+    return b;
+  }
+
+  /** A section of the body, from its "## " heading to the next. */
+  section(title) {
+    const m = this.text.match(new RegExp(`\\n(## ${title}\\n[\\s\\S]*?)(?=\\n## |$)`));
+    assert.ok(m, `${this.name}: no section ${title}`);
+    return m[1];
+  }
+
+  /** Every child call block has been played, except those `skipped` (by name or tool). */
+  assertCovered(skipped = []) {
+    const missing = this.blocks.filter((b) => b.surface === "child" && !this.used.has(b)
+      && !skipped.includes(b.args.name || b.tool));
+    assert.deepEqual(missing.map((b) => `${b.tool} ${b.args.name || ""} (line ${b.line})`), [],
+      `${this.name}: call blocks the scenario did not play`);
+  }
+}
+
+// Replaces every <template> in the strings of `v`: fills[key] (a value or ctx => value), else
+// "job_id of X" is the job of step X; an unknown template is an error of the scenario.
+function fillDeep(v, fills, ctx) {
+  if (typeof v === "string") {
+    return v.replace(/<([^<>]*)>/g, (_, key) => {
+      if (key in fills) return String(typeof fills[key] === "function" ? fills[key](ctx) : fills[key]);
+      const job = key.match(/^job_id of (.+)$/);
+      if (job && ctx) return ctx.job(job[1]);
+      throw new Error(`no value for the template <${key}>`);
+    });
+  }
+  if (Array.isArray(v)) return v.map((x) => fillDeep(x, fills, ctx));
+  if (v && typeof v === "object") return Object.fromEntries(Object.entries(v).map(([k, x]) => [k, fillDeep(x, fills, ctx)]));
+  return v;
+}
+// Replaces `from` by `to` in every string of `v` (a block shown for one child, played for another).
+function replaceDeep(v, from, to) {
+  if (typeof v === "string") return v.split(from).join(to);
+  if (Array.isArray(v)) return v.map((x) => replaceDeep(x, from, to));
+  if (v && typeof v === "object") return Object.fromEntries(Object.entries(v).map(([k, x]) => [k, replaceDeep(x, from, to)]));
+  return v;
+}
+
+/**
+ * A step that plays the skill's child call block of `tool` named `name`: as another child
+ * (`as`), with templates filled (`fill`), a child agent's plan marker (`plan`), and a last
+ * `edit(args, ctx)`.
+ */
+function spawn(skill, tool, name, o = {}) {
+  const b = skill.block("child", tool, name);
+  const id = o.as || name;
+  return { id, tool, again: o.again, next: o.next, args: (ctx) => {
+    let a = structuredClone(b.args);
+    if (o.as) a = replaceDeep(a, name, o.as);
+    a = fillDeep(a, o.fill || {}, ctx);
+    if (o.plan) a.prompt = `${a.prompt}\n\nPLAN:${o.plan}`;
+    return o.edit ? o.edit(a, ctx) : a;
+  } };
+}
+
+/** A sandbox_wait on the job of step `of`, played from the skill's wait block, repeated while running. */
+function wait(skill, of) {
+  const b = skill.block("child", "sandbox_wait");
+  const key = JSON.stringify(b.args).match(/<(job_id of [^<>]*)>/)[1];
+  return { id: `wait-${of}`, tool: "sandbox_wait", again: stillRunning,
+    args: (ctx) => fillDeep(b.args, { [key]: (c) => c.job(of) }, ctx) };
+}
+
+const sh = (shell, o = {}) => ({ shell, ...o });
+
+/** A child agent's plan: shell commands, then a final answer. */
+function agentPlan(id, ...commands) {
+  return vendor.plan(id, [...commands.map((c) => sh(c)), { final: `${id} done` }], { input: 300, output: 30 });
+}
+
+// ---- running a skill ------------------------------------------------------------------------
+
+/**
+ * Launches the skill's orchestrator from its host call block (the prompt holding the task
+ * and the skill's Procedure and Output contract, as the Launch section says), waits for it
+ * with the host wait block, and returns {out, started, done, plan, results}.
+ */
+async function runSkill(skill, { task, fill = {}, steps }) {
+  const planId = vendor.plan(`${skill.name}-orch`, [...steps, { final: "orchestrated" }], { input: 1000, output: 100 });
+  const launch = skill.block("host", "sandbox_agent");
+  const sections = `${skill.section("Procedure")}\n${skill.section("Output contract")}`;
+  // the prompt's first template is the task the user's agent writes
+  const launchArgs = structuredClone(launch.args);
+  launchArgs.prompt = launchArgs.prompt.replace(/<[^<>]*>/, "\u0000task\u0000");
+  const args = fillDeep(launchArgs, { ...fill, "this skill's Procedure and Output contract sections": sections });
+  args.prompt = `${args.prompt.replace("\u0000task\u0000", task)}\n\nPLAN:${planId}`;
+  // (the prompt holds the procedure, templates and all, for the orchestrator to read)
+  for (const k of Object.keys(args)) if (k !== "prompt" && /<[^<>]*>/.test(JSON.stringify(args[k]))) throw new Error(`unfilled ${k}`);
+  const started = await call("sandbox_agent", args);
+  assert.equal(started.status, "running", "the orchestrator runs in the background");
+  const hostWait = skill.block("host", "sandbox_wait");
+  let done;
+  for (let i = 0; i < 20; i++) {
+    done = await call("sandbox_wait", fillDeep(hostWait.args, { "job_id of the orchestrator": started.job_id }));
+    if (done.status !== "running") break;
+  }
+  const p = vendor.plans.get(planId);
+  const out = started.output_dir;
+  const diag = () => `\n${JSON.stringify(p.taken.map((t, i) => ({ step: t.id ?? t.index, tool: t.tool, shell: t.shell?.slice(0, 200),
+    result: (p.results[i] || "").slice(0, 600) })), null, 1).slice(-12000)}\n${p.error || ""}\n${conn.stderr().slice(-3000)}`;
+  assert.equal(done.status, "succeeded", `the orchestrator: ${JSON.stringify(done).slice(0, 2000)}${diag()}`);
+  assert.ok(!p.error, p.error);
+  const last = p.taken[p.taken.length - 1];
+  assert.equal(last.final, "orchestrated", `the orchestrator played its plan to the end${diag()}`);
+  for (const [i, r] of p.results.entries()) {
+    assert.doesNotMatch(r, /requires approval|permission to use|not allowed/i, `step ${i}: ${r.slice(0, 500)}`);
+  }
+  return { out, started, done, plan: p, diag };
+}
+
+async function call(name, args) {
+  const res = await conn.client.callTool({ name, arguments: args }, undefined, LONG);
+  assert.ok(!res.isError, `${name}: ${res.content?.[0]?.text}\n${conn.stderr().slice(-4000)}`);
+  return res.structuredContent;
+}
+
+/**
+ * The tree as the procedure says: results.json lists exactly `children` ([name, kind,
+ * status]), and every child started in the background was waited on until it ended.
+ */
+function assertTree(r, children) {
+  const results = readJson(r.out, "results.json");
+  const got = (results.children || []).map((c) => [c.name, c.kind, c.status]).sort();
+  assert.deepEqual(got, [...children].sort(), `the children of the orchestrator${r.diag()}`);
+  const { taken, results: texts } = r.plan;
+  const background = taken.map((t, i) => (t.tool && t.tool !== "sandbox_wait" && t.args?.background ? jobOf(texts[i]) : null))
+    .filter(Boolean);
+  assert.ok(background.length > 0 || children.every((c) => c[1] === "script"), "background children were started");
+  for (const job of background) {
+    const waits = taken.map((t, i) => (t.tool === "sandbox_wait" && t.args.job_id === job ? texts[i] : null)).filter((x) => x !== null);
+    assert.ok(waits.length > 0, `job ${job} was waited on`);
+    assert.ok(statusOf(waits[waits.length - 1]), `the last wait on ${job} saw it end: ${waits[waits.length - 1]}`);
+  }
+  // every spawn's name is unique, as the habits say
+  const names = taken.filter((t) => t.args?.name).map((t) => t.args.name);
+  assert.equal(new Set(names).size, names.length, `unique child names: ${names}`);
+  return results;
+}
+
+const exitOf = (text) => Number((text || "").match(/"?exit_code"?\s*[:=]\s*(-?\d+)/)?.[1]);
+const isPng = (file) => readFileSync(file).subarray(0, 8).equals(Buffer.from([0x89, 0x50, 0x4e, 0x47, 0x0d, 0x0a, 0x1a, 0x0a]));
+const pngWidth = (file) => readFileSync(file).readUInt32BE(16);
+const git = (cwd, ...a) => execFileSync("git", ["-c", "user.name=t", "-c", "user.email=t@localhost", ...a], { cwd, encoding: "utf8" }).trim();
+
+function makeRepo(name, files) {
+  const dir = path.join(work, "inputs", name);
+  for (const [rel, data] of Object.entries(files)) {
+    mkdirSync(path.dirname(path.join(dir, rel)), { recursive: true });
+    writeFileSync(path.join(dir, rel), data);
+  }
+  git(dir, "init", "-q");
+  git(dir, "add", "-A");
+  git(dir, "commit", "-qm", "start");
+  return dir;
+}
+
+// ---- the engine and the server --------------------------------------------------------------
+
+function engine(method, p) {
+  return new Promise((resolve, reject) => {
+    const req = http.request({ socketPath: SOCKET, path: p, method }, (res) => {
+      let body = "";
+      res.on("data", (c) => (body += c));
+      res.on("end", () => resolve(body ? JSON.parse(body) : null));
+    });
+    req.on("error", reject);
+    req.end();
+  });
+}
+async function containersUnder(dir) {
+  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
+  const list = await engine("GET", `/containers/json?all=true&filters=${filters}`);
+  return (list || []).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir));
+}
+
+before(async () => {
+  if (SKIP) return;
+  vendor = await startVendor({ secret: SECRET });
+  conn = await connect({ fixtures: false, env: {
+    DEMESNE_ENGINE: ENGINE, DEMESNE_OUTPUT_ROOT: path.join(work, "out"), DEMESNE_STATE_DIR: path.join(work, "state"),
+    DEMESNE_ALLOWED_PATHS: path.join(work, "inputs"),
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${vendor.port}`,
+    OPENAI_API_KEY: SECRET, DEMESNE_CODEX_UPSTREAM: `http://127.0.0.1:${vendor.port}/openai/v1`,
+    CLAUDE_CODE_OAUTH_TOKEN: "", ANTHROPIC_AUTH_TOKEN: "", CODEX_HOME: path.join(work, "no-codex-home"),
+    DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false", DEMESNE_PROGRESS_INTERVAL: "2", DEMESNE_JOBS_POLL_INTERVAL: "0.5",
+  } });
+});
+
+after(async () => {
+  if (SKIP) return;
+  await conn?.client.close();
+  await vendor?.close();
+  const left = await containersUnder(work);
+  for (const c of left) await engine("DELETE", `/containers/${c.Id}?force=true`);
+  if (!process.env.DEMESNE_TEST_KEEP) rmSync(work, { recursive: true, force: true });
+  assert.deepEqual(left.map((c) => c.Names), [], "no sandbox of this file is left on the engine");
+});
+
+function skillTest(name, fn) {
+  const skip = SKIP || (ONLY && ONLY !== name ? `DEMESNE_SKILL_TEST=${ONLY}` : false);
+  test(name, { timeout: 900_000, skip }, () => fn(new Skill(name)));
+}
+
+// ---- the skills -----------------------------------------------------------------------------
+
+skillTest("demesne-bisect-hunt", async (skill) => {
+  const repo = path.join(work, "inputs", "bisect-repo");
+  mkdirSync(repo, { recursive: true });
+  git(repo, "init", "-q");
+  const shas = [];
+  for (let i = 1; i <= 8; i++) {
+    writeFileSync(path.join(repo, "value.txt"), `${i < 5 ? "pass" : "fail"} ${i}\n`);
+    git(repo, "add", "-A");
+    git(repo, "commit", "-qm", `commit ${i}`);
+    shas.push(git(repo, "rev-parse", "HEAD"));
+  }
+  const [good, bad, culprit] = [shas[0], shas[7], shas[4]];
+  const check = "grep -q pass value.txt";
+  const shaOf = (text) => (text || "").match(/\[([0-9a-f]{40})\]/)?.[1] || "no-commit-named";
+  const explain = agentPlan("bisect-explain",
+    "test -s /workspace/culprit.patch && grep -q fail /workspace/culprit.patch && "
+    + "printf '# Why\\nvalue.txt says fail from this commit on.\\n' > /out/EXPLANATION.md");
+  const r = await runSkill(skill, {
+    task: `Good revision ${good}, bad revision ${bad}, check command: ${check} (image default).`,
+    fill: { "absolute path of the repository": repo },
+    steps: [
+      sh("cp -r /in/bisect-repo /workspace/repo && git -C /workspace/repo log --oneline | wc -l"),
+      spawn(skill, "sandbox_script", "probe-good", { fill: { "good revision": good, "check command": check } }),
+      spawn(skill, "sandbox_script", "probe-good", { as: "probe-bad", fill: { "good revision": bad, "check command": check } }),
+      wait(skill, "probe-good"),
+      wait(skill, "probe-bad"),
+      sh(`cat /out/child/probe-good/verdict /out/child/probe-bad/verdict; cd /workspace/repo && git bisect start ${bad} ${good}`),
+      spawn(skill, "sandbox_script", "probe-<first 10 hex digits of the commit>", {
+        fill: {
+          "first 10 hex digits of the commit": (c) => shaOf(c.last).slice(0, 10),
+          commit: (c) => shaOf(c.last), "check command": check,
+        } }),
+      sh((c) => {
+        const v = exitOf(c.last) === 0 ? "good" : "bad";
+        return `cd /workspace/repo && printf '{"commit": "%s", "exit_code": %d, "verdict": "${v}"}\\n' "$(git rev-parse HEAD)" `
+          + `${exitOf(c.last)} >> /out/probes.jsonl && git bisect ${v}`;
+      }, { id: "verdict", next: (r) => (/is the first bad commit/.test(r) ? undefined : "probe-<first 10 hex digits of the commit>") }),
+      sh("cd /workspace/repo && git show --stat --patch refs/bisect/bad > /out/culprit.patch && git bisect log > /out/bisect.log "
+        + "&& cp /out/culprit.patch /workspace/culprit.patch "
+        + "&& cp /out/child/probe-$(git rev-parse refs/bisect/bad | cut -c1-10)/check.log /workspace/culprit-check.log"),
+      spawn(skill, "sandbox_agent", "explain", { plan: explain }),
+      sh("cd /workspace/repo && b=$(git rev-parse refs/bisect/bad) && "
+        + "{ echo \"first bad commit: $b $(git log -1 --format=%s $b)\"; echo; echo \"probes: $(wc -l < /out/probes.jsonl)\"; "
+        + "cat /out/probes.jsonl; echo; cat /out/child/explain/EXPLANATION.md; } > /out/BISECT.md && cp /out/child/explain/EXPLANATION.md /out/"),
+    ],
+  });
+  // the output contract
+  assert.equal(firstLine(read(r.out, "BISECT.md")), `first bad commit: ${culprit} commit 5`);
+  const probes = read(r.out, "probes.jsonl").trim().split("\n").map((l) => JSON.parse(l));
+  assert.ok(probes.length >= 2 && probes.length <= 4, `probes: ${JSON.stringify(probes)}`);
+  for (const p of probes) {
+    const i = shas.indexOf(p.commit);
+    assert.ok(i > 0 && i < 7, `a probed commit lies inside the range: ${p.commit}`);
+    assert.equal(p.verdict, i < 4 ? "good" : "bad", `the verdict of commit ${i + 1}`);
+    assert.equal(p.exit_code === 0, i < 4);
+  }
+  assert.match(read(r.out, "culprit.patch"), new RegExp(`^commit ${culprit}[\\s\\S]*\\+fail 5`));
+  assert.match(read(r.out, "bisect.log"), /git bisect start/);
+  assert.match(read(r.out, "EXPLANATION.md"), /says fail/);
+  // the tree: two end probes in the background, one probe per bisect step, one explainer
+  const children = [["probe-good", "script", "succeeded"], ["probe-bad", "script", "failed"], ["explain", "agent", "succeeded"]];
+  for (const p of probes) {
+    const i = shas.indexOf(p.commit);
+    children.push([`probe-${p.commit.slice(0, 10)}`, "script", i < 4 ? "succeeded" : "failed"]);
+  }
+  assertTree(r, children);
+  assert.equal(read(r.out, "child/probe-good/verdict").trim(), "0");
+  assert.equal(read(r.out, "child/probe-bad/verdict").trim(), "1");
+  skill.assertCovered();
+});
