@@ -110,8 +110,8 @@ function replaceDeep(v, from, to) {
 
 /**
  * A step that plays the skill's child call block of `tool` named `name`: as another child
- * (`as`), with templates filled (`fill`), a child agent's plan marker (`plan`), and a last
- * `edit(args, ctx)`.
+ * (`as`, and more `replace` pairs of [from, to] in its strings), with templates filled
+ * (`fill`), a child agent's plan marker (`plan`), and a last `edit(args, ctx)`.
  */
 function spawn(skill, tool, name, o = {}) {
   const b = skill.block("child", tool, name);
@@ -119,6 +119,7 @@ function spawn(skill, tool, name, o = {}) {
   return { id, tool, again: o.again, next: o.next, args: (ctx) => {
     let a = structuredClone(b.args);
     if (o.as) a = replaceDeep(a, name, o.as);
+    for (const [from, to] of o.replace || []) a = replaceDeep(a, from, to);
     a = fillDeep(a, o.fill || {}, ctx);
     if (o.plan) a.prompt = `${a.prompt}\n\nPLAN:${o.plan}`;
     return o.edit ? o.edit(a, ctx) : a;
@@ -343,5 +344,117 @@ skillTest("demesne-bisect-hunt", async (skill) => {
   assertTree(r, children);
   assert.equal(read(r.out, "child/probe-good/verdict").trim(), "0");
   assert.equal(read(r.out, "child/probe-bad/verdict").trim(), "1");
+  skill.assertCovered();
+});
+
+skillTest("demesne-benchmark-compare", async (skill) => {
+  const repo = makeRepo("bench-repo", { "bench.sh": "echo warming up\necho 2.0\n" });
+  const baseline = git(repo, "rev-parse", "HEAD");
+  writeFileSync(path.join(repo, "bench.sh"), "echo warming up\necho 1.0\n");
+  git(repo, "commit", "-qam", "faster");
+  const candidate = git(repo, "rev-parse", "HEAD");
+  const build = "echo built > built.txt";
+  const bench = "test -f built.txt && sh bench.sh";
+  const toCandidate = [["baseline", "candidate"]];
+  const run = (version, i) => spawn(skill, "sandbox_script", "run-baseline-1", {
+    as: `run-${version}-${i}`, replace: version === "candidate" ? toCandidate : [], fill: { "benchmark command": bench } });
+  const r = await runSkill(skill, {
+    task: `Baseline ${baseline}, candidate ${candidate}; build: ${build}; benchmark: ${bench} (seconds, lower is better); 2 runs per version; image default.`,
+    fill: { "absolute path of the repository": repo },
+    steps: [
+      sh(`cp -r /in/bench-repo /workspace/baseline && git -C /workspace/baseline checkout -q ${baseline} && `
+        + `cp -r /in/bench-repo /workspace/candidate && git -C /workspace/candidate checkout -q ${candidate}`),
+      spawn(skill, "sandbox_script", "build-baseline", { fill: { "build command": build } }),
+      spawn(skill, "sandbox_script", "build-baseline", { as: "build-candidate", replace: toCandidate, fill: { "build command": build } }),
+      wait(skill, "build-baseline"),
+      wait(skill, "build-candidate"),
+      run("baseline", 1), run("candidate", 1), run("baseline", 2), run("candidate", 2),
+      spawn(skill, "sandbox_script", "stats", { fill: { "lower|higher": "lower" } }),
+      sh("mkdir -p /out/runs && cp /out/child/stats/results.json /out/RESULTS.json && "
+        + "for d in /out/child/run-*; do cp $d/run.log /out/runs/$(basename $d).log; done && "
+        + "node -e 'const r=require(\"/out/RESULTS.json\");const p=Math.round(Math.abs(1-r.ratio)*100);"
+        + "require(\"fs\").writeFileSync(\"/out/BENCHMARK.md\",`candidate is ${r.candidate_is} by ${p}%\\n\\nmedians: ${JSON.stringify(r.median)}\\nratio: ${r.ratio}\\n`)'"),
+    ],
+  });
+  const res = readJson(r.out, "RESULTS.json");
+  assert.deepEqual(res.runs, { baseline: [2, 2], candidate: [1, 1] }, "each version's runs, from their own sandboxes");
+  assert.deepEqual(res.median, { baseline: 2, candidate: 1 });
+  assert.equal(res.ratio, 0.5);
+  assert.equal(res.better, "lower");
+  assert.equal(res.candidate_is, "faster");
+  assert.equal(firstLine(read(r.out, "BENCHMARK.md")), "candidate is faster by 50%");
+  for (const n of ["run-baseline-1", "run-baseline-2", "run-candidate-1", "run-candidate-2"]) {
+    assert.equal(read(r.out, "runs", `${n}.log`), `warming up\n${n.includes("baseline") ? "2.0" : "1.0"}\n`);
+  }
+  assertTree(r, ["build-baseline", "build-candidate", "run-baseline-1", "run-candidate-1", "run-baseline-2", "run-candidate-2",
+    "stats"].map((n) => [n, "script", "succeeded"]));
+  // the measured runs never overlap: each is a blocking call, made after the one before returned
+  const runs = r.plan.taken.filter((t) => t.tool === "sandbox_script" && /^run-/.test(t.args.name));
+  assert.deepEqual(runs.map((t) => [t.args.name, Boolean(t.args.background)]),
+    [["run-baseline-1", false], ["run-candidate-1", false], ["run-baseline-2", false], ["run-candidate-2", false]]);
+  skill.assertCovered();
+});
+
+skillTest("demesne-build-and-land", async (skill) => {
+  const repo = makeRepo("calc-repo", {
+    "calc.py": "def add(a, b):\n    return a + b\n",
+    "test_calc.py": "import unittest\nfrom calc import add\n\n\nclass T(unittest.TestCase):\n"
+      + "    def test_add(self):\n        self.assertEqual(add(2, 3), 5)\n",
+  });
+  const testCommand = "python3 -m unittest -q";
+  const impl = agentPlan("land-impl",
+    "cd /workspace/repo && printf '\\ndef mul(a, b):\\n    return a * b\\n' >> calc.py && "
+    + "printf '\\n\\nclass M(unittest.TestCase):\\n    def test_mul(self):\\n        from calc import mul\\n        self.assertEqual(mul(2, 3), 6)\\n' >> test_calc.py && "
+    + "printf '# Summary\\n- calc.py: mul(a, b)\\n- test_calc.py: a test of mul\\n' > /out/SUMMARY.md");
+  const reviewA = agentPlan("land-review-a",
+    "grep -q 'def mul' /workspace/impl.patch && printf 'verdict: fail\\n- calc.py:4: mul has no docstring; add one\\n' > /out/REVIEW.md");
+  const reviewB = agentPlan("land-review-b",
+    "grep -q 'def mul' /workspace/impl.patch && printf 'verdict: pass\\n' > /out/REVIEW.md");
+  const fix = agentPlan("land-fix",
+    "cd /workspace/repo && grep -q 'verdict: fail' /in/previous-jobs/review-a/REVIEW.md && "
+    + "sed -i 's/^def mul(a, b):$/def mul(a, b):\\n    \"\"\"The product of a and b.\"\"\"/' calc.py && "
+    + "printf -- '- calc.py:4: added a docstring\\n' > /out/FIXES.md");
+  const capture = "cd /workspace/repo && git add -A && git diff --cached demesne-base > /workspace/impl.patch && grep -c '^diff --git' /workspace/impl.patch";
+  const r = await runSkill(skill, {
+    task: `Add mul(a, b) to calc.py, with a test. Test command: ${testCommand} (image default). Reviewer models: sonnet and gpt-5.6-luna.`,
+    fill: { "absolute path of the repository": repo },
+    steps: [
+      sh("cp -r /in/calc-repo /workspace/repo && cd /workspace/repo && git init -q && git add -A && "
+        + "git -c user.name=demesne -c user.email=demesne@localhost commit -qm base --allow-empty && git tag -f demesne-base && "
+        + "printf '# Plan\\nmul(a, b) in calc.py; acceptance: mul(2, 3) == 6\\n' > /workspace/PLAN.md"),
+      spawn(skill, "sandbox_agent", "impl", { plan: impl }),
+      sh(capture),
+      spawn(skill, "sandbox_agent", "review-a", { plan: reviewA, fill: { "reviewer model of the first provider": "sonnet" } }),
+      spawn(skill, "sandbox_agent", "review-b", { plan: reviewB, fill: { "reviewer model of the second provider": "gpt-5.6-luna" } }),
+      wait(skill, "review-a"),
+      wait(skill, "review-b"),
+      spawn(skill, "sandbox_agent", "fix", { plan: fix }),
+      sh(capture),
+      spawn(skill, "sandbox_script", "verify", { fill: { "test command": testCommand } }),
+      sh("cp /workspace/impl.patch /out/change.patch && cp /out/child/impl/SUMMARY.md /out/SUMMARY.md && "
+        + "cp /out/child/review-a/REVIEW.md /out/REVIEW-A.md && cp /out/child/review-b/REVIEW.md /out/REVIEW-B.md && "
+        + "cp /out/child/fix/FIXES.md /out/FIXES.md && e=$(cat /out/child/verify/exit_code) && "
+        + "{ if [ \"$e\" = 0 ]; then echo 'verdict: verified'; else echo 'verdict: failed'; fi; "
+        + `echo 'command: ${testCommand}'; echo "exit code: $e"; tail -n 50 /out/child/verify/test.log; } > /out/VERIFY.md && `
+        + "{ echo '# Add mul'; for c in impl review-a review-b fix verify; do echo \"- $c: succeeded\"; done; head -1 /out/VERIFY.md; } > /out/REPORT.md"),
+    ],
+  });
+  const patch = read(r.out, "change.patch");
+  assert.match(patch, /^\+def mul\(a, b\):\n\+    """The product of a and b\."""\n\+    return a \* b$/m, "the fixed change");
+  assert.match(patch, /\+    def test_mul\(self\):/);
+  assert.match(read(r.out, "SUMMARY.md"), /mul\(a, b\)/);
+  assert.equal(firstLine(read(r.out, "REVIEW-A.md")), "verdict: fail");
+  assert.equal(firstLine(read(r.out, "REVIEW-B.md")), "verdict: pass");
+  assert.match(read(r.out, "FIXES.md"), /docstring/);
+  const verify = read(r.out, "VERIFY.md");
+  assert.equal(firstLine(verify), "verdict: verified", verify);
+  assert.match(verify, /^exit code: 0$/m);
+  assert.match(read(r.out, "child/verify/test.log"), /Ran 2 tests/, "the repository's own tests ran in the script sandbox");
+  assert.match(read(r.out, "REPORT.md"), /- verify: succeeded/);
+  assertTree(r, [["impl", "agent", "succeeded"], ["review-a", "agent", "succeeded"], ["review-b", "agent", "succeeded"],
+    ["fix", "agent", "succeeded"], ["verify", "script", "succeeded"]]);
+  // the two reviewers ran on models of two providers: Claude Code and Codex
+  assert.ok(readJson(r.out, "child/review-a/usage.json").models["claude-sonnet-5"], "review-a on Claude");
+  assert.ok(readJson(r.out, "child/review-b/usage.json").models["gpt-5.6-luna"], "review-b on Codex");
   skill.assertCovered();
 });
