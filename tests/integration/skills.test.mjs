@@ -458,3 +458,153 @@ skillTest("demesne-build-and-land", async (skill) => {
   assert.ok(readJson(r.out, "child/review-b/usage.json").models["gpt-5.6-luna"], "review-b on Codex");
   skill.assertCovered();
 });
+
+skillTest("demesne-migration-sweep", async (skill) => {
+  const files = { "api.py": "def new_api(x):\n    return x\n" };
+  for (let i = 0; i < 41; i++) files[`mods/mod${String(i).padStart(2, "0")}.py`] = `from api import new_api as old_api\n\n\ndef f():\n    return old_api(${i})\n`;
+  const repo = makeRepo("sweep-repo", files);
+  const pattern = "old_api\\(";
+  const testCommand = "python3 -m compileall -q .";
+  // a slice agent applies the migration to its files; slice-01's first run writes nothing (a
+  // failed child by the skill's rule: no DONE.md), so the orchestrator retries it
+  const slicePlan = (n) => agentPlan(`sweep-slice-${n}`,
+    `cd /workspace/repo && for f in $(cat /workspace/slices/slice-${n}); do sed -i 's/old_api(/new_api(/; s/import new_api as old_api/import new_api/' $f && echo "$f changed"; done > /out/DONE.md`);
+  const lazy = agentPlan("sweep-slice-01-lazy", "true");
+  const slice = (n, plan, o = {}) => spawn(skill, "sandbox_agent", "slice-00", { as: o.as || `slice-${n}`,
+    replace: [["slice-00", `slice-${n}`]], plan, edit: o.edit });
+  const r = await runSkill(skill, {
+    task: `Replace old_api( with new_api( everywhere (and import new_api itself). Pattern: ${pattern}. Test command: ${testCommand} (image default).`,
+    fill: { "absolute path of the repository": repo },
+    steps: [
+      sh("cp -r /in/sweep-repo /workspace/repo && cd /workspace/repo && git init -q && git add -A && "
+        + "git -c user.name=demesne -c user.email=demesne@localhost commit -qm base --allow-empty && git tag -f demesne-base && "
+        + "printf 'old: old_api(x)\\nnew: new_api(x)\\n' > /workspace/MIGRATION.md && "
+        + `git grep -lE '${pattern}' > /workspace/files.txt && mkdir -p /workspace/slices && `
+        + "split -l 20 -d -a 2 /workspace/files.txt /workspace/slices/slice- && ls /workspace/slices"),
+      slice("00", slicePlan("00")),
+      slice("01", lazy),
+      slice("02", slicePlan("02")),
+      wait(skill, "slice-00"), wait(skill, "slice-01"), wait(skill, "slice-02"),
+      sh("for n in 00 01 02; do test -s /out/child/slice-$n/DONE.md && echo \"slice-$n ok\" || echo \"slice-$n failed\"; done"),
+      { ...slice("01", slicePlan("01"), { as: "slice-01-retry" }), id: "slice-01-retry" },
+      wait(skill, "slice-01-retry"),
+      spawn(skill, "sandbox_script", "verify", { fill: { pattern, "test command": testCommand } }),
+      sh("cd /workspace/repo && git add -A && git diff --cached demesne-base > /out/change.patch && "
+        + "{ for n in 00 01 02; do d=/out/child/slice-$n; [ -s $d/DONE.md ] || d=/out/child/slice-$n-retry; "
+        + "s=succeeded; r=no; [ $d = /out/child/slice-$n ] || r=yes; echo \"slice-$n | $(wc -l < /workspace/slices/slice-$n) files | $s | retried: $r\"; done; "
+        + "for d in /out/child/slice-*; do [ -s $d/DONE.md ] && cat $d/DONE.md; done; } > /out/SLICES.md && "
+        + "e=$(cat /out/child/verify/exit_code) && { if [ \"$e\" = 0 ] && [ ! -s /out/child/verify/leftovers.txt ]; then echo 'verdict: verified'; else echo 'verdict: failed'; fi; "
+        + "cat /out/child/verify/leftovers.txt; tail -n 50 /out/child/verify/test.log; } > /out/VERIFY.md && "
+        + "{ echo \"matched: $(wc -l < /workspace/files.txt)\"; echo \"changed: $(grep -c '^diff --git' /out/change.patch)\"; "
+        + "echo \"left over: $(wc -l < /out/child/verify/leftovers.txt)\"; echo 'failed slices: none'; head -1 /out/VERIFY.md; } > /out/REPORT.md"),
+    ],
+  });
+  const patch = read(r.out, "change.patch");
+  assert.equal(patch.match(/^diff --git/gm).length, 41, "every matching file is in the patch");
+  assert.equal(patch.match(/^\+    return new_api\(\d+\)$/gm).length, 41);
+  const slices = read(r.out, "SLICES.md").split("\n");
+  assert.deepEqual(slices.slice(0, 3), ["slice-00 | 20 files | succeeded | retried: no",
+    "slice-01 | 20 files | succeeded | retried: yes", "slice-02 | 1 files | succeeded | retried: no"]);
+  assert.equal(firstLine(read(r.out, "VERIFY.md")), "verdict: verified");
+  assert.equal(read(r.out, "child/verify/leftovers.txt"), "", "no old form is left");
+  assert.match(read(r.out, "REPORT.md"), /^matched: 41\nchanged: 41\nleft over: 0\n/);
+  assertTree(r, [["slice-00", "agent", "succeeded"], ["slice-01", "agent", "succeeded"], ["slice-02", "agent", "succeeded"],
+    ["slice-01-retry", "agent", "succeeded"], ["verify", "script", "succeeded"]]);
+  assert.ok(!existsSync(path.join(r.out, "child/slice-01/DONE.md")), "the first slice-01 owed its DONE.md: it was retried");
+  skill.assertCovered();
+});
+
+skillTest("demesne-defect-survey", async (skill) => {
+  const repo = makeRepo("survey-repo", { "parse.py": "def parse(s):\n    return int(s)\n", "README.md": "A parser.\n" });
+  const lenses = ["correctness", "security", "resources", "errors", "tests"];
+  const lensPlan = (lens, i) => agentPlan(`survey-${lens}`,
+    `test -f /in/survey-repo/parse.py && printf '[{"file": "parse.py", "line": 2, "severity": "${["high", "medium", "low"][i % 3]}", `
+    + `"title": "${lens} issue", "evidence": "int(s) raises on bad input", "lens": "${lens}"}]' > /out/findings.json`);
+  const reduce = agentPlan("survey-reduce",
+    "node -e 'const fs=require(\"fs\");const all=[];for(const d of fs.readdirSync(\"/in/previous-jobs\").filter(x=>x.startsWith(\"lens-\")).sort())"
+    + "for(const f of JSON.parse(fs.readFileSync(`/in/previous-jobs/${d}/findings.json`)))all.push({...f,lens:[f.lens]});"
+    + "const rank={high:0,medium:1,low:2};all.sort((a,b)=>rank[a.severity]-rank[b.severity]);"
+    + "fs.writeFileSync(\"/out/defects.json\",JSON.stringify(all,null,1));"
+    + "fs.writeFileSync(\"/out/DEFECTS.md\",\"| severity | where | title | lenses |\\n|---|---|---|---|\\n\"+all.map(f=>`| ${f.severity} | ${f.file}:${f.line} | ${f.title} | ${f.lens.join(\", \")} |`).join(\"\\n\")+\"\\n\")'");
+  const lensStep = (lens, i) => spawn(skill, "sandbox_agent", "lens-correctness", { as: `lens-${lens}`,
+    replace: [["correctness defects", `${lens} defects`], ['lens \\"correctness\\"', `lens \\"${lens}\\"`]], plan: lensPlan(lens, i) });
+  const r = await runSkill(skill, {
+    task: "Survey the parser before its release; all five lenses.",
+    fill: { "absolute path of the repository": repo },
+    steps: [
+      sh("printf '# Scope\\nEverything but README.md. Findings: /out/findings.json, a JSON array of {file, line, severity, title, evidence, lens}.\\n' > /workspace/SCOPE.md"),
+      ...lenses.map(lensStep),
+      ...lenses.map((l) => wait(skill, `lens-${l}`)),
+      spawn(skill, "sandbox_script", "validate"),
+      spawn(skill, "sandbox_agent", "reduce", { plan: reduce }),
+      sh("mkdir -p /out/lenses && cp /out/child/reduce/DEFECTS.md /out/child/reduce/defects.json /out/ && "
+        + "for l in correctness security resources errors tests; do cp /out/child/lens-$l/findings.json /out/lenses/$l.json; done && "
+        + "node -e 'const fs=require(\"fs\");const d=JSON.parse(fs.readFileSync(\"/out/defects.json\"));"
+        + "const by={};for(const f of d)by[f.severity]=(by[f.severity]||0)+1;"
+        + "fs.writeFileSync(\"/out/REPORT.md\",[\"correctness\",\"security\",\"resources\",\"errors\",\"tests\"].map(l=>`- ${l}: succeeded, ${JSON.parse(fs.readFileSync(`/out/lenses/${l}.json`)).length} finding(s)`).join(\"\\n\")+`\\ntotals: ${JSON.stringify(by)}\\n`)'"),
+    ],
+  });
+  const defects = readJson(r.out, "defects.json");
+  assert.equal(defects.length, 5);
+  for (const d of defects) {
+    assert.deepEqual(Object.keys(d).sort(), ["evidence", "file", "lens", "line", "severity", "title"]);
+    assert.ok(Array.isArray(d.lens) && d.lens.length === 1);
+  }
+  assert.deepEqual(defects.map((d) => d.severity), ["high", "high", "medium", "medium", "low"], "ranked by severity");
+  assert.match(read(r.out, "DEFECTS.md"), /^\| severity \| where \| title \| lenses \|/);
+  for (const l of lenses) assert.equal(readJson(r.out, "lenses", `${l}.json`)[0].lens, l);
+  assert.match(read(r.out, "REPORT.md"), /- tests: succeeded, 1 finding\(s\)\ntotals: \{"high":2,"medium":2,"low":1\}/);
+  assert.equal(read(r.out, "child/validate/validate.txt"), "", "every lens's findings have the agreed shape");
+  assertTree(r, [...lenses.map((l) => [`lens-${l}`, "agent", "succeeded"]), ["validate", "script", "succeeded"],
+    ["reduce", "agent", "succeeded"]]);
+  skill.assertCovered();
+});
+
+skillTest("demesne-corpus-map-reduce", async (skill) => {
+  const docs = {};
+  for (let i = 1; i <= 30; i++) {
+    docs[`doc-${String(i).padStart(2, "0")}.txt`] = `date: 2026-11-${String(i).padStart(2, "0")}\ncustomer: ${i % 3 === 0 ? "acme" : "globex"}\n`
+      + `complaint: ${i % 2 ? "slow delivery" : "wrong size"}\n\nThe rest of the letter.\n`;
+  }
+  const dir = path.join(work, "inputs", "letters");
+  for (const [n, t] of Object.entries(docs)) { mkdirSync(dir, { recursive: true }); writeFileSync(path.join(dir, n), t); }
+  const fields = "date,customer,complaint";
+  const mapPlan = (n) => agentPlan(`corpus-map-${n}`,
+    `node -e 'const fs=require("fs");const out=[];for(const p of fs.readFileSync("/workspace/batches/batch-${n}","utf8").split("\\n").filter(Boolean)){`
+    + `const r={};for(const l of fs.readFileSync(p,"utf8").split("\\n")){const m=l.match(/^(date|customer|complaint): (.*)$/);if(m)r[m[1]]=m[2];}`
+    + `r.source=p;out.push(JSON.stringify(r));}fs.writeFileSync("/out/records.jsonl",out.join("\\n")+"\\n")'`);
+  const reduce = agentPlan("corpus-reduce",
+    "cat /in/previous-jobs/map-*/records.jsonl | node -e 'const rs=require(\"fs\").readFileSync(0,\"utf8\").split(\"\\n\").filter(Boolean).map(JSON.parse);"
+    + "const by={};for(const r of rs)by[r.complaint]=(by[r.complaint]||0)+1;const fs=require(\"fs\");"
+    + "fs.writeFileSync(\"/out/summary.json\",JSON.stringify({records:rs.length,by_complaint:by}));"
+    + "fs.writeFileSync(\"/out/REPORT.md\",`# Complaints\\n${Object.entries(by).map(([k,v])=>`- ${k}: ${v}`).join(\"\\n\")}\\n\\nSources: ${rs[0].source}, …\\n`)'");
+  const r = await runSkill(skill, {
+    task: `What do customers complain about? Fields: date (YYYY-MM-DD), customer (string), complaint (string).`,
+    fill: { "absolute path of the folder of documents": dir },
+    steps: [
+      sh("find /in/letters -type f | sort > /workspace/docs.txt && mkdir -p /workspace/batches && "
+        + "split -l 25 -d -a 2 /workspace/docs.txt /workspace/batches/batch- && "
+        + "printf 'Question: what do customers complain about?\\nFields: date, customer, complaint; plus source.\\n' > /workspace/SCHEMA.md && ls /workspace/batches"),
+      spawn(skill, "sandbox_agent", "map-00", { plan: mapPlan("00") }),
+      spawn(skill, "sandbox_agent", "map-00", { as: "map-01", replace: [["batch-00", "batch-01"]], plan: mapPlan("01") }),
+      wait(skill, "map-00"), wait(skill, "map-01"),
+      spawn(skill, "sandbox_script", "validate", { fill: { "field1,field2,...": fields } }),
+      spawn(skill, "sandbox_agent", "reduce", { plan: reduce }),
+      sh("cat /out/child/map-00/records.jsonl /out/child/map-01/records.jsonl > /out/records.jsonl && "
+        + "cp /out/child/reduce/REPORT.md /out/child/reduce/summary.json /out/ && "
+        + "printf 'documents listed: %s\\nrecords written: %s\\nnot read: none\\n' $(wc -l < /workspace/docs.txt) $(wc -l < /out/records.jsonl) > /out/COVERAGE.md"),
+    ],
+  });
+  const records = read(r.out, "records.jsonl").trim().split("\n").map((l) => JSON.parse(l));
+  assert.equal(records.length, 30, "a record per document");
+  assert.deepEqual(records.map((x) => x.source), Object.keys(docs).map((n) => `/in/letters/${n}`));
+  for (const x of records) assert.deepEqual(Object.keys(x).sort(), ["complaint", "customer", "date", "source"]);
+  assert.equal(records[6].date, "2026-11-07");
+  assert.deepEqual(readJson(r.out, "summary.json"), { records: 30, by_complaint: { "slow delivery": 15, "wrong size": 15 } });
+  assert.match(read(r.out, "REPORT.md"), /- slow delivery: 15/);
+  assert.equal(read(r.out, "COVERAGE.md"), "documents listed: 30\nrecords written: 30\nnot read: none\n");
+  assert.equal(read(r.out, "child/validate/validate.txt"), "", "every record has every field, every document a record");
+  assertTree(r, [["map-00", "agent", "succeeded"], ["map-01", "agent", "succeeded"], ["validate", "script", "succeeded"],
+    ["reduce", "agent", "succeeded"]]);
+  skill.assertCovered();
+});
