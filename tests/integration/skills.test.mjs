@@ -608,3 +608,214 @@ skillTest("demesne-corpus-map-reduce", async (skill) => {
     ["reduce", "agent", "succeeded"]]);
   skill.assertCovered();
 });
+
+skillTest("demesne-design-panel", async (skill) => {
+  const ctxDir = makeRepo("panel-context", { "README.md": "A queue service; today one process, in memory.\n" });
+  const designPlan = (x) => agentPlan(`panel-design-${x}`,
+    `test -f /workspace/PROBLEM.md && printf '# Summary\\nDesign ${x.toUpperCase()} for the queue.\\n## simplicity\\n## robustness\\n' > /out/DESIGN.md`);
+  // every judge prefers 2.md on simplicity and 3.md on robustness; judge-3 less so (the dissent)
+  const scores = (s2) => JSON.stringify({
+    "1.md": { simplicity: { score: 4, why: "." }, robustness: { score: 6, why: "." } },
+    "2.md": { simplicity: { score: s2, why: "." }, robustness: { score: 5, why: "." } },
+    "3.md": { simplicity: { score: 5, why: "." }, robustness: { score: 9, why: "." } },
+  });
+  const judgePlan = (n, s2) => agentPlan(`panel-judge-${n}`,
+    `ls /workspace/designs/1.md /workspace/designs/2.md /workspace/designs/3.md && printf '%s' '${scores(s2)}' > /out/scores.json && `
+    + "printf '# Objections\\n- 2.md: one node only\\n' > /out/NOTES.md");
+  const design = (x) => spawn(skill, "sandbox_agent", "design-a", { as: `design-${x}`, plan: designPlan(x) });
+  const judge = (n, model, s2) => spawn(skill, "sandbox_agent", "judge-1", { as: `judge-${n}`, plan: judgePlan(n, s2),
+    fill: { "a judge model, or leave model out": model } });
+  const r = await runSkill(skill, {
+    task: "Make the queue survive a restart. Criteria: simplicity (weight 2), robustness (weight 1).",
+    fill: { "absolute path of the repository, if any": ctxDir },
+    steps: [
+      sh("printf '# Problem\\nMake the queue survive a restart.\\nCriteria: simplicity (2), robustness (1).\\n' > /workspace/PROBLEM.md && "
+        + "printf '{\"simplicity\": 2, \"robustness\": 1}' > /workspace/weights.json"),
+      design("a"), design("b"), design("c"),
+      wait(skill, "design-a"), wait(skill, "design-b"), wait(skill, "design-c"),
+      sh("mkdir -p /workspace/designs && cp /out/child/design-c/DESIGN.md /workspace/designs/1.md && "
+        + "cp /out/child/design-a/DESIGN.md /workspace/designs/2.md && cp /out/child/design-b/DESIGN.md /workspace/designs/3.md && "
+        + "printf '{\"1.md\": \"design-c\", \"2.md\": \"design-a\", \"3.md\": \"design-b\"}' > /workspace/designs.key"),
+      judge(1, "sonnet", 9), judge(2, "haiku", 9), judge(3, "sonnet", 6),
+      wait(skill, "judge-1"), wait(skill, "judge-2"), wait(skill, "judge-3"),
+      spawn(skill, "sandbox_script", "tally"),
+      sh("mkdir -p /out/designs /out/scores && for x in a b c; do cp /out/child/design-$x/DESIGN.md /out/designs/design-$x.md; done && "
+        + "for n in 1 2 3; do cp /out/child/judge-$n/scores.json /out/scores/judge-$n.json; done && cp /out/child/tally/tally.json /out/ && "
+        + "node -e 'const fs=require(\"fs\");const t=JSON.parse(fs.readFileSync(\"/out/tally.json\"));const k=JSON.parse(fs.readFileSync(\"/workspace/designs.key\"));"
+        + "fs.writeFileSync(\"/out/DECISION.md\",`winner: ${k[t.winner]} (${t.winner})\\n\\n| design | weighted mean |\\n|---|---|\\n`"
+        + "+Object.entries(t.weighted_mean).map(([d,m])=>`| ${k[d]} | ${m.toFixed(2)} |`).join(\"\\n\")+\"\\n\\ndissent: judge-3 scores design-a lower on simplicity\\n\")'"),
+    ],
+  });
+  for (const x of ["a", "b", "c"]) assert.match(read(r.out, "designs", `design-${x}.md`), new RegExp(`Design ${x.toUpperCase()}`));
+  for (const n of [1, 2, 3]) assert.equal(readJson(r.out, "scores", `judge-${n}.json`)["3.md"].robustness.score, 9);
+  const tally = readJson(r.out, "tally.json");
+  assert.equal(tally.judges, 3);
+  assert.equal(tally.winner, "2.md");
+  assert.ok(Math.abs(tally.weighted_mean["2.md"] - 63 / 9) < 1e-9, JSON.stringify(tally));
+  assert.ok(Math.abs(tally.weighted_mean["3.md"] - 19 / 3) < 1e-9);
+  assert.ok(Math.abs(tally.weighted_mean["1.md"] - 14 / 3) < 1e-9);
+  assert.equal(firstLine(read(r.out, "DECISION.md")), "winner: design-a (2.md)");
+  assertTree(r, [..."abc"].map((x) => [`design-${x}`, "agent", "succeeded"]).concat(
+    [1, 2, 3].map((n) => [`judge-${n}`, "agent", "succeeded"]), [["tally", "script", "succeeded"]]));
+  assert.ok(readJson(r.out, "child/judge-2/usage.json").models["claude-haiku-4-5-20251001"], "judge-2 on its own model");
+  skill.assertCovered();
+});
+
+skillTest("demesne-appearance-review", async (skill) => {
+  const site = path.join(work, "inputs", "site");
+  mkdirSync(site, { recursive: true });
+  writeFileSync(path.join(site, "style.css"), "body{margin:0;font-family:sans-serif}header{background:#1d2b53;color:#fff;padding:24px}"
+    + ".box{height:400px;background:#ff004d}\n");
+  for (const [n, t] of [["index.html", "Home"], ["about.html", "About"]]) {
+    writeFileSync(path.join(site, n), `<!doctype html><html><head><link rel="stylesheet" href="style.css"></head>`
+      + `<body><header><h1>${t}</h1></header><div class="box"></div></body></html>\n`);
+  }
+  const lensPlan = (lens) => agentPlan(`appearance-${lens}`,
+    `test $(ls /in/previous-jobs/shots/shots/*.png | wc -l) = 6 && printf -- '- medium | index_html-phone.png | ${lens}: the header crowds the title | add padding\\n' > /out/FINDINGS.md`);
+  const lens = (name) => spawn(skill, "sandbox_agent", "lens-layout", { as: `lens-${name}`, plan: lensPlan(name) });
+  const r = await runSkill(skill, {
+    task: "Review index.html and about.html, the two pages of a small company site.",
+    fill: { "absolute path of the folder with the pages": site },
+    steps: [
+      sh("printf 'index.html\\nabout.html\\n' > /workspace/pages.txt"),
+      spawn(skill, "sandbox_script", "shots", { fill: { folder: "site" } }),
+      lens("layout"), lens("type"), lens("access"),
+      wait(skill, "lens-layout"), wait(skill, "lens-type"), wait(skill, "lens-access"),
+      sh("mkdir -p /out/shots /out/findings && cp /out/child/shots/shots/*.png /out/shots/ && "
+        + "for l in layout type access; do cp /out/child/lens-$l/FINDINGS.md /out/findings/$l.md; done && "
+        + "{ echo '# Appearance review'; echo; echo \"render problems: $(grep -c failed /out/child/shots/render.jsonl)\"; echo; "
+        + "cat /out/findings/*.md | sort | sed 's/| \\([^ ]*\\.png\\) |/| [\\1](shots\\/\\1) |/'; } > /out/REVIEW.md"),
+    ],
+  });
+  const widths = { phone: 390, tablet: 768, desktop: 1440 };
+  const shots = readdirSync(path.join(r.out, "shots")).sort();
+  assert.deepEqual(shots, ["about_html-desktop.png", "about_html-phone.png", "about_html-tablet.png",
+    "index_html-desktop.png", "index_html-phone.png", "index_html-tablet.png"]);
+  for (const f of shots) {
+    const file = path.join(r.out, "shots", f);
+    assert.ok(isPng(file), `${f} is a PNG`);
+    assert.equal(pngWidth(file), widths[f.match(/-(\w+)\.png$/)[1]], `${f} is as wide as its viewport`);
+  }
+  const renders = read(r.out, "child/shots/render.jsonl").trim().split("\n").map((l) => JSON.parse(l));
+  assert.equal(renders.length, 6);
+  for (const x of renders) assert.deepEqual(x.console_errors, [], JSON.stringify(x));
+  for (const l of ["layout", "type", "access"]) {
+    assert.match(read(r.out, "findings", `${l}.md`), /^- medium \| index_html-phone\.png \| /);
+  }
+  const review = read(r.out, "REVIEW.md");
+  assert.match(review, /render problems: 0/);
+  assert.equal(review.match(/\[index_html-phone\.png\]\(shots\/index_html-phone\.png\)/g).length, 3);
+  assertTree(r, [["shots", "script", "succeeded"], ["lens-layout", "agent", "succeeded"], ["lens-type", "agent", "succeeded"],
+    ["lens-access", "agent", "succeeded"]]);
+  skill.assertCovered();
+});
+
+skillTest("demesne-web-game", async (skill) => {
+  const keys = "ArrowRight:300,Space";
+  const dev = agentPlan("game-dev",
+    "cd /workspace/game && sed -i 's/Phaser 4 template: arrow keys move, Space recolours/Dodge: arrow keys move/; s/0.4 \\* delta/0.5 * delta/' "
+    + "src/scenes/MainScene.ts && grep -q Dodge src/scenes/MainScene.ts && "
+    + "printf 'Arrow keys move the square; Space recolours it.\\n__GAME_INFO__: scene, player {x, y}, presses\\n' > /out/NOTES.md");
+  const playA = agentPlan("game-playtest-a",
+    "grep -q '\"ready\": *true' /in/previous-jobs/build-1/report.json && ls /in/previous-jobs/build-1/playtest/*.png && "
+    + "printf 'verdict: fail\\n- ArrowRight:300: the square is hard to see; make it larger\\n' > /out/PLAYTEST.md");
+  const playB = agentPlan("game-playtest-b", "printf 'verdict: pass\\n' > /out/PLAYTEST.md");
+  const fix = agentPlan("game-fix",
+    "cd /workspace/game && sed -i 's/rectangle(400, 300, 64, 64/rectangle(400, 300, 96, 96/' src/scenes/MainScene.ts && "
+    + "grep -q '96, 96' src/scenes/MainScene.ts && printf -- '- the square is hard to see: 96 px instead of 64\\n' > /out/FIXES.md");
+  const r = await runSkill(skill, {
+    task: `A square dodging game. Controls: arrow keys move, Space recolours. A playtest must show the square moving right when ArrowRight is held (${keys}).`,
+    steps: [
+      sh(`printf '# Brief\\nA square dodging game.\\nKeys: ${keys}\\n' > /workspace/BRIEF.md`),
+      spawn(skill, "sandbox_script", "template"),
+      spawn(skill, "sandbox_agent", "dev", { plan: dev }),
+      spawn(skill, "sandbox_script", "build-1", { fill: { "key steps from BRIEF.md": keys } }),
+      spawn(skill, "sandbox_agent", "playtest-a", { plan: playA }),
+      spawn(skill, "sandbox_agent", "playtest-a", { as: "playtest-b", plan: playB }),
+      wait(skill, "playtest-a"), wait(skill, "playtest-b"),
+      spawn(skill, "sandbox_agent", "fix", { plan: fix }),
+      spawn(skill, "sandbox_script", "build-1", { as: "build-2", fill: { "key steps from BRIEF.md": keys } }),
+      sh("mkdir -p /out/game /out/playtest && cp -r /workspace/game/dist/. /out/game/ && cp -r /out/child/build-2/playtest/. /out/playtest/ && "
+        + "cp /out/child/build-2/report.json /out/playtest/report.json && cp /out/child/playtest-a/PLAYTEST.md /out/PLAYTEST-A.md && "
+        + "cp /out/child/playtest-b/PLAYTEST.md /out/PLAYTEST-B.md && cp /out/child/fix/FIXES.md /out/FIXES.md && "
+        + "{ cat /workspace/BRIEF.md; cat /out/child/dev/NOTES.md; for b in build-1 build-2; do echo \"$b: built, $(grep -o '\"ready\": *[a-z]*' /out/child/$b/report.json)\"; done; "
+        + "head -1 /out/PLAYTEST-A.md /out/PLAYTEST-B.md; cat /out/FIXES.md; } > /out/REPORT.md"),
+    ],
+  });
+  assert.match(read(r.out, "game/index.html"), /<script/);
+  assert.ok(readdirSync(path.join(r.out, "game", "assets")).some((f) => f.endsWith(".js")), "the built game's bundle");
+  const bundle = readdirSync(path.join(r.out, "game", "assets")).filter((f) => f.endsWith(".js"))
+    .map((f) => read(r.out, "game", "assets", f)).join("");
+  assert.match(bundle, /Dodge: arrow keys move/, "the developer's change is in the build");
+  const report = readJson(r.out, "playtest", "report.json");
+  assert.equal(report.ready, true);
+  assert.deepEqual(report.console_errors, []);
+  assert.deepEqual(report.page_errors, []);
+  assert.equal(report.screenshots.length, 3, "a screenshot when ready and after each of the two key steps");
+  for (const s of report.screenshots) assert.ok(isPng(path.join(r.out, "playtest", path.basename(s.file))), s.file);
+  assert.ok(report.screenshots[1].info.player.x > 400, `ArrowRight moved the square: ${JSON.stringify(report.screenshots[1].info)}`);
+  assert.equal(firstLine(read(r.out, "PLAYTEST-A.md")), "verdict: fail");
+  assert.equal(firstLine(read(r.out, "PLAYTEST-B.md")), "verdict: pass");
+  assert.match(read(r.out, "FIXES.md"), /96 px/);
+  assert.match(read(r.out, "REPORT.md"), /build-2: built, "ready": ?true/);
+  assertTree(r, [["template", "script", "succeeded"], ["dev", "agent", "succeeded"], ["build-1", "script", "succeeded"],
+    ["playtest-a", "agent", "succeeded"], ["playtest-b", "agent", "succeeded"], ["fix", "agent", "succeeded"],
+    ["build-2", "script", "succeeded"]]);
+  skill.assertCovered();
+});
+
+skillTest("demesne-research-brief", async (skill) => {
+  const claimsOf = (n) => JSON.stringify([
+    { claim: `Fact ${n}a.`, source: `https://example.invalid/${n}a`, quote: `fact ${n}a`, date: "2026-01-01" },
+    { claim: `Fact ${n}b.`, source: `https://example.invalid/${n}b`, quote: `fact ${n}b`, date: "2026-02-01" },
+  ]);
+  const researcher = (n) => agentPlan(`research-${n}`,
+    `test ! -e /in/previous-jobs && printf '%s' '${claimsOf(n)}' > /out/claims.json && printf 'searched: sub-question ${n}\\n' > /out/NOTES.md`);
+  const verifier = agentPlan("research-verify",
+    "printf '[{\"id\": \"c1\", \"verdict\": \"supported\", \"note\": \"quoted\"}, {\"id\": \"c2\", \"verdict\": \"unsupported\", \"note\": \"not in the page\"}, "
+    + "{\"id\": \"c3\", \"verdict\": \"supported\", \"note\": \"quoted\"}, {\"id\": \"c4\", \"verdict\": \"unreachable\", \"note\": \"timeout\"}]' > /out/verdicts.json");
+  const writer = agentPlan("research-write",
+    "node -e 'const fs=require(\"fs\");const c=JSON.parse(fs.readFileSync(\"/workspace/claims.json\"));"
+    + "const v=Object.fromEntries(JSON.parse(fs.readFileSync(\"/in/previous-jobs/verify/verdicts.json\")).map(x=>[x.id,x.verdict]));"
+    + "const ok=c.filter(x=>v[x.id]===\"supported\");"
+    + "fs.writeFileSync(\"/out/BRIEF.md\",`# Brief\\n\\n${ok.map((x,i)=>`${x.claim} [${i+1}]`).join(\"\\n\")}\\n\\n## Sources\\n${ok.map((x,i)=>`${i+1}. ${x.source}`).join(\"\\n\")}\\n`)'");
+  const research = (n, q) => spawn(skill, "sandbox_research", "research-1", { as: `research-${n}`, plan: researcher(n),
+    fill: { "sub-question 1, with the scope": q } });
+  const r = await runSkill(skill, {
+    task: "What changed in the queueing standards in 2026? Scope: 2026 only.",
+    steps: [
+      sh("printf '1. What changed in standard A?\\n2. What changed in standard B?\\n' > /workspace/QUESTIONS.md"),
+      research(1, "What changed in standard A in 2026"), research(2, "What changed in standard B in 2026"),
+      wait(skill, "research-1"), wait(skill, "research-2"),
+      sh("node -e 'const fs=require(\"fs\");let n=0;const all=[];for(const k of [1,2])for(const c of JSON.parse(fs.readFileSync(`/out/child/research-${k}/claims.json`)))"
+        + "all.push({id:`c${++n}`,subquestion:k,...c});fs.writeFileSync(\"/workspace/claims.json\",JSON.stringify(all))' && cat /workspace/claims.json"),
+      spawn(skill, "sandbox_research", "verify", { plan: verifier, fill: { "the contents of /workspace/claims.json": (c) => c.last.trim() } }),
+      spawn(skill, "sandbox_agent", "write", { plan: writer }),
+      sh("mkdir -p /out/notes && cp /out/child/write/BRIEF.md /out/ && for k in 1 2; do cp /out/child/research-$k/NOTES.md /out/notes/research-$k.md; done && "
+        + "node -e 'const fs=require(\"fs\");const c=JSON.parse(fs.readFileSync(\"/workspace/claims.json\"));"
+        + "const v=Object.fromEntries(JSON.parse(fs.readFileSync(\"/out/child/verify/verdicts.json\")).map(x=>[x.id,x]));"
+        + "const all=c.map(x=>({...x,verdict:v[x.id].verdict}));fs.writeFileSync(\"/out/claims.json\",JSON.stringify(all,null,1));"
+        + "const by={};for(const x of all)(by[x.source]=by[x.source]||[]).push(x.id);"
+        + "fs.writeFileSync(\"/out/sources.json\",JSON.stringify(Object.entries(by).map(([url,claims])=>({url,claims}))));"
+        + "const n=k=>all.filter(x=>x.verdict===k).length;"
+        + "fs.writeFileSync(\"/out/VERIFICATION.md\",`supported: ${n(\"supported\")}\\nunsupported: ${n(\"unsupported\")}\\nunreachable: ${n(\"unreachable\")}\\n`"
+        + "+all.filter(x=>x.verdict===\"unsupported\").map(x=>`- ${x.id}: ${x.claim} (${v[x.id].note})`).join(\"\\n\")+\"\\n\")'"),
+    ],
+  });
+  const brief = read(r.out, "BRIEF.md");
+  assert.match(brief, /Fact 1a\. \[1\]\nFact 2a\. \[2\]/, "only the supported claims, cited");
+  assert.doesNotMatch(brief, /Fact 1b|Fact 2b/);
+  assert.match(brief, /## Sources\n1\. https:\/\/example\.invalid\/1a\n2\. https:\/\/example\.invalid\/2a/);
+  const claims = readJson(r.out, "claims.json");
+  assert.deepEqual(claims.map((c) => [c.id, c.subquestion, c.verdict]),
+    [["c1", 1, "supported"], ["c2", 1, "unsupported"], ["c3", 2, "supported"], ["c4", 2, "unreachable"]]);
+  assert.equal(readJson(r.out, "sources.json").length, 4);
+  assert.match(read(r.out, "VERIFICATION.md"), /^supported: 2\nunsupported: 1\nunreachable: 1\n- c2: Fact 1b\./);
+  for (const k of [1, 2]) assert.match(read(r.out, "notes", `research-${k}.md`), new RegExp(`sub-question ${k}`));
+  // research children get nothing of the parent: the verifier's claims came in its prompt
+  const verifyCall = r.plan.taken.find((t) => t.args?.name === "verify");
+  assert.match(verifyCall.args.prompt, /Claims: \[\{"id":"c1"/);
+  assertTree(r, [["research-1", "research", "succeeded"], ["research-2", "research", "succeeded"],
+    ["verify", "research", "succeeded"], ["write", "agent", "succeeded"]]);
+  skill.assertCovered();
+});
