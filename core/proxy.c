@@ -280,6 +280,7 @@ static const char *status_text(int status) {
   case 414: return "URI Too Long";
   case 431: return "Request Header Fields Too Large";
   case 501: return "Not Implemented";
+  case 505: return "HTTP Version Not Supported";
   case 502: return "Bad Gateway";
   case 503: return "Service Unavailable";
   case 504: return "Gateway Timeout";

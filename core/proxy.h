@@ -87,7 +87,7 @@ typedef struct dm_proxy_head {
   size_t len;         ///< bytes in buf
   size_t head_len;    ///< bytes of the head once complete (what follows is body or tunnel)
   int state;          ///< 0 reading, 1 complete, -1 refused
-  int status;         ///< HTTP status for a refusal (400, 405, 414, 431, 501)
+  int status;         ///< HTTP status for a refusal (400, 405, 414, 431, 501, 505)
   const char *why;    ///< static text for a refusal
   dm_proxy_request req;
   dm_proxy_span hdr[DM_PROXY_HEADERS_MAX];

@@ -243,19 +243,35 @@ typedef struct {
   int hstate; /* 0 none, 1 in a field, 2 in a value */
 } parser_box;
 
+/* A span is kept as one (offset, length) in the buffer, so each piece llhttp reports must
+ * continue the one before. Pieces of a read that was split do; a gap means llhttp skipped
+ * bytes inside the span, which it does for obsolete line folding ("X: a\r\n b" gives "a"
+ * and " b"): refused (RFC 9112 section 5.2 allows a 400), as the span would otherwise take in
+ * the CRLF and cut the value, and the rewrite would end the head early upstream. */
+static int continues(dm_proxy_head *h, size_t off, size_t len, const char *at) {
+  if (at == h->buf + off + len) return 1;
+  h->status = 400;
+  h->why = "obsolete line folding (obs-fold) is not accepted";
+  return 0;
+}
+
 static int span_method(llhttp_t *p, const char *at, size_t len) {
   parser_box *b = (parser_box *)p;
+  dm_proxy_head *h = b->h;
   if (b->headers_done) return 0;
-  if (!b->h->method_len) b->h->method_off = (size_t)(at - b->h->buf);
-  b->h->method_len += len;
+  if (!h->method_len) h->method_off = (size_t)(at - h->buf);
+  else if (!continues(h, h->method_off, h->method_len, at)) return -1;
+  h->method_len += len;
   return 0;
 }
 
 static int span_url(llhttp_t *p, const char *at, size_t len) {
   parser_box *b = (parser_box *)p;
+  dm_proxy_head *h = b->h;
   if (b->headers_done) return 0;
-  if (!b->h->url_len) b->h->url_off = (size_t)(at - b->h->buf);
-  b->h->url_len += len;
+  if (!h->url_len) h->url_off = (size_t)(at - h->buf);
+  else if (!continues(h, h->url_off, h->url_len, at)) return -1;
+  h->url_len += len;
   return 0;
 }
 
@@ -276,6 +292,8 @@ static int span_field(llhttp_t *p, const char *at, size_t len) {
     s->value_off = s->name_off;
     s->value_len = 0;
     b->hstate = 1;
+  } else if (!continues(h, h->hdr[h->nhdr].name_off, h->hdr[h->nhdr].name_len, at)) {
+    return -1;
   }
   h->hdr[h->nhdr].name_len += (uint32_t)len;
   return 0;
@@ -290,6 +308,8 @@ static int span_value(llhttp_t *p, const char *at, size_t len) {
     s->value_off = (uint32_t)(at - h->buf);
     s->value_len = 0;
     b->hstate = 2;
+  } else if (!continues(h, s->value_off, s->value_len, at)) {
+    return -1;
   }
   s->value_len += (uint32_t)len;
   return 0;
@@ -372,6 +392,10 @@ static int build_request(dm_proxy_head *h) {
   r->method[h->method_len] = '\0';
   r->http_major = b->p.http_major;
   r->http_minor = b->p.http_minor;
+  /* llhttp also takes a request line without a version (HTTP/0.9) and versions such as
+   * HTTP/2.0, headers and all; forwarded as they came, servers would read them each their
+   * own way. Only what this proxy speaks goes on. */
+  if (r->http_major != 1 || r->http_minor > 1) return refuse(h, 505, "only HTTP/1.0 and HTTP/1.1 are proxied");
   const char *url = h->buf + h->url_off;
   size_t ulen = h->url_len;
   const char *host_val = NULL;

@@ -26,6 +26,14 @@ local TRANSCRIPT_MAX = 8 * 1024 * 1024
 
 local function fail(msg) sandbox.fail(msg) end
 
+-- A reset time (epoch seconds) read from a transcript the agent wrote, or nil unless it is a
+-- number from 0 to 2^33 (the year 2242): os.date and "%d" take nothing larger, and a
+-- transcript is written inside the sandbox.
+local function epoch_seconds(v)
+  if type(v) == "number" and v >= 0 and v < 2 ^ 33 then return v end
+  return nil
+end
+
 --- The `model` parameter's schema: an enum of the models that can be used now (when any).
 function agent.model_schema()
   local models = providers.available_models()
@@ -209,10 +217,9 @@ function agent.decide(provider, output_dir, route, info, resumable)
       return stop("the CLI named no session to resume")
     end
     if rate.used >= rate.budget then return stop(("retry budget of %d exhausted"):format(rate.budget)) end
-    local reset_at = rate.reset_at
-    if type(details.resets_at) == "number" and (not reset_at or details.resets_at > reset_at) then
-      reset_at = details.resets_at
-    end
+    local reset_at = epoch_seconds(rate.reset_at)
+    local said = epoch_seconds(details.resets_at)
+    if said and (not reset_at or said > reset_at) then reset_at = said end
     if type(reset_at) ~= "number" then return stop("no reset time in the answer") end
     local wait = math.max(1, reset_at - now + 1)
     local max = tonumber(config.get("agent_rate_limit_max_wait_seconds")) or 3600
@@ -324,7 +331,8 @@ function agent.rate_reason(rate)
   end
   why = why or "the CLI gave up"
   local at = ""
-  if type(rate.reset_at) == "number" then at = os.date("!(reset at %Y-%m-%dT%H:%M:%SZ)", math.floor(rate.reset_at)) end
+  local reset_at = epoch_seconds(rate.reset_at)
+  if reset_at then at = os.date("!(reset at %Y-%m-%dT%H:%M:%SZ)", math.floor(reset_at)) end
   return ("rate limited by the vendor; %s%s"):format(why, at ~= "" and (" " .. at) or "")
 end
 

@@ -1,5 +1,7 @@
 -- Bootstrap: installs the module searcher for the demesne runtime, then hands the command
 -- line to demesne.cli. Runs with argv as its only argument and returns the exit status.
+-- Run with no argv (nil), as an embedder such as the fuzz harnesses (tests/fuzz) does, it
+-- installs the searcher and returns nil without running a command.
 --
 -- Module names map to files: "demesne.async" -> lua/async.lua,
 -- "demesne.mcp.server" -> lua/mcp/server.lua, "demesne.engines" -> lua/engines/init.lua.
@@ -9,7 +11,7 @@ local argv = ...
 local loop = require("core.loop")
 
 local source_dir = os.getenv("DEMESNE_SOURCE_DIR")
-if argv[1] == "--source-dir" and argv[2] then
+if argv and argv[1] == "--source-dir" and argv[2] then
   source_dir = argv[2]
   table.remove(argv, 1)
   table.remove(argv, 1)
@@ -110,4 +112,5 @@ package.loaded["demesne.runtime"] = {
   source_dir = source_dir,
 }
 
+if argv == nil then return nil end
 return require("demesne.cli").main(argv)

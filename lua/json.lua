@@ -1,6 +1,7 @@
 -- JSON, decided once: lua-cjson underneath; JSON null is json.null; an empty Lua table
 -- encodes as {} unless marked with json.array(), which encodes as [] even when empty.
 local cjson = require("core.json")
+local loop = require("core.loop")
 
 local json = {}
 
@@ -8,7 +9,6 @@ local json = {}
 json.null = cjson.null
 
 local array_mt = { __name = "json.array" }
-local EMPTY = "\0demesne-empty-array\0"
 local raw_mt = { __name = "json.raw", __tostring = function(r) return r.token end }
 
 cjson.encode_sparse_array(false, 2, 10)
@@ -35,18 +35,57 @@ function json.raw(token, value) return setmetatable({ token = token, value = val
 --- True for a value made by json.raw.
 function json.is_raw(v) return getmetatable(v) == raw_mt end
 
-local function prepare(v, depth, raws)
+-- lua-cjson writes a number with at most 14 significant digits (%.14g; 2.1.0 allows no
+-- more), so 123456789012345 went out as 1.2345678901234e+14: a JSON-RPC id of 15 digits or
+-- more came back as another id, and big counts lost their last digits. A number that does
+-- not survive %.14g is written here instead: an integer exactly, any other number with the
+-- fewest digits (15 to 17) that give back the same double.
+
+local function precise(x)
+  if math.type(x) == "integer" then
+    if x > -1e14 and x < 1e14 then return nil end
+    return ("%d"):format(x)
+  end
+  if x ~= x or x == math.huge or x == -math.huge then return nil end -- cjson refuses these
+  if tonumber(("%.14g"):format(x)) == x then return nil end
+  local i = math.tointeger(x)
+  if i and i >= -(1 << 53) and i <= (1 << 53) then return ("%d"):format(i) end
+  for _, f in ipairs({ "%.15g", "%.16g" }) do
+    local text = f:format(x)
+    if tonumber(text) == x then return text end
+  end
+  return ("%.17g"):format(x)
+end
+
+-- What cjson cannot write itself (an empty json.array, a json.raw token, a number that
+-- %.14g would change) travels through cjson.encode as a marker string and is put back in
+-- the text afterwards. The markers carry a per-process random tag, so no string a sandbox
+-- or a client writes can pass for one.
+local NONCE = loop.random(8):gsub(".", function(c) return ("%02x"):format(c:byte()) end)
+local TAG = "\0demesne-" .. NONCE .. "-"
+local EMPTY = TAG .. "e\0"
+local MARKER = '"\\u0000demesne%-' .. NONCE .. '%-(%w+)\\u0000"'
+
+-- Returns v with the values above replaced by markers (a copy where anything changed), and
+-- whether anything did. `subs` collects the text each numbered marker stands for.
+local function prepare(v, depth, subs)
+  if type(v) == "number" then
+    local text = precise(v)
+    if not text then return v, false end
+    subs[#subs + 1] = text
+    return TAG .. #subs .. "\0", true
+  end
   if type(v) ~= "table" or depth > 200 then return v, false end
   local mt = getmetatable(v)
   if mt == array_mt and next(v) == nil then return EMPTY, true end
   if mt == raw_mt then
-    raws[#raws + 1] = v.token
-    return "\0demesne-raw-" .. #raws .. "\0", true
+    subs[#subs + 1] = v.token
+    return TAG .. #subs .. "\0", true
   end
   local changed = false
   local copy = {}
   for k, x in pairs(v) do
-    local nx, c = prepare(x, depth + 1, raws)
+    local nx, c = prepare(x, depth + 1, subs)
     copy[k] = nx
     changed = changed or c
   end
@@ -55,18 +94,20 @@ local function prepare(v, depth, raws)
 end
 
 --- Encodes a Lua value as compact JSON (no newlines: safe for newline-delimited framing).
---- Raises on values JSON cannot hold (functions, sparse arrays, NaN).
+--- Numbers keep every digit (integers exactly; others with the fewest significant digits,
+--- up to 17, that read back as the same double). Raises on values JSON cannot hold (functions,
+--- sparse arrays, NaN).
 ---@param v any
 ---@return string
 function json.encode(v)
-  local raws = {}
-  local p, changed = prepare(v, 0, raws)
+  local subs = {}
+  local p, changed = prepare(v, 0, subs)
   local s = cjson.encode(p)
   if changed then
-    s = s:gsub('"\\u0000demesne%-empty%-array\\u0000"', "[]")
-    if #raws > 0 then
-      s = s:gsub('"\\u0000demesne%-raw%-(%d+)\\u0000"', function(i) return raws[tonumber(i)] end)
-    end
+    s = s:gsub(MARKER, function(k)
+      if k == "e" then return "[]" end
+      return subs[tonumber(k)]
+    end)
   end
   return s
 end

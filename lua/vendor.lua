@@ -85,13 +85,66 @@ function vendor.parse_head(text)
   return { method = method, target = target, version = version, headers = headers }
 end
 
+-- One read of a chunked body: takes what `buf` holds (the bytes held over, then the new
+-- ones), appends the chunks' data to `got` and returns "more", "done" or "error" (r.why
+-- set). A chunk's data is taken as it arrives; only an unfinished size line (up to 1 KiB)
+-- or trailer (up to MAX_HEAD) is held over in r.buf to the next read.
+local function chunked_read(r, buf, got)
+  local pos, n = 1, #buf
+  local function hold(limit, why)
+    r.buf = buf:sub(pos)
+    if #r.buf > limit then r.why = why return "error" end
+    return "more"
+  end
+  while true do
+    if r.state == "size" then
+      local s, e, hex = buf:find("^([0-9a-fA-F]+)[^\r\n]*\r\n", pos)
+      if not s then return hold(1024, "bad chunk size") end
+      hex = hex:match("^0*(.*)$")
+      -- 12 hex digits are far above MAX_BODY; longer ones would wrap around in tonumber
+      local len = #hex <= 12 and tonumber(hex ~= "" and hex or "0", 16) or math.huge
+      if r.size + len > MAX_BODY then r.why = "request body too large" return "error" end
+      r.left = len
+      pos = e + 1
+      r.state = len == 0 and "trailer" or "data"
+    elseif r.state == "data" then
+      local take = math.min(r.left, n - pos + 1)
+      if take > 0 then
+        got[#got + 1] = buf:sub(pos, pos + take - 1)
+        r.size = r.size + take
+        r.left = r.left - take
+        pos = pos + take
+      end
+      if r.left > 0 then r.buf = "" return "more" end
+      r.state = "crlf"
+    elseif r.state == "crlf" then -- the CRLF that ends a chunk's data
+      if n - pos + 1 < 2 then return hold(1, "bad chunk framing") end
+      if buf:sub(pos, pos + 1) ~= "\r\n" then r.why = "bad chunk framing" return "error" end
+      pos = pos + 2
+      r.state = "size"
+    else -- trailer: lines until an empty one, MAX_HEAD bytes in all
+      local s, e = buf:find("\r\n", pos, true)
+      if not s then return hold(MAX_HEAD - r.trailer, "trailer too large") end
+      r.trailer = r.trailer + (e - pos + 1)
+      if r.trailer > MAX_HEAD then r.why = "trailer too large" return "error" end
+      local empty = s == pos
+      pos = e + 1
+      if empty then
+        r.buf = ""
+        return "done"
+      end
+    end
+  end
+end
+
 -- A body reader fed with bytes: returns "more", "done" or "error" and sets r.body / r.why.
+-- Its cost is linear in the bytes fed, however a sandbox splits them and sizes its chunks.
 local function body_reader(headers)
   local te = headers["transfer-encoding"]
   local r = { buf = "", parts = {}, size = 0 }
   if te then
     if te:lower():match("^%s*chunked%s*$") == nil then return nil, 501, "unsupported transfer-encoding" end
-    r.chunked, r.state = true, "size"
+    r.chunked, r.state, r.trailer = true, "size", 0
   else
     local cl = headers["content-length"]
     if cl and not cl:match("^%d+$") then return nil, 400, "bad Content-Length" end
@@ -108,35 +161,12 @@ local function body_reader(headers)
       end
       return "more"
     end
-    self.buf = self.buf .. data
-    while true do
-      if self.state == "size" then
-        local s, e, hex = self.buf:find("^([0-9a-fA-F]+)[^\r\n]*\r\n")
-        if not s then
-          if #self.buf > 1024 then self.why = "bad chunk size" return "error" end
-          return "more"
-        end
-        self.chunk = tonumber(hex, 16)
-        self.buf = self.buf:sub(e + 1)
-        if self.chunk == 0 then self.state = "trailer" else self.state = "data" end
-      elseif self.state == "data" then
-        if #self.buf < self.chunk + 2 then return "more" end
-        self.parts[#self.parts + 1] = self.buf:sub(1, self.chunk)
-        self.size = self.size + self.chunk
-        if self.size > MAX_BODY then self.why = "request body too large" return "error" end
-        self.buf = self.buf:sub(self.chunk + 3)
-        self.state = "size"
-      else -- trailer: lines until an empty one
-        local s, e = self.buf:find("\r\n", 1, true)
-        if not s then return "more" end
-        local line = self.buf:sub(1, s - 1)
-        self.buf = self.buf:sub(e + 1)
-        if line == "" then
-          self.body = table.concat(self.parts)
-          return "done"
-        end
-      end
-    end
+    -- one part per read, not per chunk: tiny chunks must not cost a table slot each
+    local got = {}
+    local st = chunked_read(self, self.buf .. data, got)
+    if #got > 0 then self.parts[#self.parts + 1] = table.concat(got) end
+    if st == "done" then self.body = table.concat(self.parts) end
+    return st
   end
   return r
 end
@@ -178,8 +208,19 @@ end
 
 local MONTHS = { jan = 1, feb = 2, mar = 3, apr = 4, may = 5, jun = 6, jul = 7, aug = 8, sep = 9, oct = 10, nov = 11, dec = 12 }
 
+-- The longest wait a reset can name: a later one (1e300 s, or 400 digits read as infinity)
+-- is taken as this far away. Waits are printed as integers, which such numbers are not.
+local RESET_MAX = 2 ^ 31 -- seconds, 68 years
+
+-- A wait in seconds from 0 to RESET_MAX, or nil for NaN.
+local function bounded_wait(w)
+  if w == nil or w ~= w then return nil end
+  return math.max(0, math.min(w, RESET_MAX))
+end
+
 --- Seconds until a reset from one header value: an RFC 3339 time, an HTTP date, delta
---- seconds, or an OpenAI-style duration ("1m30s", "250ms"). nil when unreadable.
+--- seconds, or an OpenAI-style duration ("1m30s", "250ms"). nil when unreadable; may be
+--- huge (infinite for 400 digits): reset_wait and body_reset bound it.
 function vendor.parse_reset(value, now)
   if type(value) ~= "string" then return nil end
   value = value:match("^%s*(.-)%s*$")
@@ -210,12 +251,12 @@ end
 
 --- Seconds to wait before a rate-limited request may be sent again, from a 429's headers
 --- (retry-after first, else the latest anthropic-ratelimit-*-reset / x-ratelimit-reset-*).
---- nil when no header names a reset.
+--- nil when no header names a reset; at most 2^31.
 function vendor.reset_wait(headers, now)
   headers = headers or {}
   now = now or loop.time()
   local ra = vendor.parse_reset(headers["retry-after"], now)
-  if ra then return math.max(0, ra) end
+  if ra then return bounded_wait(ra) end
   local best
   for k, v in pairs(headers) do
     if type(k) == "string" and (k:match("^anthropic%-ratelimit%-.+%-reset$") or k:match("^x%-ratelimit%-reset")) then
@@ -223,13 +264,13 @@ function vendor.reset_wait(headers, now)
       if w and (not best or w > best) then best = w end
     end
   end
-  return best and math.max(0, best) or nil
+  return bounded_wait(best)
 end
 
 --- Seconds until a reset named in a 429's JSON body, or nil. Reads `resets_at` (epoch
 --- seconds, or an RFC 3339 time) and `resets_in_seconds`, under `error` or at the top level:
 --- the shape of OpenAI's `usage_limit_reached` answer to a ChatGPT-plan login, which has no
---- reset header.
+--- reset header. At most 2^31.
 ---@param body string|nil
 ---@param now number  epoch seconds
 ---@return number|nil
@@ -239,15 +280,15 @@ function vendor.body_reset(body, now)
   if not ok or type(v) ~= "table" then return nil end
   for _, t in ipairs({ type(v.error) == "table" and v.error or {}, v }) do
     local at = t.resets_at
-    if type(at) == "number" and at > 0 then return math.max(0, at - now) end
+    if type(at) == "number" and at > 0 then return bounded_wait(at - now) end
     if type(at) == "string" then
       local w = vendor.parse_reset(at, now)
-      if w and not at:match("^%s*%d+%.?%d*%s*$") then return math.max(0, w) end
+      if w and not at:match("^%s*%d+%.?%d*%s*$") then return bounded_wait(w) end
       local n = tonumber(at)
-      if n and n > 0 then return math.max(0, n - now) end
+      if n and n > 0 then return bounded_wait(n - now) end
     end
     local inn = tonumber(t.resets_in_seconds)
-    if inn and inn >= 0 then return inn end
+    if inn and inn >= 0 then return bounded_wait(inn) end
   end
   return nil
 end
@@ -504,7 +545,7 @@ function Route:accept(conn)
   end
   self.conns[conn] = true
   self.nconns = self.nconns + 1
-  local state = { buf = "", started = loop.hrtime() }
+  local state = { started = loop.hrtime() }
   local done = false
   -- the request (head and body) must arrive within HEAD_TIMEOUT_MS
   local deadline = timer.after(HEAD_TIMEOUT_MS, function()
@@ -529,19 +570,28 @@ function Route:accept(conn)
       return finish()
     end
     if not state.req then
-      state.buf = state.buf .. data
-      local s, e = state.buf:find("\r?\n\r?\n")
+      -- the head's pieces are kept apart and only the new bytes, with the three before them,
+      -- are searched for its end: a head trickled in one byte per read costs linear time
+      local held = state.held or 0
+      local tail = state.tail or ""
+      local s, e = (tail .. data):find("\r?\n\r?\n")
       if not s then
-        if #state.buf > MAX_HEAD then
+        state.parts = state.parts or {}
+        state.parts[#state.parts + 1] = data
+        state.held = held + #data
+        state.tail = (tail .. data):sub(-3)
+        if state.held > MAX_HEAD then
           conn:read_stop()
           reply(conn, 431, error_body(self.provider, 431, "request head too large"))
           return finish()
         end
         return
       end
-      local req, status, why = vendor.parse_head(state.buf:sub(1, s - 1))
-      local rest = state.buf:sub(e + 1)
-      state.buf = ""
+      local whole = table.concat(state.parts or {}) .. data
+      s, e = s + held - #tail, e + held - #tail
+      state.parts, state.held, state.tail = nil, nil, nil
+      local req, status, why = vendor.parse_head(whole:sub(1, s - 1))
+      local rest = whole:sub(e + 1)
       if not req then
         conn:read_stop()
         reply(conn, status, error_body(self.provider, status, why))

@@ -57,23 +57,83 @@ struct relay_route {
 };
 #define INIT_RELAY_MAX 8 // routes per demesne-init (proxy, vendor API, MCP, ...)
 
-/// Adds the route of a "--relay PORT=PATH" option (PATH absolute, shorter than a
-/// sockaddr_un path). Returns 0, or -1 (reported) for a malformed spec or too many routes.
-int relay_parse(const char *spec);
-
 /// Binds every route's listening socket, then forks the relay process that serves them
-/// (it dies with its parent: PR_SET_PDEATHSIG). Returns its pid, 0 when there is no route,
+/// (it dies with its parent: PR_SET_PDEATHSIG). `routes` (n <= INIT_RELAY_MAX) must stay
+/// valid in the child (they point into argv). Returns its pid, 0 when there is no route,
 /// or -1 when nothing could be started (reported; the sandbox then has no relay).
-pid_t relay_start(void);
+pid_t relay_start(const struct relay_route *routes, size_t n);
+
+// ---- parse.c: the pure parsers (no I/O but diag() for usage errors, no global state) ----
+
+/// Matches "--name VALUE" or "--name=VALUE" at argv[*i]. Returns 1 (*value set, *i moved
+/// past the value), 0 (argv[*i] is something else) or -1 (value missing; reported).
+int opt_value(int argc, char **argv, int *i, const char *name, const char **value);
+
+/// Parses a duration in seconds ("5", "0.5"; 0 ≤ s ≤ 10,000,000) into *ms.
+/// Returns 0, or -1 when s is not such a number.
+int parse_seconds(const char *s, int64_t *ms);
+
+/// Signal number for "TERM", "SIGTERM", "term" or "15" (a small fixed set), or -1.
+int signal_from_name(const char *s);
+
+/// Short name ("TERM") of a signal in that set, or "?".
+const char *signal_name(int sig);
+
+/// The options of `run` (argv[0] is "run"). Strings point into argv.
+struct run_args {
+	const char *id, *dir, *cwd, *stdin_path;
+	const char *stdout_path, *stderr_path; // NULL: DIR/stdout.log, DIR/stderr.log
+	int64_t timeout_ms;                    // 0: none
+	bool kill_group_on_exit;
+	char **argv;                           // the command: argv[0] non-empty, NULL-terminated
+	struct relay_route relays[INIT_RELAY_MAX];
+	size_t nrelays;
+};
+
+/// Parses `run`'s command line: "--" or the first argument not starting with '-' starts
+/// the command. Returns 0 (parsed), 1 (--help seen: nothing else checked) or -1 (usage
+/// error, reported with diag).
+int run_args_parse(struct run_args *a, int argc, char **argv);
+
+/// The options of `kill` (argv[0] is "kill").
+struct kill_args {
+	const char *dir;  // points into argv
+	int sig;          // from --signal, default SIGTERM
+	int64_t grace_ms; // -1: no --grace
+};
+
+/// Parses `kill`'s command line. Returns 0, 1 (--help) or -1 (usage error, reported).
+int kill_args_parse(struct kill_args *a, int argc, char **argv);
+
+/// The options of `serve` (argv[0] is "serve").
+struct serve_args {
+	struct relay_route relays[INIT_RELAY_MAX];
+	size_t nrelays;
+};
+
+/// Parses `serve`'s command line. Returns 0, 1 (--help) or -1 (usage error, reported).
+int serve_args_parse(struct serve_args *a, int argc, char **argv);
+
+/// Parses a "--relay PORT=PATH" value (PATH absolute, shorter than a sockaddr_un path)
+/// into *out (path points into spec). Returns 0, or -1 (reported) when malformed.
+int relay_route_parse(const char *spec, struct relay_route *out);
+
+/// The process group in a DIR/pid record ("1234\n"; trailing spaces and newlines allowed):
+/// > 1, or -1 with errno EINVAL for anything else (0 and 1 are never a group to signal).
+pid_t pgid_record_parse(const char *buf);
+
+/// The parent pid in the text of /proc/<pid>/stat (after the last ')', as comm may hold
+/// spaces and parentheses), or -1.
+pid_t stat_ppid_parse(const char *buf);
+
+/// The signal named in a DIR/cancel record ("TERM\n"): cuts `buf` at the first blank and
+/// returns signal_from_name of the rest (-1 when unknown).
+int cancel_record_parse(char *buf);
 
 /// Sends sig to every descendant of this process (found through /proc parent links), except
 /// `spare` (0 = none). Returns how many were signalled, -1 on error. Reaches processes that
 /// left the command's process group with setsid().
 int signal_descendants(int sig, pid_t spare);
-
-/// Matches "--name VALUE" or "--name=VALUE" at argv[*i]. Returns 1 (*value set, *i moved
-/// past the value), 0 (argv[*i] is something else) or -1 (value missing; reported).
-int opt_value(int argc, char **argv, int *i, const char *name, const char **value);
 
 /// Writes the usage text to fd (1 or 2).
 void init_usage(int fd);
@@ -113,16 +173,6 @@ int64_t now_mono_ms(void);
 
 /// Sleeps ms milliseconds, resuming after EINTR.
 void sleep_ms(int64_t ms);
-
-/// Parses a duration in seconds ("5", "0.5"; 0 ≤ s ≤ 10,000,000) into *ms.
-/// Returns 0, or -1 when s is not such a number.
-int parse_seconds(const char *s, int64_t *ms);
-
-/// Signal number for "TERM", "SIGTERM", "term" or "15" (a small fixed set), or -1.
-int signal_from_name(const char *s);
-
-/// Short name ("TERM") of a signal in that set, or "?".
-const char *signal_name(int sig);
 
 /// Blocks SIGCHLD, SIGTERM, SIGINT and SIGQUIT and returns a non-blocking signalfd that
 /// reads them; resets those to SIG_DFL and ignores SIGPIPE and SIGHUP. Returns -1 on error.

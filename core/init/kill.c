@@ -21,17 +21,7 @@ static pid_t read_pgid(const char *dir)
 	char buf[32];
 	if (read_small(dir, INIT_FILE_PID, buf, sizeof buf) < 0)
 		return errno == ENOENT ? 0 : -1;
-	char *end;
-	errno = 0;
-	long v = strtol(buf, &end, 10);
-	while (*end == '\n' || *end == ' ')
-		end++;
-	// Never 0 or 1: kill(-0) is our own group and kill(-1) is every process.
-	if (errno != 0 || end == buf || *end != '\0' || v <= 1 || v > INT32_MAX) {
-		errno = EINVAL;
-		return -1;
-	}
-	return (pid_t)v;
+	return pgid_record_parse(buf);
 }
 
 static bool wait_gone(pid_t pgid, int64_t ms)
@@ -48,37 +38,17 @@ static bool wait_gone(pid_t pgid, int64_t ms)
 
 int init_kill(int argc, char **argv)
 {
-	const char *dir = NULL, *signame = "TERM", *grace_s = NULL;
-	for (int i = 1; i < argc; i++) {
-		int m;
-		if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-			init_usage(1);
-			return INIT_EXIT_OK;
-		}
-		if ((m = opt_value(argc, argv, &i, "--dir", &dir)) ||
-		    (m = opt_value(argc, argv, &i, "--signal", &signame)) ||
-		    (m = opt_value(argc, argv, &i, "--grace", &grace_s))) {
-			if (m < 0)
-				return INIT_EXIT_USAGE;
-			continue;
-		}
-		diag("kill: unexpected argument '%s'", argv[i]);
-		return INIT_EXIT_USAGE;
+	struct kill_args a;
+	int rc = kill_args_parse(&a, argc, argv);
+	if (rc > 0) {
+		init_usage(1);
+		return INIT_EXIT_OK;
 	}
-	int sig = signal_from_name(signame);
-	int64_t grace = -1;
-	if (dir == NULL || dir[0] == '\0') {
-		diag("kill: --dir DIR is required");
+	if (rc < 0)
 		return INIT_EXIT_USAGE;
-	}
-	if (sig < 0) {
-		diag("kill: unknown signal '%s' (TERM, KILL, INT, QUIT, HUP, USR1, USR2)", signame);
-		return INIT_EXIT_USAGE;
-	}
-	if (grace_s && parse_seconds(grace_s, &grace) < 0) {
-		diag("kill: --grace wants seconds (a number >= 0), not '%s'", grace_s);
-		return INIT_EXIT_USAGE;
-	}
+	const char *dir = a.dir;
+	int sig = a.sig;
+	int64_t grace = a.grace_ms;
 
 	// The marker first, then the pid: see run.c run_session_ready.
 	const char *name = signal_name(sig);

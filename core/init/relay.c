@@ -26,26 +26,6 @@
 static struct relay_route routes[INIT_RELAY_MAX];
 static size_t nroutes;
 
-int relay_parse(const char *spec)
-{
-	if (nroutes >= INIT_RELAY_MAX) {
-		diag("--relay: at most %d routes", INIT_RELAY_MAX);
-		return -1;
-	}
-	const char *eq = strchr(spec, '=');
-	char *end;
-	long port = eq ? strtol(spec, &end, 10) : 0;
-	if (!eq || end != eq || port < 1 || port > 65535 || eq[1] != '/' ||
-	    strlen(eq + 1) >= sizeof(((struct sockaddr_un *)0)->sun_path)) {
-		diag("--relay wants PORT=/path/to/unix.sock, not '%s'", spec);
-		return -1;
-	}
-	routes[nroutes].port = (int)port;
-	routes[nroutes].path = eq + 1;
-	nroutes++;
-	return 0;
-}
-
 static int listen_on(int port)
 {
 	int fd = socket(AF_INET, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
@@ -71,7 +51,7 @@ static void hand_over(int a, const char *path)
 	(void)setsockopt(a, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
 	int u = socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC | SOCK_NONBLOCK, 0);
 	struct sockaddr_un addr = { .sun_family = AF_UNIX };
-	strcpy(addr.sun_path, path); // length checked by relay_parse
+	strcpy(addr.sun_path, path); // length checked by relay_route_parse
 	// non-blocking: a unix socket takes the connection at once or refuses it (EAGAIN when
 	// the host's backlog is full), and the send fits in an empty socket buffer
 	if (u < 0 || connect(u, (struct sockaddr *)&addr, sizeof addr) < 0) {
@@ -130,8 +110,12 @@ static _Noreturn void relay_loop(const int *lfds)
 	}
 }
 
-pid_t relay_start(void)
+pid_t relay_start(const struct relay_route *r, size_t n)
 {
+	if (n > INIT_RELAY_MAX)
+		n = INIT_RELAY_MAX;
+	memcpy(routes, r, n * sizeof *r);
+	nroutes = n;
 	if (nroutes == 0)
 		return 0;
 	int lfds[INIT_RELAY_MAX];

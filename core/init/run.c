@@ -30,16 +30,10 @@ struct report {
 // KILLED: SIGKILL sent, waiting (up to give_up_at) for the group to be reaped.
 enum phase { PH_RUNNING, PH_STOPPING, PH_KILLED };
 
-#define ID_MAX 256
 #define ERROR_MAX 600 // bytes of the status.json "error" text before escaping
 
 struct run {
-	// options
-	const char *id, *dir, *cwd, *stdin_path;
-	const char *stdout_path, *stderr_path; // default DIR/stdout.log, DIR/stderr.log
-	int64_t timeout_ms; // 0: none
-	bool kill_group_on_exit;
-	char **argv;
+	struct run_args opt; // the command line (parse.c)
 	// state
 	pid_t child; // also the process group id once the child reported ST_READY
 	int ep;      // read end of the report pipe, -1 once closed
@@ -53,82 +47,16 @@ struct run {
 	int64_t timeout_at, kill_at, give_up_at;
 };
 
-// Returns 0 (parsed), 1 (--help printed) or -1 (usage error, reported).
-static int run_parse(struct run *r, int argc, char **argv)
-{
-	const char *timeout = NULL;
-	int i;
-	for (i = 1; i < argc; i++) {
-		const char *a = argv[i];
-		int m;
-		if (strcmp(a, "--") == 0) {
-			i++;
-			break;
-		}
-		if (a[0] != '-')
-			break; // the command starts here
-		if (strcmp(a, "--help") == 0 || strcmp(a, "-h") == 0) {
-			init_usage(1);
-			return 1;
-		}
-		if (strcmp(a, "--kill-group-on-exit") == 0) {
-			r->kill_group_on_exit = true;
-			continue;
-		}
-		const char *relay = NULL;
-		if ((m = opt_value(argc, argv, &i, "--relay", &relay))) {
-			if (m < 0 || relay_parse(relay) < 0)
-				return -1;
-			continue;
-		}
-		if ((m = opt_value(argc, argv, &i, "--id", &r->id)) ||
-		    (m = opt_value(argc, argv, &i, "--dir", &r->dir)) ||
-		    (m = opt_value(argc, argv, &i, "--cwd", &r->cwd)) ||
-		    (m = opt_value(argc, argv, &i, "--timeout", &timeout)) ||
-		    (m = opt_value(argc, argv, &i, "--stdin", &r->stdin_path)) ||
-		    (m = opt_value(argc, argv, &i, "--stdout", &r->stdout_path)) ||
-		    (m = opt_value(argc, argv, &i, "--stderr", &r->stderr_path))) {
-			if (m < 0)
-				return -1;
-			continue;
-		}
-		diag("run: unknown option '%s'", a);
-		return -1;
-	}
-	if (r->id == NULL || r->id[0] == '\0' || strlen(r->id) > ID_MAX) {
-		diag("run: --id ID is required (1 to %d bytes)", ID_MAX);
-		return -1;
-	}
-	if (r->dir == NULL || r->dir[0] == '\0') {
-		diag("run: --dir DIR is required");
-		return -1;
-	}
-	if ((r->cwd && r->cwd[0] == '\0') || (r->stdin_path && r->stdin_path[0] == '\0')) {
-		diag("run: --cwd and --stdin need a non-empty path");
-		return -1;
-	}
-	if (timeout && parse_seconds(timeout, &r->timeout_ms) < 0) {
-		diag("run: --timeout wants seconds (a number >= 0), not '%s'", timeout);
-		return -1;
-	}
-	if (i >= argc || argv[i][0] == '\0') {
-		diag("run: no command given after --");
-		return -1;
-	}
-	r->argv = argv + i;
-	return 0;
-}
-
 // Human-readable reason for a setup failure reported by the child.
 static void describe_failure(const struct run *r, int stage, int err, char *buf, size_t cap)
 {
 	const char *e = strerror(err);
 	switch (stage) {
 	case ST_SETSID: snprintf(buf, cap, "cannot start a new session: %s", e); break;
-	case ST_STDIO: snprintf(buf, cap, "cannot redirect output to %s: %s", r->dir, e); break;
-	case ST_STDIN: snprintf(buf, cap, "cannot open stdin file '%s': %s", r->stdin_path ? r->stdin_path : "/dev/null", e); break;
-	case ST_CHDIR: snprintf(buf, cap, "cannot change directory to '%s': %s", r->cwd, e); break;
-	case ST_EXEC: snprintf(buf, cap, "cannot execute '%s': %s", r->argv[0], e); break;
+	case ST_STDIO: snprintf(buf, cap, "cannot redirect output to %s: %s", r->opt.dir, e); break;
+	case ST_STDIN: snprintf(buf, cap, "cannot open stdin file '%s': %s", r->opt.stdin_path ? r->opt.stdin_path : "/dev/null", e); break;
+	case ST_CHDIR: snprintf(buf, cap, "cannot change directory to '%s': %s", r->opt.cwd, e); break;
+	case ST_EXEC: snprintf(buf, cap, "cannot execute '%s': %s", r->opt.argv[0], e); break;
 	default: snprintf(buf, cap, "setup failed: %s", e); break;
 	}
 }
@@ -151,16 +79,16 @@ static _Noreturn void run_child(const struct run *r, int out, int err, int ep)
 		goto fail;
 	stage = ST_STDIN; // opened before chdir: a relative --stdin is relative to the caller
 	do
-		in = open(r->stdin_path ? r->stdin_path : "/dev/null", O_RDONLY | O_CLOEXEC);
+		in = open(r->opt.stdin_path ? r->opt.stdin_path : "/dev/null", O_RDONLY | O_CLOEXEC);
 	while (in < 0 && errno == EINTR);
 	if (in < 0 || dup2(in, 0) < 0)
 		goto fail;
 	stage = ST_CHDIR;
-	if (r->cwd && chdir(r->cwd) < 0)
+	if (r->opt.cwd && chdir(r->opt.cwd) < 0)
 		goto fail;
 	cloexec_from(3);
 	signals_reset_for_exec();
-	execvp(r->argv[0], r->argv);
+	execvp(r->opt.argv[0], r->opt.argv);
 	stage = ST_EXEC;
 fail:;
 	int e = errno;
@@ -220,11 +148,10 @@ static void run_session_ready(struct run *r)
 	char buf[32];
 	r->session_ready = true;
 	int n = snprintf(buf, sizeof buf, "%d\n", (int)r->child);
-	if (atomic_write(r->dir, INIT_FILE_PID, buf, (size_t)n) < 0)
-		diag("run: cannot write %s/%s: %s", r->dir, INIT_FILE_PID, strerror(errno));
-	if (read_small(r->dir, INIT_FILE_CANCEL, buf, sizeof buf) >= 0) {
-		buf[strcspn(buf, " \t\r\n")] = '\0';
-		int sig = signal_from_name(buf);
+	if (atomic_write(r->opt.dir, INIT_FILE_PID, buf, (size_t)n) < 0)
+		diag("run: cannot write %s/%s: %s", r->opt.dir, INIT_FILE_PID, strerror(errno));
+	if (read_small(r->opt.dir, INIT_FILE_CANCEL, buf, sizeof buf) >= 0) {
+		int sig = cancel_record_parse(buf);
 		r->cancelled = true;
 		run_stop(r, sig > 0 ? sig : SIGTERM);
 	}
@@ -282,7 +209,7 @@ static void run_read_signals(struct run *r, int sfd)
 
 static void run_deadlines(struct run *r, int64_t now)
 {
-	if (r->phase == PH_RUNNING && !r->child_done && r->timeout_ms > 0 && now >= r->timeout_at) {
+	if (r->phase == PH_RUNNING && !r->child_done && r->opt.timeout_ms > 0 && now >= r->timeout_at) {
 		r->timed_out = true;
 		run_stop(r, SIGTERM);
 	}
@@ -298,7 +225,7 @@ static bool run_done(struct run *r, int64_t now)
 	case PH_RUNNING:
 		if (!group_exists(r->child))
 			return true;
-		if (!r->cancelled && exists_in(r->dir, INIT_FILE_CANCEL)) {
+		if (!r->cancelled && exists_in(r->opt.dir, INIT_FILE_CANCEL)) {
 			// `demesne-init kill` has signalled the group: give the rest of it the same
 			// grace as our own cancel (without signalling twice), reaping as it goes.
 			r->cancelled = true;
@@ -307,7 +234,7 @@ static bool run_done(struct run *r, int64_t now)
 			return false;
 		}
 		// Finished on its own. Background members of its group stay unless asked otherwise.
-		if (!r->kill_group_on_exit)
+		if (!r->opt.kill_group_on_exit)
 			return true;
 		run_stop(r, SIGKILL);
 		return false;
@@ -324,7 +251,7 @@ static bool run_done(struct run *r, int64_t now)
 static int run_wakeup(const struct run *r, int64_t now)
 {
 	int64_t at = INT64_MAX;
-	if (r->phase == PH_RUNNING && !r->child_done && r->timeout_ms > 0)
+	if (r->phase == PH_RUNNING && !r->child_done && r->opt.timeout_ms > 0)
 		at = r->timeout_at;
 	if (r->phase == PH_STOPPING && r->kill_at < at)
 		at = r->kill_at;
@@ -435,7 +362,7 @@ static void run_write_status(const struct run *r, int code, int sig, const char 
 	struct sbuf b;
 	sb_init(&b, mem, sizeof mem);
 	sb_puts(&b, "{\"id\":");
-	sb_json_string(&b, r->id, strlen(r->id));
+	sb_json_string(&b, r->opt.id, strlen(r->opt.id));
 	sb_printf(&b, ",\"exit_code\":%d,\"signal\":", code);
 	if (sig > 0)
 		sb_printf(&b, "%d", sig);
@@ -454,8 +381,8 @@ static void run_write_status(const struct run *r, int code, int sig, const char 
 	sb_puts(&b, "}\n");
 	if (b.overflow) // cannot happen with the bounded id and error; keep the file valid anyway
 		diag("run: status too long");
-	else if (atomic_write(r->dir, INIT_FILE_STATUS, b.p, b.len) < 0)
-		diag("run: cannot write %s/%s: %s", r->dir, INIT_FILE_STATUS, strerror(errno));
+	else if (atomic_write(r->opt.dir, INIT_FILE_STATUS, b.p, b.len) < 0)
+		diag("run: cannot write %s/%s: %s", r->opt.dir, INIT_FILE_STATUS, strerror(errno));
 }
 
 // demesne-init failed before the command could start: record why and return 125.
@@ -483,7 +410,7 @@ static int run_finish(struct run *r)
 	char error[ERROR_MAX] = "";
 	if (r->fail_stage != 0)
 		describe_failure(r, r->fail_stage, r->fail_errno, error, sizeof error);
-	if (!r->cancelled && exists_in(r->dir, INIT_FILE_CANCEL))
+	if (!r->cancelled && exists_in(r->opt.dir, INIT_FILE_CANCEL))
 		r->cancelled = true; // `demesne-init kill` signalled the group
 	if (!r->timed_out && !r->cancelled)
 		linger();
@@ -523,7 +450,9 @@ static int open_log(const char *dir, const char *name, const char *file)
 int init_run(int argc, char **argv)
 {
 	struct run r = { .ep = -1, .oom_before = -1 };
-	int rc = run_parse(&r, argc, argv);
+	int rc = run_args_parse(&r.opt, argc, argv);
+	if (rc > 0)
+		init_usage(1);
 	if (rc != 0)
 		return rc > 0 ? INIT_EXIT_OK : INIT_EXIT_USAGE;
 	r.oom_before = oom_kills();
@@ -536,8 +465,8 @@ int init_run(int argc, char **argv)
 	// tell when the whole group is gone.
 	if (getpid() != 1 && prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
 		diag("run: cannot become a subreaper: %s", strerror(errno));
-	if (mkdir_p(r.dir, 0755) < 0) {
-		diag("run: cannot create %s: %s", r.dir, strerror(errno));
+	if (mkdir_p(r.opt.dir, 0755) < 0) {
+		diag("run: cannot create %s: %s", r.opt.dir, strerror(errno));
 		if (sfd >= 0)
 			(void)close(sfd);
 		return INIT_EXIT_FAILURE; // nowhere to record anything
@@ -548,18 +477,19 @@ int init_run(int argc, char **argv)
 	if (sfd < 0)
 		goto abort;
 	what = "cannot remove an old status.json or pid";
-	if (unlink_in(r.dir, INIT_FILE_STATUS) < 0 || unlink_in(r.dir, INIT_FILE_PID) < 0)
+	if (unlink_in(r.opt.dir, INIT_FILE_STATUS) < 0 || unlink_in(r.opt.dir, INIT_FILE_PID) < 0)
 		goto abort_errno;
 	what = "cannot create stdout.log";
-	if ((out = open_log(r.dir, INIT_FILE_STDOUT, r.stdout_path)) < 0)
+	if ((out = open_log(r.opt.dir, INIT_FILE_STDOUT, r.opt.stdout_path)) < 0)
 		goto abort_errno;
 	what = "cannot create stderr.log";
-	if ((err = open_log(r.dir, INIT_FILE_STDERR, r.stderr_path)) < 0)
+	if ((err = open_log(r.opt.dir, INIT_FILE_STDERR, r.opt.stderr_path)) < 0)
 		goto abort_errno;
 	what = "cannot create a pipe";
 	if (pipe2(ep, O_CLOEXEC) < 0 || fcntl(ep[0], F_SETFL, O_NONBLOCK) < 0)
 		goto abort_errno;
-	relay_pid = relay_start(); // --relay routes (egress): listening before the command starts
+	// --relay routes (egress): listening before the command starts
+	relay_pid = relay_start(r.opt.relays, r.opt.nrelays);
 	what = "cannot fork";
 	if ((pid = fork()) < 0)
 		goto abort_errno;
@@ -573,7 +503,7 @@ int init_run(int argc, char **argv)
 	(void)close(err);
 	r.child = pid;
 	r.ep = ep[0];
-	r.timeout_at = r.start_mono + r.timeout_ms;
+	r.timeout_at = r.start_mono + r.opt.timeout_ms;
 
 	run_loop(&r, sfd);
 	(void)close(sfd);

@@ -35,11 +35,7 @@ static pid_t read_ppid(pid_t pid)
 	snprintf(path, sizeof path, "/proc/%d", (int)pid);
 	if (read_small(path, "stat", buf, sizeof buf) < 0)
 		return -1;
-	char *p = strrchr(buf, ')'); // comm may contain spaces and parentheses
-	int ppid;
-	if (p == NULL || sscanf(p + 1, " %*c %d", &ppid) != 1)
-		return -1;
-	return ppid;
+	return stat_ppid_parse(buf);
 }
 
 // Sends sig to every descendant of this process except `spare` (and its own descendants
@@ -133,19 +129,14 @@ static bool others_remain(bool pid1, int children)
 
 int init_serve(int argc, char **argv)
 {
-	for (int i = 1; i < argc; i++) {
-		if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0) {
-			init_usage(1);
-			return INIT_EXIT_OK;
-		}
-		const char *relay = NULL;
-		int m = opt_value(argc, argv, &i, "--relay", &relay);
-		if (m > 0 && relay_parse(relay) == 0)
-			continue;
-		if (m == 0)
-			diag("serve: unexpected argument '%s'", argv[i]);
-		return INIT_EXIT_USAGE;
+	struct serve_args a;
+	int rc = serve_args_parse(&a, argc, argv);
+	if (rc > 0) {
+		init_usage(1);
+		return INIT_EXIT_OK;
 	}
+	if (rc < 0)
+		return INIT_EXIT_USAGE;
 	bool pid1 = getpid() == 1;
 	if (!pid1 && prctl(PR_SET_CHILD_SUBREAPER, 1, 0, 0, 0) < 0)
 		diag("serve: cannot become a subreaper: %s", strerror(errno));
@@ -154,7 +145,7 @@ int init_serve(int argc, char **argv)
 		diag("serve: cannot set up signals: %s", strerror(errno));
 		return INIT_EXIT_FAILURE;
 	}
-	(void)relay_start(); // --relay routes (egress): a child process with its own poll loop
+	(void)relay_start(a.relays, a.nrelays); // --relay routes (egress): a child process with its own poll loop
 	enum { RUNNING, STOPPING, KILLED } phase = RUNNING;
 	int64_t deadline = 0;
 	for (;;) {

@@ -1,16 +1,15 @@
 // demesne-init helpers: I/O with write(2), atomic files, time, signals, reaping, JSON text.
+// (The parsers are in parse.c.)
 #include "init.h"
 
 #include <errno.h>
 #include <fcntl.h>
 #include <limits.h>
-#include <math.h>
 #include <signal.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
-#include <strings.h>
 #include <sys/resource.h>
 #include <sys/signalfd.h>
 #include <sys/stat.h>
@@ -22,26 +21,6 @@
 #ifndef CLOSE_RANGE_CLOEXEC
 #define CLOSE_RANGE_CLOEXEC (1U << 2)
 #endif
-
-int opt_value(int argc, char **argv, int *i, const char *name, const char **value)
-{
-	const char *a = argv[*i];
-	size_t n = strlen(name);
-	if (strncmp(a, name, n) != 0)
-		return 0;
-	if (a[n] == '=') {
-		*value = a + n + 1;
-		return 1;
-	}
-	if (a[n] != '\0')
-		return 0;
-	if (*i + 1 >= argc) {
-		diag("%s needs a value", name);
-		return -1;
-	}
-	*value = argv[++*i];
-	return 1;
-}
 
 void diag(const char *fmt, ...)
 {
@@ -219,50 +198,6 @@ void sleep_ms(int64_t ms)
 	struct timespec ts = { .tv_sec = ms / 1000, .tv_nsec = (ms % 1000) * 1000000 };
 	while (nanosleep(&ts, &ts) < 0 && errno == EINTR)
 		;
-}
-
-int parse_seconds(const char *s, int64_t *ms)
-{
-	if (s == NULL || *s == '\0' || *s == '-' || *s == '+' || *s == ' ')
-		return -1;
-	char *end;
-	errno = 0;
-	double v = strtod(s, &end);
-	if (errno != 0 || *end != '\0' || !isfinite(v) || v < 0 || v > 1e7)
-		return -1;
-	*ms = (int64_t)(v * 1000.0 + 0.5);
-	return 0;
-}
-
-static const struct {
-	const char *name;
-	int sig;
-} signals[] = {
-	{ "HUP", SIGHUP },   { "INT", SIGINT },   { "QUIT", SIGQUIT }, { "KILL", SIGKILL },
-	{ "USR1", SIGUSR1 }, { "USR2", SIGUSR2 }, { "TERM", SIGTERM },
-};
-
-int signal_from_name(const char *s)
-{
-	if (s == NULL)
-		return -1;
-	if (strncasecmp(s, "SIG", 3) == 0)
-		s += 3;
-	for (size_t i = 0; i < sizeof signals / sizeof signals[0]; i++) {
-		char num[8];
-		snprintf(num, sizeof num, "%d", signals[i].sig);
-		if (strcasecmp(s, signals[i].name) == 0 || strcmp(s, num) == 0)
-			return signals[i].sig;
-	}
-	return -1;
-}
-
-const char *signal_name(int sig)
-{
-	for (size_t i = 0; i < sizeof signals / sizeof signals[0]; i++)
-		if (signals[i].sig == sig)
-			return signals[i].name;
-	return "?";
 }
 
 int signals_open(void)

@@ -801,7 +801,8 @@ function Server:handle_request(msg, channel)
     -- answered with a null id: an error under the same id would read as the answer to the
     -- request that is still running (JSON-RPC 2.0 §5: null when the id cannot be used)
     local v = json.is_raw(id) and id.token or id
-    local shown = (math.type(v) == "float" and v == math.floor(v)) and ("%d"):format(v) or tostring(v)
+    local whole = type(v) == "number" and math.tointeger(v)
+    local shown = whole and ("%d"):format(whole) or type(v) == "number" and ("%.17g"):format(v) or tostring(v)
     return self:respond_error(json.null, server.INVALID_REQUEST,
       "Invalid Request: id " .. shown .. " is already in use by a request in progress", nil, channel)
   end

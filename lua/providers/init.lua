@@ -99,8 +99,14 @@ function providers.decode(body)
   return v
 end
 
+--- A token count from a vendor's JSON: a number from 0 to 2^53 (the range a double holds
+--- exactly), rounded down to an integer; anything else (a string, a negative number, NaN,
+--- 1e400 decoded as infinity) is nil. An infinite count would make every total and cost
+--- infinite, which JSON cannot write, so usage.json would stop being updated.
+---@param v any
+---@return integer|nil
 local function num(v)
-  if type(v) == "number" and v == v and v >= 0 then return math.floor(v) end
+  if type(v) == "number" and v >= 0 and v <= 2 ^ 53 then return math.floor(v) end
   return nil
 end
 providers.num = num

@@ -105,6 +105,63 @@ static void test_heads(void) {
   dm_proxy_head_free(&h);
 }
 
+/* Found by tests/fuzz/proxy_head (corpus file regression-obs-fold): llhttp reports a folded
+ * header value as two pieces with the CRLF between them skipped; kept as one span, the value
+ * took in the CRLF and the rewrite ended the head early, so the upstream read the headers
+ * after the fold (Content-Length among them) as the start of another request. */
+static void test_obs_fold_is_refused(void) {
+  const char *heads[] = {
+    "PUT http://registry.npmjs.org/x HTTP/1.1\r\nX-Long: a\r\n b\r\nContent-Length: 3\r\n\r\nabc",
+    "GET / HTTP/1.1\r\nHost: a.test\r\nX: one\r\n\ttwo three\r\n\r\n",
+  };
+  for (size_t k = 0; k < sizeof heads / sizeof heads[0]; k++) {
+    dm_proxy_head h;
+    dm_proxy_head_init(&h);
+    int r = 0;
+    for (size_t i = 0; i < strlen(heads[k]) && r == 0; i++) r = dm_proxy_head_feed(&h, heads[k] + i, 1);
+    CHECK(r == -1 && h.status == 400 && h.why && strstr(h.why, "obs-fold"), "folded header refused: %d %d %s", r,
+          h.status, h.why ? h.why : "");
+    dm_proxy_head_free(&h);
+  }
+  /* a value in pieces because the reads were split is one value */
+  const char *split = "GET / HTTP/1.1\r\nHost: a.test\r\nX-Split: abcdef\r\n\r\n";
+  dm_proxy_head h;
+  dm_proxy_head_init(&h);
+  int r = 0;
+  for (size_t i = 0; i < strlen(split) && r == 0; i++) r = dm_proxy_head_feed(&h, split + i, 1);
+  char out[512];
+  size_t n = r == 1 ? dm_proxy_head_rewrite(&h, out, sizeof out - 1) : 0;
+  out[n] = '\0';
+  CHECK(n && strstr(out, "\r\nX-Split: abcdef\r\nConnection: close\r\n\r\n"), "split reads: %d %s", r, out);
+  dm_proxy_head_free(&h);
+}
+
+/* Found by tests/fuzz/proxy_head (corpus file regression-http-version): llhttp takes a request
+ * line without a version as HTTP/0.9 (headers and all) and a version such as HTTP/2.0, and
+ * the proxy forwarded them rewritten as "GET / HTTP/0.9" with headers, which servers read
+ * each their own way. Only HTTP/1.0 and 1.1 are proxied; the rest gets 505. */
+static void test_only_http_1_is_proxied(void) {
+  const char *bad[] = {
+    "GET http://a.test/\r\nHost: a.test\r\nX: y\r\n\r\n",
+    "GET http://a.test/ HTTP/0.9\r\n\r\n",
+    "GET http://a.test/ HTTP/2.0\r\n\r\n",
+    "CONNECT a.test:443\r\n\r\n",
+  };
+  for (size_t k = 0; k < sizeof bad / sizeof bad[0]; k++) {
+    dm_proxy_head h;
+    int r = parse(&h, bad[k]);
+    CHECK(r == -1 && h.status == 505, "%s: %d %d %s", bad[k], r, h.status, h.why ? h.why : "");
+    dm_proxy_head_free(&h);
+  }
+  const char *good[] = {"GET http://a.test/ HTTP/1.0\r\n\r\n", "CONNECT a.test:443 HTTP/1.1\r\n\r\n"};
+  for (size_t k = 0; k < sizeof good / sizeof good[0]; k++) {
+    dm_proxy_head h;
+    int r = parse(&h, good[k]);
+    CHECK(r == 1, "%s: %d %s", good[k], r, h.why ? h.why : "");
+    dm_proxy_head_free(&h);
+  }
+}
+
 static void test_hosts(void) {
   struct { const char *in; const char *out; int ip; } ok[] = {
     {"DENIED.TEST", "denied.test", 0}, {"denied.test.", "denied.test", 0}, {"a_b.test", "a_b.test", 0},
@@ -619,6 +676,8 @@ static void test_end_to_end(void) {
 
 int main(void) {
   test_heads();
+  test_obs_fold_is_refused();
+  test_only_http_1_is_proxied();
   test_hosts();
   test_classes();
   test_dns_codec();

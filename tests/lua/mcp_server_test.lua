@@ -90,6 +90,18 @@ function tests.version_negotiation(t)
   end
 end
 
+-- Found by tests/fuzz/mcp_server (corpus file regression-long-numeric-id): the answer to a
+-- numeric id of 15 digits or more carried another id (lua-cjson writes 14 significant
+-- digits), so the client never matched it.
+function tests.long_numeric_id_is_answered_unchanged(t)
+  local h <close> = harness()
+  for _, id in ipairs({ 123456789012345, 9007199254740991, 0.30000000000000004, 6.6666666666666666e55 }) do
+    h.send(('{"jsonrpc":"2.0","id":%s,"method":"ping"}'):format(("%.17g"):format(id)))
+    local r = h.responses()[1]
+    t:eq(r and r.id, id + 0.0, "the id of the answer to " .. ("%.17g"):format(id))
+  end
+end
+
 function tests.initialize_twice_is_refused(t)
   local h <close> = harness()
   h.init()
@@ -282,6 +294,25 @@ function tests.duplicate_id_in_flight_is_refused(t)
   t:eq(r[1].error.code, server.INVALID_REQUEST)
   async.sleep(50)
   t:eq(h.responses()[1].result.structuredContent, { slept = 30 })
+end
+
+-- Found by tests/fuzz/mcp_server (corpus file regression-duplicate-huge-id): the refusal of
+-- a reused id named it with ("%d"):format(id), which raises for a float with no integer
+-- form (6.6e55): the error escaped receive and the client got no answer at all.
+function tests.duplicate_huge_numeric_id_is_refused(t)
+  local h <close> = harness({ SLEEP })
+  h.init()
+  for _, id in ipairs({ 6.6e55, 1.5, 2 ^ 63 }) do
+    h.call(id, "tools/call", { name = "sleep", arguments = { ms = 30 } })
+    h.call(id, "ping")
+    local r = h.responses()
+    t:eq(#r, 1, "one answer to the reused id " .. tostring(id))
+    t:eq(r[1].error and r[1].error.code, server.INVALID_REQUEST)
+    t:eq(r[1].id, json.null)
+    t:match(r[1].error.message, "already in use")
+  end
+  async.sleep(60)
+  t:eq(#h.responses(), 3, "the first requests are answered")
 end
 
 function tests.progress_only_with_a_token_and_strictly_increasing(t)

@@ -98,6 +98,31 @@ function tests.anthropic_sse_usage_from_message_start_and_delta(t)
   t:match(err, "no usage")
 end
 
+-- Found by tests/fuzz/vendor_usage (corpus file regression-infinite-token-count): a count of
+-- 1e400 decodes as infinity and was kept, so the run's totals and cost became infinite and
+-- usage.json (which JSON cannot write infinity into) was no longer updated.
+function tests.infinite_or_huge_token_count_is_not_counted(t)
+  local _, env <close> = scene()
+  local reg = reload()
+  local text = 'event: message_start\ndata: {"type":"message_start","message":{"model":"claude-sonnet-5",'
+    .. '"usage":{"input_tokens":1e400,"output_tokens":3,"cache_read_input_tokens":-1,'
+    .. '"cache_creation_input_tokens":1e300}}}\n\n'
+  local u = assert(sse_usage(reg.by_name.claude_code, text))
+  t:eq(u.input, 0, "infinity is not a count")
+  t:eq(u.cache_creation, 0, "nor is 1e300")
+  t:eq(u.cache_read, 0, "nor a negative number")
+  t:eq(u.output, 3)
+  local usd = reg.by_name.claude_code.cost(u)
+  t:ok(usd == usd and usd < math.huge, "a finite cost")
+  t:eq(providers.num(2 ^ 53), 2 ^ 53)
+  t:eq(math.type(providers.num(12.9)), "integer")
+  t:eq(providers.num(12.9), 12)
+  local ou = assert(reg.by_name.codex.usage_from_json(
+    '{"response":{"model":"gpt-5.6-sol","usage":{"input_tokens":1e999,"output_tokens":2}}}'))
+  t:eq(ou.input, 0)
+  t:eq(ou.output, 2)
+end
+
 function tests.anthropic_json_usage_and_error_body(t)
   local _, env <close> = scene()
   local p = reload().by_name.claude_code

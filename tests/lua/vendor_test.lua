@@ -31,8 +31,9 @@ function tests.parse_head_reads_request_line_and_headers(t)
   t:eq(s2, 400, "conflicting Content-Length")
 end
 
--- A scripted upstream: answers POST with an Anthropic SSE stream, records the x-api-key.
-local function upstream(limited)
+-- A scripted upstream: answers POST with an Anthropic SSE stream, records the x-api-key;
+-- the first `limited` POSTs get a 429 with `retry-after: <retry_after or 1>`.
+local function upstream(limited, retry_after)
   local seen = {}
   limited = limited or 0
   local srv = {}
@@ -50,8 +51,8 @@ local function upstream(limited)
       seen[#seen + 1] = { head = head, key = head:lower():match("\nx%-api%-key:%s*([^\r\n]+)") }
       if #seen <= limited then
         local eb = '{"type":"error","error":{"type":"rate_limit_error","message":"slow down"}}'
-        c:write(("HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: 1\r\n"
-          .. "content-length: %d\r\n\r\n%s"):format(#eb, eb), function() c:close() end)
+        c:write(("HTTP/1.1 429 Too Many Requests\r\ncontent-type: application/json\r\nretry-after: %s\r\n"
+          .. "content-length: %d\r\n\r\n%s"):format(retry_after or "1", #eb, eb), function() c:close() end)
         return
       end
       local events = {
@@ -188,13 +189,14 @@ function tests.parse_reset_reads_the_vendors_formats(t)
 end
 
 -- One route against an upstream that answers the first `limited` POSTs with 429
--- (retry-after: 1). Returns the status the agent saw, usage.jsonl's lines and the route.
-local function rate_run(limited, budget, holds)
+-- (retry-after: 1, or `retry_after`). Returns the status the agent saw, usage.jsonl's lines
+-- and the route.
+local function rate_run(limited, budget, holds, retry_after)
   local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-vendor-" .. hex(loop.random(6))
   local run_id = "vr-" .. hex(loop.random(4)) -- the rate state is saved by run id
   assert(fs.mkdir_p(dir .. "/run", 493))
   assert(fs.mkdir_p(dir .. "/out", 493))
-  local up = upstream(limited)
+  local up = upstream(limited, retry_after)
   local reg = providers.load({ user_dir = false, quiet = true })
   local p = reg:get("claude_code")
   local cred = setmetatable({ present = true, kind = "api_key", value = function() return "real-secret" end }, {})
@@ -203,7 +205,7 @@ local function rate_run(limited, budget, holds)
   local route = assert(vendor.start({ run_id = run_id, run_dir = dir .. "/run", output_dir = dir .. "/out", provider = p,
     token = "dmsn-good", credential = cred, rate_limit_retries = budget, holds = holds }))
   local front, fport = assert(stream.listen_tcp("127.0.0.1", 0, function(c) route:accept(c) end))
-  local ok, res = pcall(request, { url = "http://127.0.0.1:" .. fport .. "/v1/messages", method = "POST",
+  local ok, res = pcall(request, { url = "http://127.0.0.1:" .. fport .. "/v1/messages", method = "POST", timeout_ms = 20000,
     headers = { ["x-api-key"] = "dmsn-good", ["content-type"] = "application/json" }, body = '{"stream":true}' })
   route:stop()
   front:close()
@@ -246,6 +248,25 @@ function tests.route_passes_the_429_on_when_the_budget_is_spent(t)
   t:eq(usage.rate_limited.why, "retry budget of 1 exhausted")
   t:eq(require("demesne.agent").rate_reason(usage.rate_limited):match("^(.-) %("),
     "rate limited by the vendor; retry budget of 1 exhausted")
+end
+
+-- Found by tests/fuzz/vendor_usage (corpus file regression-endless-reset): a reset of
+-- 1e300 s, or 400 digits read as infinity, reached ("reset in %d s"):format(math.ceil(w)),
+-- which raises for a number with no integer form: the 429 answer died in the route's
+-- callback and the agent's request was never answered. Waits are now at most 2^31 s.
+function tests.reset_too_far_away_is_passed_on(t)
+  if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
+  for _, ra in ipairs({ "1" .. ("0"):rep(300), ("9"):rep(400) }) do
+    local status, lines, _, n, res = rate_run(1, 3, nil, ra)
+    t:eq(status, 429, "the agent gets the 429")
+    t:eq(n, 1, "not sent again")
+    t:eq(res.headers["x-should-retry"], "false")
+    t:match(lines[1].rate_limit, "^reset in 2147483648 s is beyond the longest wait")
+  end
+  local now = 1800000000
+  t:eq(vendor.reset_wait({ ["x-ratelimit-reset-requests"] = ("9"):rep(400) .. "h" }, now), 2 ^ 31)
+  t:eq(vendor.body_reset('{"error":{"resets_in_seconds":1e400}}', now), 2 ^ 31)
+  t:eq(vendor.body_reset('{"resets_at":1e308}', now), 2 ^ 31)
 end
 
 function tests.body_reset_reads_a_usage_limit_body(t)
@@ -318,6 +339,34 @@ function tests.decide_resumes_a_rate_limited_session_once_per_attempt(t)
     t:eq(spent.why, "retry budget of 2 exhausted")
     t:eq(route.rate.why, "retry budget of 2 exhausted", "the run's reason")
   end)
+end
+
+-- Found by tests/fuzz/agent_transcript (corpus file regression-far-reset): a transcript's
+-- rate_limit_event with resetsAt 1e300 reached os.date(math.floor(x)) in agent.finish, which
+-- raises for a number with no integer form: the run's result and results.json were lost.
+-- A reset time is now used only from 0 to 2^33 s.
+function tests.far_reset_in_a_transcript_is_ignored(t)
+  local agent = require("demesne.agent")
+  local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-far-" .. hex(loop.random(6))
+  assert(fs.mkdir_p(dir .. "/out", 493))
+  assert(fs.mkdir_p(dir .. "/run", 493))
+  local ok, err = pcall(function()
+    local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
+    for _, at in ipairs({ "1e300", "1e400", "-5", "8589934592" }) do
+      assert(fs.write_atomic(dir .. "/out/transcript.jsonl",
+        '{"type":"system","subtype":"init","session_id":"s-1"}\n'
+        .. '{"type":"rate_limit_event","rate_limit_info":{"status":"rejected","resetsAt":' .. at .. '},"session_id":"s-1"}\n'))
+      local r = agent.finish({ provider = p, model = "claude-sonnet-5", output_dir = dir .. "/out", run_dir = dir .. "/run",
+        exec_id = "e1", run_id = "far-" .. hex(loop.random(4)) }, 1, nil, 10)
+      t:eq(r.reason, "rate limited by the vendor; the CLI gave up", "no reset time shown for " .. at)
+      t:ok(json.decode(assert(fs.read_file(dir .. "/out/results.json"))), "results.json written for " .. at)
+      local route = { rate = { budget = 3, used = 0, limited = 1, passed_at = 1, attempt_started = 0 },
+        save_rate = function() end }
+      t:eq(agent.decide(p, dir .. "/out", route, { attempt = 1, exit_code = 1 }).why, "no reset time in the answer")
+    end
+  end)
+  fs.remove_tree(dir)
+  if not ok then error(err, 0) end
 end
 
 function tests.decide_stops_when_a_resume_cannot_help(t)
@@ -410,6 +459,95 @@ function tests.attempt_endpoint_checks_its_caller_and_body(t)
     local r = post('{"attempt":1,"exit_code":0}')
     t:eq(r.status, 200)
     t:eq(r.body, "stop\n", "no decider: stop")
+  end)
+  close()
+  if not ok then error(err, 0) end
+end
+
+-- Sends raw bytes to the route in the given pieces (each written after the one before has
+-- gone out and the loop has turned, so the route mostly reads them apart) and returns what
+-- it answers up to EOF, or "" when it answers nothing within `wait_ms`.
+local function raw_exchange(base, pieces, wait_ms)
+  local port = tonumber(base:match(":(%d+)$"))
+  local conn = async.await(function(cb) assert(stream.connect_tcp("127.0.0.1", port, cb)) end)
+  assert(conn, "connect to the route")
+  local got, done = {}, async.event()
+  conn:read_start(function(data)
+    if data then got[#got + 1] = data else done.set() end
+  end)
+  for _, p in ipairs(pieces) do
+    async.await(function(cb) conn:write(p, cb) end)
+    async.sleep(1)
+  end
+  async.timeout(wait_ms or 2000, done.wait)
+  conn:close()
+  return table.concat(got)
+end
+
+local ATTEMPT_JSON = '{"attempt":1,"exit_code":0}'
+local ATTEMPT_HEX = ("%x"):format(#ATTEMPT_JSON)
+local function attempt_head(extra)
+  return "POST " .. vendor.ATTEMPT_PATH .. " HTTP/1.1\r\nAuthorization: Bearer dmsn-good\r\n" .. (extra or "")
+end
+
+-- The route read a request head by searching all it held after every read, and a chunked
+-- body by copying what was left after every chunk: a sandbox that sent its head a byte per
+-- read, or a body of tiny or huge chunks, held the host's loop for seconds to minutes
+-- (a 64 KiB head a byte per read: 47 s; a 16 MiB chunk in 64 KiB reads: 1.7 s, growing with
+-- the square). Both are now searched and taken in linear time; these check the answers.
+function tests.request_head_and_chunked_body_read_in_any_pieces(t)
+  local run_id = "vp-" .. hex(loop.random(4))
+  local route, base, close = bare_route(run_id)
+  local ok, err = pcall(function()
+    -- the head's blank line split over reads, then a body of one-byte chunks in odd reads
+    local chunks = {}
+    for i = 1, #ATTEMPT_JSON do chunks[#chunks + 1] = "1\r\n" .. ATTEMPT_JSON:sub(i, i) .. "\r\n" end
+    local body = table.concat(chunks) .. "0\r\nX-Trailer: t\r\n\r\n"
+    local head = attempt_head("Transfer-Encoding: chunked\r\n\r\n")
+    local pieces = { head:sub(1, -4), head:sub(-3, -2), head:sub(-1) }
+    for i = 1, #body, 7 do pieces[#pieces + 1] = body:sub(i, i + 6) end
+    local answer = raw_exchange(base, pieces)
+    t:match(answer, "^HTTP/1.1 200 ", "answered")
+    t:match(answer, "\r\n\r\nstop\n$", "the body was read whole")
+    -- a head trickled a byte per read
+    local trickle = {}
+    local whole = attempt_head(("Content-Length: %d\r\n\r\n"):format(#ATTEMPT_JSON)) .. ATTEMPT_JSON
+    for i = 1, #whole do trickle[i] = whole:sub(i, i) end
+    t:match(raw_exchange(base, trickle), "\r\n\r\nstop\n$", "a trickled request")
+  end)
+  close()
+  if not ok then error(err, 0) end
+end
+
+-- A chunk size of 17 hex digits wrapped around in tonumber: "1000000000000001b" was read as
+-- a 27-byte chunk. It is refused now, like any size above the body limit.
+function tests.chunk_size_that_wraps_around_is_refused(t)
+  local run_id = "vw-" .. hex(loop.random(4))
+  local route, base, close = bare_route(run_id)
+  local ok, err = pcall(function()
+    local answer = raw_exchange(base, { attempt_head("Transfer-Encoding: chunked\r\n\r\n"),
+      "100000000000000" .. ATTEMPT_HEX .. "\r\n" .. ATTEMPT_JSON .. "\r\n0\r\n\r\n" })
+    t:match(answer, "^HTTP/1.1 400 ", "refused")
+    t:match(answer, "request body too large", "names the reason")
+  end)
+  close()
+  if not ok then error(err, 0) end
+end
+
+-- A trailer line that never ended was held without bound until the 60 s deadline; the data
+-- of a chunk had two bytes skipped after it whatever they were.
+function tests.endless_trailer_and_bad_chunk_framing_are_refused(t)
+  local run_id = "vt-" .. hex(loop.random(4))
+  local route, base, close = bare_route(run_id)
+  local ok, err = pcall(function()
+    local answer = raw_exchange(base, { attempt_head("Transfer-Encoding: chunked\r\n\r\n"), "0\r\nX-T: ",
+      ("a"):rep(70000) })
+    t:match(answer, "^HTTP/1.1 400 ", "a trailer over 64 KiB is refused at once")
+    t:match(answer, "trailer too large")
+    answer = raw_exchange(base, { attempt_head("Transfer-Encoding: chunked\r\n\r\n"),
+      ATTEMPT_HEX .. "\r\n" .. ATTEMPT_JSON .. "XY0\r\n\r\n" })
+    t:match(answer, "^HTTP/1.1 400 ", "chunk data not followed by CRLF")
+    t:match(answer, "bad chunk framing")
   end)
   close()
   if not ok then error(err, 0) end
