@@ -40,6 +40,8 @@ local skills = {}
 
 --- The most a SKILL.md or a resource may hold (bytes): a skill is loaded into a model's context.
 skills.MAX_FILE = 256 * 1024
+--- The most files a skill folder may hold (a skill is instructions and a few resources).
+skills.MAX_FILES = 200
 
 local NAME_MAX, DESCRIPTION_MAX, COMPATIBILITY_MAX = 64, 1024, 500
 local FIELDS = { name = true, description = true, license = true, compatibility = true, metadata = true,
@@ -79,21 +81,29 @@ local function disk_reader(path)
   end
 end
 
--- The files of a skill folder on disk: relative path -> reader; hidden names and links skipped.
+-- The files of a skill folder on disk: relative path -> reader; hidden names and links
+-- skipped. At most skills.MAX_FILES files, MAX_DEPTH folders deep; the second result is true
+-- when there was more.
+local MAX_DEPTH = 8
 local function disk_files(dir)
-  local out = {}
-  local function walk(rel)
+  local out, count, more = {}, 0, false
+  local function walk(rel, depth)
     for _, n in ipairs(fs.readdir(dir .. (rel == "" and "" or "/" .. rel)) or {}) do
       if n:sub(1, 1) ~= "." then
         local r = rel == "" and n or rel .. "/" .. n
         local st = fs.lstat(dir .. "/" .. r)
-        if st and st.type == "directory" then walk(r)
-        elseif st and st.type == "file" then out[r] = disk_reader(dir .. "/" .. r) end
+        if st and st.type == "directory" then
+          if depth < MAX_DEPTH then walk(r, depth + 1) else more = true end
+        elseif st and st.type == "file" then
+          count = count + 1
+          if count > skills.MAX_FILES then more = true return end
+          out[r] = disk_reader(dir .. "/" .. r)
+        end
       end
     end
   end
-  walk("")
-  return out
+  walk("", 1)
+  return out, more
 end
 
 --- The skill in folder `dir` (which holds a SKILL.md), or nil and why.
@@ -103,7 +113,8 @@ function skills.from_dir(dir)
   dir = dir:gsub("/+$", "")
   local st = fs.stat(dir .. "/SKILL.md")
   if not st or st.type ~= "file" then return nil, ("%s: no SKILL.md"):format(dir) end
-  return { name = dir:match("([^/]+)$"), origin = dir, dir = dir, files = disk_files(dir) }
+  local files, more = disk_files(dir)
+  return { name = dir:match("([^/]+)$"), origin = dir, dir = dir, files = files, too_many = more }
 end
 
 --- The skills in `dir`: the skill itself when `dir` holds a SKILL.md, else each folder in it
@@ -635,6 +646,10 @@ function skills.check(s, surf)
     end
   end
 
+  if s.too_many then
+    add("error", nil, ("the skill's folder holds more than %d files or folders deeper than %d: a skill is "
+      .. "instructions and a few resources"):format(skills.MAX_FILES, MAX_DEPTH))
+  end
   for rel in pairs(s.files) do
     if rel ~= "SKILL.md" then
       local _, err = skills.read(s, rel)

@@ -107,10 +107,12 @@ function tests.calls_are_found_with_their_lines_and_indentation(t)
   local doc = assert(skills.parse(GOOD_FRONT .. GOOD_BODY))
   local calls = skills.calls(doc)
   t:eq(#calls, 2)
-  t:eq({ calls[1].surface, calls[1].tool, calls[1].args.name, calls[1].line }, { "child", "sandbox_script", "first", 12 })
+  t:eq({ calls[1].surface, calls[1].tool, calls[1].args.name, calls[1].line },
+    { "child", "sandbox_script", "first", 12 })
   t:eq({ calls[2].surface, calls[2].tool, calls[2].args.timeout_seconds, calls[2].line },
     { "child", "sandbox_wait", 240, 19 })
-  local bad = assert(skills.parse(GOOD_FRONT .. "```call\nsandbox_wait {}\n```\n```call host\nsandbox_wait {job_id: 1}\n```\n"
+  local bad = assert(skills.parse(GOOD_FRONT .. "```call\nsandbox_wait {}\n```\n"
+    .. "```call host\nsandbox_wait {job_id: 1}\n```\n"
     .. "```call host\nsandbox_wait [1, 2]\n```\n```call host\nsandbox_jobs\n```\n"))
   calls = skills.calls(bad)
   t:match(calls[1].error, "call host or ```call child")
@@ -208,6 +210,23 @@ Nothing here.
   t:ok(not has(errs, "^32:"), "a template name is checked against the pattern as x1 (b-x1 is fine)")
   t:ok(has(warns, "\"extra\" is not a field of the Agent Skills format"), table.concat(warns, "; "))
   t:ok(has(warns, "say when not to use the skill"), table.concat(warns, "; "))
+end
+
+function tests.a_skill_folder_is_bounded(t)
+  local dir = scratch()
+  local extra = {}
+  for i = 1, skills.MAX_FILES + 5 do extra[("resources/r%03d.md"):format(i)] = "x" end
+  local s = make_skill(dir, "demo", GOOD_FRONT, GOOD_BODY, extra)
+  local n = 0
+  for _ in pairs(s.files) do n = n + 1 end
+  local errs = messages(skills.check(s, surfaces()), "error")
+  write(dir .. "/big/SKILL.md", GOOD_FRONT:gsub("name: demo", "name: big") .. GOOD_BODY)
+  write(dir .. "/big/resources/notes.md", ("x"):rep(skills.MAX_FILE + 1))
+  local big = messages(skills.check(assert(skills.from_dir(dir .. "/big")), surfaces()), "error")
+  fs.remove_tree(dir)
+  t:eq(n, skills.MAX_FILES, "the walk stops at the bound")
+  t:ok(has(errs, "holds more than " .. skills.MAX_FILES .. " files"), table.concat(errs, "; "))
+  t:ok(has(big, "bytes, more than the " .. skills.MAX_FILE), table.concat(big, "; "))
 end
 
 function tests.sections_and_front_matter_are_required(t)
