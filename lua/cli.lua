@@ -1,4 +1,5 @@
--- The command line: demesne [serve] | tools | check-config | doctor | images | policy | test | --help | --version
+-- The command line: demesne [serve] | tools | check-config | doctor | images | policy | skills | test | --help |
+-- --version
 local loop = require("core.loop")
 
 local cli = {}
@@ -21,6 +22,12 @@ Commands:
   policy list         list the egress policies and where each came from
   policy test NAME HOST[:PORT]
                       what egress policy NAME decides for HOST (or a URL)
+  skills list         list the orchestration skills (built-in and your own)
+  skills show NAME    print a skill's SKILL.md
+  skills check [DIR...]
+                      check skills against the live tool schemas
+  skills install [--claude] [--codex] [--dir DIR]
+                      link the skills into Claude Code's and Codex's skill folders
   test DIR...         run the Lua tests in DIR inside this binary
   --help              show this help
   --version           print the version

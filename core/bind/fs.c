@@ -270,6 +270,27 @@ static int l_lchown(lua_State *L) {
   return 1;
 }
 
+/// core.fs.symlink(target, path) -> true | nil, msg, code. Creates the symbolic link `path`
+/// holding `target` (not checked: a link may dangle). An existing `path` fails with EEXIST.
+static int l_symlink(lua_State *L) {
+  const char *target = luaL_checkstring(L, 1), *p = luaL_checkstring(L, 2);
+  if (symlink(target, p) != 0) return fail_errno(L, "symlink", p);
+  lua_pushboolean(L, 1);
+  return 1;
+}
+
+/// core.fs.readlink(path) -> string | nil, msg, code. The target a symbolic link holds, as
+/// written (not resolved). A path that is not a link fails with EINVAL.
+static int l_readlink(lua_State *L) {
+  const char *p = luaL_checkstring(L, 1);
+  char buf[PATH_MAX];
+  ssize_t n = readlink(p, buf, sizeof buf);
+  if (n < 0) return fail_errno(L, "readlink", p);
+  if ((size_t)n >= sizeof buf) return dm_fail(L, "readlink: target too long", "ENAMETOOLONG");
+  lua_pushlstring(L, buf, (size_t)n);
+  return 1;
+}
+
 typedef struct {
   int fd;
 } dm_file;
@@ -705,8 +726,8 @@ static const luaL_Reg funcs[] = {
   {"mkdir_p", l_mkdir_p}, {"write_atomic", l_write_atomic}, {"realpath", l_realpath},
   {"stat", l_stat}, {"lstat", l_lstat}, {"read_file", l_read_file}, {"readdir", l_readdir},
   {"unlink", l_unlink}, {"rename", l_rename}, {"remove_tree", l_remove_tree},
-  {"chmod", l_chmod}, {"lchown", l_lchown}, {"open", l_open}, {"open_beneath", l_open_beneath},
-  {"opendir", l_opendir}, {NULL, NULL},
+  {"chmod", l_chmod}, {"lchown", l_lchown}, {"symlink", l_symlink}, {"readlink", l_readlink},
+  {"open", l_open}, {"open_beneath", l_open_beneath}, {"opendir", l_opendir}, {NULL, NULL},
 };
 
 int luaopen_core_fs(lua_State *L) {
