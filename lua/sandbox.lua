@@ -371,10 +371,61 @@ function sandbox.remove_tree(path)
   return sandbox.remove_in(d, name)
 end
 
+local function components(p)
+  local out = {}
+  for c in tostring(p):gmatch("[^/]+") do out[#out + 1] = c end
+  return out
+end
+
+--- Refuses host inputs that a live sandbox could change before the engine mounts them.
+--- paths.inputs resolves every link once; the engine resolves the path again when it starts
+--- the container, and follows any link it then finds. Below a folder a sandbox can write
+--- (its output folder, `<output_root>/<run id>/…`, while it runs; any run folder under the
+--- state folder) every component can be swapped for a link to any host path in between, and
+--- the new sandbox would get that host folder or file mounted. So an input strictly inside
+--- the output folder of a sandbox that still exists (its run folder, or a container with its
+--- run id on the engine) is refused, and so is anything in the state folder. The output
+--- folder itself is fine (the sandbox cannot replace it: its parent is the host's), and so
+--- is the output of a sandbox that is gone (nothing can change it any more).
+---@param eng table  the engine adapter
+---@param mounts table  paths.inputs' list ({host, field, …})
+function sandbox.check_inputs_reach(eng, mounts)
+  local state = fs.realpath(config.get("state_dir"))
+  local out_root = fs.realpath(config.get("output_root"))
+  for _, m in ipairs(mounts or {}) do
+    local field = m.field or "input"
+    if state and paths.within(m.host, state) then
+      fail(("%s: %s is inside demesne's state folder (%s), which sandboxes write (their run folders and relay "
+        .. "sockets); it cannot be mounted"):format(field, m.host, state))
+    end
+    if out_root and paths.within(m.host, out_root) then
+      local c, r = components(m.host), components(out_root)
+      local id = c[#r + 1]
+      if #c > #r + 1 and id:match("^[%w%-]+$") then
+        local alive = fs.lstat(config.get("state_dir") .. "/run/" .. id) ~= nil
+        if not alive then
+          local info, err, code = sandbox.state_of(eng, id)
+          if info then alive = true
+          elseif code ~= "ENOENT" then
+            fail(("%s: %s is inside the output folder of sandbox %s, and whether that sandbox still runs cannot be "
+              .. "told (%s)"):format(field, m.host, id, tostring(err)), code)
+          end
+        end
+        if alive then
+          fail(("%s: %s is inside the output folder of sandbox %s, which is still running and can replace any part "
+            .. "of it with a link to another host path before the engine mounts it; mount the whole output folder, "
+            .. "destroy that sandbox first, or send the files with sandbox_upload"):format(field, m.host, id))
+        end
+      end
+    end
+  end
+end
+
 local function prepare(args, kind, tool, ttl)
   local eng = sandbox.engine()
   local lim = sandbox.limits(args.limits)
   local mounts = check(paths.inputs(args.files, args.directories))
+  sandbox.check_inputs_reach(eng, mounts)
   local pol = check(egress.select(args.egress, #mounts > 0))
   local run_id = sandbox.new_run_id()
   local output_dir, run_dir = dirs(run_id)

@@ -1,0 +1,118 @@
+// A second break-it pass (issue 10): attacks from inside real sandboxes, over MCP with the
+// official SDK client, against a real engine (DEMESNE_ENGINE; tests/run runs this file once
+// per engine). Each test is named after the fault it reproduces and asserts the promise:
+// no host file outside the sandbox's own output changes or is read, the server keeps
+// answering, nothing is left behind.
+//
+// The output root is inside the allowed paths here, as it is when DEMESNE_ALLOWED_PATHS
+// names a home folder and the output root is the default under it: a caller can then hand
+// one sandbox's output to another, which is where the first attack aims.
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, rmSync, statSync, chmodSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { connect } from "./helpers.mjs";
+
+const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
+const work = mkdtempSync(path.join(tmpdir(), "demesne-breakit-"));
+const home = path.join(work, "home"); // the allowed root; the output root lies inside it
+const canary = path.join(work, "canary"); // outside the allowed root: must never be read
+mkdirSync(home, { recursive: true });
+mkdirSync(canary, { recursive: true });
+writeFileSync(path.join(canary, "keep.txt"), "CANARY\n");
+writeFileSync(path.join(canary, "secret.txt"), "CANARY-FILE\n");
+const env = {
+  DEMESNE_ENGINE: ENGINE,
+  DEMESNE_ALLOWED_PATHS: home,
+  DEMESNE_OUTPUT_ROOT: path.join(home, "demesne", "out"),
+  DEMESNE_STATE_DIR: path.join(home, "demesne", "state"),
+};
+
+let conn;
+const created = [];
+before(async () => { conn = await connect({ env, fixtures: false }); });
+after(async () => {
+  for (const id of created) await call("sandbox_destroy", { sandbox_id: id }).catch(() => {});
+  await conn?.client.close();
+  rmSync(work, { recursive: true, force: true });
+});
+
+const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
+const call = (name, args) => conn.client.callTool({ name, arguments: args }, undefined, LONG);
+async function ok(name, args) {
+  const res = await call(name, args);
+  assert.ok(!res.isError, `${name} failed: ${res.content?.[0]?.text}`);
+  if (name === "sandbox_create") created.push(res.structuredContent.sandbox_id);
+  return res.structuredContent;
+}
+
+// A perl loop (perl-base is in every Debian image) that keeps swapping /out/res (a folder)
+// and /out/f.txt (a file) for links to the canary's host paths, until /tmp/stop exists.
+// The link stays for 1 ms of every 10: the host's check mostly sees the real entry, and the
+// engine's mount, a little later, sometimes the link.
+const SWAPPER = `
+my %t = ("/out/res" => $ENV{CANARY}, "/out/f.txt" => "$ENV{CANARY}/secret.txt");
+until (-e "/tmp/stop") {
+  for my $p (keys %t) {
+    rename($p, "$p.real");
+    symlink($t{$p}, $p);
+    select(undef, undef, undef, 0.001);
+    unlink($p);
+    rename("$p.real", $p);
+    select(undef, undef, undef, 0.01);
+  }
+}
+`;
+
+test("a live sandbox that swaps part of its output for a link cannot get a host folder mounted into another sandbox", async () => {
+  const a = await ok("sandbox_create", { image: "base", egress: "none" });
+  await ok("sandbox_exec", { sandbox_id: a.sandbox_id, env: { CANARY: canary }, command:
+    "mkdir -p /out/res && echo mine > /out/res/keep.txt && echo mine > /out/f.txt && "
+    + `cat > /tmp/w.pl <<'EOF'\n${SWAPPER}\nEOF\nsetsid perl /tmp/w.pl </dev/null >/dev/null 2>&1 &\nsleep 0.3; echo started` });
+  const sub = path.join(a.output_dir, "res");
+  const file = path.join(a.output_dir, "f.txt");
+  const seen = { running: 0, resolved: 0 };
+  for (let i = 0; i < 8; i++) {
+    const args = i % 2 === 0
+      ? { command: "cat /in/res/keep.txt", directories: [sub] }
+      : { command: "cat /in/f.txt", files: [file] };
+    const r = await call("sandbox_script", { image: "base", egress: "none", ...args });
+    const text = r.content?.[0]?.text || "";
+    assert.ok(!text.includes("CANARY"), `attempt ${i}: a host file outside the allowed paths was mounted: ${text}`);
+    // refused up front, naming the field and the live sandbox whose output it is (or, when
+    // the check itself met the link or the gap the swap leaves, that it leads outside the
+    // allowed paths or is missing)
+    assert.equal(r.isError, true, `attempt ${i}: a path inside a live sandbox's output was mounted: ${text}`);
+    if (/is not inside the allowed paths|cannot resolve/.test(text)) seen.resolved++;
+    else {
+      assert.match(text, /(directories|files)\[0\]: .* inside the output folder of sandbox \S+, which is still running/, text);
+      seen.running++;
+    }
+  }
+  assert.ok(seen.running > 0, `every check met the link: ${JSON.stringify(seen)}`);
+  // the whole output folder of a live sandbox is another matter: the sandbox cannot replace
+  // the folder itself (its parent is the host's), so that mount holds
+  const whole = await ok("sandbox_script", { image: "base", egress: "none", directories: [a.output_dir],
+    command: `ls /in/${path.basename(a.output_dir)} >/dev/null && echo listed` });
+  assert.equal(whole.stdout, "listed\n");
+  // an upload reads the host side by descriptors: the swapper cannot redirect it either
+  const b = await ok("sandbox_create", { image: "base", egress: "none" });
+  for (let i = 0; i < 6; i++) {
+    const u = await call("sandbox_upload", { sandbox_id: b.sandbox_id, src: sub, dst: `/tmp/up${i}` });
+    if (u.isError) continue; // a swapped component makes it fail: that hurts only the swapper
+    const cat = await ok("sandbox_exec", { sandbox_id: b.sandbox_id, command: `cat /tmp/up${i}/keep.txt` });
+    assert.equal(cat.stdout, "mine\n", "an upload never packs the link's target");
+  }
+  await ok("sandbox_exec", { sandbox_id: a.sandbox_id, command: "touch /tmp/stop; sleep 0.2; rm -f /out/res.real /out/f.txt.real; ls /out/res" });
+  await ok("sandbox_destroy", { sandbox_id: a.sandbox_id });
+  // once the sandbox is gone nothing can change its output: the same paths mount
+  const later = await ok("sandbox_script", { image: "base", egress: "none", directories: [sub], files: [file],
+    command: "cat /in/res/keep.txt /in/f.txt" });
+  assert.equal(later.stdout, "mine\nmine\n");
+  // and the state folder (run folders: relay sockets, exec records) is never mountable
+  const st = await call("sandbox_script", { image: "base", egress: "none", directories: [env.DEMESNE_STATE_DIR],
+    command: "true" });
+  assert.equal(st.isError, true, "the state folder was mounted");
+  assert.match(st.content[0].text, /directories\[0\]: .*state folder/);
+});
