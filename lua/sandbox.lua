@@ -214,7 +214,9 @@ local function container_spec(o)
     tmpfs = tmpfs,
     network = o.egress and o.egress.open and "bridge" or "none", -- egress goes through the proxy
     read_only_rootfs = config.get("readonly_rootfs") and true or false,
-    security = { no_new_privileges = true, cap_drop = { "NET_RAW" } },
+    -- MKNOD: a device node the sandbox made in /out or its run folder is a node on the host,
+    -- usable there by whoever reaches it (Docker grants MKNOD by default; Podman does not)
+    security = { no_new_privileges = true, cap_drop = { "NET_RAW", "MKNOD" } },
     limits = { memory_bytes = math.floor(lim.memory_mb * 1024 * 1024), cpus = lim.cpus, pids = math.floor(lim.pids) },
   }
   check(engine_spec.check(spec, o.engine.capabilities))
@@ -440,7 +442,30 @@ end
 -- from one another live server (or another engine) still uses.
 local function claim_path(run_id) return config.get("state_dir") .. "/claims/" .. run_id end
 
+--- With `create`, makes the output root and the state folder, when missing, readable by this
+--- user only (0700). Returns a warning for each that other users can enter. Root in a sandbox is
+--- root on the host under a rootful engine: a setuid-root program the sandbox leaves in its
+--- output or run folder is one on the host, which only the folders above keep from other
+--- users (the sandbox can change the mode of its own /out, not of its parent).
+---@param create boolean|nil
+---@return string[] warnings
+function sandbox.private_roots(create)
+  local warnings = {}
+  for _, name in ipairs({ "output_root", "state_dir" }) do
+    local dir = config.get(name)
+    if create and not fs.lstat(dir) then fs.mkdir_p(dir, 448) end -- 0700 (Lua has no octal literals)
+    local st = fs.stat(dir)
+    if st and st.mode & 63 ~= 0 then -- 0077: group or others
+      warnings[#warnings + 1] = ("%s %s can be entered by other users (mode %03o): a sandbox can leave setuid-root "
+        .. "programs in the folders below it (root in a sandbox is root on the host under a rootful engine); "
+        .. "chmod 700 %s"):format(name, dir, st.mode & 511, dir)
+    end
+  end
+  return warnings
+end
+
 local function make_dirs(o)
+  sandbox.private_roots(true)
   check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)
   -- after the folder: a claim without its folder is always stale (a young folder without a

@@ -116,3 +116,30 @@ test("a live sandbox that swaps part of its output for a link cannot get a host 
   assert.equal(st.isError, true, "the state folder was mounted");
   assert.match(st.content[0].text, /directories\[0\]: .*state folder/);
 });
+
+test("a sandbox cannot leave a setuid program or a device node where other host users reach it", async () => {
+  // root in the sandbox is root on the host (rootful engine, no user namespace): what it
+  // leaves in its output folder is owned by root there
+  const r = await ok("sandbox_script", { image: "base", egress: "none", command:
+    "cp /bin/cat /out/suidcat && chmod 4755 /out/suidcat && ls -l /out/suidcat; "
+    + "if mknod -m 666 /out/disk b 7 0 2>/dev/null; then echo made-device; else echo no-device; fi" });
+  assert.match(r.stdout, /^-rwsr-xr-x/m, "the setuid bit can be set inside (nothing stops that)");
+  assert.match(r.stdout, /no-device/, "device nodes cannot be made (MKNOD is dropped)");
+  // so the folders above every output and run folder are the server user's alone
+  for (const dir of [env.DEMESNE_OUTPUT_ROOT, env.DEMESNE_STATE_DIR]) {
+    const mode = statSync(dir).mode & 0o777;
+    assert.equal(mode & 0o077, 0, `${dir} is private (mode ${mode.toString(8)})`);
+  }
+  if (process.getuid() === 0) {
+    // another user cannot reach the setuid program (the allowed root itself is opened up for
+    // the check, as a home folder often is)
+    chmodSync(work, 0o755);
+    chmodSync(home, 0o755);
+    chmodSync(path.join(home, "demesne"), 0o755);
+    const { spawnSync } = await import("node:child_process");
+    const p = spawnSync("su", ["nobody", "-s", "/bin/sh", "-c", `${path.join(r.output_dir, "suidcat")} /etc/shadow`],
+      { encoding: "utf8" });
+    assert.notEqual(p.status, 0, `another user ran the sandbox's setuid program: ${p.stdout.slice(0, 80)}`);
+    assert.match(p.stderr, /Permission denied/, p.stderr);
+  }
+});

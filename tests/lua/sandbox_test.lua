@@ -104,7 +104,7 @@ function tests.a_one_shot_sandbox_gets_the_whole_spec(t)
   t:eq({ table.unpack(s.command, #s.command - 2) }, { "/bin/sh", "-c", "true" }, "the command through sh")
   t:eq({ s.workdir, s.hostname, s.network, s.read_only_rootfs }, { "/out", "sandbox", "none", true },
     "workdir, hostname, network, read-only root")
-  t:eq(s.security, { no_new_privileges = true, cap_drop = { "NET_RAW" } }, "security")
+  t:eq(s.security, { no_new_privileges = true, cap_drop = { "NET_RAW", "MKNOD" } }, "security")
   t:eq(s.limits, { memory_bytes = 2048 * MiB, cpus = 2, pids = 1024 }, "the default limits")
   t:eq(s.mounts, {
     { source = w.dir .. "/demesne-init", target = "/.demesne/init", mode = "ro" },
