@@ -217,6 +217,9 @@ local function container_spec(o)
     -- MKNOD: a device node the sandbox made in /out or its run folder is a node on the host,
     -- usable there by whoever reaches it (Docker grants MKNOD by default; Podman does not)
     security = { no_new_privileges = true, cap_drop = { "NET_RAW", "MKNOD" } },
+    -- the sandbox can write to PID 1's stdout (/proc/1/fd/1): the engine's log of it lives
+    -- on the host's disk, outside the output folder, and demesne never reads it
+    log_max_bytes = 1024 * 1024,
     limits = { memory_bytes = math.floor(lim.memory_mb * 1024 * 1024), cpus = lim.cpus, pids = math.floor(lim.pids) },
   }
   check(engine_spec.check(spec, o.engine.capabilities))

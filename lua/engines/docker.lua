@@ -76,6 +76,7 @@ docker.CAPABILITIES = {
   unix_socket_mounts = true,
   tmpfs = true,
   read_only_rootfs = true,
+  bounded_logs = true,
   networks = { none = true, bridge = true },
   runtimes = {}, -- spec.runtime is not offered yet
   userns = false,
@@ -128,6 +129,10 @@ function docker.create_body(s)
       NanoCpus = lim.cpus and math.floor(lim.cpus * 1e9),
       PidsLimit = lim.pids,
       Init = false,
+      -- one file of at most log_max_bytes (Docker: json-file rotated at max-size, keeping one
+      -- old file; Podman maps json-file to k8s-file and truncates at max-size)
+      LogConfig = s.log_max_bytes and { Type = "json-file",
+        Config = { ["max-size"] = tostring(s.log_max_bytes), ["max-file"] = "1" } } or nil,
     },
   }
 end

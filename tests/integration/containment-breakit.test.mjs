@@ -9,7 +9,8 @@
 // one sandbox's output to another, which is where the first attack aims.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, rmSync, statSync, chmodSync } from "node:fs";
+import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, readdirSync, rmSync, statSync, chmodSync } from "node:fs";
+import http from "node:http";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { connect } from "./helpers.mjs";
@@ -141,5 +142,34 @@ test("a sandbox cannot leave a setuid program or a device node where other host 
       { encoding: "utf8" });
     assert.notEqual(p.status, 0, `another user ran the sandbox's setuid program: ${p.stdout.slice(0, 80)}`);
     assert.match(p.stderr, /Permission denied/, p.stderr);
+  }
+});
+
+function engineInspect(name) {
+  const socketPath = ENGINE.replace(/^unix:\/\//, "");
+  return new Promise((resolve, reject) => {
+    http.get({ socketPath, path: `/v1.41/containers/${name}/json` }, (res) => {
+      let body = "";
+      res.on("data", (c) => (body += c));
+      res.on("end", () => resolve(JSON.parse(body)));
+    }).on("error", reject);
+  });
+}
+
+test("a sandbox that floods its main process's stdout does not grow the engine's log on the host", async () => {
+  const sb = await ok("sandbox_create", { image: "base", egress: "none" });
+  try {
+    // PID 1 (demesne-init) has the engine's log pipe as stdout: anyone in the sandbox can write to it
+    const r = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, timeout_seconds: 120,
+      command: "head -c 40000000 /dev/zero | tr '\\0' A > /proc/1/fd/1; echo wrote" });
+    assert.equal(r.stdout, "wrote\n");
+    const info = await engineInspect(`demesne-${sb.sandbox_id}`);
+    assert.ok(info.LogPath, "the engine keeps a log file");
+    const dir = path.dirname(info.LogPath);
+    const size = readdirSync(dir).filter((n) => n.startsWith(path.basename(info.LogPath)))
+      .reduce((n, f) => n + statSync(path.join(dir, f)).size, 0);
+    assert.ok(size < 4 * 1024 * 1024, `the engine's log of the sandbox holds ${size} bytes after a 40 MB flood`);
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
   }
 });

@@ -304,6 +304,12 @@ function tests.an_engine_that_cannot_share_host_folders_is_refused(t)
   msg = failure(sandbox.create, nil, { image = IMAGE })
   t:eq(msg, "spec.mounts[2].relay: this engine adapter cannot pass host unix sockets into a sandbox (capability "
     .. "unix_socket_mounts)", "no unix sockets")
+  -- a sandbox can write its main process's stdout: an engine that keeps that log unbounded
+  -- on the host's disk is refused
+  caps.unix_socket_mounts, caps.bounded_logs = true, false
+  msg = failure(sandbox.create, nil, { image = IMAGE })
+  t:eq(msg, "spec.log_max_bytes: this engine adapter cannot bound the log the engine keeps of a sandbox (capability "
+    .. "bounded_logs)", "unbounded logs")
   t:eq(#w.specs, 0, "nothing reached the engine")
   t:eq(#w.eng:list({ "io.demesne.managed=1" }), 0, "no container")
 end
