@@ -27,7 +27,9 @@ agent.hooks = { result = {} }
 local AGENT_DIR = "/.demesne/agent"
 local ANSWER_MAX = 16 * 1024
 local STDERR_MAX = 4 * 1024
-local TRANSCRIPT_MAX = 8 * 1024 * 1024
+-- The tail of transcript.jsonl that is read for the answer and the rate-limit signals (its
+-- last providers.LINES_MAX lines): the sandbox writes it, and decoding it is work on the loop.
+local TRANSCRIPT_MAX = 1024 * 1024
 
 local function fail(msg) sandbox.fail(msg) end
 

@@ -93,6 +93,11 @@ local SPEC = {
       .. "sized so that many sandboxes at their ceiling stay under the server's open-file limit" },
   vendor_max_connections = { env = "DEMESNE_VENDOR_MAX_CONNECTIONS", default = 32, number = true,
     doc = "connections one agent sandbox may hold open on its vendor (model API) route at once; more are answered 503" },
+  vendor_max_buffered_bytes = { env = "DEMESNE_VENDOR_MAX_BUFFERED_BYTES", default = 64 * 1024 * 1024, number = true,
+    doc = "bytes of request bodies one agent sandbox's vendor route may hold in the server's memory at once (being "
+      .. "read, sent or held for a rate-limit retry); a request over it is answered 503" },
+  vendor_max_buffered_bytes_total = { env = "DEMESNE_VENDOR_MAX_BUFFERED_BYTES_TOTAL", default = 256 * 1024 * 1024,
+    number = true, doc = "the same, for the vendor routes of all sandboxes together" },
   exec_grace_seconds = { env = "DEMESNE_EXEC_GRACE_SECONDS", default = 30, number = true,
     doc = "seconds the host waits for a sandbox beyond a command's own timeout (and for demesne-init kill) before "
       .. "it calls the sandbox unresponsive and stops it" },

@@ -9,6 +9,7 @@
 local config = require("demesne.config")
 local engines = require("demesne.engines")
 local images = require("demesne.images")
+local sandbox = require("demesne.sandbox")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
@@ -165,7 +166,12 @@ local function check_folders()
     return fail(table.concat(problems, "; "), "make the folder writable by this user, or point DEMESNE_OUTPUT_ROOT / "
       .. "DEMESNE_STATE_DIR at one that is")
   end
-  return ok(table.concat(found, ", ") .. ": writable")
+  local open = sandbox.private_roots(false)
+  if #open > 0 then
+    return fail(table.concat(open, "; "), "make the folders private to this user (chmod 700), or put them on a "
+      .. "filesystem mounted nosuid,nodev (see docs/explanation/trust-boundary.md)")
+  end
+  return ok(table.concat(found, ", ") .. ": writable, private to this user")
 end
 
 -- ELF facts from a file's header (the ELF specification: e_ident, e_machine, program

@@ -247,7 +247,12 @@ local function container_spec(o)
     tmpfs = tmpfs,
     network = o.egress and o.egress.open and "bridge" or "none", -- egress goes through the proxy
     read_only_rootfs = config.get("readonly_rootfs") and true or false,
-    security = { no_new_privileges = true, cap_drop = { "NET_RAW" } },
+    -- MKNOD: a device node the sandbox made in /out or its run folder is a node on the host,
+    -- usable there by whoever reaches it (Docker grants MKNOD by default; Podman does not)
+    security = { no_new_privileges = true, cap_drop = { "NET_RAW", "MKNOD" } },
+    -- the sandbox can write to PID 1's stdout (/proc/1/fd/1): the engine's log of it lives
+    -- on the host's disk, outside the output folder, and demesne never reads it
+    log_max_bytes = 1024 * 1024,
     limits = { memory_bytes = math.floor(lim.memory_mb * 1024 * 1024), cpus = lim.cpus, pids = math.floor(lim.pids) },
     runtime = o.isolation == "gvisor" and "gvisor" or nil,
     userns = o.userns or nil,
@@ -458,10 +463,61 @@ function sandbox.remove_tree(path)
   return sandbox.remove_in(d, name)
 end
 
+local function components(p)
+  local out = {}
+  for c in tostring(p):gmatch("[^/]+") do out[#out + 1] = c end
+  return out
+end
+
+--- Refuses host inputs that a live sandbox could change before the engine mounts them.
+--- paths.inputs resolves every link once; the engine resolves the path again when it starts
+--- the container, and follows any link it then finds. Below a folder a sandbox can write
+--- (its output folder, `<output_root>/<run id>/…`, while it runs; any run folder under the
+--- state folder) every component can be swapped for a link to any host path in between, and
+--- the new sandbox would get that host folder or file mounted. So an input strictly inside
+--- the output folder of a sandbox that still exists (its run folder, or a container with its
+--- run id on the engine) is refused, and so is anything in the state folder. The output
+--- folder itself is fine (the sandbox cannot replace it: its parent is the host's), and so
+--- is the output of a sandbox that is gone (nothing can change it any more).
+---@param eng table  the engine adapter
+---@param mounts table  paths.inputs' list ({host, field, …})
+function sandbox.check_inputs_reach(eng, mounts)
+  local state = fs.realpath(config.get("state_dir"))
+  local out_root = fs.realpath(config.get("output_root"))
+  for _, m in ipairs(mounts or {}) do
+    local field = m.field or "input"
+    if state and paths.within(m.host, state) then
+      fail(("%s: %s is inside demesne's state folder (%s), which sandboxes write (their run folders and relay "
+        .. "sockets); it cannot be mounted"):format(field, m.host, state))
+    end
+    if out_root and paths.within(m.host, out_root) then
+      local c, r = components(m.host), components(out_root)
+      local id = c[#r + 1]
+      if #c > #r + 1 and id:match("^[%w%-]+$") then
+        local alive = fs.lstat(config.get("state_dir") .. "/run/" .. id) ~= nil
+        if not alive then
+          local info, err, code = sandbox.state_of(eng, id)
+          if info then alive = true
+          elseif code ~= "ENOENT" then
+            fail(("%s: %s is inside the output folder of sandbox %s, and whether that sandbox still runs cannot be "
+              .. "told (%s)"):format(field, m.host, id, tostring(err)), code)
+          end
+        end
+        if alive then
+          fail(("%s: %s is inside the output folder of sandbox %s, which is still running and can replace any part "
+            .. "of it with a link to another host path before the engine mounts it; mount the whole output folder, "
+            .. "destroy that sandbox first, or send the files with sandbox_upload"):format(field, m.host, id))
+        end
+      end
+    end
+  end
+end
+
 local function prepare(args, kind, tool, ttl)
   local eng = sandbox.engine()
   local lim = sandbox.limits(args.limits)
   local mounts = check(paths.inputs(args.files, args.directories))
+  sandbox.check_inputs_reach(eng, mounts)
   local pol = check(egress.select(args.egress, #mounts > 0))
   local iso = sandbox.isolation(eng, args.isolation, pol.open == true)
   local run_id = sandbox.new_run_id()
@@ -477,10 +533,33 @@ end
 -- from one another live server (or another engine) still uses.
 local function claim_path(run_id) return config.get("state_dir") .. "/claims/" .. run_id end
 
+--- With `create`, makes the output root and the state folder, when missing, readable by this
+--- user only (0700). Returns a warning for each that other users can enter. Root in a sandbox is
+--- root on the host under a rootful engine: a setuid-root program the sandbox leaves in its
+--- output or run folder is one on the host, which only the folders above keep from other
+--- users (the sandbox can change the mode of its own /out, not of its parent).
+---@param create boolean|nil
+---@return string[] warnings
+function sandbox.private_roots(create)
+  local warnings = {}
+  for _, name in ipairs({ "output_root", "state_dir" }) do
+    local dir = config.get(name)
+    if create and not fs.lstat(dir) then fs.mkdir_p(dir, 448) end -- 0700 (Lua has no octal literals)
+    local st = fs.stat(dir)
+    if st and st.mode & 63 ~= 0 then -- 0077: group or others
+      warnings[#warnings + 1] = ("%s %s can be entered by other users (mode %03o): a sandbox can leave setuid-root "
+        .. "programs in the folders below it (root in a sandbox is root on the host under a rootful engine); "
+        .. "chmod 700 %s"):format(name, dir, st.mode & 511, dir)
+    end
+  end
+  return warnings
+end
+
 -- The folders a sandbox writes to are made before it exists: with a user namespace the
 -- engine hands them (and what is in them) to the sandbox's root when it starts, so the
 -- transfer folder is made here too.
 local function make_dirs(o)
+  sandbox.private_roots(true)
   check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/xfer", 448)) -- 0700
@@ -1138,7 +1217,7 @@ local function run_quiet(eng, sb, argv)
   local st = read_status(sb.run_dir, id)
   local msg, merr = output.view(sb.run_dir, "exec/" .. id .. "/stderr.log", 2048, 2048)
   if not msg then fail("file transfer: " .. tostring(merr)) end
-  return st and st.exit_code or code, (msg:gsub("%s+$", "")), st
+  return st and st.exit_code or code, msg:match("^(.*%S)") or "", st -- (linear: not "%s+$")
 end
 
 -- A transfer step that failed in an unexpected way: says when the sandbox is gone or ran

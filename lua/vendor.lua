@@ -73,106 +73,115 @@ function vendor.parse_head(text)
   for line in (text .. "\r\n"):gmatch("(.-)\r?\n") do lines[#lines + 1] = line end
   local method, target, version = (lines[1] or ""):match("^(%u+) (%S+) HTTP/(1%.[01])$")
   if not method then return nil, 400, "malformed request line" end
-  local headers = {}
+  local headers, repeated = {}, {}
   for i = 2, #lines do
     local l = lines[i]
     if l ~= "" then
-      local name, value = l:match("^([!#$%%&'*+%-.^_`|~%w]+):[ \t]*(.-)[ \t]*$")
+      -- linear patterns only: the sandbox writes this text, and a lazy "(.-)" before a
+      -- trailing "[ \t]*$" backtracks quadratically over a long run of blanks (a 32 KB header
+      -- line held the loop for 18 s)
+      local name, rest = l:match("^([!#$%%&'*+%-.^_`|~%w]+):(.*)$")
       if not name then return nil, 400, "malformed header line" end
+      local value = rest:match("^[ \t]*(.*[^ \t])") or ""
       name = name:lower()
-      if headers[name] and name ~= "content-length" then headers[name] = headers[name] .. ", " .. value
+      if headers[name] and name ~= "content-length" then
+        repeated[name] = repeated[name] or { headers[name] }
+        repeated[name][#repeated[name] + 1] = value
       elseif headers[name] and headers[name] ~= value then return nil, 400, "conflicting Content-Length"
       else headers[name] = value end
     end
   end
+  for name, values in pairs(repeated) do headers[name] = table.concat(values, ", ") end
   -- an absolute-form target (a client that used the egress proxy variables) keeps its path
   local path = target:match("^https?://[^/]+(/.*)$")
   if path then target = path elseif target:match("^https?://[^/]+$") then target = "/" end
   return { method = method, target = target, version = version, headers = headers }
 end
 
--- One read of a chunked body: takes what `buf` holds (the bytes held over, then the new
--- ones), appends the chunks' data to `got` and returns "more", "done" or "error" (r.why
--- set). A chunk's data is taken as it arrives; only an unfinished size line (up to 1 KiB)
--- or trailer (up to MAX_HEAD) is held over in r.buf to the next read.
-local function chunked_read(r, buf, got)
-  local pos, n = 1, #buf
-  local function hold(limit, why)
-    r.buf = buf:sub(pos)
-    if #r.buf > limit then r.why = why return "error" end
-    return "more"
-  end
-  while true do
-    if r.state == "size" then
-      local s, e, hex = buf:find("^([0-9a-fA-F]+)[^\r\n]*\r\n", pos)
-      if not s then return hold(1024, "bad chunk size") end
-      hex = hex:match("^0*(.*)$")
-      -- 12 hex digits are far above MAX_BODY; longer ones would wrap around in tonumber
-      local len = #hex <= 12 and tonumber(hex ~= "" and hex or "0", 16) or math.huge
-      if r.size + len > MAX_BODY then r.why = "request body too large" return "error" end
-      r.left = len
-      pos = e + 1
-      r.state = len == 0 and "trailer" or "data"
-    elseif r.state == "data" then
-      local take = math.min(r.left, n - pos + 1)
-      if take > 0 then
-        got[#got + 1] = buf:sub(pos, pos + take - 1)
-        r.size = r.size + take
-        r.left = r.left - take
-        pos = pos + take
-      end
-      if r.left > 0 then r.buf = "" return "more" end
-      r.state = "crlf"
-    elseif r.state == "crlf" then -- the CRLF that ends a chunk's data
-      if n - pos + 1 < 2 then return hold(1, "bad chunk framing") end
-      if buf:sub(pos, pos + 1) ~= "\r\n" then r.why = "bad chunk framing" return "error" end
-      pos = pos + 2
-      r.state = "size"
-    else -- trailer: lines until an empty one, MAX_HEAD bytes in all
-      local s, e = buf:find("\r\n", pos, true)
-      if not s then return hold(MAX_HEAD - r.trailer, "trailer too large") end
-      r.trailer = r.trailer + (e - pos + 1)
-      if r.trailer > MAX_HEAD then r.why = "trailer too large" return "error" end
-      local empty = s == pos
-      pos = e + 1
-      if empty then
-        r.buf = ""
-        return "done"
-      end
-    end
-  end
-end
-
--- A body reader fed with bytes: returns "more", "done" or "error" and sets r.body / r.why.
--- Its cost is linear in the bytes fed, however a sandbox splits them and sizes its chunks.
-local function body_reader(headers)
+--- Reads a request body as it arrives (Content-Length or chunked). `charge(n)` is asked
+--- before n more body bytes are kept and returns false to refuse them (a ceiling); a
+--- Content-Length body is charged whole when the head arrives. Each byte is copied once:
+--- the work is linear in the body's size, and no more than the body plus one framing line
+--- (at most 1 KiB) is held. Returns the reader, or nil, status, why for a head that cannot
+--- be read. reader:feed(data) returns "more", "done" (reader.body is set) or "error"
+--- (reader.status and reader.why say why: 400, 413, or 503 for a refused charge).
+---@param headers table<string,string>
+---@param charge fun(n: integer): boolean
+---@return table|nil reader, integer|nil status, string|nil why
+function vendor.body_reader(headers, charge)
   local te = headers["transfer-encoding"]
-  local r = { buf = "", parts = {}, size = 0 }
+  local r = { parts = {}, size = 0, line = "", trailers = 0 }
   if te then
     if te:lower():match("^%s*chunked%s*$") == nil then return nil, 501, "unsupported transfer-encoding" end
     r.chunked, r.state, r.trailer = true, "size", 0
   else
     local cl = headers["content-length"]
-    if cl and not cl:match("^%d+$") then return nil, 400, "bad Content-Length" end
+    if cl and (not cl:match("^%d+$") or #cl > 12) then return nil, 400, "bad Content-Length" end
     r.want = tonumber(cl or "0")
     if r.want > MAX_BODY then return nil, 413, "request body too large" end
+    if r.want > 0 and not charge(r.want) then return nil, 503, "refused" end
+  end
+  local function fail(self, status, why)
+    self.status, self.why, self.parts = status, why, {}
+    return "error"
   end
   function r.feed(self, data)
     if not self.chunked then
-      self.parts[#self.parts + 1] = data
-      self.size = self.size + #data
-      if self.size >= self.want then
-        self.body = table.concat(self.parts):sub(1, self.want)
-        return "done"
+      local take = math.min(#data, self.want - self.size)
+      if take > 0 then
+        self.parts[#self.parts + 1] = take < #data and data:sub(1, take) or data
+        self.size = self.size + take
       end
-      return "more"
+      if self.size < self.want then return "more" end
+      self.body = table.concat(self.parts)
+      self.parts = {}
+      return "done"
     end
     -- one part per read, not per chunk: tiny chunks must not cost a table slot each
-    local got = {}
-    local st = chunked_read(self, self.buf .. data, got)
-    if #got > 0 then self.parts[#self.parts + 1] = table.concat(got) end
-    if st == "done" then self.body = table.concat(self.parts) end
-    return st
+    local pos, n, got = 1, #data, {}
+    local function keep()
+      if #got > 0 then self.parts[#self.parts + 1] = table.concat(got) end
+      got = {}
+    end
+    while true do
+      if self.state == "data" then
+        if pos > n then keep() return "more" end
+        local take = math.min(self.left, n - pos + 1)
+        if not charge(take) then return fail(self, 503, "refused") end
+        got[#got + 1] = (pos == 1 and take == n) and data or data:sub(pos, pos + take - 1)
+        self.size, self.left, pos = self.size + take, self.left - take, pos + take
+        if self.left == 0 then self.state = "crlf" end
+      else -- a framing line: a chunk's size, the CRLF after its data, or a trailer
+        if pos > n then keep() return "more" end
+        local nl = data:find("\n", pos, true)
+        local piece = data:sub(pos, nl and nl - 1 or n)
+        if #self.line + #piece > 1024 then return fail(self, 400, "chunk framing line too long") end
+        self.line = self.line .. piece
+        if not nl then keep() return "more" end
+        pos = nl + 1
+        local line = self.line:gsub("\r$", "")
+        self.line = ""
+        if self.state == "size" then
+          local hex = line:match("^(%x+)")
+          if not hex or #hex > 8 then return fail(self, 400, "bad chunk size") end
+          self.left = tonumber(hex, 16)
+          if self.size + self.left > MAX_BODY then return fail(self, 413, "request body too large") end
+          self.state = self.left == 0 and "trailer" or "data"
+        elseif self.state == "crlf" then
+          if line ~= "" then return fail(self, 400, "no line break after a chunk") end
+          self.state = "size"
+        else -- trailer lines until an empty one
+          if line == "" then
+            keep()
+            self.body = table.concat(self.parts)
+            self.parts = {}
+            return "done"
+          end
+          self.trailers = self.trailers + 1
+          if self.trailers > 64 then return fail(self, 400, "too many trailer lines") end
+        end
+      end
+    end
   end
   return r
 end
@@ -229,7 +238,7 @@ end
 --- huge (infinite for 400 digits): reset_wait and body_reset bound it.
 function vendor.parse_reset(value, now)
   if type(value) ~= "string" then return nil end
-  value = value:match("^%s*(.-)%s*$")
+  value = value:match("^%s*(.*%S)") or "" -- (linear: no lazy match before a trailing %s*$)
   if value:match("^%d+%.?%d*$") then return tonumber(value) end
   local y, mo, d, h, mi, sec, frac, zone = value:match("^(%d%d%d%d)%-(%d%d)%-(%d%d)[Tt ](%d%d):(%d%d):(%d%d)(%.?%d*)(.*)$")
   if y then
@@ -345,7 +354,9 @@ end
 --- The rate-limit state of the run (saved in <state_dir>/vendor/<run_id>.json): budget,
 --- used (holds + resumes), held, resumed, limited (429 answers seen), reset_at (epoch s),
 --- passed_at (when a 429 last went to the agent), why (the reason a rate-limited run
---- ended), decided (attempt number -> the answer given to the agent's wrapper).
+--- ended), decided (attempt number -> the resume given to the agent's wrapper),
+--- last_attempt (the last attempt decided), stopped (a stop was answered: no later attempt
+--- is decided).
 function Route:rate_state() return self.rate end
 
 local function rate_file(run_id)
@@ -380,6 +391,10 @@ local function load_rate(run_id, budget)
     if type(prev[k]) == "number" then rate[k] = prev[k] end
   end
   if type(prev.why) == "string" then rate.why = prev.why end
+  if math.type(prev.last_attempt) == "integer" or type(prev.last_attempt) == "number" then
+    rate.last_attempt = math.tointeger(math.floor(prev.last_attempt))
+  end
+  if prev.stopped == true then rate.stopped = true end
   if type(prev.decided) == "table" then rate.decided = prev.decided end
   return rate
 end
@@ -393,7 +408,8 @@ end
 --- (route:stop() ends it) or nil, err.
 function vendor.start(o)
   local r = setmetatable({ run_id = o.run_id, provider = o.provider, token = o.token, credential = o.credential,
-    output_dir = o.output_dir, conns = {}, nconns = 0, models = {}, requests = 0, closed = false,
+    output_dir = o.output_dir, conns = {}, nconns = 0, buffered = 0, lingering = 0, models = {}, requests = 0,
+    closed = false,
     deadline = o.deadline, waits = {}, decide = o.decide, holds = o.holds ~= false,
     rate = load_rate(o.run_id, vendor.rate_budget(o.rate_limit_retries)),
     total = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 } }, Route)
@@ -550,9 +566,102 @@ local function error_body(p, status, message)
     code = tostring(status) } })
 end
 
+-- Connections a route keeps open at once only to let its answer arrive (answer_and_drain).
+local LINGER_MAX = 32
+
+-- Answers `status` with an error body and then reads (and drops) what the client still
+-- sends, for at most 2 s, before closing: closing with unread bytes would reset the
+-- connection under the answer. At most LINGER_MAX connections of a route linger so at
+-- once (each holds a descriptor); past that the answer goes out and the connection closes.
+function Route:answer_and_drain(conn, status, message)
+  local body = error_body(self.provider, status, message)
+  local closed = false
+  local lingering = self.lingering < LINGER_MAX
+  if lingering then self.lingering = self.lingering + 1 end
+  local linger
+  local function close()
+    if closed then return end
+    closed = true
+    if linger then linger:close() end
+    if lingering then self.lingering = self.lingering - 1 end
+    conn:close()
+  end
+  conn:read_stop()
+  local head = ("HTTP/1.1 %d %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n")
+    :format(status, REASONS[status] or "Error", #body)
+  if not lingering then
+    conn:write(head .. body, close)
+    return
+  end
+  linger = timer.after(2000, close)
+  conn:read_start(function(data)
+    if data == nil then close() end
+  end)
+  conn:write(head .. body, function() if not closed then conn:shutdown() end end)
+end
+
+-- Request bytes held by every route together (bodies being read, sent or held for a retry).
+local buffered_total = 0
+
+--- Bytes of request bodies all vendor routes hold now (tests, diagnostics).
+---@return integer
+function vendor.buffered() return buffered_total end
+
+-- Holds `n` bytes of request body for connection `state` on this route, within
+-- vendor_max_buffered_bytes (this route) and vendor_max_buffered_bytes_total (every route):
+-- the bodies are held in the server's memory until their request ends. Returns true, or
+-- false and the sentence for the 503.
+function Route:hold(state, n)
+  local route_max = math.floor(config.get("vendor_max_buffered_bytes"))
+  local total_max = math.floor(config.get("vendor_max_buffered_bytes_total"))
+  if self.buffered + n > route_max then
+    return false, ("this sandbox's requests on its vendor route would hold %d bytes of bodies at once, over its "
+      .. "ceiling of %d (vendor_max_buffered_bytes in the demesne configuration); send fewer or smaller requests at "
+      .. "once"):format(self.buffered + n, route_max)
+  end
+  if buffered_total + n > total_max then
+    return false, ("the vendor routes of all sandboxes would hold %d bytes of request bodies at once, over the "
+      .. "server's ceiling of %d (vendor_max_buffered_bytes_total in the demesne configuration); retry "
+      .. "later"):format(buffered_total + n, total_max)
+  end
+  self.buffered = self.buffered + n
+  buffered_total = buffered_total + n
+  state.charged = (state.charged or 0) + n
+  return true
+end
+
+-- Gives back what connection `state` was charged.
+function Route:release(state)
+  local n = state.charged or 0
+  state.charged = 0
+  self.buffered = self.buffered - n
+  buffered_total = buffered_total - n
+end
+
+-- A request the route refused: one line in usage.jsonl (the sandbox's own file, with the
+-- path cut), and a log record for the first refusal and then at most one every 10 s with
+-- the count since: a sandbox that floods its route must not flood the server's log or the
+-- client's notifications.
+function Route:note_refusal(rec, why)
+  if rec.path then rec.path = log.printable(rec.path, 256) end
+  self:log_line(rec)
+  local r = self.refusals or { count = 0, last = -math.huge }
+  self.refusals = r
+  r.count = r.count + 1
+  if loop.now() - r.last >= 10000 then
+    log.info(LOGGER, "%s: refused %s %s: %s%s", self.run_id, log.printable(rec.method or "-", 32),
+      log.printable(rec.path or "-", 256), log.printable(why or "refused", 512),
+      r.count > 1 and (" (%d requests refused since the last report)"):format(r.count) or "")
+    r.count, r.last = 0, loop.now()
+  end
+end
+
 --- Takes one connection of the agent (from the relay). A route holds at most
 --- vendor_max_connections at once: one more is answered 503 naming the ceiling (each
---- connection holds descriptors on the host; a sandbox must not starve the others).
+--- connection holds descriptors on the host; a sandbox must not starve the others). The
+--- request is judged as soon as its head is read (route, token), before any of its body is;
+--- the bodies a route holds at once are bounded (Route:charge), and a request over a
+--- ceiling is answered 503 naming it.
 ---@param conn userdata  a core.stream
 function Route:accept(conn)
   if self.closed then conn:close() return end
@@ -560,19 +669,8 @@ function Route:accept(conn)
   if self.nconns >= max then
     local why = ("this sandbox has %d connections open on its vendor route, its ceiling "
       .. "(vendor_max_connections in the demesne configuration); close some and retry"):format(self.nconns)
-    -- answered before the request is read: the request is drained (for at most 2 s) so
-    -- that closing does not reset the connection under the answer
-    local body = error_body(self.provider, 503, why)
-    local closed = false
-    local function close()
-      if not closed then closed = true conn:close() end
-    end
-    local linger = timer.after(2000, close)
-    conn:read_start(function(data)
-      if data == nil then linger:close() close() end
-    end)
-    conn:write(("HTTP/1.1 503 %s\r\ncontent-type: application/json\r\ncontent-length: %d\r\nconnection: close\r\n\r\n%s")
-      :format(REASONS[503], #body, body), function() if not closed then conn:shutdown() end end)
+    -- answered before the request is read
+    self:answer_and_drain(conn, 503, why)
     self.refused = (self.refused or 0) + 1
     if self.refused == 1 or loop.now() - (self.refused_logged or 0) >= 1000 then
       self.refused_logged = loop.now()
@@ -589,6 +687,7 @@ function Route:accept(conn)
     if not state.handed and not done then
       done = true
       conn:close()
+      self:release(state)
       if self.conns[conn] then self.conns[conn] = nil; self.nconns = self.nconns - 1 end
     end
   end)
@@ -596,9 +695,15 @@ function Route:accept(conn)
     deadline:close()
     if done then return end
     done = true
+    self:release(state)
     if self.conns[conn] then self.conns[conn] = nil; self.nconns = self.nconns - 1 end
   end
   state.finish = finish
+  local function refuse(status, why, rec)
+    self:note_refusal(rec or { time = iso_now(), verdict = "deny", status = status, reason = why }, why)
+    self:answer_and_drain(conn, status, why)
+    return finish()
+  end
   local reader
   conn:read_start(function(data, err)
     if done or state.handed then return end
@@ -617,11 +722,7 @@ function Route:accept(conn)
         state.parts[#state.parts + 1] = data
         state.held = held + #data
         state.tail = (tail .. data):sub(-3)
-        if state.held > MAX_HEAD then
-          conn:read_stop()
-          reply(conn, 431, error_body(self.provider, 431, "request head too large"))
-          return finish()
-        end
+        if state.held > MAX_HEAD then return refuse(431, "request head too large") end
         return
       end
       local whole = table.concat(state.parts or {}) .. data
@@ -629,30 +730,47 @@ function Route:accept(conn)
       state.parts, state.held, state.tail = nil, nil, nil
       local req, status, why = vendor.parse_head(whole:sub(1, s - 1))
       local rest = whole:sub(e + 1)
-      if not req then
-        conn:read_stop()
-        reply(conn, status, error_body(self.provider, status, why))
-        self:log_line({ time = iso_now(), verdict = "deny", status = status, reason = why })
-        return finish()
-      end
+      if not req then return refuse(status, why) end
       state.req = req
-      local br, bstatus, bwhy = body_reader(req.headers)
+      -- judged before the body is read: a request the route would refuse costs no body
+      local path = req.target:match("^[^?#]*")
+      if path == vendor.ATTEMPT_PATH then
+        if not providers.token_equal(providers.bearer(req.headers), self.token) then
+          return refuse(401, "the request does not carry this run's token",
+            { time = iso_now(), method = req.method, path = path, verdict = "deny", status = 401,
+              reason = "the request does not carry this run's token" })
+        end
+      else
+        local v = providers.vendor_decide(self.provider, { method = req.method, target = req.target,
+          headers = req.headers }, self.token, self.credential)
+        if v.action == "deny" then
+          return refuse(v.status or 403, v.reason or "refused", { time = iso_now(), method = req.method, path = path,
+            verdict = "deny", status = v.status or 403, reason = v.reason })
+        end
+        state.verdict = v
+      end
+      local charge_why
+      local br, bstatus, bwhy = vendor.body_reader(req.headers, function(n)
+        local ok, why2 = self:hold(state, n)
+        charge_why = why2
+        return ok
+      end)
       if not br then
-        conn:read_stop()
-        reply(conn, bstatus, error_body(self.provider, bstatus, bwhy))
-        return finish()
+        if bstatus == 503 then bwhy = charge_why end
+        return refuse(bstatus, bwhy)
       end
       reader = br
+      reader.charge_why = function() return charge_why end
       data = rest
     end
     local st = reader:feed(data)
     if st == "more" then return end
-    conn:read_stop()
     deadline:close()
     if st == "error" then
-      reply(conn, 400, error_body(self.provider, 400, reader.why))
-      return finish()
+      local why = reader.status == 503 and reader.charge_why() or reader.why
+      return refuse(reader.status or 400, why)
     end
+    conn:read_stop()
     state.handed = true
     self:handle(conn, state.req, reader.body, state)
   end)
@@ -686,18 +804,43 @@ function Route:attempt_end(conn, req, body, state, rec)
   end
   info = { attempt = n, exit_code = code }
   rec.attempt, rec.exit_code = info.attempt, info.exit_code
+  -- Each attempt is decided once, in order (the wrapper reports 1, then 2 after a resume …),
+  -- and nothing after a stop: deciding reads the whole transcript, and a sandbox that
+  -- floods this path with reports must not make the server read it again and again. A
+  -- report of an attempt already decided (a wrapper asking again after a server restart)
+  -- gets the same answer.
+  local rate = self.rate
+  local last = math.tointeger(rate.last_attempt) or 0
   local d = { action = "stop" }
-  if self.decide then
-    local dok, got = pcall(self.decide, self, { attempt = info.attempt, exit_code = info.exit_code })
-    if dok and type(got) == "table" then d = got
-    else log.warning(LOGGER, "%s: deciding on attempt %d: %s", self.run_id, info.attempt, tostring(got)) end
+  if n <= last or rate.stopped then
+    local kept = type(rate.decided) == "table" and rate.decided[tostring(n)]
+    if n <= last and type(kept) == "table" and kept.action == "resume" then d = kept end
+    rec.cached = true
+  elseif n > last + 1 then
+    return answer(409, ("attempt %d reported before attempt %d\n"):format(n, last + 1))
+  else
+    if self.decide then
+      local dok, got = pcall(self.decide, self, { attempt = info.attempt, exit_code = info.exit_code })
+      if dok and type(got) == "table" then d = got
+      else log.warning(LOGGER, "%s: deciding on attempt %d: %s", self.run_id, info.attempt, tostring(got)) end
+    end
+    rate.last_attempt = n
+    if d.action == "resume" then
+      rate.decided = type(rate.decided) == "table" and rate.decided or {}
+      rate.decided[tostring(n)] = d
+    else
+      rate.stopped = true
+    end
+    self:save_rate()
   end
   rec.decision = d.action
   if d.action ~= "resume" then return answer(200, "stop\n") end
   local wait_ms = math.max(0, math.ceil(((d.at or 0) - loop.time()) * 1000))
   rec.resume_in_ms = wait_ms
-  log.info(LOGGER, "%s: attempt %d ended rate limited; resuming session %s in %d ms", self.run_id,
-    info.attempt, d.session, wait_ms)
+  if not rec.cached then
+    log.info(LOGGER, "%s: attempt %d ended rate limited; resuming session %s in %d ms", self.run_id,
+      info.attempt, log.printable(d.session, 200), wait_ms)
+  end
   local t
   t = timer.after(wait_ms, function()
     self.waits[t] = nil
@@ -712,8 +855,8 @@ function Route:handle(conn, req, body, state)
   local path = req.target:match("^[^?#]*")
   local rec = { time = iso_now(), method = req.method, path = path }
   if path == vendor.ATTEMPT_PATH then return self:attempt_end(conn, req, body, state, rec) end
-  local v = providers.vendor_decide(p, { method = req.method, target = req.target, headers = req.headers },
-    self.token, self.credential)
+  local v = state.verdict or providers.vendor_decide(p, { method = req.method, target = req.target,
+    headers = req.headers }, self.token, self.credential)
   if v.action == "local" then
     rec.verdict, rec.status = "local", v.status
     self:log_line(rec)
@@ -723,8 +866,7 @@ function Route:handle(conn, req, body, state)
   end
   if v.action ~= "forward" then
     rec.verdict, rec.status, rec.reason = "deny", v.status, v.reason
-    self:log_line(rec)
-    log.info(LOGGER, "%s: refused %s %s: %s", self.run_id, req.method, path, tostring(v.reason))
+    self:note_refusal(rec, v.reason)
     reply(conn, v.status or 403, error_body(p, v.status or 403, v.reason or "refused"))
     return state.finish()
   end

@@ -9,6 +9,7 @@ local hostmcp = require("demesne.hostmcp")
 local log = require("demesne.log")
 local stdio = require("demesne.mcp.stdio")
 local pool = require("demesne.pool")
+local sandbox = require("demesne.sandbox")
 local teardown = require("demesne.teardown")
 local tools = require("demesne.tools")
 local tree = require("demesne.tree")
@@ -19,7 +20,7 @@ local endpoint = require("demesne.tree.endpoint")
 local function start_reaper()
   return async.spawn("reaper", function()
     while true do
-      local ok, err = pcall(function() require("demesne.sandbox").reap() end)
+      local ok, err = pcall(sandbox.reap)
       if not ok and err ~= async.CANCELLED then log.warning("demesne.reaper", "%s", tostring(err)) end
       if err == async.CANCELLED then return end
       async.sleep(math.floor(config.get("reap_interval") * 1000))
@@ -61,6 +62,8 @@ return function(args, opts)
   if not log.set_level(config.get("log_level")) then -- the config file may set it too
     log.error("demesne.config", "log_level %q is not one of debug, info, notice, warning, error, critical, alert, emergency", tostring(config.get("log_level")))
   end
+  -- the folders above every output and run folder: private, or a warning that says why
+  for _, w in ipairs(sandbox.private_roots(true)) do log.warning("demesne.sandbox", "%s", w) end
   local reaper = start_reaper()
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
   local jobs = require("demesne.jobs")

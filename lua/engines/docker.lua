@@ -80,6 +80,7 @@ docker.CAPABILITIES = {
   unix_socket_mounts = true,
   tmpfs = true,
   read_only_rootfs = true,
+  bounded_logs = true,
   networks = { none = true, bridge = true },
   runtimes = {},
   userns = false,
@@ -197,6 +198,10 @@ function docker.create_body(s, how)
       -- userns-remap maps every container unless it opts out: a spec without userns does
       UsernsMode = auto and docker.USERNS_AUTO or (not s.userns and how.userns == "remap" and "host") or nil,
       Init = false,
+      -- one file of at most log_max_bytes (Docker: json-file rotated at max-size, keeping one
+      -- old file; Podman maps json-file to k8s-file and truncates at max-size)
+      LogConfig = s.log_max_bytes and { Type = "json-file",
+        Config = { ["max-size"] = tostring(s.log_max_bytes), ["max-file"] = "1" } } or nil,
     },
   }
 end

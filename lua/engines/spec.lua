@@ -20,8 +20,12 @@ spec.RUNTIMES = { gvisor = true }
 local FIELDS = {
   name = true, image = true, entrypoint = true, command = true, env = true, workdir = true, hostname = true,
   user = true, labels = true, mounts = true, tmpfs = true, limits = true, network = true, read_only_rootfs = true,
-  security = true, runtime = true, userns = true,
+  security = true, runtime = true, userns = true, log_max_bytes = true,
 }
+
+--- The smallest log_max_bytes a spec may ask for (conmon, Podman's monitor, reads the
+--- container's output in 8 KiB blocks and needs at least that).
+spec.LOG_MIN_BYTES = 8192
 
 local function bad(field, why) return nil, ("spec.%s: %s"):format(field, why), "EINVAL" end
 local function unsupported(field, why) return nil, ("spec.%s: %s"):format(field, why), "ENOTSUP" end
@@ -166,6 +170,15 @@ function spec.check(s, caps)
   if s.userns ~= nil and type(s.userns) ~= "boolean" then return bad("userns", "must be a boolean") end
   if s.userns and not caps.userns then
     return unsupported("userns", "this engine cannot run a sandbox in a user namespace (capability userns)")
+  end
+  if s.log_max_bytes ~= nil then
+    if math.type(s.log_max_bytes) ~= "integer" or s.log_max_bytes < spec.LOG_MIN_BYTES then
+      return bad("log_max_bytes", ("must be an integer of at least %d"):format(spec.LOG_MIN_BYTES))
+    end
+    if not caps.bounded_logs then
+      return unsupported("log_max_bytes", "this engine adapter cannot bound the log the engine keeps of a sandbox "
+        .. "(capability bounded_logs)")
+    end
   end
   if s.security ~= nil then
     local sec = s.security

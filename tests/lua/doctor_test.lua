@@ -98,6 +98,7 @@ end
 
 function tests.folders_must_be_writable_or_creatable(t)
   local d <close> = tmpdir()
+  assert(fs.chmod(d.path, tonumber("700", 8)))
   assert(fs.write_atomic(d.path .. "/afile", "x"))
   with_env({ DEMESNE_STATE_DIR = d.path .. "/afile/state", DEMESNE_OUTPUT_ROOT = d.path .. "/new/out" }, function()
     local r = by_name(doctor.run())
@@ -108,9 +109,24 @@ function tests.folders_must_be_writable_or_creatable(t)
   with_env({ DEMESNE_STATE_DIR = d.path, DEMESNE_OUTPUT_ROOT = d.path .. "/new/out" }, function()
     local r = by_name(doctor.run())
     t:eq(r.folders.ok, true, "folders verdict: " .. r.folders.detail)
-    t:eq(r.folders.detail, ("output_root %s/new/out (will be created under %s), state_dir %s: writable"):format(
-      d.path, d.path, d.path))
+    t:eq(r.folders.detail, ("output_root %s/new/out (will be created under %s), state_dir %s: writable, private to "
+      .. "this user"):format(d.path, d.path, d.path))
     t:eq(fs.readdir(d.path), { "afile" }, "the probe file is gone and nothing was created")
+  end)
+end
+
+-- Root in a sandbox is root on the host (rootful engine): a setuid-root program it leaves in
+-- its output folder must not be reachable by other users, so the roots above must be private.
+function tests.folders_other_users_can_enter_fail(t)
+  local d <close> = tmpdir()
+  assert(fs.chmod(d.path, tonumber("755", 8)))
+  with_env({ DEMESNE_STATE_DIR = d.path, DEMESNE_OUTPUT_ROOT = d.path .. "/new/out" }, function()
+    local r = by_name(doctor.run())
+    t:eq(r.folders.ok, false)
+    t:match(r.folders.detail, "^state_dir " .. d.path:gsub("%p", "%%%0") .. " can be entered by other users %(mode 755%)")
+    t:match(r.folders.detail, "setuid%-root")
+    t:match(r.folders.fix, "chmod 700")
+    t:eq(fs.readdir(d.path), {}, "doctor creates nothing")
   end)
 end
 

@@ -46,6 +46,7 @@ local SPEC = {
   read_only_rootfs = true,
   security = { no_new_privileges = true, cap_drop = { "NET_RAW" } },
   limits = { memory_bytes = 2147483648, cpus = 1.5, pids = 1024 },
+  log_max_bytes = 1048576,
 }
 
 function tests.docker_translates_the_spec_into_the_create_body_it_always_sent(t)
@@ -68,6 +69,7 @@ function tests.docker_translates_the_spec_into_the_create_body_it_always_sent(t)
       CapDrop = { "NET_RAW" },
       Memory = 2147483648, MemorySwap = 2147483648, NanoCpus = 1500000000, PidsLimit = 1024,
       Init = false,
+      LogConfig = { Type = "json-file", Config = { ["max-size"] = "1048576", ["max-file"] = "1" } },
     },
   }, "body")
   local open = {}

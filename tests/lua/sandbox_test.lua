@@ -110,7 +110,7 @@ function tests.a_one_shot_sandbox_gets_the_whole_spec(t)
   t:eq(fs.stat(run_dir), nil, "its run folder is gone")
   t:eq({ s.workdir, s.hostname, s.network, s.read_only_rootfs }, { "/out", "sandbox", "none", true },
     "workdir, hostname, network, read-only root")
-  t:eq(s.security, { no_new_privileges = true, cap_drop = { "NET_RAW" } }, "security")
+  t:eq(s.security, { no_new_privileges = true, cap_drop = { "NET_RAW", "MKNOD" } }, "security")
   t:eq(s.limits, { memory_bytes = 2048 * MiB, cpus = 2, pids = 1024 }, "the default limits")
   t:eq(s.mounts, {
     { source = w.dir .. "/demesne-init", target = "/.demesne/init", mode = "ro" },
@@ -383,6 +383,12 @@ function tests.an_engine_that_cannot_share_host_folders_is_refused(t)
   msg = failure(sandbox.create, nil, { image = IMAGE })
   t:eq(msg, "spec.mounts[2].relay: this engine adapter cannot pass host unix sockets into a sandbox (capability "
     .. "unix_socket_mounts)", "no unix sockets")
+  -- a sandbox can write its main process's stdout: an engine that keeps that log unbounded
+  -- on the host's disk is refused
+  caps.unix_socket_mounts, caps.bounded_logs = true, false
+  msg = failure(sandbox.create, nil, { image = IMAGE })
+  t:eq(msg, "spec.log_max_bytes: this engine adapter cannot bound the log the engine keeps of a sandbox (capability "
+    .. "bounded_logs)", "unbounded logs")
   t:eq(#w.specs, 0, "nothing reached the engine")
   t:eq(#w.eng:list({ "io.demesne.managed=1" }), 0, "no container")
 end

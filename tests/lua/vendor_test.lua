@@ -31,6 +31,63 @@ function tests.parse_head_reads_request_line_and_headers(t)
   t:eq(s2, 400, "conflicting Content-Length")
 end
 
+-- The sandbox writes the head: a header value ending in a long run of blanks is trimmed
+-- with linear patterns (a lazy match before "[ \t]*$" backtracked quadratically: 18 s of
+-- loop for a 32 KB line), and repeated headers are joined once.
+function tests.parse_head_trims_long_blank_runs_and_joins_repeated_headers(t)
+  local r = assert(vendor.parse_head("POST / HTTP/1.1\r\nX-Pad: \ta" .. ("\t"):rep(60000) .. "b \t\r\nX-Empty:   "))
+  t:eq(#r.headers["x-pad"], 60002, "the inner blanks stay, the outer ones go")
+  t:eq(r.headers["x-pad"]:sub(1, 2), "a\t")
+  t:eq(r.headers["x-pad"]:sub(-1), "b")
+  t:eq(r.headers["x-empty"], "")
+  local lines = {}
+  for i = 1, 5000 do lines[i] = "A: " .. i end
+  local m = assert(vendor.parse_head("POST / HTTP/1.1\r\n" .. table.concat(lines, "\r\n")))
+  t:eq(select(2, m.headers.a:gsub(", ", "")), 4999, "5000 values joined")
+  t:eq(m.headers.a:sub(1, 8), "1, 2, 3,")
+end
+
+-- The body reader is fed what the sandbox sends: chunked framing is parsed in one pass
+-- (no buffer grows by concatenation), a chunk size over the maximum is refused before any
+-- of its data arrives, and every byte kept is charged first.
+function tests.body_reader_is_bounded_and_charges_what_it_keeps(t)
+  local charged = 0
+  local function charge(n)
+    if charged + n > 1000 then return false end
+    charged = charged + n
+    return true
+  end
+  local r = assert(vendor.body_reader({ ["transfer-encoding"] = "chunked" }, charge))
+  local wire = "5\r\nhello\r\n6;ext=1\r\n world\r\n0\r\nX-Trailer: 1\r\n\r\n"
+  local st
+  for i = 1, #wire do st = r:feed(wire:sub(i, i)) end -- one byte at a time
+  t:eq(st, "done")
+  t:eq(r.body, "hello world")
+  t:eq(charged, 11, "the body's bytes were charged")
+  -- a chunk that claims more than the maximum body: refused at its size line
+  local big = assert(vendor.body_reader({ ["transfer-encoding"] = "chunked" }, function() return true end))
+  t:eq(big:feed("4000001\r\n"), "error")
+  t:eq(big.status, 413)
+  local huge = assert(vendor.body_reader({ ["transfer-encoding"] = "chunked" }, function() return true end))
+  t:eq(huge:feed("ffffffffffffffffffff\r\n"), "error", "a size of 20 hex digits")
+  t:eq(huge.status, 400)
+  local long = assert(vendor.body_reader({ ["transfer-encoding"] = "chunked" }, function() return true end))
+  t:eq(long:feed(("1"):rep(2000)), "error", "a framing line without an end")
+  -- a charge refused: 503 (the route names its ceiling)
+  charged = 995
+  local over = assert(vendor.body_reader({ ["transfer-encoding"] = "chunked" }, charge))
+  t:eq(over:feed("a\r\n0123456789\r\n"), "error")
+  t:eq(over.status, 503)
+  -- Content-Length: charged whole when the head arrives, refused before any body
+  charged = 0
+  local cl, status = vendor.body_reader({ ["content-length"] = "2000" }, charge)
+  t:eq({ cl, status }, { nil, 503 })
+  local ok = assert(vendor.body_reader({ ["content-length"] = "4" }, charge))
+  t:eq(ok:feed("ab"), "more")
+  t:eq(ok:feed("cdEXTRA"), "done")
+  t:eq(ok.body, "abcd")
+end
+
 -- A scripted upstream: answers POST with an Anthropic SSE stream, records the x-api-key;
 -- the first `limited` POSTs get a 429 with `retry-after: <retry_after or 1>`.
 local function upstream(limited, retry_after)
@@ -580,7 +637,7 @@ function tests.request_head_and_chunked_body_read_in_any_pieces(t)
 end
 
 -- A chunk size of 17 hex digits wrapped around in tonumber: "1000000000000001b" was read as
--- a 27-byte chunk. It is refused now, like any size above the body limit.
+-- a 27-byte chunk. It is refused now: a size of more than 8 hex digits is no chunk size.
 function tests.chunk_size_that_wraps_around_is_refused(t)
   local run_id = "vw-" .. hex(loop.random(4))
   local route, base, close = bare_route(run_id)
@@ -588,7 +645,7 @@ function tests.chunk_size_that_wraps_around_is_refused(t)
     local answer = raw_exchange(base, { attempt_head("Transfer-Encoding: chunked\r\n\r\n"),
       "100000000000000" .. ATTEMPT_HEX .. "\r\n" .. ATTEMPT_JSON .. "\r\n0\r\n\r\n" })
     t:match(answer, "^HTTP/1.1 400 ", "refused")
-    t:match(answer, "request body too large", "names the reason")
+    t:match(answer, "bad chunk size", "names the reason")
   end)
   close()
   if not ok then error(err, 0) end
@@ -602,14 +659,69 @@ function tests.endless_trailer_and_bad_chunk_framing_are_refused(t)
   local ok, err = pcall(function()
     local answer = raw_exchange(base, { attempt_head("Transfer-Encoding: chunked\r\n\r\n"), "0\r\nX-T: ",
       ("a"):rep(70000) })
-    t:match(answer, "^HTTP/1.1 400 ", "a trailer over 64 KiB is refused at once")
-    t:match(answer, "trailer too large")
+    t:match(answer, "^HTTP/1.1 400 ", "a trailer line over 1 KiB is refused at once")
+    t:match(answer, "chunk framing line too long")
     answer = raw_exchange(base, { attempt_head("Transfer-Encoding: chunked\r\n\r\n"),
       ATTEMPT_HEX .. "\r\n" .. ATTEMPT_JSON .. "XY0\r\n\r\n" })
     t:match(answer, "^HTTP/1.1 400 ", "chunk data not followed by CRLF")
-    t:match(answer, "bad chunk framing")
+    t:match(answer, "no line break after a chunk")
   end)
   close()
+  if not ok then error(err, 0) end
+end
+
+-- Deciding reads the transcript: each attempt is decided once and in order, and nothing
+-- after a stop, however often a sandbox reports.
+function tests.attempts_are_decided_once_in_order_and_not_after_a_stop(t)
+  local run_id = "vo-" .. hex(loop.random(4))
+  local decided = {}
+  local route, base, close = bare_route(run_id, { decide = function(_, info)
+    decided[#decided + 1] = info.attempt
+    if info.attempt == 1 then return { action = "resume", session = "s1", at = loop.time() } end
+    return { action = "stop" }
+  end })
+  local ok, err = pcall(function()
+    local function post(n)
+      return assert(request({ url = base .. vendor.ATTEMPT_PATH, method = "POST",
+        body = ('{"attempt":%d,"exit_code":1}'):format(n),
+        headers = { authorization = "Bearer dmsn-good", ["content-type"] = "application/json" } }))
+    end
+    t:eq(post(3).status, 409, "attempt 3 before attempt 1")
+    t:eq(post(1).body, "resume s1\n")
+    t:eq(post(1).body, "resume s1\n", "asked again: the same answer")
+    t:eq(post(2).body, "stop\n")
+    for n = 2, 6 do t:eq(post(n).body, "stop\n", "after a stop: " .. n) end
+    t:eq(decided, { 1, 2 }, "two decisions for eight reports")
+    t:eq(route:rate_state().last_attempt, 2)
+    t:eq(route:rate_state().stopped, true)
+  end)
+  close()
+  if not ok then error(err, 0) end
+end
+
+-- Request bodies a route holds at once are bounded (vendor_max_buffered_bytes); one over it
+-- is answered 503 naming the setting, before its body is read.
+function tests.route_refuses_bodies_over_its_buffer_ceiling(t)
+  local config = require("demesne.config")
+  loop.setenv("DEMESNE_VENDOR_MAX_BUFFERED_BYTES", "100000")
+  config.load()
+  local run_id = "vb-" .. hex(loop.random(4))
+  local route, base, close = bare_route(run_id)
+  local ok, err = pcall(function()
+    local res = assert(request({ url = base .. "/v1/messages", method = "POST", headers = { ["x-api-key"] = "dmsn-good" },
+      body = ("x"):rep(200000), timeout_ms = 5000 }))
+    t:eq(res.status, 503)
+    t:match(res.body, "vendor_max_buffered_bytes")
+    t:eq(route.buffered, 0, "nothing stays charged")
+    t:eq(vendor.buffered(), 0)
+    -- a request the route refuses for its token is refused before its body
+    local bad = assert(request({ url = base .. "/v1/messages", method = "POST", headers = { ["x-api-key"] = "wrong" },
+      body = ("x"):rep(200000), timeout_ms = 5000 }))
+    t:eq(bad.status, 401)
+  end)
+  close()
+  loop.setenv("DEMESNE_VENDOR_MAX_BUFFERED_BYTES", nil)
+  config.load()
   if not ok then error(err, 0) end
 end
 
