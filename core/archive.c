@@ -96,6 +96,7 @@ typedef struct {
   uint64_t max_bytes, max_depth;
   uint64_t counted;           /* the sizing pass */
   uint64_t max_entries, seen; /* entries of every type met in this pass */
+  int strict;                 /* a source must still be a file or a folder when packed */
   atomic_int *cancel;
 } packer;
 
@@ -259,6 +260,13 @@ static int pack_at(packer *p, int pfd, const char *n, const char *name, uint64_t
     return -1;
   }
   if (st.st_dev == p->out_dev && st.st_ino == p->out_ino) return 0; /* the output itself */
+  if (depth == 0 && p->strict && !S_ISDIR(st.st_mode) && !S_ISREG(st.st_mode)) {
+    /* the caller checked a file or a folder at this path; a link or anything else there now
+     * means it was swapped since (by a sandbox that can write it): never pack what is there */
+    set_err(p->err, "EAGAIN", "%s: changed while being packed (it is now a %s); a source must be a file or a folder",
+            *name ? name : n, S_ISLNK(st.st_mode) ? "symbolic link" : dm_cf_type_name(st.st_mode));
+    return -1;
+  }
   if (S_ISDIR(st.st_mode)) {
     if (depth > p->max_depth) {
       set_err(p->err, "E2BIG", "%s: more than %llu folders deep (max_depth)", shown(name, cut, sizeof cut),
@@ -422,6 +430,7 @@ int dm_archive_pack_fd(int out_fd, const dm_archive_entry *entries, size_t n, co
   p.max_entries = lim ? lim->max_entries : 0;
   p.max_depth = depth_limit(lim);
   int strict = lim && lim->strict_src;
+  p.strict = strict;
   struct stat ost;
   if (fstat(out_fd, &ost) != 0) {
     set_errno(err, errno, "fstat", "(output)");

@@ -13,6 +13,7 @@
 #include "httpd.h"
 #include <llhttp.h>
 #include <errno.h>
+#include <fcntl.h>
 #include <stddef.h>
 #include <stdarg.h>
 #include <stdio.h>
@@ -993,10 +994,12 @@ static void start_reading(dm_httpd_conn *c) {
 
 /* Accepts a connection from `from` (a listening socket, or a relay pipe holding a handed
  * TCP socket) as a new HTTP connection of listener l. */
-static void accept_conn(listener *l, uv_stream_t *from, int tcp) {
+/* A new connection of listener l: its handle initialised (TCP or a unix pipe), not yet
+ * opened; linked and counted. NULL when out of memory. */
+static dm_httpd_conn *conn_new(listener *l, int tcp) {
   dm_httpd *s = l->s;
   dm_httpd_conn *c = calloc(1, sizeof *c);
-  if (!c) return;
+  if (!c) return NULL;
   c->s = s;
   c->l = l;
   c->state = S_READ;
@@ -1014,17 +1017,51 @@ static void accept_conn(listener *l, uv_stream_t *from, int tcp) {
   init_settings();
   llhttp_init(&c->parser, HTTP_REQUEST, &settings);
   c->parser.data = c;
-  if (uv_accept(from, (uv_stream_t *)&c->h) != 0) {
-    conn_close(c, NULL);
-    return;
-  }
-  if (tcp) uv_tcp_nodelay(&c->h.tcp, 1);
+  return c;
+}
+
+/* Starts serving an opened connection: refused 503 over the caps, else read. */
+static void conn_begin(dm_httpd_conn *c) {
+  dm_httpd *s = c->s;
+  listener *l = c->l;
   if (s->nconns > s->o.max_conns || (l->max_conns && l->nconns > l->max_conns)) {
     refuse(c, 503, "too many connections", 0);
     return;
   }
   uv_timer_start(&c->timer, on_timeout, s->o.idle_timeout_ms, 0);
   start_reading(c);
+}
+
+static void accept_conn(listener *l, uv_stream_t *from, int tcp) {
+  dm_httpd_conn *c = conn_new(l, tcp);
+  if (!c) return;
+  if (uv_accept(from, (uv_stream_t *)&c->h) != 0) {
+    conn_close(c, NULL);
+    return;
+  }
+  if (tcp) uv_tcp_nodelay(&c->h.tcp, 1);
+  conn_begin(c);
+}
+
+/* Relay copy mode: the relay's unix connection itself carries the client's bytes. It
+ * becomes a connection of the listener through a duplicate of its descriptor (the relay's
+ * own handle is closed as usual). */
+static void adopt_relay_conn(listener *l, uv_stream_t *relay) {
+  uv_os_fd_t fd;
+  if (uv_fileno((uv_handle_t *)relay, &fd) != 0) return;
+  int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
+  if (dup_fd < 0) return;
+  dm_httpd_conn *c = conn_new(l, 0);
+  if (!c) {
+    close(dup_fd);
+    return;
+  }
+  if (uv_pipe_open(&c->h.pipe, dup_fd) != 0) {
+    close(dup_fd);
+    conn_close(c, NULL);
+    return;
+  }
+  conn_begin(c);
 }
 
 static void on_connection(uv_stream_t *server, int status) {
@@ -1036,7 +1073,9 @@ static void on_connection(uv_stream_t *server, int status) {
 /* Relay listeners: demesne-init's relay in a sandbox connects to the unix socket and hands
  * over the TCP socket it accepted (SCM_RIGHTS, with one byte), then hangs up. The handed
  * socket becomes an HTTP connection of the listener, so its identity is the socket it came
- * through, never anything the client says. A sandbox can also connect to the socket itself
+ * through, never anything the client says. Where a socket cannot be passed (gVisor) the
+ * relay sends the byte '\0' with no socket and copies the client's bytes over the unix
+ * connection, which then becomes the HTTP connection (copy mode). A sandbox can also connect to the socket itself
  * and send nothing: at most RELAY_PENDING_MAX such connections per listener are kept (each
  * holds a descriptor), later ones are closed at once (as core.stream.listen_relay does). */
 #define RELAY_PENDING_MAX 16
@@ -1062,20 +1101,19 @@ static void relay_closed(uv_handle_t *h) {
 }
 
 static void relay_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
-  static char byte[64];
+  static char byte;
   (void)h;
   (void)suggested;
-  *buf = uv_buf_init(byte, sizeof byte);
+  *buf = uv_buf_init(&byte, 1); /* one byte: what follows a copy marker is the client's */
 }
 
 static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   struct relay *r = (struct relay *)st;
-  (void)buf;
   if (n == 0) return;
   uv_read_stop(st);
-  if (n > 0 && !r->l->s->closing && !r->l->removed && uv_pipe_pending_count(&r->pipe) > 0 &&
-      uv_pipe_pending_type(&r->pipe) == UV_TCP)
-    accept_conn(r->l, st, 1);
+  int open = n > 0 && !r->l->s->closing && !r->l->removed;
+  if (open && uv_pipe_pending_count(&r->pipe) > 0 && uv_pipe_pending_type(&r->pipe) == UV_TCP) accept_conn(r->l, st, 1);
+  else if (open && n == 1 && buf->base[0] == '\0' && uv_pipe_pending_count(&r->pipe) == 0) adopt_relay_conn(r->l, st);
   if (!uv_is_closing((uv_handle_t *)st)) uv_close((uv_handle_t *)st, relay_closed);
 }
 

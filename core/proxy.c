@@ -65,7 +65,7 @@ struct dm_proxy_conn {
   dm_proxy *p;
   dm_proxy_conn *prev, *next;
   uv_stream_t *client; /* heap: the unix connection, or the TCP socket it handed over */
-  int handed;          /* client is a socket passed over the unix connection */
+  int handed;          /* the relay's first byte is dealt with (a socket taken, or a copy marker) */
   uv_tcp_t *upstream;  /* heap: one per dial attempt, freed in its close callback */
   uv_timer_t timer;
   int upstream_open;
@@ -786,7 +786,9 @@ static void head_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf);
 
 /* The relay in the sandbox hands over the accepted TCP socket (SCM_RIGHTS, with one byte)
  * and hangs up: from then on the proxy talks to the sandbox's socket itself, and no byte
- * is copied by the relay. A connection that hands nothing over is the client itself. */
+ * is copied by the relay. Where sockets cannot be passed (gVisor) the relay sends the byte
+ * '\0' and then copies the client's bytes over this connection (relay_copy_marker). A
+ * connection that starts with anything else is the client itself. */
 static int take_handed_socket(dm_proxy_conn *c) {
   uv_pipe_t *pipe = (uv_pipe_t *)c->client;
   if (c->handed || uv_pipe_pending_count(pipe) == 0) return 0;
@@ -822,6 +824,13 @@ static void head_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf) {
       return;
     }
     if (t > 0) return; /* the byte that carried the socket is not part of any request */
+    if (buf->base[0] == '\0') {
+      /* the relay copies the client's bytes over this connection: drop its marker byte (no
+       * request head starts with NUL, so a client that connects itself is never cut) */
+      c->handed = 1;
+      memmove(buf->base, buf->base + 1, (size_t)n - 1);
+      if (--n == 0) return;
+    }
   }
   if (!c->handed && uv_pipe_pending_count((uv_pipe_t *)c->client) > 0) {
     /* descriptors sent after the first read would pile up in libuv's queue, each one held

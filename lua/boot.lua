@@ -60,6 +60,35 @@ local function list(prefix)
   return out
 end
 
+--- Lists every runtime file under a folder ("skills/"), at any depth, sorted. From a source
+--- tree, symlinks and hidden names are skipped (what is embedded is files only).
+---@param prefix string  ends with "/"
+---@return string[] rel_paths
+local function files(prefix)
+  local out = {}
+  if source_dir then
+    local function walk(rel)
+      for _, n in ipairs(fs.readdir(source_dir .. "/" .. rel) or {}) do
+        if n:sub(1, 1) ~= "." then
+          local st = fs.lstat(source_dir .. "/" .. rel .. n)
+          if st and st.type == "directory" then
+            walk(rel .. n .. "/")
+          elseif st and st.type == "file" then
+            out[#out + 1] = rel .. n
+          end
+        end
+      end
+    end
+    walk(prefix)
+  else
+    for rel in pairs(embedded) do
+      if rel:sub(1, #prefix) == prefix then out[#out + 1] = rel end
+    end
+  end
+  table.sort(out)
+  return out
+end
+
 table.insert(package.searchers, 2, function(name)
   local rest = name:match("^demesne%.(.+)$") or (name == "demesne" and "init")
   if not rest then return nil end
@@ -100,6 +129,7 @@ package.loaded["demesne.runtime"] = {
   list = list,
   dirs = dirs,
   embedded = embedded,
+  files = files,
   source_dir = source_dir,
 }
 

@@ -1,4 +1,5 @@
--- The command line: demesne [serve] | tools | check-config | doctor | images | policy | test | --help | --version
+-- The command line: demesne [serve] | tools | check-config | doctor | images | policy | skills | test | --help |
+-- --version
 local loop = require("core.loop")
 
 local cli = {}
@@ -22,6 +23,12 @@ Commands:
   providers           list the agent providers, their models, and whether each can run
   policy test NAME HOST[:PORT]
                       what egress policy NAME decides for HOST (or a URL)
+  skills list         list the orchestration skills (built-in and your own)
+  skills show NAME    print a skill's SKILL.md
+  skills check [DIR...]
+                      check skills against the live tool schemas
+  skills install [--claude] [--codex] [--dir DIR]
+                      link the skills into Claude Code's and Codex's skill folders
   test DIR...         run the Lua tests in DIR inside this binary
   --help              show this help
   --version           print the version

@@ -95,6 +95,11 @@ local SPEC = {
       .. "sized so that many sandboxes at their ceiling stay under the server's open-file limit" },
   vendor_max_connections = { env = "DEMESNE_VENDOR_MAX_CONNECTIONS", default = 32, number = true,
     doc = "connections one agent sandbox may hold open on its vendor (model API) route at once; more are answered 503" },
+  vendor_max_buffered_bytes = { env = "DEMESNE_VENDOR_MAX_BUFFERED_BYTES", default = 64 * 1024 * 1024, number = true,
+    doc = "bytes of request bodies one agent sandbox's vendor route may hold in the server's memory at once (being "
+      .. "read, sent or held for a rate-limit retry); a request over it is answered 503" },
+  vendor_max_buffered_bytes_total = { env = "DEMESNE_VENDOR_MAX_BUFFERED_BYTES_TOTAL", default = 256 * 1024 * 1024,
+    number = true, doc = "the same, for the vendor routes of all sandboxes together" },
   exec_grace_seconds = { env = "DEMESNE_EXEC_GRACE_SECONDS", default = 30, number = true,
     doc = "seconds the host waits for a sandbox beyond a command's own timeout (and for demesne-init kill) before "
       .. "it calls the sandbox unresponsive and stops it" },
@@ -144,6 +149,17 @@ local SPEC = {
   tree_wait_seconds = { env = "DEMESNE_TREE_WAIT_SECONDS", default = 240, number = true,
     doc = "longest a call from inside a sandbox blocks on sandbox_wait or on a free slot (then it returns running "
       .. "or is refused), so that no MCP client timeout is hit" },
+  isolation_default = { env = "DEMESNE_ISOLATION", default = "container", choices = { "container", "gvisor" },
+    doc = "isolation of a sandbox whose call names none: container (the engine's runtime) or gvisor (gVisor's "
+      .. "own kernel in between; the engine must offer it, see gvisor_runtime and gvisor_engine)" },
+  gvisor_runtime = { env = "DEMESNE_GVISOR_RUNTIME", default = "runsc",
+    doc = "Docker: the name gVisor is registered under in daemon.json (runtimes; with --host-uds=open)" },
+  gvisor_engine = { env = "DEMESNE_GVISOR_ENGINE",
+    doc = "Podman: the socket (unix:///path) of a second Podman API service whose default runtime is gVisor "
+      .. "(Podman's API cannot choose a runtime per container); unset: no gVisor on Podman" },
+  userns = { env = "DEMESNE_USERNS", default = true, bool = true,
+    doc = "run sandboxes in a user namespace where the engine supports it, so that uid 0 inside is an "
+      .. "unprivileged uid on the host (rootful Podman: an automatic range; Docker: when userns-remap is on)" },
 }
 
 local values, origins
@@ -179,6 +195,12 @@ local function parse(spec, name, raw)
     if s == "1" or s == "true" or s == "yes" then return true end
     if s == "0" or s == "false" or s == "no" then return false end
     return nil, ("%s must be true or false, got %q"):format(name, s)
+  elseif spec.choices then
+    local s = tostring(raw)
+    for _, c in ipairs(spec.choices) do
+      if s == c then return s end
+    end
+    return nil, ("%s must be one of %s, got %q"):format(name, table.concat(spec.choices, ", "), s)
   end
   return tostring(raw)
 end

@@ -9,6 +9,7 @@
 local config = require("demesne.config")
 local engines = require("demesne.engines")
 local images = require("demesne.images")
+local sandbox = require("demesne.sandbox")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
@@ -165,7 +166,12 @@ local function check_folders()
     return fail(table.concat(problems, "; "), "make the folder writable by this user, or point DEMESNE_OUTPUT_ROOT / "
       .. "DEMESNE_STATE_DIR at one that is")
   end
-  return ok(table.concat(found, ", ") .. ": writable")
+  local open = sandbox.private_roots(false)
+  if #open > 0 then
+    return fail(table.concat(open, "; "), "make the folders private to this user (chmod 700), or put them on a "
+      .. "filesystem mounted nosuid,nodev (see docs/explanation/trust-boundary.md)")
+  end
+  return ok(table.concat(found, ", ") .. ": writable, private to this user")
 end
 
 -- ELF facts from a file's header (the ELF specification: e_ident, e_machine, program
@@ -221,6 +227,64 @@ local function check_init()
   return ok(path .. " (static)")
 end
 
+-- Whether /etc/subuid and /etc/subgid give the user "containers" a range (rootful Podman's
+-- userns=auto takes its ranges from there). Returns true, or false and the files without one.
+local function containers_ranges()
+  local missing = {}
+  for _, f in ipairs({ "/etc/subuid", "/etc/subgid" }) do
+    local text = fs.read_file(f, 0, 1024 * 1024) or ""
+    local found = false
+    for line in text:gmatch("[^\n]+") do
+      if line:match("^containers:%d+:%d+$") then found = true end
+    end
+    if not found then missing[#missing + 1] = f end
+  end
+  return #missing == 0, missing
+end
+
+local function check_gvisor(ctx)
+  if not ctx.engine then return { skip = "needs an engine" } end
+  if type(ctx.engine.probe) ~= "function" then
+    return ok("the engine adapter does not say whether it offers gVisor (it has no probe method)")
+  end
+  local f, err = ctx.engine:probe({ gvisor = true })
+  if not f then return fail("the engine did not answer: " .. tostring(err), "start the engine, then run doctor again") end
+  ctx.facts = f
+  local g = f.gvisor or {}
+  local default = config.get("isolation_default")
+  if g.ok then
+    return ok(("available (isolation gvisor): %s%s"):format(g.detail,
+      default == "gvisor" and "; sandboxes use it unless a call says otherwise" or ""))
+  end
+  if default == "gvisor" then
+    return fail(("isolation_default is gvisor but gVisor is not available: %s"):format(tostring(g.detail)),
+      tostring(g.fix) .. "; or set isolation_default back to container")
+  end
+  return ok(("not available, so calls that ask for isolation gvisor fail: %s (to offer it: %s)"):format(
+    tostring(g.detail), tostring(g.fix)))
+end
+
+local function check_userns(ctx)
+  if not ctx.engine then return { skip = "needs an engine" } end
+  local f = ctx.facts
+  if not f and type(ctx.engine.probe) == "function" then f = ctx.engine:probe() end
+  if not f then return ok("the engine adapter does not say whether it offers a user namespace") end
+  if not config.get("userns") then
+    return ok("off (userns = false in the configuration): uid 0 in a sandbox is uid 0 on the host, held back by "
+      .. "namespaces, capabilities and seccomp")
+  end
+  if f.userns == "auto" then
+    local have, missing = containers_ranges()
+    if not have then
+      return fail(("on, but %s give%s the user containers no range, so Podman cannot make one"):format(
+        table.concat(missing, " and "), #missing == 1 and "s" or ""),
+        "add the line containers:2147483647:2147483648 to /etc/subuid and /etc/subgid (or set userns = false)")
+    end
+  end
+  if f.userns then return ok(("on: %s"):format(f.userns_detail)) end
+  return ok(("not available: %s"):format(f.userns_detail))
+end
+
 --- The checks, in the order they run and print: {name = string, run = function(ctx) -> result}.
 --- Add a check by adding an entry; see the top of this file for the result shapes.
 doctor.CHECKS = {
@@ -229,6 +293,8 @@ doctor.CHECKS = {
   { name = "config", run = check_config },
   { name = "folders", run = check_folders },
   { name = "demesne-init", run = check_init },
+  { name = "gvisor", run = check_gvisor },
+  { name = "userns", run = check_userns },
 }
 
 --- Runs every check in order (inside a task: the engine checks make requests). A check

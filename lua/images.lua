@@ -242,7 +242,7 @@ images._rewrite_from = rewrite_from
 
 local function tmp_path(suffix)
   local dir = config.get("state_dir") .. "/tmp"
-  fs.mkdir_p(dir)
+  fs.mkdir_p(dir, 448) -- 0700: the state folder is the server user's alone (sandbox.private_roots)
   return ("%s/%s%s"):format(dir, util.new_id("", 8), suffix)
 end
 

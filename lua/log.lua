@@ -27,6 +27,26 @@ function log.add_sink(fn)
   return function() sinks[fn] = nil end
 end
 
+-- A control byte as a visible escape: "\x1b".
+local function escape_control(c) return ("\\x%02x"):format(c:byte()) end
+
+--- Text from elsewhere (a sandbox's request path, a file name) made safe to log: control
+--- bytes (C0, DEL) written as \xNN, so that nothing reaches a terminal or splits a record
+--- line, and cut to `max` bytes (on a UTF-8 boundary, marked with "…").
+---@param s any
+---@param max integer|nil  bytes (default 512)
+---@return string
+function log.printable(s, max)
+  s = tostring(s):gsub("[%c\127]", escape_control)
+  max = max or 512
+  if #s > max then
+    local cut = max
+    while cut > 0 and (s:byte(cut + 1) or 0) & 0xC0 == 0x80 do cut = cut - 1 end
+    s = s:sub(1, cut) .. "…"
+  end
+  return s
+end
+
 --- Writes a record. `data` (optional table) rides along to sinks. `stderr_only` keeps the
 --- record from the sinks (the MCP session sends a tool's own log records to its caller only).
 ---@param level string
@@ -35,6 +55,9 @@ end
 ---@param data table|nil
 ---@param stderr_only boolean|nil
 function log.log(level, logger, msg, data, stderr_only)
+  -- control bytes other than tab and line feed never reach the terminal (a message may
+  -- carry a sandbox's text): ESC sequences and carriage returns are written as \xNN
+  msg = tostring(msg):gsub("[\0-\8\11-\31\127]", escape_control)
   local n = log.LEVELS[level] or 1
   if n >= threshold then
     io.stderr:write(util.iso_now(), " ", level, " ", logger, ": ", msg, "\n")

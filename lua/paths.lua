@@ -80,8 +80,8 @@ function paths.check(field, path, kind)
 end
 
 --- Validates the files and directories of a call and plans their mounts at /in/<basename>.
---- Returns list of {host=, target=, kind=} or nil and a message. Two inputs with the same
---- basename are refused.
+--- Returns list of {host=, target=, kind=, field=} (field: "files[0]"…, for messages) or nil
+--- and a message. Two inputs with the same basename are refused.
 ---@param files string[]|nil
 ---@param directories string[]|nil
 ---@return {host: string, target: string, kind: string}[]|nil mounts, string|nil err
@@ -98,7 +98,7 @@ function paths.inputs(files, directories)
         return nil, ('%s: basename "%s" would collide at /in/%s: %s and %s'):format(f, base, base, seen[base], p)
       end
       seen[base] = p
-      out[#out + 1] = { host = real, target = "/in/" .. base, kind = kind }
+      out[#out + 1] = { host = real, target = "/in/" .. base, kind = kind, field = f }
     end
     return true
   end

@@ -52,6 +52,13 @@ schemas.egress = { type = "string", minLength = 1, description =
   .. "(DEMESNE_EGRESS_ALLOW), or a policy from the user's policies folder. "
   .. "Everything goes through a proxy that judges each host name; see egress.jsonl in output_dir." }
 
+--- The `isolation` parameter of every tool that makes a sandbox.
+schemas.isolation = { type = "string", enum = json.array({ "container", "gvisor" }), description =
+  "The wall between the sandbox and the host. 'container': the engine's namespaces, capabilities and seccomp "
+  .. "(default unless the configuration says otherwise). 'gvisor': a second wall: the sandbox runs on gVisor's own "
+  .. "kernel, so its system calls never reach the host kernel directly; slower to start, and a call that asks for "
+  .. "it where the engine has no gVisor fails instead of running without it." }
+
 schemas.sandbox_id = { type = "string", minLength = 1, description = "The id returned by sandbox_create." }
 
 --- The result of a command: shared by sandbox_script and sandbox_exec.
@@ -213,8 +220,8 @@ schemas.AGENT_RUN_NOTE = "The real vendor credential stays on the host: the agen
   .. "exit code, cost and usage; transcript.jsonl and results.json are in output_dir."
 
 --- The parameters of an agent run that both agent tools take (prompt, preamble,
---- output_path, output_format, success_criteria, timeout_seconds, background, budget_usd, tree),
---- plus `extra`.
+--- output_path, output_format, success_criteria, timeout_seconds, background, budget_usd, tree,
+--- isolation), plus `extra`.
 ---@param extra table<string, table>|nil
 ---@return table<string, table> properties
 function schemas.agent_task(extra)
@@ -229,6 +236,7 @@ function schemas.agent_task(extra)
     background = schemas.background,
     budget_usd = schemas.budget_usd,
     tree = schemas.tree,
+    isolation = schemas.isolation,
   }
   for k, v in pairs(extra or {}) do props[k] = v end
   return props

@@ -77,6 +77,9 @@ set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)            # demesne_<version>_<arch>.de
 # library to the package that ships it (libc6, liblua5.4-0, lua-cjson for
 # liblua5.4-cjson.so.0, libcurl4, libuv1, libarchive13); demesne-init is static.
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
+# lua-yaml (lyaml, a LibYAML binding) is loaded by `require`, so no NEEDED entry names it:
+# `demesne skills` reads the skills' YAML front matter with it.
+set(CPACK_DEBIAN_PACKAGE_DEPENDS "lua-yaml")
 # An engine to talk to, and mmdebstrap to build the base image when no registry answers.
 set(CPACK_DEBIAN_PACKAGE_RECOMMENDS "podman | docker.io, mmdebstrap")
 # python3 (3.11: tomllib) reads ~/.codex/config.toml when host_mcp_import names codex

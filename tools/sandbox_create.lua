@@ -19,6 +19,7 @@ return {
       env = schemas.env,
       egress = schemas.egress,
       limits = schemas.limits,
+      isolation = schemas.isolation,
       ttl_seconds = { type = "integer", minimum = 60, description = "Seconds the sandbox lives without use. Default 48 h." },
       mcp = schemas.mcp,
       budget_usd = schemas.budget_usd,

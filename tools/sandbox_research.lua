@@ -2,6 +2,7 @@
 -- (the run itself: lua/agent/).
 local agent = require("demesne.agent")
 local jobs = require("demesne.jobs")
+local json = require("demesne.json")
 local schemas = require("demesne.schemas")
 
 local NAME = "sandbox_research"
@@ -16,7 +17,11 @@ return {
     type = "object",
     additionalProperties = false,
     required = { "prompt" },
-    properties = schemas.agent_task({ model = agent.model_schema() }),
+    properties = schemas.agent_task({ model = agent.model_schema(),
+      isolation = { type = "string", enum = json.array({ "container", "gvisor" }), description =
+        schemas.isolation.description .. " Under gvisor the research run's network is the proxy's web policy (any "
+          .. "host name on ports 80 and 443, public addresses only, each request in egress.jsonl) instead of an "
+          .. "open network." } }),
   },
   outputSchema = schemas.or_job(schemas.agent_result()),
   execution = { taskSupport = "optional" }, -- MCP tasks: runs as a background job

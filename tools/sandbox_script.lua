@@ -27,6 +27,7 @@ return {
       mcp = schemas.mcp,
       budget_usd = schemas.budget_usd,
       tree = schemas.tree,
+      isolation = schemas.isolation,
     },
   },
   outputSchema = schemas.or_job(schemas.run_result({ run_id = { type = "string" } })),

@@ -258,6 +258,39 @@ static int l_chmod(lua_State *L) {
   return 1;
 }
 
+/// core.fs.lchown(path, uid, gid) -> true | nil, msg, code. Changes the owner of `path`
+/// itself (a symlink is not followed). Needs CAP_CHOWN for another user's ids.
+static int l_lchown(lua_State *L) {
+  const char *p = luaL_checkstring(L, 1);
+  lua_Integer uid = luaL_checkinteger(L, 2), gid = luaL_checkinteger(L, 3);
+  luaL_argcheck(L, uid >= 0 && uid <= 0xfffffffe, 2, "not a uid");
+  luaL_argcheck(L, gid >= 0 && gid <= 0xfffffffe, 3, "not a gid");
+  if (lchown(p, (uid_t)uid, (gid_t)gid) != 0) return fail_errno(L, "lchown", p);
+  lua_pushboolean(L, 1);
+  return 1;
+}
+
+/// core.fs.symlink(target, path) -> true | nil, msg, code. Creates the symbolic link `path`
+/// holding `target` (not checked: a link may dangle). An existing `path` fails with EEXIST.
+static int l_symlink(lua_State *L) {
+  const char *target = luaL_checkstring(L, 1), *p = luaL_checkstring(L, 2);
+  if (symlink(target, p) != 0) return fail_errno(L, "symlink", p);
+  lua_pushboolean(L, 1);
+  return 1;
+}
+
+/// core.fs.readlink(path) -> string | nil, msg, code. The target a symbolic link holds, as
+/// written (not resolved). A path that is not a link fails with EINVAL.
+static int l_readlink(lua_State *L) {
+  const char *p = luaL_checkstring(L, 1);
+  char buf[PATH_MAX];
+  ssize_t n = readlink(p, buf, sizeof buf);
+  if (n < 0) return fail_errno(L, "readlink", p);
+  if ((size_t)n >= sizeof buf) return dm_fail(L, "readlink: target too long", "ENAMETOOLONG");
+  lua_pushlstring(L, buf, (size_t)n);
+  return 1;
+}
+
 typedef struct {
   int fd;
 } dm_file;
@@ -692,21 +725,15 @@ static const luaL_Reg file_methods[] = {
   {"write", l_file_write}, {"read", l_file_read}, {"size", l_file_size}, {"close", l_file_close}, {NULL, NULL},
 };
 static const luaL_Reg funcs[] = {
-  {"mkdir_p", l_mkdir_p},
-  {"write_atomic", l_write_atomic},
-  {"realpath", l_realpath},
-  {"stat", l_stat},
-  {"lstat", l_lstat},
-  {"read_file", l_read_file},
-  {"readdir", l_readdir},
-  {"unlink", l_unlink},
-  {"rename", l_rename},
-  {"remove_tree", l_remove_tree},
-  {"chmod", l_chmod},
-  {"open", l_open},
-  {"open_beneath", l_open_beneath},
-  {"opendir", l_opendir},
-  {NULL, NULL},
+  {"mkdir_p", l_mkdir_p},   {"write_atomic", l_write_atomic},
+  {"realpath", l_realpath}, {"stat", l_stat},
+  {"lstat", l_lstat},       {"read_file", l_read_file},
+  {"readdir", l_readdir},   {"unlink", l_unlink},
+  {"rename", l_rename},     {"remove_tree", l_remove_tree},
+  {"chmod", l_chmod},       {"lchown", l_lchown},
+  {"symlink", l_symlink},   {"readlink", l_readlink},
+  {"open", l_open},         {"open_beneath", l_open_beneath},
+  {"opendir", l_opendir},   {NULL, NULL},
 };
 
 int luaopen_core_fs(lua_State *L) {

@@ -510,7 +510,9 @@ static int l_listen_tcp(lua_State *L) {
 }
 
 /* Relay listeners: demesne-init's relay in a sandbox connects to a unix socket and hands
- * over the TCP socket it accepted (SCM_RIGHTS, with one byte), then hangs up. A sandbox
+ * over the TCP socket it accepted (SCM_RIGHTS, with the byte 'F'), then hangs up. Where
+ * sockets cannot be passed (gVisor) it sends the byte '\0' with no socket and then copies
+ * the client's bytes over the unix connection, which is then the client itself. A sandbox
  * can also connect to the socket itself and send nothing: at most RELAY_PENDING_MAX such
  * connections per listener are kept (each holds a descriptor), later ones are closed at
  * once. */
@@ -524,16 +526,15 @@ typedef struct {
 } relay_conn;
 
 static void relay_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
-  static char byte[64];
+  static char byte;
   (void)h;
   (void)suggested;
-  *buf = uv_buf_init(byte, sizeof byte);
+  *buf = uv_buf_init(&byte, 1); /* one byte: what follows a copy marker is the client's */
 }
 
 static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   relay_conn *rc = (relay_conn *)st;
   lua_State *L = dm_rt.L;
-  (void)buf;
   if (n == 0) return;
   uv_read_stop(st);
   uv_pipe_t *pipe = &rc->pipe;
@@ -558,6 +559,13 @@ static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
         uv_close((uv_handle_t *)tcp, on_close);
       }
     }
+  } else if (n == 1 && L && cb != LUA_NOREF && buf->base[0] == '\0' && uv_pipe_pending_count(pipe) == 0) {
+    /* copy mode: the unix connection is the client; the stream now owns the handle */
+    dm_push_ref(L, cb);
+    dm_unref(L, &cb);
+    dm_stream_push(L, st);
+    dm_call(L, 1);
+    return;
   }
   if (L) dm_unref(L, &cb);
   if (!uv_is_closing((uv_handle_t *)st)) uv_close((uv_handle_t *)st, on_close);
@@ -597,8 +605,9 @@ static void on_relay_connection(uv_stream_t *server, int status) {
 
 /// core.stream.listen_relay(path, callback) -> server | nil, msg, code.
 /// Like listen_unix, for demesne-init's --relay: each connection hands over one TCP
-/// socket (SCM_RIGHTS) and hangs up; callback(tcp_stream) gets the handed socket.
-/// Connections that hand nothing over are closed.
+/// socket (SCM_RIGHTS) and hangs up; callback(tcp_stream) gets the handed socket. A
+/// connection that starts with the byte '\0' and no socket (the relay copies, under
+/// gVisor) is itself the client: callback(stream) gets it. Other connections are closed.
 static int l_listen_relay(lua_State *L) { return listen_unix_with(L, on_relay_connection); }
 
 static const luaL_Reg methods[] = {

@@ -109,6 +109,34 @@ static int l_utf8_ceil(lua_State *L) {
   return 1;
 }
 
+/// core.text.last_lines(s, n) -> integer: the 1-based position where the last `n` lines of
+/// `s` start (lines end at "\n"; a final line break does not start another line), or 1
+/// when `s` has `n` lines or fewer. Lets a reader of a file a sandbox writes take its last
+/// lines without splitting all of them first.
+static int l_last_lines(lua_State *L) {
+  size_t len;
+  const char *s = luaL_checklstring(L, 1, &len);
+  lua_Integer n = luaL_checkinteger(L, 2);
+  size_t end = len;
+  if (end > 0 && s[end - 1] == '\n') end--;
+  size_t pos = 0; /* 0-based start of the last lines */
+  if (n <= 0) {
+    pos = len;
+  } else {
+    lua_Integer seen = 0;
+    size_t i = end;
+    while (i > 0) {
+      if (s[i - 1] == '\n' && ++seen == n) {
+        pos = i;
+        break;
+      }
+      i--;
+    }
+  }
+  lua_pushinteger(L, (lua_Integer)pos + 1);
+  return 1;
+}
+
 /// core.text.hash(s) -> string: 16 hex digits of the 64-bit FNV-1a hash of `s`.
 /// A cache key (image build contexts), not a cryptographic digest.
 static int l_hash(lua_State *L) {
@@ -269,6 +297,7 @@ static const luaL_Reg funcs[] = {
   {"utf8_clean", l_utf8_clean},
   {"utf8_floor", l_utf8_floor},
   {"utf8_ceil", l_utf8_ceil},
+  {"last_lines", l_last_lines},
   {NULL, NULL},
 };
 

@@ -245,6 +245,8 @@ int init_wait(int argc, char **argv)
 		diag("wait: cannot set up signals: %s", strerror(errno));
 		return INIT_EXIT_FAILURE;
 	}
+	if (a.relay_copy)
+		relay_copy();
 	pid_t relay = relay_start(a.relays, a.nrelays); // listening before the host is told we are ready
 	int lfd = control_listen(path);
 	if (lfd < 0) {

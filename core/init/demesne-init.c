@@ -6,11 +6,12 @@
 #include <string.h>
 
 static const char usage_text[] =
-	"usage: demesne-init serve [--control PATH] [--relay PORT=PATH]...\n"
-	"       demesne-init wait --control PATH [--relay PORT=PATH]...\n"
+	"usage: demesne-init serve [--control PATH] [--relay PORT=PATH]... [--relay-copy]\n"
+	"       demesne-init wait --control PATH [--relay PORT=PATH]... [--relay-copy]\n"
 	"       demesne-init run --id ID --dir DIR [--cwd CWD] [--timeout SECONDS]\n"
 	"                        [--stdin FILE] [--stdout FILE] [--stderr FILE]\n"
-	"                        [--kill-group-on-exit] [--relay PORT=PATH]... -- ARGV...\n"
+	"                        [--kill-group-on-exit] [--relay PORT=PATH]... [--relay-copy]\n"
+	"                        -- ARGV...\n"
 	"       demesne-init kill --dir DIR [--signal TERM|KILL|INT|QUIT|HUP|USR1|USR2]\n"
 	"                         [--grace SECONDS]\n"
 	"       demesne-init --version | --help\n"
@@ -25,8 +26,10 @@ static const char usage_text[] =
 	"       socket, then runs it as `run` does and exits with its code.\n"
 	"--control PATH (serve, wait): the control socket, a unix socket at PATH on which the\n"
 	"       host sends run and kill requests (only from outside the sandbox).\n"
-	"--relay PORT=PATH (serve, run): listen on 127.0.0.1:PORT and carry each connection\n"
+	"--relay PORT=PATH (serve, wait, run): listen on 127.0.0.1:PORT and carry each connection\n"
 	"       to the unix socket PATH (egress); a child process that dies with demesne-init.\n"
+	"       It passes the accepted socket to the host, or, with --relay-copy or where that\n"
+	"       fails (gVisor), copies the connection's bytes.\n"
 	"kill   signals the group recorded in DIR/pid (default TERM); with --grace, SIGKILL\n"
 	"       after that many seconds. Exits 0 when the group is gone, 1 when it remains.\n"
 	"\n"

@@ -116,6 +116,11 @@ struct relay_route {
 };
 #define INIT_RELAY_MAX 8 // routes per demesne-init (proxy, vendor API, MCP, ...)
 
+/// Makes the relay copy each connection's bytes (a child per connection) instead of passing
+/// the accepted socket to the host: for kernels that cannot pass it (gVisor's), where the
+/// relay also switches by itself after the first failed attempt. Call before relay_start.
+void relay_copy(void);
+
 /// Binds every route's listening socket, then forks the relay process that serves them
 /// (it dies with its parent: PR_SET_PDEATHSIG). `routes` (n <= INIT_RELAY_MAX) must stay
 /// valid in the child (they point into argv). Returns its pid, 0 when there is no route,
@@ -144,7 +149,8 @@ struct run_args {
 	const char *stdout_path, *stderr_path; // NULL: DIR/stdout.log, DIR/stderr.log
 	int64_t timeout_ms;                    // 0: none
 	bool kill_group_on_exit;
-	char **argv; // the command: argv[0] non-empty, NULL-terminated
+	bool relay_copy; // --relay-copy: the relay copies bytes (relay_copy())
+	char **argv;     // the command: argv[0] non-empty, NULL-terminated
 	struct relay_route relays[INIT_RELAY_MAX];
 	size_t nrelays;
 };
@@ -169,6 +175,7 @@ struct serve_args {
 	struct relay_route relays[INIT_RELAY_MAX];
 	size_t nrelays;
 	const char *control; // --control PATH (absolute), or NULL; points into argv
+	bool relay_copy;     // --relay-copy
 };
 
 /// The options of `wait` (argv[0] is "wait"): the control socket is required.
@@ -176,6 +183,7 @@ struct wait_args {
 	struct relay_route relays[INIT_RELAY_MAX];
 	size_t nrelays;
 	const char *control; // absolute; points into argv
+	bool relay_copy;     // --relay-copy
 };
 
 /// Parses `wait`'s command line. Returns 0, 1 (--help) or -1 (usage error, reported).

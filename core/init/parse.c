@@ -128,6 +128,10 @@ int run_args_parse(struct run_args *a, int argc, char **argv)
 			a->kill_group_on_exit = true;
 			continue;
 		}
+		if (strcmp(arg, "--relay-copy") == 0) {
+			a->relay_copy = true;
+			continue;
+		}
 		const char *relay = NULL;
 		if ((m = opt_value(argc, argv, &i, "--relay", &relay))) {
 			if (m < 0 || add_relay(a->relays, &a->nrelays, relay) < 0)
@@ -207,16 +211,21 @@ int kill_args_parse(struct kill_args *a, int argc, char **argv)
 	return 0;
 }
 
-// The options serve and wait share: --relay PORT=PATH (repeatable) and --control PATH.
+// The options serve and wait share: --relay PORT=PATH (repeatable), --relay-copy and --control PATH.
 // Returns 0, 1 (--help) or -1 (usage error, reported).
 static int daemon_args_parse(const char *mode, struct relay_route *relays, size_t *nrelays, const char **control,
-			     int argc, char **argv)
+			     bool *relay_copy, int argc, char **argv)
 {
 	*nrelays = 0;
 	*control = NULL;
+	*relay_copy = false;
 	for (int i = 1; i < argc; i++) {
 		if (strcmp(argv[i], "--help") == 0 || strcmp(argv[i], "-h") == 0)
 			return 1;
+		if (strcmp(argv[i], "--relay-copy") == 0) {
+			*relay_copy = true;
+			continue;
+		}
 		const char *v = NULL;
 		int m;
 		if ((m = opt_value(argc, argv, &i, "--relay", &v)) != 0) {
@@ -241,12 +250,12 @@ static int daemon_args_parse(const char *mode, struct relay_route *relays, size_
 
 int serve_args_parse(struct serve_args *a, int argc, char **argv)
 {
-	return daemon_args_parse("serve", a->relays, &a->nrelays, &a->control, argc, argv);
+	return daemon_args_parse("serve", a->relays, &a->nrelays, &a->control, &a->relay_copy, argc, argv);
 }
 
 int wait_args_parse(struct wait_args *a, int argc, char **argv)
 {
-	int rc = daemon_args_parse("wait", a->relays, &a->nrelays, &a->control, argc, argv);
+	int rc = daemon_args_parse("wait", a->relays, &a->nrelays, &a->control, &a->relay_copy, argc, argv);
 	if (rc == 0 && a->control == NULL) {
 		diag("wait: --control PATH is required");
 		return -1;

@@ -531,8 +531,9 @@ int init_run(int argc, char **argv)
 	what = "cannot create a pipe";
 	if (pipe2(ep, O_CLOEXEC) < 0 || fcntl(ep[0], F_SETFL, O_NONBLOCK) < 0)
 		goto abort_errno;
-	// --relay routes (egress): listening before the command starts
 	// --relay routes (egress): listening before the command starts, unless `wait` started them
+	if (r.opt.relay_copy)
+		relay_copy();
 	relay_pid = given_relay >= 0 ? given_relay : relay_start(r.opt.relays, r.opt.nrelays);
 	what = "cannot fork";
 	if ((pid = fork()) < 0)

@@ -164,6 +164,8 @@ int init_serve(int argc, char **argv)
 		diag("serve: cannot set up signals: %s", strerror(errno));
 		return INIT_EXIT_FAILURE;
 	}
+	if (a.relay_copy)
+		relay_copy();
 	(void)relay_start(a.relays, a.nrelays); // --relay routes (egress): a child process with its own poll loop
 	int lfd = -1;
 	if (a.control && (lfd = control_listen(a.control)) < 0) // the host falls back to the exec API

@@ -33,7 +33,9 @@ agent.hooks = { result = {} }
 local AGENT_DIR = "/.demesne/agent"
 local ANSWER_MAX = 16 * 1024
 local STDERR_MAX = 4 * 1024
-local TRANSCRIPT_MAX = 8 * 1024 * 1024
+-- The tail of transcript.jsonl that is read for the answer and the rate-limit signals (its
+-- last providers.LINES_MAX lines): the sandbox writes it, and decoding it is work on the loop.
+local TRANSCRIPT_MAX = 1024 * 1024
 
 local fail = errors.raise
 
@@ -121,7 +123,8 @@ function agent.prepare(args, tool, kind)
   if not p then fail(model) end
   if tool == "sandbox_research" then
     args.files, args.directories = nil, nil
-    args.egress = "open"
+    -- gVisor gives no network but loopback: the open network becomes the proxy's web policy
+    args.egress = (args.isolation or config.get("isolation_default")) == "gvisor" and "web" or "open"
   else
     args.egress = args.egress or "none"
     if args.egress ~= "none" and args.egress ~= "package-managers" then

@@ -65,6 +65,8 @@ return function(args, opts)
     log.error("demesne.config", "log_level %q is not one of debug, info, notice, warning, error, critical, alert, "
       .. "emergency", tostring(config.get("log_level")))
   end
+  -- the folders above every output and run folder: private, or a warning that says why
+  for _, w in ipairs(sandbox.private_roots(true)) do log.warning("demesne.sandbox", "%s", w) end
   local reaper = start_reaper()
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
   jobs.start()

@@ -8,6 +8,8 @@
 -- (lua/engines/spec.lua) and returns neutral container info; nothing above it sees
 -- HostConfig, Binds, State or Config.Labels.
 local http = require("core.http")
+local fs = require("core.fs")
+local loop = require("core.loop")
 local async = require("demesne.async")
 local json = require("demesne.json")
 local engine_spec = require("demesne.engines.spec")
@@ -70,22 +72,66 @@ local function engine_error(res, what)
 end
 
 --- What this adapter can do (docs/reference/engines.md, "Capabilities"). Host folders and
---- the unix sockets in them are shared live through bind mounts.
+--- the unix sockets in them are shared live through bind mounts. `runtimes` and `userns`
+--- depend on the engine's set-up: each adapter starts with these and Engine:probe() fills
+--- them in from what the engine says.
 docker.CAPABILITIES = {
   bind_mounts = true,
   unix_socket_mounts = true,
   tmpfs = true,
   read_only_rootfs = true,
+  bounded_logs = true,
   networks = { none = true, bridge = true },
-  runtimes = {}, -- spec.runtime is not offered yet
+  runtimes = {},
   userns = false,
 }
 
---- Creates an adapter for the Docker Engine API at a unix socket path.
+--- Under gVisor the host's pids cgroup counts the gVisor kernel's own threads (about five
+--- per sandbox process on its ptrace platform, measured with runsc 20221219), and running
+--- out of them ends the whole sandbox. So the process limit is enforced inside, by gVisor's
+--- RLIMIT_NPROC, and the host limit is this many times larger, as a backstop.
+docker.GVISOR_PIDS_FACTOR = 8
+
+--- Rootful Podman's automatic user namespace, with its size given. Without a size, Podman
+--- 4.3 (containers/storage 1.43) measures the image by mounting a temporary layer while it
+--- holds the layer store's lock, and so takes storage.lock in the wrong order: creates that
+--- run while containers are cleaned up deadlock the whole engine (podman#16062, measured here
+--- with 20 sandboxes at once). 65536 ids cover every uid and gid of a Debian image (nobody
+--- is 65534).
+docker.USERNS_AUTO = "auto:size=65536"
+
+--- The first Podman whose userns=auto demesne uses. Podman 4.3.1 (Debian bookworm), measured
+--- here with 20 sandboxes at once: without a size its engine deadlocks (podman#16062, fixed
+--- in 4.4); with a size, starts fail now and then with "mounting storage … permission denied".
+docker.PODMAN_USERNS_AUTO_MIN = "4.4"
+
+-- "4.3.1" < "4.4"? Dotted versions compared part by part as numbers.
+local function version_before(v, min)
+  local a, b = {}, {}
+  for n in tostring(v):gmatch("%d+") do a[#a + 1] = tonumber(n) end
+  for n in min:gmatch("%d+") do b[#b + 1] = tonumber(n) end
+  for i = 1, #b do
+    if (a[i] or 0) ~= b[i] then return (a[i] or 0) < b[i] end
+  end
+  return false
+end
+
+--- Creates an adapter for the Docker Engine API at a unix socket path. opts (optional):
+--- gvisor_runtime = the runtime name gVisor is registered under in Docker's daemon.json
+--- (default "runsc"); gvisor_socket = the socket path of a Podman API service whose default
+--- runtime is gVisor (Podman's API cannot choose a runtime per container).
 ---@param socket string
+---@param opts {gvisor_runtime: string|nil, gvisor_socket: string|nil}|nil
 ---@return table engine
-function docker.new(socket)
-  return setmetatable({ socket = socket, name = "docker", capabilities = docker.CAPABILITIES }, Engine)
+function docker.new(socket, opts)
+  -- not a table: e.g. the count of docker.new(endpoint:gsub("^unix://", "")), ignored
+  if type(opts) ~= "table" then opts = {} end
+  local caps = {}
+  for k, v in pairs(docker.CAPABILITIES) do caps[k] = v end
+  caps.networks = { none = true, bridge = true }
+  caps.runtimes = {}
+  return setmetatable({ socket = socket, name = "docker", capabilities = caps,
+    gvisor_runtime = opts.gvisor_runtime or "runsc", gvisor_socket = opts.gvisor_socket }, Engine)
 end
 
 -- Copies a list into a JSON array (an empty list must encode as [], not {}).
@@ -98,16 +144,36 @@ end
 
 --- Translates a sandbox spec (checked with spec.check) into a Docker ContainerCreate body.
 --- The memory limit includes swap (MemorySwap = Memory); the entrypoint runs as PID 1
---- (Init = false: demesne-init is the container's init).
+--- (Init = false: demesne-init is the container's init). `how` says how this engine does
+--- what the spec asks beyond the defaults (Engine:probe() finds it out):
+---   gvisor_runtime = the runtime name for spec.runtime "gvisor" on Docker (HostConfig.Runtime;
+---     nil on Podman, whose gVisor is a separate service);
+---   userns = "auto" (rootful Podman: UsernsMode docker.USERNS_AUTO, and the rw mounts' folders handed to the
+---     sandbox's root with the U option), "remap" (Docker maps every container; a spec
+---     without userns opts out with UsernsMode host), "rootless" (the engine maps every
+---     container: nothing to ask), nil (no user namespace).
+--- Under gVisor the process limit is RLIMIT_NPROC inside (Ulimits nproc) and PidsLimit is
+--- docker.GVISOR_PIDS_FACTOR times it.
 ---@param s table  the sandbox spec
+---@param how {gvisor_runtime: string|nil, userns: string|nil}|nil
 ---@return table body  https://docs.docker.com/reference/api/engine/version/v1.41/#operation/ContainerCreate
-function docker.create_body(s)
+function docker.create_body(s, how)
+  how = how or {}
+  local auto = s.userns and how.userns == "auto"
   local binds = json.array()
-  for _, m in ipairs(s.mounts or {}) do binds[#binds + 1] = m.source .. ":" .. m.target .. ":" .. m.mode end
+  for _, m in ipairs(s.mounts or {}) do
+    binds[#binds + 1] = m.source .. ":" .. m.target .. ":" .. m.mode .. (auto and m.mode == "rw" and ",U" or "")
+  end
   local tmpfs = {}
   for _, t in ipairs(s.tmpfs or {}) do tmpfs[t.target] = "rw," .. (t.exec and "exec," or "") .. "mode=" .. t.mode end
   local lim = s.limits or {}
   local sec = s.security or {}
+  local gvisor = s.runtime == "gvisor"
+  local pids, ulimits = lim.pids, nil
+  if gvisor and pids then
+    ulimits = { { Name = "nproc", Soft = pids, Hard = pids } }
+    pids = pids * docker.GVISOR_PIDS_FACTOR
+  end
   return {
     Image = s.image,
     Entrypoint = array(s.entrypoint),
@@ -127,8 +193,16 @@ function docker.create_body(s)
       Memory = lim.memory_bytes,
       MemorySwap = lim.memory_bytes,
       NanoCpus = lim.cpus and math.floor(lim.cpus * 1e9),
-      PidsLimit = lim.pids,
+      PidsLimit = pids,
+      Ulimits = ulimits,
+      Runtime = gvisor and how.gvisor_runtime or nil,
+      -- userns-remap maps every container unless it opts out: a spec without userns does
+      UsernsMode = auto and docker.USERNS_AUTO or (not s.userns and how.userns == "remap" and "host") or nil,
       Init = false,
+      -- one file of at most log_max_bytes (Docker: json-file rotated at max-size, keeping one
+      -- old file; Podman maps json-file to k8s-file and truncates at max-size)
+      LogConfig = s.log_max_bytes and { Type = "json-file",
+        Config = { ["max-size"] = tostring(s.log_max_bytes), ["max-file"] = "1" } } or nil,
     },
   }
 end
@@ -154,6 +228,11 @@ function docker.container_info(t)
   local state = st.Running == true and "running" or STATES[st.Status] or "exited"
   if state == "running" and st.Running ~= true then state = "exited" end
   local nano = positive(hc.NanoCpus)
+  -- under gVisor the process limit is RLIMIT_NPROC (docker.create_body), PidsLimit a backstop
+  local pids = positive(hc.PidsLimit)
+  for _, u in ipairs(type(hc.Ulimits) == "table" and hc.Ulimits or {}) do
+    if type(u) == "table" and tostring(u.Name):lower() == "nproc" then pids = positive(u.Soft) or pids end
+  end
   return {
     id = t.Id,
     name = type(t.Name) == "string" and (t.Name:gsub("^/", "")) or nil,
@@ -161,7 +240,7 @@ function docker.container_info(t)
     state = state,
     exit_code = (state == "exited" or state == "gone") and math.tointeger(st.ExitCode) or nil,
     labels = type(cfg.Labels) == "table" and cfg.Labels or {},
-    limits = { memory_bytes = positive(hc.Memory), cpus = nano and nano / 1e9, pids = positive(hc.PidsLimit) },
+    limits = { memory_bytes = positive(hc.Memory), cpus = nano and nano / 1e9, pids = pids },
   }
 end
 
@@ -187,7 +266,9 @@ docker.DEFAULT_TIMEOUT_MS = 300000
 
 --- Low-level call: method, path (with query table), optional JSON body or opts
 --- ({body_file=, output_file=, on_data=, timeout_ms= (default DEFAULT_TIMEOUT_MS, 0: none),
---- headers=}). `path` must be built with docker.segment for every value it holds.
+--- headers=, socket=, prefix=}; socket: another socket than the adapter's; prefix: the API
+--- path prefix, default "/v1.41"). `path` must be built with docker.segment for every value
+--- it holds.
 --- Returns res or nil, msg, code.
 ---@param method string  HTTP method
 ---@param path string    API path after the version ("/containers/json")
@@ -198,10 +279,11 @@ docker.DEFAULT_TIMEOUT_MS = 300000
 function Engine:call(method, path, q, body, opts)
   opts = opts or {}
   local headers = opts.headers or {}
+  local socket = opts.socket or self.socket
   local req = {
     method = method,
-    url = "http://d/v1.41" .. path .. query(q), -- 1.41: spoken by Docker 20.10+ and Podman 4
-    unix_socket = self.socket,
+    url = "http://d" .. (opts.prefix or "/v1.41") .. path .. query(q), -- 1.41: spoken by Docker 20.10+ and Podman 4
+    unix_socket = socket,
     headers = headers,
     timeout_ms = opts.timeout_ms == nil and docker.DEFAULT_TIMEOUT_MS or opts.timeout_ms,
     connect_timeout_ms = 5000,
@@ -219,7 +301,7 @@ function Engine:call(method, path, q, body, opts)
   local res, err, code = request(req)
   if not res then
     if code == "ENOENT" or code == "ECONNREFUSED" then
-      return nil, ("container engine at %s is not answering (%s)"):format(self.socket, err), "ENOENGINE"
+      return nil, ("container engine at %s is not answering (%s)"):format(socket, err), "ENOENGINE"
     end
     return nil, err, code
   end
@@ -250,20 +332,244 @@ function Engine:info()
   return { name = name, version = v.Version, api = v.ApiVersion }
 end
 
+-- How long a probe's answers are kept: daemon.json or a service can change under a server.
+-- The engine's own (a Podman's /libpod/info takes half a second) for longer.
+local PROBE_SECONDS = 30
+local ENGINE_FACTS_SECONDS = 300
+
+local DOCKER_GVISOR_FIX = 'install gVisor (`apt-get install runsc`), register it in /etc/docker/daemon.json as '
+  .. '{"runtimes": {"%s": {"path": "/usr/bin/runsc", "runtimeArgs": ["--network=none", "--host-uds=open"]}}} '
+  .. "and reload Docker (`kill -HUP $(pidof dockerd)`)"
+local PODMAN_GVISOR_FIX = "install gVisor (`apt-get install runsc`) and start a second Podman service whose runtime is "
+  .. "gVisor with the flags demesne needs, e.g. a script /usr/local/libexec/demesne/runsc containing "
+  .. '`exec /usr/bin/runsc --network=none --host-uds=open "$@"` and `podman --runtime '
+  .. "/usr/local/libexec/demesne/runsc system service --time=0 unix:///run/podman/podman-gvisor.sock &`; then set "
+  .. "DEMESNE_GVISOR_ENGINE=unix:///run/podman/podman-gvisor.sock"
+
+local function list_has(list, pred)
+  for _, x in ipairs(type(list) == "table" and list or {}) do
+    if pred(x) then return true end
+  end
+  return false
+end
+
+-- gVisor on Docker: a runtime registered under `name`, with --host-uds=open (or all) for the
+-- relay sockets. Returns {ok, detail, fix}.
+local function docker_gvisor(info, name)
+  local rts = type(info.Runtimes) == "table" and info.Runtimes or {}
+  local rt = rts[name]
+  if type(rt) ~= "table" then
+    local names = {}
+    for k in pairs(rts) do names[#names + 1] = k end
+    table.sort(names)
+    return { ok = false, detail = ("Docker has no runtime named %s (it has %s)"):format(name, table.concat(names, ", ")),
+      fix = DOCKER_GVISOR_FIX:format(name) }
+  end
+  local args = type(rt.runtimeArgs) == "table" and rt.runtimeArgs or {}
+  local how = ("%s %s"):format(tostring(rt.path), table.concat(args, " "))
+  if not list_has(args, function(a) return tostring(a):match("^%-%-?host%-uds=") and not tostring(a):match("=none$") end) then
+    return { ok = false, detail = ("Docker's runtime %s (%s) lacks --host-uds=open: the sandbox's relays could not "
+      .. "reach the host"):format(name, how), fix = DOCKER_GVISOR_FIX:format(name) }
+  end
+  return { ok = true, detail = ("Docker runtime %s: %s"):format(name, how) }
+end
+
+--- What an engine offers beyond the defaults, from its own answers (pure: tested on
+--- recorded bodies). raw = {version = GET /version, info = GET /info (Docker) or
+--- GET /libpod/info (Podman), gvisor_info = the gVisor service's GET /libpod/info (Podman;
+--- nil when none is configured), gvisor_err = why that service did not answer}.
+--- opts = {gvisor_runtime, gvisor_socket}. Returns the facts:
+--- {engine = "podman"|"docker", rootless = boolean, userns = "auto"|"remap"|"rootless"|nil,
+---  userns_detail = string, remap_uid, remap_gid (remap), gvisor_path (Podman),
+---  gvisor = {ok = boolean, detail = string, fix = string|nil}}.
+---@param raw table
+---@param opts {gvisor_runtime: string, gvisor_socket: string|nil}
+---@return table facts
+function docker.read_facts(raw, opts)
+  local v = type(raw.version) == "table" and raw.version or {}
+  local engine = list_has(v.Components, function(c)
+    return type(c) == "table" and tostring(c.Name):lower():find("podman", 1, true) ~= nil
+  end) and "podman" or "docker"
+  local f = { engine = engine, rootless = false }
+  local i = type(raw.info) == "table" and raw.info or {}
+  if engine == "podman" then
+    local host = type(i.host) == "table" and i.host or {}
+    f.rootless = type(host.security) == "table" and host.security.rootless == true
+    if f.rootless then
+      f.userns, f.userns_detail = "rootless", "rootless Podman: uid 0 in a sandbox is your own uid on the host"
+    elseif version_before(v.Version, docker.PODMAN_USERNS_AUTO_MIN) then
+      f.userns_detail = ("rootful Podman %s: uid 0 in a sandbox is uid 0 on the host, held back by namespaces, "
+        .. "capabilities and seccomp; its automatic user namespaces (userns=auto) wedge the engine or fail to mount "
+        .. "when sandboxes start and end at once (podman#16062), so demesne asks for them from Podman %s on; "
+        .. "rootless Podman gives one now"):format(tostring(v.Version), docker.PODMAN_USERNS_AUTO_MIN)
+    else
+      f.userns, f.userns_detail = "auto", "rootful Podman: each sandbox gets its own user namespace (userns=auto), "
+        .. "so uid 0 in a sandbox is an unprivileged uid from the containers range of /etc/subuid"
+    end
+    local gi = raw.gvisor_info
+    local rt = type(gi) == "table" and type(gi.host) == "table" and gi.host.ociRuntime or nil
+    if not opts.gvisor_socket then
+      f.gvisor = { ok = false, detail = "Podman's API cannot choose a runtime per container, and no Podman service "
+        .. "running gVisor is configured (gvisor_engine)", fix = PODMAN_GVISOR_FIX }
+    elseif type(gi) ~= "table" then
+      f.gvisor = { ok = false, detail = ("the gVisor service at %s (gvisor_engine) does not answer: %s"):format(
+        opts.gvisor_socket, tostring(raw.gvisor_err)), fix = PODMAN_GVISOR_FIX }
+    elseif type(rt) ~= "table" or not tostring(rt.version):find("runsc", 1, true) then
+      f.gvisor = { ok = false, detail = ("the Podman service at %s runs %s, not gVisor"):format(opts.gvisor_socket,
+        tostring(type(rt) == "table" and rt.path or "an unknown runtime")), fix = PODMAN_GVISOR_FIX }
+    else
+      f.gvisor_path = rt.path
+      f.gvisor = { ok = true, detail = ("the Podman service at %s runs %s (%s)"):format(opts.gvisor_socket,
+        tostring(rt.path), (tostring(rt.version):gsub("\n.*", ""))) }
+    end
+    return f
+  end
+  local function secopt(name)
+    return list_has(i.SecurityOptions, function(o) return tostring(o):match("name=([^,]+)") == name end)
+  end
+  f.rootless = secopt("rootless")
+  if f.rootless then
+    f.userns, f.userns_detail = "rootless", "rootless Docker: uid 0 in a sandbox is your own uid on the host"
+  elseif secopt("userns") then
+    -- the remapped root's ids name Docker's data folder: /var/lib/docker/231072.231072
+    local uid, gid = tostring(i.DockerRootDir):match("/(%d+)%.(%d+)$")
+    f.remap_uid, f.remap_gid = tonumber(uid), tonumber(gid)
+    f.userns, f.userns_detail = "remap", ("Docker's userns-remap is on: uid 0 in a sandbox is uid %s on the host")
+      :format(uid or "(unknown)")
+  else
+    f.userns_detail = "Docker without userns-remap: uid 0 in a sandbox is uid 0 on the host, held back by "
+      .. "namespaces, capabilities and seccomp (turn on userns-remap in /etc/docker/daemon.json for a user namespace)"
+  end
+  f.gvisor = docker_gvisor(i, opts.gvisor_runtime)
+  return f
+end
+
+--- Asks the engine what it offers beyond the defaults (docker.read_facts), fills in
+--- capabilities.runtimes (gvisor) and capabilities.userns, and returns the facts. The
+--- engine's own answers are kept for 5 minutes (30 seconds when asked about gVisor: a
+--- runtime registered meanwhile is seen soon). Podman's gVisor lives in another service,
+--- asked only when `opts.gvisor` is true (a gVisor sandbox, `demesne doctor`) and kept for
+--- 30 seconds; until then its facts say it was not asked. Returns nil, message, code when
+--- the engine does not answer.
+---@param opts {gvisor: boolean|nil}|nil
+---@return table|nil facts, string|nil err, string|nil code
+function Engine:probe(opts)
+  local want_gvisor = type(opts) == "table" and opts.gvisor == true
+  local now = loop.time()
+  local raw = self.raw
+  -- asked about gVisor, Docker's answer (its Runtimes) is not older than PROBE_SECONDS either
+  if not raw or now - self.raw_at >= (want_gvisor and PROBE_SECONDS or ENGINE_FACTS_SECONDS) then
+    local v, err, code = ok_json(self, "GET", "/version", nil, nil, "engine version")
+    if not v then return nil, err, code end
+    raw = { version = v }
+    local podman = docker.read_facts(raw, {}).engine == "podman"
+    raw.info, err, code = ok_json(self, "GET", "/info", nil, nil, "engine info", podman and { prefix = "/v4.0.0/libpod" } or nil)
+    if not raw.info then return nil, err, code end
+    raw.podman = podman
+    self.raw, self.raw_at = raw, now
+  end
+  local asked = self.gvisor_raw
+  if raw.podman and self.gvisor_socket and want_gvisor and (not asked or now - asked.at >= PROBE_SECONDS) then
+    local gi, gerr = ok_json(self, "GET", "/info", nil, nil, "gVisor service info",
+      { socket = self.gvisor_socket, prefix = "/v4.0.0/libpod" })
+    asked = { info = gi, err = gerr, at = now }
+    self.gvisor_raw = asked
+  end
+  local f = docker.read_facts({ version = raw.version, info = raw.info, gvisor_info = asked and asked.info,
+    gvisor_err = asked and asked.err or "not asked yet" }, { gvisor_runtime = self.gvisor_runtime,
+    gvisor_socket = self.gvisor_socket })
+  self.kind = f.engine
+  self.capabilities.runtimes = { gvisor = f.gvisor.ok or nil }
+  self.capabilities.userns = f.userns ~= nil
+  self.facts = f
+  return f
+end
+
+-- lchown of `path` and, in a folder, of what lies beneath it down to `depth` more levels
+-- (symlinks themselves, never followed).
+local function lchown_tree(path, uid, gid, depth)
+  local ok, err = fs.lchown(path, uid, gid)
+  if not ok then return nil, err end
+  local st = fs.lstat(path)
+  if depth > 0 and st and st.type == "directory" then
+    for _, n in ipairs(fs.readdir(path) or {}) do
+      ok, err = lchown_tree(path .. "/" .. n, uid, gid, depth - 1)
+      if not ok then return nil, err end
+    end
+  end
+  return true
+end
+
+-- The folders of the spec's rw mounts, handed to Docker's remapped root (userns-remap has no
+-- per-mount option like Podman's U). Only folders demesne made for this sandbox, before the
+-- sandbox exists, are rw: nothing in them was written by a sandbox.
+local function give_to_remapped_root(s, f)
+  if not (f.remap_uid and f.remap_gid) then
+    return nil, "Docker's userns-remap is on but its remapped root could not be found (DockerRootDir)", "ENOTSUP"
+  end
+  for _, m in ipairs(s.mounts or {}) do
+    if m.mode == "rw" then
+      local ok, err = lchown_tree(m.source, f.remap_uid, f.remap_gid, 2)
+      if not ok then return nil, ("mount %s: %s"):format(m.target, tostring(err)), "EENGINE" end
+    end
+  end
+  return true
+end
+
+-- After a gVisor create: the engine really runs it on gVisor (a silent downgrade to the
+-- default runtime would be worse than a refusal). Returns true or nil, message.
+local function check_gvisor(self, id, f)
+  if f.engine == "podman" then
+    local t = ok_json(self, "GET", "/containers/" .. seg(id) .. "/json", nil, nil, "inspect container",
+      { prefix = "/v4.0.0/libpod" })
+    local rt = type(t) == "table" and t.OCIRuntime or nil
+    if rt ~= f.gvisor_path then return nil, ("the engine created it with runtime %s"):format(tostring(rt)) end
+  else
+    local t = ok_json(self, "GET", "/containers/" .. seg(id) .. "/json", nil, nil, "inspect container")
+    local rt = type(t) == "table" and type(t.HostConfig) == "table" and t.HostConfig.Runtime or nil
+    if rt ~= self.gvisor_runtime then return nil, ("the engine created it with runtime %s"):format(tostring(rt)) end
+  end
+  return true
+end
+
 --- POST /containers/create?name=<spec.name> with the sandbox spec translated
 --- (docker.create_body). Returns the container's id. A spec this adapter cannot honour is
 --- refused (spec.check: EINVAL, ENOTSUP), a taken name is ECONFLICT, a missing image ENOENT.
+--- spec.runtime "gvisor": on Docker the registered runtime (gvisor_runtime), on Podman a
+--- create through the gVisor service (gvisor_socket); either way the created container's
+--- runtime is checked, and one that is not gVisor is removed and refused (ENOTSUP).
+--- spec.userns: rootful Podman's userns=auto with the U option on rw mounts; Docker's
+--- userns-remap with the rw mounts' folders chowned to the remapped root first.
 ---@param s table  the sandbox spec
 ---@return string|nil id, string|nil err, string|nil code
 function Engine:create(s)
+  local f, perr, pcode = self:probe({ gvisor = s.runtime == "gvisor" })
+  if not f then return nil, "create container: " .. tostring(perr), pcode end
   local ok, cerr, ccode = engine_spec.check(s, self.capabilities)
   if not ok then return nil, "create container: " .. cerr, ccode end
+  if s.userns and f.userns == "remap" then
+    ok, cerr, ccode = give_to_remapped_root(s, f)
+    if not ok then return nil, "create container: " .. cerr, ccode end
+  end
+  local gvisor = s.runtime == "gvisor"
   local t, err, code = ok_json(self, "POST", "/containers/create", s.name and { name = s.name } or nil,
-    docker.create_body(s), "create container")
+    docker.create_body(s, { gvisor_runtime = f.engine == "docker" and self.gvisor_runtime or nil, userns = f.userns }),
+    "create container", { socket = gvisor and f.engine == "podman" and self.gvisor_socket or nil })
   if not t then
     -- Podman 4 answers a taken name with HTTP 500 ("… is already in use"), Docker with 409
     if code == "EENGINE" and tostring(err):find("already in use", 1, true) then code = "ECONFLICT" end
+    if s.userns and f.userns == "auto" and tostring(err):find("subuid", 1, true) then
+      err = err .. " (Podman's userns=auto needs a range for the user containers in /etc/subuid and /etc/subgid, "
+        .. "e.g. the line containers:2147483647:2147483648 in both; or set userns = false)"
+    end
     return nil, err, code
+  end
+  if gvisor then
+    local gok, gerr = check_gvisor(self, t.Id, f)
+    if not gok then
+      self:remove(t.Id)
+      return nil, ("create container: refused to run it without gVisor: %s"):format(gerr), "ENOTSUP"
+    end
   end
   return t.Id
 end

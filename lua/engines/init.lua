@@ -170,8 +170,12 @@ function engines.get()
       .. "(Podman) or `dockerd &` (Docker), or set DEMESNE_ENGINE=unix:///path/to/socket"):format(table.concat(tried, ", ")),
       "ENOENGINE"
   end
-  if not current or current.socket ~= path or current.adapter_name then
-    current = mod.new(path)
+  local gv_runtime = config.get("gvisor_runtime")
+  local gv_socket = config.get("gvisor_engine")
+  gv_socket = gv_socket and gv_socket ~= "" and (gv_socket:gsub("^unix://", "")) or nil
+  if not current or current.socket ~= path or current.adapter_name or current.gvisor_runtime ~= gv_runtime
+      or current.gvisor_socket ~= gv_socket then
+    current = mod.new(path, { gvisor_runtime = gv_runtime, gvisor_socket = gv_socket })
   end
   return current
 end

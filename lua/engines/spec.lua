@@ -12,11 +12,20 @@ spec.STATES = { created = true, running = true, exited = true, removing = true, 
 --- default outbound network, for open egress).
 spec.NETWORKS = { none = true, bridge = true }
 
+--- The runtimes a spec may ask for beyond the engine's default (`runtime` absent): `gvisor`
+--- runs the sandbox on gVisor's own kernel (the application's system calls never reach the
+--- host kernel directly).
+spec.RUNTIMES = { gvisor = true }
+
 local FIELDS = {
   name = true, image = true, entrypoint = true, command = true, env = true, workdir = true, hostname = true,
   user = true, labels = true, mounts = true, tmpfs = true, limits = true, network = true, read_only_rootfs = true,
-  security = true,
+  security = true, runtime = true, userns = true, log_max_bytes = true,
 }
+
+--- The smallest log_max_bytes a spec may ask for (conmon, Podman's monitor, reads the
+--- container's output in 8 KiB blocks and needs at least that).
+spec.LOG_MIN_BYTES = 8192
 
 local function bad(field, why) return nil, ("spec.%s: %s"):format(field, why), "EINVAL" end
 local function unsupported(field, why) return nil, ("spec.%s: %s"):format(field, why), "ENOTSUP" end
@@ -151,6 +160,27 @@ function spec.check(s, caps)
   end
   if s.read_only_rootfs and not caps.read_only_rootfs then
     return unsupported("read_only_rootfs", "this engine adapter cannot make the root filesystem read-only")
+  end
+  if s.runtime ~= nil then
+    if not spec.RUNTIMES[s.runtime] then
+      return bad("runtime", ('"%s" is not a known runtime (gvisor)'):format(tostring(s.runtime)))
+    end
+    if not (caps.runtimes or {})[s.runtime] then
+      return unsupported("runtime", ("this engine offers no %s runtime (capability runtimes)"):format(s.runtime))
+    end
+  end
+  if s.userns ~= nil and type(s.userns) ~= "boolean" then return bad("userns", "must be a boolean") end
+  if s.userns and not caps.userns then
+    return unsupported("userns", "this engine cannot run a sandbox in a user namespace (capability userns)")
+  end
+  if s.log_max_bytes ~= nil then
+    if math.type(s.log_max_bytes) ~= "integer" or s.log_max_bytes < spec.LOG_MIN_BYTES then
+      return bad("log_max_bytes", ("must be an integer of at least %d"):format(spec.LOG_MIN_BYTES))
+    end
+    if not caps.bounded_logs then
+      return unsupported("log_max_bytes", "this engine adapter cannot bound the log the engine keeps of a sandbox "
+        .. "(capability bounded_logs)")
+    end
   end
   if s.security ~= nil then
     local sec = s.security

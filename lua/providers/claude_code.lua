@@ -186,7 +186,9 @@ function claude.parse_answer(lines)
     details.cli_cost_usd = result.total_cost_usd
     if type(result.result) == "string" and result.result ~= "" then return result.result, details end
   end
-  if #texts > 0 then return (table.concat(texts, "\n"):gsub("^%s+", ""):gsub("%s+$", "")), details end
+  -- trimmed with a linear pattern: "%s+$" backtracks quadratically over a long run of
+  -- blanks, and the transcript is the sandbox's to write
+  if #texts > 0 then return table.concat(texts, "\n"):match("^%s*(.*%S)") or "", details end
   return nil, details
 end
 

@@ -22,6 +22,7 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local plugins = require("demesne.plugins")
 local util = require("demesne.util")
+local core_text = require("core.text")
 
 local providers = {}
 
@@ -210,12 +211,22 @@ function providers.run_files(p, run, taken)
   return out
 end
 
---- Splits transcript text into its non-empty lines (for parse_answer).
+--- The most transcript lines providers.lines hands to parse_answer: the answer, the result
+--- and the rate-limit events are at the end, and a transcript is written by the sandbox,
+--- which could otherwise make the server decode millions of tiny lines on its loop.
+providers.LINES_MAX = 4096
+
+--- Splits transcript text into its non-empty lines (for parse_answer): the last `max`
+--- (default providers.LINES_MAX) only.
 ---@param text string
+---@param max integer|nil
 ---@return string[]
-function providers.lines(text)
+function providers.lines(text, max)
   local out = {}
-  for line in tostring(text):gmatch("[^\n]+") do
+  text = tostring(text)
+  local from = core_text.last_lines(text, max or providers.LINES_MAX)
+  if from > 1 then text = text:sub(from) end
+  for line in text:gmatch("[^\n]+") do
     line = line:gsub("\r$", "")
     if line ~= "" then out[#out + 1] = line end
   end

@@ -35,6 +35,21 @@ local function int_in(v, lo, hi)
   return math.tointeger(v)
 end
 
+--- Under gVisor a sandbox that passes its memory limit is ended as a whole by the host's
+--- OOM killer (gVisor's kernel is one host process), so no status.json says so: a sentence
+--- for the result when a gVisor one-shot's container ended with 137 and no status, else nil.
+---@param o table  the plan (isolation, limits)
+---@param st table|nil  status.json
+---@param code integer|nil  the container's exit code
+---@return string|nil
+function files.gvisor_kill_note(o, st, code)
+  if o.isolation ~= "gvisor" or st ~= nil or code ~= 137 then return nil end
+  local mb = o.limits and o.limits.memory_mb
+  return ("the sandbox was killed (exit 137) before its command finished, most likely for passing its memory "
+    .. "limit%s: under gVisor the whole sandbox ends when it does; files in /tmp and /workspace count against it")
+    :format(mb and (" of %d MiB"):format(math.floor(mb)) or "")
+end
+
 --- Checks a decoded status.json (demesne-init's record of one command, written inside the
 --- sandbox and therefore untrusted: core/init/run.c writes id, exit_code (0-255), signal
 --- (null or 1-64), timed_out, cancelled, started_at, finished_at, duration_ms (ms),

@@ -30,6 +30,9 @@ local transfer = require("demesne.sandbox.transfer")
 
 local sandbox = {}
 
+--- The isolation levels a sandbox call may ask for (the `isolation` parameter).
+sandbox.ISOLATIONS = spec.ISOLATIONS
+
 --- Hooks of the layer above (lua/sandbox/hooks.lua): plan, removing, removed.
 sandbox.hooks = hooks.hooks
 
@@ -41,7 +44,8 @@ end
 
 export(owner, "owner owner_alive")
 export(spec, "new_run_id engine num limits env check_command timeout dirs prepare default_env make_dirs deadline_ms")
-export(files, "oom_note check_status read_status collect remove_in remove_tree")
+export(spec, "isolation check_inputs_reach private_roots")
+export(files, "oom_note gvisor_kill_note check_status read_status collect remove_in remove_tree")
 export(oneshot, "script_prepare script_env script_start script_send script_remove script_wait script_result run_script")
 export(oneshot, "script_teardown use_pool")
 export(persistent, "create write_expiry expiry_file lookup state_of check_alive stop_unresponsive destroy list")

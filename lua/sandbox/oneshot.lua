@@ -78,8 +78,7 @@ function oneshot.script_start(ctx, o, labels)
   local img = check(images.ensure(o.engine, o.image_arg, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
-  local relay = egress.relay_args(o.egress)
-  for _, a in ipairs(o.extra_relay or {}) do relay[#relay + 1] = a end
+  local relay = spec.relay_args(o)
   if o.control then
     -- [channel] demesne-init waits for the command on its control socket (script_send)
     o.cmd = { "wait", "--control", channel.PATH, table.unpack(relay) }
@@ -201,7 +200,7 @@ function oneshot.script_result(o, code, err, duration_ms)
     duration_ms = duration_ms,
     timed_out = timed_out and true or false,
     truncated = truncated,
-    oom_killed = files.oom_note(st, o.limits and o.limits.memory_mb),
+    oom_killed = files.oom_note(st, o.limits and o.limits.memory_mb) or files.gvisor_kill_note(o, st, code),
   }
 end
 
@@ -213,7 +212,9 @@ end
 ---@return table result
 function oneshot.run_script(ctx, args)
   local o = oneshot.script_prepare(args)
-  o.control = true -- [channel] the command goes to demesne-init over its control socket
+  -- [channel] the command goes to demesne-init over its control socket; not under gVisor,
+  -- where the host cannot connect to a socket made in the sandbox (runsc's --host-uds=open)
+  o.control = o.isolation ~= "gvisor"
   local started = loop.hrtime()
   -- the container goes on success, failure, timeout and cancel alike, after the answer
   local _ <close> = util.closer(function() oneshot.script_teardown(o) end)
@@ -221,7 +222,7 @@ function oneshot.run_script(ctx, args)
   -- [pool] a warm sandbox of the same kind when there is one (lua/pool.lua), else a new one
   if not (warm_pool and warm_pool.claim(ctx, o)) then
     oneshot.script_start(ctx, o)
-    oneshot.script_send(o)
+    if o.control then oneshot.script_send(o) end
   end
   local _hb <close> = progress.heartbeat(ctx)
   -- demesne-init enforces the timeout inside; this host-side deadline covers a stuck engine

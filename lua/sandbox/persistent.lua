@@ -47,8 +47,14 @@ function persistent.create(ctx, args)
   local img = check(images.ensure(o.engine, args.image, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
-  o.cmd = { "serve", "--control", channel.PATH, table.unpack(egress.relay_args(o.egress)) } -- [channel]
-  for _, a in ipairs(o.extra_relay or {}) do o.cmd[#o.cmd + 1] = a end
+  -- [channel] a control socket, except under gVisor: the host cannot connect to a socket made
+  -- in its sandbox (runsc's --host-uds=open); execs there go through the engine's exec API
+  o.control = o.isolation ~= "gvisor"
+  o.cmd = { "serve", table.unpack(spec.relay_args(o)) }
+  if o.control then
+    table.insert(o.cmd, 2, "--control")
+    table.insert(o.cmd, 3, channel.PATH)
+  end
   o.name = "demesne-" .. o.run_id
   local cspec = container_spec(o)
   local eg = check(egress.start(o)) -- lives as long as the sandbox (egress.stop in destroy/reap)
@@ -64,11 +70,13 @@ function persistent.create(ctx, args)
   started = true
   -- [channel] answer once demesne-init listens on its control socket, so that the first
   -- exec does not find it missing (and fall back to the exec API); a few ms at most
-  local conn, cerr2 = channel.connect_wait(o.run_dir, 5000, function()
-    local info = persistent.state_of(o.engine, o.run_id)
-    return not info or info.state == "running" or info.state == "created"
-  end)
-  if conn then conn:close() else log.warning("demesne.sandbox", "sandbox %s: %s", o.run_id, tostring(cerr2)) end
+  if o.control then
+    local conn, cerr2 = channel.connect_wait(o.run_dir, 5000, function()
+      local info = persistent.state_of(o.engine, o.run_id)
+      return not info or info.state == "running" or info.state == "created"
+    end)
+    if conn then conn:close() else log.warning("demesne.sandbox", "sandbox %s: %s", o.run_id, tostring(cerr2)) end
+  end
   local expires = math.floor(loop.time()) + ttl
   persistent.write_expiry(o.run_dir, expires)
   return {
@@ -139,24 +147,9 @@ function persistent.lookup(eng, sandbox_id)
   }
 end
 
---- The engine's summary of the demesne sandbox `run_id` ({id, name, image, state, labels},
---- see docs/reference/engines.md), found by its run_id label through `list`, not
---- `inspect`: on Podman 4.3 an inspect of a container takes its lock and then the storage
---- lock, which deadlocks against the `container cleanup` process of an exec that just ended
---- in that container (it takes them the other way round; fixed in Podman 4.4). Sandboxes
---- are looked up before and after every exec and transfer, so they stay off that path.
---- Returns the summary, or nil, message, code ("ENOENT" when there is none).
----@param eng table
----@param run_id string
----@return table|nil info, string|nil err, string|nil code
-function persistent.state_of(eng, run_id)
-  local list, err, code = eng:list({ LABEL .. "managed=1", LABEL .. "run_id=" .. tostring(run_id) })
-  if not list then return nil, err, code end
-  for _, c in ipairs(list) do
-    if (c.labels or {})[LABEL .. "run_id"] == run_id then return c end
-  end
-  return nil, ("no sandbox %s"):format(tostring(run_id)), "ENOENT"
-end
+--- The engine's summary of the demesne sandbox `run_id`, found by list, never by inspect
+--- (spec.state_of says why).
+persistent.state_of = spec.state_of
 
 --- Fails with a plain message when a persistent sandbox is no longer running (destroyed,
 --- expired or stopped while a command or transfer used it). Returns nothing otherwise.

@@ -167,6 +167,7 @@ local function container_spec(o)
     [LABEL .. "memory_mb"] = tostring(math.floor(lim.memory_mb)),
     -- open egress is a property of the policy, kept here as it was at create
     [LABEL .. "egress_unrestricted"] = o.egress and o.egress.unrestricted and "1" or "0",
+    [LABEL .. "isolation"] = o.isolation or "container",
   }
   for k, v in pairs(o.labels or {}) do labels[LABEL .. k] = v end
   local cspec = {
@@ -182,8 +183,15 @@ local function container_spec(o)
     tmpfs = tmpfs,
     network = o.egress and o.egress.open and "bridge" or "none", -- egress goes through the proxy
     read_only_rootfs = config.get("readonly_rootfs") and true or false,
-    security = { no_new_privileges = true, cap_drop = { "NET_RAW" } },
+    -- MKNOD: a device node the sandbox made in /out or its run folder is a node on the host,
+    -- usable there by whoever reaches it (Docker grants MKNOD by default; Podman does not)
+    security = { no_new_privileges = true, cap_drop = { "NET_RAW", "MKNOD" } },
+    -- the sandbox can write to PID 1's stdout (/proc/1/fd/1): the engine's log of it lives
+    -- on the host's disk, outside the output folder, and demesne never reads it
+    log_max_bytes = 1024 * 1024,
     limits = { memory_bytes = math.floor(lim.memory_mb * 1024 * 1024), cpus = lim.cpus, pids = math.floor(lim.pids) },
+    runtime = o.isolation == "gvisor" and "gvisor" or nil,
+    userns = o.userns or nil,
   }
   check(engine_spec.check(cspec, o.engine.capabilities))
   return cspec
@@ -203,9 +211,116 @@ local function default_env(run_id, pol)
   return env
 end
 
+--- The engine's summary of the demesne sandbox `run_id` ({id, name, image, state, labels},
+--- see docs/reference/engines.md), found by its run_id label through `list`, not
+--- `inspect`: on Podman 4.3 an inspect of a container takes its lock and then the storage
+--- lock, which deadlocks against the `container cleanup` process of an exec that just ended
+--- in that container (it takes them the other way round; fixed in Podman 4.4). Sandboxes
+--- are looked up before and after every exec and transfer, so they stay off that path.
+--- Returns the summary, or nil, message, code ("ENOENT" when there is none).
+---@param eng table
+---@param run_id string
+---@return table|nil info, string|nil err, string|nil code
+function spec.state_of(eng, run_id)
+  local list, err, code = eng:list({ LABEL .. "managed=1", LABEL .. "run_id=" .. tostring(run_id) })
+  if not list then return nil, err, code end
+  for _, c in ipairs(list) do
+    if (c.labels or {})[LABEL .. "run_id"] == run_id then return c end
+  end
+  return nil, ("no sandbox %s"):format(tostring(run_id)), "ENOENT"
+end
+
+--- The isolation levels a sandbox call may ask for (the `isolation` parameter).
+spec.ISOLATIONS = { container = true, gvisor = true }
+
+--- Decides how a new sandbox is isolated: `isolation` ("container" or "gvisor"; nil = the
+--- isolation_default setting) and whether it gets a user namespace (the userns setting,
+--- where the engine offers one). Asks the engine what it offers (eng:probe, when the
+--- adapter has it). Fails, naming
+--- the field, when gVisor is asked for and the engine cannot give it: never a silent
+--- downgrade to the plain container. Returns {isolation = string, userns = boolean}.
+---@param eng table  the engine adapter
+---@param isolation string|nil
+---@param open_egress boolean  the sandbox gets the engine's bridge network (open egress)
+---@return {isolation: string, userns: boolean}
+function spec.isolation(eng, isolation, open_egress)
+  local field = isolation ~= nil and "isolation" or "isolation_default (configuration)"
+  isolation = isolation or config.get("isolation_default")
+  if not spec.ISOLATIONS[isolation] then
+    fail(("%s: %q is not container or gvisor"):format(field, tostring(isolation)))
+  end
+  local facts
+  if type(eng.probe) == "function" then facts = check(eng:probe({ gvisor = isolation == "gvisor" })) end
+  local caps = eng.capabilities or {}
+  if isolation == "gvisor" then
+    if not (caps.runtimes or {}).gvisor then
+      local g = facts and facts.gvisor or {}
+      fail(("%s: gvisor is not available on this engine%s%s"):format(field, g.detail and (": " .. g.detail) or "",
+        g.fix and ("; to offer it: " .. g.fix) or ""), "ENOTSUP")
+    end
+    if open_egress then
+      fail(("%s: gvisor sandboxes have no network but loopback (gVisor runs with --network=none), so the open "
+        .. "egress policy cannot be given; use a proxied policy (package-managers, an allowlist) or isolation "
+        .. "container"):format(field), "ENOTSUP")
+    end
+  end
+  return { isolation = isolation, userns = config.get("userns") == true and caps.userns == true }
+end
+
+-- The components of a path ("/a/b" -> {"a", "b"}).
+local function components(p)
+  local out = {}
+  for c in tostring(p):gmatch("[^/]+") do out[#out + 1] = c end
+  return out
+end
+
+--- Refuses host inputs that a live sandbox could change before the engine mounts them.
+--- paths.inputs resolves every link once; the engine resolves the path again when it starts
+--- the container, and follows any link it then finds. Below a folder a sandbox can write
+--- (its output folder, `<output_root>/<run id>/…`, while it runs; any run folder under the
+--- state folder) every component can be swapped for a link to any host path in between, and
+--- the new sandbox would get that host folder or file mounted. So an input strictly inside
+--- the output folder of a sandbox that still exists (its run folder, or a container with its
+--- run id on the engine) is refused, and so is anything in the state folder. The output
+--- folder itself is fine (the sandbox cannot replace it: its parent is the host's), and so
+--- is the output of a sandbox that is gone (nothing can change it any more).
+---@param eng table  the engine adapter
+---@param mounts table  paths.inputs' list ({host, field, …})
+function spec.check_inputs_reach(eng, mounts)
+  local state = fs.realpath(config.get("state_dir"))
+  local out_root = fs.realpath(config.get("output_root"))
+  for _, m in ipairs(mounts or {}) do
+    local field = m.field or "input"
+    if state and paths.within(m.host, state) then
+      fail(("%s: %s is inside demesne's state folder (%s), which sandboxes write (their run folders and relay "
+        .. "sockets); it cannot be mounted"):format(field, m.host, state))
+    end
+    if out_root and paths.within(m.host, out_root) then
+      local c, r = components(m.host), components(out_root)
+      local id = c[#r + 1]
+      if #c > #r + 1 and id:match("^[%w%-]+$") then
+        local alive = fs.lstat(config.get("state_dir") .. "/run/" .. id) ~= nil
+        if not alive then
+          local info, err, code = spec.state_of(eng, id)
+          if info then alive = true
+          elseif code ~= "ENOENT" then
+            fail(("%s: %s is inside the output folder of sandbox %s, and whether that sandbox still runs cannot be "
+              .. "told (%s)"):format(field, m.host, id, tostring(err)), code)
+          end
+        end
+        if alive then
+          fail(("%s: %s is inside the output folder of sandbox %s, which is still running and can replace any part "
+            .. "of it with a link to another host path before the engine mounts it; mount the whole output folder, "
+            .. "destroy that sandbox first, or send the files with sandbox_upload"):format(field, m.host, id))
+        end
+      end
+    end
+  end
+end
+
 --- The plan of a new sandbox from a call's arguments, checked: engine, limits, mounts,
---- egress policy, a fresh run id and its folders. Nothing is created yet.
----@param args table         limits, files, directories, egress
+--- egress policy, isolation, a fresh run id and its folders. Nothing is created yet.
+---@param args table         limits, files, directories, egress, isolation
 ---@param kind string        the container's kind label ("oneshot", "job", "persistent")
 ---@param tool string|nil    the tool that asked
 ---@param ttl number         seconds the container may live (its expires_at label)
@@ -214,12 +329,14 @@ local function prepare(args, kind, tool, ttl)
   local eng = spec.engine()
   local lim = spec.limits(args.limits)
   local mounts = check(paths.inputs(args.files, args.directories))
+  spec.check_inputs_reach(eng, mounts)
   local pol = check(egress_policy.select(args.egress, #mounts > 0))
+  local iso = spec.isolation(eng, args.isolation, pol.open == true)
   local run_id = spec.new_run_id()
   local output_dir, run_dir = dirs(run_id)
   return {
     egress = pol, engine = eng, limits = lim, mounts = mounts, run_id = run_id, output_dir = output_dir,
-    run_dir = run_dir, kind = kind, tool = tool, ttl = ttl,
+    run_dir = run_dir, kind = kind, tool = tool, ttl = ttl, isolation = iso.isolation, userns = iso.userns,
   }
 end
 
@@ -230,11 +347,37 @@ end
 ---@return string
 local function claim_path(run_id) return config.get("state_dir") .. "/claims/" .. run_id end
 
---- Creates a plan's output and run folders, then its claim.
+--- With `create`, makes the output root and the state folder, when missing, readable by this
+--- user only (0700). Returns a warning for each that other users can enter. Root in a sandbox is
+--- root on the host under a rootful engine: a setuid-root program the sandbox leaves in its
+--- output or run folder is one on the host, which only the folders above keep from other
+--- users (the sandbox can change the mode of its own /out, not of its parent).
+---@param create boolean|nil
+---@return string[] warnings
+function spec.private_roots(create)
+  local warnings = {}
+  for _, name in ipairs({ "output_root", "state_dir" }) do
+    local dir = config.get(name)
+    if create and not fs.lstat(dir) then fs.mkdir_p(dir, 448) end -- 0700 (Lua has no octal literals)
+    local st = fs.stat(dir)
+    if st and st.mode & 63 ~= 0 then -- 0077: group or others
+      warnings[#warnings + 1] = ("%s %s can be entered by other users (mode %03o): a sandbox can leave setuid-root "
+        .. "programs in the folders below it (root in a sandbox is root on the host under a rootful engine); "
+        .. "chmod 700 %s"):format(name, dir, st.mode & 511, dir)
+    end
+  end
+  return warnings
+end
+
+--- Creates a plan's output and run folders, then its claim. The folders a sandbox writes to
+--- are made before it exists: with a user namespace the engine hands them (and what is in
+--- them) to the sandbox's root when it starts, so the transfer folder is made here too.
 ---@param o table  the plan (prepare)
 local function make_dirs(o)
+  spec.private_roots(true)
   check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)
+  check(fs.mkdir_p(o.run_dir .. "/xfer", 448)) -- 0700
   -- after the folder: a claim without its folder is always stale (a young folder without a
   -- claim is left alone by the reaper)
   check(fs.mkdir_p(config.get("state_dir") .. "/claims", 448)) -- 0700
@@ -251,7 +394,20 @@ function spec.deadline_ms(timeout_s)
   return math.floor((timeout_s + config.get("exec_grace_seconds")) * 1000)
 end
 
+--- demesne-init's relay options of a plan: its egress policy's, the plan's extra ones
+--- (the vendor route, a tree's endpoint); under gVisor it copies from the start (a socket
+--- cannot be passed there).
+---@param o table  the plan
+---@return string[]
+local function relay_args(o)
+  local relay = egress.relay_args(o.egress)
+  for _, a in ipairs(o.extra_relay or {}) do relay[#relay + 1] = a end
+  if o.isolation == "gvisor" and #relay > 0 then relay[#relay + 1] = "--relay-copy" end
+  return relay
+end
+
 spec.LABEL = LABEL
+spec.relay_args = relay_args
 spec.INIT = INIT
 spec.RUN = RUN
 spec.container_spec = container_spec

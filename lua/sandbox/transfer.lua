@@ -49,7 +49,7 @@ local function run_quiet(eng, sb, argv)
   local st = read_status(sb.run_dir, id)
   local msg, merr = output.view(sb.run_dir, "exec/" .. id .. "/stderr.log", 2048, 2048)
   if not msg then fail("file transfer: " .. tostring(merr)) end
-  return st and st.exit_code or code, (msg:gsub("%s+$", "")), st
+  return st and st.exit_code or code, msg:match("^(.*%S)") or "", st -- (linear: not "%s+$")
 end
 
 -- A transfer step that failed in an unexpected way: says when the sandbox is gone or ran

@@ -100,7 +100,7 @@ function Route:rate_state() return self.rate end
 ---@return table|nil route, string|nil err
 function vendor.start(o)
   local r = setmetatable({ run_id = o.run_id, provider = o.provider, token = o.token, credential = o.credential,
-    output_dir = o.output_dir, tasks = {}, forwarding = 0, models = {}, requests = 0, closed = false,
+    output_dir = o.output_dir, tasks = {}, forwarding = 0, buffered = 0, models = {}, requests = 0, closed = false,
     deadline = o.deadline, decide = o.decide, holds = o.holds ~= false,
     rate = rate.load(o.run_id, rate.budget(o.rate_limit_retries)),
     total = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 } }, Route)
@@ -260,6 +260,65 @@ local function refuse(conn, status, message)
   return conn:respond(status, { ["content-type"] = "application/json" }, error_body(status, message))
 end
 
+-- Request bytes held by every route together (bodies being sent or held for a retry).
+local buffered_total = 0
+
+--- Bytes of request bodies all vendor routes hold now (tests, diagnostics).
+---@return integer
+function vendor.buffered() return buffered_total end
+
+--- Holds `n` bytes of request body for one request of this route, within
+--- vendor_max_buffered_bytes (this route) and vendor_max_buffered_bytes_total (every route):
+--- core.httpd has read the body whole (at most MAX_BODY), and it stays in the server's
+--- memory until its request ends, a rate-limit hold included. Returns the bytes held (give
+--- them back with Route:release), or nil and the sentence for the 503.
+---@param n integer
+---@return integer|nil held, string|nil why
+function Route:hold(n)
+  local route_max = math.floor(config.get("vendor_max_buffered_bytes"))
+  local total_max = math.floor(config.get("vendor_max_buffered_bytes_total"))
+  if self.buffered + n > route_max then
+    return nil, ("this sandbox's requests on its vendor route would hold %d bytes of bodies at once, over its "
+      .. "ceiling of %d (vendor_max_buffered_bytes in the demesne configuration); send fewer or smaller requests at "
+      .. "once"):format(self.buffered + n, route_max)
+  end
+  if buffered_total + n > total_max then
+    return nil, ("the vendor routes of all sandboxes would hold %d bytes of request bodies at once, over the "
+      .. "server's ceiling of %d (vendor_max_buffered_bytes_total in the demesne configuration); retry "
+      .. "later"):format(buffered_total + n, total_max)
+  end
+  self.buffered = self.buffered + n
+  buffered_total = buffered_total + n
+  return n
+end
+
+--- Gives back `n` bytes Route:hold held.
+---@param n integer
+function Route:release(n)
+  self.buffered = self.buffered - n
+  buffered_total = buffered_total - n
+end
+
+--- A request the route refused: one line in usage.jsonl (the sandbox's own file, with the
+--- path cut), and a log record for the first refusal and then at most one every 10 s with
+--- the count since: a sandbox that floods its route must not flood the server's log or the
+--- client's notifications.
+---@param rec table   the usage.jsonl line (method, path, verdict, status, reason)
+---@param why string  the reason
+function Route:note_refusal(rec, why)
+  if rec.path then rec.path = log.printable(rec.path, 256) end
+  self:log_line(rec)
+  local r = self.refusals or { count = 0, last = -math.huge }
+  self.refusals = r
+  r.count = r.count + 1
+  if loop.now() - r.last >= 10000 then
+    log.info(LOGGER, "%s: refused %s %s: %s%s", self.run_id, log.printable(rec.method or "-", 32),
+      log.printable(rec.path or "-", 256), log.printable(why or "refused", 512),
+      r.count > 1 and (" (%d requests refused since the last report)"):format(r.count) or "")
+    r.count, r.last = 0, loop.now()
+  end
+end
+
 -- A refusal of the layer above (a tree's budget is spent) in both vendors' error shape, with
 -- status 400 as the vendors answer a spent balance: neither CLI retries a 400 (both retry
 -- 402 and 403, and Claude Code reads 403 as a failed login), so the run ends at once with
@@ -358,11 +417,35 @@ function Route:attempt_end(conn, req, rec)
     return
   end
   rec.attempt, rec.exit_code = n, code
+  -- Each attempt is decided once, in order (the wrapper reports 1, then 2 after a resume …),
+  -- and nothing after a stop: deciding reads the whole transcript, and a sandbox that
+  -- floods this path with reports must not make the server read it again and again. A
+  -- report of an attempt already decided (a wrapper asking again after a server restart)
+  -- gets the same answer.
+  local rs = self.rate
+  local last = math.tointeger(rs.last_attempt) or 0
   local d = { action = "stop" }
-  if self.decide then
-    local dok, got = pcall(self.decide, self, { attempt = n, exit_code = code })
-    if dok and type(got) == "table" then d = got
-    else log.warning(LOGGER, "%s: deciding on attempt %d: %s", self.run_id, n, tostring(got)) end
+  if n <= last or rs.stopped then
+    local kept = type(rs.decided) == "table" and rs.decided[tostring(n)]
+    if n <= last and type(kept) == "table" and kept.action == "resume" then d = kept end
+    rec.cached = true
+  elseif n > last + 1 then
+    answer(409, ("attempt %d reported before attempt %d\n"):format(n, last + 1))
+    return
+  else
+    if self.decide then
+      local dok, got = pcall(self.decide, self, { attempt = n, exit_code = code })
+      if dok and type(got) == "table" then d = got
+      else log.warning(LOGGER, "%s: deciding on attempt %d: %s", self.run_id, n, tostring(got)) end
+    end
+    rs.last_attempt = n
+    if d.action == "resume" then
+      rs.decided = type(rs.decided) == "table" and rs.decided or {}
+      rs.decided[tostring(n)] = d
+    else
+      rs.stopped = true
+    end
+    self:save_rate()
   end
   rec.decision = d.action
   if d.action ~= "resume" then
@@ -371,8 +454,10 @@ function Route:attempt_end(conn, req, rec)
   end
   local wait_ms = math.max(0, math.ceil(((d.at or 0) - loop.time()) * 1000))
   rec.resume_in_ms = wait_ms
-  log.info(LOGGER, "%s: attempt %d ended rate limited; resuming session %s in %d ms", self.run_id, n, d.session,
-    wait_ms)
+  if not rec.cached then
+    log.info(LOGGER, "%s: attempt %d ended rate limited; resuming session %s in %d ms", self.run_id, n,
+      log.printable(d.session, 200), wait_ms)
+  end
   async.sleep(wait_ms)
   answer(200, "resume " .. d.session .. "\n")
 end
@@ -403,11 +488,19 @@ function Route:serve(conn, req)
   end
   if v.action ~= "forward" then
     rec.verdict, rec.status, rec.reason = "deny", v.status, v.reason
-    self:log_line(rec)
-    log.info(LOGGER, "%s: refused %s %s: %s", self.run_id, req.method, path, tostring(v.reason))
+    self:note_refusal(rec, tostring(v.reason))
     refuse(conn, v.status or 403, v.reason or "refused")
     return
   end
+  -- the body stays in memory until the request ends (a rate-limit hold included): bounded
+  local held, hwhy = self:hold(#(req.body or ""))
+  if not held then
+    rec.verdict, rec.status, rec.reason = "deny", 503, hwhy
+    self:note_refusal(rec, hwhy)
+    refuse(conn, 503, hwhy)
+    return
+  end
+  local _held <close> = util.closer(function() self:release(held) end)
   rec.verdict = "forward"
   -- a hold that a previous server started (the agent's held connection dropped with it and
   -- the CLI sent the request again): wait for the same reset before sending it
@@ -424,8 +517,7 @@ function Route:serve(conn, req)
     local refusal = refused(self.run_id)
     if refusal then
       rec.verdict, rec.status, rec.reason = "deny", REFUSED_STATUS, refusal
-      self:log_line(rec)
-      log.info(LOGGER, "%s: refused %s %s: %s", self.run_id, req.method, path, refusal)
+      self:note_refusal(rec, refusal)
       conn:respond(REFUSED_STATUS, { ["content-type"] = "application/json" }, refusal_body(refusal))
       return
     end

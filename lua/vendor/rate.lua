@@ -213,6 +213,10 @@ function ratelimit.load(run_id, budget)
     if type(prev[k]) == "number" then rate[k] = prev[k] end
   end
   if type(prev.why) == "string" then rate.why = prev.why end
+  if math.type(prev.last_attempt) == "integer" or type(prev.last_attempt) == "number" then
+    rate.last_attempt = math.tointeger(math.floor(prev.last_attempt))
+  end
+  if prev.stopped == true then rate.stopped = true end
   if type(prev.decided) == "table" then rate.decided = prev.decided end
   return rate
 end

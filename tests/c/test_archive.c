@@ -687,6 +687,23 @@ static void test_pack_limits(void) {
   rc = dm_archive_pack_fd(ofd, en2, 1, &lim, &st, &err, NULL);
   CHECK(rc == 0, "not strict: the host's own link is followed: %s", rc ? err.msg : "ok");
   close(ofd);
+  /* strict: a source that is itself a link now (a live sandbox swapped its folder for one
+   * after the caller's path was checked) is refused, never packed as a link entry */
+  char top[PATH_MAX + 16];
+  snprintf(top, sizeof top, "%s/toplink", base);
+  CHECK(symlink(src, top) == 0, "the top-level link");
+  ofd = open(out, O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  dm_archive_entry en3[] = {{.src = top, .name = "t"}};
+  lim.strict_src = 1;
+  lim.max_bytes = 0;
+  lim.max_entries = 0;
+  rc = dm_archive_pack_fd(ofd, en3, 1, &lim, &st, &err, NULL);
+  fstat(ofd, &ost);
+  CHECK(rc == -1 && !strcmp(err.code, "EAGAIN"), "strict: a source that is a link is refused: %s",
+        rc ? err.code : "packed");
+  CHECK(rc == -1 && strstr(err.msg, "link"), "the message says it is a link: %s", rc ? err.msg : "");
+  close(ofd);
+  unlink(top);
   unlink(out);
 }
 

@@ -295,6 +295,56 @@ static void test_relay(void) {
   CHECK(uv_loop_close(&loop) == 0, "every handle closed");
 }
 
+/* ---- relay copy mode (gVisor): the marker byte '\0' with no socket, then the client's
+ * bytes on the same unix connection, which becomes the HTTP connection ---- */
+
+static void *copy_client(void *arg) {
+  relay_t *x = arg;
+  int ufd = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un un = {.sun_family = AF_UNIX};
+  snprintf(un.sun_path, sizeof un.sun_path, "%s", x->path);
+  if (connect(ufd, (struct sockaddr *)&un, sizeof un) == 0) {
+    /* the marker and the request in one write: what follows the marker is the client's */
+    const char req[] = "\0GET /copied HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n";
+    if (write(ufd, req, sizeof req - 1) < 0) x->len = 0;
+    struct timeval tv = {5, 0};
+    setsockopt(ufd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+    ssize_t r;
+    while (x->len < sizeof x->got - 1 && (r = read(ufd, x->got + x->len, sizeof x->got - 1 - x->len)) > 0)
+      x->len += (size_t)r;
+  }
+  x->got[x->len] = '\0';
+  close(ufd);
+  x->done = 1;
+  return NULL;
+}
+
+static void test_relay_copy(void) {
+  uv_loop_init(&loop);
+  closed = 0;
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  srv = dm_httpd_new(&loop, NULL, &h, NULL);
+  relay_t x = {0};
+  snprintf(x.path, sizeof x.path, "/tmp/demesne-httpd-copy-%d.sock", (int)getpid());
+  dm_httpd_listen_opts lo = {.tag = "sandbox-44"};
+  CHECK(dm_httpd_listen_relay(srv, x.path, &lo) == 0, "listen_relay");
+  pthread_t t;
+  pthread_create(&t, NULL, copy_client, &x);
+  while (!x.done) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  pthread_join(t, NULL);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK") && strstr(x.got, "/copied"), "answered on the relay's connection: %s", x.got);
+  CHECK(!strcmp(last_listener, "sandbox-44"), "tagged with the relay's listener: %s", last_listener);
+  dm_httpd_close(srv);
+  while (!closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(uv_loop_close(&loop) == 0, "every handle closed");
+}
+
 /* ---- unlisten: one listener goes (its held stream cut), the other goes on; a listener's
  * own connection cap ---- */
 
@@ -414,6 +464,7 @@ int main(void) {
   test_token_equal();
   test_exchanges();
   test_relay();
+  test_relay_copy();
   test_unlisten();
   test_relay_pending_bound();
   if (failures) fprintf(stderr, "%d failure(s)\n", failures);

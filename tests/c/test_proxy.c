@@ -638,6 +638,46 @@ static void test_ceilings(const char *dir) {
   while (closed == closed_before) uv_run(&loop, UV_RUN_ONCE);
 }
 
+/* What demesne-init's relay does where it cannot pass a socket (gVisor): the byte '\0' and
+ * then the client's own bytes, copied over the unix connection; the proxy drops the byte
+ * and talks to that connection as the client. */
+static void test_copy_marker(const char *sock) {
+  int u = socket(AF_UNIX, SOCK_STREAM, 0);
+  struct sockaddr_un ua = {.sun_family = AF_UNIX};
+  size_t slen = strlen(sock);
+  int ok = slen < sizeof ua.sun_path;
+  if (ok) memcpy(ua.sun_path, sock, slen + 1);
+  ok = ok && connect(u, (struct sockaddr *)&ua, sizeof ua) == 0;
+  char req[128];
+  req[0] = '\0';
+  int n = 1 + snprintf(req + 1, sizeof req - 1, "CONNECT allowed.test:%d HTTP/1.1\r\n\r\n", upstream_port);
+  ok = ok && send(u, req, (size_t)n, MSG_NOSIGNAL) == n;
+  CHECK(ok, "copy-mode connection set up: %s", strerror(errno));
+  fcntl(u, F_SETFL, O_NONBLOCK);
+  char got[4096] = "";
+  size_t len = 0;
+  int pinged = 0, before = done_count;
+  last_upstream_req[0] = '\0';
+  for (int spins = 0; ok && spins < 200000 && done_count == before; spins++) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    ssize_t r = u >= 0 ? recv(u, got + len, sizeof got - len - 1, 0) : -1;
+    if (r > 0) {
+      len += (size_t)r;
+      got[len] = '\0';
+      if (!pinged && strstr(got, "\r\n\r\n")) pinged = send(u, "ping", 4, MSG_NOSIGNAL) == 4;
+    } else if (r == 0 || (r < 0 && u >= 0 && errno != EAGAIN)) {
+      close(u);
+      u = -1;
+    } else {
+      usleep(50);
+    }
+  }
+  if (u >= 0) close(u);
+  CHECK(strncmp(got, "HTTP/1.1 200 Connection established", 35) == 0 && strstr(got, "hello"), "copy mode: %s", got);
+  CHECK(!strcmp(last_upstream_req, "ping") && last.bytes_up == 4 && last.status == 200,
+        "through the copied connection: %s up %llu", last_upstream_req, (unsigned long long)last.bytes_up);
+}
+
 static void test_end_to_end(void) {
   uv_loop_init(&loop);
   struct sockaddr_in a;
@@ -694,6 +734,7 @@ static void test_end_to_end(void) {
         "rewritten: %s", last_upstream_req);
 
   test_handover(sock);
+  test_copy_marker(sock);
 
   verdict = "deny";
   int q = dns_queries;

@@ -381,6 +381,72 @@ if unshare --pid --fork --mount-proc true 2>/dev/null && command -v nsenter >/de
 else
 	skip "control socket peers inside a PID namespace" "unshare --pid not available"
 fi
+# --- the relay: --relay PORT=PATH ---------------------------------------------------------
+# A host end that records how each connection arrived: "handover" (the byte 'F' with the
+# accepted socket) or "copy" (the byte '\0', then the client's bytes on the unix connection),
+# answers "pong" to "ping" and hangs up.
+relay_host() { # relay_host SOCKET LOG CONNECTIONS
+	python3 - "$@" <<'EOF'
+import array, os, socket, sys
+path, log, count = sys.argv[1], sys.argv[2], int(sys.argv[3])
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.bind(path + ".new")  # listening before the name appears: the caller waits for the name
+os.chmod(path + ".new", 0o666)
+s.listen(8)
+os.rename(path + ".new", path)
+s.settimeout(20)
+out = open(log, "w")
+for _ in range(count):
+    c, _ = s.accept()
+    byte, anc, _, _ = c.recvmsg(1, socket.CMSG_LEN(4))
+    fds = array.array("i")
+    for level, kind, data in anc:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            fds.frombytes(data[:4])
+    if byte == b"F" and len(fds) == 1:
+        c.close()
+        c, mode = socket.socket(fileno=fds[0]), "handover"
+    elif byte == b"\0" and len(fds) == 0:
+        mode = "copy"
+    else:
+        mode = "bad %r %d" % (byte, len(fds))
+    c.settimeout(20)  # the relay's socket arrives non-blocking
+    got = b""
+    while not got.endswith(b"ping"):
+        d = c.recv(100)
+        if not d:
+            break
+        got += d
+    c.sendall(b"pong")
+    c.shutdown(socket.SHUT_WR)
+    rest = c.recv(100)  # the client's end of the stream, after its half-close
+    c.close()
+    out.write("%s %r %r\n" % (mode, got, rest))
+    out.flush()
+EOF
+}
+RPORT=$((20000 + $$ % 40000))
+CLIENT='import socket,sys; c=socket.create_connection(("127.0.0.1",int(sys.argv[1]))); c.sendall(b"ping"); c.shutdown(socket.SHUT_WR); d=b""
+while True:
+    x=c.recv(100)
+    if not x: break
+    d+=x
+print(d.decode())'
+for mode in handover copy; do
+	rm -f "$T/relay.sock"
+	relay_host "$T/relay.sock" "$T/relay-$mode.log" 2 &
+	HOSTP=$!; STRAYS="$STRAYS $HOSTP"
+	i=0; while [ ! -S "$T/relay.sock" ] && [ $i -lt 250 ]; do sleep 0.02; i=$((i + 1)); done
+	extra=""; [ $mode = copy ] && extra=--relay-copy
+	"$BIN" run --id relay-$mode --dir "$T/relay-$mode" --relay "$RPORT=$T/relay.sock" $extra -- \
+		sh -c 'python3 -c "$1" "$2" && python3 -c "$1" "$2"' _ "$CLIENT" "$RPORT"
+	rc=$?
+	wait "$HOSTP"
+	check "relay ($mode): two connections, the client reads pong, exit 0" \
+		eq "$rc/$(tr '\n' ' ' < "$T/relay-$mode/stdout.log")" "0/pong pong "
+	check "  the host saw $mode, ping and the client's half-close, twice" \
+		eq "$(cat "$T/relay-$mode.log")" "$(printf "%s b'ping' b''\n%s b'ping' b''" $mode $mode)"
+done
 
 # --- inside a real container -------------------------------------------------------------
 ENGINE=${DEMESNE_INIT_TEST_ENGINE:-}
@@ -409,6 +475,30 @@ else
 	$R "$IMAGE" /.demesne/init run --id c01 --dir /out/c01 --timeout 1 -- sh -c 'sleep 300 & wait'
 	rc=$?; el=$(($(now_ms) - t0))
 	check "container C01: timeout, exit 143, timed_out" eq "$rc/$(field "$O/c01/status.json" timed_out)" 143/true
+
+	# Under gVisor the relay cannot pass a socket to the host: it must find that out and copy.
+	GV=""
+	if [ "$ENGINE" = podman ] && [ -x /usr/bin/runsc ]; then
+		GV="podman --runtime /usr/bin/runsc --runtime-flag network=none --runtime-flag host-uds=open run --rm --network none"
+	elif [ "$ENGINE" = docker ] && docker info --format '{{json .Runtimes}}' 2>/dev/null | grep -q '"runsc"'; then
+		GV="docker run --rm --network none --runtime runsc"
+	fi
+	if [ -z "$GV" ]; then
+		skip "container under gVisor: the relay copies" "runsc is not installed for $ENGINE"
+	else
+		mkdir -p "$O/gv"
+		rm -f "$O/gv/relay.sock"
+		relay_host "$O/gv/relay.sock" "$T/relay-gv.log" 1 &
+		HOSTP=$!; STRAYS="$STRAYS $HOSTP"
+		i=0; while [ ! -S "$O/gv/relay.sock" ] && [ $i -lt 250 ]; do sleep 0.02; i=$((i + 1)); done
+		$GV -v "$BIN:/.demesne/init:ro" -v "$O:/out" "$IMAGE" /.demesne/init run --id gv --dir /out/gv/run \
+			--relay "3128=/out/gv/relay.sock" -- bash -c 'dmesg | head -n 1; exec 3<>/dev/tcp/127.0.0.1/3128; printf ping >&3; cat <&3; echo'
+		rc=$?
+		wait "$HOSTP"
+		check "container under gVisor: the kernel is gVisor's, the client reads pong" \
+			eq "$rc/$(tr '\n' ' ' < "$O/gv/run/stdout.log" | sed 's/^\[[ 0-9.]*\] //')" "0/Starting gVisor... pong "
+		check "  the relay found it cannot pass sockets and copied" eq "$(cat "$T/relay-gv.log")" "copy b'ping' b''"
+	fi
 
 	NAME=demesne-init-stop-$$
 	$ENGINE run -d --rm --name "$NAME" --network none -v "$BIN:/.demesne/init:ro" -v "$O:/out" "$IMAGE" \

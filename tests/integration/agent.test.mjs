@@ -34,10 +34,14 @@ function probeCommand(tokenVar, authHeader, authPrefix, routes) {
     "C=$(printf '%s-%s' 'demesne-control' 'c0ffee')",
     'printf "%s" "$C" > /tmp/control.txt',
     "env > /out/env.txt",
-    "ls /sys/class/net > /out/ifaces.txt",
-    'grep -rlsF -e "$S" -e "$C" / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev > /out/found.txt 2>/dev/null',
-    'grep -lsaF "$S" /proc/[0-9]*/environ /proc/[0-9]*/cmdline > /out/found_proc.txt 2>/dev/null',
-    `grep -lsaF "$${tokenVar}" /proc/[0-9]*/environ | wc -l > /out/control_proc.txt`,
+    // the interfaces from /proc/net/dev: gVisor has no /sys/class/net
+    "awk -F: 'NR > 2 { gsub(/ /, \"\", $1); print $1 }' /proc/net/dev > /out/ifaces.txt",
+    // `command grep`: Claude Code's shell tool defines grep and find as functions that run its
+    // own ugrep and bfs, which cannot stat files under Debian's gVisor (statx with
+    // AT_NO_AUTOMOUNT, which runsc 20221219 refuses)
+    'command grep -rlsF -e "$S" -e "$C" / --exclude-dir=proc --exclude-dir=sys --exclude-dir=dev > /out/found.txt 2>/dev/null',
+    'command grep -lsaF "$S" /proc/[0-9]*/environ /proc/[0-9]*/cmdline > /out/found_proc.txt 2>/dev/null',
+    `command grep -lsaF "$${tokenVar}" /proc/[0-9]*/environ | wc -l > /out/control_proc.txt`,
     "echo scanned > /out/scan.done",
     `curl -s -o /dev/null -w '%{http_code}' -X POST -H '${authHeader}: ${authPrefix}wrong-token' -H 'content-type: application/json' `
       + `-d '{}' http://127.0.0.1:3129${routes.allowed} > /out/wrong_token.txt`,
@@ -580,10 +584,15 @@ test("sandbox_research: the same agent run with open egress and no host inputs",
     assert.equal(r.exit_code, 0, r.stderr);
     assert.equal(r.answer, FINAL);
     checkSandboxSide(r.output_dir, "ANTHROPIC_API_KEY");
-    const ifaces = readFileSync(path.join(r.output_dir, "ifaces.txt"), "utf8").trim().split("\n");
-    assert.ok(ifaces.some((i) => i !== "lo"), `open egress: a network device besides lo (${ifaces})`);
     const env = readFileSync(path.join(r.output_dir, "env.txt"), "utf8");
-    assert.ok(!/^HTTPS?_PROXY=/m.test(env), "open egress: no proxy in the way");
+    if (process.env.DEMESNE_TEST_ISOLATION === "gvisor") {
+      // gVisor has no network but loopback: the research run's web goes through the proxy
+      assert.match(env, /^HTTPS_PROXY=http:\/\/127\.0\.0\.1:3128$/m, "under gVisor: the web policy's proxy");
+    } else {
+      const ifaces = readFileSync(path.join(r.output_dir, "ifaces.txt"), "utf8").trim().split("\n");
+      assert.ok(ifaces.some((i) => i !== "lo"), `open egress: a network device besides lo (${ifaces})`);
+      assert.ok(!/^HTTPS?_PROXY=/m.test(env), "open egress: no proxy in the way");
+    }
     const usage = JSON.parse(readFileSync(path.join(r.output_dir, "usage.json"), "utf8"));
     assert.equal(usage.models["claude-sonnet-5"].requests, 2);
     const context = readdirSync(r.output_dir);

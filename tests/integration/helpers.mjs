@@ -66,7 +66,26 @@ export async function connect({ env = {}, args = [], fixtures = true, capabiliti
   });
   const client = new Client({ name: "demesne-tests", version: "1.0.0" }, { capabilities });
   await client.connect(transport);
+  isolate(client);
   return { client, transport, stderr: () => err };
+}
+
+/** The tools that make a sandbox, and so take `isolation`. */
+export const ISOLATED_TOOLS = new Set(["sandbox_script", "sandbox_create", "sandbox_agent", "sandbox_research"]);
+
+/**
+ * DEMESNE_TEST_ISOLATION=gvisor (tests/run's gVisor suites): every call of a tool that makes a
+ * sandbox asks for that isolation, unless the test names one itself.
+ */
+function isolate(client) {
+  const isolation = process.env.DEMESNE_TEST_ISOLATION;
+  if (!isolation) return;
+  const callTool = client.callTool.bind(client);
+  client.callTool = (params, ...rest) => {
+    const args = params?.arguments;
+    if (!ISOLATED_TOOLS.has(params?.name) || !args || "isolation" in args) return callTool(params, ...rest);
+    return callTool({ ...params, arguments: { ...args, isolation } }, ...rest);
+  };
 }
 
 /**

@@ -42,7 +42,7 @@ end
 function tests.every_check_runs_in_order(t)
   with_env({}, function()
     local _, names = by_name(doctor.run())
-    t:eq(names, { "engine", "images", "config", "folders", "demesne-init" })
+    t:eq(names, { "engine", "images", "config", "folders", "demesne-init", "gvisor", "userns" })
   end)
 end
 
@@ -98,6 +98,7 @@ end
 
 function tests.folders_must_be_writable_or_creatable(t)
   local d <close> = tmpdir()
+  assert(fs.chmod(d.path, tonumber("700", 8)))
   assert(fs.write_atomic(d.path .. "/afile", "x"))
   with_env({ DEMESNE_STATE_DIR = d.path .. "/afile/state", DEMESNE_OUTPUT_ROOT = d.path .. "/new/out" }, function()
     local r = by_name(doctor.run())
@@ -108,9 +109,24 @@ function tests.folders_must_be_writable_or_creatable(t)
   with_env({ DEMESNE_STATE_DIR = d.path, DEMESNE_OUTPUT_ROOT = d.path .. "/new/out" }, function()
     local r = by_name(doctor.run())
     t:eq(r.folders.ok, true, "folders verdict: " .. r.folders.detail)
-    t:eq(r.folders.detail, ("output_root %s/new/out (will be created under %s), state_dir %s: writable"):format(
-      d.path, d.path, d.path))
+    t:eq(r.folders.detail, ("output_root %s/new/out (will be created under %s), state_dir %s: writable, private to "
+      .. "this user"):format(d.path, d.path, d.path))
     t:eq(fs.readdir(d.path), { "afile" }, "the probe file is gone and nothing was created")
+  end)
+end
+
+-- Root in a sandbox is root on the host (rootful engine): a setuid-root program it leaves in
+-- its output folder must not be reachable by other users, so the roots above must be private.
+function tests.folders_other_users_can_enter_fail(t)
+  local d <close> = tmpdir()
+  assert(fs.chmod(d.path, tonumber("755", 8)))
+  with_env({ DEMESNE_STATE_DIR = d.path, DEMESNE_OUTPUT_ROOT = d.path .. "/new/out" }, function()
+    local r = by_name(doctor.run())
+    t:eq(r.folders.ok, false)
+    t:match(r.folders.detail, "^state_dir " .. d.path:gsub("%p", "%%%0") .. " can be entered by other users %(mode 755%)")
+    t:match(r.folders.detail, "setuid%-root")
+    t:match(r.folders.fix, "chmod 700")
+    t:eq(fs.readdir(d.path), {}, "doctor creates nothing")
   end)
 end
 
@@ -188,6 +204,53 @@ function tests.images_are_ready_when_built_or_buildable_without_a_registry(t)
   end)
   loop.setenv("PATH", path)
   if not ok then error(err, 0) end
+end
+
+-- The gvisor and userns checks read what the engine offers (its adapter's probe, tested on
+-- recorded engine answers in engines_test.lua); here an engine whose probe returns facts.
+local function check(name)
+  for _, c in ipairs(doctor.CHECKS) do
+    if c.name == name then return c.run end
+  end
+end
+
+local function engine_with(facts) return { probe = function() return facts end } end
+
+local GVISOR = { ok = true, detail = "Docker runtime runsc: /usr/bin/runsc --network=none --host-uds=open" }
+local NO_GVISOR = { ok = false, detail = "Docker has no runtime named runsc (it has runc)", fix = "register it" }
+
+function tests.gvisor_is_reported_and_a_problem_only_when_it_is_the_default(t)
+  with_env({}, function()
+    local r = check("gvisor")({ engine = engine_with({ engine = "docker", gvisor = GVISOR }) })
+    t:eq({ r.ok, r.detail }, { true, "available (isolation gvisor): " .. GVISOR.detail }, "available")
+    r = check("gvisor")({ engine = engine_with({ engine = "docker", gvisor = NO_GVISOR }) })
+    t:eq({ r.ok, r.detail }, { true, "not available, so calls that ask for isolation gvisor fail: Docker has no runtime "
+      .. "named runsc (it has runc) (to offer it: register it)" }, "missing, and not the default: said, not a problem")
+    t:eq(check("gvisor")({}).skip, "needs an engine", "no engine")
+  end)
+  with_env({ DEMESNE_ISOLATION = "gvisor" }, function()
+    local r = check("gvisor")({ engine = engine_with({ engine = "docker", gvisor = NO_GVISOR }) })
+    t:eq({ r.ok, r.detail, r.fix }, { false, "isolation_default is gvisor but gVisor is not available: " .. NO_GVISOR.detail,
+      "register it; or set isolation_default back to container" }, "missing while it is the default: a problem")
+    r = check("gvisor")({ engine = engine_with({ engine = "docker", gvisor = GVISOR }) })
+    t:match(r.detail, "sandboxes use it unless a call says otherwise$", "the default")
+  end)
+end
+
+function tests.userns_says_which_mode_is_in_effect(t)
+  with_env({}, function()
+    local r = check("userns")({ engine = engine_with({ engine = "docker", gvisor = NO_GVISOR,
+      userns_detail = "Docker without userns-remap: uid 0 in a sandbox is uid 0 on the host" }) })
+    t:eq({ r.ok, r.detail }, { true, "not available: Docker without userns-remap: uid 0 in a sandbox is uid 0 on the host" },
+      "Docker without remap")
+    r = check("userns")({ engine = engine_with({ engine = "docker", gvisor = GVISOR, userns = "remap",
+      userns_detail = "Docker's userns-remap is on: uid 0 in a sandbox is uid 231072 on the host" }) })
+    t:eq(r.detail, "on: Docker's userns-remap is on: uid 0 in a sandbox is uid 231072 on the host", "remap")
+  end)
+  with_env({ DEMESNE_USERNS = "0" }, function()
+    local r = check("userns")({ engine = engine_with({ engine = "podman", gvisor = NO_GVISOR, userns = "auto" }) })
+    t:match(r.detail, "^off %(userns = false in the configuration%): uid 0 in a sandbox is uid 0 on the host", "off")
+  end)
 end
 
 return tests

@@ -240,6 +240,52 @@ function T.sandbox_proxy_end_to_end(t)
   t:match(lines[1].time, "^%d%d%d%d%-%d%d%-%d%dT%d%d:%d%d:%d%d%.%d%d%dZ$", "time")
 end
 
+-- Under gVisor demesne-init's relay cannot pass the sandbox's socket: it sends the byte
+-- "\0" and copies the client's bytes over the unix connection. The proxy drops the byte;
+-- listen_relay (the vendor route's listener) hands that connection itself to its callback.
+function T.relay_copy_marker(t)
+  local dir <close> = tmpdir()
+  fs.mkdir_p(dir.path .. "/run")
+  fs.mkdir_p(dir.path .. "/out")
+  local upstream, port = assert(stream.listen_tcp("127.0.0.1", 0, function(c)
+    c:read_start(function(d)
+      if d and d:find("ping", 1, true) then c:write("pong", function() c:close() end)
+      elseif not d then c:close() end
+    end)
+  end))
+  local p = policy({ { egress.ALLOW, cidr = "127.0.0.1/32", port = port, name = "upstream" } }, "copy")
+  local h = assert(egress.start({ run_id = "r2", run_dir = dir.path .. "/run", output_dir = dir.path .. "/out", policy = p }))
+  local out = exchange(dir.path .. "/run/egress.sock", ("\0CONNECT 127.0.0.1:%d HTTP/1.1\r\n\r\n"):format(port))
+  t:match(out, "^HTTP/1.1 200 Connection established\r\n\r\npong$", "the proxy: a tunnel through the copied connection")
+  h:stop()
+  upstream:close()
+
+  local got, called = {}, 0
+  local path = dir.path .. "/run/relay.sock"
+  local server = assert(stream.listen_relay(path, function(conn)
+    called = called + 1
+    conn:read_start(function(d)
+      if not d then conn:close() return end
+      got[#got + 1] = d
+      if table.concat(got):find("hello", 1, true) then conn:write("world", function() conn:close() end) end
+    end)
+  end))
+  local function talk(bytes)
+    local c = assert(async.wrap(stream.connect_unix)(path))
+    local back, done = {}, async.event()
+    c:read_start(function(d) if d then back[#back + 1] = d else done.set() end end)
+    c:write(bytes)
+    async.timeout(5000, done.wait)
+    c:close()
+    return table.concat(back)
+  end
+  t:eq(talk("\0hello"), "world", "listen_relay: the copied connection is the client")
+  t:eq({ called, table.concat(got) }, { 1, "hello" }, "one callback, the marker byte dropped")
+  t:eq(talk("hello"), "", "listen_relay: bytes without the marker or a socket are refused")
+  t:eq(called, 1, "no callback for them")
+  server:close()
+end
+
 -- "Open egress" is a property of the policy, not its name (issue 10): a bridge network, an
 -- ALLOW for every name or a wide address block, or a declaration.
 function T.open_egress_is_a_property_not_a_name(t)

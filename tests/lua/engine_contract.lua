@@ -93,7 +93,7 @@ return function(fixture)
     local w <close> = world(fixture)
     local caps = w.eng.capabilities
     t:eq(type(caps), "table", "capabilities")
-    for _, k in ipairs({ "bind_mounts", "unix_socket_mounts", "tmpfs", "read_only_rootfs", "userns" }) do
+    for _, k in ipairs({ "bind_mounts", "unix_socket_mounts", "tmpfs", "read_only_rootfs", "bounded_logs", "userns" }) do
       t:eq(type(caps[k]), "boolean", "capabilities." .. k)
     end
     t:eq(caps.networks.none, true, "every adapter offers network none (the egress enforcement)")

@@ -46,6 +46,7 @@ local SPEC = {
   read_only_rootfs = true,
   security = { no_new_privileges = true, cap_drop = { "NET_RAW" } },
   limits = { memory_bytes = 2147483648, cpus = 1.5, pids = 1024 },
+  log_max_bytes = 1048576,
 }
 
 function tests.docker_translates_the_spec_into_the_create_body_it_always_sent(t)
@@ -68,6 +69,7 @@ function tests.docker_translates_the_spec_into_the_create_body_it_always_sent(t)
       CapDrop = { "NET_RAW" },
       Memory = 2147483648, MemorySwap = 2147483648, NanoCpus = 1500000000, PidsLimit = 1024,
       Init = false,
+      LogConfig = { Type = "json-file", Config = { ["max-size"] = "1048576", ["max-file"] = "1" } },
     },
   }, "body")
   local open = {}
@@ -105,6 +107,118 @@ function tests.docker_reads_inspect_and_list_into_neutral_info(t)
   t:eq(docker.container_summary({ Id = "3f9c", Names = { "/demesne-r1" }, Image = "demesne/default:3f9c0a1b2c4d",
     State = "exited", Labels = { a = "1" } }), { id = "3f9c", name = "demesne-r1", image = "demesne/default:3f9c0a1b2c4d",
     state = "exited", labels = { a = "1" } }, "a list entry")
+end
+
+function tests.docker_translates_gvisor_and_the_user_namespace(t)
+  local s = {}
+  for k, v in pairs(SPEC) do s[k] = v end
+  s.runtime = "gvisor"
+  local hc = json.decode(json.encode(docker.create_body(s, { gvisor_runtime = "runsc" }))).HostConfig
+  t:eq({ hc.Runtime, hc.PidsLimit, hc.Ulimits }, { "runsc", 1024 * docker.GVISOR_PIDS_FACTOR,
+    { { Name = "nproc", Soft = 1024, Hard = 1024 } } },
+    "Docker: the registered runtime; the process limit inside (RLIMIT_NPROC), the host's a backstop")
+  hc = json.decode(json.encode(docker.create_body(s, { userns = "auto" }))).HostConfig
+  t:eq({ hc.Runtime, hc.UsernsMode }, { nil, nil }, "Podman: no runtime field (its gVisor is a service); no userns asked")
+  s.runtime, s.userns = nil, true
+  hc = json.decode(json.encode(docker.create_body(s, { userns = "auto" }))).HostConfig
+  t:eq(hc.UsernsMode, "auto:size=65536", "rootful Podman: an automatic user namespace, its size given (podman#16062)")
+  t:eq(hc.Binds, { "/usr/lib/demesne/demesne-init:/.demesne/init:ro", "/state/run/r1:/.demesne/run:rw,U",
+    "/output/r1:/out:rw,U", "/home/me/data.csv:/in/data.csv:ro" }, "the rw folders are handed to the sandbox's root")
+  t:eq({ hc.PidsLimit, hc.Ulimits }, { 1024, nil }, "no gVisor: the pids cgroup is the limit")
+  for _, mode in ipairs({ "remap", "rootless" }) do
+    hc = json.decode(json.encode(docker.create_body(s, { userns = mode }))).HostConfig
+    t:eq({ hc.UsernsMode, hc.Binds[2] }, { nil, "/state/run/r1:/.demesne/run:rw" }, mode .. ": the engine maps every container")
+  end
+  s.userns = nil
+  hc = json.decode(json.encode(docker.create_body(s, { userns = "remap" }))).HostConfig
+  t:eq(hc.UsernsMode, "host", "userns-remap, and the spec asks for none (userns = false): the container opts out")
+  local inspect = { Id = "x", HostConfig = { PidsLimit = 8192, Ulimits = { { Name = "nproc", Soft = 1024, Hard = 1024 } } } }
+  t:eq(docker.container_info(inspect).limits.pids, 1024, "inspect reports the limit inside gVisor")
+end
+
+-- GET /version and /info as Docker 20.10 and Podman 4.3 answered them on the development
+-- machine (trimmed to the fields read; tests/fixtures/engines/facts/recorded.json), and
+-- variants of them for set-ups that machine does not have.
+local RECORDED = json.decode(assert(require("core.fs").read_file(
+  (debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/../fixtures/engines/facts/recorded.json")))
+
+local function copy(v)
+  if type(v) ~= "table" then return v end
+  local out = {}
+  for k, x in pairs(v) do out[k] = copy(x) end
+  return out
+end
+
+function tests.docker_reads_what_the_engine_offers(t)
+  local d = RECORDED.docker_20_10
+  local f = docker.read_facts(d, { gvisor_runtime = "runsc" })
+  t:eq({ f.engine, f.rootless, f.userns, f.gvisor.ok }, { "docker", false, nil, true }, "Docker with runsc registered")
+  t:eq(f.gvisor.detail, "Docker runtime runsc: /usr/bin/runsc --network=none --host-uds=open", "how")
+  t:match(f.userns_detail, "^Docker without userns%-remap: uid 0 in a sandbox is uid 0 on the host", "no remap")
+  f = docker.read_facts(d, { gvisor_runtime = "gvisor" })
+  t:eq({ f.gvisor.ok, f.gvisor.detail }, { false, "Docker has no runtime named gvisor (it has runc, runsc)" }, "another name")
+  t:match(f.gvisor.fix, '"gvisor": {"path": "/usr/bin/runsc", "runtimeArgs": %["%-%-network=none", "%-%-host%-uds=open"%]',
+    "the fix names the daemon.json entry")
+  local no_uds = copy(d)
+  no_uds.info.Runtimes.runsc.runtimeArgs = { "--network=none" }
+  f = docker.read_facts(no_uds, { gvisor_runtime = "runsc" })
+  t:eq(f.gvisor.ok, false, "runsc without --host-uds=open cannot reach the relays")
+  t:match(f.gvisor.detail, "lacks %-%-host%-uds=open", "says why")
+  local remap = copy(d)
+  remap.info.SecurityOptions = { "name=seccomp,profile=default", "name=userns" }
+  remap.info.DockerRootDir = "/var/lib/docker/231072.231072"
+  f = docker.read_facts(remap, { gvisor_runtime = "runsc" })
+  t:eq({ f.userns, f.remap_uid, f.remap_gid }, { "remap", 231072, 231072 }, "userns-remap and its root")
+  local rootless = copy(d)
+  rootless.info.SecurityOptions = { "name=seccomp,profile=default", "name=rootless" }
+  f = docker.read_facts(rootless, { gvisor_runtime = "runsc" })
+  t:eq({ f.userns, f.rootless }, { "rootless", true }, "rootless Docker")
+end
+
+function tests.podman_offers_gvisor_only_through_a_service_that_runs_it(t)
+  local p = RECORDED.podman_4_3
+  local f = docker.read_facts(p, {})
+  t:eq({ f.engine, f.rootless, f.userns, f.gvisor.ok }, { "podman", false, nil, false }, "rootful Podman 4.3, no service")
+  t:match(f.userns_detail, "^rootful Podman 4%.3%.1: uid 0 in a sandbox is uid 0 on the host.*podman#16062",
+    "4.3's userns=auto wedges the engine: not used, and said why")
+  local newer = copy(p)
+  newer.version.Version = "4.4.0"
+  t:eq(docker.read_facts(newer, {}).userns, "auto", "rootful Podman 4.4: userns=auto")
+  t:match(f.gvisor.detail, "^Podman's API cannot choose a runtime per container", "says why")
+  local with = copy(p)
+  with.gvisor_info = RECORDED.podman_4_3_gvisor_service
+  f = docker.read_facts(with, { gvisor_socket = "/run/podman/podman-gvisor.sock" })
+  t:eq({ f.gvisor.ok, f.gvisor_path }, { true, "/usr/local/libexec/demesne/runsc" }, "the gVisor service")
+  t:eq(f.gvisor.detail, "the Podman service at /run/podman/podman-gvisor.sock runs /usr/local/libexec/demesne/runsc "
+    .. "(runsc version 0.0~20221219.0)", "how")
+  with.gvisor_info = p.info -- a second service that runs crun
+  f = docker.read_facts(with, { gvisor_socket = "/run/podman/other.sock" })
+  t:eq({ f.gvisor.ok, f.gvisor.detail }, { false, "the Podman service at /run/podman/other.sock runs /usr/bin/crun, "
+    .. "not gVisor" }, "a service that is not gVisor")
+  with.gvisor_info, with.gvisor_err = nil, "container engine at /x.sock is not answering"
+  f = docker.read_facts(with, { gvisor_socket = "/x.sock" })
+  t:match(f.gvisor.detail, "^the gVisor service at /x.sock %(gvisor_engine%) does not answer", "a service that is gone")
+  local rootless = copy(p)
+  rootless.info.host.security.rootless = true
+  t:eq(docker.read_facts(rootless, {}).userns, "rootless", "rootless Podman")
+end
+
+function tests.the_spec_asks_for_gvisor_and_a_user_namespace_only_where_offered(t)
+  local spec = require("demesne.engines.spec")
+  local caps = { bind_mounts = true, unix_socket_mounts = true, tmpfs = true, read_only_rootfs = true,
+    networks = { none = true }, runtimes = {}, userns = false }
+  local s = { image = "x", runtime = "gvisor" }
+  t:eq({ spec.check(s, caps) }, { nil, "spec.runtime: this engine offers no gvisor runtime (capability runtimes)",
+    "ENOTSUP" }, "no gVisor")
+  caps.runtimes.gvisor = true
+  t:eq(spec.check(s, caps), true, "gVisor offered")
+  t:eq({ spec.check({ image = "x", runtime = "kata" }, caps) },
+    { nil, 'spec.runtime: "kata" is not a known runtime (gvisor)', "EINVAL" }, "unknown runtime")
+  t:eq({ spec.check({ image = "x", userns = true }, caps) }, { nil, "spec.userns: this engine cannot run a sandbox "
+    .. "in a user namespace (capability userns)", "ENOTSUP" }, "no user namespace")
+  caps.userns = true
+  t:eq(spec.check({ image = "x", userns = true }, caps), true, "user namespace offered")
+  t:eq({ spec.check({ image = "x", userns = "yes" }, caps) }, { nil, "spec.userns: must be a boolean", "EINVAL" }, "type")
 end
 
 -- Every value the adapter puts into an API path is one escaped segment: it cannot climb

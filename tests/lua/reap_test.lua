@@ -16,6 +16,7 @@ local list = {}
 return { new = function()
   local e = { socket = "/fake/engine.sock", list_value = list, removed = {},
     capabilities = { bind_mounts = true, unix_socket_mounts = true, tmpfs = true, read_only_rootfs = true,
+      bounded_logs = true,
       networks = { none = true }, runtimes = {}, userns = false } }
   for _, m in ipairs({ "create", "start", "wait", "inspect", "exec", "image_inspect", "build", "import", "pull" }) do
     e[m] = function() return nil, "not in this test", "ENOTSUP" end

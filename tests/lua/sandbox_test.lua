@@ -21,7 +21,8 @@ local MiB = 1024 * 1024
 local tests = {}
 
 local VARS = { "XDG_CONFIG_HOME", "DEMESNE_ENGINE_ADAPTER", "DEMESNE_ENGINE", "DEMESNE_STATE_DIR",
-  "DEMESNE_OUTPUT_ROOT", "DEMESNE_ALLOWED_PATHS", "DEMESNE_INIT", "DEMESNE_MEMORY_MB_MAX" }
+  "DEMESNE_OUTPUT_ROOT", "DEMESNE_ALLOWED_PATHS", "DEMESNE_INIT", "DEMESNE_MEMORY_MB_MAX", "DEMESNE_ISOLATION",
+  "DEMESNE_USERNS" }
 
 -- A scratch world: config, state and output folders, an allowed host folder, the fake
 -- engine as the runtime's adapter, and every create() it receives. Closing it removes what
@@ -109,7 +110,7 @@ function tests.a_one_shot_sandbox_gets_the_whole_spec(t)
   t:eq(fs.stat(run_dir), nil, "its run folder is gone")
   t:eq({ s.workdir, s.hostname, s.network, s.read_only_rootfs }, { "/out", "sandbox", "none", true },
     "workdir, hostname, network, read-only root")
-  t:eq(s.security, { no_new_privileges = true, cap_drop = { "NET_RAW" } }, "security")
+  t:eq(s.security, { no_new_privileges = true, cap_drop = { "NET_RAW", "MKNOD" } }, "security")
   t:eq(s.limits, { memory_bytes = 2048 * MiB, cpus = 2, pids = 1024 }, "the default limits")
   t:eq(s.mounts, {
     { source = w.dir .. "/demesne-init", target = "/.demesne/init", mode = "ro" },
@@ -205,6 +206,75 @@ function tests.open_egress_gets_a_bridge_network_and_no_host_inputs(t)
   r = sandbox.run_script(nil, { image = IMAGE, command = "cat /proc/net/dev" })
   t:eq(w.specs[#w.specs].network, "none", "the default policy")
   t:ok(not r.stdout:find("eth0", 1, true), "loopback only")
+end
+
+-- An engine that offers gVisor and a user namespace (capabilities); the fake runs the
+-- command the same way, so this checks what sandbox.lua asks for.
+local function offering(w, runtimes, userns)
+  local caps = {}
+  for k, v in pairs(w.caps) do caps[k] = v end
+  caps.runtimes, caps.userns = runtimes, userns
+  w.eng.capabilities = caps
+end
+
+function tests.isolation_gvisor_is_asked_for_and_never_dropped(t)
+  local w <close> = world()
+  local msg, code = failure(sandbox.run_script, nil, { image = IMAGE, command = "true", isolation = "gvisor" })
+  t:eq({ msg, code }, { "isolation: gvisor is not available on this engine", "ENOTSUP" },
+    "an engine without gVisor: refused, not run in a plain container")
+  t:eq(#w.specs, 0, "nothing reached the engine")
+  offering(w, { gvisor = true }, true)
+  local r = sandbox.run_script(nil, { image = IMAGE, command = "echo hi", isolation = "gvisor" })
+  t:eq(r.stdout, "hi\n", "it runs")
+  local s = w.specs[1]
+  t:eq({ s.runtime, s.userns, s.labels["io.demesne.isolation"] }, { "gvisor", true, "gvisor" },
+    "runtime gvisor, in a user namespace where the engine has one")
+  t:eq({ s.command[2], s.command[3], s.command[4] }, { "--relay", "3128=/.demesne/run/egress.sock", "--relay-copy" },
+    "the relay copies from the start: gVisor cannot pass a socket to the host")
+  msg = failure(sandbox.run_script, nil, { image = IMAGE, command = "true", isolation = "gvisor", egress = "open" })
+  t:match(msg, "^isolation: gvisor sandboxes have no network but loopback", "open egress cannot be given")
+  msg = failure(sandbox.create, nil, { image = IMAGE, isolation = "kvm" })
+  t:eq(msg, 'isolation: "kvm" is not container or gvisor', "an unknown level")
+  local c = sandbox.create(nil, { image = IMAGE, isolation = "gvisor" })
+  t:eq({ w.specs[2].runtime, w.specs[2].command[1], w.specs[2].command[#w.specs[2].command] },
+    { "gvisor", "serve", "--relay-copy" }, "a persistent sandbox too")
+  sandbox.destroy(nil, { sandbox_id = c.sandbox_id })
+  sandbox.run_script(nil, { image = IMAGE, command = "true" })
+  t:eq({ w.specs[3].runtime, w.specs[3].userns, w.specs[3].labels["io.demesne.isolation"] }, { nil, true, "container" },
+    "the default: a container, in a user namespace where the engine has one")
+end
+
+function tests.the_configuration_picks_the_default_isolation_and_the_user_namespace(t)
+  local w <close> = world({ DEMESNE_ISOLATION = "gvisor" })
+  local _ <close> = setmetatable({}, { __close = function()
+    loop.setenv("DEMESNE_ISOLATION", nil)
+    loop.setenv("DEMESNE_USERNS", nil)
+  end })
+  loop.setenv("DEMESNE_ISOLATION", "gvisor")
+  config.load()
+  local msg = failure(sandbox.run_script, nil, { image = IMAGE, command = "true" })
+  t:eq(msg, "isolation_default (configuration): gvisor is not available on this engine", "the setting is named")
+  offering(w, { gvisor = true }, true)
+  sandbox.run_script(nil, { image = IMAGE, command = "true" })
+  t:eq(w.specs[1].runtime, "gvisor", "gVisor by default")
+  sandbox.run_script(nil, { image = IMAGE, command = "true", isolation = "container" })
+  t:eq({ w.specs[2].runtime, w.specs[2].userns }, { nil, true }, "a call may still ask for a plain container")
+  loop.setenv("DEMESNE_USERNS", "false")
+  config.load()
+  sandbox.run_script(nil, { image = IMAGE, command = "true", isolation = "container" })
+  t:eq(w.specs[3].userns, nil, "userns = false: no user namespace")
+  loop.setenv("DEMESNE_ISOLATION", "vm")
+  config.load()
+  local _, err = config.describe()
+  t:eq(err, 'isolation_default must be one of container, gvisor, got "vm"', "a bad setting is named")
+end
+
+function tests.a_gvisor_sandbox_killed_for_memory_says_so(t)
+  t:match(sandbox.gvisor_kill_note({ isolation = "gvisor", limits = { memory_mb = 64 } }, nil, 137),
+    "^the sandbox was killed %(exit 137%) before its command finished, most likely for passing its memory limit of 64 MiB",
+    "no status.json and 137 under gVisor")
+  t:eq(sandbox.gvisor_kill_note({ isolation = "gvisor" }, { exit_code = 137 }, 137), nil, "the command's own 137")
+  t:eq(sandbox.gvisor_kill_note({ isolation = "container" }, nil, 137), nil, "not under gVisor")
 end
 
 function tests.a_timeout_stops_the_command_and_says_so(t)
@@ -313,6 +383,12 @@ function tests.an_engine_that_cannot_share_host_folders_is_refused(t)
   msg = failure(sandbox.create, nil, { image = IMAGE })
   t:eq(msg, "spec.mounts[2].relay: this engine adapter cannot pass host unix sockets into a sandbox (capability "
     .. "unix_socket_mounts)", "no unix sockets")
+  -- a sandbox can write its main process's stdout: an engine that keeps that log unbounded
+  -- on the host's disk is refused
+  caps.unix_socket_mounts, caps.bounded_logs = true, false
+  msg = failure(sandbox.create, nil, { image = IMAGE })
+  t:eq(msg, "spec.log_max_bytes: this engine adapter cannot bound the log the engine keeps of a sandbox (capability "
+    .. "bounded_logs)", "unbounded logs")
   t:eq(#w.specs, 0, "nothing reached the engine")
   t:eq(#w.eng:list({ "io.demesne.managed=1" }), 0, "no container")
 end

@@ -21,6 +21,8 @@ local LAYERS = {
   ["demesne.mcp"] = 5, ["demesne.hostmcp"] = 5,
   -- 4: tools (loader, API, shared schemas)
   ["demesne.tools"] = 4, ["demesne.schemas"] = 4,
+  -- the orchestration skills, checked against the live tools (host and in-sandbox)
+  ["demesne.skills"] = 4,
   -- 3: sandboxes, agent runs, jobs, and what they are built from
   ["demesne.sandbox"] = 3, ["demesne.agent"] = 3, ["demesne.jobs"] = 3, ["demesne.vendor"] = 3,
   ["demesne.egress"] = 3, ["demesne.providers"] = 3, ["demesne.images"] = 3,

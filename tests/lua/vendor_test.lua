@@ -611,6 +611,61 @@ function tests.a_route_stopped_during_a_wait_closes_the_connection_and_leaks_not
   t:eq(route.server, nil, "the server is closed, with its connections")
 end
 
+-- Deciding reads the transcript: each attempt is decided once and in order, and nothing
+-- after a stop, however often a sandbox reports.
+function tests.attempts_are_decided_once_in_order_and_not_after_a_stop(t)
+  local run_id = "vo-" .. hex(loop.random(4))
+  local decided = {}
+  local route, base, close = bare_route(run_id, { decide = function(_, info)
+    decided[#decided + 1] = info.attempt
+    if info.attempt == 1 then return { action = "resume", session = "s1", at = loop.time() } end
+    return { action = "stop" }
+  end })
+  local ok, err = pcall(function()
+    local function post(n)
+      return assert(request({ url = base .. vendor.ATTEMPT_PATH, method = "POST",
+        body = ('{"attempt":%d,"exit_code":1}'):format(n),
+        headers = { authorization = "Bearer dmsn-good", ["content-type"] = "application/json" } }))
+    end
+    t:eq(post(3).status, 409, "attempt 3 before attempt 1")
+    t:eq(post(1).body, "resume s1\n")
+    t:eq(post(1).body, "resume s1\n", "asked again: the same answer")
+    t:eq(post(2).body, "stop\n")
+    for n = 2, 6 do t:eq(post(n).body, "stop\n", "after a stop: " .. n) end
+    t:eq(decided, { 1, 2 }, "two decisions for eight reports")
+    t:eq(route:rate_state().last_attempt, 2)
+    t:eq(route:rate_state().stopped, true)
+  end)
+  close()
+  if not ok then error(err, 0) end
+end
+
+-- Request bodies a route holds at once are bounded (vendor_max_buffered_bytes); one over it
+-- is answered 503 naming the setting, before its body is read.
+function tests.route_refuses_bodies_over_its_buffer_ceiling(t)
+  local config = require("demesne.config")
+  loop.setenv("DEMESNE_VENDOR_MAX_BUFFERED_BYTES", "100000")
+  config.load()
+  local run_id = "vb-" .. hex(loop.random(4))
+  local route, base, close = bare_route(run_id)
+  local ok, err = pcall(function()
+    local res = assert(request({ url = base .. "/v1/messages", method = "POST", headers = { ["x-api-key"] = "dmsn-good" },
+      body = ("x"):rep(200000), timeout_ms = 5000 }))
+    t:eq(res.status, 503)
+    t:match(res.body, "vendor_max_buffered_bytes")
+    t:eq(route.buffered, 0, "nothing stays charged")
+    t:eq(vendor.buffered(), 0)
+    -- a request the route refuses for its token is refused before its body
+    local bad = assert(request({ url = base .. "/v1/messages", method = "POST", headers = { ["x-api-key"] = "wrong" },
+      body = ("x"):rep(200000), timeout_ms = 5000 }))
+    t:eq(bad.status, 401)
+  end)
+  close()
+  loop.setenv("DEMESNE_VENDOR_MAX_BUFFERED_BYTES", nil)
+  config.load()
+  if not ok then error(err, 0) end
+end
+
 function tests.a_restarted_route_keeps_a_hold_in_progress(t)
   if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
   local run_id = "vh-" .. hex(loop.random(4))

@@ -40,6 +40,14 @@ echo "== doctor"
 demesne doctor 2>&1
 echo "== doctor status $?"
 
+echo "== skills"
+demesne skills check 2>&1 | tail -1
+echo "== skills status ${PIPESTATUS[0]}"
+
+echo "== skills install"
+demesne skills install --dir /tmp/agent-skills 2>&1 | tail -1
+test -f /tmp/agent-skills/demesne-bisect-hunt/SKILL.md && echo "linked file readable"
+
 echo "== files"
 for f in /usr/bin/demesne /usr/libexec/demesne/demesne-init /usr/share/man/man1/demesne.1.gz \
 	/usr/share/doc/demesne/README.md /usr/share/doc/demesne/copyright \

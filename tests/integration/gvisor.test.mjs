@@ -1,0 +1,122 @@
+// isolation "gvisor" against a real engine (DEMESNE_ENGINE; tests/run runs this once per
+// engine, with DEMESNE_GVISOR_ENGINE naming Podman's gVisor service): the kernel inside is
+// gVisor's, the relay reaches the host, the process and memory limits hold, and a call that
+// asks for gVisor where the engine has none fails instead of running without it. Where
+// runsc is not installed the file is skipped. The sandbox, egress, jobs and agent suites
+// also run under gVisor (tests/run: DEMESNE_TEST_ISOLATION=gvisor, a representative subset).
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { connect } from "./helpers.mjs";
+
+const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
+const PODMAN = ENGINE.includes("podman");
+const RUNSC = existsSync("/usr/bin/runsc");
+const skip = RUNSC ? false : "runsc is not installed (tests/setup-host installs it)";
+const work = mkdtempSync(path.join(tmpdir(), "demesne-gvisor-"));
+let conn;
+
+function env(extra = {}) {
+  return { DEMESNE_ENGINE: ENGINE, DEMESNE_OUTPUT_ROOT: path.join(work, "out"),
+    DEMESNE_STATE_DIR: path.join(work, "state"), ...extra };
+}
+
+before(async () => { if (RUNSC) conn = await connect({ fixtures: false, env: env() }); });
+after(async () => {
+  await conn?.client.close();
+  rmSync(work, { recursive: true, force: true });
+});
+
+const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
+async function call(c, name, args) { return c.client.callTool({ name, arguments: args }, undefined, LONG); }
+async function ok(name, args, c = conn) {
+  const res = await call(c, name, args);
+  assert.ok(!res.isError, `${name} failed: ${res.content?.[0]?.text}`);
+  return res.structuredContent;
+}
+async function refused(name, args, c = conn) {
+  const res = await call(c, name, args);
+  assert.equal(res.isError, true, `${name} should have been refused`);
+  return res.content[0].text;
+}
+const gvisor = (command, extra = {}) => ok("sandbox_script", { image: "base", isolation: "gvisor", command, ...extra });
+
+test("isolation gvisor: the kernel inside is gVisor's, in a one-shot run and in a persistent sandbox", { skip }, async () => {
+  const r = await gvisor("dmesg | head -n 1; uname -r");
+  assert.equal(r.exit_code, 0, r.stderr);
+  assert.match(r.stdout, /^\[ *[0-9.]+\] Starting gVisor\.\.\.\n/, "gVisor's kernel log");
+  const plain = await ok("sandbox_script", { image: "base", isolation: "container", command: "dmesg | head -n 1; uname -r" });
+  assert.doesNotMatch(plain.stdout + plain.stderr, /gVisor/, "a plain container is on the host's kernel");
+  assert.notEqual(plain.stdout.trim().split("\n").at(-1), r.stdout.trim().split("\n").at(-1), "another kernel release");
+  const sb = await ok("sandbox_create", { image: "base", isolation: "gvisor" });
+  try {
+    const e = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "dmesg | head -n 1" });
+    assert.match(e.stdout, /Starting gVisor/, "an exec runs on gVisor too");
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
+test("the relay reaches the host from inside gVisor: the proxy answers and logs the request", { skip }, async () => {
+  // egress none: the proxy refuses every name; its 403 comes back through the relay
+  const r = await gvisor("curl -s -o /dev/null -w '%{http_code}' -x http://127.0.0.1:3128 http://denied.test/x", { egress: "none" });
+  assert.equal(r.stdout, "403", r.stderr);
+  const log = readFileSync(path.join(r.output_dir, "egress.jsonl"), "utf8").trim().split("\n").map((l) => JSON.parse(l));
+  assert.deepEqual(log.map((l) => [l.host, l.verdict]), [["denied.test", "deny"]]);
+});
+
+test("the process limit holds inside gVisor: a fork beyond it fails and the sandbox goes on", { skip }, async () => {
+  const r = await gvisor(`perl -e 'my $n = 0; for (1..500) { my $p = fork(); last unless defined $p; `
+    + `if (!$p) { sleep 5; exit 0 } $n++ } print "forked=$n\\n"'; echo alive`,
+  { limits: { pids: 64 } });
+  assert.equal(r.exit_code, 0, r.stderr);
+  const n = Number(/forked=(\d+)/.exec(r.stdout)?.[1]);
+  assert.ok(n > 20 && n < 64, `forks stop below the limit of 64: ${r.stdout}`);
+  assert.match(r.stdout, /alive\n$/, "the sandbox lived on");
+});
+
+test("over its memory limit the whole gVisor sandbox ends, and the result says so", { skip }, async () => {
+  const r = await gvisor(`perl -e '$x = "a" x (400 * 1024 * 1024); print length($x), "\\n"'`, { limits: { memory_mb: 128 } });
+  assert.equal(r.exit_code, 137, JSON.stringify(r));
+  assert.match(r.oom_killed ?? "", /most likely for passing its memory limit of 128 MiB: under gVisor the whole sandbox ends/);
+});
+
+test("open egress cannot be given under gVisor, and says so", { skip }, async () => {
+  const msg = await refused("sandbox_script", { image: "base", isolation: "gvisor", egress: "open", command: "true" });
+  assert.match(msg, /^isolation: gvisor sandboxes have no network but loopback/);
+});
+
+test("gVisor where the engine has none is refused with how to offer it, never run without it", { skip }, async () => {
+  // Docker: a runtime name nobody registered; Podman: no gVisor service configured
+  const c = await connect({ fixtures: false, env: env(PODMAN ? { DEMESNE_GVISOR_ENGINE: "" }
+    : { DEMESNE_GVISOR_RUNTIME: "no-such-runtime" }) });
+  try {
+    const msg = await refused("sandbox_script", { image: "base", isolation: "gvisor", command: "touch /out/ran" }, c);
+    assert.match(msg, PODMAN ? /^isolation: gvisor is not available on this engine: Podman's API cannot choose a runtime per container.*; to offer it: /
+      : /^isolation: gvisor is not available on this engine: Docker has no runtime named no-such-runtime .*; to offer it: /, msg);
+    const c2 = await connect({ fixtures: false, env: env({ DEMESNE_ISOLATION: "gvisor", ...(PODMAN ? { DEMESNE_GVISOR_ENGINE: "" }
+      : { DEMESNE_GVISOR_RUNTIME: "no-such-runtime" }) }) });
+    try {
+      const msg2 = await refused("sandbox_create", { image: "base" }, c2);
+      assert.match(msg2, /^isolation_default \(configuration\): gvisor is not available on this engine/);
+    } finally {
+      await c2.client.close();
+    }
+  } finally {
+    await c.client.close();
+  }
+});
+
+test("isolation_default gvisor: a call that names none runs on gVisor; one may still ask for a container", { skip }, async () => {
+  const c = await connect({ fixtures: false, env: env({ DEMESNE_ISOLATION: "gvisor" }) });
+  try {
+    const r = await ok("sandbox_script", { image: "base", command: "dmesg | head -n 1" }, c);
+    assert.match(r.stdout, /Starting gVisor/);
+    const p = await ok("sandbox_script", { image: "base", isolation: "container", command: "dmesg 2>&1 | head -n 1" }, c);
+    assert.doesNotMatch(p.stdout, /gVisor/);
+  } finally {
+    await c.client.close();
+  }
+});

@@ -1,0 +1,241 @@
+// A scripted model vendor on 127.0.0.1 for end-to-end tests of agent trees: it speaks the
+// Anthropic Messages API (SSE) to Claude Code and the OpenAI Responses API to Codex, as
+// recorded in shared/reference/agent-clis.md, and plays each agent from a plan.
+//
+// An agent's prompt names its plan (PLAN:<id>; the first one in a request's history is the
+// agent's own, since a prompt it writes for a child comes later). A plan is a list of steps:
+//   {tool, args(ctx)}  call a tool of the in-sandbox `demesne` MCP server (Claude Code's
+//                      mcp__demesne__<tool>, Codex's mcp__demesne namespace or code mode)
+//   {shell}            run a shell command with the CLI's own shell tool (a string, or ctx => string)
+//   {final}            end the turn with this answer
+// and any step may have `id` (for ctx.result(id) and ctx.job(id)), `again(text, ctx)` (repeat
+// while it holds for the step's result: a wait that answered `running`), or `next(text,
+// ctx)` (the id of the step to go to after this one, or undefined for the following one).
+// Each request is answered with the step the results so far lead to, so the vendor keeps no
+// state between requests beyond the plan; every step taken is recorded in plan.taken.
+import http from "node:http";
+import { randomBytes } from "node:crypto";
+
+const JOB = /job-[0-9]{8}T[0-9]{6}Z-[0-9a-f]+/;
+/** The job id a tool result names, or a marker that fails loudly. */
+export const jobOf = (text) => (text || "").match(JOB)?.[0] || "no-job-id-in-the-result";
+const TERMINAL = /"status":\s*"(succeeded|failed|cancelled|lost)"|status: (succeeded|failed|cancelled|lost)/;
+/** True while a sandbox_wait result says the job is still running. */
+export const stillRunning = (text) => !TERMINAL.test(text || "");
+/** The terminal status a result names ("succeeded", "failed", …), or null. */
+export const statusOf = (text) => {
+  const m = (text || "").match(TERMINAL);
+  return m ? m[1] || m[2] : null;
+};
+
+const textOf = (x) => (typeof x === "string" ? x : Array.isArray(x)
+  ? x.map((b) => (typeof b?.text === "string" ? b.text : JSON.stringify(b))).join("\n") : JSON.stringify(x));
+
+/**
+ * Starts the vendor. Requests must carry `secret` (the host's real credential, swapped in
+ * by demesne's vendor route); others get 401.
+ * @param {{secret: string}} o
+ * @returns {Promise<{port: number, plan: Function, plans: Map, close: () => Promise<void>}>}
+ */
+export async function startVendor({ secret }) {
+  const plans = new Map();
+
+  /** Adds a plan and returns its id. tokens: {input, output} billed per response (plus the step number). */
+  function plan(id, steps, tokens = { input: 100, output: 10 }) {
+    const byId = new Map();
+    steps.forEach((s, i) => { if (s.id) byId.set(s.id, i); });
+    plans.set(id, { id, steps, byId, tokens, served: 0, taken: [], results: [], offered: null });
+    return id;
+  }
+
+  // The step to take after `results` (the texts of the tool results so far, in order).
+  function nextStep(p, results) {
+    const last = new Map();
+    let pc = 0;
+    let guard = 0;
+    const ctx = (lastText) => ({
+      last: lastText,
+      result: (id) => last.get(id),
+      job: (id) => jobOf(last.get(id)),
+    });
+    for (const r of results) {
+      const s = p.steps[pc];
+      if (!s) break;
+      last.set(s.id ?? pc, r);
+      if (++guard > 200) break;
+      if (s.again && s.again(r, ctx(r))) continue;
+      const to = s.next ? s.next(r, ctx(r)) : undefined;
+      if (to !== undefined) {
+        if (!p.byId.has(to)) throw new Error(`plan ${p.id}: no step ${to}`);
+        pc = p.byId.get(to);
+      } else {
+        pc++;
+      }
+    }
+    const c = ctx(results[results.length - 1]);
+    const s = p.steps[pc] || { final: "done" };
+    const step = { index: pc, id: s.id, final: s.final };
+    if (s.tool) { step.tool = s.tool; step.args = s.args ? s.args(c) : {}; }
+    if (s.shell !== undefined) step.shell = typeof s.shell === "function" ? s.shell(c) : s.shell;
+    return step;
+  }
+
+  function planOf(history) {
+    const m = JSON.stringify(history).match(/PLAN:([a-z0-9-]+)/);
+    return m && plans.has(m[1]) ? plans.get(m[1]) : null;
+  }
+
+  // The step for this request of plan p, recorded; null when the plan threw (answered as text).
+  function take(p, results, offered) {
+    p.results = results;
+    p.offered = offered;
+    let step;
+    try {
+      step = nextStep(p, results);
+    } catch (e) {
+      p.error = String(e?.stack || e);
+      step = { final: `plan error: ${e}` };
+    }
+    p.taken.push(step);
+    const n = p.served++;
+    return { step, usage: { input: p.tokens.input + n, output: p.tokens.output + n } };
+  }
+
+  function toolName(tools, want) {
+    for (const t of tools || []) {
+      if (t?.type === "namespace" && /demesne/.test(t.name) && (t.tools || []).some((x) => x.name === want)) {
+        return { name: want, namespace: t.name };
+      }
+    }
+    const name = (tools || []).map((t) => t?.name).find((n) => n === `mcp__demesne__${want}`);
+    return name ? { name } : null;
+  }
+  const offeredNames = (tools) => (tools || []).flatMap((t) => (t?.type === "namespace"
+    ? (t.tools || []).map((x) => `${t.name}:${x.name}`) : [t?.name]));
+
+  function anthropic(res, body) {
+    const msgs = body.messages || [];
+    const side = Array.isArray(body.tools) && body.tools.length === 0;
+    const p = side ? null : planOf(msgs);
+    const model = body.model || "claude-sonnet-5";
+    let blocks = [{ type: "text", text: "ok" }], stop = "end_turn", usage = { input: 1, output: 1 };
+    if (p) {
+      const results = [];
+      for (const m of msgs) {
+        if (m.role !== "user" || !Array.isArray(m.content)) continue;
+        for (const b of m.content) if (b.type === "tool_result") results.push(textOf(b.content));
+      }
+      const t = take(p, results, offeredNames(body.tools));
+      usage = t.usage;
+      const { step } = t;
+      const id = "toolu_" + randomBytes(6).toString("hex");
+      if (step.tool) {
+        const name = toolName(body.tools, step.tool)?.name || `missing__${step.tool}`;
+        blocks = [{ type: "tool_use", id, name, input: step.args }];
+        stop = "tool_use";
+      } else if (step.shell !== undefined) {
+        blocks = [{ type: "tool_use", id, name: "Bash", input: { command: step.shell, description: "step", timeout: 600000 } }];
+        stop = "tool_use";
+      } else {
+        blocks = [{ type: "text", text: step.final }];
+      }
+    }
+    const id = "msg_" + randomBytes(6).toString("hex");
+    const u = { input_tokens: usage.input, output_tokens: 1, cache_read_input_tokens: 0, cache_creation_input_tokens: 0 };
+    if (!body.stream) {
+      res.writeHead(200, { "content-type": "application/json" });
+      res.end(JSON.stringify({ id, type: "message", role: "assistant", model, content: blocks, stop_reason: stop,
+        usage: { ...u, output_tokens: usage.output } }));
+      return;
+    }
+    const events = [{ type: "message_start", message: { id, type: "message", role: "assistant", content: [], model,
+      stop_reason: null, usage: u } }];
+    blocks.forEach((b, index) => {
+      if (b.type === "text") {
+        events.push({ type: "content_block_start", index, content_block: { type: "text", text: "" } });
+        events.push({ type: "content_block_delta", index, delta: { type: "text_delta", text: b.text } });
+      } else {
+        events.push({ type: "content_block_start", index, content_block: { type: "tool_use", id: b.id, name: b.name, input: {} } });
+        events.push({ type: "content_block_delta", index, delta: { type: "input_json_delta", partial_json: JSON.stringify(b.input) } });
+      }
+      events.push({ type: "content_block_stop", index });
+    });
+    events.push({ type: "message_delta", delta: { stop_reason: stop, stop_sequence: null }, usage: { output_tokens: usage.output } });
+    events.push({ type: "message_stop" });
+    res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
+    for (const ev of events) res.write(`event: ${ev.type}\ndata: ${JSON.stringify(ev)}\n\n`);
+    res.end();
+  }
+
+  // Codex offers tools at the top level (MCP servers as a namespace) or, in code mode, inside
+  // an `additional_tools` input item whose `exec` tool runs JavaScript with the tools on `tools`.
+  function codexTools(body) {
+    const extra = (body.input || []).filter((i) => i?.type === "additional_tools").flatMap((i) => i.tools || []);
+    return [...(body.tools || []), ...extra];
+  }
+  const codeMode = (tools) => tools.some((t) => t?.type === "namespace" && (t.tools || []).some((x) => x.name === "exec"
+    && x.type === "custom"));
+
+  function openai(res, body) {
+    const input = body.input || [];
+    const p = planOf(input.filter((i) => i?.type !== "additional_tools"));
+    const model = body.model;
+    let item = { type: "message", role: "assistant", id: "msg_x", content: [{ type: "output_text", text: "ok" }] };
+    let usage = { input: 1, output: 1 };
+    const callId = () => "call_" + randomBytes(6).toString("hex");
+    if (p) {
+      const tools = codexTools(body);
+      const results = input.filter((i) => typeof i?.type === "string" && i.type.endsWith("_output") && i.call_id)
+        .map((i) => textOf(i.output));
+      const t = take(p, results, offeredNames(tools));
+      usage = t.usage;
+      const { step } = t;
+      if (step.tool && codeMode(tools)) {
+        item = { type: "custom_tool_call", id: "ctc_" + randomBytes(6).toString("hex"), call_id: callId(), name: "exec",
+          input: `// @exec: {"yield_time_ms": 300000}\nconst r = await tools.mcp__demesne__${step.tool}(${JSON.stringify(step.args)});\n`
+            + "text(JSON.stringify(r));\n" };
+      } else if (step.tool) {
+        const tn = toolName(tools, step.tool) || { name: `missing__${step.tool}` };
+        item = { type: "function_call", id: "fc_" + randomBytes(6).toString("hex"), call_id: callId(), name: tn.name,
+          ...(tn.namespace ? { namespace: tn.namespace } : {}), arguments: JSON.stringify(step.args) };
+      } else if (step.shell !== undefined) {
+        item = { type: "function_call", id: "fc_" + randomBytes(6).toString("hex"), call_id: callId(), name: "exec_command",
+          arguments: JSON.stringify({ cmd: step.shell }) };
+      } else {
+        item = { type: "message", role: "assistant", id: "msg_" + randomBytes(6).toString("hex"),
+          content: [{ type: "output_text", text: step.final }] };
+      }
+    }
+    const id = "resp_" + randomBytes(6).toString("hex");
+    res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
+    for (const ev of [
+      { type: "response.created", response: { id, model } },
+      { type: "response.output_item.done", output_index: 0, item },
+      { type: "response.completed", response: { id, model, output: [item], usage: {
+        input_tokens: usage.input, input_tokens_details: { cached_tokens: 0 },
+        output_tokens: usage.output, output_tokens_details: { reasoning_tokens: 0 },
+        total_tokens: usage.input + usage.output } } },
+    ]) res.write(`data: ${JSON.stringify(ev)}\n\n`);
+    res.end();
+  }
+
+  const server = http.createServer((req, res) => {
+    const chunks = [];
+    req.on("data", (c) => chunks.push(c));
+    req.on("end", () => {
+      if (req.method !== "POST") { res.writeHead(404); res.end(); return; }
+      const auth = req.headers["x-api-key"] || req.headers.authorization || "";
+      if (!auth.includes(secret)) { res.writeHead(401); res.end(); return; }
+      let body = {};
+      try { body = JSON.parse(Buffer.concat(chunks).toString("utf8") || "{}"); } catch { /* empty */ }
+      if (req.url.startsWith("/openai/")) openai(res, body); else anthropic(res, body);
+    });
+  });
+  await new Promise((r) => server.listen(0, "127.0.0.1", r));
+  return {
+    port: server.address().port,
+    plan,
+    plans,
+    close: () => new Promise((r) => server.close(r)),
+  };
+}
