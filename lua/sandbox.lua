@@ -1060,7 +1060,10 @@ end
 function sandbox.stop_unresponsive(eng, container, sandbox_id, what)
   log.warning("demesne.sandbox", "sandbox %s: %s; stopping it as unresponsive", tostring(sandbox_id or container), what)
   local ok, err = (eng.kill and eng.kill or eng.remove)(eng, container, "KILL")
-  if sandbox_id then egress.stop(sandbox_id) end
+  if sandbox_id then
+    seen[sandbox_id] = nil -- the next call looks it up afresh and finds it stopped
+    egress.stop(sandbox_id)
+  end
   return ("%s: the sandbox's demesne-init is not responding (stopped or hung), so sandbox %s %s; its output "
     .. "folder is kept. sandbox_destroy removes it; create a new sandbox to go on"):format(what,
     tostring(sandbox_id or container), ok and "was stopped" or ("could not be stopped (" .. tostring(err) .. ")"))
