@@ -710,9 +710,10 @@ function sandbox.script_remove(o)
     local ok, id = o.creating:wait()
     if ok then o.id = id end
   end
-  if not o.id then return true end
+  if not o.id or o.removed then return true end
   local ok, err = o.engine:remove(o.id)
   if not ok then log.warning("demesne.sandbox", "remove %s: %s", o.name or o.id, tostring(err)) end
+  o.removed = ok or nil -- a second call (the teardown after an early removal) does nothing
   return ok, err
 end
 
@@ -774,7 +775,12 @@ function sandbox.run_script(ctx, args)
   o.control = o.isolation ~= "gvisor"
   local started = loop.hrtime()
   -- the container goes on success, failure, timeout and cancel alike, after the answer
-  local _ <close> = setmetatable({}, { __close = function() sandbox.script_teardown(o) end })
+  -- (a tree node's container goes before the answer: its results.json, written once its
+  -- children have ended, must be there when the caller reads the answer; see lua/tree)
+  local _ <close> = setmetatable({}, { __close = function()
+    if o.tree then sandbox.script_remove(o) end
+    sandbox.script_teardown(o)
+  end })
   plan_once(ctx, o)
   -- [pool] a warm sandbox of the same kind when there is one (lua/pool.lua), else a new one
   if not (warm_pool and warm_pool.claim(ctx, o)) then

@@ -15,7 +15,7 @@ import { existsSync, mkdirSync, mkdtempSync, readFileSync, readdirSync, rmSync, 
 import { tmpdir } from "node:os";
 import path from "node:path";
 import http from "node:http";
-import { connect, ROOT } from "./helpers.mjs";
+import { connect, isWarm, ROOT } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const SOCKET = ENGINE.replace(/^unix:\/\//, "");
@@ -68,7 +68,7 @@ function engine(method, p) {
 async function containersUnder(dir) {
   const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
   const list = (await engine("GET", `/containers/json?all=true&filters=${filters}`)).body;
-  return list.filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir));
+  return list.filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir) && !isWarm(c));
 }
 async function until(what, fn, ms = 60_000) {
   const deadline = Date.now() + ms;
