@@ -150,9 +150,10 @@ function oneshot.script_remove(o)
     local ok, id = o.creating:wait()
     if ok then o.id = id end
   end
-  if not o.id then return true end
+  if not o.id or o.removed then return true end
   local ok, err = o.engine:remove(o.id)
   if not ok then log.warning("demesne.sandbox", "remove %s: %s", o.name or o.id, tostring(err)) end
+  o.removed = ok or nil -- a second call (the teardown after an early removal) does nothing
   return ok, err
 end
 
@@ -217,7 +218,12 @@ function oneshot.run_script(ctx, args)
   o.control = o.isolation ~= "gvisor"
   local started = loop.hrtime()
   -- the container goes on success, failure, timeout and cancel alike, after the answer
-  local _ <close> = util.closer(function() oneshot.script_teardown(o) end)
+  -- (a tree node's container goes before the answer: its results.json, written once its
+  -- children have ended, must be there when the caller reads the answer; see lua/tree)
+  local _ <close> = util.closer(function()
+    if o.tree then oneshot.script_remove(o) end
+    oneshot.script_teardown(o)
+  end)
   plan_once(ctx, o)
   -- [pool] a warm sandbox of the same kind when there is one (lua/pool.lua), else a new one
   if not (warm_pool and warm_pool.claim(ctx, o)) then
@@ -236,10 +242,8 @@ end
 --- Removes a one-shot's container and run folder in a tracked task of its own
 --- (lua/teardown.lua), so the call's answer does not wait for the engine; a server that
 --- stops gracefully waits for it, and after a crash the reaper removes the container.
---- A tree node (o.tree, lua/tree) is removed before the answer instead: its removal ends
---- its children and writes its results.json, which the caller reads with the answer.
---- `after` (optional) runs once the container is gone; the plan's own `o.after_call`
---- (optional, set by the pool) runs at once.
+--- `after` (optional) runs in the same task once the container is gone; the plan's own
+--- `o.after_call` (optional, set by the pool) runs at once.
 ---@param o table  the plan
 ---@param after function|nil
 function oneshot.script_teardown(o, after)
@@ -253,7 +257,6 @@ function oneshot.script_teardown(o, after)
     end
     if after then after() end
   end
-  if o.tree then return teardown.urgent(remove) end
   teardown.spawn("remove " .. tostring(o.name), remove)
 end
 

@@ -235,7 +235,8 @@ t("webgamedev: copy the template, change the scene, build and playtest it offlin
   assert.deepEqual(report.phaser.scenes, ["Main"]);
   assert.equal(report.screenshots.length, 2);
   assert.equal(report.screenshots[0].info.player.x, 400);
-  assert.ok(report.screenshots[1].info.player.x > 450, `the square moved right: ${JSON.stringify(report.screenshots[1].info)}`);
+  // how far depends on the frame rate the loaded machine gives Chromium; that it moved right is the point
+  assert.ok(report.screenshots[1].info.player.x > 400, `the square moved right: ${JSON.stringify(report.screenshots[1].info)}`);
   const start = png(report.screenshots[0].file.replace("/out", r.output_dir));
   assert.deepEqual([start.width, start.height], [800, 600]);
   assert.ok(colours(start) >= 2, "not blank");

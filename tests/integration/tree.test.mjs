@@ -68,7 +68,6 @@ function engine(method, p) {
 async function containersUnder(dir) {
   const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
   const list = (await engine("GET", `/containers/json?all=true&filters=${filters}`)).body;
-  // a live server's warm sandboxes (lua/pool.lua) are kept on purpose and belong to no tree
   return list.filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir) && !isWarm(c));
 }
 async function until(what, fn, ms = 60_000) {
