@@ -9,7 +9,7 @@
 // engine and on a Docker with userns-remap (tests/setup-host starts one).
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import { execFileSync } from "node:child_process";
+import { execFileSync, spawnSync } from "node:child_process";
 import { chmodSync, existsSync, lstatSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -20,12 +20,18 @@ const work = mkdtempSync(path.join(tmpdir(), "demesne-userns-"));
 chmodSync(work, 0o755); // the planted binary is run as nobody, who must reach it
 const inputs = path.join(work, "in");
 execFileSync("mkdir", ["-p", inputs]);
+// Under userns-remap, gVisor's gofer opens the mounts as the remapped root, which must pass
+// through the output and state folders: they are made 0755 here (demesne makes them 0700 when
+// it creates them; under a user namespace nothing a sandbox leaves there is root's). See
+// docs/explanation/trust-boundary.md, "gVisor: a second wall".
+execFileSync("mkdir", ["-m", "755", "-p", path.join(work, "out"), path.join(work, "state")]);
 writeFileSync(path.join(inputs, "data.txt"), "from the host\n");
 const env = (extra = {}) => ({ DEMESNE_ENGINE: ENGINE, DEMESNE_OUTPUT_ROOT: path.join(work, "out"),
   DEMESNE_STATE_DIR: path.join(work, "state"), DEMESNE_ALLOWED_PATHS: inputs, ...extra });
 
 // doctor's userns line: "on: …" or "not available: …" / "off …"
-const doctor = execFileSync(BIN, ["doctor"], { env: serverEnv(env()), encoding: "utf8" }).split("\n")
+// (doctor exits 1 here for the folders opened above; its lines are what is read)
+const doctor = spawnSync(BIN, ["doctor"], { env: serverEnv(env()), encoding: "utf8" }).stdout.split("\n")
   .find((l) => /^\S+\s+userns\s/.test(l)) ?? "";
 const ON = /^ok\s+userns\s+on: /.test(doctor);
 const GVISOR = existsSync("/usr/bin/runsc") && !ENGINE.includes("podman"); // Podman's gVisor is another service
