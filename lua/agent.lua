@@ -10,6 +10,7 @@
 local config = require("demesne.config")
 local egress = require("demesne.egress")
 local fs = require("core.fs")
+local text = require("core.text")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local loop = require("core.loop")
@@ -62,6 +63,46 @@ local EGRESS_TEXT = {
 local function usd(x)
   if x >= 0.01 or x == 0 then return ("$%.2f"):format(x) end
   return ("$%.4f"):format(x)
+end
+
+local HOST_DESCRIPTION_MAX = 160
+
+--- Adds the context file's section on the host MCP servers offered to the run (o.host_mcp,
+--- set by lua/tree's plan hook: {name, tools = {{name, description}} | nil, error}), when
+--- the run's CLI is wired to them: each server with its allowed tools (a description's first
+--- line, bounded).
+---@param o table  the plan
+---@param add fun(line: string)
+function agent.context_host_mcp(o, add)
+  local wired = {}
+  for _, m in ipairs(o.run and o.run.mcp_servers or {}) do wired[m.name] = true end
+  local list = {}
+  for _, h in ipairs(type(o.host_mcp) == "table" and o.host_mcp or {}) do
+    if wired[h.name] and h.name ~= agent.MCP_SERVER then list[#list + 1] = h end
+  end
+  if #list == 0 then return end
+  add("## Host tools (MCP servers of your operator)")
+  add("")
+  add("These MCP servers run on the host, not in your container, and are already connected (no approval "
+    .. "needed). Only the tools listed here are offered. Files a tool writes on the host do not appear in "
+    .. "your container: use what its result returns. Every call is recorded in `/out/mcp.jsonl`.")
+  add(("Your CLI names their tools as it names any MCP server's: `mcp__<server>__<tool>` (e.g. `mcp__%s__%s`).")
+    :format(list[1].name, list[1].tools and list[1].tools[1] and tostring(list[1].tools[1].name) or "<tool>"))
+  add("")
+  for _, h in ipairs(list) do
+    if h.tools then
+      add(("- `%s`: %s"):format(h.name, #h.tools == 0 and "no tools at the moment" or (#h.tools .. " tools")))
+      for _, t in ipairs(h.tools) do
+        local d = type(t.description) == "string" and t.description:match("^%s*([^\n]*)") or ""
+        if #d > HOST_DESCRIPTION_MAX then d = d:sub(1, text.utf8_floor(d, HOST_DESCRIPTION_MAX)) .. "…" end
+        add(("  - `%s`%s"):format(tostring(t.name), d ~= "" and (": " .. d) or ""))
+      end
+    else
+      add(("- `%s`: its tools could not be listed when you started (%s); list them through your MCP client.")
+        :format(h.name, tostring(h.error or "unknown error")))
+    end
+  end
+  add("")
 end
 
 --- Adds the context file's section on child sandboxes (through the `demesne` MCP server) to
@@ -188,6 +229,7 @@ function agent.context_text(o, args)
   add(EGRESS_TEXT[o.egress.name] or ("Egress policy `" .. o.egress.name .. "`: other hosts are refused."))
   add("")
   agent.context_children(o, add)
+  agent.context_host_mcp(o, add)
   add("## Definition of done")
   add("")
   local any = false
@@ -370,6 +412,7 @@ agent.MCP_SERVER = "demesne"
 agent.MCP_TOKEN_ENV = "DEMESNE_MCP_TOKEN"
 local MCP_STARTUP_MS = 60 * 1000
 local MCP_CALL_MARGIN_S = 60
+local HOST_MCP_MARGIN_MS = 15 * 1000
 
 -- Sets (or replaces) variables in an environment list of "NAME=value" strings.
 local function set_env(list, vars)
@@ -390,14 +433,25 @@ end
 --- The MCP servers an agent run's CLI is given: demesne's in-sandbox endpoint when the run
 --- has one (o.endpoint, set by lua/tree's plan hook) and the provider takes MCP servers
 --- (mcp = "http"); else none. A call may take as long as the run may last (plus a margin):
---- no CLI is to give up on a child call before its own run ends.
+--- no CLI is to give up on a child call before its own run ends. Then one server per host
+--- MCP server offered to the run (o.host_mcp, set by the plan hook: {name, url, timeout_ms}),
+--- on the same endpoint and token, its tool timeout the upstream's call bound plus a margin
+--- (the host answers a call that ran out of time before the CLI gives up on it). A host
+--- server named like demesne's own is never wired (the configuration refuses that name).
 ---@param o table  the plan
 ---@return ProviderMcpServer[]
 function agent.mcp_servers(o)
   local e = o.endpoint
   if type(e) ~= "table" or o.provider.mcp ~= "http" then return {} end
-  return { { name = agent.MCP_SERVER, url = e.url, token = e.token, token_env = agent.MCP_TOKEN_ENV,
+  local out = { { name = agent.MCP_SERVER, url = e.url, token = e.token, token_env = agent.MCP_TOKEN_ENV,
     tool_timeout_ms = (o.timeout + MCP_CALL_MARGIN_S) * 1000, startup_timeout_ms = MCP_STARTUP_MS } }
+  for _, h in ipairs(type(o.host_mcp) == "table" and o.host_mcp or {}) do
+    if h.name ~= agent.MCP_SERVER then
+      out[#out + 1] = { name = h.name, url = h.url, token = e.token, token_env = agent.MCP_TOKEN_ENV,
+        tool_timeout_ms = math.floor(h.timeout_ms) + HOST_MCP_MARGIN_MS, startup_timeout_ms = MCP_STARTUP_MS }
+    end
+  end
+  return out
 end
 
 --- Wires the run's CLI from what the plan knows now: run.mcp_servers (agent.mcp_servers),
@@ -676,6 +730,11 @@ function agent.descriptor(research)
     props.directories = schemas.directories()
     props.egress = { type = "string", enum = json.array({ "none", "package-managers" }), default = "none",
       description = "'none' (default): only the model API; 'package-managers': also package registries." }
+    props.host_mcp = { type = "array", uniqueItems = true,
+      items = { type = "string", minLength = 1, maxLength = 64, pattern = "^[A-Za-z0-9][A-Za-z0-9_-]*$" },
+      description = "The host MCP servers (host_mcp in demesne's configuration) whose allowed tools the agent "
+        .. "gets, each as an MCP server of its own; default: all configured ones ([] = none). From inside a "
+        .. "sandbox: at most the calling agent's." }
   end
   return {
     name = name,

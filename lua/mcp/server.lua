@@ -474,8 +474,10 @@ end
 
 local legacy, modern = {}, {}
 
-local function capabilities(era)
-  local caps = { tools = { listChanged = false } }
+-- `registry.list_changed`: its listing follows something that changes (a proxied host MCP
+-- server): the session may be sent notifications/tools/list_changed.
+local function capabilities(era, registry)
+  local caps = { tools = { listChanged = registry ~= nil and registry.list_changed == true } }
   if era == "modern" then
     caps.resources = { subscribe = true, listChanged = false }
   else
@@ -513,7 +515,7 @@ function legacy.initialize(self, params)
   if chosen.server_description then
     info.description = "Runs commands, scripts and coding agents in disposable containers"
   end
-  local caps = capabilities("legacy")
+  local caps = capabilities("legacy", self.registry)
   caps.tasks = chosen.tasks and not self.scope and tasks.capability() or nil
   return {
     protocolVersion = chosen.version,
@@ -538,9 +540,14 @@ local function tools_list(self, params, entry)
   if params.cursor ~= nil and params.cursor ~= null and type(params.cursor) ~= "string" then
     invalid_params("params.cursor: expected a string, got " .. describe(params.cursor))
   end
-  -- one page: nextCursor is never set
-  -- the list is the same for every caller and changes only with a restart
-  return cacheable(entry, { tools = self.registry:listing() }, 300000)
+  -- one page: nextCursor is never set. demesne's own list is the same for every caller and
+  -- changes only with a restart; a registry with list_changed (a proxied host MCP server)
+  -- follows its upstream, and may fail to reach it (listing() -> nil, why)
+  local list, why = self.registry:listing()
+  if list == nil then
+    error(server.rpc_error(server.INTERNAL_ERROR, "Internal error: the tool list is not available: " .. tostring(why)), 0)
+  end
+  return cacheable(entry, { tools = list }, self.registry.list_changed and 0 or 300000)
 end
 legacy["tools/list"], modern["tools/list"] = tools_list, tools_list
 
@@ -578,7 +585,7 @@ legacy["resources/read"], modern["resources/read"] = resources_read, resources_r
 modern["server/discover"] = function(self)
   return {
     supportedVersions = json.array({ table.unpack(server.SUPPORTED_VERSIONS) }),
-    capabilities = capabilities("modern"),
+    capabilities = capabilities("modern", self.registry),
     instructions = self.instructions,
     ttlMs = 300000,
     cacheScope = "public",

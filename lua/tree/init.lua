@@ -42,6 +42,7 @@
 local async = require("demesne.async")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
+local hostmcp = require("demesne.hostmcp")
 local jobs = require("demesne.jobs")
 local json = require("demesne.json")
 local log = require("demesne.log")
@@ -69,6 +70,14 @@ tree.PORT = 3130
 tree.URL = ("http://127.0.0.1:%d/mcp"):format(tree.PORT)
 tree.SANDBOX_SOCKET = "/.demesne/run/mcp.sock"
 tree.SOCKET_NAME = "mcp.sock"
+--- Where each host MCP server offered to an agent run is served on the same port, behind the
+--- same token: /mcp/host/<server> (lua/tree/endpoint.lua, lua/hostmcp/proxy.lua).
+tree.HOST_MCP_PATH = "/mcp/host/"
+
+--- The in-sandbox URL of host MCP server `server`.
+---@param server string
+---@return string
+function tree.host_mcp_url(server) return ("http://127.0.0.1:%d%s%s"):format(tree.PORT, tree.HOST_MCP_PATH, server) end
 
 --- The kinds of node, by the tool that made them.
 tree.KIND_OF_TOOL = { sandbox_script = "script", sandbox_create = "create", sandbox_agent = "agent",
@@ -78,6 +87,7 @@ local NAME_MAX = 40
 local TOKENS = { "input", "output", "cache_creation", "cache_read" }
 
 local endpoint       -- {open = fn(node) -> ok, err; close = fn(run_id)} (tree.set_endpoint)
+local host_offer     -- below
 local service        -- the resume task of tree.start
 
 
@@ -190,9 +200,57 @@ local function plan_endpoint(n, o)
     o.env[#o.env + 1] = "DEMESNE_MCP_TOKEN=" .. n.endpoint.token
     o.endpoint = { url = tree.URL, port = tree.PORT, token = n.endpoint.token, socket = n.endpoint.socket,
       sandbox_socket = tree.SANDBOX_SOCKET, tree = tree.info(n.run_id) } -- for the agent's context file
+    o.host_mcp = host_offer(n)
   else
     n.endpoint = nil
   end
+end
+
+--- Whether host MCP server `server` is offered to the run `run_id` (an active agent node whose
+--- set names it): the in-sandbox endpoint serves /mcp/host/<server> to that run only then.
+---@param run_id string|nil
+---@param server string
+---@return boolean
+function tree.offers_host_mcp(run_id, server)
+  local n = run_id and tree.get(run_id)
+  if not n or not n.active or n.kind ~= "agent" or not n.endpoint then return false end
+  for _, x in ipairs(n.host_mcp or {}) do if x == server then return true end end
+  return false
+end
+
+-- The host MCP servers of a node's subtree: a host call of sandbox_agent gets those its
+-- `host_mcp` names (default: every configured server that offers a tool); a child at most its
+-- parent's (asking for one outside them is refused); sandbox_research and its children none
+-- (its open egress must not meet host data); a script or create node passes its parent's set
+-- on (a root's: all) without being offered any itself.
+local function host_mcp_set(kind, args, parent)
+  if kind == "research" then return json.array() end
+  local want = kind == "agent" and type(args) == "table" and args.host_mcp or nil
+  local names, err = hostmcp.servers_for({ host_mcp = want, parent = parent and (parent.host_mcp or {}) or nil })
+  if not names then fail(err) end
+  return json.array({ table.unpack(names) })
+end
+
+-- What the agent's wiring and context file get of the node's host MCP servers: one entry per
+-- offered server {name, url, timeout_ms, tools = {{name, description}} | nil, error}. The
+-- listing starts the upstream (it is used next anyway); one that fails is still wired, and
+-- the context says why its tools are not known.
+host_offer = function(n)
+  local out = json.array()
+  if n.kind ~= "agent" then return out end
+  for _, name in ipairs(n.host_mcp or {}) do
+    local e = { name = name, url = tree.host_mcp_url(name), timeout_ms = hostmcp.call_timeout_ms(name) }
+    local ok, list, err = pcall(hostmcp.list_tools, name)
+    if ok and list then
+      e.tools = {}
+      for _, t in ipairs(list) do e.tools[#e.tools + 1] = { name = t.name, description = t.description } end
+    else
+      if not ok and list == async.CANCELLED then error(list, 0) end
+      e.error = tostring(ok and err or list)
+    end
+    out[#out + 1] = e
+  end
+  return out
 end
 
 local function new_node(o, kind)
@@ -217,6 +275,8 @@ function tree.plan(ctx, o, args)
   local spawn = type(ctx) == "table" and ctx.spawn or nil
   if not kind then return end
   args = args or o.args
+  -- checked before anything is recorded: a bad host_mcp leaves no node behind
+  local host_set = has_endpoint(kind, args) and host_mcp_set(kind, args, spawn and must(spawn.parent) or nil) or nil
   local n
   if spawn then
     local parent = must(spawn.parent)
@@ -268,6 +328,7 @@ function tree.plan(ctx, o, args)
     n.inputs = copy_inputs(o.mounts)
     n.workspace, n.owns_workspace = new_workspace(n.run_id), true
   end
+  n.host_mcp = host_set
   store.put(n)
   m(n.run_id)
   o.tree = n.run_id

@@ -5,7 +5,8 @@
 // An agent's prompt names its plan (PLAN:<id>; the first one in a request's history is the
 // agent's own, since a prompt it writes for a child comes later). A plan is a list of steps:
 //   {tool, args(ctx)}  call a tool of the in-sandbox `demesne` MCP server (Claude Code's
-//                      mcp__demesne__<tool>, Codex's mcp__demesne namespace or code mode)
+//                      mcp__demesne__<tool>, Codex's mcp__demesne namespace or code mode),
+//                      or, with `server`, of that MCP server (a host MCP server's)
 //   {shell}            run a shell command with the CLI's own shell tool (a string, or ctx => string)
 //   {final}            end the turn with this answer
 // and any step may have `id` (for ctx.result(id) and ctx.job(id)), `again(text, ctx)` (repeat
@@ -75,7 +76,7 @@ export async function startVendor({ secret }) {
     const c = ctx(results[results.length - 1]);
     const s = p.steps[pc] || { final: "done" };
     const step = { index: pc, id: s.id, final: s.final };
-    if (s.tool) { step.tool = s.tool; step.args = s.args ? s.args(c) : {}; }
+    if (s.tool) { step.tool = s.tool; step.server = s.server || "demesne"; step.args = s.args ? s.args(c) : {}; }
     if (s.shell !== undefined) step.shell = typeof s.shell === "function" ? s.shell(c) : s.shell;
     return step;
   }
@@ -101,13 +102,13 @@ export async function startVendor({ secret }) {
     return { step, usage: { input: p.tokens.input + n, output: p.tokens.output + n } };
   }
 
-  function toolName(tools, want) {
+  function toolName(tools, want, server = "demesne") {
     for (const t of tools || []) {
-      if (t?.type === "namespace" && /demesne/.test(t.name) && (t.tools || []).some((x) => x.name === want)) {
+      if (t?.type === "namespace" && t.name.includes(server) && (t.tools || []).some((x) => x.name === want)) {
         return { name: want, namespace: t.name };
       }
     }
-    const name = (tools || []).map((t) => t?.name).find((n) => n === `mcp__demesne__${want}`);
+    const name = (tools || []).map((t) => t?.name).find((n) => n === `mcp__${server}__${want}`);
     return name ? { name } : null;
   }
   const offeredNames = (tools) => (tools || []).flatMap((t) => (t?.type === "namespace"
@@ -130,7 +131,7 @@ export async function startVendor({ secret }) {
       const { step } = t;
       const id = "toolu_" + randomBytes(6).toString("hex");
       if (step.tool) {
-        const name = toolName(body.tools, step.tool)?.name || `missing__${step.tool}`;
+        const name = toolName(body.tools, step.tool, step.server)?.name || `missing__${step.tool}`;
         blocks = [{ type: "tool_use", id, name, input: step.args }];
         stop = "tool_use";
       } else if (step.shell !== undefined) {
@@ -192,10 +193,10 @@ export async function startVendor({ secret }) {
       const { step } = t;
       if (step.tool && codeMode(tools)) {
         item = { type: "custom_tool_call", id: "ctc_" + randomBytes(6).toString("hex"), call_id: callId(), name: "exec",
-          input: `// @exec: {"yield_time_ms": 300000}\nconst r = await tools.mcp__demesne__${step.tool}(${JSON.stringify(step.args)});\n`
+          input: `// @exec: {"yield_time_ms": 300000}\nconst r = await tools.mcp__${step.server}__${step.tool}(${JSON.stringify(step.args)});\n`
             + "text(JSON.stringify(r));\n" };
       } else if (step.tool) {
-        const tn = toolName(tools, step.tool) || { name: `missing__${step.tool}` };
+        const tn = toolName(tools, step.tool, step.server) || { name: `missing__${step.tool}` };
         item = { type: "function_call", id: "fc_" + randomBytes(6).toString("hex"), call_id: callId(), name: tn.name,
           ...(tn.namespace ? { namespace: tn.namespace } : {}), arguments: JSON.stringify(step.args) };
       } else if (step.shell !== undefined) {
