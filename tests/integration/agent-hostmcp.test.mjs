@@ -141,48 +141,59 @@ async function call(conn, name, args) {
   return res.structuredContent;
 }
 
-const hostTools = (offered, server) => offered.filter((n) => n.startsWith(`mcp__${server}__`))
-  .map((n) => n.slice(`mcp__${server}__`.length)).sort();
+// The tools of `server` among those a CLI offered the model: Claude Code's mcp__<server>__<tool>,
+// Codex's namespace mcp__<server> (offered as "mcp__<server>:<tool>").
+const hostTools = (offered, server) => offered
+  .map((n) => (typeof n === "string" ? n.match(new RegExp(`^mcp__${server}(?:__|:)(.+)$`))?.[1] : null))
+  .filter(Boolean).sort();
 
-test("Claude Code uses the allowed tools of host MCP servers; the rest is neither listed nor callable", { timeout: 600_000 }, async () => {
-  const conn = await connect({ fixtures: false, env: serverEnv("claude") });
+// What a run's CLI offered of the host servers. Codex defers MCP tools (code mode: nested in
+// `exec`, found through ALL_TOOLS), so its request names only the namespaces.
+async function hostToolsRun({ tag, env, model, childModel, contextFile, deferred = false }) {
+  const conn = await connect({ fixtures: false, env: serverEnv(env) });
   try {
     // at the host: a name that is not configured, and one that offers no tools, are refused naming the field
     for (const [names, why] of [[["nosuch"], /host_mcp\[1\]: no host MCP server is named "nosuch"/],
       [["everything", "imported"], /host_mcp\[2\]: host MCP server imported offers no tools/]]) {
       const res = await conn.client.callTool({ name: "sandbox_agent", arguments: { prompt: "PLAN:none x",
-        model: "sonnet", host_mcp: names } }, undefined, LONG);
+        model, host_mcp: names } }, undefined, LONG);
       assert.equal(res.isError, true, JSON.stringify(res));
       assert.match(res.content[0].text, why);
     }
 
-    const greedy = vendor.plan("hm-greedy", [{ final: "greedy ran" }]);
-    const kid = vendor.plan("hm-kid", [
-      { tool: "sandbox_agent", args: () => ({ name: "greedy", prompt: `PLAN:${greedy} Wants more.`, model: "haiku",
+    const greedy = vendor.plan(`${tag}-greedy`, [{ final: "greedy ran" }]);
+    const kid = vendor.plan(`${tag}-kid`, [
+      { tool: "sandbox_agent", args: () => ({ name: "greedy", prompt: `PLAN:${greedy} Wants more.`, model: childModel,
         host_mcp: ["readonly"] }) },
       { final: "kid done" },
     ]);
-    const orch = vendor.plan("hm-orch", [
+    const orch = vendor.plan(`${tag}-orch`, [
       { tool: "echo", server: "everything", args: () => ({ message: "hello from the sandbox" }) },
       { tool: "get-sum", server: "everything", args: () => ({ a: 19, b: 23 }) },
-      { shell: `node --input-type=module -e '${FORGE}' && cp /.demesne/agent/CLAUDE.md /out/context.md` },
-      { tool: "sandbox_agent", args: () => ({ name: "kid", prompt: `PLAN:${kid} Narrowed.`, model: "haiku",
+      { shell: `node --input-type=module -e '${FORGE}' && cp /.demesne/agent/${contextFile} /out/context.md` },
+      { tool: "sandbox_agent", args: () => ({ name: "kid", prompt: `PLAN:${kid} Narrowed.`, model: childModel,
         host_mcp: ["everything"] }) },
-      { tool: "sandbox_agent", args: () => ({ name: "imp", prompt: "PLAN:none x", model: "haiku",
+      { tool: "sandbox_agent", args: () => ({ name: "imp", prompt: "PLAN:none x", model: childModel,
         host_mcp: ["imported"] }) },
       { final: "host tools used" },
     ]);
-    const r = await call(conn, "sandbox_agent", { prompt: `PLAN:${orch} Use the host tools.`, model: "sonnet",
+    const r = await call(conn, "sandbox_agent", { prompt: `PLAN:${orch} Use the host tools.`, model,
       timeout_seconds: 300 });
     const p = vendor.plans.get(orch);
     assert.equal(r.exit_code, 0, r.stderr + conn.stderr().slice(-4000));
     assert.equal(r.answer, "host tools used", JSON.stringify(p.results));
 
     // offered: exactly the allowed tools of each server, none of the imported one
-    assert.deepEqual(hostTools(p.offered, "everything"), ["echo", "get-sum"], `offered: ${p.offered}`);
-    assert.deepEqual(hostTools(p.offered, "readonly"), readOnlyTools, "read-only = exactly the readOnlyHint tools");
-    assert.deepEqual(hostTools(p.offered, "imported"), [], "an imported server with no tools named offers none");
-    assert.ok(p.offered.includes("mcp__demesne__sandbox_agent"), "demesne's own server is still there");
+    if (deferred) {
+      const text = JSON.stringify(p.body);
+      for (const ns of ["mcp__demesne", "mcp__everything", "mcp__readonly"]) assert.ok(text.includes(`- ${ns}: `), ns);
+      assert.ok(!text.includes("mcp__imported"), "an imported server with no tools named is not wired");
+    } else {
+      assert.deepEqual(hostTools(p.offered, "everything"), ["echo", "get-sum"], `offered: ${p.offered}`);
+      assert.deepEqual(hostTools(p.offered, "readonly"), readOnlyTools, "read-only = exactly the readOnlyHint tools");
+      assert.deepEqual(hostTools(p.offered, "imported"), [], "an imported server with no tools named offers none");
+      assert.ok(hostTools(p.offered, "demesne").includes("sandbox_agent"), "demesne's own server is still there");
+    }
 
     // the calls reached the real upstream and came back
     assert.match(p.results[0], /Echo: hello from the sandbox/);
@@ -204,8 +215,13 @@ test("Claude Code uses the allowed tools of host MCP servers; the rest is neithe
     // children: one narrows its set; its own child asking for a server it lacks is refused
     const k = vendor.plans.get(kid);
     assert.equal(k.served, 2, "the narrowed child ran");
-    assert.deepEqual(hostTools(k.offered, "everything"), ["echo", "get-sum"], `kid offered: ${k.offered}`);
-    assert.deepEqual(hostTools(k.offered, "readonly"), [], "the child asked for everything only");
+    if (deferred) {
+      const text = JSON.stringify(k.body);
+      assert.ok(text.includes("- mcp__everything: ") && !text.includes("mcp__readonly"), "the child asked for everything only");
+    } else {
+      assert.deepEqual(hostTools(k.offered, "everything"), ["echo", "get-sum"], `kid offered: ${k.offered}`);
+      assert.deepEqual(hostTools(k.offered, "readonly"), [], "the child asked for everything only");
+    }
     assert.match(k.results[0], /host_mcp\[1\]: host MCP server readonly is not offered to the parent run/, k.results[0]);
     assert.equal(vendor.plans.get(greedy).served, 0, "the refused grandchild never ran");
     assert.match(p.results[4], /host_mcp\[1\]: host MCP server imported offers no tools/, p.results[4]);
@@ -230,4 +246,14 @@ test("Claude Code uses the allowed tools of host MCP servers; the rest is neithe
   } finally {
     await conn.client.close();
   }
+}
+
+test("Claude Code uses the allowed tools of host MCP servers; the rest is neither listed nor callable", { timeout: 600_000 }, async () => {
+  await hostToolsRun({ tag: "hm-claude", env: "claude", model: "sonnet", childModel: "haiku", contextFile: "CLAUDE.md" });
+});
+
+test("Codex gets the same host MCP servers as [mcp_servers.<server>]", { timeout: 600_000 }, async () => {
+  // code mode (gpt-5.6-*): MCP tools are nested in `exec` (tools.mcp__<server>__<tool>), deferred
+  await hostToolsRun({ tag: "hm-codex", env: "codex", model: "gpt-5.6-sol", childModel: "gpt-5.6-luna", contextFile: "AGENTS.md",
+    deferred: true });
 });

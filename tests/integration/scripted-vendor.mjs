@@ -87,9 +87,10 @@ export async function startVendor({ secret }) {
   }
 
   // The step for this request of plan p, recorded; null when the plan threw (answered as text).
-  function take(p, results, offered) {
+  function take(p, results, offered, body) {
     p.results = results;
     p.offered = offered;
+    p.body = body; // the last request, as the CLI sent it
     let step;
     try {
       step = nextStep(p, results);
@@ -126,7 +127,7 @@ export async function startVendor({ secret }) {
         if (m.role !== "user" || !Array.isArray(m.content)) continue;
         for (const b of m.content) if (b.type === "tool_result") results.push(textOf(b.content));
       }
-      const t = take(p, results, offeredNames(body.tools));
+      const t = take(p, results, offeredNames(body.tools), body);
       usage = t.usage;
       const { step } = t;
       const id = "toolu_" + randomBytes(6).toString("hex");
@@ -169,7 +170,8 @@ export async function startVendor({ secret }) {
   }
 
   // Codex offers tools at the top level (MCP servers as a namespace) or, in code mode, inside
-  // an `additional_tools` input item whose `exec` tool runs JavaScript with the tools on `tools`.
+  // an `additional_tools` input item whose `exec` tool runs JavaScript with the tools on `tools`
+  // (a name with characters other than letters, digits and `_` is found as Codex spells it).
   function codexTools(body) {
     const extra = (body.input || []).filter((i) => i?.type === "additional_tools").flatMap((i) => i.tools || []);
     return [...(body.tools || []), ...extra];
@@ -188,12 +190,14 @@ export async function startVendor({ secret }) {
       const tools = codexTools(body);
       const results = input.filter((i) => typeof i?.type === "string" && i.type.endsWith("_output") && i.call_id)
         .map((i) => textOf(i.output));
-      const t = take(p, results, offeredNames(tools));
+      const t = take(p, results, offeredNames(tools), body);
       usage = t.usage;
       const { step } = t;
       if (step.tool && codeMode(tools)) {
         item = { type: "custom_tool_call", id: "ctc_" + randomBytes(6).toString("hex"), call_id: callId(), name: "exec",
-          input: `// @exec: {"yield_time_ms": 300000}\nconst r = await tools.mcp__${step.server}__${step.tool}(${JSON.stringify(step.args)});\n`
+          input: `// @exec: {"yield_time_ms": 300000}\nconst want = ${JSON.stringify(`mcp__${step.server}__${step.tool}`)}.replace(/[^A-Za-z0-9_]/g, "_");\n`
+            + "const name = [...Object.keys(tools), ...ALL_TOOLS.map((t) => t.name)].find((n) => n.replace(/[^A-Za-z0-9_]/g, \"_\") === want) || want;\n"
+            + `const r = await tools[name](${JSON.stringify(step.args)});\n`
             + "text(JSON.stringify(r));\n" };
       } else if (step.tool) {
         const tn = toolName(tools, step.tool, step.server) || { name: `missing__${step.tool}` };
