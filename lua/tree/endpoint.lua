@@ -51,7 +51,7 @@ local function host_route(path, listener)
     reg = proxy.registry(rest, { output_dir = caller_output_dir })
     proxies[rest] = reg
   end
-  return { registry = reg, options = { instructions = ("The tools of the host MCP server %s, run on the host by "
+  return { registry = reg, options = { tools_only = true, instructions = ("The tools of the host MCP server %s, run on the host by "
     .. "demesne and offered here as its operator allowed. Each call is recorded in /out/mcp.jsonl."):format(rest) } }
 end
 

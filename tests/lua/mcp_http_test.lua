@@ -147,7 +147,9 @@ function tests.routes_serve_their_own_registry_sessions_and_list_changed(t)
     local h = assert(http.start({ addrs = { "127.0.0.1:0" }, registry = registry(),
       routes = function(path, listener)
         asked[#asked + 1] = listener
-        if path == "/mcp/host/other" then return { registry = other, options = { instructions = "other's" } } end
+        if path == "/mcp/host/other" then
+          return { registry = other, options = { instructions = "other's", tools_only = true } }
+        end
       end }))
     local streams = {}
     -- whatever fails below, nothing is left open
@@ -165,6 +167,7 @@ function tests.routes_serve_their_own_registry_sessions_and_list_changed(t)
     local res = json.decode(r.body).result
     t:eq(res.capabilities.tools.listChanged, true, "the route's registry announces list_changed")
     t:eq(res.instructions, "other's")
+    t:eq(res.capabilities.resources, nil, "tools_only: no resources")
     t:eq(asked[1], "host", "routes hears the listener")
     local sid = r.headers["mcp-session-id"]
     local main = post(base, tok, init)
@@ -173,6 +176,8 @@ function tests.routes_serve_their_own_registry_sessions_and_list_changed(t)
     local v = { ["MCP-Protocol-Version"] = "2025-06-18", ["Mcp-Session-Id"] = sid }
     post(base .. "/host/other", tok, { jsonrpc = "2.0", method = "notifications/initialized" }, v)
     local list = json.decode(post(base .. "/host/other", tok, { jsonrpc = "2.0", id = 2, method = "tools/list" }, v).body)
+    t:eq(json.decode(post(base .. "/host/other", tok, { jsonrpc = "2.0", id = 5, method = "resources/list" }, v).body)
+      .error.code, -32601, "resources/list is not found on a tools_only route")
     t:eq(#list.result.tools, 1)
     t:eq(list.result.tools[1].name, "other_tool", "the route's own registry")
     t:eq(post(base, tok, { jsonrpc = "2.0", id = 3, method = "tools/list" }, v).status, 404,
