@@ -9,6 +9,8 @@
 --       { url = "http://127.0.0.1:3130/mcp", port = 3130, token = "<64 hex>",
 --         socket = "<run_dir>/mcp.sock", sandbox_socket = "/.demesne/run/mcp.sock",
 --         tree = tree.info(run_id) }  (what the agent's context file tells it: see tree.info)
+--     and, for an agent run, `o.host_mcp` lists the host MCP servers offered to it
+--     ({name, url = tree.host_mcp_url(name), timeout_ms, tools | error}: see host_offer),
 --     and the container's environment carries DEMESNE_MCP_URL and DEMESNE_MCP_TOKEN (each
 --     request must send `Authorization: Bearer <token>`). The URL and port never change, so
 --     an argv or a config file can name them as constants (tree.URL, tree.PORT); only the
@@ -233,22 +235,26 @@ end
 
 -- What the agent's wiring and context file get of the node's host MCP servers: one entry per
 -- offered server {name, url, timeout_ms, tools = {{name, description}} | nil, error}. The
--- listing starts the upstream (it is used next anyway); one that fails is still wired, and
--- the context says why its tools are not known.
+-- listings (in parallel) start the upstreams (they are used next anyway); one that fails is
+-- still wired, and the context says why its tools are not known.
 host_offer = function(n)
   local out = json.array()
   if n.kind ~= "agent" then return out end
-  for _, name in ipairs(n.host_mcp or {}) do
-    local e = { name = name, url = tree.host_mcp_url(name), timeout_ms = hostmcp.call_timeout_ms(name) }
-    local ok, list, err = pcall(hostmcp.list_tools, name)
+  local tasks = {}
+  for i, name in ipairs(n.host_mcp or {}) do
+    out[i] = { name = name, url = tree.host_mcp_url(name), timeout_ms = hostmcp.call_timeout_ms(name) }
+    tasks[i] = async.spawn("host MCP listing: " .. name, hostmcp.list_tools, name)
+  end
+  local _ <close> = closer(function() for _, t in ipairs(tasks) do async.cancel(t, "the plan ended") end end)
+  for i, t in ipairs(tasks) do
+    local ok, list, err = t:wait()
     if ok and list then
-      e.tools = {}
-      for _, t in ipairs(list) do e.tools[#e.tools + 1] = { name = t.name, description = t.description } end
+      local e = {}
+      for _, x in ipairs(list) do e[#e + 1] = { name = x.name, description = x.description } end
+      out[i].tools = e
     else
-      if not ok and list == async.CANCELLED then error(list, 0) end
-      e.error = tostring(ok and err or list)
+      out[i].error = tostring(ok and err or list)
     end
-    out[#out + 1] = e
   end
   return out
 end
