@@ -129,6 +129,7 @@ await rpc("/mcp/host/everything", { jsonrpc: "2.0", method: "notifications/initi
 out.list = await rpc("/mcp/host/everything", { jsonrpc: "2.0", id: 2, method: "tools/list" }, s.sid);
 out.getenv = await rpc("/mcp/host/everything", { jsonrpc: "2.0", id: 3, method: "tools/call",
   params: { name: "get-env", arguments: {} } }, s.sid);
+out.resources = await rpc("/mcp/host/everything", { jsonrpc: "2.0", id: 4, method: "resources/list" }, s.sid);
 out.imported = await rpc("/mcp/host/imported", init);
 out.unknown = await rpc("/mcp/host/nosuch", init);
 out.badToken = await rpc("/mcp/host/everything", init, null, "0".repeat(64));
@@ -203,11 +204,13 @@ async function hostToolsRun({ tag, env, model, childModel, contextFile, deferred
     const forged = JSON.parse(read(r.output_dir, "forged.json"));
     assert.equal(forged.init, 200, forged.initText);
     assert.match(forged.initText, /"listChanged":true/, "the host server announces list_changed");
+    assert.doesNotMatch(forged.initText, /"resources"/, "and offers tools only");
     assert.doesNotMatch(forged.list.text, /get-env/, "get-env is not listed");
     assert.match(forged.list.text, /"echo"/);
     assert.match(forged.getenv.text, /"isError":true/, forged.getenv.text);
     assert.match(forged.getenv.text, /get-env of host MCP server everything is not allowed here/);
     assert.doesNotMatch(forged.getenv.text, /PATH=|HOME/, "nothing of the host's environment came back");
+    assert.match(forged.resources.text, /"code":-32601/, "tools only: demesne's resources are not offered there");
     assert.equal(forged.imported.status, 404, "the path of a server not offered is not found");
     assert.equal(forged.unknown.status, 404);
     assert.equal(forged.badToken.status, 401);
