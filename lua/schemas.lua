@@ -59,6 +59,14 @@ schemas.isolation = { type = "string", enum = json.array({ "container", "gvisor"
   .. "kernel, so its system calls never reach the host kernel directly; slower to start, and a call that asks for "
   .. "it where the engine has no gVisor fails instead of running without it." }
 
+--- The `host_mcp` parameter of sandbox_agent: the host MCP servers (lua/hostmcp) offered to
+--- the run, by name (lua/tree checks the names and inherits a parent's set).
+schemas.host_mcp = { type = "array", uniqueItems = true,
+  items = { type = "string", minLength = 1, maxLength = 64, pattern = "^[A-Za-z0-9][A-Za-z0-9_-]*$" },
+  description = "The host MCP servers (host_mcp in demesne's configuration) whose allowed tools the agent "
+    .. "gets, each as an MCP server of its own; default: all configured ones ([] = none). From inside a "
+    .. "sandbox: at most the calling agent's." }
+
 schemas.sandbox_id = { type = "string", minLength = 1, description = "The id returned by sandbox_create." }
 
 --- The result of a command: shared by sandbox_script and sandbox_exec.

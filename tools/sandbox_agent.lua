@@ -23,6 +23,7 @@ return {
       directories = schemas.directories(),
       egress = { type = "string", enum = json.array({ "none", "package-managers" }), default = "none",
         description = "'none' (default): only the model API; 'package-managers': also package registries." },
+      host_mcp = schemas.host_mcp,
     }),
   },
   outputSchema = schemas.or_job(schemas.agent_result()),

@@ -1,7 +1,14 @@
 -- The context file of an agent run (CLAUDE.md, AGENTS.md, …): what the agent is told about
 -- its sandbox, its network, the child sandboxes it may spawn (lua/tree), the definition of
 -- done, then the task.
+local text = require("core.text")
+
 local context = {}
+
+--- The name of demesne's own MCP server on the in-sandbox endpoint (agent.MCP_SERVER): a
+--- host MCP server of that name is never wired nor listed.
+context.MCP_SERVER = "demesne"
+local HOST_DESCRIPTION_MAX = 160
 
 local AGENT_DIR = "/.demesne/agent" -- the run's read-only folder in the sandbox (lua/agent/init.lua mounts it)
 
@@ -108,6 +115,44 @@ function context.children(o, add)
   add("")
 end
 
+--- Adds the context file's section on the host MCP servers offered to the run (o.host_mcp,
+--- set by lua/tree's plan hook: {name, tools = {{name, description}} | nil, error}), when
+--- the run's CLI is wired to them: each server with its allowed tools (a description's first
+--- line, bounded).
+---@param o table  the plan
+---@param add fun(line: string)
+function context.host_mcp(o, add)
+  local wired = {}
+  for _, m in ipairs(o.run and o.run.mcp_servers or {}) do wired[m.name] = true end
+  local list = {}
+  for _, h in ipairs(type(o.host_mcp) == "table" and o.host_mcp or {}) do
+    if wired[h.name] and h.name ~= context.MCP_SERVER then list[#list + 1] = h end
+  end
+  if #list == 0 then return end
+  add("## Host tools (MCP servers of your operator)")
+  add("")
+  add("These MCP servers run on the host, not in your container, and are already connected (no approval "
+    .. "needed). Only the tools listed here are offered. Files a tool writes on the host do not appear in "
+    .. "your container: use what its result returns. Every call is recorded in `/out/mcp.jsonl`.")
+  add(("Your CLI names their tools as it names any MCP server's: `mcp__<server>__<tool>` (e.g. `mcp__%s__%s`).")
+    :format(list[1].name, list[1].tools and list[1].tools[1] and tostring(list[1].tools[1].name) or "<tool>"))
+  add("")
+  for _, h in ipairs(list) do
+    if h.tools then
+      add(("- `%s`: %s"):format(h.name, #h.tools == 0 and "no tools at the moment" or (#h.tools .. " tools")))
+      for _, t in ipairs(h.tools) do
+        local d = type(t.description) == "string" and t.description:match("^%s*([^\n]*)") or ""
+        if #d > HOST_DESCRIPTION_MAX then d = d:sub(1, text.utf8_floor(d, HOST_DESCRIPTION_MAX)) .. "…" end
+        add(("  - `%s`%s"):format(tostring(t.name), d ~= "" and (": " .. d) or ""))
+      end
+    else
+      add(("- `%s`: its tools could not be listed when you started (%s); list them through your MCP client.")
+        :format(h.name, tostring(h.error or "unknown error")))
+    end
+  end
+  add("")
+end
+
 --- The context file's text for the run planned in `o` (agent.prepare) and the call's args.
 ---@param o table     the plan: mounts, egress, workspace, endpoint, provider, run
 ---@param args table  prompt, preamble, success_criteria, output_path, output_format
@@ -146,6 +191,7 @@ function context.text(o, args)
   add(EGRESS_TEXT[o.egress.name] or ("Egress policy `" .. o.egress.name .. "`: other hosts are refused."))
   add("")
   context.children(o, add)
+  context.host_mcp(o, add)
   add("## Definition of done")
   add("")
   local any = false

@@ -51,12 +51,13 @@ end
 
 --- The name the agent CLIs know demesne's in-sandbox MCP server by (Claude Code's tools are
 --- then mcp__demesne__<tool>; Codex's sit in a namespace mcp__demesne).
-agent.MCP_SERVER = "demesne"
+agent.MCP_SERVER = context.MCP_SERVER
 --- The variable that holds the in-sandbox endpoint's token (set by lua/tree with the URL in
 --- DEMESNE_MCP_URL).
 agent.MCP_TOKEN_ENV = "DEMESNE_MCP_TOKEN"
 local MCP_STARTUP_MS = 60 * 1000
 local MCP_CALL_MARGIN_S = 60
+local HOST_MCP_MARGIN_MS = 15 * 1000
 
 -- Sets (or replaces) variables in an environment list of "NAME=value" strings.
 local function set_env(list, vars)
@@ -77,14 +78,25 @@ end
 --- The MCP servers an agent run's CLI is given: demesne's in-sandbox endpoint when the run
 --- has one (o.endpoint, set by lua/tree's plan hook) and the provider takes MCP servers
 --- (mcp = "http"); else none. A call may take as long as the run may last (plus a margin):
---- no CLI is to give up on a child call before its own run ends.
+--- no CLI is to give up on a child call before its own run ends. Then one server per host
+--- MCP server offered to the run (o.host_mcp, set by the plan hook: {name, url, timeout_ms}),
+--- on the same endpoint and token, its tool timeout the upstream's call bound plus a margin
+--- (the host answers a call that ran out of time before the CLI gives up on it). A host
+--- server named like demesne's own is never wired (the configuration refuses that name).
 ---@param o table  the plan
 ---@return ProviderMcpServer[]
 function agent.mcp_servers(o)
   local e = o.endpoint
   if type(e) ~= "table" or o.provider.mcp ~= "http" then return {} end
-  return { { name = agent.MCP_SERVER, url = e.url, token = e.token, token_env = agent.MCP_TOKEN_ENV,
+  local out = { { name = agent.MCP_SERVER, url = e.url, token = e.token, token_env = agent.MCP_TOKEN_ENV,
     tool_timeout_ms = (o.timeout + MCP_CALL_MARGIN_S) * 1000, startup_timeout_ms = MCP_STARTUP_MS } }
+  for _, h in ipairs(type(o.host_mcp) == "table" and o.host_mcp or {}) do
+    if h.name ~= agent.MCP_SERVER then
+      out[#out + 1] = { name = h.name, url = h.url, token = e.token, token_env = agent.MCP_TOKEN_ENV,
+        tool_timeout_ms = math.floor(h.timeout_ms) + HOST_MCP_MARGIN_MS, startup_timeout_ms = MCP_STARTUP_MS }
+    end
+  end
+  return out
 end
 
 --- Wires the run's CLI from what the plan knows now: run.mcp_servers (agent.mcp_servers),

@@ -33,6 +33,7 @@
 --       fn(server) after an upstream announced a new listing (for list_changed to clients).
 --   hostmcp.record(output_dir, entry)   one line of mcp.jsonl (hostmcp.call does it).
 --   hostmcp.describe() -> rows, problems  (for `demesne check-config`; starts nothing)
+--   hostmcp.call_timeout_ms(server) -> ms    the longest one call may take
 --   hostmcp.shutdown()                   stops every upstream and forgets the configuration.
 --
 -- Codes: ENOENT (no such server / tool), EPERM (tool not allowed), EINVAL (bad run
@@ -659,6 +660,15 @@ function hostmcp.describe()
       tools = hconfig.tools_text(d.tools), tools_origin = d.tools_origin }
   end
   return rows, l.problems, l
+end
+
+--- The longest one call of `server` may take, in ms: its own timeout_seconds, else
+--- host_mcp_timeout_seconds (also for a name that is not configured).
+---@param server string
+---@return integer
+function hostmcp.call_timeout_ms(server)
+  local d = loaded and loaded.servers[server]
+  return d and d.timeout_ms or ms_setting("host_mcp_timeout_seconds")
 end
 
 --- The pid of a stdio server's running process, or nil (tests and diagnostics).

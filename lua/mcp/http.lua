@@ -170,6 +170,13 @@ end
 ---@field session_options (fun(listener: string): table|nil)|nil  extra ServerOptions for the sessions
 ---   and 2026-07-28 requests of a listener (the in-sandbox endpoint: no host log records, a scope)
 ---@field max_sessions_per_listener integer|nil  sessions one relay listener may hold (default 16)
+---@field routes (fun(path: string, listener: string): HttpRoute|nil)|nil  MCP servers at paths other
+---   than /mcp (the in-sandbox endpoint's /mcp/host/<server>): nil = 404. A session belongs to the
+---   path that opened it and is not found on another.
+
+---@class HttpRoute
+---@field registry ToolRegistry   the tools served at the path (may carry list_changed)
+---@field options table|nil       extra ServerOptions for its sessions (instructions, …)
 
 --- Creates the MCP HTTP server and starts listening. Returns a handle
 --- {urls, token_origin, stop = fn(timeout_ms) (inside a task), sessions = fn() -> integer,
@@ -227,7 +234,15 @@ function http.start(o)
     }
   end
 
-  local function new_session(listener)
+  local root = { path = ENDPOINT, registry = o.registry }
+
+  local function route_opts(listener, route, base)
+    server_opts(listener, base)
+    for k, v in pairs(route.options or {}) do base[k] = v end
+    return base
+  end
+
+  local function new_session(listener, route)
     -- a relay listener (one sandbox) holds at most per_listener sessions of the table
     local mine = 0
     if listener ~= "host" then
@@ -254,8 +269,8 @@ function http.start(o)
       self.nsessions = self.nsessions - 1
       victim.srv:close()
     end
-    local sess = { id = util.random_hex(16), listener = listener, seen = loop.now() }
-    sess.srv = server.new(server_opts(listener, { transport = session_transport(sess), registry = o.registry,
+    local sess = { id = util.random_hex(16), listener = listener, path = route.path, seen = loop.now() }
+    sess.srv = server.new(route_opts(listener, route, { transport = session_transport(sess), registry = route.registry,
       max_message_bytes = o.max_message_bytes, listener = listener }))
     self.sessions[sess.id] = sess
     self.nsessions = self.nsessions + 1
@@ -408,7 +423,7 @@ function http.start(o)
     return true
   end
 
-  local function post(conn, req)
+  local function post(conn, req, route)
     local ctype = (req.headers["content-type"] or ""):lower()
     if not ctype:find("application/json", 1, true) then
       return reply(conn, 415, server.INVALID_REQUEST, "Content-Type must be application/json")
@@ -433,8 +448,9 @@ function http.start(o)
         conn:respond(202, {}, "")
         return
       end
-      local srv = server.new(server_opts(conn:listener(), { transport = mcp_transport.null(), registry = o.registry,
-        forward_logs = false, max_message_bytes = o.max_message_bytes, listener = conn:listener() }))
+      local srv = server.new(route_opts(conn:listener(), route, { transport = mcp_transport.null(),
+        registry = route.registry, forward_logs = false, max_message_bytes = o.max_message_bytes,
+        listener = conn:listener() }))
       self.modern[srv] = true
       local ch
       ch = channel(conn, {
@@ -456,11 +472,11 @@ function http.start(o)
     end
     local sid = req.headers["mcp-session-id"]
     local sess = sid and self.sessions[sid]
-    if sess and sess.listener ~= conn:listener() then sess = nil end
+    if sess and (sess.listener ~= conn:listener() or sess.path ~= route.path) then sess = nil end
     local headers
     if not sess then
       if msg.method == "initialize" and is_request and not sid then
-        sess = new_session(conn:listener())
+        sess = new_session(conn:listener(), route)
         if not sess then
           return reply(conn, 503, server.INVALID_REQUEST, "too many sessions: end one (DELETE) or raise http_max_sessions")
         end
@@ -494,14 +510,14 @@ function http.start(o)
     if not ch.done and sse_ok then ch.start_sse() end
   end
 
-  local function session_of(conn, req)
+  local function session_of(conn, req, route)
     local sid = req.headers["mcp-session-id"]
     if not sid then
       reply(conn, 400, server.INVALID_REQUEST, "Bad Request: the Mcp-Session-Id header is required")
       return nil
     end
     local sess = self.sessions[sid]
-    if not sess or sess.listener ~= conn:listener() then
+    if not sess or sess.listener ~= conn:listener() or sess.path ~= route.path then
       reply(conn, 404, -32001, "Session not found: it ended or never existed")
       return nil
     end
@@ -509,7 +525,7 @@ function http.start(o)
     return sess
   end
 
-  local function get(conn, req)
+  local function get(conn, req, route)
     local pv = req.headers["mcp-protocol-version"]
     if server.is_modern(pv) then
       return reply(conn, 405, server.INVALID_REQUEST, "revision 2026-07-28 has no GET stream: use subscriptions/listen",
@@ -517,7 +533,7 @@ function http.start(o)
     end
     local _, sse_ok = accepts(req)
     if not sse_ok then return reply(conn, 406, server.INVALID_REQUEST, "Accept must list text/event-stream") end
-    local sess = session_of(conn, req)
+    local sess = session_of(conn, req, route)
     if not sess then return end
     if sess.get_conn and sess.get_conn:is_open() then
       return reply(conn, 409, server.INVALID_REQUEST, "this session's GET stream is already open")
@@ -531,12 +547,12 @@ function http.start(o)
     end }
   end
 
-  local function delete(conn, req)
+  local function delete(conn, req, route)
     local pv = req.headers["mcp-protocol-version"]
     if server.is_modern(pv) then
       return reply(conn, 405, server.INVALID_REQUEST, "revision 2026-07-28 has no sessions", { Allow = "POST" })
     end
-    local sess = session_of(conn, req)
+    local sess = session_of(conn, req, route)
     if not sess then return end
     end_session(sess, "DELETE")
     conn:respond(200, {}, "")
@@ -544,15 +560,20 @@ function http.start(o)
 
   local function on_request(conn, req)
     local path = req.target:match("^[^?#]*")
-    if path ~= ENDPOINT then
+    local route = path == ENDPOINT and root or nil
+    if not route and o.routes then
+      local r = o.routes(path, conn:listener())
+      if r then route = { path = path, registry = r.registry, options = r.options } end
+    end
+    if not route then
       return reply(conn, 404, server.INVALID_REQUEST, ("Not Found: the MCP endpoint is %s"):format(ENDPOINT))
     end
     if self.stopping then
       return reply(conn, 503, server.INTERNAL_ERROR, "the server is shutting down")
     end
-    if req.method == "POST" then return post(conn, req) end
-    if req.method == "GET" then return get(conn, req) end
-    if req.method == "DELETE" then return delete(conn, req) end
+    if req.method == "POST" then return post(conn, req, route) end
+    if req.method == "GET" then return get(conn, req, route) end
+    if req.method == "DELETE" then return delete(conn, req, route) end
     reply(conn, 405, server.INVALID_REQUEST, "Method Not Allowed: use POST, GET or DELETE", { Allow = "GET, POST, DELETE" })
   end
 
@@ -634,6 +655,20 @@ function http.start(o)
     return n
   end
   function handle.connections() return self.http:connections() end
+  --- Sends a notification (method, params) on the standing stream of every initialized
+  --- session with its GET stream open for which `which(listener, path)` is true
+  --- (notifications/tools/list_changed to the sessions of one route); the others miss it. Returns
+  --- how many sessions it was sent to.
+  function handle.notify(which, method, params)
+    local n = 0
+    for _, sess in pairs(self.sessions) do
+      if sess.srv.session.initialized and sess.get_conn and sess.get_conn:is_open()
+        and which(sess.listener, sess.path) then
+        if sess.srv:notify(method, params) then n = n + 1 end
+      end
+    end
+    return n
+  end
   --- Stops (inside a task): new requests get 503, every session and request in progress is
   --- stopped (subscriptions get their completion result, other requests are cancelled and
   --- their cleanup awaited, up to timeout_ms), then every connection is closed.

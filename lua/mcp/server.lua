@@ -179,6 +179,9 @@ end
 ---@field instructions string|nil
 ---@field forward_logs boolean|nil       send log records as notifications/message to a legacy session (default true)
 ---@field listener string|nil            the listener the session's requests arrive on (HTTP), given to tools
+---@field tools_only boolean|nil     offer tools only: no resources capability, resources/* and
+---   subscriptions/listen are not found, no log record is forwarded (a proxied host MCP server
+---   on the in-sandbox endpoint)
 ---@field scope {job: fun(job_id: string): boolean}|nil  what the caller may see (the in-sandbox endpoint):
 ---   only job-end records of jobs in scope are forwarded (no other host log record), resources
 ---   list and read only jobs in scope, subscriptions hear only of them, and tasks are not offered
@@ -203,6 +206,7 @@ function server.new(opts)
     instructions = opts.instructions or server.INSTRUCTIONS,
     listener = opts.listener,
     scope = opts.scope,
+    tools_only = opts.tools_only == true,
     inflight = {},   -- id key -> entry {id, method, task, cancelled, done, channel, modern, listen}
     outgoing = {},   -- our request id -> callback(result | nil, msg, error)
     next_out = 0,
@@ -361,7 +365,7 @@ end
 ---@param msg string
 ---@param data any
 function Server:forward_log(level, logger, msg, data)
-  if self.in_forward or self.closing then return end
+  if self.in_forward or self.closing or self.tools_only then return end -- tools_only: no host record at all
   if self.scope and not (logger == "demesne.jobs" and type(data) == "table" and type(data.job_id) == "string"
     and self.scope.job(data.job_id)) then
     return -- a scoped session hears of its own jobs' ends, and nothing else of the host's
@@ -485,8 +489,15 @@ end
 
 local legacy, modern = {}, {}
 
-local function capabilities(era)
-  local caps = { tools = { listChanged = false } }
+-- `registry.list_changed`: its listing follows something that changes (a proxied host MCP
+-- server): the session may be sent notifications/tools/list_changed.
+-- A `tools_only` session (a proxied host MCP server) offers tools and nothing else of demesne's.
+local function capabilities(era, registry, tools_only)
+  local caps = { tools = { listChanged = registry ~= nil and registry.list_changed == true } }
+  if tools_only then
+    if era ~= "modern" then caps.logging = {} end
+    return caps
+  end
   if era == "modern" then
     caps.resources = { subscribe = true, listChanged = false }
   else
@@ -524,7 +535,7 @@ function legacy.initialize(self, params)
   if chosen.server_description then
     info.description = "Runs commands, scripts and coding agents in disposable containers"
   end
-  local caps = capabilities("legacy")
+  local caps = capabilities("legacy", self.registry, self.tools_only)
   caps.tasks = chosen.tasks and not self.scope and tasks.capability() or nil
   return {
     protocolVersion = chosen.version,
@@ -549,9 +560,14 @@ local function tools_list(self, params, entry)
   if params.cursor ~= nil and params.cursor ~= null and type(params.cursor) ~= "string" then
     invalid_params("params.cursor: expected a string, got " .. describe(params.cursor))
   end
-  -- one page: nextCursor is never set
-  -- the list is the same for every caller and changes only with a restart
-  return cacheable(entry, { tools = self.registry:listing() }, 300000)
+  -- one page: nextCursor is never set. demesne's own list is the same for every caller and
+  -- changes only with a restart; a registry with list_changed (a proxied host MCP server)
+  -- follows its upstream, and may fail to reach it (listing() -> nil, why)
+  local list, why = self.registry:listing()
+  if list == nil then
+    error(server.rpc_error(server.INTERNAL_ERROR, "Internal error: the tool list is not available: " .. tostring(why)), 0)
+  end
+  return cacheable(entry, { tools = list }, self.registry.list_changed and 0 or 300000)
 end
 legacy["tools/list"], modern["tools/list"] = tools_list, tools_list
 
@@ -589,7 +605,7 @@ legacy["resources/read"], modern["resources/read"] = resources_read, resources_r
 modern["server/discover"] = function(self)
   return {
     supportedVersions = json.array({ table.unpack(server.SUPPORTED_VERSIONS) }),
-    capabilities = capabilities("modern"),
+    capabilities = capabilities("modern", self.registry, self.tools_only),
     instructions = self.instructions,
     ttlMs = 300000,
     cacheScope = "public",
@@ -843,6 +859,7 @@ function Server:handle_request(msg, channel)
   end
   local handler = era[msg.method]
   if self.scope and msg.method:match("^tasks/") then handler = nil end -- no tasks where a scope applies
+  if self.tools_only and (msg.method:match("^resources/") or msg.method == "subscriptions/listen") then handler = nil end
   if not handler then
     return self:respond_error(id, server.METHOD_NOT_FOUND, "Method not found: " .. msg.method
       .. (era == modern and legacy[msg.method] and " (not part of revision 2026-07-28)" or ""), nil, channel)

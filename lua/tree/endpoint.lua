@@ -12,7 +12,15 @@
 -- heads, connections (32 per run), sessions (16 per run) and output are bounded in C and in
 -- lua/mcp/http.lua, and a session there is scoped (server option `scope`): it hears only of
 -- the ends of its own subtree's jobs, and no host log record.
+--
+-- Host MCP servers (lua/hostmcp): on the same port and listener, /mcp/host/<server> is that
+-- server's allowed tools (lua/hostmcp/proxy.lua) for an agent run it is offered to
+-- (tree.offers_host_mcp), and 404 for any other caller or name. Each call is appended to
+-- mcp.jsonl in the calling run's output folder; notifications/tools/list_changed from the
+-- upstream goes to every session on its path that has its GET stream open.
 local child = require("demesne.tree.child")
+local hostmcp = require("demesne.hostmcp")
+local proxy = require("demesne.hostmcp.proxy")
 local fs = require("core.fs")
 local http = require("demesne.mcp.http")
 local log = require("demesne.log")
@@ -22,6 +30,31 @@ local endpoint = {}
 
 local LOGGER = "demesne.tree"
 local handle
+local unsubscribe -- from hostmcp.on_tools_changed
+local proxies = {} -- server name -> its registry (shared by every run it is offered to)
+local HOST_NAME = "^[A-Za-z0-9][A-Za-z0-9_-]*$"
+
+-- The output folder of the run a tool call came from (its listener), for mcp.jsonl.
+local function caller_output_dir(ctx)
+  local id = tree.run_of_tag(ctx.listener)
+  local n = id and tree.get(id)
+  return n and n.output_dir or nil
+end
+
+-- The route of /mcp/host/<server> for the run on `listener`, or nil (404).
+local function host_route(path, listener)
+  local rest = path:sub(1, #tree.HOST_MCP_PATH) == tree.HOST_MCP_PATH and path:sub(#tree.HOST_MCP_PATH + 1) or nil
+  if not rest or not rest:match(HOST_NAME) or #rest > 64 then return nil end
+  if not tree.offers_host_mcp(tree.run_of_tag(listener), rest) then return nil end
+  local reg = proxies[rest]
+  if not reg then
+    reg = proxy.registry(rest, { output_dir = caller_output_dir })
+    proxies[rest] = reg
+  end
+  return { registry = reg, options = { tools_only = true, instructions = ("The tools of the host MCP server %s, run "
+    .. "on the host by demesne and offered here as its operator allowed. Each call is recorded in /out/mcp.jsonl.")
+    :format(rest) } }
+end
 
 local function scope_of(listener)
   local run_id = tree.run_of_tag(listener)
@@ -40,9 +73,14 @@ function endpoint.start(registry, opts)
   local h, err = http.start({ addrs = {}, registry = child.registry(registry),
     max_message_bytes = opts.max_message_bytes, shutdown_timeout_ms = opts.shutdown_timeout_ms,
     session_options = function(listener) return { scope = scope_of(listener) } end,
-    max_sessions_per_listener = 16 })
+    routes = host_route, max_sessions_per_listener = 16 })
   if not h then return nil, err end
   handle = h
+  tree.set_host_mcp(hostmcp)
+  unsubscribe = hostmcp.on_tools_changed(function(server)
+    local path = tree.HOST_MCP_PATH .. server
+    h.notify(function(_, p) return p == path end, "notifications/tools/list_changed")
+  end)
   tree.set_endpoint({
     open = function(n)
       local ok, lerr = h.listen_relay(n.endpoint.socket, { tag = tree.tag(n.run_id), token = n.endpoint.token,
@@ -69,6 +107,9 @@ function endpoint.stop(timeout_ms)
   local h = handle
   handle = nil
   tree.set_endpoint(nil)
+  tree.set_host_mcp(nil)
+  if unsubscribe then unsubscribe() end
+  unsubscribe, proxies = nil, {}
   if h then h.stop(timeout_ms) end
 end
 

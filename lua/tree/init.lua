@@ -9,6 +9,10 @@
 --       { url = "http://127.0.0.1:3130/mcp", port = 3130, token = "<64 hex>",
 --         socket = "<run_dir>/mcp.sock", sandbox_socket = "/.demesne/run/mcp.sock",
 --         tree = tree.info(run_id) }  (what the agent's context file tells it: see tree.info)
+--     and, for an agent run, `o.host_mcp` lists the host MCP servers offered to it
+--     ({name, url = tree.host_mcp_url(name), timeout_ms, tools | error}: see host_offer;
+--     the servers come from lua/hostmcp, a layer above, installed by the in-sandbox
+--     endpoint with tree.set_host_mcp),
 --     and the container's environment carries DEMESNE_MCP_URL and DEMESNE_MCP_TOKEN (each
 --     request must send `Authorization: Bearer <token>`). The URL and port never change, so
 --     an argv or a config file can name them as constants (tree.URL, tree.PORT); only the
@@ -71,6 +75,14 @@ tree.PORT = 3130
 tree.URL = ("http://127.0.0.1:%d/mcp"):format(tree.PORT)
 tree.SANDBOX_SOCKET = "/.demesne/run/mcp.sock"
 tree.SOCKET_NAME = "mcp.sock"
+--- Where each host MCP server offered to an agent run is served on the same port, behind the
+--- same token: /mcp/host/<server> (lua/tree/endpoint.lua, lua/hostmcp/proxy.lua).
+tree.HOST_MCP_PATH = "/mcp/host/"
+
+--- The in-sandbox URL of host MCP server `server`.
+---@param server string
+---@return string
+function tree.host_mcp_url(server) return ("http://127.0.0.1:%d%s%s"):format(tree.PORT, tree.HOST_MCP_PATH, server) end
 
 --- The kinds of node, by the tool that made them.
 tree.KIND_OF_TOOL = { sandbox_script = "script", sandbox_create = "create", sandbox_agent = "agent",
@@ -80,6 +92,8 @@ local NAME_MAX = 40
 local TOKENS = { "input", "output", "cache_creation", "cache_read" }
 
 local endpoint       -- {open = fn(node) -> ok, err; close = fn(run_id)} (tree.set_endpoint)
+local host_offer     -- below
+local host_servers   -- {servers_for, call_timeout_ms, list_tools} (tree.set_host_mcp)
 local service        -- the resume task of tree.start
 
 
@@ -138,6 +152,16 @@ end
 ---@param impl {open: fun(node: TreeNode): boolean|nil, string|nil, close: fun(run_id: string)}|nil
 function tree.set_endpoint(impl) endpoint = impl end
 
+--- Installs the host MCP servers (lua/hostmcp, a layer above: `demesne serve` and the
+--- in-sandbox endpoint install that module) that agent runs may be offered.
+--- `impl.servers_for({host_mcp = names|nil, parent = names|nil})` -> names | nil, err (the
+--- set of a run, checked against the configuration and the parent's set);
+--- `impl.call_timeout_ms(name)` -> ms; `impl.list_tools(name)` -> tools | nil, err (inside
+--- a task). nil uninstalls it: runs are then offered none, and a `host_mcp` that names a
+--- server is refused.
+---@param impl {servers_for: fun(o: table): string[]|nil, string|nil, call_timeout_ms: fun(name: string): integer, list_tools: fun(name: string): table[]|nil, string|nil}|nil
+function tree.set_host_mcp(impl) host_servers = impl end
+
 --- The listener tag of a node's endpoint ("run:<run id>"): the identity of every request
 --- that arrives on it.
 ---@param run_id string
@@ -194,9 +218,69 @@ local function plan_endpoint(n, o)
     o.env[#o.env + 1] = "DEMESNE_MCP_TOKEN=" .. n.endpoint.token
     o.endpoint = { url = tree.URL, port = tree.PORT, token = n.endpoint.token, socket = n.endpoint.socket,
       sandbox_socket = tree.SANDBOX_SOCKET, tree = tree.info(n.run_id) } -- for the agent's context file
+    o.host_mcp = host_offer(n)
   else
     n.endpoint = nil
   end
+end
+
+--- Whether host MCP server `server` is offered to the run `run_id` (an active agent node whose
+--- set names it): the in-sandbox endpoint serves /mcp/host/<server> to that run only then.
+---@param run_id string|nil
+---@param server string
+---@return boolean
+function tree.offers_host_mcp(run_id, server)
+  local n = run_id and tree.get(run_id)
+  if not n or not n.active or n.kind ~= "agent" or not n.endpoint then return false end
+  for _, x in ipairs(n.host_mcp or {}) do if x == server then return true end end
+  return false
+end
+
+-- The host MCP servers of a node's subtree: a host call of sandbox_agent gets those its
+-- `host_mcp` names (default: every configured server that offers a tool); a child at most its
+-- parent's (asking for one outside them is refused); sandbox_research and its children none
+-- (its open egress must not meet host data); a script or create node passes its parent's set
+-- on (a root's: all) without being offered any itself.
+local function host_mcp_set(kind, args, parent)
+  if kind == "research" then return json.array() end
+  local want = kind == "agent" and type(args) == "table" and args.host_mcp or nil
+  if not host_servers then
+    if type(want) == "table" and want[1] ~= nil then
+      fail(("host_mcp[1]: no host MCP server is named %q (none is served here)"):format(tostring(want[1])))
+    end
+    return json.array()
+  end
+  local names, err = host_servers.servers_for({ host_mcp = want, parent = parent and (parent.host_mcp or {}) or nil })
+  if not names then fail(err) end
+  return json.array({ table.unpack(names) })
+end
+
+-- What the agent's wiring and context file get of the node's host MCP servers: one entry per
+-- offered server {name, url, timeout_ms, tools = {{name, description}} | nil, error}. The
+-- listings (in parallel) start the upstreams (they are used next anyway); one that fails is
+-- still wired, and the context says why its tools are not known.
+host_offer = function(n)
+  local out = json.array()
+  if n.kind ~= "agent" then return out end
+  local tasks = {}
+  local hs = host_servers
+  if not hs then return out end
+  for i, name in ipairs(n.host_mcp or {}) do
+    out[i] = { name = name, url = tree.host_mcp_url(name), timeout_ms = hs.call_timeout_ms(name) }
+    tasks[i] = async.spawn("host MCP listing: " .. name, hs.list_tools, name)
+  end
+  local _ <close> = closer(function() for _, t in ipairs(tasks) do async.cancel(t, "the plan ended") end end)
+  for i, t in ipairs(tasks) do
+    local ok, list, err = t:wait()
+    if ok and list then
+      local e = {}
+      for _, x in ipairs(list) do e[#e + 1] = { name = x.name, description = x.description } end
+      out[i].tools = e
+    else
+      out[i].error = tostring(ok and err or list)
+    end
+  end
+  return out
 end
 
 local function new_node(o, kind)
@@ -221,6 +305,8 @@ function tree.plan(ctx, o, args)
   local spawn = type(ctx) == "table" and ctx.spawn or nil
   if not kind then return end
   args = args or o.args
+  -- checked before anything is recorded: a bad host_mcp leaves no node behind
+  local host_set = has_endpoint(kind, args) and host_mcp_set(kind, args, spawn and must(spawn.parent) or nil) or nil
   local n
   if spawn then
     local parent = must(spawn.parent)
@@ -272,6 +358,7 @@ function tree.plan(ctx, o, args)
     n.inputs = copy_inputs(o.mounts)
     n.workspace, n.owns_workspace = new_workspace(n.run_id), true
   end
+  n.host_mcp = host_set
   store.put(n)
   m(n.run_id)
   o.tree = n.run_id

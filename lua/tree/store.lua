@@ -43,6 +43,8 @@ local fail = errors.raise
 ---@field workspace string|nil  the host folder that is its /workspace
 ---@field owns_workspace boolean|nil  it made that folder (removed when it ends)
 ---@field endpoint table|nil    {token, socket}
+---@field host_mcp string[]|nil  the host MCP servers of its subtree (lua/hostmcp): an agent node is
+---   offered them; a child gets at most these. nil or empty: none
 ---@field children table[]      {name, run_id|nil} in spawn order; a name is never reused
 ---@field cost_usd number       its own model spend
 ---@field usage table|nil       its own tokens: {models = {model = {requests, input, output, cache_creation,
@@ -107,6 +109,11 @@ function store.get(run_id)
   n.inputs = type(n.inputs) == "table" and n.inputs or {}
   json.array(n.inputs)
   if n.members then json.array(n.members) end
+  local hm = json.array()
+  for _, x in ipairs(type(n.host_mcp) == "table" and n.host_mcp or {}) do
+    if type(x) == "string" then hm[#hm + 1] = x end
+  end
+  n.host_mcp = hm
   n.cost_usd = tonumber(n.cost_usd) or 0
   cache[run_id] = n
   return n

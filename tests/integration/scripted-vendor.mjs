@@ -5,7 +5,8 @@
 // An agent's prompt names its plan (PLAN:<id>; the first one in a request's history is the
 // agent's own, since a prompt it writes for a child comes later). A plan is a list of steps:
 //   {tool, args(ctx)}  call a tool of the in-sandbox `demesne` MCP server (Claude Code's
-//                      mcp__demesne__<tool>, Codex's mcp__demesne namespace or code mode)
+//                      mcp__demesne__<tool>, Codex's mcp__demesne namespace or code mode),
+//                      or, with `server`, of that MCP server (a host MCP server's)
 //   {shell}            run a shell command with the CLI's own shell tool (a string, or ctx => string)
 //   {final}            end the turn with this answer
 // and any step may have `id` (for ctx.result(id) and ctx.job(id)), `again(text, ctx)` (repeat
@@ -75,7 +76,7 @@ export async function startVendor({ secret }) {
     const c = ctx(results[results.length - 1]);
     const s = p.steps[pc] || { final: "done" };
     const step = { index: pc, id: s.id, final: s.final };
-    if (s.tool) { step.tool = s.tool; step.args = s.args ? s.args(c) : {}; }
+    if (s.tool) { step.tool = s.tool; step.server = s.server || "demesne"; step.args = s.args ? s.args(c) : {}; }
     if (s.shell !== undefined) step.shell = typeof s.shell === "function" ? s.shell(c) : s.shell;
     return step;
   }
@@ -86,9 +87,10 @@ export async function startVendor({ secret }) {
   }
 
   // The step for this request of plan p, recorded; null when the plan threw (answered as text).
-  function take(p, results, offered) {
+  function take(p, results, offered, body) {
     p.results = results;
     p.offered = offered;
+    p.body = body; // the last request, as the CLI sent it
     let step;
     try {
       step = nextStep(p, results);
@@ -101,13 +103,13 @@ export async function startVendor({ secret }) {
     return { step, usage: { input: p.tokens.input + n, output: p.tokens.output + n } };
   }
 
-  function toolName(tools, want) {
+  function toolName(tools, want, server = "demesne") {
     for (const t of tools || []) {
-      if (t?.type === "namespace" && /demesne/.test(t.name) && (t.tools || []).some((x) => x.name === want)) {
+      if (t?.type === "namespace" && t.name.includes(server) && (t.tools || []).some((x) => x.name === want)) {
         return { name: want, namespace: t.name };
       }
     }
-    const name = (tools || []).map((t) => t?.name).find((n) => n === `mcp__demesne__${want}`);
+    const name = (tools || []).map((t) => t?.name).find((n) => n === `mcp__${server}__${want}`);
     return name ? { name } : null;
   }
   const offeredNames = (tools) => (tools || []).flatMap((t) => (t?.type === "namespace"
@@ -125,12 +127,12 @@ export async function startVendor({ secret }) {
         if (m.role !== "user" || !Array.isArray(m.content)) continue;
         for (const b of m.content) if (b.type === "tool_result") results.push(textOf(b.content));
       }
-      const t = take(p, results, offeredNames(body.tools));
+      const t = take(p, results, offeredNames(body.tools), body);
       usage = t.usage;
       const { step } = t;
       const id = "toolu_" + randomBytes(6).toString("hex");
       if (step.tool) {
-        const name = toolName(body.tools, step.tool)?.name || `missing__${step.tool}`;
+        const name = toolName(body.tools, step.tool, step.server)?.name || `missing__${step.tool}`;
         blocks = [{ type: "tool_use", id, name, input: step.args }];
         stop = "tool_use";
       } else if (step.shell !== undefined) {
@@ -168,7 +170,8 @@ export async function startVendor({ secret }) {
   }
 
   // Codex offers tools at the top level (MCP servers as a namespace) or, in code mode, inside
-  // an `additional_tools` input item whose `exec` tool runs JavaScript with the tools on `tools`.
+  // an `additional_tools` input item whose `exec` tool runs JavaScript with the tools on `tools`
+  // (a name with characters other than letters, digits and `_` is found as Codex spells it).
   function codexTools(body) {
     const extra = (body.input || []).filter((i) => i?.type === "additional_tools").flatMap((i) => i.tools || []);
     return [...(body.tools || []), ...extra];
@@ -187,15 +190,17 @@ export async function startVendor({ secret }) {
       const tools = codexTools(body);
       const results = input.filter((i) => typeof i?.type === "string" && i.type.endsWith("_output") && i.call_id)
         .map((i) => textOf(i.output));
-      const t = take(p, results, offeredNames(tools));
+      const t = take(p, results, offeredNames(tools), body);
       usage = t.usage;
       const { step } = t;
       if (step.tool && codeMode(tools)) {
         item = { type: "custom_tool_call", id: "ctc_" + randomBytes(6).toString("hex"), call_id: callId(), name: "exec",
-          input: `// @exec: {"yield_time_ms": 300000}\nconst r = await tools.mcp__demesne__${step.tool}(${JSON.stringify(step.args)});\n`
+          input: `// @exec: {"yield_time_ms": 300000}\nconst want = ${JSON.stringify(`mcp__${step.server}__${step.tool}`)}.replace(/[^A-Za-z0-9_]/g, "_");\n`
+            + "const name = [...Object.keys(tools), ...ALL_TOOLS.map((t) => t.name)].find((n) => n.replace(/[^A-Za-z0-9_]/g, \"_\") === want) || want;\n"
+            + `const r = await tools[name](${JSON.stringify(step.args)});\n`
             + "text(JSON.stringify(r));\n" };
       } else if (step.tool) {
-        const tn = toolName(tools, step.tool) || { name: `missing__${step.tool}` };
+        const tn = toolName(tools, step.tool, step.server) || { name: `missing__${step.tool}` };
         item = { type: "function_call", id: "fc_" + randomBytes(6).toString("hex"), call_id: callId(), name: tn.name,
           ...(tn.namespace ? { namespace: tn.namespace } : {}), arguments: JSON.stringify(step.args) };
       } else if (step.shell !== undefined) {

@@ -120,4 +120,45 @@ function tests.the_context_file_tells_the_tools_the_habits_and_the_limits(t)
   t:match(context.text(free, { prompt = "p" }), "No budget is set")
 end
 
+-- Host MCP servers on the plan (o.host_mcp, as lua/tree's plan hook leaves it): one MCP
+-- server each, on the run's endpoint and token, with the upstream's bound plus 15 s; the
+-- context file lists each with its tools.
+local HOST = {
+  { name = "notes", url = "http://127.0.0.1:3130/mcp/host/notes", timeout_ms = 120000,
+    tools = { { name = "search", description = "Searches the notes\nsecond line" }, { name = "read" } } },
+  { name = "tracker", url = "http://127.0.0.1:3130/mcp/host/tracker", timeout_ms = 7000,
+    error = "cannot start tracker-mcp: no such file" },
+}
+
+function tests.host_mcp_servers_are_wired_next_to_demesne_and_listed_in_the_context(t)
+  local o = plan("claude_code", ENDPOINT)
+  o.host_mcp = HOST
+  local files = agent.wire(o)
+  t:eq(#o.run.mcp_servers, 3)
+  t:eq(o.run.mcp_servers[2], { name = "notes", url = "http://127.0.0.1:3130/mcp/host/notes", token = "feedc0de",
+    token_env = "DEMESNE_MCP_TOKEN", tool_timeout_ms = 135000, startup_timeout_ms = 60000 })
+  t:eq(o.run.mcp_servers[3].tool_timeout_ms, 22000, "the server's own bound plus 15 s")
+  local conf = json.decode(files["mcp.json"])
+  t:eq(conf.mcpServers.notes.url, "http://127.0.0.1:3130/mcp/host/notes")
+  t:eq(conf.mcpServers.notes.headers.Authorization, "Bearer feedc0de", "the run's token")
+  t:eq(conf.mcpServers.tracker.timeout, 22000)
+  local text = context.text(o, { prompt = "do it" })
+  t:match(text, "## Host tools")
+  t:match(text, "%- `notes`: 2 tools\n  %- `search`: Searches the notes\n  %- `read`\n")
+  t:match(text, "%- `tracker`: its tools could not be listed when you started %(cannot start tracker%-mcp")
+  t:match(text, "do not appear in your container")
+  local c = plan("codex", ENDPOINT)
+  c.host_mcp = HOST
+  agent.wire(c)
+  t:match(c.wrapper, "%[mcp_servers%.notes%]\nurl = \"http://127%.0%.0%.1:3130/mcp/host/notes\"")
+  t:match(c.wrapper, "%[mcp_servers%.tracker%][^%[]*tool_timeout_sec = 22")
+  -- a host server may never take demesne's place
+  local d = plan("claude_code", ENDPOINT)
+  d.host_mcp = { { name = "demesne", url = "http://127.0.0.1:3130/mcp/host/demesne", timeout_ms = 1000 } }
+  agent.wire(d)
+  t:eq(#d.run.mcp_servers, 1)
+  t:eq(d.run.mcp_servers[1].url, "http://127.0.0.1:3130/mcp")
+  t:eq(context.text(d, { prompt = "x" }):find("## Host tools", 1, true), nil)
+end
+
 return tests

@@ -135,4 +135,82 @@ function tests.sessions_capped_v6_listener_and_clean_stop(t)
   end)
 end
 
+-- Routes (the in-sandbox endpoint's /mcp/host/<server>): a path other than /mcp is served
+-- only when `routes` gives it a registry; its sessions belong to it; a registry with
+-- list_changed announces it, and handle.notify reaches the route's open GET streams only.
+function tests.routes_serve_their_own_registry_sessions_and_list_changed(t)
+  local d <close> = tmpdir()
+  with_env({ DEMESNE_STATE_DIR = d.path .. "/state", DEMESNE_HTTP_TOKEN = "lua-test-token-0123456789" }, function()
+    local other = tools.registry()
+    other:add({ name = "other_tool", description = "of the other route", inputSchema = { type = "object" },
+      run = function() return "from the other route" end })
+    other.list_changed = true
+    local asked = {}
+    local h = assert(http.start({ addrs = { "127.0.0.1:0" }, registry = registry(),
+      routes = function(path, listener)
+        asked[#asked + 1] = listener
+        if path == "/mcp/host/other" then
+          return { registry = other, options = { instructions = "other's", tools_only = true } }
+        end
+      end }))
+    local streams = {}
+    -- whatever fails below, nothing is left open
+    local _ <close> = setmetatable({}, { __close = function()
+      for _, s in ipairs(streams) do s:cancel() end
+      h.stop(2000)
+    end })
+    local base = h.urls[1]
+    local tok = "lua-test-token-0123456789"
+    local init = { jsonrpc = "2.0", id = 1, method = "initialize",
+      params = { protocolVersion = "2025-06-18", capabilities = {}, clientInfo = { name = "lua", version = "1" } } }
+    t:eq(post(base .. "/host/nosuch", tok, init).status, 404, "a path no route serves")
+    local r = post(base .. "/host/other", tok, init)
+    t:eq(r.status, 200)
+    local res = json.decode(r.body).result
+    t:eq(res.capabilities.tools.listChanged, true, "the route's registry announces list_changed")
+    t:eq(res.instructions, "other's")
+    t:eq(res.capabilities.resources, nil, "tools_only: no resources")
+    t:eq(asked[1], "host", "routes hears the listener")
+    local sid = r.headers["mcp-session-id"]
+    local main = post(base, tok, init)
+    t:eq(json.decode(main.body).result.capabilities.tools.listChanged, false, "/mcp is unchanged")
+    local msid = main.headers["mcp-session-id"]
+    local v = { ["MCP-Protocol-Version"] = "2025-06-18", ["Mcp-Session-Id"] = sid }
+    post(base .. "/host/other", tok, { jsonrpc = "2.0", method = "notifications/initialized" }, v)
+    local list = json.decode(post(base .. "/host/other", tok, { jsonrpc = "2.0", id = 2, method = "tools/list" }, v).body)
+    t:eq(json.decode(post(base .. "/host/other", tok, { jsonrpc = "2.0", id = 5, method = "resources/list" }, v).body)
+      .error.code, -32601, "resources/list is not found on a tools_only route")
+    t:eq(#list.result.tools, 1)
+    t:eq(list.result.tools[1].name, "other_tool", "the route's own registry")
+    t:eq(post(base, tok, { jsonrpc = "2.0", id = 3, method = "tools/list" }, v).status, 404,
+      "a session of the route is not found on /mcp")
+    t:eq(post(base .. "/host/other", tok, { jsonrpc = "2.0", id = 4, method = "tools/list" },
+      { ["MCP-Protocol-Version"] = "2025-06-18", ["Mcp-Session-Id"] = msid }).status, 404,
+      "and a session of /mcp is not found on the route")
+    t:eq(h.notify(function() return true end, "notifications/tools/list_changed"), 0, "no GET stream open: none")
+    -- the route's GET stream gets list_changed; /mcp's session (also with a stream) does not
+    local got, heads = { other = "", main = "" }, 0
+    local function stream(url, id, key)
+      streams[#streams + 1] = assert(curl.request({ url = url, headers = { Accept = "text/event-stream",
+        Authorization = "Bearer " .. tok, ["Mcp-Session-Id"] = id, ["MCP-Protocol-Version"] = "2025-06-18" },
+        on_headers = function() heads = heads + 1 end,
+        on_data = function(c) got[key] = got[key] .. c end }, function() end))
+    end
+    stream(base .. "/host/other", sid, "other")
+    stream(base, msid, "main")
+    local deadline = loop.now() + 5000
+    while heads < 2 and loop.now() < deadline do async.sleep(20) end
+    async.sleep(100) -- the server has taken both streams once their heads are out
+    t:eq(h.notify(function(_, path) return path == "/mcp/host/other" end, "notifications/tools/list_changed"), 1,
+      "one session: the route's")
+    deadline = loop.now() + 5000
+    while not got.other:find("list_changed", 1, true) and loop.now() < deadline do async.sleep(20) end
+    local data = got.other:match("data: ([^\n]+)")
+    t:eq(data and json.decode(data), { jsonrpc = "2.0", method = "notifications/tools/list_changed" },
+      "the route's stream got it")
+    async.sleep(100)
+    t:eq(got.main:find("list_changed", 1, true), nil, "/mcp's stream did not")
+  end)
+end
+
 return tests

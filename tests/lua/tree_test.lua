@@ -9,6 +9,7 @@ local config = require("demesne.config")
 local engines = require("demesne.engines")
 local sandbox = require("demesne.sandbox")
 local tree = require("demesne.tree")
+local hostmcp = require("demesne.hostmcp")
 local child = require("demesne.tree.child")
 local tools = require("demesne.tools")
 local fs = require("core.fs")
@@ -334,6 +335,72 @@ function tests.a_planted_child_folder_is_refused(t)
   t:match(failure(spawn, r.sandbox_id, "script", { name = "evil", command = "true", image = IMAGE }),
     "cannot make the child's output folder .*something is already there")
   t:eq(fs.readdir(w.dir .. "/elsewhere"), {}, "nothing was written through the link")
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+end
+
+-- An agent run's plan as agent.prepare makes it (only what tree.plan reads).
+local function agent_plan(w, tool, id, args)
+  local out = w.dir .. "/out/" .. id
+  return { tool = tool, run_id = id, output_dir = out, run_dir = w.dir .. "/state/runs/" .. id, mounts = {},
+    egress = { name = tool == "sandbox_research" and "open" or "none" }, args = args }
+end
+
+-- Writes config.lua with host MCP servers that cannot start (/bin/false): tree.plan's sets
+-- and their refusals need no upstream; the context lists them as not listed.
+local function with_host_servers(w)
+  assert(fs.write_atomic(w.dir .. "/config/demesne/config.lua", [[
+return { host_mcp = {
+  alpha = { command = "/bin/false", tools = { "a" } },
+  beta = { command = "/bin/false", tools = "*", timeout_seconds = 7 },
+} }
+]]))
+  config.load()
+  hostmcp.shutdown()
+  tree.set_host_mcp(hostmcp) -- as the in-sandbox endpoint installs it
+end
+
+function tests.host_mcp_sets_default_narrow_inherit_and_are_refused_beyond_the_parent(t)
+  local w <close> = world()
+  with_host_servers(w)
+  local _ <close> = setmetatable({}, { __close = function() tree.set_host_mcp(nil) hostmcp.shutdown() end })
+  -- a host call of sandbox_agent: every configured server by default
+  local o = agent_plan(w, "sandbox_agent", "20260101T000000Z-aaaaaaaa", {})
+  tree.plan(nil, o, o.args)
+  local n = tree.get(o.run_id)
+  t:eq(n.host_mcp, { "alpha", "beta" }, "default: all configured")
+  t:eq({ #o.host_mcp, o.host_mcp[1].name, o.host_mcp[1].url }, { 2, "alpha", "http://127.0.0.1:3130/mcp/host/alpha" })
+  t:eq(o.host_mcp[2].timeout_ms, 7000, "the server's own call bound")
+  t:ok(o.host_mcp[1].error, "a server that cannot start is still wired; the context says why")
+  t:eq({ tree.offers_host_mcp(o.run_id, "alpha"), tree.offers_host_mcp(o.run_id, "gamma") }, { true, false })
+  -- narrowed, and an unknown name refused naming the field
+  local o2 = agent_plan(w, "sandbox_agent", "20260101T000000Z-bbbbbbbb", { host_mcp = { "beta" } })
+  tree.plan(nil, o2, o2.args)
+  t:eq(tree.get(o2.run_id).host_mcp, { "beta" })
+  local o3 = agent_plan(w, "sandbox_agent", "20260101T000000Z-cccccccc", { host_mcp = { "beta", "nosuch" } })
+  t:match(failure(tree.plan, nil, o3, o3.args), 'host_mcp%[2%]: no host MCP server is named "nosuch"')
+  t:eq(tree.get(o3.run_id), nil, "a refused plan leaves no node")
+  -- research gets none; a script root passes all on without being offered any
+  local o4 = agent_plan(w, "sandbox_research", "20260101T000000Z-dddddddd", {})
+  tree.plan(nil, o4, o4.args)
+  t:eq(tree.get(o4.run_id).host_mcp, {}, "research: none (open egress must not meet host data)")
+  t:eq(o4.host_mcp, {})
+  local r = root(w)
+  t:eq(tree.get(r.sandbox_id).host_mcp, { "alpha", "beta" })
+  t:eq(tree.offers_host_mcp(r.sandbox_id, "alpha"), false, "only agent runs are offered host servers")
+  -- children of the narrowed agent: the parent's set by default, never more
+  local function agent_child(name, args)
+    return spawn(o2.run_id, "agent", args, function(c, a)
+      local co = agent_plan(w, "sandbox_agent", "20260101T000000Z-" .. name, a)
+      tree.plan(c, co, a)
+      return { exit_code = 0, run_id = co.run_id }
+    end)
+  end
+  local inherited = agent_child("e0000001", { name = "kid", prompt = "x" })
+  t:eq(tree.get(inherited.run_id).host_mcp, { "beta" }, "a child inherits its parent's set")
+  local e = failure(agent_child, "e0000002", { name = "greedy", prompt = "x", host_mcp = { "alpha" } })
+  t:match(e, "host_mcp%[1%]: host MCP server alpha is not offered to the parent run, so not to its children")
+  local none = agent_child("e0000003", { name = "none", prompt = "x", host_mcp = {} })
+  t:eq(tree.get(none.run_id).host_mcp, {}, "[] = none")
   sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
 end
 
