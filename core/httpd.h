@@ -17,14 +17,24 @@
  *   - Content-Length over max_body: 413 at once (a chunked body: as soon as it crosses it).
  * Refusals close the connection. The token is never logged or echoed.
  *
+ * Body bytes being read are bounded for the whole server too: when max_buffered is set, the
+ * body bytes its connections hold (read and not yet handed to on_request) never pass it; the
+ * request whose bytes would is answered 503 (max_buffered_why) and its connection closed.
+ *
  * Callback contract (dm_httpd_handler):
+ *  - on_head (optional) is called once per request, from the loop, when its head is complete
+ *    and passed the listener's checks, before any byte of its body is read: `req` has no
+ *    body yet (body "" and body_len 0; content_length says what is announced). The owner
+ *    may refuse it there with dm_httpd_respond() (the connection closes after the answer
+ *    and the body is never kept) or dm_httpd_conn_close(); when it does neither, the body is
+ *    read and on_request follows. A streamed answer cannot start from on_head;
  *  - on_request is called once per complete request, from the loop, with the connection
  *    busy: the owner answers with dm_httpd_respond() or dm_httpd_stream_start() + _write()
  *    + _end(), at once or later. Bytes the client sends meanwhile (a pipelined request) are
  *    held (up to max_head) and parsed after the answer ends;
  *  - on_drain is called from the loop after dm_httpd_want_drain() once the bytes queued on
  *    the connection fall to max_output / 8 or less;
- *  - on_close is called exactly once for every connection that reached on_request, from
+ *  - on_close is called exactly once for every connection that reached on_head or on_request, from
  *    the loop, after its handles are closed; the connection is freed when it returns.
  *    `why` is NULL after an orderly end, else a short reason ("client closed", "slow
  *    reader", "server closing", "timeout");
@@ -50,7 +60,8 @@ typedef struct dm_httpd_header {
   size_t value_len;
 } dm_httpd_header;
 
-/// A complete request, valid during on_request only (copy what you keep).
+/// A request, valid during on_head / on_request only (copy what you keep); in on_head its
+/// body is not read yet.
 typedef struct dm_httpd_request {
   const char *method; ///< "GET", "POST"… (NUL-terminated)
   const char *target; ///< the request target as sent ("/mcp?x=1"), NUL-terminated
@@ -61,6 +72,7 @@ typedef struct dm_httpd_request {
   size_t body_len;
   const char *listener; ///< the tag of the listener the connection arrived on
   int keep_alive;       ///< 1 when the connection stays open after the answer
+  long long content_length; ///< the announced body length in bytes (0: none), -1 for a chunked body
 } dm_httpd_request;
 
 /// Owner callbacks; `ud` is the pointer given to dm_httpd_new().
@@ -69,6 +81,7 @@ typedef struct dm_httpd_handler {
   void (*on_drain)(void *ud, dm_httpd_conn *c);
   void (*on_close)(void *ud, dm_httpd_conn *c, const char *why);
   void (*on_closed)(void *ud);
+  void (*on_head)(void *ud, dm_httpd_conn *c, const dm_httpd_request *head); ///< optional, see above
 } dm_httpd_handler;
 
 /// Server settings; 0 picks the default. Copied by dm_httpd_new().
@@ -82,6 +95,10 @@ typedef struct dm_httpd_opts {
   const char *error_body;      ///< body of the server's own refusals: a printf format with one %s (the
                                ///< reason, plain ASCII without quotes); default "%s\n"
   const char *error_type;      ///< Content-Type of those bodies; default "text/plain; charset=utf-8"
+  size_t max_buffered;         ///< body bytes all connections may hold while being read (503 above); 0: no cap
+                               ///< but max_body per connection
+  const char *max_buffered_why; ///< the reason in that 503 (plain ASCII without quotes); default
+                                ///< "the server holds too many request body bytes at once"
 } dm_httpd_opts;
 
 /// Settings of one listener. Strings are copied.
@@ -124,9 +141,14 @@ void dm_httpd_close(dm_httpd *s);
 /// Connections open now.
 size_t dm_httpd_connections(const dm_httpd *s);
 
+/// Request body bytes held now while being read (all connections; what max_buffered bounds).
+size_t dm_httpd_buffered(const dm_httpd *s);
+
 /// Answers the request in progress with a whole response. `headers` must not include
-/// Content-Length, Transfer-Encoding or Connection (the server sets them). Returns 0, or
-/// -1 when the connection has no request waiting (closed, or already answered).
+/// Content-Length, Transfer-Encoding or Connection (the server sets them). From on_head it
+/// refuses the request before its body is read: the connection closes after the answer.
+/// Returns 0, or -1 when the connection has no request waiting (closed, or already
+/// answered), -2 for a header it may not carry.
 int dm_httpd_respond(dm_httpd_conn *c, int status, const dm_httpd_header *headers, size_t n, const char *body,
                      size_t len);
 
