@@ -1355,8 +1355,8 @@ dm_httpd *dm_httpd_new(uv_loop_t *loop, const dm_httpd_opts *opts, const dm_http
   if (!s->o.idle_timeout_ms) s->o.idle_timeout_ms = 120000;
   s->error_body = dupstr(s->o.error_body ? s->o.error_body : "%s\n");
   s->error_type = dupstr(s->o.error_type ? s->o.error_type : "text/plain; charset=utf-8");
-  s->busy_why = dupstr(s->o.max_buffered_why ? s->o.max_buffered_why
-                                             : "the server holds too many request body bytes at once");
+  s->busy_why =
+    dupstr(s->o.max_buffered_why ? s->o.max_buffered_why : "the server holds too many request body bytes at once");
   s->o.error_body = s->o.error_type = s->o.max_buffered_why = NULL;
   if (handler) s->cb = *handler;
   s->ud = ud;

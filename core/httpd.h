@@ -70,8 +70,8 @@ typedef struct dm_httpd_request {
   size_t nheaders;
   const char *body; ///< the whole body (chunked bodies decoded); "" when none
   size_t body_len;
-  const char *listener; ///< the tag of the listener the connection arrived on
-  int keep_alive;       ///< 1 when the connection stays open after the answer
+  const char *listener;     ///< the tag of the listener the connection arrived on
+  int keep_alive;           ///< 1 when the connection stays open after the answer
   long long content_length; ///< the announced body length in bytes (0: none), -1 for a chunked body
 } dm_httpd_request;
 
@@ -86,17 +86,17 @@ typedef struct dm_httpd_handler {
 
 /// Server settings; 0 picks the default. Copied by dm_httpd_new().
 typedef struct dm_httpd_opts {
-  size_t max_body;             ///< largest request body in bytes (413 above); default 4 MiB
-  size_t max_head;             ///< largest request head in bytes (431 above); default 64 KiB
-  size_t max_output;           ///< bytes queued on one connection before it is cut as a slow reader; default 16 MiB
-  size_t max_conns;            ///< connections at once (503 above); default 1024
-  unsigned request_timeout_ms; ///< a request must arrive whole within this, from its first byte (408); default 30000
-  unsigned idle_timeout_ms;    ///< an idle keep-alive connection is closed after this; default 120000
-  const char *error_body;      ///< body of the server's own refusals: a printf format with one %s (the
-                               ///< reason, plain ASCII without quotes); default "%s\n"
-  const char *error_type;      ///< Content-Type of those bodies; default "text/plain; charset=utf-8"
-  size_t max_buffered;         ///< body bytes all connections may hold while being read (503 above); 0: no cap
-                               ///< but max_body per connection
+  size_t max_body;              ///< largest request body in bytes (413 above); default 4 MiB
+  size_t max_head;              ///< largest request head in bytes (431 above); default 64 KiB
+  size_t max_output;            ///< bytes queued on one connection before it is cut as a slow reader; default 16 MiB
+  size_t max_conns;             ///< connections at once (503 above); default 1024
+  unsigned request_timeout_ms;  ///< a request must arrive whole within this, from its first byte (408); default 30000
+  unsigned idle_timeout_ms;     ///< an idle keep-alive connection is closed after this; default 120000
+  const char *error_body;       ///< body of the server's own refusals: a printf format with one %s (the
+                                ///< reason, plain ASCII without quotes); default "%s\n"
+  const char *error_type;       ///< Content-Type of those bodies; default "text/plain; charset=utf-8"
+  size_t max_buffered;          ///< body bytes all connections may hold while being read (503 above); 0: no cap
+                                ///< but max_body per connection
   const char *max_buffered_why; ///< the reason in that 503 (plain ASCII without quotes); default
                                 ///< "the server holds too many request body bytes at once"
 } dm_httpd_opts;

@@ -502,7 +502,8 @@ static void test_on_head(void) {
   }
   CHECK(closes == closes_before + 1, "on_close once for the refused connection: %d", closes - closes_before);
   /* a head let through: the body is read and on_request follows */
-  x = (exchange_t){.send = "POST /ok HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10\r\nConnection: close\r\n\r\n0123456789"};
+  x = (exchange_t){
+    .send = "POST /ok HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10\r\nConnection: close\r\n\r\n0123456789"};
   exchange(&x);
   CHECK(strstr(x.got, "HTTP/1.1 200 OK") && !strcmp(last_body, "0123456789") && last_clen == 10 && heads == 2 &&
           requests == 1,
