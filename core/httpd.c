@@ -218,6 +218,7 @@ static void maybe_free_server(dm_httpd *s) {
 /* The connection's body bytes no longer count against max_buffered (handed over or dropped). */
 static void uncount(dm_httpd_conn *c) {
   c->s->buffered -= c->counted;
+  if (c->s->o.pool) c->s->o.pool->used -= c->counted;
   c->counted = 0;
 }
 
@@ -809,6 +810,13 @@ static int on_body(llhttp_t *p, const char *at, size_t len) {
     c->refuse_why = s->busy_why;
     return -1;
   }
+  dm_httpd_pool *pool = s->o.pool;
+  if (pool && pool->max && pool->used + len > pool->max) {
+    c->refused = 1;
+    c->refuse_status = 503;
+    c->refuse_why = pool->why[0] ? pool->why : s->busy_why;
+    return -1;
+  }
   if (c->body_len + len > c->s->o.max_body) {
     c->refused = 1;
     c->refuse_status = 413;
@@ -832,6 +840,7 @@ static int on_body(llhttp_t *p, const char *at, size_t len) {
   c->body_len += len;
   c->counted += len;
   s->buffered += len;
+  if (pool) pool->used += len;
   return 0;
 }
 

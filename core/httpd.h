@@ -19,7 +19,8 @@
  *
  * Body bytes being read are bounded for the whole server too: when max_buffered is set, the
  * body bytes its connections hold (read and not yet handed to on_request) never pass it; the
- * request whose bytes would is answered 503 (max_buffered_why) and its connection closed.
+ * request whose bytes would is answered 503 (max_buffered_why) and its connection closed; a
+ * pool (dm_httpd_pool) bounds them the same way across several servers.
  *
  * Callback contract (dm_httpd_handler):
  *  - on_head (optional) is called once per request, from the loop, when its head is complete
@@ -84,6 +85,15 @@ typedef struct dm_httpd_handler {
   void (*on_head)(void *ud, dm_httpd_conn *c, const dm_httpd_request *head); ///< optional, see above
 } dm_httpd_handler;
 
+/// A budget of request body bytes being read, shared by several servers (the caller's: it
+/// must outlive them). The request whose bytes would take `used` past `max` (0: no cap) is
+/// answered 503 with `why` (plain ASCII without quotes; default as max_buffered_why).
+typedef struct dm_httpd_pool {
+  size_t used; ///< body bytes the servers' connections hold now while reading them
+  size_t max;
+  char why[512];
+} dm_httpd_pool;
+
 /// Server settings; 0 picks the default. Copied by dm_httpd_new().
 typedef struct dm_httpd_opts {
   size_t max_body;              ///< largest request body in bytes (413 above); default 4 MiB
@@ -99,6 +109,7 @@ typedef struct dm_httpd_opts {
                                 ///< but max_body per connection
   const char *max_buffered_why; ///< the reason in that 503 (plain ASCII without quotes); default
                                 ///< "the server holds too many request body bytes at once"
+  dm_httpd_pool *pool;          ///< a budget shared with other servers, checked beside max_buffered; NULL: none
 } dm_httpd_opts;
 
 /// Settings of one listener. Strings are copied.

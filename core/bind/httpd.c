@@ -11,11 +11,12 @@
 
 #define SERVER_MT "core.httpd.server"
 #define CONN_MT "core.httpd.conn"
+#define POOL_MT "core.httpd.pool"
 
 /* Owned by the engine's lifetime, not by the userdata: freed in on_closed. */
 typedef struct lserver {
   dm_httpd *s;
-  int req_ref, close_ref, closed_ref, self_ref, head_ref;
+  int req_ref, close_ref, closed_ref, self_ref, head_ref, pool_ref;
   int closed;
 } lserver;
 
@@ -173,6 +174,7 @@ static void on_closed(void *ud) {
   dm_unref(L, &ls->closed_ref);
   dm_unref(L, &ls->self_ref);
   dm_unref(L, &ls->head_ref);
+  dm_unref(L, &ls->pool_ref); /* the server is gone: it no longer uses the pool */
   dm_handle_count(-1);
   free(ls);
 }
@@ -191,7 +193,8 @@ static lua_Integer opt_int(lua_State *L, int t, const char *k, lua_Integer def) 
 /// request_timeout_ms (30000), idle_timeout_ms (120000), error_body (printf format with
 /// one %s for the server's own refusals), error_type (their Content-Type), max_buffered
 /// (body bytes all connections may hold while being read: 503 above; 0 = no cap),
-/// max_buffered_why (the reason in that 503).
+/// max_buffered_why (the reason in that 503), pool (a core.httpd.pool shared with other
+/// servers, checked beside max_buffered).
 /// on_request(conn, req) for every complete request: req = {method, target, version
 /// ("1.1"), headers = {lowercased name = value, repeats joined with ", "}, body, listener
 /// (the listener's tag), keep_alive, content_length, chunked}. on_head(conn, head), when
@@ -217,6 +220,9 @@ static int l_new(lua_State *L) {
   lua_getfield(L, 1, "max_buffered_why");
   o.max_buffered_why = lua_isnil(L, -1) ? NULL : luaL_checkstring(L, -1);
   luaL_argcheck(L, !o.max_buffered_why || !strchr(o.max_buffered_why, '"'), 1, "max_buffered_why must hold no quote");
+  lua_getfield(L, 1, "pool");
+  int pool_idx = lua_gettop(L);
+  if (!lua_isnil(L, pool_idx)) o.pool = luaL_checkudata(L, pool_idx, POOL_MT);
   lua_getfield(L, 1, "error_body");
   o.error_body = lua_isnil(L, -1) ? NULL : luaL_checkstring(L, -1);
   lua_getfield(L, 1, "error_type");
@@ -228,10 +234,14 @@ static int l_new(lua_State *L) {
   }
   lserver *ls = calloc(1, sizeof *ls);
   if (!ls) return luaL_error(L, "out of memory");
-  ls->req_ref = ls->close_ref = ls->closed_ref = ls->self_ref = ls->head_ref = LUA_NOREF;
+  ls->req_ref = ls->close_ref = ls->closed_ref = ls->self_ref = ls->head_ref = ls->pool_ref = LUA_NOREF;
   dm_httpd_handler h = {on_request, on_drain, on_close, on_closed, lua_isfunction(L, 4) ? on_head : NULL};
   ls->s = dm_httpd_new(dm_rt.loop, &o, &h, ls);
-  lua_pop(L, 3);
+  if (ls->s && o.pool) {
+    lua_pushvalue(L, pool_idx);
+    ls->pool_ref = dm_ref(L); /* the pool outlives the server */
+  }
+  lua_pop(L, 4);
   if (!ls->s) {
     free(ls);
     return luaL_error(L, "out of memory");
@@ -559,6 +569,42 @@ static int l_token_equal(lua_State *L) {
   return 1;
 }
 
+/// core.httpd.pool(max[, why]) -> pool. A budget of request body bytes being read, shared
+/// by the servers given it (opts.pool): past `max` bytes (0 = no cap) the request whose
+/// bytes would pass it is answered 503 with `why` (the reason, at most 511 bytes, no `"`).
+static int l_pool(lua_State *L) {
+  lua_Integer max = luaL_checkinteger(L, 1);
+  luaL_argcheck(L, max >= 0, 1, "max must be >= 0");
+  size_t wn = 0;
+  const char *why = luaL_optlstring(L, 2, "", &wn);
+  luaL_argcheck(L, wn < sizeof(((dm_httpd_pool *)0)->why) && !strchr(why, '"'), 2,
+                "why must be under 512 bytes with no quote");
+  dm_httpd_pool *p = lua_newuserdatauv(L, sizeof *p, 0);
+  memset(p, 0, sizeof *p);
+  p->max = (size_t)max;
+  memcpy(p->why, why, wn + 1);
+  luaL_setmetatable(L, POOL_MT);
+  return 1;
+}
+
+/// pool:set_max(max) -> nil. Changes the cap (bytes; 0 = none) for the bytes read from now on.
+static int l_pool_set_max(lua_State *L) {
+  dm_httpd_pool *p = luaL_checkudata(L, 1, POOL_MT);
+  lua_Integer max = luaL_checkinteger(L, 2);
+  luaL_argcheck(L, max >= 0, 2, "max must be >= 0");
+  p->max = (size_t)max;
+  return 0;
+}
+
+/// pool:used() -> integer: body bytes the servers sharing the pool hold now while reading.
+static int l_pool_used(lua_State *L) {
+  dm_httpd_pool *p = luaL_checkudata(L, 1, POOL_MT);
+  lua_pushinteger(L, (lua_Integer)p->used);
+  return 1;
+}
+
+static const luaL_Reg pool_methods[] = {{"set_max", l_pool_set_max}, {"used", l_pool_used}, {NULL, NULL}};
+
 static const luaL_Reg server_methods[] = {
   {"listen_tcp", l_listen_tcp},
   {"listen_unix", l_listen_unix},
@@ -573,7 +619,7 @@ static const luaL_Reg conn_methods[] = {
   {"queued", l_queued},     {"drain", l_drain}, {"close", l_conn_close}, {"is_open", l_is_open},
   {"listener", l_listener}, {NULL, NULL},
 };
-static const luaL_Reg funcs[] = {{"new", l_new}, {"token_equal", l_token_equal}, {NULL, NULL}};
+static const luaL_Reg funcs[] = {{"new", l_new}, {"pool", l_pool}, {"token_equal", l_token_equal}, {NULL, NULL}};
 
 int luaopen_core_httpd(lua_State *L) {
   luaL_newmetatable(L, SERVER_MT);
@@ -586,6 +632,10 @@ int luaopen_core_httpd(lua_State *L) {
   lua_pop(L, 1);
   luaL_newmetatable(L, CONN_MT);
   luaL_newlib(L, conn_methods);
+  lua_setfield(L, -2, "__index");
+  lua_pop(L, 1);
+  luaL_newmetatable(L, POOL_MT);
+  luaL_newlib(L, pool_methods);
   lua_setfield(L, -2, "__index");
   lua_pop(L, 1);
   luaL_newlib(L, funcs);

@@ -74,6 +74,10 @@ local Route = {}
 Route.__index = Route
 
 local active = {} -- run_id -> route
+-- Body bytes the servers of every route hold while reading them (core.httpd), within
+-- vendor_max_buffered_bytes_total too: a chunked body is charged (Route:hold) only once read.
+local reading = httpd.pool(0, "the vendor routes of all sandboxes are reading more request body bytes at once than "
+  .. "the server's ceiling (vendor_max_buffered_bytes_total in the demesne configuration); retry later")
 
 -- Rate limits (lua/vendor/rate.lua): the route's methods, and the readers of reset times
 -- callers and tests use through demesne.vendor.
@@ -146,14 +150,15 @@ function vendor.start(o)
   -- by the server itself past IDLE_MARGIN more (each holds descriptors on the host)
   r.max_conns = math.max(1, math.floor(config.get("vendor_max_connections")))
   -- every head is judged before its body is read (Route:on_head); the body bytes the server
-  -- holds while reading them are bounded by the route's ceiling too (a chunked body's size
-  -- is not known at its head)
+  -- holds while reading them are bounded by the route's ceiling, and with every other
+  -- route's by the total (a chunked body's size is not known at its head)
   local route_max = math.max(1, math.floor(config.get("vendor_max_buffered_bytes")))
+  reading:set_max(math.max(1, math.floor(config.get("vendor_max_buffered_bytes_total"))))
   local server = httpd.new({ max_body = MAX_BODY, max_head = MAX_HEAD, request_timeout_ms = REQUEST_TIMEOUT_MS,
       max_conns = r.max_conns + IDLE_MARGIN, error_body = REFUSAL_BODY, error_type = "application/json",
       max_buffered = route_max, max_buffered_why = ("this sandbox's request bodies being read on its vendor route are "
         .. "over its ceiling of %d bytes (vendor_max_buffered_bytes in the demesne configuration); send fewer or "
-        .. "smaller requests at once"):format(route_max) },
+        .. "smaller requests at once"):format(route_max), pool = reading },
     function(conn, req) r:on_request(conn, req) end,
     function(conn) r:on_close(conn) end,
     function(conn, head) r:on_head(conn, head) end)

@@ -536,6 +536,57 @@ static void test_on_head(void) {
   CHECK(uv_loop_close(&loop) == 0, "every handle closed");
 }
 
+/* ---- a pool shared by two servers bounds the body bytes they read together ---- */
+
+static void test_pool(void) {
+  uv_loop_init(&loop);
+  closed = 0;
+  dm_httpd_pool pool = {.max = 1500};
+  snprintf(pool.why, sizeof pool.why, "the pool is full");
+  dm_httpd_opts o = {.max_body = 1 << 20, .pool = &pool};
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed, NULL};
+  srv = dm_httpd_new(&loop, &o, &h, NULL);
+  dm_httpd_handler h2 = {on_request, NULL, on_close, on_closed, NULL};
+  dm_httpd *other = dm_httpd_new(&loop, &o, &h2, NULL);
+  dm_httpd_listen_opts lo = {.tag = "pool"};
+  int port_other = 0;
+  CHECK(dm_httpd_listen_tcp(srv, "127.0.0.1", 0, &lo, &port) == 0, "listen");
+  CHECK(dm_httpd_listen_tcp(other, "127.0.0.1", 0, &lo, &port_other) == 0, "listen other");
+  static char big[4096];
+  int n = snprintf(big, sizeof big,
+                   "POST /p HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: 1000\r\n\r\n");
+  memset(big + n, 'x', 1000);
+  big[n + 1000] = '\0';
+  exchange_t x = {.send = big};
+  exchange(&x);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK"), "under the pool's cap: %s", x.got);
+  CHECK(pool.used == 0, "handed over: %zu", pool.used);
+  n = snprintf(big, sizeof big, "POST /p HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2000\r\n\r\n");
+  memset(big + n, 'x', 2000);
+  big[n + 2000] = '\0';
+  port = port_other;
+  x = (exchange_t){.send = big};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 503 ", 13) && strstr(x.got, "the pool is full"), "over the pool: %s", x.got);
+  for (int i = 0; i < 50 && (dm_httpd_connections(srv) || dm_httpd_connections(other)); i++) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(pool.used == 0, "nothing counted once the connections are gone: %zu", pool.used);
+  dm_httpd_close(srv);
+  while (!closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  closed = 0;
+  dm_httpd_close(other);
+  while (!closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(uv_loop_close(&loop) == 0, "every handle closed");
+}
+
 int main(void) {
   test_token_equal();
   test_exchanges();
@@ -544,6 +595,7 @@ int main(void) {
   test_unlisten();
   test_relay_pending_bound();
   test_on_head();
+  test_pool();
   if (failures) fprintf(stderr, "%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }

@@ -691,13 +691,24 @@ function tests.refusals_come_before_the_body_is_sent(t)
     answer = raw_exchange(base, { head .. "x-api-key: dmsn-good\r\nTransfer-Encoding: chunked\r\n\r\n",
       ("%x\r\n"):format(150000) .. ("x"):rep(150000) .. "\r\n0\r\n\r\n" }, 5000)
     t:match(answer, "^HTTP/1.1 503 ", "a chunked body over the ceiling")
-    t:match(answer, "vendor_max_buffered_bytes")
+    t:match(answer, "vendor_max_buffered_bytes ")
+    -- the bytes being read on every route together are bounded by the total
+    loop.setenv("DEMESNE_VENDOR_MAX_BUFFERED_BYTES_TOTAL", "50000")
+    config.load()
+    local route2, base2, close2 = bare_route(run_id .. "-2")
+    local _c2 <close> = setmetatable({}, { __close = close2 })
+    answer = raw_exchange(base2, { head .. "x-api-key: dmsn-good\r\nTransfer-Encoding: chunked\r\n\r\n",
+      ("%x\r\n"):format(80000) .. ("x"):rep(80000) .. "\r\n0\r\n\r\n" }, 5000)
+    t:match(answer, "^HTTP/1.1 503 ", "a chunked body over the total")
+    t:match(answer, "vendor_max_buffered_bytes_total")
+    t:eq(route2.buffered, 0)
     t:eq(route.buffered, 0, "nothing stays charged")
     t:eq(vendor.buffered(), 0)
   end)
   local lines = fs.read_file(dir .. "/out/usage.jsonl") or ""
   close()
   loop.setenv("DEMESNE_VENDOR_MAX_BUFFERED_BYTES", nil)
+  loop.setenv("DEMESNE_VENDOR_MAX_BUFFERED_BYTES_TOTAL", nil)
   config.load()
   if not ok then error(err, 0) end
   local recs = {}
