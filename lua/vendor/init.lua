@@ -286,8 +286,8 @@ function vendor.buffered() return buffered_total end
 --- vendor_max_buffered_bytes (this route) and vendor_max_buffered_bytes_total (every route):
 --- a Content-Length body is charged at its head, before core.httpd reads it (Route:on_head),
 --- a chunked one once read; it stays in the server's memory until its request ends, a
---- rate-limit hold included. Returns the bytes held (give
---- them back with Route:release), or nil and the sentence for the 503.
+--- rate-limit hold included. Returns the bytes held (give them back with Route:release), or
+--- nil and the sentence for the 503.
 ---@param n integer
 ---@return integer|nil held, string|nil why
 function Route:hold(n)
@@ -371,7 +371,8 @@ end
 --- usage.jsonl lines as before. A Content-Length body is charged whole here against
 --- vendor_max_buffered_bytes and vendor_max_buffered_bytes_total (Route:hold), and refused
 --- 503 when it does not fit; a chunked body is charged once it has arrived (Route:serve),
---- the server keeping the bytes it reads within vendor_max_buffered_bytes meanwhile.
+--- the servers keeping the bytes they read within vendor_max_buffered_bytes (this route's)
+--- and vendor_max_buffered_bytes_total (every route's, one core.httpd.pool) meanwhile.
 ---@param conn userdata  a core.httpd.conn
 ---@param head table     {method, target, headers, content_length, chunked, …} (core.httpd)
 function Route:on_head(conn, head)
