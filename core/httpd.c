@@ -63,7 +63,10 @@ struct dm_httpd_conn {
   uv_timer_t timer;
   int open_handles;
   int state;
-  int handed;      /* reached on_request: on_close is owed */
+  int handed;      /* reached on_head or on_request: on_close is owed */
+  int in_head;     /* inside on_head: dm_httpd_respond refuses the request */
+  long long clen;  /* the request's announced body length, -1 chunked */
+  size_t counted;  /* body bytes of this connection counted in the server's `buffered` */
   const char *why; /* reason given to on_close */
   llhttp_t parser;
   /* the request being parsed: url and header bytes in hb, spans into it */
@@ -101,7 +104,8 @@ struct dm_httpd_conn {
 struct dm_httpd {
   uv_loop_t *loop;
   dm_httpd_opts o;
-  char *error_body, *error_type;
+  char *error_body, *error_type, *busy_why;
+  size_t buffered; /* body bytes read and not yet handed over, all connections (max_buffered) */
   dm_httpd_handler cb;
   void *ud;
   listener *listeners;
@@ -130,6 +134,7 @@ static void process_held(dm_httpd_conn *c);
 static void start_reading(dm_httpd_conn *c);
 static void on_resume(uv_timer_t *t);
 static void linger(dm_httpd_conn *c);
+static void fill_request(dm_httpd_conn *c, dm_httpd_header *hs, char *target, dm_httpd_request *req);
 
 /* ------------------------------------------------------------------------------------ */
 /* Small helpers                                                                          */
@@ -205,14 +210,23 @@ static void maybe_free_server(dm_httpd *s) {
   void *ud = s->ud;
   free(s->error_body);
   free(s->error_type);
+  free(s->busy_why);
   free(s);
   if (on_closed) on_closed(ud);
+}
+
+/* The connection's body bytes no longer count against max_buffered (handed over or dropped). */
+static void uncount(dm_httpd_conn *c) {
+  c->s->buffered -= c->counted;
+  if (c->s->o.pool) c->s->o.pool->used -= c->counted;
+  c->counted = 0;
 }
 
 static void conn_finalize(dm_httpd_conn *c) {
   if (c->open_handles) return;
   dm_httpd *s = c->s;
   listener *l = c->l;
+  uncount(c);
   if (c->handed && s->cb.on_close) s->cb.on_close(s->ud, c, c->why);
   if (c->prev) c->prev->next = c->next;
   else s->conns = c->next;
@@ -408,16 +422,30 @@ static void answer_done(dm_httpd_conn *c) {
 }
 
 int dm_httpd_respond(dm_httpd_conn *c, int status, const dm_httpd_header *hs, size_t n, const char *body, size_t len) {
-  if (c->state != S_BUSY || c->close_after) return -1;
+  /* from on_head: a refusal before the body is read; the connection ends with the answer */
+  int from_head = c->in_head && c->state == S_READ && !c->close_after;
+  if (!from_head && (c->state != S_BUSY || c->close_after)) return -1;
+  int keep = c->keep_alive;
+  if (from_head) c->keep_alive = 0;
   sbuf b = {0};
   if (build_head(c, &b, status, hs, n, (long long)len) < 0) {
     free(b.p);
+    c->keep_alive = keep;
     return -2;
+  }
+  if (from_head) {
+    c->state = S_BUSY;
+    c->close_after = 1;
+    uv_timer_stop(&c->timer);
+    if (c->reading) {
+      uv_read_stop((uv_stream_t *)&c->h);
+      c->reading = 0;
+    }
   }
   int r = queue_bytes(c, b.p, b.len, body, len, NULL, 0);
   free(b.p);
   if (r < 0) return -1;
-  answer_done(c);
+  if (!from_head) answer_done(c);
   return 0;
 }
 
@@ -468,6 +496,7 @@ void dm_httpd_conn_close(dm_httpd_conn *c, const char *why) { conn_close(c, why)
 void dm_httpd_conn_set_data(dm_httpd_conn *c, void *data) { c->data = data; }
 void *dm_httpd_conn_data(const dm_httpd_conn *c) { return c->data; }
 size_t dm_httpd_connections(const dm_httpd *s) { return s->nconns; }
+size_t dm_httpd_buffered(const dm_httpd *s) { return s->buffered; }
 
 /* The server's own answer to a request it will not hand over; the connection then closes. */
 static void refuse(dm_httpd_conn *c, int status, const char *why, int auth) {
@@ -536,6 +565,7 @@ static int on_message_begin(llhttp_t *p) {
   c->nh = 0;
   c->field_open = c->value_open = 0;
   c->body_len = 0;
+  uncount(c);
   c->complete = 0;
   c->crlf_left = 0;
   return 0;
@@ -724,6 +754,22 @@ static int on_headers_complete(llhttp_t *p) {
     c->refuse_why = "the request body is larger than the server accepts";
     return HPE_PAUSED;
   }
+  c->clen = (p->flags & F_CHUNKED) ? -1 : (p->flags & F_CONTENT_LENGTH) ? (long long)p->content_length : 0;
+  dm_httpd *s = c->s;
+  if (s->cb.on_head) {
+    /* the owner judges the head before any body byte is read; it may refuse it here */
+    dm_httpd_header hs[DM_HTTPD_HEADERS_MAX];
+    char target[8192];
+    dm_httpd_request req;
+    fill_request(c, hs, target, &req);
+    req.body = "";
+    req.body_len = 0;
+    c->handed = 1;
+    c->in_head = 1;
+    s->cb.on_head(s->ud, c, &req);
+    c->in_head = 0;
+    if (c->state != S_READ) return HPE_PAUSED; /* refused (or closed) by the owner */
+  }
   for (size_t i = 0; i < c->nh; i++) {
     if (!name_is(c, i, "expect")) continue;
     const char *v = c->hb + c->hval[i].off;
@@ -757,6 +803,20 @@ static int on_body(llhttp_t *p, const char *at, size_t len) {
   if ((p->flags & F_CHUNKED) && p->content_length == 0 &&
       check_chunk_end(c, at + len, (size_t)(c->exec_end - (at + len)), 2) < 0)
     return -1;
+  dm_httpd *s = c->s;
+  if (s->o.max_buffered && s->buffered + len > s->o.max_buffered) {
+    c->refused = 1;
+    c->refuse_status = 503;
+    c->refuse_why = s->busy_why;
+    return -1;
+  }
+  dm_httpd_pool *pool = s->o.pool;
+  if (pool && pool->max && pool->used + len > pool->max) {
+    c->refused = 1;
+    c->refuse_status = 503;
+    c->refuse_why = pool->why[0] ? pool->why : s->busy_why;
+    return -1;
+  }
   if (c->body_len + len > c->s->o.max_body) {
     c->refused = 1;
     c->refuse_status = 413;
@@ -778,6 +838,9 @@ static int on_body(llhttp_t *p, const char *at, size_t len) {
   }
   memcpy(c->body + c->body_len, at, len);
   c->body_len += len;
+  c->counted += len;
+  s->buffered += len;
+  if (pool) pool->used += len;
   return 0;
 }
 
@@ -801,10 +864,9 @@ static void init_settings(void) {
   settings_ready = 1;
 }
 
-/* Hands the complete request to the owner. */
-static void deliver(dm_httpd_conn *c) {
-  dm_httpd *s = c->s;
-  dm_httpd_header hs[DM_HTTPD_HEADERS_MAX];
+/* The request as the owner sees it: headers into hs (DM_HTTPD_HEADERS_MAX), the target
+ * copied NUL-terminated into target (8192 bytes), the body as read so far. */
+static void fill_request(dm_httpd_conn *c, dm_httpd_header *hs, char *target, dm_httpd_request *req) {
   size_t n = 0;
   for (size_t i = 0; i < c->nh; i++) {
     if (!c->hname[i].len) continue;
@@ -818,16 +880,10 @@ static void deliver(dm_httpd_conn *c) {
     n++;
   }
   /* NUL-terminate the target: it is followed in hb by the first header name, so copy */
-  char target[8192];
-  size_t tn = c->url.len < sizeof target ? c->url.len : sizeof target - 1;
+  size_t tn = c->url.len < 8192 ? c->url.len : 8191;
   memcpy(target, c->hb + c->url.off, tn);
   target[tn] = '\0';
-  if (!c->body) {
-    c->body = malloc(1);
-    c->body_cap = c->body ? 1 : 0;
-  }
-  if (c->body) c->body[c->body_len] = '\0';
-  dm_httpd_request req = {
+  *req = (dm_httpd_request){
     .method = llhttp_method_name((llhttp_method_t)c->parser.method),
     .target = target,
     .http_major = c->parser.http_major,
@@ -838,9 +894,25 @@ static void deliver(dm_httpd_conn *c) {
     .body_len = c->body_len,
     .listener = c->l->tag,
     .keep_alive = c->keep_alive,
+    .content_length = c->clen,
   };
+}
+
+/* Hands the complete request to the owner. */
+static void deliver(dm_httpd_conn *c) {
+  dm_httpd *s = c->s;
+  dm_httpd_header hs[DM_HTTPD_HEADERS_MAX];
+  char target[8192];
+  if (!c->body) {
+    c->body = malloc(1);
+    c->body_cap = c->body ? 1 : 0;
+  }
+  if (c->body) c->body[c->body_len] = '\0';
+  dm_httpd_request req;
+  fill_request(c, hs, target, &req);
   c->state = S_BUSY;
   c->handed = 1;
+  uncount(c); /* handed over: the owner's to bound from here */
   uv_timer_stop(&c->timer);
   if (s->cb.on_request) s->cb.on_request(s->ud, c, &req);
   /* a large body is not kept across keep-alive requests */
@@ -1292,12 +1364,15 @@ dm_httpd *dm_httpd_new(uv_loop_t *loop, const dm_httpd_opts *opts, const dm_http
   if (!s->o.idle_timeout_ms) s->o.idle_timeout_ms = 120000;
   s->error_body = dupstr(s->o.error_body ? s->o.error_body : "%s\n");
   s->error_type = dupstr(s->o.error_type ? s->o.error_type : "text/plain; charset=utf-8");
-  s->o.error_body = s->o.error_type = NULL;
+  s->busy_why =
+    dupstr(s->o.max_buffered_why ? s->o.max_buffered_why : "the server holds too many request body bytes at once");
+  s->o.error_body = s->o.error_type = s->o.max_buffered_why = NULL;
   if (handler) s->cb = *handler;
   s->ud = ud;
-  if (!s->error_body || !s->error_type) {
+  if (!s->error_body || !s->error_type || !s->busy_why) {
     free(s->error_body);
     free(s->error_type);
+    free(s->busy_why);
     free(s);
     return NULL;
   }

@@ -17,14 +17,25 @@
  *   - Content-Length over max_body: 413 at once (a chunked body: as soon as it crosses it).
  * Refusals close the connection. The token is never logged or echoed.
  *
+ * Body bytes being read are bounded for the whole server too: when max_buffered is set, the
+ * body bytes its connections hold (read and not yet handed to on_request) never pass it; the
+ * request whose bytes would is answered 503 (max_buffered_why) and its connection closed; a
+ * pool (dm_httpd_pool) bounds them the same way across several servers.
+ *
  * Callback contract (dm_httpd_handler):
+ *  - on_head (optional) is called once per request, from the loop, when its head is complete
+ *    and passed the listener's checks, before any byte of its body is read: `req` has no
+ *    body yet (body "" and body_len 0; content_length says what is announced). The owner
+ *    may refuse it there with dm_httpd_respond() (the connection closes after the answer
+ *    and the body is never kept) or dm_httpd_conn_close(); when it does neither, the body is
+ *    read and on_request follows. A streamed answer cannot start from on_head;
  *  - on_request is called once per complete request, from the loop, with the connection
  *    busy: the owner answers with dm_httpd_respond() or dm_httpd_stream_start() + _write()
  *    + _end(), at once or later. Bytes the client sends meanwhile (a pipelined request) are
  *    held (up to max_head) and parsed after the answer ends;
  *  - on_drain is called from the loop after dm_httpd_want_drain() once the bytes queued on
  *    the connection fall to max_output / 8 or less;
- *  - on_close is called exactly once for every connection that reached on_request, from
+ *  - on_close is called exactly once for every connection that reached on_head or on_request, from
  *    the loop, after its handles are closed; the connection is freed when it returns.
  *    `why` is NULL after an orderly end, else a short reason ("client closed", "slow
  *    reader", "server closing", "timeout");
@@ -50,7 +61,8 @@ typedef struct dm_httpd_header {
   size_t value_len;
 } dm_httpd_header;
 
-/// A complete request, valid during on_request only (copy what you keep).
+/// A request, valid during on_head / on_request only (copy what you keep); in on_head its
+/// body is not read yet.
 typedef struct dm_httpd_request {
   const char *method; ///< "GET", "POST"… (NUL-terminated)
   const char *target; ///< the request target as sent ("/mcp?x=1"), NUL-terminated
@@ -59,8 +71,9 @@ typedef struct dm_httpd_request {
   size_t nheaders;
   const char *body; ///< the whole body (chunked bodies decoded); "" when none
   size_t body_len;
-  const char *listener; ///< the tag of the listener the connection arrived on
-  int keep_alive;       ///< 1 when the connection stays open after the answer
+  const char *listener;     ///< the tag of the listener the connection arrived on
+  int keep_alive;           ///< 1 when the connection stays open after the answer
+  long long content_length; ///< the announced body length in bytes (0: none), -1 for a chunked body
 } dm_httpd_request;
 
 /// Owner callbacks; `ud` is the pointer given to dm_httpd_new().
@@ -69,19 +82,34 @@ typedef struct dm_httpd_handler {
   void (*on_drain)(void *ud, dm_httpd_conn *c);
   void (*on_close)(void *ud, dm_httpd_conn *c, const char *why);
   void (*on_closed)(void *ud);
+  void (*on_head)(void *ud, dm_httpd_conn *c, const dm_httpd_request *head); ///< optional, see above
 } dm_httpd_handler;
+
+/// A budget of request body bytes being read, shared by several servers (the caller's: it
+/// must outlive them). The request whose bytes would take `used` past `max` (0: no cap) is
+/// answered 503 with `why` (plain ASCII without quotes; default as max_buffered_why).
+typedef struct dm_httpd_pool {
+  size_t used; ///< body bytes the servers' connections hold now while reading them
+  size_t max;
+  char why[512];
+} dm_httpd_pool;
 
 /// Server settings; 0 picks the default. Copied by dm_httpd_new().
 typedef struct dm_httpd_opts {
-  size_t max_body;             ///< largest request body in bytes (413 above); default 4 MiB
-  size_t max_head;             ///< largest request head in bytes (431 above); default 64 KiB
-  size_t max_output;           ///< bytes queued on one connection before it is cut as a slow reader; default 16 MiB
-  size_t max_conns;            ///< connections at once (503 above); default 1024
-  unsigned request_timeout_ms; ///< a request must arrive whole within this, from its first byte (408); default 30000
-  unsigned idle_timeout_ms;    ///< an idle keep-alive connection is closed after this; default 120000
-  const char *error_body;      ///< body of the server's own refusals: a printf format with one %s (the
-                               ///< reason, plain ASCII without quotes); default "%s\n"
-  const char *error_type;      ///< Content-Type of those bodies; default "text/plain; charset=utf-8"
+  size_t max_body;              ///< largest request body in bytes (413 above); default 4 MiB
+  size_t max_head;              ///< largest request head in bytes (431 above); default 64 KiB
+  size_t max_output;            ///< bytes queued on one connection before it is cut as a slow reader; default 16 MiB
+  size_t max_conns;             ///< connections at once (503 above); default 1024
+  unsigned request_timeout_ms;  ///< a request must arrive whole within this, from its first byte (408); default 30000
+  unsigned idle_timeout_ms;     ///< an idle keep-alive connection is closed after this; default 120000
+  const char *error_body;       ///< body of the server's own refusals: a printf format with one %s (the
+                                ///< reason, plain ASCII without quotes); default "%s\n"
+  const char *error_type;       ///< Content-Type of those bodies; default "text/plain; charset=utf-8"
+  size_t max_buffered;          ///< body bytes all connections may hold while being read (503 above); 0: no cap
+                                ///< but max_body per connection
+  const char *max_buffered_why; ///< the reason in that 503 (plain ASCII without quotes); default
+                                ///< "the server holds too many request body bytes at once"
+  dm_httpd_pool *pool;          ///< a budget shared with other servers, checked beside max_buffered; NULL: none
 } dm_httpd_opts;
 
 /// Settings of one listener. Strings are copied.
@@ -124,9 +152,14 @@ void dm_httpd_close(dm_httpd *s);
 /// Connections open now.
 size_t dm_httpd_connections(const dm_httpd *s);
 
+/// Request body bytes held now while being read (all connections; what max_buffered bounds).
+size_t dm_httpd_buffered(const dm_httpd *s);
+
 /// Answers the request in progress with a whole response. `headers` must not include
-/// Content-Length, Transfer-Encoding or Connection (the server sets them). Returns 0, or
-/// -1 when the connection has no request waiting (closed, or already answered).
+/// Content-Length, Transfer-Encoding or Connection (the server sets them). From on_head it
+/// refuses the request before its body is read: the connection closes after the answer.
+/// Returns 0, or -1 when the connection has no request waiting (closed, or already
+/// answered), -2 for a header it may not carry.
 int dm_httpd_respond(dm_httpd_conn *c, int status, const dm_httpd_header *headers, size_t n, const char *body,
                      size_t len);
 

@@ -11,11 +11,12 @@
 
 #define SERVER_MT "core.httpd.server"
 #define CONN_MT "core.httpd.conn"
+#define POOL_MT "core.httpd.pool"
 
 /* Owned by the engine's lifetime, not by the userdata: freed in on_closed. */
 typedef struct lserver {
   dm_httpd *s;
-  int req_ref, close_ref, closed_ref, self_ref;
+  int req_ref, close_ref, closed_ref, self_ref, head_ref, pool_ref;
   int closed;
 } lserver;
 
@@ -44,29 +45,29 @@ static void push_conn(lua_State *L, dm_httpd_conn *c, const char *tag) {
   dm_httpd_conn_set_data(c, (void *)(intptr_t)dm_ref(L));
 }
 
-static void on_request(void *ud, dm_httpd_conn *c, const dm_httpd_request *req) {
-  lserver *ls = ud;
-  lua_State *L = dm_rt.L;
-  if (!L || ls->req_ref == LUA_NOREF) {
-    dm_httpd_respond(c, 503, NULL, 0, "", 0);
-    return;
-  }
-  dm_push_ref(L, ls->req_ref);
-  push_conn(L, c, req->listener);
-  lua_createtable(L, 0, 8); // [fn, conn, req]
+/* Pushes the request table: {method, target, version, headers, listener, keep_alive,
+ * content_length, chunked} and, when with_body, body. */
+static void push_request(lua_State *L, const dm_httpd_request *req, int with_body) {
+  lua_createtable(L, 0, 10);
   lua_pushstring(L, req->method);
   lua_setfield(L, -2, "method");
   lua_pushstring(L, req->target);
   lua_setfield(L, -2, "target");
   lua_pushfstring(L, "%d.%d", req->http_major, req->http_minor);
   lua_setfield(L, -2, "version");
-  lua_pushlstring(L, req->body, req->body_len);
-  lua_setfield(L, -2, "body");
+  if (with_body) {
+    lua_pushlstring(L, req->body, req->body_len);
+    lua_setfield(L, -2, "body");
+  }
   lua_pushstring(L, req->listener);
   lua_setfield(L, -2, "listener");
   lua_pushboolean(L, req->keep_alive);
   lua_setfield(L, -2, "keep_alive");
-  lua_createtable(L, 0, (int)req->nheaders); // [fn, conn, req, headers]
+  lua_pushinteger(L, req->content_length < 0 ? 0 : (lua_Integer)req->content_length);
+  lua_setfield(L, -2, "content_length");
+  lua_pushboolean(L, req->content_length < 0);
+  lua_setfield(L, -2, "chunked");
+  lua_createtable(L, 0, (int)req->nheaders); // [.., req, headers]
   char name[256];
   for (size_t i = 0; i < req->nheaders; i++) {
     const dm_httpd_header *h = &req->headers[i];
@@ -87,6 +88,29 @@ static void on_request(void *ud, dm_httpd_conn *c, const dm_httpd_request *req) 
     lua_rawset(L, -3);
   }
   lua_setfield(L, -2, "headers");
+}
+
+static void on_request(void *ud, dm_httpd_conn *c, const dm_httpd_request *req) {
+  lserver *ls = ud;
+  lua_State *L = dm_rt.L;
+  if (!L || ls->req_ref == LUA_NOREF) {
+    dm_httpd_respond(c, 503, NULL, 0, "", 0);
+    return;
+  }
+  dm_push_ref(L, ls->req_ref);
+  push_conn(L, c, req->listener);
+  push_request(L, req, 1);
+  if (dm_call(L, 2) != 0) dm_httpd_respond(c, 500, NULL, 0, "", 0); /* no-op when answered */
+}
+
+/* A head, before its body is read: the Lua on_head may refuse it with conn:respond(). */
+static void on_head(void *ud, dm_httpd_conn *c, const dm_httpd_request *req) {
+  lserver *ls = ud;
+  lua_State *L = dm_rt.L;
+  if (!L || ls->head_ref == LUA_NOREF) return;
+  dm_push_ref(L, ls->head_ref);
+  push_conn(L, c, req->listener);
+  push_request(L, req, 0);
   if (dm_call(L, 2) != 0) dm_httpd_respond(c, 500, NULL, 0, "", 0); /* no-op when answered */
 }
 
@@ -149,6 +173,8 @@ static void on_closed(void *ud) {
   dm_unref(L, &ls->close_ref);
   dm_unref(L, &ls->closed_ref);
   dm_unref(L, &ls->self_ref);
+  dm_unref(L, &ls->head_ref);
+  dm_unref(L, &ls->pool_ref); /* the server is gone: it no longer uses the pool */
   dm_handle_count(-1);
   free(ls);
 }
@@ -161,16 +187,23 @@ static lua_Integer opt_int(lua_State *L, int t, const char *k, lua_Integer def) 
   return v;
 }
 
-/// core.httpd.new(opts, on_request, on_close) -> server.
+/// core.httpd.new(opts, on_request, on_close[, on_head]) -> server.
 /// opts (all optional, in bytes and ms): max_body (4 MiB), max_head (64 KiB), max_output
 /// (16 MiB queued per connection before it is cut as a slow reader), max_conns (1024),
 /// request_timeout_ms (30000), idle_timeout_ms (120000), error_body (printf format with
-/// one %s for the server's own refusals), error_type (their Content-Type).
+/// one %s for the server's own refusals), error_type (their Content-Type), max_buffered
+/// (body bytes all connections may hold while being read: 503 above; 0 = no cap),
+/// max_buffered_why (the reason in that 503), pool (a core.httpd.pool shared with other
+/// servers, checked beside max_buffered).
 /// on_request(conn, req) for every complete request: req = {method, target, version
 /// ("1.1"), headers = {lowercased name = value, repeats joined with ", "}, body, listener
-/// (the listener's tag), keep_alive}. on_close(conn, why) once per connection that had a
-/// request, when it is gone (why nil after an orderly end, else "client closed",
-/// "slow reader", "server closing", "timeout"…).
+/// (the listener's tag), keep_alive, content_length, chunked}. on_head(conn, head), when
+/// given, for every request whose head passed the listener's checks, before any body byte
+/// is read: head as req without body; conn:respond() there refuses the request (the
+/// connection closes after the answer), else the body is read and on_request follows.
+/// on_close(conn, why) once per connection that had a head or a request, when it is gone
+/// (why nil after an orderly end, else "client closed", "slow reader", "server closing",
+/// "timeout"…).
 static int l_new(lua_State *L) {
   luaL_checktype(L, 1, LUA_TTABLE);
   luaL_checktype(L, 2, LUA_TFUNCTION);
@@ -182,6 +215,14 @@ static int l_new(lua_State *L) {
   o.max_conns = (size_t)opt_int(L, 1, "max_conns", 0);
   o.request_timeout_ms = (unsigned)opt_int(L, 1, "request_timeout_ms", 0);
   o.idle_timeout_ms = (unsigned)opt_int(L, 1, "idle_timeout_ms", 0);
+  o.max_buffered = (size_t)opt_int(L, 1, "max_buffered", 0);
+  if (!lua_isnoneornil(L, 4)) luaL_checktype(L, 4, LUA_TFUNCTION);
+  lua_getfield(L, 1, "max_buffered_why");
+  o.max_buffered_why = lua_isnil(L, -1) ? NULL : luaL_checkstring(L, -1);
+  luaL_argcheck(L, !o.max_buffered_why || !strchr(o.max_buffered_why, '"'), 1, "max_buffered_why must hold no quote");
+  lua_getfield(L, 1, "pool");
+  int pool_idx = lua_gettop(L);
+  if (!lua_isnil(L, pool_idx)) o.pool = luaL_checkudata(L, pool_idx, POOL_MT);
   lua_getfield(L, 1, "error_body");
   o.error_body = lua_isnil(L, -1) ? NULL : luaL_checkstring(L, -1);
   lua_getfield(L, 1, "error_type");
@@ -193,10 +234,14 @@ static int l_new(lua_State *L) {
   }
   lserver *ls = calloc(1, sizeof *ls);
   if (!ls) return luaL_error(L, "out of memory");
-  ls->req_ref = ls->close_ref = ls->closed_ref = ls->self_ref = LUA_NOREF;
-  dm_httpd_handler h = {on_request, on_drain, on_close, on_closed};
+  ls->req_ref = ls->close_ref = ls->closed_ref = ls->self_ref = ls->head_ref = ls->pool_ref = LUA_NOREF;
+  dm_httpd_handler h = {on_request, on_drain, on_close, on_closed, lua_isfunction(L, 4) ? on_head : NULL};
   ls->s = dm_httpd_new(dm_rt.loop, &o, &h, ls);
-  lua_pop(L, 2);
+  if (ls->s && o.pool) {
+    lua_pushvalue(L, pool_idx);
+    ls->pool_ref = dm_ref(L); /* the pool outlives the server */
+  }
+  lua_pop(L, 4);
   if (!ls->s) {
     free(ls);
     return luaL_error(L, "out of memory");
@@ -206,6 +251,10 @@ static int l_new(lua_State *L) {
   ls->req_ref = dm_ref(L);
   lua_pushvalue(L, 3);
   ls->close_ref = dm_ref(L);
+  if (lua_isfunction(L, 4)) {
+    lua_pushvalue(L, 4);
+    ls->head_ref = dm_ref(L);
+  }
   server_ud *u = lua_newuserdatauv(L, sizeof *u, 0);
   u->ls = ls;
   luaL_setmetatable(L, SERVER_MT);
@@ -520,6 +569,42 @@ static int l_token_equal(lua_State *L) {
   return 1;
 }
 
+/// core.httpd.pool(max[, why]) -> pool. A budget of request body bytes being read, shared
+/// by the servers given it (opts.pool): past `max` bytes (0 = no cap) the request whose
+/// bytes would pass it is answered 503 with `why` (the reason, at most 511 bytes, no `"`).
+static int l_pool(lua_State *L) {
+  lua_Integer max = luaL_checkinteger(L, 1);
+  luaL_argcheck(L, max >= 0, 1, "max must be >= 0");
+  size_t wn = 0;
+  const char *why = luaL_optlstring(L, 2, "", &wn);
+  luaL_argcheck(L, wn < sizeof(((dm_httpd_pool *)0)->why) && !strchr(why, '"'), 2,
+                "why must be under 512 bytes with no quote");
+  dm_httpd_pool *p = lua_newuserdatauv(L, sizeof *p, 0);
+  memset(p, 0, sizeof *p);
+  p->max = (size_t)max;
+  memcpy(p->why, why, wn + 1);
+  luaL_setmetatable(L, POOL_MT);
+  return 1;
+}
+
+/// pool:set_max(max) -> nil. Changes the cap (bytes; 0 = none) for the bytes read from now on.
+static int l_pool_set_max(lua_State *L) {
+  dm_httpd_pool *p = luaL_checkudata(L, 1, POOL_MT);
+  lua_Integer max = luaL_checkinteger(L, 2);
+  luaL_argcheck(L, max >= 0, 2, "max must be >= 0");
+  p->max = (size_t)max;
+  return 0;
+}
+
+/// pool:used() -> integer: body bytes the servers sharing the pool hold now while reading.
+static int l_pool_used(lua_State *L) {
+  dm_httpd_pool *p = luaL_checkudata(L, 1, POOL_MT);
+  lua_pushinteger(L, (lua_Integer)p->used);
+  return 1;
+}
+
+static const luaL_Reg pool_methods[] = {{"set_max", l_pool_set_max}, {"used", l_pool_used}, {NULL, NULL}};
+
 static const luaL_Reg server_methods[] = {
   {"listen_tcp", l_listen_tcp},
   {"listen_unix", l_listen_unix},
@@ -534,7 +619,7 @@ static const luaL_Reg conn_methods[] = {
   {"queued", l_queued},     {"drain", l_drain}, {"close", l_conn_close}, {"is_open", l_is_open},
   {"listener", l_listener}, {NULL, NULL},
 };
-static const luaL_Reg funcs[] = {{"new", l_new}, {"token_equal", l_token_equal}, {NULL, NULL}};
+static const luaL_Reg funcs[] = {{"new", l_new}, {"pool", l_pool}, {"token_equal", l_token_equal}, {NULL, NULL}};
 
 int luaopen_core_httpd(lua_State *L) {
   luaL_newmetatable(L, SERVER_MT);
@@ -547,6 +632,10 @@ int luaopen_core_httpd(lua_State *L) {
   lua_pop(L, 1);
   luaL_newmetatable(L, CONN_MT);
   luaL_newlib(L, conn_methods);
+  lua_setfield(L, -2, "__index");
+  lua_pop(L, 1);
+  luaL_newmetatable(L, POOL_MT);
+  luaL_newlib(L, pool_methods);
   lua_setfield(L, -2, "__index");
   lua_pop(L, 1);
   luaL_newlib(L, funcs);

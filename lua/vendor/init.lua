@@ -74,6 +74,10 @@ local Route = {}
 Route.__index = Route
 
 local active = {} -- run_id -> route
+-- Body bytes the servers of every route hold while reading them (core.httpd), within
+-- vendor_max_buffered_bytes_total too: a chunked body is charged (Route:hold) only once read.
+local reading = httpd.pool(0, "the vendor routes of all sandboxes are reading more request body bytes at once than "
+  .. "the server's ceiling (vendor_max_buffered_bytes_total in the demesne configuration); retry later")
 
 -- Rate limits (lua/vendor/rate.lua): the route's methods, and the readers of reset times
 -- callers and tests use through demesne.vendor.
@@ -100,7 +104,8 @@ function Route:rate_state() return self.rate end
 ---@return table|nil route, string|nil err
 function vendor.start(o)
   local r = setmetatable({ run_id = o.run_id, provider = o.provider, token = o.token, credential = o.credential,
-    output_dir = o.output_dir, tasks = {}, forwarding = 0, buffered = 0, models = {}, requests = 0, closed = false,
+    output_dir = o.output_dir, tasks = {}, forwarding = 0, buffered = 0, admitted = {}, models = {}, requests = 0,
+    closed = false,
     deadline = o.deadline, decide = o.decide, holds = o.holds ~= false,
     rate = rate.load(o.run_id, rate.budget(o.rate_limit_retries)),
     total = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 } }, Route)
@@ -140,14 +145,23 @@ function vendor.start(o)
   r.file = file
   r:write_totals()
   local path = o.run_dir .. "/" .. vendor.SOCKET_NAME
-  -- vendor_max_connections is enforced when a request arrives (Route:on_request: a 503
+  -- vendor_max_connections is enforced when a request head arrives (Route:on_head: a 503
   -- naming the ceiling, and a line in usage.jsonl); connections that send nothing are cut
   -- by the server itself past IDLE_MARGIN more (each holds descriptors on the host)
   r.max_conns = math.max(1, math.floor(config.get("vendor_max_connections")))
+  -- every head is judged before its body is read (Route:on_head); the body bytes the server
+  -- holds while reading them are bounded by the route's ceiling, and with every other
+  -- route's by the total (a chunked body's size is not known at its head)
+  local route_max = math.max(1, math.floor(config.get("vendor_max_buffered_bytes")))
+  reading:set_max(math.max(1, math.floor(config.get("vendor_max_buffered_bytes_total"))))
   local server = httpd.new({ max_body = MAX_BODY, max_head = MAX_HEAD, request_timeout_ms = REQUEST_TIMEOUT_MS,
-      max_conns = r.max_conns + IDLE_MARGIN, error_body = REFUSAL_BODY, error_type = "application/json" },
+      max_conns = r.max_conns + IDLE_MARGIN, error_body = REFUSAL_BODY, error_type = "application/json",
+      max_buffered = route_max, max_buffered_why = ("this sandbox's request bodies being read on its vendor route are "
+        .. "over its ceiling of %d bytes (vendor_max_buffered_bytes in the demesne configuration); send fewer or "
+        .. "smaller requests at once"):format(route_max), pool = reading },
     function(conn, req) r:on_request(conn, req) end,
-    function(conn) r:on_close(conn) end)
+    function(conn) r:on_close(conn) end,
+    function(conn, head) r:on_head(conn, head) end)
   local ok, err = server:listen_relay(path, { tag = o.run_id })
   if not ok then
     server:close()
@@ -242,9 +256,10 @@ function Route:charge(usd, usage)
 end
 
 --------------------------------------------------------------------------------------------
--- Serving. core.httpd (llhttp, in C) reads each request whole: head, then a Content-Length
--- or chunked body, within the limits below; what is malformed or too large never reaches
--- Lua (it is answered 400, 413, 431 or 408 by the server). Each request is then a task
+-- Serving. core.httpd (llhttp, in C) reads each request: its head, judged by Route:on_head
+-- before any body byte is read (a refusal closes the connection), then a Content-Length or
+-- chunked body, within the limits below; what is malformed or too large never reaches
+-- Lua (it is answered 400, 413, 431, 503 or 408 by the server). Each request is then a task
 -- that reads straight down: decide, answer or forward. A connection may carry several
 -- requests (keep-alive); their answers go out in order.
 
@@ -269,9 +284,10 @@ function vendor.buffered() return buffered_total end
 
 --- Holds `n` bytes of request body for one request of this route, within
 --- vendor_max_buffered_bytes (this route) and vendor_max_buffered_bytes_total (every route):
---- core.httpd has read the body whole (at most MAX_BODY), and it stays in the server's
---- memory until its request ends, a rate-limit hold included. Returns the bytes held (give
---- them back with Route:release), or nil and the sentence for the 503.
+--- a Content-Length body is charged at its head, before core.httpd reads it (Route:on_head),
+--- a chunked one once read; it stays in the server's memory until its request ends, a
+--- rate-limit hold included. Returns the bytes held (give them back with Route:release), or
+--- nil and the sentence for the 503.
 ---@param n integer
 ---@return integer|nil held, string|nil why
 function Route:hold(n)
@@ -342,11 +358,24 @@ local function refused(run_id)
   return nil
 end
 
---- core.httpd's on_request: serves one request in a task of its own. A route that is
---- stopping answers 503.
+-- The target as a path-first target (an absolute-form one, from a client that used the
+-- egress proxy variables, keeps its path) and its path.
+local function target_path(raw)
+  local target = raw:match("^https?://[^/]+(/.*)$") or (raw:match("^https?://[^/]+$") and "/") or raw
+  return target, target:match("^[^?#]*")
+end
+
+--- core.httpd's on_head: judges a request from its head, before any byte of its body is
+--- read: a stopping route, the connection ceiling, a wrong token or a path the provider does
+--- not allow are refused here (the connection then closes), with the same answers and
+--- usage.jsonl lines as before. A Content-Length body is charged whole here against
+--- vendor_max_buffered_bytes and vendor_max_buffered_bytes_total (Route:hold), and refused
+--- 503 when it does not fit; a chunked body is charged once it has arrived (Route:serve),
+--- the servers keeping the bytes they read within vendor_max_buffered_bytes (this route's)
+--- and vendor_max_buffered_bytes_total (every route's, one core.httpd.pool) meanwhile.
 ---@param conn userdata  a core.httpd.conn
----@param req table      {method, target, headers, body, …} (core.httpd)
-function Route:on_request(conn, req)
+---@param head table     {method, target, headers, content_length, chunked, …} (core.httpd)
+function Route:on_head(conn, head)
   if self.closed then return refuse(conn, 503, "the run's vendor route has stopped") end
   local open = self.server and self.server:connections() or 0
   if open > self.max_conns then
@@ -359,22 +388,68 @@ function Route:on_request(conn, req)
     end
     return refuse(conn, 503, why)
   end
+  local target, path = target_path(head.target)
+  local rec = { time = iso_now(), method = head.method, path = path }
+  if path == vendor.ATTEMPT_PATH then
+    -- a wrong token is answered (and logged) by attempt_end before it reads the body
+    if not providers.token_equal(providers.bearer(head.headers), self.token) then
+      return self:attempt_end(conn, head, rec)
+    end
+  else
+    local v = providers.vendor_decide(self.provider, { method = head.method, target = target, headers = head.headers },
+      self.token, self.credential)
+    if v.action ~= "forward" and v.action ~= "local" then
+      rec.verdict, rec.status, rec.reason = "deny", v.status, v.reason
+      self:note_refusal(rec, tostring(v.reason))
+      return refuse(conn, v.status or 403, v.reason or "refused")
+    end
+  end
+  if head.content_length > 0 then
+    local held, hwhy = self:hold(head.content_length)
+    if not held then
+      rec.verdict, rec.status, rec.reason = "deny", 503, hwhy
+      self:note_refusal(rec, hwhy)
+      return refuse(conn, 503, hwhy)
+    end
+    self.admitted[conn] = held
+  end
+end
+
+--- core.httpd's on_request: serves one request in a task of its own, with the body bytes
+--- Route:on_head charged for it (given back when the request ends). A route that is
+--- stopping answers 503.
+---@param conn userdata  a core.httpd.conn
+---@param req table      {method, target, headers, body, …} (core.httpd)
+function Route:on_request(conn, req)
+  local pre = self.admitted[conn]
+  self.admitted[conn] = nil
+  if self.closed then
+    if pre then self:release(pre) end
+    return refuse(conn, 503, "the run's vendor route has stopped")
+  end
   local task
   task = async.spawn("vendor " .. self.run_id, function()
     -- a request left unanswered (cancelled, or an error) cuts its connection
     local _ <close> = util.closer(function(err)
       if task then self.tasks[task] = nil end
+      if pre then self:release(pre) end
       if err ~= nil then conn:close() end
     end)
-    self:serve(conn, req)
+    self:serve(conn, req, pre ~= nil)
   end)
   if not task.done then self.tasks[task] = conn end
 end
 
 --- core.httpd's on_close: the agent's connection is gone, so are the requests it carried
---- (a request being forwarded is cancelled upstream too).
+--- (a request being forwarded is cancelled upstream too), and the bytes charged for a body
+--- it did not finish sending.
 ---@param conn userdata
 function Route:on_close(conn)
+  local pre = self.admitted[conn]
+  if pre then
+    self.admitted[conn] = nil
+    self:release(pre)
+  end
   for task, c in pairs(self.tasks) do
     if c == conn then async.cancel(task, "the agent closed the connection") end
   end
@@ -468,11 +543,9 @@ end
 --- first; a 429 the route holds is waited out and the request sent again.
 ---@param conn userdata  the core.httpd.conn to answer on
 ---@param req table        {method, target, headers, body}
-function Route:serve(conn, req)
-  -- an absolute-form target (a client that used the egress proxy variables) keeps its path
-  local target = req.target:match("^https?://[^/]+(/.*)$") or (req.target:match("^https?://[^/]+$") and "/")
-    or req.target
-  local path = target:match("^[^?#]*")
+---@param charged boolean|nil  the body was charged at its head (Route:on_head; the caller gives it back)
+function Route:serve(conn, req, charged)
+  local target, path = target_path(req.target)
   local rec = { time = iso_now(), method = req.method, path = path }
   if path == vendor.ATTEMPT_PATH then
     self:attempt_end(conn, req, rec)
@@ -492,8 +565,10 @@ function Route:serve(conn, req)
     refuse(conn, v.status or 403, v.reason or "refused")
     return
   end
-  -- the body stays in memory until the request ends (a rate-limit hold included): bounded
-  local held, hwhy = self:hold(#(req.body or ""))
+  -- the body stays in memory until the request ends (a rate-limit hold included): bounded,
+  -- charged at its head already when it came with a Content-Length
+  local held, hwhy = 0, nil
+  if not charged then held, hwhy = self:hold(#(req.body or "")) end
   if not held then
     rec.verdict, rec.status, rec.reason = "deny", 503, hwhy
     self:note_refusal(rec, hwhy)

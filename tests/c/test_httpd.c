@@ -134,7 +134,7 @@ static void exchange(exchange_t *x) {
 static void test_exchanges(void) {
   uv_loop_init(&loop);
   dm_httpd_opts o = {.max_body = 100, .request_timeout_ms = 500};
-  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed, NULL};
   srv = dm_httpd_new(&loop, &o, &h, NULL);
   const char *hosts[] = {"localhost", "127.0.0.1"};
   dm_httpd_listen_opts lo = {.tag = "host", .token = "tok-0123456789abcdef", .hosts = hosts, .nhosts = 2};
@@ -271,7 +271,7 @@ static void *relay_client(void *arg) {
 static void test_relay(void) {
   uv_loop_init(&loop);
   closed = 0;
-  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed, NULL};
   srv = dm_httpd_new(&loop, NULL, &h, NULL);
   relay_t x = {0};
   snprintf(x.path, sizeof x.path, "/tmp/demesne-httpd-relay-%d.sock", (int)getpid());
@@ -322,7 +322,7 @@ static void *copy_client(void *arg) {
 static void test_relay_copy(void) {
   uv_loop_init(&loop);
   closed = 0;
-  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed, NULL};
   srv = dm_httpd_new(&loop, NULL, &h, NULL);
   relay_t x = {0};
   snprintf(x.path, sizeof x.path, "/tmp/demesne-httpd-copy-%d.sock", (int)getpid());
@@ -352,7 +352,7 @@ static void test_unlisten(void) {
   uv_loop_init(&loop);
   closed = 0;
   streaming = NULL;
-  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed, NULL};
   srv = dm_httpd_new(&loop, NULL, &h, NULL);
   int port_a = 0, port_b = 0;
   dm_httpd_listen_opts la = {.tag = "run-a", .max_conns = 1};
@@ -436,7 +436,7 @@ static void *flood_client(void *arg) {
 static void test_relay_pending_bound(void) {
   uv_loop_init(&loop);
   closed = 0;
-  dm_httpd_handler h = {on_request, NULL, on_close, on_closed};
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed, NULL};
   srv = dm_httpd_new(&loop, NULL, &h, NULL);
   flood_t x = {0};
   snprintf(x.path, sizeof x.path, "/tmp/demesne-httpd-flood-%d.sock", (int)getpid());
@@ -460,6 +460,133 @@ static void test_relay_pending_bound(void) {
   CHECK(uv_loop_close(&loop) == 0, "every handle closed");
 }
 
+/* ---- on_head: a request judged from its head, refused before its body is read; the
+ * server's cap on body bytes being read (max_buffered) ---- */
+
+static int heads;
+static long long last_clen;
+
+static void on_head(void *ud, dm_httpd_conn *c, const dm_httpd_request *r) {
+  (void)ud;
+  heads++;
+  last_clen = r->content_length;
+  CHECK(r->body_len == 0, "no body byte in on_head");
+  if (!strcmp(r->target, "/deny")) {
+    static const dm_httpd_header h[] = {{"Content-Type", 12, "text/plain", 10}};
+    CHECK(dm_httpd_stream_start(c, 200, NULL, 0) == -1, "no stream from on_head");
+    CHECK(dm_httpd_respond(c, 401, h, 1, "no\n", 3) == 0, "refused from on_head");
+    CHECK(dm_httpd_respond(c, 401, NULL, 0, "", 0) == -1, "a second answer is refused");
+  }
+}
+
+static void test_on_head(void) {
+  uv_loop_init(&loop);
+  closed = 0;
+  heads = requests = 0;
+  dm_httpd_opts o = {.max_body = 64u << 20, .max_buffered = 1000, .max_buffered_why = "over max_buffered"};
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed, on_head};
+  srv = dm_httpd_new(&loop, &o, &h, NULL);
+  dm_httpd_listen_opts lo = {.tag = "head"};
+  CHECK(dm_httpd_listen_tcp(srv, "127.0.0.1", 0, &lo, &port) == 0, "listen");
+  /* 50 MiB announced, only the head sent: the refusal comes without the body */
+  int closes_before = closes;
+  exchange_t x = {.send = "POST /deny HTTP/1.1\r\nHost: localhost\r\nContent-Length: 52428800\r\n\r\n"};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 401 ", 13) && strstr(x.got, "Connection: close") && strstr(x.got, "\r\n\r\nno\n"),
+        "refused at the head: %s", x.got);
+  CHECK(heads == 1 && requests == 0 && last_clen == 52428800, "heads %d requests %d clen %lld", heads, requests,
+        last_clen);
+  for (int i = 0; i < 50 && closes == closes_before; i++) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(closes == closes_before + 1, "on_close once for the refused connection: %d", closes - closes_before);
+  /* a head let through: the body is read and on_request follows */
+  x = (exchange_t){
+    .send = "POST /ok HTTP/1.1\r\nHost: localhost\r\nContent-Length: 10\r\nConnection: close\r\n\r\n0123456789"};
+  exchange(&x);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK") && !strcmp(last_body, "0123456789") && last_clen == 10 && heads == 2 &&
+          requests == 1,
+        "served: %s", x.got);
+  x = (exchange_t){.send = "POST /c HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\nConnection: "
+                           "close\r\n\r\n5\r\nhello\r\n0\r\n\r\n"};
+  exchange(&x);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK") && !strcmp(last_body, "hello") && last_clen == -1, "chunked: %s", x.got);
+  /* 2000 body bytes against max_buffered 1000: 503 with the server's reason */
+  static char big[4096];
+  int n = snprintf(big, sizeof big, "POST /big HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2000\r\n\r\n");
+  memset(big + n, 'x', 2000);
+  big[n + 2000] = '\0';
+  x = (exchange_t){.send = big};
+  int requests_before = requests;
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 503 ", 13) && strstr(x.got, "over max_buffered"), "the buffered cap: %s", x.got);
+  CHECK(requests == requests_before, "the 503 never reached on_request");
+  for (int i = 0; i < 50 && dm_httpd_connections(srv); i++) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(dm_httpd_buffered(srv) == 0, "no body bytes counted once the connections are gone: %zu",
+        dm_httpd_buffered(srv));
+  dm_httpd_close(srv);
+  while (!closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(uv_loop_close(&loop) == 0, "every handle closed");
+}
+
+/* ---- a pool shared by two servers bounds the body bytes they read together ---- */
+
+static void test_pool(void) {
+  uv_loop_init(&loop);
+  closed = 0;
+  dm_httpd_pool pool = {.max = 1500};
+  snprintf(pool.why, sizeof pool.why, "the pool is full");
+  dm_httpd_opts o = {.max_body = 1 << 20, .pool = &pool};
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed, NULL};
+  srv = dm_httpd_new(&loop, &o, &h, NULL);
+  dm_httpd_handler h2 = {on_request, NULL, on_close, on_closed, NULL};
+  dm_httpd *other = dm_httpd_new(&loop, &o, &h2, NULL);
+  dm_httpd_listen_opts lo = {.tag = "pool"};
+  int port_other = 0;
+  CHECK(dm_httpd_listen_tcp(srv, "127.0.0.1", 0, &lo, &port) == 0, "listen");
+  CHECK(dm_httpd_listen_tcp(other, "127.0.0.1", 0, &lo, &port_other) == 0, "listen other");
+  static char big[4096];
+  int n = snprintf(big, sizeof big,
+                   "POST /p HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\nContent-Length: 1000\r\n\r\n");
+  memset(big + n, 'x', 1000);
+  big[n + 1000] = '\0';
+  exchange_t x = {.send = big};
+  exchange(&x);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK"), "under the pool's cap: %s", x.got);
+  CHECK(pool.used == 0, "handed over: %zu", pool.used);
+  n = snprintf(big, sizeof big, "POST /p HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2000\r\n\r\n");
+  memset(big + n, 'x', 2000);
+  big[n + 2000] = '\0';
+  port = port_other;
+  x = (exchange_t){.send = big};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 503 ", 13) && strstr(x.got, "the pool is full"), "over the pool: %s", x.got);
+  for (int i = 0; i < 50 && (dm_httpd_connections(srv) || dm_httpd_connections(other)); i++) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(pool.used == 0, "nothing counted once the connections are gone: %zu", pool.used);
+  dm_httpd_close(srv);
+  while (!closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  closed = 0;
+  dm_httpd_close(other);
+  while (!closed) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(uv_loop_close(&loop) == 0, "every handle closed");
+}
+
 int main(void) {
   test_token_equal();
   test_exchanges();
@@ -467,6 +594,8 @@ int main(void) {
   test_relay_copy();
   test_unlisten();
   test_relay_pending_bound();
+  test_on_head();
+  test_pool();
   if (failures) fprintf(stderr, "%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }

@@ -155,6 +155,67 @@ function tests.body_limits_refused_before_reading(t)
   t:eq(s.requests, 1, "refused bodies never reached the owner")
 end
 
+-- on_head: a request judged from its head, before its body is read; max_buffered: the body
+-- bytes being read on all connections are bounded.
+function tests.on_head_refuses_before_the_body_and_max_buffered_bounds_bodies(t)
+  local heads, requests, closes = {}, 0, 0
+  local srv = httpd.new({ max_body = 64 << 20, max_buffered = 1000, max_buffered_why = "too much at once" },
+    function(conn, req)
+      requests = requests + 1
+      assert(conn:respond(200, {}, req.body))
+    end,
+    function() closes = closes + 1 end,
+    function(conn, head)
+      heads[#heads + 1] = head
+      if head.target == "/deny" then
+        local ok, _, code = conn:start(200, {})
+        t:eq({ ok, code }, { nil, "EALREADY" }, "no stream from on_head")
+        assert(conn:respond(401, { ["content-type"] = "text/plain" }, "no\n"))
+      elseif head.target == "/raise" then
+        error("on_head failed")
+      end
+    end)
+  local port = assert(srv:listen_tcp("127.0.0.1", 0, { tag = "head" }))
+  local ok, err = pcall(function()
+    -- only the head of a 50 MiB body is sent: the answer comes without it
+    local out = raw(port, "POST /deny HTTP/1.1\r\nHost: localhost\r\nContent-Length: 52428800\r\n\r\n")
+    t:match(out, "^HTTP/1.1 401 ")
+    t:match(out, "Connection: close\r\n\r\nno\n$")
+    t:eq({ heads[1].content_length, heads[1].chunked, heads[1].body, heads[1].method },
+      { 52428800, false, nil, "POST" })
+    out = raw(port, "POST /raise HTTP/1.1\r\nHost: localhost\r\nContent-Length: 5\r\n\r\n")
+    t:match(out, "^HTTP/1.1 500 ", "an error in on_head")
+    local res = assert(request({ url = "http://127.0.0.1:" .. port .. "/ok", method = "POST", body = "hello" }))
+    t:eq({ res.status, res.body }, { 200, "hello" }, "a head let through")
+    out = raw(port, "POST /c HTTP/1.1\r\nHost: localhost\r\nTransfer-Encoding: chunked\r\n\r\n"
+      .. "5\r\nhello\r\n0\r\n\r\n", 500)
+    t:match(out, "^HTTP/1.1 200 ")
+    t:eq(heads[#heads].chunked, true)
+    out = raw(port, "POST /big HTTP/1.1\r\nHost: localhost\r\nContent-Length: 2000\r\n\r\n" .. ("x"):rep(2000))
+    t:match(out, "^HTTP/1.1 503 ")
+    t:match(out, "too much at once")
+    t:eq(requests, 2, "refused requests never reached on_request")
+    -- a pool shared with another server bounds the bytes both read
+    local pool = httpd.pool(500, "the pool is full")
+    local other = httpd.new({ pool = pool }, function(conn) conn:respond(200, {}, "") end, function() end)
+    local oport = assert(other:listen_tcp("127.0.0.1", 0, { tag = "other" }))
+    out = raw(oport, "POST / HTTP/1.1\r\nHost: localhost\r\nContent-Length: 800\r\n\r\n" .. ("x"):rep(800))
+    local od = async.event()
+    other:close(function() od.set() end)
+    od.wait()
+    t:match(out, "^HTTP/1.1 503 ")
+    t:match(out, "the pool is full")
+    t:eq(pool:used(), 0, "nothing counted once the connection is gone")
+    pool:set_max(0)
+    t:eq(#heads, 5)
+  end)
+  local done = async.event()
+  srv:close(function() done.set() end)
+  done.wait()
+  if not ok then error(err, 0) end
+  t:ok(closes >= 4, "on_close for connections that had only a head: " .. closes)
+end
+
 function tests.cut_off_and_malformed_requests(t)
   local s <close> = server(function(conn) assert(conn:respond(200, {}, "ok")) end, { request_timeout_ms = 200 })
   -- half a body, then the client shuts its side: 400

@@ -666,6 +666,62 @@ function tests.route_refuses_bodies_over_its_buffer_ceiling(t)
   if not ok then error(err, 0) end
 end
 
+-- A request is judged from its head before its body is read: a wrong token with 50 MiB
+-- announced, or a body over vendor_max_buffered_bytes, is answered with only the head sent
+-- (the route never waits for, or holds, the body); the refusals are in usage.jsonl.
+function tests.refusals_come_before_the_body_is_sent(t)
+  local config = require("demesne.config")
+  loop.setenv("DEMESNE_VENDOR_MAX_BUFFERED_BYTES", "100000")
+  config.load()
+  local run_id = "vh-" .. hex(loop.random(4))
+  local route, base, close, dir = bare_route(run_id)
+  local ok, err = pcall(function()
+    local head = "POST /v1/messages HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+    local answer = raw_exchange(base, { head .. "x-api-key: wrong\r\nContent-Length: 52428800\r\n\r\n" }, 5000)
+    t:match(answer, "^HTTP/1.1 401 ", "a wrong token is refused at its head")
+    t:match(answer, "Connection: close")
+    t:eq(vendor.buffered(), 0, "nothing was charged for it")
+    answer = raw_exchange(base, { head .. "x-api-key: dmsn-good\r\nContent-Length: 200000\r\n\r\n" }, 5000)
+    t:match(answer, "^HTTP/1.1 503 ", "a body over the route's ceiling is refused at its head")
+    t:match(answer, "vendor_max_buffered_bytes")
+    answer = raw_exchange(base, { "POST " .. vendor.ATTEMPT_PATH .. " HTTP/1.1\r\nHost: x\r\n"
+      .. "Authorization: Bearer wrong\r\nContent-Length: 52428800\r\n\r\n" }, 5000)
+    t:match(answer, "^HTTP/1.1 401 ", "the attempt endpoint too")
+    -- a chunked body past the route's ceiling: the server stops reading it (503 naming it)
+    answer = raw_exchange(base, { head .. "x-api-key: dmsn-good\r\nTransfer-Encoding: chunked\r\n\r\n",
+      ("%x\r\n"):format(150000) .. ("x"):rep(150000) .. "\r\n0\r\n\r\n" }, 5000)
+    t:match(answer, "^HTTP/1.1 503 ", "a chunked body over the ceiling")
+    t:match(answer, "vendor_max_buffered_bytes ")
+    -- the bytes being read on every route together are bounded by the total
+    loop.setenv("DEMESNE_VENDOR_MAX_BUFFERED_BYTES_TOTAL", "50000")
+    config.load()
+    local route2, base2, close2 = bare_route(run_id .. "-2")
+    local _c2 <close> = setmetatable({}, { __close = close2 })
+    answer = raw_exchange(base2, { head .. "x-api-key: dmsn-good\r\nTransfer-Encoding: chunked\r\n\r\n",
+      ("%x\r\n"):format(80000) .. ("x"):rep(80000) .. "\r\n0\r\n\r\n" }, 5000)
+    t:match(answer, "^HTTP/1.1 503 ", "a chunked body over the total")
+    t:match(answer, "vendor_max_buffered_bytes_total")
+    t:eq(route2.buffered, 0)
+    t:eq(route.buffered, 0, "nothing stays charged")
+    t:eq(vendor.buffered(), 0)
+  end)
+  local lines = fs.read_file(dir .. "/out/usage.jsonl") or ""
+  close()
+  loop.setenv("DEMESNE_VENDOR_MAX_BUFFERED_BYTES", nil)
+  loop.setenv("DEMESNE_VENDOR_MAX_BUFFERED_BYTES_TOTAL", nil)
+  config.load()
+  if not ok then error(err, 0) end
+  local recs = {}
+  for line in lines:gmatch("[^\n]+") do recs[#recs + 1] = json.decode(line) end
+  t:eq(#recs, 3, "one line per refusal the route made")
+  t:eq(recs[1].status, 401)
+  t:eq(recs[1].verdict, "deny")
+  t:eq(recs[2].status, 503)
+  t:match(recs[2].reason, "vendor_max_buffered_bytes")
+  t:eq(recs[3].status, 401)
+  t:eq(recs[3].path, vendor.ATTEMPT_PATH)
+end
+
 function tests.a_restarted_route_keeps_a_hold_in_progress(t)
   if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
   local run_id = "vh-" .. hex(loop.random(4))
