@@ -216,13 +216,16 @@ test("a flood of refused vendor requests floods neither the server's log nor the
   conn.client.setNotificationHandler(LoggingMessageNotificationSchema, (n) => notes.push(n.params));
   const before = conn.stderr().length;
   try {
-    // 16 connections for 15 s, each a request with a 30 KB path holding a terminal escape
+    // 16 connections for 15 s, every other request with a 30 KB path holding a terminal escape
+    // (llhttp refuses it in C: 400, never logged) and the rest with a 7 KB printable path that
+    // the provider does not allow (refused by the route, which reports refusals at a bounded rate)
     const { transcript } = await attack(conn, `
       const net = require("net");
-      const path = "/v1/" + String.fromCharCode(27) + "[31mEVIL" + "A".repeat(30000);
+      const paths = ["/v1/" + String.fromCharCode(27) + "[31mEVIL" + "A".repeat(30000), "/v1/evil-" + "A".repeat(7000)];
       let n = 0;
       const t0 = Date.now();
       function one() {
+        const path = paths[n % 2];
         const s = net.connect(3129, "127.0.0.1", () => s.write("POST " + path + " HTTP/1.1\\r\\nHost: x\\r\\nContent-Length: 0\\r\\n\\r\\n"));
         s.on("data", () => {});
         s.on("error", () => {});
