@@ -309,7 +309,9 @@ async function codex(home, id, extraEnv = {}) {
 
 // Asserts that no sandbox of this home is left; removes any that is (ours, on either engine).
 async function noContainersLeft(home) {
-  for (let i = 0; i < 50 && (await containersUnder(home)).length; i++) await sleep(200);
+  // the server removes its warm sandboxes and the one-shots it answered as it shuts down,
+  // which on a loaded engine takes some seconds after the client has gone
+  for (let i = 0; i < 150 && (await containersUnder(home)).length; i++) await sleep(200);
   const left = await containersUnder(home);
   for (const s of ENGINES) {
     for (const c of left) {
