@@ -200,13 +200,16 @@ test("C09: endless output keeps server memory flat while another call answers", 
   const pid = conn.transport.pid;
   const rss = () => Number(/VmRSS:\s+(\d+)/.exec(readFileSync(`/proc/${pid}/status`, "utf8"))[1]) * 1024;
   const before = rss();
-  const flood = ok("sandbox_script", { command: "timeout 15 yes; true", image: "base" });
+  // 2 GiB of output (far past any buffer) then a wait, so the call still runs when the other
+  // answers; `yes` for the whole 15 s wrote 10-20 GB to the host's disk per run
+  const flood = ok("sandbox_script", { command: "timeout 15 sh -c 'yes | head -c 2G; sleep 15'; true", image: "base" });
   await new Promise((r) => setTimeout(r, 3000));
   const quick = await ok("sandbox_script", { command: "echo quick", image: "base" });
   assert.equal(quick.stdout, "quick\n");
   const r = await flood;
   assert.equal(r.truncated, true);
   assert.ok(rss() - before < 50 * 1024 * 1024, `server RSS grew by ${(rss() - before) >> 20} MiB`);
+  rmSync(r.output_dir, { recursive: true, force: true });
 });
 
 test("C05: 20 concurrent sandbox_script calls each answer with their own result, nothing left behind", async () => {
