@@ -191,7 +191,9 @@ test("a sandbox that stops its demesne-init: sandbox_exec returns an error withi
   assert.match(text, /did not end within its timeout \(5 s\) plus a grace of 5 s/, text);
   assert.match(text, /not responding/, text);
   assert.match(text, /was stopped/, text);
-  assert.ok(took < 5 + GRACE + 20, `bounded: ${took} s`);
+  // bounded, not hanging until a client gives up: the stop of the unresponsive sandbox takes
+  // the engine some seconds more on a loaded machine (Podman: 20 s seen with two lanes running)
+  assert.ok(took < 5 + GRACE + 60, `bounded: ${took} s`);
   const info = await engineGet(`/containers/demesne-${sb.sandbox_id}/json`);
   assert.equal(info.body?.State?.Running, false, "the unresponsive sandbox was stopped");
   const again = await fails(conn, "sandbox_exec", { sandbox_id: sb.sandbox_id, command: "true" });
