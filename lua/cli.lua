@@ -1,4 +1,5 @@
--- The command line: demesne [serve] | tools | check-config | doctor | images | policy | skills | test | --help |
+-- The command line: demesne [serve] | tools | check-config | doctor | images | policy | skills | reap |
+-- test | --help |
 -- --version
 local loop = require("core.loop")
 
@@ -29,6 +30,8 @@ Commands:
                       check skills against the live tool schemas
   skills install [--claude] [--codex] [--dir DIR]
                       link the skills into Claude Code's and Codex's skill folders
+  reap                remove what servers that are gone left behind (their one-shot and
+                      warm sandboxes, run folders) and expired sandboxes; keeps running jobs
   test DIR...         run the Lua tests in DIR inside this binary
   --help              show this help
   --version           print the version

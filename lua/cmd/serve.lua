@@ -68,6 +68,11 @@ return function(args, opts)
   -- the folders above every output and run folder: private, or a warning that says why
   for _, w in ipairs(sandbox.private_roots(true)) do log.warning("demesne.sandbox", "%s", w) end
   local reaper = start_reaper()
+  -- what this server leaves if it is killed before its own clean-up (a client may SIGKILL
+  -- it at once) goes as soon as it has ended: the exit reaper, a process of its own
+  local rok, rerr = sandbox.start_exit_reaper()
+  if not rok then log.warning("demesne.reaper", "no exit reaper (%s): what a killed server leaves waits for the "
+    .. "next server", tostring(rerr)) end
   -- background jobs: re-attach the ones a previous server left running; they outlive us too
   jobs.start()
   -- warm sandboxes for sandbox_script (lua/pool.lua); removed again at shutdown

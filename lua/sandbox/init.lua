@@ -51,6 +51,6 @@ export(oneshot, "script_teardown use_pool")
 export(persistent, "create write_expiry expiry_file lookup state_of check_alive stop_unresponsive destroy list")
 export(exec, "exec_prepare exec_run exec_kill exec_result exec")
 export(transfer, "upload download")
-export(reaper, "reap")
+export(reaper, "reap start_exit_reaper after_exit")
 
 return sandbox

@@ -1,6 +1,7 @@
 -- The reaper: removes expired sandboxes and what a server that is gone left behind
 -- (containers, run folders, claims, temporary files), from the engine's state and the
 -- state folder.
+local async = require("demesne.async")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
 local engines = require("demesne.engines")
@@ -9,6 +10,7 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local loop = require("core.loop")
 local paths = require("demesne.paths")
+local process = require("core.process")
 local files = require("demesne.sandbox.files")
 local hooks = require("demesne.sandbox.hooks")
 local owner = require("demesne.sandbox.owner")
@@ -170,6 +172,78 @@ function reaper.reap()
   local now_list = eng:list({ LABEL .. "managed=1" })
   if now_list then reap_leftovers(eng, now_list) end
   return n
+end
+
+-- [exit reaper] the pipe whose other end is the exit reaper's stdin: held open as long as
+-- this process lives (the kernel closes it however the process ends, SIGKILL included)
+local exit = {} -- {proc = core.process, pipe = core.stream} once started
+
+-- [exit reaper] the wait before each of its passes, in ms: they run 0, 3 and 15 s after the end
+reaper.EXIT_PASSES = { 0, 3000, 12000 }
+
+--- Starts this server's exit reaper (`demesne serve` calls it once): this binary again, as
+--- `demesne reap --after-exit OWNER`, in a session of its own, so that a client that ends
+--- the server by signalling its process group (Codex: SIGTERM to the group, and SIGKILL to
+--- the server at once) does not reach it. Its stdin is a pipe only this process holds; once
+--- that closes (the server has ended, however) it waits for the owner process to be gone and
+--- runs one reaper pass (reaper.reap): the warm sandboxes and the one-shots of a server killed
+--- before its own clean-up go at once (and what its last requests to the engine still make,
+--- seconds later), not when the next server starts. Its stdout and
+--- stderr are /dev/null (it must not hold the client's pipes open); it logs to
+--- `<state_dir>/exit-reaper.log`. Idempotent. Returns true, or nil and why it could not start
+--- (the server then runs without it; the next server's reaper still cleans up).
+---@return boolean|nil ok, string|nil err
+function reaper.start_exit_reaper()
+  if exit.proc then return true end
+  local exe, xerr = loop.exepath()
+  if not exe then return nil, xerr end
+  local proc, pipes = process.spawn({ file = exe, args = { "reap", "--after-exit", owner.owner() }, detached = true,
+    stdin = true }, function() exit.proc = nil end)
+  if not proc then return nil, pipes end
+  exit.proc, exit.pipe = proc, pipes.stdin
+  return true
+end
+
+--- Inside a task: waits until the stream `input` (the exit reaper's stdin; nil: no stream
+--- to wait for) ends, then until the server process `owner_label` names is gone
+--- (owner.owner_alive; polled from every 50 ms up to every second, for as long as it takes),
+--- then runs reaper passes, each bounded by `ms`, after the waits `passes` lists (default
+--- reaper.EXIT_PASSES: at once, and 3 s and 15 s after the end; what a request sent just
+--- before the end makes appears in the engine later). Returns the number of containers
+--- removed, or nil, message, code when the first pass failed ("ETIMEDOUT" when it ran out
+--- of time).
+---@param input table|nil  a core.stream (stdin)
+---@param owner_label string  host/pid/start time, as owner.owner() gives it
+---@param ms integer  each pass's deadline in milliseconds
+---@param passes integer[]|nil  milliseconds to wait before each pass
+---@return integer|nil removed, string|nil err, string|nil code
+function reaper.after_exit(input, owner_label, ms, passes)
+  if input then
+    async.await(function(cb)
+      local ok = input:read_start(function(data) if not data then cb() end end)
+      if not ok then cb() end -- not readable: the owner check below decides alone
+      return function() input:read_stop() end
+    end)
+  end
+  local poll = 50
+  while owner_alive(owner_label) do
+    async.sleep(poll)
+    poll = math.min(poll * 2, 1000)
+  end
+  -- a request the server had sent just before it ended (a create, a start) still completes
+  -- in the engine: later passes find what it made
+  local total = 0
+  for i, delay in ipairs(passes or reaper.EXIT_PASSES) do
+    if delay > 0 then async.sleep(delay) end
+    local n, err, code = async.timeout(ms, reaper.reap)
+    if not n then
+      if i == 1 then return nil, err, code end
+      log.warning("demesne.reaper", "a later pass: %s", tostring(err))
+    else
+      total = total + n
+    end
+  end
+  return total
 end
 
 return reaper

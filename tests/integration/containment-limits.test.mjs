@@ -16,7 +16,7 @@ import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, existsSync, rmSync
 import { tmpdir, hostname } from "node:os";
 import path from "node:path";
 import http from "node:http";
-import { connect } from "./helpers.mjs";
+import { connect, exitReaperOf } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const SOCKET = ENGINE.replace(/^unix:\/\//, "");
@@ -290,6 +290,11 @@ test("SIGKILL of the server mid-run: the next server reaps the run folder and th
   mkdirSync(path.join(state, "expiry"), { recursive: true });
   writeFileSync(path.join(state, "expiry", "20200101T000000Z-0rphan00"), "1");
 
+  // a crash that takes the server's exit reaper too (the OOM killer, `pkill -9 demesne`): the
+  // next server's reaper is what cleans up (pool.test.mjs shows the exit reaper alone)
+  const exitReaper = exitReaperOf(a.transport.pid);
+  assert.ok(exitReaper, "the server's exit reaper runs");
+  process.kill(exitReaper.pid, "SIGKILL");
   process.kill(a.transport.pid, "SIGKILL");
   await running;
   await a.client.close().catch(() => {});

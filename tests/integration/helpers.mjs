@@ -7,7 +7,7 @@ import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
 import { spawn } from "node:child_process";
 import { randomBytes } from "node:crypto";
-import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
+import { existsSync, mkdtempSync, readFileSync, readdirSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { fileURLToPath } from "node:url";
@@ -235,4 +235,41 @@ export function isReady(c) {
   if (!isWarm(c)) return false;
   const m = /^(.*)\/run\/([^/]+)$/.exec(c.Labels["io.demesne.run_dir"]);
   try { return readFileSync(path.join(m[1], "pool", m[2]), "utf8") === "ready\n"; } catch { return false; }
+}
+
+/**
+ * The exit reaper a server started beside itself (`demesne reap --after-exit HOST/PID/START`,
+ * lua/sandbox/reaper.lua), found by its command line in /proc: {pid, sid} (sid = its
+ * session id), or null when none runs for server `serverPid`.
+ * @param {number} serverPid
+ * @returns {{pid: number, sid: number} | null}
+ */
+export function exitReaperOf(serverPid) {
+  for (const d of readdirSync("/proc")) {
+    if (!/^\d+$/.test(d)) continue;
+    let argv, stat;
+    try {
+      argv = readFileSync(`/proc/${d}/cmdline`, "utf8").split("\0");
+      stat = readFileSync(`/proc/${d}/stat`, "utf8");
+    } catch { continue; }
+    const i = argv.indexOf("--after-exit");
+    if (i > 0 && argv[i - 1] === "reap" && new RegExp(`/${serverPid}/\\d+$`).test(argv[i + 1] || "")) {
+      const f = stat.slice(stat.lastIndexOf(")") + 2).split(" ");
+      if (f[0] === "Z") continue; // exited, not yet waited for
+      return { pid: Number(d), sid: Number(f[3]) };
+    }
+  }
+  return null;
+}
+
+/**
+ * The session id of process `pid` (field 6 of /proc/PID/stat), or null when it is gone.
+ * @param {number} pid
+ * @returns {number | null}
+ */
+export function sessionOf(pid) {
+  try {
+    const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
+    return Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[3]);
+  } catch { return null; }
 }

@@ -2,7 +2,7 @@
 // engine: a call takes a warm sandbox and sees a fresh one, no sandbox is handed out
 // twice, a warm sandbox that dies is replaced, a call that finds the pool empty makes its
 // own, a pooled sandbox has exactly the egress and limits its call asked for, a server
-// killed with SIGKILL leaves nothing behind once the next one has started, and a sandbox
+// killed with SIGKILL leaves nothing behind (its exit reaper removes it), and a sandbox
 // can neither use the control socket itself nor lead the host elsewhere through it. The
 // engine comes from DEMESNE_ENGINE.
 import { test, before, after } from "node:test";
@@ -11,7 +11,7 @@ import { mkdtempSync, readFileSync, existsSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import http from "node:http";
-import { connect, isReady } from "./helpers.mjs";
+import { connect, exitReaperOf, isReady, sessionOf } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const SOCKET = ENGINE.replace(/^unix:\/\//, "");
@@ -184,34 +184,47 @@ test("a warm sandbox has exactly the egress policy and limits of the call that t
   assert.match(other.stdout, /^2147483648\n1024\n/, "it has the default limits");
 });
 
-test("a server killed with SIGKILL leaves nothing behind once the next one has started", async () => {
+test("a server killed with SIGKILL leaves nothing behind: its exit reaper removes the warm sandboxes at once", async () => {
   const state = path.join(work, "state-kill");
   const kenv = { ...env, DEMESNE_STATE_DIR: state, DEMESNE_OUTPUT_ROOT: path.join(work, "out-kill") };
   const a = await connect({ env: kenv, fixtures: false });
   const warmA = runIds(await warm(2, { image: "base" }, a.transport.pid));
   const claimed = await ok(a, "sandbox_script", { image: "base", command: "echo kept > /out/result.txt" });
+  // the exit reaper runs beside the server, in a session of its own: a client that signals
+  // the server's process group (Codex does) does not reach it
+  const pidA = a.transport.pid;
+  const reaper = exitReaperOf(pidA);
+  assert.ok(reaper, "the server started its exit reaper");
+  assert.notEqual(reaper.sid, sessionOf(pidA), "in a session of its own");
   a.transport._process.kill("SIGKILL");
-  await sleep(500);
+  // no next server: what the dead one left goes anyway
+  const ids = [...warmA].filter((id) => id !== claimed.run_id);
+  let left = [];
+  for (let i = 0; i < 120; i++) {
+    left = (await containers("io.demesne.managed=1")).filter((c) => warmA.has(c.Labels["io.demesne.run_id"])
+      || (c.Labels["io.demesne.run_dir"] || "").startsWith(state));
+    if (left.length === 0) break;
+    await sleep(250);
+  }
+  assert.deepEqual(left.map((c) => c.Names), [], "the dead server's warm sandboxes (and the one refilled) are removed");
+  const anyLeft = () => ids.some((id) => ["out-kill", "state/run", "state/pool"].some((d) =>
+    existsSync(path.join(work, d.replace("state", "state-kill"), id))));
+  for (let i = 0; i < 40 && anyLeft(); i++) await sleep(250);
+  for (const id of ids) {
+    assert.ok(!existsSync(path.join(work, "out-kill", id)), `${id}: no empty output folder`);
+    assert.ok(!existsSync(path.join(state, "run", id)), `${id}: no run folder`);
+    assert.ok(!existsSync(path.join(state, "pool", id)), `${id}: no marker`);
+  }
+  assert.equal(readFileSync(path.join(claimed.output_dir, "result.txt"), "utf8"), "kept\n", "a call's output is kept");
+  for (let i = 0; i < 120 && exitReaperOf(pidA); i++) await sleep(250); // its last pass runs 15 s after the end
+  assert.equal(exitReaperOf(pidA), null, "the exit reaper has exited");
+  const said = readFileSync(path.join(state, "exit-reaper.log"), "utf8");
+  assert.match(said, new RegExp(`the server [^ ]*/${pidA}/\\d+ has ended: [1-9]\\d* container\\(s\\) removed`));
+  for (const id of ids) assert.match(said, new RegExp(`removed ${id} \\(owner gone\\)`));
+
+  // the next server has its own, and a graceful stop removes them (its exit reaper then finds nothing)
   const b = await connect({ env: kenv, fixtures: false });
   try {
-    const ids = [...warmA].filter((id) => id !== claimed.run_id);
-    let left = [];
-    for (let i = 0; i < 120; i++) {
-      left = (await containers("io.demesne.managed=1")).filter((c) => warmA.has(c.Labels["io.demesne.run_id"]));
-      if (left.length === 0) break;
-      await sleep(250);
-    }
-    assert.deepEqual(left.map((c) => c.Names), [], "the dead server's warm sandboxes are removed");
-    // (the reaper removes the folders right after each container)
-    const anyLeft = () => ids.some((id) => ["out-kill", "state/run", "state/pool"].some((d) =>
-      existsSync(path.join(work, d.replace("state", "state-kill"), id))));
-    for (let i = 0; i < 40 && anyLeft(); i++) await sleep(250);
-    for (const id of ids) {
-      assert.ok(!existsSync(path.join(work, "out-kill", id)), `${id}: no empty output folder`);
-      assert.ok(!existsSync(path.join(state, "run", id)), `${id}: no run folder`);
-      assert.ok(!existsSync(path.join(state, "pool", id)), `${id}: no marker`);
-    }
-    assert.equal(readFileSync(path.join(claimed.output_dir, "result.txt"), "utf8"), "kept\n", "a call's output is kept");
     const mine = await warm(2, { image: "base" }, b.transport.pid);
     assert.equal(mine.filter((c) => warmA.has(c.Labels["io.demesne.run_id"])).length, 0, "the new server has its own");
   } finally {

@@ -8,6 +8,8 @@ local json = require("demesne.json")
 local sandbox = require("demesne.sandbox")
 local loop = require("core.loop")
 local fs = require("core.fs")
+local process = require("core.process")
+local async = require("demesne.async")
 
 local tests = {}
 
@@ -22,7 +24,13 @@ return { new = function()
     e[m] = function() return nil, "not in this test", "ENOTSUP" end
   end
   function e:list() return self.list_value end
-  function e:remove(id) self.removed[#self.removed + 1] = id return true end
+  function e:remove(id)
+    self.removed[#self.removed + 1] = id
+    for i, c in ipairs(self.list_value) do
+      if c.id == id then table.remove(self.list_value, i) break end
+    end
+    return true
+  end
   return e
 end }
 ]]
@@ -31,7 +39,9 @@ local function touch_old(path)
   assert(os.execute(("touch -h -d '10 days ago' '%s'"):format(path)))
 end
 
-function tests.leftovers_of_a_killed_server_go_and_live_folders_stay(t)
+-- Runs fn(d, state) with the fake engine as the configured one and a scratch state folder
+-- under d; restores the configuration and removes d afterwards.
+local function with_fake_engine(fn)
   local d = os.tmpname()
   os.remove(d)
   local state = d .. "/state"
@@ -41,7 +51,17 @@ function tests.leftovers_of_a_killed_server_go_and_live_folders_stay(t)
   loop.setenv("DEMESNE_ENGINE_ADAPTER", "fake")
   loop.setenv("DEMESNE_STATE_DIR", state)
   config.load()
-  local ok, err = pcall(function()
+  local ok, err = pcall(fn, d, state)
+  loop.setenv("XDG_CONFIG_HOME", nil)
+  loop.setenv("DEMESNE_ENGINE_ADAPTER", nil)
+  loop.setenv("DEMESNE_STATE_DIR", nil)
+  config.load()
+  fs.remove_tree(d)
+  if not ok then error(err, 0) end
+end
+
+function tests.leftovers_of_a_killed_server_go_and_live_folders_stay(t)
+  with_fake_engine(function(d, state)
     local eng = assert(engines.get())
     local dead = loop.hostname() .. "/999999999/1"
     local function folder(id, claim, old)
@@ -95,12 +115,47 @@ function tests.leftovers_of_a_killed_server_go_and_live_folders_stay(t)
     t:eq(has("tmp/old.tar"), false, "an old temporary file goes")
     t:eq(has("tmp/new.tar"), true, "a new one stays")
   end)
-  loop.setenv("XDG_CONFIG_HOME", nil)
-  loop.setenv("DEMESNE_ENGINE_ADAPTER", nil)
-  loop.setenv("DEMESNE_STATE_DIR", nil)
-  config.load()
-  fs.remove_tree(d)
-  if not ok then error(err, 0) end
+end
+
+-- The owner label of process `pid` (as sandbox.owner() makes it for this process).
+local function owner_of(pid)
+  local f = assert(io.open("/proc/" .. pid .. "/stat"))
+  local s = f:read("a")
+  f:close()
+  local fields = {}
+  for x in s:match("%) (.*)$"):gmatch("%S+") do fields[#fields + 1] = x end
+  return ("%s/%d/%s"):format(loop.hostname(), pid, fields[20])
+end
+
+function tests.the_exit_reaper_waits_for_its_server_to_end_then_removes_what_it_left(t)
+  with_fake_engine(function()
+    local eng = assert(engines.get())
+    -- the "server": a child whose stdout pipe stands for the exit reaper's stdin
+    local server, pipes = assert(process.spawn({ file = "sleep", args = { "0.3" }, stdout = true }, function() end))
+    local label = owner_of(server:pid())
+    local function container(id, who)
+      return { id = id, state = "running", labels = { ["io.demesne.managed"] = "1", ["io.demesne.kind"] = "oneshot",
+        ["io.demesne.run_id"] = id, ["io.demesne.owner"] = who, ["io.demesne.expires_at"] = "9999999999" } }
+    end
+    eng.list_value[1] = container("c-of-the-server", label)
+    eng.list_value[2] = container("c-of-a-live-server", sandbox.owner())
+    local started = loop.now()
+    local n, err
+    local task = async.spawn("exit reaper", function() n, err = sandbox.after_exit(pipes.stdout, label, 5000, { 0, 300 }) end)
+    -- a create the server sent just before it ended: the engine makes it after the first pass
+    async.spawn("late create", function()
+      while #eng.removed == 0 do async.sleep(10) end
+      eng.list_value[#eng.list_value + 1] = container("c-made-after-the-end", label)
+    end)
+    task:wait()
+    pipes.stdout:close()
+    t:eq(err, nil, "no error")
+    t:ok(server:exited(), "it ran once the server had ended")
+    t:ok(loop.now() - started >= 300, "not before")
+    t:eq(eng.removed, { "c-of-the-server", "c-made-after-the-end" }, "the server's containers, also the late one; "
+      .. "a live server's stays")
+    t:eq(n, 2, "the count of both passes")
+  end)
 end
 
 return tests
