@@ -157,6 +157,9 @@ local SPEC = {
   gvisor_engine = { env = "DEMESNE_GVISOR_ENGINE",
     doc = "Podman: the socket (unix:///path) of a second Podman API service whose default runtime is gVisor "
       .. "(Podman's API cannot choose a runtime per container); unset: no gVisor on Podman" },
+  enforce_limits = { env = "DEMESNE_ENFORCE_LIMITS", default = true, bool = true,
+    doc = "refuse to start sandboxes on an engine that would not enforce their memory, process and CPU limits "
+      .. "(rootless Podman on cgroup v1); false starts them without limits, with a warning" },
   userns = { env = "DEMESNE_USERNS", default = true, bool = true,
     doc = "run sandboxes in a user namespace where the engine supports it, so that uid 0 inside is an "
       .. "unprivileged uid on the host (rootful Podman: an automatic range; Docker: when userns-remap is on)" },

@@ -285,6 +285,19 @@ local function check_userns(ctx)
   return ok(("not available: %s"):format(f.userns_detail))
 end
 
+local function check_limits(ctx)
+  if not ctx.engine then return { skip = "needs an engine" } end
+  local f = ctx.facts
+  if not f and type(ctx.engine.probe) == "function" then f = ctx.engine:probe() end
+  if not f or not f.limits then return ok("the engine adapter does not say whether it enforces limits") end
+  if f.limits.ok then return ok(("memory, process and CPU limits: %s"):format(f.limits.detail)) end
+  if config.get("enforce_limits") then
+    return fail(("not enforced: %s, so demesne starts no sandbox on this engine"):format(f.limits.detail), f.limits.fix)
+  end
+  return ok(("NOT enforced (%s): sandboxes run without memory, process and CPU limits, as enforce_limits = false "
+    .. "allows"):format(f.limits.detail))
+end
+
 --- The checks, in the order they run and print: {name = string, run = function(ctx) -> result}.
 --- Add a check by adding an entry; see the top of this file for the result shapes.
 doctor.CHECKS = {
@@ -295,6 +308,7 @@ doctor.CHECKS = {
   { name = "demesne-init", run = check_init },
   { name = "gvisor", run = check_gvisor },
   { name = "userns", run = check_userns },
+  { name = "limits", run = check_limits },
 }
 
 --- Runs every check in order (inside a task: the engine checks make requests). A check

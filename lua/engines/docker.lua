@@ -84,6 +84,7 @@ docker.CAPABILITIES = {
   networks = { none = true, bridge = true },
   runtimes = {},
   userns = false,
+  limits = true,
 }
 
 --- Under gVisor the host's pids cgroup counts the gVisor kernel's own threads (about five
@@ -374,6 +375,37 @@ local function docker_gvisor(info, name)
   return { ok = true, detail = ("Docker runtime %s: %s"):format(name, how) }
 end
 
+local LIMITS_FIX = "run the engine rootful, or give rootless Podman cgroup v2 with the memory, pids and cpu "
+  .. "controllers delegated to its user (systemd: a user session, Delegate=yes); or set enforce_limits = false to run "
+  .. "sandboxes without limits"
+
+-- Whether the engine enforces memory, process and CPU limits: {ok, detail, fix}. Podman
+-- names the cgroup controllers it can use (host.cgroupControllers: none for rootless Podman on
+-- cgroup v1, which ignores limits with only a warning); Docker says MemoryLimit, PidsLimit and
+-- CpuCfsQuota in /info.
+local function limits_of(engine, info, rootless)
+  local missing = {}
+  if engine == "podman" then
+    local host = type(info.host) == "table" and info.host or {}
+    local have = {}
+    for _, c in ipairs(type(host.cgroupControllers) == "table" and host.cgroupControllers or {}) do have[c] = true end
+    for _, c in ipairs({ "memory", "pids", "cpu" }) do
+      if not have[c] then missing[#missing + 1] = c end
+    end
+    if #missing == 0 then return { ok = true, detail = "enforced (cgroup " .. tostring(host.cgroupVersion) .. ")" } end
+    local why = (rootless and host.cgroupVersion == "v1")
+      and "rootless Podman on cgroup v1 ignores them"
+      or ("Podman cannot use the cgroup controller(s) %s"):format(table.concat(missing, ", "))
+    return { ok = false, detail = why, fix = LIMITS_FIX }
+  end
+  for _, k in ipairs({ "MemoryLimit", "PidsLimit", "CpuCfsQuota" }) do
+    if info[k] == false then missing[#missing + 1] = k end
+  end
+  if #missing == 0 then return { ok = true, detail = "enforced" } end
+  return { ok = false, detail = ("Docker says it cannot enforce %s"):format(table.concat(missing, ", ")),
+    fix = LIMITS_FIX }
+end
+
 --- What an engine offers beyond the defaults, from its own answers (pure: tested on
 --- recorded bodies). raw = {version = GET /version, info = GET /info (Docker) or
 --- GET /libpod/info (Podman), gvisor_info = the gVisor service's GET /libpod/info (Podman;
@@ -381,7 +413,8 @@ end
 --- opts = {gvisor_runtime, gvisor_socket}. Returns the facts:
 --- {engine = "podman"|"docker", rootless = boolean, userns = "auto"|"remap"|"rootless"|nil,
 ---  userns_detail = string, remap_uid, remap_gid (remap), gvisor_path (Podman),
----  gvisor = {ok = boolean, detail = string, fix = string|nil}}.
+---  gvisor = {ok = boolean, detail = string, fix = string|nil},
+---  limits = {ok = boolean, detail = string, fix = string|nil} (memory, process and CPU limits)}.
 ---@param raw table
 ---@param opts {gvisor_runtime: string, gvisor_socket: string|nil}
 ---@return table facts
@@ -395,6 +428,7 @@ function docker.read_facts(raw, opts)
   if engine == "podman" then
     local host = type(i.host) == "table" and i.host or {}
     f.rootless = type(host.security) == "table" and host.security.rootless == true
+    f.limits = limits_of("podman", i, f.rootless)
     if f.rootless then
       f.userns, f.userns_detail = "rootless", "rootless Podman: uid 0 in a sandbox is your own uid on the host"
     elseif version_before(v.Version, docker.PODMAN_USERNS_AUTO_MIN) then
@@ -428,6 +462,7 @@ function docker.read_facts(raw, opts)
     return list_has(i.SecurityOptions, function(o) return tostring(o):match("name=([^,]+)") == name end)
   end
   f.rootless = secopt("rootless")
+  f.limits = limits_of("docker", i, f.rootless)
   if f.rootless then
     f.userns, f.userns_detail = "rootless", "rootless Docker: uid 0 in a sandbox is your own uid on the host"
   elseif secopt("userns") then
@@ -445,7 +480,8 @@ function docker.read_facts(raw, opts)
 end
 
 --- Asks the engine what it offers beyond the defaults (docker.read_facts), fills in
---- capabilities.runtimes (gvisor) and capabilities.userns, and returns the facts. The
+--- capabilities.runtimes (gvisor), capabilities.userns and capabilities.limits, and returns
+--- the facts. The
 --- engine's own answers are kept for 5 minutes (30 seconds when asked about gVisor: a
 --- runtime registered meanwhile is seen soon). Podman's gVisor lives in another service,
 --- asked only when `opts.gvisor` is true (a gVisor sandbox, `demesne doctor`) and kept for
@@ -481,6 +517,7 @@ function Engine:probe(opts)
   self.kind = f.engine
   self.capabilities.runtimes = { gvisor = f.gvisor.ok or nil }
   self.capabilities.userns = f.userns ~= nil
+  self.capabilities.limits = f.limits.ok
   self.facts = f
   return f
 end

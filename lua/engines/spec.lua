@@ -149,6 +149,9 @@ function spec.check(s, caps)
     ok, err, code = all({ optional, positive, "limits.memory_bytes", s.limits.memory_bytes, true },
       { optional, positive, "limits.cpus", s.limits.cpus }, { optional, positive, "limits.pids", s.limits.pids, true })
     if not ok then return nil, err, code end
+    if next(s.limits) and caps.limits == false then
+      return unsupported("limits", "this engine does not enforce memory, process and CPU limits (capability limits)")
+    end
   end
   local net = s.network or "none"
   if not spec.NETWORKS[net] then return bad("network", ('"%s" is not "none" or "bridge"'):format(tostring(net))) end

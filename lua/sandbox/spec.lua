@@ -10,6 +10,7 @@ local errors = require("demesne.errors")
 local fs = require("core.fs")
 local json = require("demesne.json")
 local loop = require("core.loop")
+local log = require("demesne.log")
 local paths = require("demesne.paths")
 local util = require("demesne.util")
 local owner = require("demesne.sandbox.owner")
@@ -189,7 +190,11 @@ local function container_spec(o)
     -- the sandbox can write to PID 1's stdout (/proc/1/fd/1): the engine's log of it lives
     -- on the host's disk, outside the output folder, and demesne never reads it
     log_max_bytes = 1024 * 1024,
-    limits = { memory_bytes = math.floor(lim.memory_mb * 1024 * 1024), cpus = lim.cpus, pids = math.floor(lim.pids) },
+    -- an engine that would ignore them gets none with enforce_limits = false (see spec.isolation);
+    -- otherwise engine_spec.check below refuses it
+    limits = ((o.engine.capabilities or {}).limits ~= false or config.get("enforce_limits"))
+      and { memory_bytes = math.floor(lim.memory_mb * 1024 * 1024), cpus = lim.cpus, pids = math.floor(lim.pids) }
+      or nil,
     runtime = o.isolation == "gvisor" and "gvisor" or nil,
     userns = o.userns or nil,
   }
@@ -233,12 +238,15 @@ end
 --- The isolation levels a sandbox call may ask for (the `isolation` parameter).
 spec.ISOLATIONS = { container = true, gvisor = true }
 
+local unlimited_warned = setmetatable({}, { __mode = "k" }) -- engine -> true: said it runs sandboxes without limits
+
 --- Decides how a new sandbox is isolated: `isolation` ("container" or "gvisor"; nil = the
 --- isolation_default setting) and whether it gets a user namespace (the userns setting,
 --- where the engine offers one). Asks the engine what it offers (eng:probe, when the
---- adapter has it). Fails, naming
---- the field, when gVisor is asked for and the engine cannot give it: never a silent
---- downgrade to the plain container. Returns {isolation = string, userns = boolean}.
+--- adapter has it). Fails, naming the field, when gVisor is asked for and the engine cannot
+--- give it, and when the engine would not enforce the sandbox's limits (capability limits)
+--- unless enforce_limits is false (then a warning, once per engine): never a silent
+--- downgrade. Returns {isolation = string, userns = boolean}.
 ---@param eng table  the engine adapter
 ---@param isolation string|nil
 ---@param open_egress boolean  the sandbox gets the engine's bridge network (open egress)
@@ -262,6 +270,19 @@ function spec.isolation(eng, isolation, open_egress)
       fail(("%s: gvisor sandboxes have no network but loopback (gVisor runs with --network=none), so the open "
         .. "egress policy cannot be given; use a proxied policy (package-managers, an allowlist) or isolation "
         .. "container"):format(field), "ENOTSUP")
+    end
+  end
+  if caps.limits == false then
+    local l = facts and facts.limits or {}
+    if config.get("enforce_limits") then
+      fail(("limits: this engine does not enforce memory, process and CPU limits%s, so demesne starts no sandbox "
+        .. "on it; %s"):format(l.detail and (": " .. l.detail) or "", l.fix or "use an engine that does, or set "
+        .. "enforce_limits = false"), "ENOTSUP")
+    end
+    if not unlimited_warned[eng] then
+      unlimited_warned[eng] = true
+      log.warning("demesne.sandbox", "sandboxes on this engine run WITHOUT memory, process and CPU limits "
+        .. "(enforce_limits = false): %s", tostring(l.detail))
     end
   end
   return { isolation = isolation, userns = config.get("userns") == true and caps.userns == true }

@@ -33,13 +33,16 @@ test(`doctor finds ${KIND} at ${SOCKET} and passes every check`, async () => {
     assert.match(engine ?? "", new RegExp(`^ok\\s+engine\\s+${KIND} \\S+, Docker Engine API 1\\.\\d+, at ${ENGINE.replace(/[.*+?^${}()|[\]\\/]/g, "\\$&")} \\(the engine setting\\)$`), r.stdout);
     const verdicts = lines.filter((l) => !/^\s/.test(l) && !l.startsWith("demesne doctor:")).map((l) => l.split(/\s+/).slice(0, 2).join(" "));
     assert.deepEqual(verdicts, ["ok engine", "ok images", "ok config", "ok folders", "ok demesne-init", "ok gvisor",
-      "ok userns"], r.stdout);
+      "ok userns", "ok limits"], r.stdout);
     // which wall is in effect: Debian's Podman 4.3 and Docker without userns-remap give no user namespace
     const userns = lines.find((l) => /^ok\s+userns\s/.test(l));
     assert.match(userns, KIND === "podman"
       ? /^ok\s+userns\s+(not available: rootful Podman 4\.3\.\d+: uid 0 in a sandbox is uid 0 on the host|on: rootful Podman: each sandbox gets its own user namespace)/
       : /^ok\s+userns\s+(not available: Docker without userns-remap|on: Docker's userns-remap is on)/, r.stdout);
-    assert.equal(lines.at(-1), "demesne doctor: all 7 checks passed");
+    assert.match(lines.find((l) => /^ok\s+limits\s/.test(l)) ?? "", KIND === "podman"
+      ? /^ok\s+limits\s+memory, process and CPU limits: enforced \(cgroup v[12]\)$/
+      : /^ok\s+limits\s+memory, process and CPU limits: enforced$/, r.stdout);
+    assert.equal(lines.at(-1), "demesne doctor: all 8 checks passed");
     assert.equal(r.status, 0, r.stdout + r.stderr);
   } finally {
     rmSync(work, { recursive: true, force: true });

@@ -42,7 +42,7 @@ end
 function tests.every_check_runs_in_order(t)
   with_env({}, function()
     local _, names = by_name(doctor.run())
-    t:eq(names, { "engine", "images", "config", "folders", "demesne-init", "gvisor", "userns" })
+    t:eq(names, { "engine", "images", "config", "folders", "demesne-init", "gvisor", "userns", "limits" })
   end)
 end
 

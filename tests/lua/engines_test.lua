@@ -203,6 +203,33 @@ function tests.podman_offers_gvisor_only_through_a_service_that_runs_it(t)
   t:eq(docker.read_facts(rootless, {}).userns, "rootless", "rootless Podman")
 end
 
+function tests.limits_are_enforced_unless_the_engine_says_it_cannot(t)
+  local f = docker.read_facts(RECORDED.podman_4_3, {})
+  t:eq({ f.limits.ok, f.limits.detail }, { true, "enforced (cgroup v1)" }, "rootful Podman 4.3 on cgroup v1")
+  f = docker.read_facts(RECORDED.podman_4_3_rootless_cgroup_v1, {})
+  t:eq({ f.rootless, f.limits.ok }, { true, false }, "rootless Podman 4.3 on cgroup v1 (recorded): no controllers")
+  t:eq(f.limits.detail, "rootless Podman on cgroup v1 ignores them", "says why")
+  t:match(f.limits.fix, "enforce_limits = false", "and the way out")
+  local v2 = copy(RECORDED.podman_4_3_rootless_cgroup_v1)
+  v2.info.host.cgroupVersion, v2.info.host.cgroupControllers = "v2", { "memory", "pids" }
+  t:eq(docker.read_facts(v2, {}).limits.detail, "Podman cannot use the cgroup controller(s) cpu",
+    "cgroup v2 with a controller not delegated")
+  v2.info.host.cgroupControllers = { "cpuset", "cpu", "io", "memory", "pids" }
+  t:eq(docker.read_facts(v2, {}).limits.ok, true, "cgroup v2 with the controllers delegated")
+  f = docker.read_facts(RECORDED.docker_20_10, {})
+  t:eq({ f.limits.ok, f.limits.detail }, { true, "enforced" }, "Docker 20.10")
+  local nolimits = copy(RECORDED.docker_20_10)
+  nolimits.info.MemoryLimit, nolimits.info.PidsLimit = false, false
+  t:eq(docker.read_facts(nolimits, {}).limits.detail, "Docker says it cannot enforce MemoryLimit, PidsLimit", "Docker")
+  local spec = require("demesne.engines.spec")
+  local caps = { bind_mounts = true, unix_socket_mounts = true, tmpfs = true, read_only_rootfs = true,
+    networks = { none = true }, runtimes = {}, userns = false, limits = false }
+  local ok, err, code = spec.check({ image = "x", limits = { memory_bytes = 1024, pids = 10 } }, caps)
+  t:eq({ ok, err, code }, { nil, "spec.limits: this engine does not enforce memory, process and CPU limits "
+    .. "(capability limits)", "ENOTSUP" }, "a spec with limits is refused where they would be ignored")
+  t:eq(spec.check({ image = "x" }, caps), true, "a spec without limits is not")
+end
+
 function tests.the_spec_asks_for_gvisor_and_a_user_namespace_only_where_offered(t)
   local spec = require("demesne.engines.spec")
   local caps = { bind_mounts = true, unix_socket_mounts = true, tmpfs = true, read_only_rootfs = true,
