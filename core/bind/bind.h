@@ -49,6 +49,12 @@ struct dm_lwork {
 /// it returns.
 int dm_lwork_start(lua_State *L, dm_lwork *lw, int cb);
 
+/// The optional integer field `k` of the options table at stack index `t` (a count, a size
+/// in bytes or a time in ms): `def` when the field is nil. Raises "<k> must be a
+/// non-negative integer" when it is a negative integer, and Lua's own error when it is not
+/// an integer. Shared by the bindings that take an options table (httpd, proxy).
+lua_Integer dm_opt_count(lua_State *L, int t, const char *k, lua_Integer def);
+
 /// The descriptor of the open `core.fs.file` at `idx` (raises when it is not one or closed).
 int dm_fs_check_file(lua_State *L, int idx);
 

@@ -179,14 +179,6 @@ static void on_closed(void *ud) {
   free(ls);
 }
 
-static lua_Integer opt_int(lua_State *L, int t, const char *k, lua_Integer def) {
-  lua_getfield(L, t, k);
-  lua_Integer v = lua_isnil(L, -1) ? def : luaL_checkinteger(L, -1);
-  lua_pop(L, 1);
-  luaL_argcheck(L, v >= 0, t, k);
-  return v;
-}
-
 /// core.httpd.new(opts, on_request, on_close[, on_head]) -> server.
 /// opts (all optional, in bytes and ms): max_body (4 MiB), max_head (64 KiB), max_output
 /// (16 MiB queued per connection before it is cut as a slow reader), max_conns (1024),
@@ -209,13 +201,13 @@ static int l_new(lua_State *L) {
   luaL_checktype(L, 2, LUA_TFUNCTION);
   luaL_checktype(L, 3, LUA_TFUNCTION);
   dm_httpd_opts o = {0};
-  o.max_body = (size_t)opt_int(L, 1, "max_body", 0);
-  o.max_head = (size_t)opt_int(L, 1, "max_head", 0);
-  o.max_output = (size_t)opt_int(L, 1, "max_output", 0);
-  o.max_conns = (size_t)opt_int(L, 1, "max_conns", 0);
-  o.request_timeout_ms = (unsigned)opt_int(L, 1, "request_timeout_ms", 0);
-  o.idle_timeout_ms = (unsigned)opt_int(L, 1, "idle_timeout_ms", 0);
-  o.max_buffered = (size_t)opt_int(L, 1, "max_buffered", 0);
+  o.max_body = (size_t)dm_opt_count(L, 1, "max_body", 0);
+  o.max_head = (size_t)dm_opt_count(L, 1, "max_head", 0);
+  o.max_output = (size_t)dm_opt_count(L, 1, "max_output", 0);
+  o.max_conns = (size_t)dm_opt_count(L, 1, "max_conns", 0);
+  o.request_timeout_ms = (unsigned)dm_opt_count(L, 1, "request_timeout_ms", 0);
+  o.idle_timeout_ms = (unsigned)dm_opt_count(L, 1, "idle_timeout_ms", 0);
+  o.max_buffered = (size_t)dm_opt_count(L, 1, "max_buffered", 0);
   if (!lua_isnoneornil(L, 4)) luaL_checktype(L, 4, LUA_TFUNCTION);
   lua_getfield(L, 1, "max_buffered_why");
   o.max_buffered_why = lua_isnil(L, -1) ? NULL : luaL_checkstring(L, -1);

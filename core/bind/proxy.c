@@ -148,13 +148,6 @@ static void on_closed(void *ud) {
   free(lp);
 }
 
-static int opt_int(lua_State *L, int t, const char *k, int def) {
-  lua_getfield(L, t, k);
-  int v = lua_isnil(L, -1) ? def : (int)luaL_checkinteger(L, -1);
-  lua_pop(L, 1);
-  return v;
-}
-
 /// core.proxy.listen(path, opts, on_request, on_done) -> listener | nil, msg, code.
 /// Listens on the unix socket `path` (an existing file is replaced). opts: resolver
 /// ("ip:port" of a test DNS server; default getaddrinfo), rules (list of {cidr = string,
@@ -177,9 +170,9 @@ static int l_listen(lua_State *L) {
   lua_getfield(L, 2, "resolver");
   o.resolver = lua_isnil(L, -1) ? NULL : luaL_checkstring(L, -1);
   lua_pop(L, 1); /* the string stays alive in opts */
-  o.head_timeout_ms = (unsigned)opt_int(L, 2, "head_timeout_ms", 0);
-  o.connect_timeout_ms = (unsigned)opt_int(L, 2, "connect_timeout_ms", 0);
-  int max_conns = opt_int(L, 2, "max_conns", 0), max_fds = opt_int(L, 2, "max_fds", 0);
+  o.head_timeout_ms = (unsigned)dm_opt_count(L, 2, "head_timeout_ms", 0);
+  o.connect_timeout_ms = (unsigned)dm_opt_count(L, 2, "connect_timeout_ms", 0);
+  int max_conns = (int)dm_opt_count(L, 2, "max_conns", 0), max_fds = (int)dm_opt_count(L, 2, "max_fds", 0);
   luaL_argcheck(L, max_conns >= 0 && max_fds >= 0, 2, "max_conns and max_fds must not be negative");
   o.max_conns = (unsigned)max_conns;
   o.max_fds = (unsigned)max_fds;
@@ -209,9 +202,17 @@ static int l_listen(lua_State *L) {
     lua_getfield(L, -1, "allow");
     rules[i].allow = lua_toboolean(L, -1);
     lua_pop(L, 1);
-    rules[i].port = opt_int(L, -1, "port", 0);
-    rules[i].index = opt_int(L, -1, "index", (int)i + 1);
-    lua_pop(L, 1);
+    /* read without raising: a raise here would leak `rules` */
+    lua_getfield(L, -1, "port");
+    lua_getfield(L, -2, "index");
+    if ((!lua_isnil(L, -2) && (!lua_isinteger(L, -2) || lua_tointeger(L, -2) < 0)) ||
+        (!lua_isnil(L, -1) && (!lua_isinteger(L, -1) || lua_tointeger(L, -1) < 0))) {
+      free(rules);
+      return luaL_error(L, "opts.rules[%d]: port and index must be non-negative integers", (int)i + 1);
+    }
+    rules[i].port = lua_isnil(L, -2) ? 0 : (int)lua_tointeger(L, -2);
+    rules[i].index = lua_isnil(L, -1) ? (int)i + 1 : (int)lua_tointeger(L, -1);
+    lua_pop(L, 3);
   }
   lua_pop(L, 1);
   o.rules = rules;

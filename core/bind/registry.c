@@ -26,3 +26,11 @@ void dm_open_bindings(lua_State *L) {
   }
   lua_pop(L, 1);
 }
+
+lua_Integer dm_opt_count(lua_State *L, int t, const char *k, lua_Integer def) {
+  lua_getfield(L, t, k);
+  lua_Integer v = lua_isnil(L, -1) ? def : luaL_checkinteger(L, -1);
+  lua_pop(L, 1);
+  if (v < 0) luaL_error(L, "%s must be a non-negative integer", k);
+  return v;
+}

@@ -370,4 +370,20 @@ function tests.many_connections_at_once(t)
   t:eq(bad, 0, "every request answered with its own body")
 end
 
+function tests.options_that_are_not_counts_are_refused_by_name(t)
+  local ok, err = pcall(httpd.new, { max_body = -1 }, function() end, function() end)
+  t:eq(ok, false, "a negative size is refused")
+  t:match(tostring(err), "max_body must be a non%-negative integer", "naming the option")
+  local proxy = require("core.proxy")
+  local d = os.tmpname()
+  os.remove(d)
+  ok, err = pcall(proxy.listen, d .. ".sock", { rules = { { cidr = "10.0.0.0/8", allow = false, port = -1 } } },
+    function() end, function() end)
+  t:eq(ok, false, "a negative port in a rule is refused")
+  t:match(tostring(err), "opts%.rules%[1%]: port and index must be non%-negative integers", "naming the rule")
+  ok, err = pcall(proxy.listen, d .. ".sock", { max_conns = -2 }, function() end, function() end)
+  t:eq(ok, false, "a negative ceiling is refused")
+  t:match(tostring(err), "max_conns must be a non%-negative integer", "naming the option")
+end
+
 return tests
