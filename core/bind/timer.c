@@ -68,7 +68,9 @@ static int l_new(lua_State *L) {
 }
 
 /// timer:start(timeout_ms, repeat_ms, callback) -> timer. Calls callback() after timeout_ms,
-/// then every repeat_ms if repeat_ms > 0. Restarting replaces the previous callback.
+/// then every repeat_ms if repeat_ms > 0. Restarting replaces the previous callback. The
+/// timeout counts from the call, not from the loop's last tick (uv_update_time first: after
+/// a long callback the loop's cached time is behind, and the timer would fire early).
 static int l_start(lua_State *L) {
   dm_timer *t = check_timer(L, 1);
   lua_Integer timeout = luaL_checkinteger(L, 2);
@@ -82,6 +84,7 @@ static int l_start(lua_State *L) {
   lua_pushvalue(L, 1);
   t->self_ref = dm_ref(L);
   t->repeat = repeat > 0;
+  uv_update_time(dm_rt.loop);
   uv_timer_start(t->h, on_timer, (uint64_t)timeout, (uint64_t)repeat);
   lua_settop(L, 1);
   return 1;
