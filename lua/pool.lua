@@ -1,14 +1,17 @@
 -- The warm pool (DESIGN.md "Warm pool"): sandboxes that are created and started before a
 -- call needs them, each waiting in `demesne-init wait` for the one command it will run.
 --
--- A warm sandbox is made by the very code that makes a fresh one (sandbox.script_start):
+-- A warm sandbox is made by the very code that makes a fresh one (sandbox.script_start);
+-- under gVisor its PID 1 is `demesne-init serve`, as in a persistent sandbox:
 -- its run id, output folder, run folder, egress proxy and relay socket exist from the
 -- fill; only the command, its environment and its timeout come with the call, over the
--- control socket (lua/channel.lua). So a claimed sandbox is what a fresh one would be:
--- a new filesystem, no earlier process (demesne-init and its relay only), its own /out.
+-- control socket (lua/channel.lua), or under gVisor, which has no control socket, through
+-- the engine's exec API (sandbox.script_exec). So a claimed sandbox is what a fresh one
+-- would be: a new filesystem, no earlier process (demesne-init and its relay only), its own
+-- /out, the same isolation (gVisor, user namespace).
 --
 -- Kinds: sandboxes are pooled per kind = (image, egress policy, limits, read-only root,
--- demesne-init, engine): a call without host inputs claims one of exactly its kind, or
+-- demesne-init, engine, isolation): a call without host inputs claims one of exactly its kind, or
 -- makes a fresh one. Calls with host inputs (files, directories), background jobs and
 -- agent runs are never pooled. Each sandbox is used once and never reused.
 --
@@ -19,7 +22,8 @@
 -- target by one (up to `pool_max` in all), and each minute without such a miss lowers it
 -- again by one, so bursts of calls find more warm sandboxes than the base size. A
 -- warm sandbox whose demesne-init goes away (killed, removed) is noticed at once through
--- its held control connection, discarded and replaced. A kind unused for
+-- its held control connection, discarded and replaced (a gVisor one, which has none, when
+-- a call would take it: the engine is asked whether it runs). A kind unused for
 -- `pool_idle_seconds` is emptied. pool.stop (at shutdown) removes every warm sandbox.
 --
 -- Crash safety: warm sandboxes carry the labels of a one-shot run (owner, expiry) plus
@@ -62,15 +66,17 @@ pool.marker = marker
 
 -- The kind of a plan whose image is resolved: everything that makes two sandboxes differ
 -- before their command runs.
-local function key_of(eng, image_ref, policy, lim)
+local function key_of(eng, image_ref, policy, lim, isolation)
   return table.concat({ tostring(eng.socket), image_ref, policy.name, sandbox.num(lim.memory_mb), sandbox.num(lim.cpus),
-    sandbox.num(lim.pids), config.get("readonly_rootfs") and "ro" or "rw", tostring(config.init_path()) }, "|")
+    sandbox.num(lim.pids), config.get("readonly_rootfs") and "ro" or "rw", tostring(config.init_path()), isolation },
+    "|")
 end
 
 -- Whether a planned sandbox_script run may take a warm sandbox: a one-shot of the plain
 -- shape (no host inputs, no agent extras, no job labels).
 local function eligible(o)
-  return o.kind == "oneshot" and o.tool == "sandbox_script" and o.control and #(o.mounts or {}) == 0
+  return o.kind == "oneshot" and o.tool == "sandbox_script" and (o.control or o.isolation == "gvisor")
+    and #(o.mounts or {}) == 0
     and not o.argv and not o.extra_relay and not o.before_create and not o.labels and not o.tree
 end
 
@@ -119,8 +125,15 @@ local function fill_one(k)
   local o = {
     engine = k.engine, limits = k.limits, mounts = {}, egress = k.policy, run_id = run_id, output_dir = output_dir,
     run_dir = run_dir, kind = "oneshot", tool = "sandbox_script", ttl = pool.TTL, image_arg = k.image,
-    name = "demesne-" .. run_id, exec_id = "main", control = true, background = true,
+    name = "demesne-" .. run_id, exec_id = "main", background = true,
   }
+  -- isolated as a fresh sandbox of the same call would be: the user namespace where the
+  -- engine gives one (without it, Docker's userns-remap runs the sandbox as the host's root)
+  local iso = sandbox.isolation(k.engine, k.isolation, k.policy.open == true)
+  o.isolation, o.userns = iso.isolation, iso.userns
+  -- under gVisor the host cannot connect to a socket made inside: the command comes through
+  -- the engine's exec API instead of the control socket (sandbox.script_exec)
+  o.control, o.hold = iso.isolation ~= "gvisor", iso.isolation == "gvisor" or nil
   o.env = sandbox.env(nil, sandbox.default_env(run_id, k.policy))
   local entry = { o = o, policy = k.policy, born = now(), expires_at = math.floor(now()) + pool.TTL }
   -- the marker once the folders exist and before the container does: a crash from there on
@@ -134,8 +147,8 @@ local function fill_one(k)
     discard(entry, "fill failed")
     error(err, 0)
   end
-  entry.conn = o.conn
-  -- demesne-init listens and the pool holds its connection: from now on a call can take it
+  entry.conn = o.conn -- nil under gVisor
+  -- demesne-init listens (or, under gVisor, the container runs): from now on a call can take it
   fs.write_atomic(marker(run_id), "ready\n", 384)
   return entry
 end
@@ -165,7 +178,7 @@ refill = function(k)
         return
       else
         backoff = 1000
-        entry.conn:watch(function(why) on_dead(k, entry, why) end)
+        if entry.conn then entry.conn:watch(function(why) on_dead(k, entry, why) end) end
         k.ready[#k.ready + 1] = entry
         log.debug(LOGGER, "warm sandbox %s ready (%s, egress %s; %d of %d)", entry.o.run_id, k.image, k.policy.name,
           #k.ready, target(k))
@@ -185,8 +198,8 @@ end
 
 -- The kind for (engine, image, policy, limits), made (and its filler started) when new.
 -- Learning a kind beyond what pool_max allows drains the least recently used one.
-local function kind_for(eng, image, image_ref, policy, lim)
-  local key = key_of(eng, image_ref, policy, lim)
+local function kind_for(eng, image, image_ref, policy, lim, isolation)
+  local key = key_of(eng, image_ref, policy, lim, isolation)
   local k = kinds[key]
   if k then return k end
   local cap = math.max(math.floor(max_total() / math.max(size(), 1)), 1)
@@ -197,7 +210,8 @@ local function kind_for(eng, image, image_ref, policy, lim)
   end
   if n >= cap and oldest then drain(oldest, "a more recently used kind of sandbox needs the room") end
   k = { key = key, hash = text.hash(key):sub(1, 12), engine = eng, image = image, image_ref = image_ref,
-    policy = policy, limits = lim, ready = {}, last_used = now(), target = size(), misses = 0, learned = true }
+    policy = policy, limits = lim, isolation = isolation, ready = {}, last_used = now(), target = size(), misses = 0,
+    learned = true }
   kinds[key] = k
   return k
 end
@@ -213,13 +227,13 @@ local function take(o, entry, img)
   o.run_id, o.name, o.id, o.output_dir, o.run_dir = w.run_id, w.name, w.id, w.output_dir, w.run_dir
   o.egress_handle, o.conn, o.image_ref, o.image_name, o.creating = w.egress_handle, entry.conn, img.ref, img.name, nil
   entry.gone = true -- the call owns it now: its teardown is the call's
-  entry.conn:watch(nil)
+  if entry.conn then entry.conn:watch(nil) end
   os.remove(marker(o.run_id))
   -- the label's expiry, set at the fill, must cover the command's whole timeout (as a fresh
   -- one-shot's does); a renewed expiry is written only when it would not (an fsync saved)
   local need = math.floor(now()) + o.timeout + 600
   if need > entry.expires_at then sandbox.write_expiry(o.run_dir, need) end
-  local ok, err = pcall(sandbox.script_send, o)
+  local ok, err = pcall(o.conn and sandbox.script_send or sandbox.script_exec, o)
   if ok then return true end
   if err == async.CANCELLED then error(err, 0) end -- o holds the sandbox: its teardown removes it
   log.info(LOGGER, "warm sandbox %s did not take its command (%s); trying another", o.run_id, err_text(err))
@@ -229,6 +243,14 @@ local function take(o, entry, img)
   dead.gone = false
   discard(dead, "it did not take its command")
   return false
+end
+
+-- Whether a warm sandbox still waits for its command: its control connection is open, or
+-- (under gVisor, without one) the engine says its container runs.
+local function alive(entry)
+  if entry.conn then return not entry.conn.closed end
+  local info = sandbox.state_of(entry.o.engine, entry.o.run_id)
+  return info ~= nil and info.state == "running"
 end
 
 --- Claims a warm sandbox for a planned sandbox_script run (sandbox.script_prepare with
@@ -243,12 +265,12 @@ function pool.claim(ctx, o)
   if not running or size() <= 0 or not eligible(o) then return false end
   local img = images.ensure(o.engine, o.image_arg, ctx)
   if not img then return false end -- script_start says why
-  local k = kind_for(o.engine, o.image_arg or config.get("default_image"), img.ref, o.egress, o.limits)
+  local k = kind_for(o.engine, o.image_arg or config.get("default_image"), img.ref, o.egress, o.limits, o.isolation)
   k.last_used = now()
   local claimed = false
   while #k.ready > 0 and not claimed do
     local entry = table.remove(k.ready, 1)
-    if entry.policy == o.egress and entry.conn and not entry.conn.closed and now() - entry.born < RECYCLE_AFTER then
+    if entry.policy == o.egress and alive(entry) and now() - entry.born < RECYCLE_AFTER then
       claimed = take(o, entry, img)
     else
       discard(entry, "stale")
@@ -275,11 +297,14 @@ local function prewarm()
   local eng = sandbox.engine()
   local pol = assert(egress_policy.select(nil, false))
   local lim = sandbox.limits(nil)
+  -- the isolation calls get by default (isolation_default), where the engine offers it
+  local iok, iso = pcall(sandbox.isolation, eng, nil, pol.open == true)
+  local isolation = iok and iso.isolation or "container"
   for _, name in ipairs(config.get("pool_images") or {}) do
     if name ~= "none" then
       local ref = images.BUILTIN[name] and images.status(eng, name) or (eng:image_inspect(name) and name)
       if ref then
-        local k = kind_for(eng, name, ref, pol, lim)
+        local k = kind_for(eng, name, ref, pol, lim, isolation)
         k.learned = nil
         refill(k)
       else

@@ -47,7 +47,7 @@ export(spec, "new_run_id engine num limits env check_command timeout dirs prepar
 export(spec, "isolation check_inputs_reach private_roots")
 export(files, "oom_note gvisor_kill_note check_status read_status collect remove_in remove_tree")
 export(oneshot, "script_prepare script_env script_start script_send script_remove script_wait script_result run_script")
-export(oneshot, "script_teardown use_pool")
+export(oneshot, "script_teardown script_exec use_pool")
 export(persistent, "create write_expiry expiry_file lookup state_of check_alive stop_unresponsive destroy list")
 export(exec, "exec_prepare exec_run exec_kill exec_result exec")
 export(transfer, "upload download")

@@ -82,6 +82,10 @@ function oneshot.script_start(ctx, o, labels)
   if o.control then
     -- [channel] demesne-init waits for the command on its control socket (script_send)
     o.cmd = { "wait", "--control", channel.PATH, table.unpack(relay) }
+  elseif o.hold then
+    -- [pool] a warm gVisor sandbox: demesne-init serves the relays as in a persistent
+    -- sandbox; the command comes through the engine's exec API (script_exec)
+    o.cmd = { "serve", table.unpack(relay) }
   else
     o.cmd = { "run", table.unpack(relay) }
     for _, a in ipairs(run_args(o)) do o.cmd[#o.cmd + 1] = a end
@@ -129,6 +133,22 @@ function oneshot.script_send(o)
   fail("sandbox run failed: " .. tostring(err), code)
 end
 
+--- [pool] Hands a started one-shot's command to demesne-init through the engine's exec API,
+--- as `demesne-init run` (the way sandbox_exec runs a command where there is no control
+--- socket: a gVisor sandbox, whose host cannot connect to a socket made inside). Returns at
+--- once: the exec runs in a task of its own (o.exec_task, whose results are the engine's
+--- exec(): exit code, or nil, message, code), which script_wait waits for.
+---@param o table  the plan, its container running `demesne-init wait`
+function oneshot.script_exec(o)
+  o.env = oneshot.script_env(o)
+  local argv = { spec.INIT, "run" }
+  for _, a in ipairs(run_args(o)) do argv[#argv + 1] = a end
+  local eng, id, env, ms = o.engine, o.id, o.env, spec.deadline_ms(o.timeout)
+  o.exec_task = async.spawn("exec " .. tostring(o.name), function()
+    return eng:exec(id, argv, { env = env, timeout_ms = ms })
+  end)
+end
+
 --- Removes a one-shot run's container, if it was created (waiting for a create still in
 --- flight). Returns true, or nil and the engine's message.
 ---@param o table  the plan
@@ -146,6 +166,8 @@ function oneshot.script_remove(o)
   -- demesne-init's control connection closes after the removal: a `wait` that sees the
   -- host hang up exits, and Podman refuses to remove a container caught stopping
   local _conn <close> = o.conn
+  -- [pool] an exec through the engine's API (script_exec) ends with the container anyway
+  if o.exec_task and not o.exec_task.done then async.cancel(o.exec_task, "the sandbox is removed") end
   if not o.id and o.creating then
     local ok, id = o.creating:wait()
     if ok then o.id = id end
@@ -162,6 +184,21 @@ end
 ---@param o table  a plan with id (a container id or name)
 ---@param ms integer
 function oneshot.script_wait(o, ms)
+  if o.exec_task then
+    -- [pool] the command was handed over through the exec API: its end is the exec's
+    local task = o.exec_task
+    local deadline = loop.now() + ms
+    local code, err, ecode = async.timeout(ms, function()
+      local ok, c, e, ec = task:wait()
+      if not ok then error(c, 0) end
+      return c, e, ec
+    end)
+    if code ~= nil or ecode == "ETIMEDOUT" then return code, err, ecode end
+    -- the exec ended without an exit code (the sandbox was killed: over its memory, say):
+    -- the container's own end decides, as for a fresh one-shot
+    return async.timeout(math.max(math.min(10000, math.floor(deadline - loop.now())), 1),
+      function() return o.engine:wait(o.id) end)
+  end
   if o.conn then
     -- [channel] demesne-init says "exit CODE" once status.json is written; no engine wait
     -- (Podman's polls). A connection that ends without it: the container's state decides.
@@ -214,7 +251,8 @@ end
 function oneshot.run_script(ctx, args)
   local o = oneshot.script_prepare(args)
   -- [channel] the command goes to demesne-init over its control socket; not under gVisor,
-  -- where the host cannot connect to a socket made in the sandbox (runsc's --host-uds=open)
+  -- where the host cannot connect to a socket made in the sandbox (runsc's --host-uds=open):
+  -- there a warm sandbox gets it through the engine's exec API (script_exec)
   o.control = o.isolation ~= "gvisor"
   local started = loop.hrtime()
   -- the container goes on success, failure, timeout and cancel alike, after the answer

@@ -9,7 +9,8 @@ import assert from "node:assert/strict";
 import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { connect } from "./helpers.mjs";
+import http from "node:http";
+import { connect, isReady } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const PODMAN = ENGINE.includes("podman");
@@ -40,6 +41,17 @@ async function refused(name, args, c = conn) {
   const res = await call(c, name, args);
   assert.equal(res.isError, true, `${name} should have been refused`);
   return res.content[0].text;
+}
+// This engine's demesne containers (all states), as /containers/json lists them.
+function containers() {
+  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
+  return new Promise((resolve, reject) => {
+    http.get({ socketPath: ENGINE.replace(/^unix:\/\//, ""), path: `/containers/json?all=true&filters=${filters}` }, (res) => {
+      let data = "";
+      res.on("data", (d) => (data += d));
+      res.on("end", () => resolve(JSON.parse(data)));
+    }).on("error", reject);
+  });
 }
 const gvisor = (command, extra = {}) => ok("sandbox_script", { image: "base", isolation: "gvisor", command, ...extra });
 
@@ -119,4 +131,45 @@ test("isolation_default gvisor: a call that names none runs on gVisor; one may s
   } finally {
     await c.client.close();
   }
+});
+
+test("the warm pool holds gVisor sandboxes too: a call takes one, on gVisor's kernel, fresh, its command through the exec API", { skip }, async () => {
+  const state = path.join(work, "state-pool");
+  const c = await connect({ fixtures: false, env: env({ DEMESNE_STATE_DIR: state, DEMESNE_POOL_IMAGES: "base",
+    DEMESNE_POOL_SIZE: "1", DEMESNE_ISOLATION: "gvisor" }) });
+  try {
+    // the warm gVisor sandbox the server filled at start (isolation_default gvisor)
+    let warm = [];
+    for (let i = 0; i < 240 && warm.length === 0; i++) {
+      warm = (await containers()).filter((x) => isReady(x) && x.State === "running"
+        && x.Labels["io.demesne.isolation"] === "gvisor" && (x.Labels["io.demesne.run_dir"] || "").startsWith(state));
+      if (warm.length === 0) await new Promise((r) => setTimeout(r, 250));
+    }
+    assert.equal(warm.length, 1, "one warm gVisor sandbox");
+    const id = warm[0].Labels["io.demesne.run_id"];
+    const r = await ok("sandbox_script", { image: "base", isolation: "gvisor", env: { CALLER: "mine" },
+      command: "dmesg | head -n 1; echo \"caller=$CALLER\"; ls -A /tmp | wc -l; echo made > /out/made.txt; echo; "
+        + "curl -s -o /dev/null -w '%{http_code}\\n' http://blocked.invalid/; exit 3" }, c);
+    assert.equal(r.run_id, id, "the call ran in the warm gVisor sandbox");
+    assert.equal(r.exit_code, 3, r.stderr);
+    const lines = r.stdout.split("\n");
+    assert.equal(lines.length, 6, r.stdout);
+    assert.match(lines[0], /Starting gVisor/, "on gVisor's kernel");
+    assert.equal(lines[1], "caller=mine", "the caller's environment reached the command");
+    assert.equal(lines[2], "0", "/tmp is empty");
+    assert.equal(readFileSync(path.join(r.output_dir, "made.txt"), "utf8"), "made\n", "its /out is the call's output folder");
+    assert.equal(r.output_dir, path.join(work, "out", id), "the warm sandbox's own output folder");
+    assert.equal(lines[4], "403", "its egress proxy answers (and refuses a host the policy does not allow)");
+    assert.equal(readFileSync(path.join(r.output_dir, "stdout.log"), "utf8"), r.stdout);
+    let still = true;
+    for (let i = 0; i < 120 && still; i++) {
+      still = (await containers()).some((x) => x.Labels["io.demesne.run_id"] === id);
+      if (still) await new Promise((res) => setTimeout(res, 250));
+    }
+    assert.equal(still, false, "used once: its container goes after the answer");
+  } finally {
+    await c.client.close();
+  }
+  const left = (await containers()).filter((x) => (x.Labels["io.demesne.run_dir"] || "").startsWith(state));
+  assert.deepEqual(left.map((x) => x.Names), [], "a graceful stop removes the warm gVisor sandboxes");
 });

@@ -13,7 +13,8 @@ import { execFileSync, spawnSync } from "node:child_process";
 import { chmodSync, existsSync, lstatSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { BIN, connect, serverEnv } from "./helpers.mjs";
+import http from "node:http";
+import { BIN, connect, isReady, serverEnv } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const work = mkdtempSync(path.join(tmpdir(), "demesne-userns-"));
@@ -42,6 +43,18 @@ after(async () => {
   await conn?.client.close();
   rmSync(work, { recursive: true, force: true });
 });
+
+// This engine's demesne containers (all states), as /containers/json lists them.
+function containers() {
+  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
+  return new Promise((resolve, reject) => {
+    http.get({ socketPath: ENGINE.replace(/^unix:\/\//, ""), path: `/containers/json?all=true&filters=${filters}` }, (res) => {
+      let data = "";
+      res.on("data", (d) => (data += d));
+      res.on("end", () => resolve(JSON.parse(data)));
+    }).on("error", reject);
+  });
+}
 
 const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
 async function ok(name, args, c = conn) {
@@ -83,6 +96,36 @@ test("root in the sandbox writes /out: the host sees an unprivileged owner, and 
     }
     rmSync(r.output_dir, { recursive: true }); // the host user can remove what the sandbox wrote
     assert.equal(existsSync(r.output_dir), false);
+  });
+
+test("a warm sandbox from the pool is mapped as a fresh one: root's files and a planted setuid binary are not root's",
+  async () => {
+    const state = path.join(work, "state-pool");
+    execFileSync("mkdir", ["-m", "755", "-p", state]);
+    const c = await connect({ fixtures: false, env: env({ DEMESNE_STATE_DIR: state, DEMESNE_POOL_IMAGES: "base",
+      DEMESNE_POOL_SIZE: "1" }) });
+    try {
+      let warm = [];
+      for (let i = 0; i < 240 && warm.length === 0; i++) {
+        warm = (await containers()).filter((x) => isReady(x) && x.State === "running"
+          && (x.Labels["io.demesne.run_dir"] || "").startsWith(state));
+        if (warm.length === 0) await new Promise((r) => setTimeout(r, 250));
+      }
+      assert.equal(warm.length, 1, "a warm sandbox");
+      const r = await ok("sandbox_script", { image: "base", command: PLANT, isolation: "container" }, c);
+      assert.equal(r.run_id, warm[0].Labels["io.demesne.run_id"], "the call took the warm sandbox");
+      assert.equal(readFileSync(path.join(r.output_dir, "uid.txt"), "utf8"), "0\n", "root inside the sandbox");
+      const owner = lstatSync(path.join(r.output_dir, "by-root")).uid;
+      const p = planted(r.output_dir);
+      if (ON) {
+        assert.ok(owner >= 1000, `a file root wrote is owned by uid ${owner} on the host, not a system user`);
+        assert.equal(p.euid, owner, "run by nobody on the host the planted binary gives that uid, not root");
+      } else {
+        assert.equal(owner, 0, doctor);
+      }
+    } finally {
+      await c.client.close();
+    }
   });
 
 test("with the mapping, host inputs, uploads, downloads and execs still work", { skip: !ON && "no user namespace here" },
