@@ -25,7 +25,7 @@ import { tmpdir } from "node:os";
 import path from "node:path";
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
-import { connect, ROOT } from "./helpers.mjs";
+import { connect, engineContainers, ROOT } from "./helpers.mjs";
 import { startVendor } from "./scripted-vendor.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
@@ -53,9 +53,7 @@ function engine(method, p) {
   });
 }
 async function containersUnder(dir) {
-  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
-  const list = await engine("GET", `/containers/json?all=true&filters=${filters}`);
-  return (list || []).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir));
+  return (await engineContainers(ENGINE)).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir));
 }
 
 before(async () => {

@@ -22,7 +22,7 @@ import { randomBytes } from "node:crypto";
 import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { connect, isWarm } from "./helpers.mjs";
+import { connect, engineContainers, isWarm } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const SOCKET = ENGINE.replace(/^unix:\/\//, "");
@@ -262,9 +262,7 @@ function engine(method, p) {
 }
 // demesne's containers whose output folder is under `dir`
 async function containersUnder(dir) {
-  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
-  const list = await engine("GET", `/containers/json?all=true&filters=${filters}`);
-  return (list || []).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir) && !isWarm(c));
+  return (await engineContainers(ENGINE)).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir) && !isWarm(c));
 }
 async function until(what, fn, ms = 120_000) {
   const deadline = Date.now() + ms;

@@ -9,8 +9,7 @@ import assert from "node:assert/strict";
 import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import http from "node:http";
-import { connect, isReady } from "./helpers.mjs";
+import { connect, engineContainers, isReady } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const PODMAN = ENGINE.includes("podman");
@@ -42,17 +41,7 @@ async function refused(name, args, c = conn) {
   assert.equal(res.isError, true, `${name} should have been refused`);
   return res.content[0].text;
 }
-// This engine's demesne containers (all states), as /containers/json lists them.
-function containers() {
-  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
-  return new Promise((resolve, reject) => {
-    http.get({ socketPath: ENGINE.replace(/^unix:\/\//, ""), path: `/containers/json?all=true&filters=${filters}` }, (res) => {
-      let data = "";
-      res.on("data", (d) => (data += d));
-      res.on("end", () => resolve(JSON.parse(data)));
-    }).on("error", reject);
-  });
-}
+const containers = () => engineContainers(ENGINE);
 const gvisor = (command, extra = {}) => ok("sandbox_script", { image: "base", isolation: "gvisor", command, ...extra });
 
 test("isolation gvisor: the kernel inside is gVisor's, in a one-shot run and in a persistent sandbox", { skip }, async () => {

@@ -6,6 +6,7 @@
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
 import { spawn } from "node:child_process";
+import http from "node:http";
 import { randomBytes } from "node:crypto";
 import { existsSync, mkdtempSync, readFileSync, readdirSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -272,4 +273,22 @@ export function sessionOf(pid) {
     const stat = readFileSync(`/proc/${pid}/stat`, "utf8");
     return Number(stat.slice(stat.lastIndexOf(")") + 2).split(" ")[3]);
   } catch { return null; }
+}
+
+/**
+ * The demesne containers of the engine at `engine` (unix:///path), in all states, as the
+ * Docker Engine API's GET /containers/json lists them (Labels, Names, State, …).
+ * @param {string} engine
+ * @returns {Promise<Array<{Id: string, Names: string[], State: string, Labels: Record<string,string>}>>}
+ */
+export function engineContainers(engine) {
+  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
+  return new Promise((resolve, reject) => {
+    http.get({ socketPath: engine.replace(/^unix:\/\//, ""), path: `/containers/json?all=true&filters=${filters}` },
+      (res) => {
+        let data = "";
+        res.on("data", (d) => (data += d));
+        res.on("end", () => resolve(JSON.parse(data)));
+      }).on("error", reject);
+  });
 }

@@ -22,7 +22,7 @@ import { randomBytes } from "node:crypto";
 import { existsSync, mkdirSync, mkdtempSync, readFileSync, readdirSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { connect, ROOT } from "./helpers.mjs";
+import { connect, engineContainers, ROOT } from "./helpers.mjs";
 import { startVendor, jobOf, stillRunning, statusOf } from "./scripted-vendor.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
@@ -241,9 +241,7 @@ function engine(method, p) {
   });
 }
 async function containersUnder(dir) {
-  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
-  const list = await engine("GET", `/containers/json?all=true&filters=${filters}`);
-  return (list || []).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir));
+  return (await engineContainers(ENGINE)).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir));
 }
 
 before(async () => {

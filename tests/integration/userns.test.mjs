@@ -13,8 +13,7 @@ import { execFileSync, spawnSync } from "node:child_process";
 import { chmodSync, existsSync, lstatSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import http from "node:http";
-import { BIN, connect, isReady, serverEnv } from "./helpers.mjs";
+import { BIN, connect, engineContainers, isReady, serverEnv } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const work = mkdtempSync(path.join(tmpdir(), "demesne-userns-"));
@@ -44,17 +43,7 @@ after(async () => {
   rmSync(work, { recursive: true, force: true });
 });
 
-// This engine's demesne containers (all states), as /containers/json lists them.
-function containers() {
-  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
-  return new Promise((resolve, reject) => {
-    http.get({ socketPath: ENGINE.replace(/^unix:\/\//, ""), path: `/containers/json?all=true&filters=${filters}` }, (res) => {
-      let data = "";
-      res.on("data", (d) => (data += d));
-      res.on("end", () => resolve(JSON.parse(data)));
-    }).on("error", reject);
-  });
-}
+const containers = () => engineContainers(ENGINE);
 
 const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
 async function ok(name, args, c = conn) {
