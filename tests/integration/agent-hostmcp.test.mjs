@@ -18,18 +18,16 @@
 // naming the field.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import http from "node:http";
 import { randomBytes } from "node:crypto";
 import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StdioClientTransport } from "@modelcontextprotocol/sdk/client/stdio.js";
-import { connect, engineContainers, ROOT } from "./helpers.mjs";
+import { connect, engineContainers, engineRequest, ROOT } from "./helpers.mjs";
 import { startVendor } from "./scripted-vendor.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
-const SOCKET = ENGINE.replace(/^unix:\/\//, "");
 const work = mkdtempSync(path.join(tmpdir(), "demesne-agent-hostmcp-"));
 const SECRET = `sk-test-real-${randomBytes(12).toString("hex")}`;
 const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
@@ -41,17 +39,7 @@ const read = (...p) => readFileSync(path.join(...p), "utf8");
 let vendor;
 let readOnlyTools; // the names server-everything marks readOnlyHint, from its real listing
 
-function engine(method, p) {
-  return new Promise((resolve, reject) => {
-    const req = http.request({ socketPath: SOCKET, path: p, method }, (res) => {
-      let body = "";
-      res.on("data", (c) => (body += c));
-      res.on("end", () => resolve(body ? JSON.parse(body) : null));
-    });
-    req.on("error", reject);
-    req.end();
-  });
-}
+const engine = (method, p) => engineRequest(ENGINE, method, p);
 async function containersUnder(dir) {
   return (await engineContainers(ENGINE)).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir));
 }

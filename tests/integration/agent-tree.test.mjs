@@ -22,10 +22,9 @@ import { randomBytes } from "node:crypto";
 import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { connect, engineContainers, isWarm } from "./helpers.mjs";
+import { connect, engineContainers, engineRequest, isWarm } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
-const SOCKET = ENGINE.replace(/^unix:\/\//, "");
 const work = mkdtempSync(path.join(tmpdir(), "demesne-agent-tree-"));
 const SECRET = `sk-test-real-${randomBytes(12).toString("hex")}`;
 const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
@@ -249,17 +248,7 @@ after(async () => {
 
 // ---- the engine and the server --------------------------------------------------------------
 
-function engine(method, p) {
-  return new Promise((resolve, reject) => {
-    const req = http.request({ socketPath: SOCKET, path: p, method }, (res) => {
-      let body = "";
-      res.on("data", (c) => (body += c));
-      res.on("end", () => resolve(body ? JSON.parse(body) : null));
-    });
-    req.on("error", reject);
-    req.end();
-  });
-}
+const engine = (method, p) => engineRequest(ENGINE, method, p);
 // demesne's containers whose output folder is under `dir`
 async function containersUnder(dir) {
   return (await engineContainers(ENGINE)).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir) && !isWarm(c));

@@ -276,19 +276,32 @@ export function sessionOf(pid) {
 }
 
 /**
+ * One request to the Docker Engine API at `engine` (unix:///path): `method` and `path`
+ * ("/containers/json?all=true"). Resolves to the parsed JSON body, or null when it is empty.
+ * @param {string} engine
+ * @param {string} method
+ * @param {string} path
+ * @returns {Promise<any>}
+ */
+export function engineRequest(engine, method, path) {
+  return new Promise((resolve, reject) => {
+    const req = http.request({ socketPath: engine.replace(/^unix:\/\//, ""), path, method }, (res) => {
+      let data = "";
+      res.on("data", (d) => (data += d));
+      res.on("end", () => resolve(data ? JSON.parse(data) : null));
+    });
+    req.on("error", reject);
+    req.end();
+  });
+}
+
+/**
  * The demesne containers of the engine at `engine` (unix:///path), in all states, as the
  * Docker Engine API's GET /containers/json lists them (Labels, Names, State, …).
  * @param {string} engine
  * @returns {Promise<Array<{Id: string, Names: string[], State: string, Labels: Record<string,string>}>>}
  */
-export function engineContainers(engine) {
+export async function engineContainers(engine) {
   const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.managed=1"] }));
-  return new Promise((resolve, reject) => {
-    http.get({ socketPath: engine.replace(/^unix:\/\//, ""), path: `/containers/json?all=true&filters=${filters}` },
-      (res) => {
-        let data = "";
-        res.on("data", (d) => (data += d));
-        res.on("end", () => resolve(JSON.parse(data)));
-      }).on("error", reject);
-  });
+  return (await engineRequest(engine, "GET", `/containers/json?all=true&filters=${filters}`)) || [];
 }

@@ -16,17 +16,15 @@
 // images are built); DEMESNE_SKILL_TEST=<skill> runs one skill.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import http from "node:http";
 import { execFileSync } from "node:child_process";
 import { randomBytes } from "node:crypto";
 import { existsSync, mkdirSync, mkdtempSync, readFileSync, readdirSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { connect, engineContainers, ROOT } from "./helpers.mjs";
+import { connect, engineContainers, engineRequest, ROOT } from "./helpers.mjs";
 import { startVendor, jobOf, stillRunning, statusOf } from "./scripted-vendor.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
-const SOCKET = ENGINE.replace(/^unix:\/\//, "");
 const SKIP = process.env.DEMESNE_SKILL_TESTS === "0" ? "DEMESNE_SKILL_TESTS=0" : false;
 const ONLY = process.env.DEMESNE_SKILL_TEST;
 const work = mkdtempSync(path.join(tmpdir(), "demesne-skills-"));
@@ -229,17 +227,7 @@ function makeRepo(name, files) {
 
 // ---- the engine and the server --------------------------------------------------------------
 
-function engine(method, p) {
-  return new Promise((resolve, reject) => {
-    const req = http.request({ socketPath: SOCKET, path: p, method }, (res) => {
-      let body = "";
-      res.on("data", (c) => (body += c));
-      res.on("end", () => resolve(body ? JSON.parse(body) : null));
-    });
-    req.on("error", reject);
-    req.end();
-  });
-}
+const engine = (method, p) => engineRequest(ENGINE, method, p);
 async function containersUnder(dir) {
   return (await engineContainers(ENGINE)).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(dir));
 }
