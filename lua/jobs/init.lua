@@ -187,6 +187,7 @@ end
 ---@field run fun(job: table, plan: any): JobOutcome        watches the job it started (in the job's task)
 ---@field attach fun(job: table): JobOutcome                re-attaches to a job a server that is gone left running
 ---@field view (fun(rec: JobRecord): table|nil)|nil         extra fields of jobs.view for a job of this kind
+---@field result (fun(rec: JobRecord): table, string)|nil  an ended job's result as the call would have returned it in the foreground (structuredContent, text); without it, the exit code and the head and tail of the output
 
 ---@type table<string, JobKind>
 local kinds = {}
@@ -673,6 +674,18 @@ function jobs.collect(rec)
   end
   local rel = (rec.log_dir or rec.output_dir):sub(#rec.output_dir + 2)
   return sandbox.collect(rec.output_dir, rel ~= "" and rel or nil)
+end
+
+--- An ended job's result as its call would have returned it without `background`, where
+--- its kind says (JobKind.result: an agent's answer, cost and children): structured result
+--- and text. nil for kinds without one (a script's or exec's result is its exit code and
+--- output, which the caller builds from the record).
+---@param rec JobRecord  a record whose status is terminal and which ran to an exit status
+---@return table|nil structured, string|nil text
+function jobs.result(rec)
+  local k = kinds[rec.kind]
+  if k and k.result then return k.result(rec) end
+  return nil
 end
 
 --- Readable text for a "job started" result.
