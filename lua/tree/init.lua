@@ -633,31 +633,39 @@ local function held_in(root)
   return h
 end
 
--- What `n` and the nodes above it hold: they run at least as long as a call of `n` does.
+-- What `n` and the nodes above it hold, and how many they are: they run at least as long as
+-- a call of `n` does.
 local function chain_held(n)
-  local h = {}
+  local h, count = {}, 0
   for _, k in ipairs(walls.LIMITS) do h[k] = 0 end
   for _ = 1, 64 do
     if not n then break end
+    count = count + 1
     local l = type(n.walls) == "table" and n.walls.limits
     if type(l) == "table" then
       for _, k in ipairs(walls.LIMITS) do h[k] = h[k] + (tonumber(l[k]) or 0) end
     end
     n = n.parent and tree.get(n.parent)
   end
-  return h
+  return h, count
 end
 
 -- Waits until the tree has a free slot and room in its totals for `want` (the child's
 -- limits) and reserves both (released by tree.plan or by the caller). Refuses at once a
--- child that cannot fit beside its parent and the nodes above it. Sends progress while
--- waiting; fails after tree_wait_seconds.
+-- child that can never fit beside its parent and the nodes above it (waiting would be in
+-- vain: they run as long as this call). Sends progress while waiting; fails after
+-- tree_wait_seconds.
 local function reserve_slot(ctx, root, parent, want)
   local max = root.limits.running
   local caps = type(root.walls) == "table" and root.walls.tree or nil
+  local chain, above = chain_held(parent)
+  if above >= max then
+    fail(("this tree runs at most %d sandboxes at once (tree.running), and this sandbox and those above it, which "
+      .. "run as long as this call, are %d of them: a child here never gets a slot; do the work in this sandbox"):format(
+      max, above))
+  end
   if caps then
-    local ok, _, why = walls.fits(caps, chain_held(parent), want,
-      "this sandbox and those above it, which run as long as this call, hold")
+    local ok, _, why = walls.fits(caps, chain, want, "this sandbox and those above it, which run as long as this call, hold")
     if not ok then fail(why .. " while they run; ask for less") end
   end
   local function room()

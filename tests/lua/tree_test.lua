@@ -396,6 +396,15 @@ function tests.tree_totals_are_checked_where_a_slot_is_reserved(t)
       .. "(tree.memory_mb: the root's limits x tree.running unless the host's call set it), so a child of 256 does "
       .. "not fit while they run; ask for less")
   local small = spawn(mid.sandbox_id, "create", { name = "small", image = IMAGE, limits = { memory_mb = 128 } })
+  -- with tree.running 2, a grandchild never gets a slot while its parent and the root run: refused at once
+  local r2 = root(w, { egress = "none", tree = { running = 2 } })
+  local mid2 = spawn(r2.sandbox_id, "create", { name = "mid", image = IMAGE, mcp = true })
+  local started = loop.now()
+  t:match(failure(spawn, mid2.sandbox_id, "create", { name = "deep", image = IMAGE }),
+    "^this tree runs at most 2 sandboxes at once %(tree.running%), and this sandbox and those above it, which run as "
+      .. "long as this call, are 2 of them: a child here never gets a slot")
+  t:ok(loop.now() - started < 900, "without waiting")
+  sandbox.destroy(nil, { sandbox_id = r2.sandbox_id })
   -- 640 held: a further child waits for room, then is refused
   t:match(failure(spawn, r.sandbox_id, "create", { name = "late", image = IMAGE, limits = { memory_mb = 64 } }),
     "^limits.memory_mb: this tree's running sandboxes already hold 640 of its 640 MB %(tree.memory_mb: the root's "
