@@ -149,6 +149,12 @@ local SPEC = {
   tree_wait_seconds = { env = "DEMESNE_TREE_WAIT_SECONDS", default = 240, number = true,
     doc = "longest a call from inside a sandbox blocks on sandbox_wait or on a free slot (then it returns running "
       .. "or is refused), so that no MCP client timeout is hit" },
+  child_images = { env = "DEMESNE_CHILD_IMAGES", default = {}, list = true, sep = ",",
+    doc = "images of the engine's store (references) that a sandbox may name for its children, besides demesne's "
+      .. "built-in and user images (','-separated); any other engine image is refused from inside a sandbox" },
+  child_image_builds = { env = "DEMESNE_CHILD_IMAGE_BUILDS", default = false, bool = true,
+    doc = "let a call from inside a sandbox build a demesne image that is not built yet (minutes of CPU, GBs of "
+      .. "disk); false refuses it: the host builds it (`demesne images build NAME`)" },
   isolation_default = { env = "DEMESNE_ISOLATION", default = "container", choices = { "container", "gvisor" },
     doc = "isolation of a sandbox whose call names none: container (the engine's runtime) or gvisor (gVisor's "
       .. "own kernel in between; the engine must offer it, see gvisor_runtime and gvisor_engine)" },

@@ -41,13 +41,15 @@ local NAME_SCHEMA = { type = "string", minLength = 1, maxLength = 40, pattern = 
 local NOTE = {
   script = "From inside a sandbox: the child sees this sandbox's /in read-only, shares its /workspace, sees "
     .. "earlier children's outputs at /in/previous-jobs/<name>, and writes /out/child/<name> (read it there). "
-    .. "Its egress is never wider than this sandbox's.",
+    .. "Its egress is never wider than this sandbox's, its isolation never weaker, its limits never larger (by "
+    .. "default this sandbox's), and its image is demesne's, the user's or one the configuration lists, already built.",
   create = "From inside a sandbox: as sandbox_script, for a sandbox that stays up for sandbox_exec.",
   agent = "From inside a sandbox: the child agent sees this sandbox's /in, shares /workspace, sees earlier "
-    .. "children's outputs at /in/previous-jobs/<name>, writes /out/child/<name>; egress none or this sandbox's. "
+    .. "children's outputs at /in/previous-jobs/<name>, writes /out/child/<name>; egress none or this sandbox's; "
+    .. "isolation and limits this sandbox's or narrower. "
     .. "Use background: true and sandbox_wait for long runs.",
   research = "From inside a sandbox: the research child gets no inputs, its own workspace and open egress; its "
-    .. "/out is /out/child/<name> here.",
+    .. "/out is /out/child/<name> here; its isolation and limits are this sandbox's or narrower.",
 }
 
 --- The input schema a tool has when a sandbox calls it: the host tool's, without the

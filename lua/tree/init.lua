@@ -55,6 +55,7 @@ local sandbox = require("demesne.sandbox")
 local agent = require("demesne.agent")
 local vendor = require("demesne.vendor")
 local store = require("demesne.tree.store")
+local walls = require("demesne.tree.walls")
 local util = require("demesne.util")
 local fs = require("core.fs")
 local loop = require("core.loop")
@@ -283,6 +284,15 @@ host_offer = function(n)
   return out
 end
 
+-- Gives back a spawn's reservation: its slot and what it would hold (its limits).
+local function unhold(root_id, want)
+  local rm = m(root_id)
+  rm.reserved = math.max(rm.reserved - 1, 0)
+  if want and rm.held then
+    for _, k in ipairs(walls.LIMITS) do rm.held[k] = math.max((rm.held[k] or 0) - (want[k] or 0), 0) end
+  end
+end
+
 local function new_node(o, kind)
   return {
     run_id = o.run_id, kind = kind, tool = o.tool, status = "running", active = true, owner = sandbox.owner(),
@@ -311,6 +321,10 @@ function tree.plan(ctx, o, args)
   if spawn then
     local parent = must(spawn.parent)
     local root = must(parent.root)
+    -- the plan that came out of the call (tree.spawn narrowed it) against the parent's walls,
+    -- and an agent's image (its provider's), which the call did not name
+    walls.check(parent, walls.of_plan(o))
+    if kind == "agent" or kind == "research" then walls.image(o.engine, o.image_arg, true) end
     n = new_node(o, kind)
     n.root, n.parent, n.depth, n.name = root.run_id, parent.run_id, parent.depth + 1, spawn.name
     o.output_dir = spawn.output_dir
@@ -337,10 +351,9 @@ function tree.plan(ctx, o, args)
     for _, c in ipairs(parent.children) do
       if c.name == spawn.name then c.run_id = n.run_id end
     end
-    local rm = m(root.run_id)
     if spawn.reserved then
       spawn.reserved = false
-      rm.reserved = math.max(rm.reserved - 1, 0)
+      unhold(root.run_id, spawn.want) -- the node holds it now (it is active)
     end
     save(parent)
     save(root)
@@ -349,6 +362,8 @@ function tree.plan(ctx, o, args)
     n = new_node(o, kind)
     n.root, n.depth = n.run_id, 0
     n.limits, n.budget_usd = tree.limits(args and args.tree, args and args.budget_usd)
+    n.walls = walls.of_plan(o)
+    n.walls.tree = walls.totals(args and args.tree, n.walls.limits, n.limits.running)
     n.spent_usd, n.members = 0, json.array({ n.run_id })
     for _, x in ipairs(o.mounts or {}) do
       if x.target == "/in/previous-jobs" then
@@ -359,6 +374,7 @@ function tree.plan(ctx, o, args)
     n.workspace, n.owns_workspace = new_workspace(n.run_id), true
   end
   n.host_mcp = host_set
+  n.walls = n.walls or walls.of_plan(o)
   store.put(n)
   m(n.run_id)
   o.tree = n.run_id
@@ -602,32 +618,95 @@ local function running_in(root)
   return count
 end
 
--- Waits until the tree has a free slot and reserves it (released by tree.plan or by the
--- caller). Sends progress while waiting; fails after tree_wait_seconds.
-local function reserve_slot(ctx, root)
-  local max = root.limits.running
-  if running_in(root) < max then
-    m(root.run_id).reserved = m(root.run_id).reserved + 1
-    return
-  end
-  local wait_s = config.get("tree_wait_seconds")
-  local _hb <close> = progress.heartbeat(ctx, { total = wait_s, message = function(s)
-    return ("waiting for a free slot: %d sandboxes of this tree run at once (its limit); waited %d s")
-      :format(max, math.floor(s))
-  end })
-  local deadline = loop.now() + wait_s * 1000
-  while running_in(root) >= max do
-    local left = deadline - loop.now()
-    if left <= 0 then
-      fail(("this tree already runs %d sandboxes at once, its limit (tree.running); waited %d s for one to end. "
-        .. "Wait for a child (sandbox_wait) and spawn again"):format(max, math.floor(wait_s)))
+-- What the tree's running nodes and reserved spawns hold together: {memory_mb, cpus, pids}.
+local function held_in(root)
+  local held = m(root.run_id).held or {}
+  local h = {}
+  for _, k in ipairs(walls.LIMITS) do h[k] = held[k] or 0 end
+  for _, id in ipairs(root.members or {}) do
+    local x = tree.get(id)
+    local l = x and x.active and type(x.walls) == "table" and x.walls.limits
+    if type(l) == "table" then
+      for _, k in ipairs(walls.LIMITS) do h[k] = h[k] + (tonumber(l[k]) or 0) end
     end
-    local rm = m(root.run_id)
-    rm.slot = rm.slot or async.event()
-    local ev = rm.slot
-    async.timeout(math.min(left, 5000), function() ev.wait() return true end)
   end
-  m(root.run_id).reserved = m(root.run_id).reserved + 1
+  return h
+end
+
+-- What `n` and the nodes above it hold, and how many they are: they run at least as long as
+-- a call of `n` does.
+local function chain_held(n)
+  local h, count = {}, 0
+  for _, k in ipairs(walls.LIMITS) do h[k] = 0 end
+  for _ = 1, 64 do
+    if not n then break end
+    count = count + 1
+    local l = type(n.walls) == "table" and n.walls.limits
+    if type(l) == "table" then
+      for _, k in ipairs(walls.LIMITS) do h[k] = h[k] + (tonumber(l[k]) or 0) end
+    end
+    n = n.parent and tree.get(n.parent)
+  end
+  return h, count
+end
+
+-- Waits until the tree has a free slot and room in its totals for `want` (the child's
+-- limits) and reserves both (released by tree.plan or by the caller). Refuses at once a
+-- child that can never fit beside its parent and the nodes above it (waiting would be in
+-- vain: they run as long as this call). Sends progress while waiting; fails after
+-- tree_wait_seconds.
+local function reserve_slot(ctx, root, parent, want)
+  local max = root.limits.running
+  local caps = type(root.walls) == "table" and root.walls.tree or nil
+  local chain, above = chain_held(parent)
+  if above >= max then
+    fail(("this tree runs at most %d sandboxes at once (tree.running), and this sandbox and those above it, which "
+      .. "run as long as this call, are %d of them: a child here never gets a slot; do the work in this sandbox"):format(
+      max, above))
+  end
+  if caps then
+    local ok, _, why = walls.fits(caps, chain, want, "this sandbox and those above it, which run as long as this call, hold")
+    if not ok then fail(why .. " while they run; ask for less") end
+  end
+  local function room()
+    if running_in(root) >= max then return nil, "slot" end
+    if caps then
+      local ok, _, why = walls.fits(caps, held_in(root), want)
+      if not ok then return nil, why end
+    end
+    return true
+  end
+  local ok, why = room()
+  if not ok then
+    local wait_s = config.get("tree_wait_seconds")
+    local _hb <close> = progress.heartbeat(ctx, { total = wait_s, message = function(s)
+      if why ~= "slot" then return ("waiting for room: %s; waited %d s"):format(tostring(why), math.floor(s)) end
+      return ("waiting for a free slot: %d sandboxes of this tree run at once (its limit); waited %d s")
+        :format(max, math.floor(s))
+    end })
+    local deadline = loop.now() + wait_s * 1000
+    while true do
+      ok, why = room()
+      if ok then break end
+      local left = deadline - loop.now()
+      if left <= 0 then
+        if why ~= "slot" then
+          fail(("%s; waited %d s for a sandbox of this tree to end. Wait for a child (sandbox_wait) and spawn again, "
+            .. "or ask for less"):format(why, math.floor(wait_s)))
+        end
+        fail(("this tree already runs %d sandboxes at once, its limit (tree.running); waited %d s for one to end. "
+          .. "Wait for a child (sandbox_wait) and spawn again"):format(max, math.floor(wait_s)))
+      end
+      local rm = m(root.run_id)
+      rm.slot = rm.slot or async.event()
+      local ev = rm.slot
+      async.timeout(math.min(left, 5000), function() ev.wait() return true end)
+    end
+  end
+  local rm = m(root.run_id)
+  rm.reserved = rm.reserved + 1
+  rm.held = rm.held or {}
+  for _, k in ipairs(walls.LIMITS) do rm.held[k] = (rm.held[k] or 0) + (want[k] or 0) end
 end
 
 local function policy_open(name)
@@ -663,7 +742,9 @@ end
 
 --- Spawns a child of the run `parent_id` (the caller, known by the listener its request came
 --- on): checks the name (unique in the parent for its life), the depth, the number of
---- children, the egress, waits for a free slot, makes <parent out>/child/<name>, then runs
+--- children, the egress, the walls (isolation, limits, image: lua/tree/walls.lua, which fills
+--- in the call's isolation and limits), waits for a free slot and room in the tree's totals,
+--- makes <parent out>/child/<name>, then runs
 --- `run(ctx, args)` (the host tool's run) with ctx.spawn set so that the plan hook makes
 --- the child. Returns what `run` returns; a run that came back (not in the background) is
 --- recorded as the child's result.
@@ -694,17 +775,20 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   end
   local eg = child_egress(parent, kind, args.egress)
   if kind ~= "research" then args.egress = eg end
+  -- isolation no weaker, limits no larger than the parent's (the defaults: the parent's); an
+  -- image demesne's, the user's or the configuration's, and built (lua/tree/walls.lua)
+  local want = walls.narrow(parent, args)
+  if kind == "script" or kind == "create" then walls.image(sandbox.engine(), args.image) end
   local call = {}
   for k, v in pairs(args) do if k ~= "name" then call[k] = v end end
   -- the name is taken from here on, even if the spawn fails
   parent.children[#parent.children + 1] = { name = name }
   save(parent)
-  reserve_slot(ctx, root)
-  local spawn = { parent = parent_id, name = name, kind = kind, reserved = true }
+  reserve_slot(ctx, root, parent, want)
+  local spawn = { parent = parent_id, name = name, kind = kind, reserved = true, want = want }
   local _ <close> = closer(function()
     if spawn.reserved then
-      local rm = m(root.run_id)
-      rm.reserved = math.max(rm.reserved - 1, 0)
+      unhold(root.run_id, want)
       wake_root(root.run_id)
     end
   end)

@@ -50,13 +50,16 @@ local fail = errors.raise
 ---@field usage table|nil       its own tokens: {models = {model = {requests, input, output, cache_creation,
 ---   cache_read, cost_usd}}}
 ---@field cancel_reason string|nil
+---@field walls table|nil       {isolation, userns, limits = {memory_mb, cpus, pids}}: what it runs with, the floor
+---   and ceiling of its children's (lua/tree/walls.lua); a root's also tree = {memory_mb, cpus, pids} (totals)
 ---@field limits table|nil      root: {depth, children, running}
 ---@field budget_usd number|nil root: the tree's budget
 ---@field spent_usd number|nil  root: the tree's spend
 ---@field members string[]|nil  root: every node's run id
 
 local cache = {}     -- run_id -> TreeNode (this process's copy)
-local mem = {}       -- run_id -> {ended = event, reserved = n (roots), slot = event (roots)}
+local mem = {}       -- run_id -> {ended = event, reserved = n (roots), held = {memory_mb, cpus, pids} (roots:
+                     -- the reserved spawns'), slot = event (roots)}
 
 --- The in-memory state of a run (events, slot reservations), made on first use.
 ---@param id string

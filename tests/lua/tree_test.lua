@@ -23,7 +23,7 @@ local tests = {}
 
 local VARS = { "XDG_CONFIG_HOME", "DEMESNE_ENGINE_ADAPTER", "DEMESNE_ENGINE", "DEMESNE_STATE_DIR",
   "DEMESNE_OUTPUT_ROOT", "DEMESNE_ALLOWED_PATHS", "DEMESNE_INIT", "DEMESNE_TREE_BUDGET_USD_MAX",
-  "DEMESNE_TREE_WAIT_SECONDS" }
+  "DEMESNE_TREE_WAIT_SECONDS", "DEMESNE_CHILD_IMAGES" }
 
 -- A scratch world on the fake engine, with a stub endpoint (opened and closed runs).
 local function world(extra_env)
@@ -37,7 +37,7 @@ local function world(extra_env)
   local saved = {}
   local env = { XDG_CONFIG_HOME = d .. "/config", DEMESNE_ENGINE_ADAPTER = "fake", DEMESNE_ENGINE = "",
     DEMESNE_STATE_DIR = d .. "/state", DEMESNE_OUTPUT_ROOT = d .. "/out", DEMESNE_ALLOWED_PATHS = d .. "/host",
-    DEMESNE_INIT = d .. "/demesne-init" }
+    DEMESNE_INIT = d .. "/demesne-init", DEMESNE_CHILD_IMAGES = IMAGE } -- the fake's image, named from inside
   for k, v in pairs(extra_env or {}) do env[k] = v end
   for _, k in ipairs(VARS) do
     saved[k] = os.getenv(k)
@@ -338,11 +338,111 @@ function tests.a_planted_child_folder_is_refused(t)
   sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
 end
 
+-- The spec the engine was given for a sandbox.
+local function spec_of(w, id) return w.specs["demesne-" .. id] end
+
+function tests.isolation_is_a_floor_kept_in_the_record(t)
+  local w <close> = world()
+  w.eng.capabilities.runtimes = { gvisor = true }
+  local r = root(w, { egress = "none", isolation = "gvisor", mcp = true })
+  t:eq(tree.get(r.sandbox_id).walls.isolation, "gvisor")
+  local a = spawn(r.sandbox_id, "create", { name = "names-none", image = IMAGE })
+  t:eq(spec_of(w, a.sandbox_id).runtime, "gvisor", "a child that names no isolation runs on the parent's")
+  t:eq(tree.get(a.sandbox_id).walls.isolation, "gvisor")
+  t:eq(failure(spawn, r.sandbox_id, "create", { name = "weaker", image = IMAGE, isolation = "container" }),
+    'isolation: "container" is weaker than this sandbox\'s own isolation (gvisor); a child runs on gvisor')
+  local again = spawn(r.sandbox_id, "create", { name = "weaker", image = IMAGE, isolation = "gvisor" })
+  t:ok(again.sandbox_id, "a refused isolation does not take the name")
+  -- a container parent's child may ask for more
+  local c = root(w, { egress = "none" })
+  local g = spawn(c.sandbox_id, "create", { name = "stronger", image = IMAGE, isolation = "gvisor" })
+  t:eq(spec_of(w, g.sandbox_id).runtime, "gvisor")
+  -- the record survives a restart (a new process reads it from the state folder)
+  tree.reset()
+  t:eq(tree.get(r.sandbox_id).walls, { isolation = "gvisor", userns = false,
+    limits = { memory_mb = 2048, cpus = 2, pids = 1024 }, tree = { memory_mb = 2048 * 8, cpus = 16, pids = 1024 * 8 } })
+  t:match(failure(spawn, r.sandbox_id, "create", { name = "after-restart", image = IMAGE, isolation = "container" }),
+    "weaker than this sandbox's own isolation %(gvisor%)")
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+  sandbox.destroy(nil, { sandbox_id = c.sandbox_id })
+end
+
+function tests.limits_default_to_the_parents_and_never_exceed_them(t)
+  local w <close> = world()
+  local r = root(w, { egress = "none", limits = { memory_mb = 256, pids = 64, cpus = 1 } })
+  local a = spawn(r.sandbox_id, "create", { name = "inherits", image = IMAGE })
+  t:eq(spec_of(w, a.sandbox_id).limits, { memory_bytes = 256 * 1024 * 1024, cpus = 1, pids = 64 })
+  local b = spawn(r.sandbox_id, "create", { name = "smaller", image = IMAGE, limits = { memory_mb = 128 } })
+  t:eq(spec_of(w, b.sandbox_id).limits, { memory_bytes = 128 * 1024 * 1024, cpus = 1, pids = 64 })
+  t:eq(failure(spawn, r.sandbox_id, "create", { name = "greedy", image = IMAGE, limits = { memory_mb = 512 } }),
+    "limits.memory_mb: 512 is more than this sandbox's own limit of 256 (the parent's); a child may have at most 256")
+  t:match(failure(spawn, r.sandbox_id, "script", { name = "forks", command = "true", image = IMAGE,
+    limits = { pids = 30000 } }), "^limits.pids: 30000 is more than this sandbox's own limit of 64 %(the parent's%)")
+  t:match(failure(spawn, r.sandbox_id, "create", { name = "cpus", image = IMAGE, limits = { cpus = 1.5 } }),
+    "^limits.cpus: 1.5 is more than")
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+end
+
+function tests.tree_totals_are_checked_where_a_slot_is_reserved(t)
+  local w <close> = world({ DEMESNE_TREE_WAIT_SECONDS = "1" })
+  t:match(failure(root, w, { egress = "none", limits = { memory_mb = 256 }, tree = { memory_mb = 128 } }),
+    "^tree.memory_mb: 128 is less than this run's own limits.memory_mb %(256%)")
+  local r = root(w, { egress = "none", limits = { memory_mb = 256 }, tree = { memory_mb = 640 } })
+  t:eq(tree.get(r.sandbox_id).walls.tree.memory_mb, 640)
+  local mid = spawn(r.sandbox_id, "create", { name = "mid", image = IMAGE, mcp = true })
+  -- mid's child would need 256 beside mid and the root (512): more than 640, at once
+  t:eq(failure(spawn, mid.sandbox_id, "create", { name = "deep", image = IMAGE }),
+    "limits.memory_mb: this sandbox and those above it, which run as long as this call, hold 512 of its 640 MB "
+      .. "(tree.memory_mb: the root's limits x tree.running unless the host's call set it), so a child of 256 does "
+      .. "not fit while they run; ask for less")
+  local small = spawn(mid.sandbox_id, "create", { name = "small", image = IMAGE, limits = { memory_mb = 128 } })
+  -- with tree.running 2, a grandchild never gets a slot while its parent and the root run: refused at once
+  local r2 = root(w, { egress = "none", tree = { running = 2 } })
+  local mid2 = spawn(r2.sandbox_id, "create", { name = "mid", image = IMAGE, mcp = true })
+  local started = loop.now()
+  t:match(failure(spawn, mid2.sandbox_id, "create", { name = "deep", image = IMAGE }),
+    "^this tree runs at most 2 sandboxes at once %(tree.running%), and this sandbox and those above it, which run as "
+      .. "long as this call, are 2 of them: a child here never gets a slot")
+  t:ok(loop.now() - started < 900, "without waiting")
+  sandbox.destroy(nil, { sandbox_id = r2.sandbox_id })
+  -- 640 held: a further child waits for room, then is refused
+  t:match(failure(spawn, r.sandbox_id, "create", { name = "late", image = IMAGE, limits = { memory_mb = 64 } }),
+    "^limits.memory_mb: this tree's running sandboxes already hold 640 of its 640 MB %(tree.memory_mb: the root's "
+      .. "limits x tree.running.*so a child of 64 does not fit; waited 1 s")
+  -- room that frees while a spawn waits lets it go on
+  local waiter = async.spawn("spawn", function()
+    return spawn(r.sandbox_id, "create", { name = "gets-in", image = IMAGE, limits = { memory_mb = 64 } })
+  end)
+  async.sleep(100)
+  sandbox.destroy(nil, { sandbox_id = small.sandbox_id })
+  local ok, got = waiter:wait()
+  t:ok(ok, tostring(got and got.message or got))
+  t:eq(tree.get(got.sandbox_id).walls.limits.memory_mb, 64)
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+end
+
+function tests.images_from_inside_are_demesnes_the_users_or_the_configurations(t)
+  local w <close> = world()
+  w.eng.images["local/secret:1"] = { id = "feed", labels = {} }
+  local r = root(w, { egress = "none" })
+  t:match(failure(spawn, r.sandbox_id, "script", { name = "secret", command = "true", image = "local/secret:1" }),
+    '^image: "local/secret:1" is not an image a sandbox may start: from inside a sandbox only demesne\'s images %(.*base.*%) '
+      .. "and those the configuration lists in child_images may be named")
+  t:eq(sandbox.run_script(nil, { command = "true", image = "local/secret:1" }).exit_code, 0, "the host may use it")
+  t:match(failure(spawn, r.sandbox_id, "create", { name = "builds", image = "browser" }),
+    '^image: "browser" is not built yet, and a sandbox may not start its build .*`demesne images build browser`')
+  t:eq(#tree.get(r.sandbox_id).children, 0, "refused before the name is taken")
+  t:eq(spawn(r.sandbox_id, "script", { name = "listed", command = "true", image = IMAGE }).exit_code, 0,
+    "an image child_images lists")
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+end
+
 -- An agent run's plan as agent.prepare makes it (only what tree.plan reads).
 local function agent_plan(w, tool, id, args)
   local out = w.dir .. "/out/" .. id
   return { tool = tool, run_id = id, output_dir = out, run_dir = w.dir .. "/state/runs/" .. id, mounts = {},
-    egress = { name = tool == "sandbox_research" and "open" or "none" }, args = args }
+    egress = { name = tool == "sandbox_research" and "open" or "none" }, args = args, engine = w.eng, image_arg = IMAGE,
+    isolation = args.isolation or "container", limits = sandbox.limits(args.limits) }
 end
 
 -- Writes config.lua with host MCP servers that cannot start (/bin/false): tree.plan's sets
