@@ -486,7 +486,9 @@ function tree.job_finished(rec)
 end
 
 --- The job launch hook (jobs.hooks.launch): a run handed to a background job records the
---- job at once, so that a restart knows a job (not a call) watches it.
+--- job at once, so that a restart knows a job (not a call) watches it; a job on a member
+--- below the root (a background child, an exec in a child sandbox) joins the root's list of
+--- the tree's jobs (tree.job_admit bounds it).
 ---@param rec JobRecord
 function tree.job_launched(rec)
   local n = rec.run_id and tree.get(rec.run_id)
@@ -494,6 +496,67 @@ function tree.job_launched(rec)
     n.job_id = rec.job_id
     save(n)
   end
+  local on = n or (rec.sandbox_id and tree.get(rec.sandbox_id))
+  local root = on and on.root ~= on.run_id and tree.get(on.root)
+  if root then
+    root.jobs = root.jobs or json.array()
+    root.jobs[#root.jobs + 1] = rec.job_id
+    save(root)
+  end
+end
+
+--- Admits one more background job that a call from inside the run `run_id` is about to
+--- start (sandbox_exec or a spawn with background: true), against its tree's limits:
+--- tree.jobs running at once, tree.job_records kept. At tree.job_records the oldest
+--- finished records of the tree go (jobs.forget) to make room. Fails naming the limit.
+--- Returns a to-be-closed value that ends the reservation (by then the job is launched and
+--- counted through tree.job_launched, or it never started).
+---@param run_id string  the calling run (an active node)
+---@return table reservation  close it (local x <close> = tree.job_admit(id))
+function tree.job_admit(run_id)
+  local root = must(must(run_id).root)
+  local max_running = root.limits.jobs or config.get("tree_jobs_default")
+  local max_kept = math.max(root.limits.job_records or config.get("tree_job_records_default"), max_running)
+  local rm = m(root.run_id)
+  rm.job_pending = rm.job_pending or 0
+  local kept, finished, running = json.array(), {}, 0
+  for _, id in ipairs(root.jobs or {}) do
+    local rec = jobs.get(id)
+    if rec then
+      kept[#kept + 1] = id
+      if jobs.is_terminal(rec.status) then finished[#finished + 1] = { rec = rec, at = #kept }
+      else running = running + 1 end
+    end
+  end
+  if running + rm.job_pending >= max_running then
+    root.jobs = kept
+    save(root)
+    fail(("this tree already runs %d background jobs, its limit (tree.jobs); wait for one to end (sandbox_wait) "
+      .. "or cancel one (sandbox_cancel), then start it again"):format(running + rm.job_pending))
+  end
+  -- room among the kept records: the tree's oldest finished ones go
+  table.sort(finished, function(a, b)
+    local fa, fb = a.rec.finished_ms or a.rec.started_ms, b.rec.finished_ms or b.rec.started_ms
+    if fa ~= fb then return fa < fb end
+    return a.at < b.at -- (the list is in launch order)
+  end)
+  local gone = {}
+  local over = #kept + rm.job_pending + 1 - max_kept
+  for i = 1, over do
+    local f = finished[i]
+    if not f then break end
+    if jobs.forget(f.rec.job_id) then gone[f.rec.job_id] = true end
+  end
+  local left = json.array()
+  for _, id in ipairs(kept) do if not gone[id] then left[#left + 1] = id end end
+  root.jobs = left
+  save(root)
+  if #left + rm.job_pending >= max_kept then
+    fail(("this tree keeps %d job records, its limit (tree.job_records), and none of them can go yet; wait for a "
+      .. "job to end, then start it again"):format(#left + rm.job_pending))
+  end
+  rm.job_pending = rm.job_pending + 1
+  return closer(function() rm.job_pending = math.max(rm.job_pending - 1, 0) end)
 end
 
 --- The job cancel hook (jobs.hooks.cancel): a cancelled job's run takes its children with
