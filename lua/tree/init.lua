@@ -809,19 +809,18 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   return table.unpack(res, 2, res.n)
 end
 
--- Rewrites usage.json in the node's output folder with its own usage and its subtree's
--- totals. Called once its container is gone, so nothing in the sandbox can redirect it.
-write_usage = function(n)
+-- Rewrites usage.json in the node's output folder from the host's own numbers only: at the
+-- top level `route` (the totals its vendor route holds in memory: Route:totals, for an
+-- agent run) or else the node's own usage as its record has it (none for a script), and
+-- its subtree's totals. Nothing the sandbox wrote into usage.json is read. Called once its
+-- container is gone, so nothing in the sandbox can redirect it.
+write_usage = function(n, route)
   local own = store.own_usage(n)
   local t = tree.totals(n.run_id)
   local doc = {}
-  -- keep what the vendor route wrote (its own usage, rate limits) at the top level
-  local d = fs.opendir(n.output_dir)
-  local text = d and d:read("usage.json", 1 << 20)
-  if d then d:close() end
-  local prev = text and json.decode(text)
-  if type(prev) == "table" then doc = prev end
-  if doc.models == nil and next(own.models) then
+  if type(route) == "table" then
+    for k, v in pairs(route) do doc[k] = v end
+  else
     doc.models, doc.cost_usd = own.models, own.cost_usd
     for _, k in ipairs(TOKENS) do doc[k] = own[k] end
   end
@@ -863,7 +862,7 @@ function tree.result(o, r)
   r.children = tree.children(n.run_id)
   local t = tree.totals(n.run_id)
   r.total_cost_usd = t.cost_usd
-  local ok, err = pcall(write_usage, n)
+  local ok, err = pcall(write_usage, n, o.vendor and o.vendor:totals() or nil)
   if not ok then log.warning(LOGGER, "%s: usage.json: %s", n.run_id, tostring(err)) end
 end
 
