@@ -47,7 +47,8 @@ local NOTE = {
     .. "children's outputs at /in/previous-jobs/<name>, writes /out/child/<name>; egress none or this sandbox's. "
     .. "Use background: true and sandbox_wait for long runs.",
   research = "From inside a sandbox: the research child gets no inputs, its own workspace and open egress; its "
-    .. "/out is /out/child/<name> here.",
+    .. "/out appears at /out/child/<name> here (and to later children at /in/previous-jobs/<name>) once it has "
+    .. "ended: while it runs that folder is empty.",
 }
 
 --- The input schema a tool has when a sandbox calls it: the host tool's, without the

@@ -313,7 +313,18 @@ function tree.plan(ctx, o, args)
     local root = must(parent.root)
     n = new_node(o, kind)
     n.root, n.parent, n.depth, n.name = root.run_id, parent.run_id, parent.depth + 1, spawn.name
-    o.output_dir = spawn.output_dir
+    if kind == "research" then
+      -- its /out is a folder of its own under the output root, seen by no other sandbox
+      -- while it runs (a socket bound in it would be a live channel to its parent, which
+      -- holds host inputs: a read-only mount does not stop connect); hand_over moves it to
+      -- <parent out>/child/<name> once it has ended
+      assert(fs.mkdir_p(config.get("output_root"), 493))
+      local dir, derr = make_dir_in(config.get("output_root"), o.run_id, 493)
+      if not dir then fail(("cannot make the output folder of %s: %s"):format(o.run_id, tostring(derr))) end
+      o.output_dir, n.final_dir = dir, spawn.output_dir
+    else
+      o.output_dir = spawn.output_dir
+    end
     n.output_dir = o.output_dir
     o.mounts = {}
     if kind ~= "research" then
@@ -322,7 +333,7 @@ function tree.plan(ctx, o, args)
       for _, x in ipairs(n.inputs) do o.mounts[#o.mounts + 1] = { host = x.host, target = x.target } end
       for _, c in ipairs(parent.children) do
         local sib = c.run_id and tree.get(c.run_id)
-        if sib and c.name ~= spawn.name then
+        if sib and c.name ~= spawn.name and not sib.final_dir then -- (a research child's: once handed over)
           o.mounts[#o.mounts + 1] = { host = sib.output_dir, target = "/in/previous-jobs/" .. c.name }
         end
       end
@@ -439,6 +450,42 @@ local function ended(n, why)
   log.info(LOGGER, "%s: ended (%s%s)", n.run_id, n.status, n.reason and (": " .. n.reason) or "")
 end
 
+-- A research child's output folder (made in tree.plan under the output root, where no other
+-- sandbox sees it) goes to <parent out>/child/<name> once the child has ended and the host
+-- has written its results there: renamed between held folders (no link followed) over the
+-- empty folder tree.spawn made, which no sandbox can write (the parent sees it read-only).
+-- The paths in the records of the subtree and of its jobs follow. A failure is logged and
+-- the folder stays where it was (the host still reads it there).
+local function hand_over(n)
+  if not n.final_dir or n.active then return end
+  local from, to = n.output_dir, n.final_dir
+  local fp, fname = from:match("^(.*)/([^/]+)$")
+  local tp, tname = to:match("^(.*)/([^/]+)$")
+  local a, aerr = fs.opendir(fp)
+  local b, berr = fs.opendir(tp)
+  local ok, err = a and b, aerr or berr
+  if ok then ok, err = a:rename(fname, b, tname) end
+  if a then a:close() end
+  if b then b:close() end
+  n.final_dir = nil
+  if not ok then
+    log.warning(LOGGER, "%s: its output folder stays in %s: not moved to %s: %s", n.run_id, from, to, tostring(err))
+    save(n)
+    return
+  end
+  for _, w in ipairs(store.walk(n)) do
+    local x = w.node
+    if x.output_dir == from or x.output_dir:sub(1, #from + 1) == from .. "/" then
+      x.output_dir = to .. x.output_dir:sub(#from + 1)
+    end
+    if x.job_id then jobs.moved(x.job_id, from, to) end
+    save(x)
+  end
+  local root = tree.get(n.root)
+  for _, id in ipairs(root and root.jobs or {}) do jobs.moved(id, from, to) end
+  log.info(LOGGER, "%s: output folder handed over to %s", n.run_id, to)
+end
+
 --- The removed hook (sandbox.hooks.removed): a one-shot run's container is gone, or a
 --- persistent sandbox was destroyed or reaped. Ends the node (see above).
 ---@param o table  the plan ({tree} or {run_id}); `why` optional
@@ -483,6 +530,7 @@ function tree.job_finished(rec)
   settle(n, rec.status, { exit_code = rec.exit_code, reason = rec.reason }, "job")
   if n.active and (rec.status ~= "running") then ended(n) end
   save(n)
+  if jobs.is_terminal(rec.status) then hand_over(n) end -- results.json is written by now
 end
 
 --- The job launch hook (jobs.hooks.launch): a run handed to a background job records the
@@ -782,6 +830,20 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   ctx.job_id = parent.job_id
   local res = table.pack(pcall(run, ctx, call))
   local child = spawn.run_id and tree.get(spawn.run_id)
+  local staged = child and child.final_dir and child.output_dir
+  local _handed <close> = closer(function()
+    -- a research child that came back (or failed) has ended: its folder is handed over
+    if child and not (child.job_id and res[1]) then hand_over(child) end
+  end)
+  if staged and res[1] and type(res[2]) == "table" then
+    -- what the caller reads names the folder where it sees it: <its out>/child/<name>
+    local r = res[2]
+    if r.output_dir == staged then r.output_dir = spawn.output_dir end
+    if type(res[3]) == "string" then
+      local s_, e_ = res[3]:find(staged, 1, true)
+      if s_ then res[3] = res[3]:sub(1, s_ - 1) .. spawn.output_dir .. res[3]:sub(e_ + 1) end
+    end
+  end
   if not res[1] then
     if res[2] == async.CANCELLED then
       -- the caller's request was cancelled (or its session ended): the child went with it
@@ -896,7 +958,8 @@ local function resume_node(n)
     end
     if not rec and not info then
       settle(n, "lost", { reason = "its job record and its container are gone" }, "job")
-      return ended(n)
+      ended(n)
+      return hand_over(n)
     end
   elseif n.kind ~= "create" then
     -- a run a call was waiting for: that call died with its server
@@ -905,7 +968,8 @@ local function resume_node(n)
       n.cancel_reason = n.cancel_reason or "lost: the server stopped while it ran"
       if info then eng:remove(info.id) end
       settle(n, "lost", { reason = "the server that ran it stopped while it ran" }, "job")
-      return ended(n)
+      ended(n)
+      return hand_over(n)
     end
     return
   elseif not info then

@@ -385,6 +385,29 @@ local function agent_plan(w, tool, id, args)
     egress = { name = tool == "sandbox_research" and "open" or "none" }, args = args }
 end
 
+function tests.a_research_childs_out_is_handed_over_when_it_ends(t)
+  local w <close> = world()
+  local r = root(w, { egress = "none" })
+  local final = r.output_dir .. "/child/web"
+  local seen = {}
+  local res = spawn(r.sandbox_id, "research", { name = "web", prompt = "x" }, function(ctx, a)
+    local o = agent_plan(w, "sandbox_research", "20260101T000000Z-eeeeeeee", a)
+    tree.plan(ctx, o, a)
+    seen.out = o.output_dir
+    assert(fs.write_atomic(o.output_dir .. "/note.txt", "from the child\n")) -- the child runs
+    seen.while_running = fs.readdir(final)
+    tree.removed(o) -- its container is gone
+    return { exit_code = 0, output_dir = o.output_dir, run_id = o.run_id }
+  end)
+  t:eq(seen.out, w.dir .. "/out/20260101T000000Z-eeeeeeee", "it ran in a folder of its own under the output root")
+  t:eq(seen.while_running, {}, "its parent's child/web stays empty while it runs")
+  t:eq(res.output_dir, final, "the result names the folder where the parent reads it")
+  t:eq(fs.read_file(final .. "/note.txt"), "from the child\n", "handed over when it ended")
+  t:eq(fs.lstat(seen.out), nil, "nothing is left where it ran")
+  t:eq(tree.get("20260101T000000Z-eeeeeeee").output_dir, final)
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+end
+
 -- Writes config.lua with host MCP servers that cannot start (/bin/false): tree.plan's sets
 -- and their refusals need no upstream; the context lists them as not listed.
 local function with_host_servers(w)
