@@ -833,7 +833,10 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   local staged = child and child.final_dir and child.output_dir
   local _handed <close> = closer(function()
     -- a research child that came back (or failed) has ended: its folder is handed over
-    if child and not (child.job_id and res[1]) then hand_over(child) end
+    if child and not (child.job_id and res[1]) then
+      local hok, herr = pcall(hand_over, child)
+      if not hok then log.warning(LOGGER, "%s: handing over its output folder: %s", child.run_id, tostring(herr)) end
+    end
   end)
   if staged and res[1] and type(res[2]) == "table" then
     -- what the caller reads names the folder where it sees it: <its out>/child/<name>

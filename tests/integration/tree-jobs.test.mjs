@@ -87,11 +87,11 @@ test("background jobs of a tree are bounded: tree.jobs running at once, tree.job
 
 test("a research child's /out is not reachable while it runs (no live socket to its parent), and is handed over when it ends", async () => {
   // the research child's plan: write a file, bind a unix socket in /out, answer every
-  // connection for 20 s, then end
+  // connection for 8 s, then end
   const server = [
     "use IO::Socket::UNIX;",
     'my $s = IO::Socket::UNIX->new(Type => SOCK_STREAM(), Local => "/out/s.sock", Listen => 5) or die "bind: $!";',
-    '$SIG{ALRM} = sub { exit 0 }; alarm 20;',
+    '$SIG{ALRM} = sub { exit 0 }; alarm 8;',
     'while (my $c = $s->accept) { print $c "hello from the research child\\n";',
     '  open(my $f, ">>", "/out/accepted.txt"); print $f "accepted\\n"; close $f; close $c }',
   ].join("\n");
