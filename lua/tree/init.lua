@@ -25,7 +25,7 @@
 --     (script_remove, destroy, the reaper); agent.finish reports its result and usage
 --     (agent.hooks.result -> tree.result, which also adds `children` to results.json).
 --   * What a run may do, for its context file: info(run_id) -> {run_id, root, name, depth,
---     limits = {depth, children, running}, children_used, budget_usd, spent_usd}.
+--     limits = {depth, children, running, jobs, job_records}, children_used, budget_usd, spent_usd}.
 --   * Budget, from the vendor route: check(run_id) -> true | nil, "budget of $X spent"
 --     before forwarding a model request; charge(run_id, usd, usage) -> true | nil,
 --     "budget of $X spent" after counting one (usage optional: {model, input, output,
@@ -40,7 +40,9 @@
 --     info on the plan (o.endpoint.tree).
 --
 -- Records: <state_dir>/tree/<run id>.json (0600, out of every sandbox's reach), one per
--- node; a root's also holds the tree's limits, budget, spend and member list. Workspaces
+-- node; a root's also holds the tree's limits, budget, spend, member list and the background
+-- jobs started below it (tree.job_admit). A research child's /out is <output_root>/<run id>
+-- until it ends, then <parent out>/child/<name> (hand_over). Workspaces
 -- shared by a tree: <state_dir>/workspaces/<run id>/ (bind-mounted rw at /workspace, never
 -- read by the host, removed when the run that made it ends).
 local async = require("demesne.async")
