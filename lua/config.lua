@@ -142,6 +142,15 @@ local SPEC = {
   tree_running_default = { default = 8, number = true,
     doc = "sandboxes of one tree running at once, its root included; a spawn past it waits its turn" },
   tree_running_max = { env = "DEMESNE_TREE_RUNNING_MAX", default = 32, number = true, doc = "ceiling for tree.running" },
+  tree_jobs_default = { default = 32, number = true,
+    doc = "background jobs (sandbox_exec, background spawns) running at once on the sandboxes below a tree's root; "
+      .. "one more is refused" },
+  tree_jobs_max = { env = "DEMESNE_TREE_JOBS_MAX", default = 256, number = true, doc = "ceiling for tree.jobs" },
+  tree_job_records_default = { default = 256, number = true,
+    doc = "job records a tree keeps of the background jobs below its root; at it, a new job removes the oldest "
+      .. "finished one's record, and is refused when all are running" },
+  tree_job_records_max = { env = "DEMESNE_TREE_JOB_RECORDS_MAX", default = 4096, number = true,
+    doc = "ceiling for tree.job_records" },
   tree_budget_usd_default = { env = "DEMESNE_TREE_BUDGET_USD", default = 0, number = true, zero = true,
     doc = "USD a tree's model requests may spend when the call names no budget_usd; 0: no budget" },
   tree_budget_usd_max = { env = "DEMESNE_TREE_BUDGET_USD_MAX", default = 0, number = true, zero = true,

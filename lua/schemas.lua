@@ -218,6 +218,10 @@ schemas.tree = { type = "object", additionalProperties = false, description =
       .. "(default: this run's limits.cpus x running)" },
     pids = { type = "integer", minimum = 1, description = "processes the tree's running sandboxes may hold together "
       .. "(default: this run's limits.pids x running)" },
+    jobs = { type = "integer", minimum = 1, description = "background jobs running at once on the sandboxes below "
+      .. "this run (32)" },
+    job_records = { type = "integer", minimum = 1, description = "job records kept of those jobs; at it the oldest "
+      .. "finished one's goes (256)" },
   } }
 
 --- sandbox_script/sandbox_create: serve demesne's MCP endpoint inside the sandbox (lua/tree).

@@ -543,6 +543,43 @@ function jobs.prune()
   return n
 end
 
+--- Removes the record of a finished job now, before jobs_keep_seconds (a tree at its
+--- tree.job_records, lua/tree): its file and this process's copy go; its output folder is
+--- kept, and an adoption claim left with it goes at the next prune. A running job, or one
+--- with no record, is left alone.
+---@param id string
+---@return boolean removed
+function jobs.forget(id)
+  if not jobs.valid_id(id) then return false end
+  local rec = live[id] and live[id].rec or read_record(id)
+  if not rec or not TERMINAL[rec.status] then return false end
+  if not fs.unlink(record_path(id)) then return false end
+  live[id] = nil
+  return true
+end
+
+--- A job's output folder moved from `from` to `to` (a research child's, handed to its
+--- parent when it ended: lua/tree): the record's output_dir and log_dir follow (saved).
+--- Returns true when the record named the folder.
+---@param id string
+---@param from string  the old host path
+---@param to string    the new host path
+---@return boolean moved
+function jobs.moved(id, from, to)
+  local rec = jobs.valid_id(id) and (live[id] and live[id].rec or read_record(id))
+  if not rec then return false end
+  local changed = false
+  for _, k in ipairs({ "output_dir", "log_dir" }) do
+    local v = rec[k]
+    if type(v) == "string" and (v == from or v:sub(1, #from + 1) == from .. "/") then
+      rec[k] = to .. v:sub(#from + 1)
+      changed = true
+    end
+  end
+  if changed then save(rec) end
+  return changed
+end
+
 --- Loads the records: adopts every running job whose server is gone (re-attaching to its
 --- container) and prunes old finished ones. Returns the number adopted.
 ---@return integer

@@ -49,7 +49,8 @@ local NOTE = {
     .. "isolation and limits this sandbox's or narrower. "
     .. "Use background: true and sandbox_wait for long runs.",
   research = "From inside a sandbox: the research child gets no inputs, its own workspace and open egress; its "
-    .. "/out is /out/child/<name> here; its isolation and limits are this sandbox's or narrower.",
+    .. "/out appears at /out/child/<name> here (and to later children at /in/previous-jobs/<name>) once it has "
+    .. "ended: while it runs that folder is empty; its isolation and limits are this sandbox's or narrower.",
 }
 
 --- The input schema a tool has when a sandbox calls it: the host tool's, without the
@@ -167,13 +168,17 @@ local function wrap(host)
     -- waits for cleanup), with the caller's token: its client's timeout is reset by it
     local _hb <close> = progress.heartbeat(ctx)
     local res = table.pack(pcall(function()
+      if BY_JOB[name] and not tree.sees_job(n.run_id, args.job_id) then unknown_job(args.job_id) end
+      if BY_SANDBOX[name] and not tree.sees_sandbox(n.run_id, args.sandbox_id) then unknown_sandbox(args.sandbox_id) end
+      -- a background job started from in here counts against the tree's tree.jobs and
+      -- tree.job_records (the check and reservation come before anything is made)
+      local _job <close> = args.background == true and (kind or name == "sandbox_exec") and tree.job_admit(n.run_id)
+        or nil
       if kind then
         local r, text = tree.spawn(ctx, n.run_id, kind, args, host.run)
         if type(r) == "table" then r.mcp = nil end -- a child's endpoint is reachable only inside it
         return r, text
       end
-      if BY_JOB[name] and not tree.sees_job(n.run_id, args.job_id) then unknown_job(args.job_id) end
-      if BY_SANDBOX[name] and not tree.sees_sandbox(n.run_id, args.sandbox_id) then unknown_sandbox(args.sandbox_id) end
       if name == "sandbox_wait" then
         local max = config.get("tree_wait_seconds")
         args.timeout_seconds = math.min(args.timeout_seconds or max, max)

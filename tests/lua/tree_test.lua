@@ -7,6 +7,7 @@
 local async = require("demesne.async")
 local config = require("demesne.config")
 local engines = require("demesne.engines")
+local jobs = require("demesne.jobs")
 local sandbox = require("demesne.sandbox")
 local tree = require("demesne.tree")
 local hostmcp = require("demesne.hostmcp")
@@ -100,6 +101,45 @@ local function spawn(caller, kind, args, run)
   end)
 end
 
+function tests.background_jobs_of_a_tree_are_bounded_running_and_kept(t)
+  local w <close> = world()
+  local r = root(w, { egress = "none", tree = { jobs = 2, job_records = 3 } })
+  local id = r.sandbox_id
+  local box = spawn(id, "create", { name = "box", image = IMAGE })
+  local gate = async.event()
+  jobs.register("tree_test", {
+    start = function() error("not used") end,
+    run = function(_, hold)
+      if hold then gate.wait() end
+      return { status = "succeeded", exit_code = 0 }
+    end,
+    attach = function() return { status = "lost" } end,
+  })
+  -- what child.lua does for a background call from inside the root: admit, then launch
+  local function launch(hold)
+    local _admitted <close> = tree.job_admit(id)
+    return jobs.launch({ tool = "sandbox_exec", kind = "tree_test", command = "x", timeout_seconds = 60,
+      output_dir = w.dir, sandbox_id = box.sandbox_id }, hold)
+  end
+  local a, b = launch(true), launch(true)
+  t:match(failure(tree.job_admit, id), "already runs 2 background jobs, its limit %(tree%.jobs%)")
+  gate.set()
+  t:eq({ jobs.wait(a.job_id, 5000).status, jobs.wait(b.job_id, 5000).status }, { "succeeded", "succeeded" })
+  local c = launch(false)
+  t:eq(jobs.wait(c.job_id, 5000).status, "succeeded")
+  -- three kept, the limit: the next one removes the tree's oldest finished record
+  local d = launch(false)
+  t:eq(jobs.wait(d.job_id, 5000).status, "succeeded")
+  t:eq(jobs.get(a.job_id), nil, "the oldest finished record went")
+  t:eq(fs.lstat(jobs.record_path(a.job_id)), nil, "its file too")
+  t:eq(tree.get(id).jobs, { b.job_id, c.job_id, d.job_id })
+  launch(false)
+  t:eq(#tree.get(id).jobs, 3, "the kept records stay at the limit")
+  t:eq(jobs.get(b.job_id), nil)
+  t:match(failure(tree.limits, { jobs = 4, job_records = 2 }), "tree%.job_records: 2 is below tree%.jobs %(4%)")
+  sandbox.destroy(nil, { sandbox_id = id })
+end
+
 function tests.a_root_gets_its_endpoint_workspace_and_read_only_child_folder(t)
   local w <close> = world()
   local r = root(w)
@@ -182,8 +222,8 @@ function tests.names_depth_children_and_egress_are_checked(t)
   t:match(failure(spawn, id, "script", { name = "broken", command = "true", image = IMAGE }), "already used")
   spawn(id, "script", { name = "third", command = "true", image = IMAGE })
   t:match(failure(spawn, id, "script", { name = "more", command = "true", image = IMAGE }), "spawned 3 children")
-  t:eq(tree.info(id), { run_id = id, root = id, depth = 0, limits = { depth = 1, children = 3, running = 8 },
-    children_used = 3, spent_usd = 0 })
+  t:eq(tree.info(id), { run_id = id, root = id, depth = 0, limits = { depth = 1, children = 3, running = 8,
+    jobs = 32, job_records = 256 }, children_used = 3, spent_usd = 0 })
   sandbox.destroy(nil, { sandbox_id = id })
   local kids = tree.children(id)
   t:eq({ kids[2].name, kids[2].status }, { "broken", "failed" })
@@ -443,6 +483,29 @@ local function agent_plan(w, tool, id, args)
   return { tool = tool, run_id = id, output_dir = out, run_dir = w.dir .. "/state/runs/" .. id, mounts = {},
     egress = { name = tool == "sandbox_research" and "open" or "none" }, args = args, engine = w.eng, image_arg = IMAGE,
     isolation = args.isolation or "container", limits = sandbox.limits(args.limits) }
+end
+
+function tests.a_research_childs_out_is_handed_over_when_it_ends(t)
+  local w <close> = world()
+  local r = root(w, { egress = "none" })
+  local final = r.output_dir .. "/child/web"
+  local seen = {}
+  local res = spawn(r.sandbox_id, "research", { name = "web", prompt = "x" }, function(ctx, a)
+    local o = agent_plan(w, "sandbox_research", "20260101T000000Z-eeeeeeee", a)
+    tree.plan(ctx, o, a)
+    seen.out = o.output_dir
+    assert(fs.write_atomic(o.output_dir .. "/note.txt", "from the child\n")) -- the child runs
+    seen.while_running = fs.readdir(final)
+    tree.removed(o) -- its container is gone
+    return { exit_code = 0, output_dir = o.output_dir, run_id = o.run_id }
+  end)
+  t:eq(seen.out, w.dir .. "/out/20260101T000000Z-eeeeeeee", "it ran in a folder of its own under the output root")
+  t:eq(seen.while_running, {}, "its parent's child/web stays empty while it runs")
+  t:eq(res.output_dir, final, "the result names the folder where the parent reads it")
+  t:eq(fs.read_file(final .. "/note.txt"), "from the child\n", "handed over when it ended")
+  t:eq(fs.lstat(seen.out), nil, "nothing is left where it ran")
+  t:eq(tree.get("20260101T000000Z-eeeeeeee").output_dir, final)
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
 end
 
 -- Writes config.lua with host MCP servers that cannot start (/bin/false): tree.plan's sets
