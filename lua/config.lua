@@ -46,6 +46,22 @@ local SPEC = {
     doc = "hosts for the config-defined allowlist egress policy (','-separated)" },
   egress_default = { env = "DEMESNE_EGRESS_DEFAULT", default = "package-managers",
     doc = "egress policy of a sandbox whose call names none" },
+  egress_https_proxy = { env = "DEMESNE_EGRESS_HTTPS_PROXY",
+    default = function() return os.getenv("HTTPS_PROXY") or os.getenv("https_proxy") or "" end,
+    doc = "the host's own proxy that allowed CONNECT (HTTPS) requests go on through, http://[user:password@]host:port; "
+      .. "default: HTTPS_PROXY (or https_proxy) of demesne's environment; empty = dial directly" },
+  egress_http_proxy = { env = "DEMESNE_EGRESS_HTTP_PROXY",
+    default = function() return os.getenv("HTTP_PROXY") or os.getenv("http_proxy") or "" end,
+    doc = "the same for allowed plain HTTP requests; default: HTTP_PROXY (or http_proxy) of demesne's environment" },
+  egress_no_proxy = { env = "DEMESNE_EGRESS_NO_PROXY", list = true, sep = ",",
+    default = function()
+      local v = os.getenv("NO_PROXY") or os.getenv("no_proxy") or ""
+      local out = {}
+      for item in v:gmatch("[^,]+") do out[#out + 1] = item end
+      return out
+    end,
+    doc = "names (and their subdomains), IP addresses and host:port pairs that are dialled directly rather than "
+      .. "through egress_https_proxy / egress_http_proxy, ','-separated; * = all; default: NO_PROXY (or no_proxy)" },
   egress_resolver = { env = "DEMESNE_EGRESS_RESOLVER", default = "",
     doc = "test mode: ip:port of a DNS server the egress proxy asks instead of the system resolver" },
   init_path = { env = "DEMESNE_INIT", doc = "demesne-init binary mounted into sandboxes; default: beside the demesne binary" },
