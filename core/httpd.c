@@ -1251,8 +1251,10 @@ static void on_connection(uv_stream_t *server, int status) {
  * through, never anything the client says. Where a socket cannot be passed (gVisor) the
  * relay sends the byte '\0' with no socket and copies the client's bytes over the unix
  * connection, which then becomes the HTTP connection (copy mode). A sandbox can also connect to the socket itself
- * and send nothing: at most RELAY_PENDING_MAX such connections per listener are kept (each
- * holds a descriptor), later ones are closed at once (as core.stream.listen_relay does). */
+ * and send nothing: at most RELAY_PENDING_MAX connections per listener wait (each holds a
+ * descriptor); past it the oldest that has sent nothing is closed, so a burst of them cannot
+ * push out a hand-over whose byte is already waiting to be read; when every waiting one has
+ * sent its byte (they are read in this turn of the loop) the new one is kept. */
 #define RELAY_PENDING_MAX 16
 
 struct relay {
@@ -1292,6 +1294,28 @@ static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   if (!uv_is_closing((uv_handle_t *)st)) uv_close((uv_handle_t *)st, relay_closed);
 }
 
+/* 1 when a waiting relay connection has nothing to read (or has hung up). */
+static int relay_silent(struct relay *r) {
+  uv_os_fd_t fd;
+  if (uv_fileno((uv_handle_t *)&r->pipe, &fd) != 0) return 1;
+  char b;
+  return recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) <= 0;
+}
+
+/* When the listener's waiting relay connections but r are RELAY_PENDING_MAX or more, closes
+ * the oldest silent one; when none is silent they are all read in this turn of the loop, and
+ * r is kept beside them. */
+static void relay_make_room(listener *l, struct relay *r) {
+  size_t live = 0;
+  for (struct relay *p = l->s->relays; p; p = p->next)
+    if (p->l == l && p != r && !uv_is_closing((uv_handle_t *)&p->pipe)) live++;
+  if (live < RELAY_PENDING_MAX) return;
+  struct relay *victim = NULL;
+  for (struct relay *p = l->s->relays; p; p = p->next) /* newest first: the last found is the oldest */
+    if (p->l == l && p != r && !uv_is_closing((uv_handle_t *)&p->pipe) && relay_silent(p)) victim = p;
+  if (victim) uv_close((uv_handle_t *)&victim->pipe, relay_closed);
+}
+
 static void on_relay_connection(uv_stream_t *server, int status) {
   listener *l = server->data;
   dm_httpd *s = l->s;
@@ -1306,9 +1330,12 @@ static void on_relay_connection(uv_stream_t *server, int status) {
   if (s->relays) s->relays->prev = r;
   s->relays = r;
   /* every path takes the connection: libuv accepts no other until it is taken */
-  if (uv_accept(server, (uv_stream_t *)&r->pipe) != 0 || l->nrelays > RELAY_PENDING_MAX ||
-      uv_read_start((uv_stream_t *)&r->pipe, relay_alloc, relay_read) != 0)
+  if (uv_accept(server, (uv_stream_t *)&r->pipe) != 0 ||
+      uv_read_start((uv_stream_t *)&r->pipe, relay_alloc, relay_read) != 0) {
     uv_close((uv_handle_t *)&r->pipe, relay_closed);
+    return;
+  }
+  relay_make_room(l, r);
 }
 
 static listener *listener_new(dm_httpd *s, const dm_httpd_listen_opts *o) {
