@@ -17,6 +17,14 @@
  *   - Content-Length over max_body: 413 at once (a chunked body: as soon as it crosses it).
  * Refusals close the connection. The token is never logged or echoed.
  *
+ * Connections before their first head passes those checks: with head_timeout_ms, a new
+ * connection that has not sent a whole head within it is closed (408 after part of one).
+ * With a pre-authentication queue (max_preauth), a new connection joins its listener's
+ * queue and counts against max_conns only once a head passes (503 then when full); a full
+ * queue closes its oldest connection that has sent nothing (its oldest when all have), so
+ * connections without the token cannot keep out one with it. A listener's own max_conns is
+ * its own: its connections do not count against the server's.
+ *
  * Body bytes being read are bounded for the whole server too: when max_buffered is set, the
  * body bytes its connections hold (read and not yet handed to on_request) never pass it; the
  * request whose bytes would is answered 503 (max_buffered_why) and its connection closed; a

@@ -132,16 +132,17 @@ local SPEC = {
   http_max_connections = { env = "DEMESNE_HTTP_MAX_CONNECTIONS", default = 1024, number = true,
     doc = "connections `serve --http` serves at once once they presented the bearer token (503 past it); those "
       .. "that have not yet do not count (http_max_preauth_connections)" },
-  http_max_preauth_connections = { env = "DEMESNE_HTTP_MAX_PREAUTH_CONNECTIONS", default = 64, number = true,
+  http_max_preauth_connections = { env = "DEMESNE_HTTP_MAX_PREAUTH_CONNECTIONS", default = 256, number = true,
     doc = "connections per `serve --http` address that have not yet sent a request head with the bearer token; "
-      .. "a new one past it closes the oldest such, so they never keep out a client that has the token" },
+      .. "a new one past it closes the oldest such (one that has sent nothing first), so they never keep out a client "
+      .. "that has the token; a client opening more at once than this may see some reset" },
   http_head_timeout_seconds = { env = "DEMESNE_HTTP_HEAD_TIMEOUT_SECONDS", default = 5, number = true,
     doc = "a new connection to `serve --http` or to a sandbox's MCP endpoint must send its first request head "
       .. "whole within this, else it is closed (an authenticated connection may then idle 120 s between requests)" },
   endpoint_max_connections = { env = "DEMESNE_ENDPOINT_MAX_CONNECTIONS", default = 32, number = true,
     doc = "connections one sandbox's MCP endpoint (127.0.0.1:3130 inside it) serves at once once they presented "
       .. "its token (503 past it); its own, so no sandbox takes another's" },
-  endpoint_max_preauth_connections = { env = "DEMESNE_ENDPOINT_MAX_PREAUTH_CONNECTIONS", default = 8, number = true,
+  endpoint_max_preauth_connections = { env = "DEMESNE_ENDPOINT_MAX_PREAUTH_CONNECTIONS", default = 32, number = true,
     doc = "connections to one sandbox's MCP endpoint that have not yet sent a head with its token; a new one past "
       .. "it closes the oldest such" },
   endpoint_max_sessions = { env = "DEMESNE_ENDPOINT_MAX_SESSIONS", default = 16, number = true,
