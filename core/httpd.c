@@ -20,6 +20,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <strings.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -35,10 +36,14 @@ typedef struct listener {
     uv_pipe_t pipe;
   } h;
   int is_unix, open;
-  int removed;      /* dm_httpd_unlisten: freed once its handle, connections and relays are gone */
-  size_t nconns;    /* connections of this listener now (handed relays included) */
-  size_t nrelays;   /* relay connections waiting for their handed socket (RELAY_PENDING_MAX) */
-  size_t max_conns; /* 0: no cap of its own */
+  int removed;                        /* dm_httpd_unlisten: freed once its handle, connections and relays are gone */
+  size_t nconns;                      /* connections of this listener now (handed relays included) */
+  size_t nrelays;                     /* relay connections waiting for their handed socket (RELAY_PENDING_MAX) */
+  size_t max_conns;                   /* 0: no cap of its own */
+  size_t ncapped;                     /* its connections counted against the caps (all, or the authenticated ones) */
+  size_t max_preauth;                 /* 0: no pre-authentication queue (counted at accept) */
+  size_t npreauth;                    /* connections in the queue below */
+  dm_httpd_conn *pre_head, *pre_tail; /* not yet past the checks, oldest first */
   char *path;
   dev_t dev;
   ino_t ino;
@@ -63,7 +68,11 @@ struct dm_httpd_conn {
   uv_timer_t timer;
   int open_handles;
   int state;
-  int handed;      /* reached on_head or on_request: on_close is owed */
+  int handed;     /* reached on_head or on_request: on_close is owed */
+  int capped;     /* counted against the connection caps (l->ncapped, s->nshared) */
+  int preauth;    /* in its listener's pre-authentication queue */
+  int head_timed; /* head_timeout_ms runs: its first head has not passed the checks yet */
+  dm_httpd_conn *pre_prev, *pre_next;
   int in_head;     /* inside on_head: dm_httpd_respond refuses the request */
   long long clen;  /* the request's announced body length, -1 chunked */
   size_t counted;  /* body bytes of this connection counted in the server's `buffered` */
@@ -111,6 +120,7 @@ struct dm_httpd {
   listener *listeners;
   dm_httpd_conn *conns;
   size_t nconns;
+  size_t nshared; /* counted connections of listeners with no cap of their own (max_conns) */
   int closing;
   int open_listeners;
   struct relay *relays; /* relay connections waiting for their handed socket */
@@ -135,6 +145,7 @@ static void start_reading(dm_httpd_conn *c);
 static void on_resume(uv_timer_t *t);
 static void linger(dm_httpd_conn *c);
 static void fill_request(dm_httpd_conn *c, dm_httpd_header *hs, char *target, dm_httpd_request *req);
+static void on_timeout(uv_timer_t *t);
 
 /* ------------------------------------------------------------------------------------ */
 /* Small helpers                                                                          */
@@ -222,6 +233,38 @@ static void uncount(dm_httpd_conn *c) {
   c->counted = 0;
 }
 
+/* Takes the connection out of its listener's pre-authentication queue, if it is in it. */
+static void preauth_leave(dm_httpd_conn *c) {
+  if (!c->preauth) return;
+  listener *l = c->l;
+  if (c->pre_prev) c->pre_prev->pre_next = c->pre_next;
+  else l->pre_head = c->pre_next;
+  if (c->pre_next) c->pre_next->pre_prev = c->pre_prev;
+  else l->pre_tail = c->pre_prev;
+  c->pre_prev = c->pre_next = NULL;
+  c->preauth = 0;
+  l->npreauth--;
+}
+
+static void uncap(dm_httpd_conn *c) {
+  if (!c->capped) return;
+  c->capped = 0;
+  c->l->ncapped--;
+  if (!c->l->max_conns) c->s->nshared--;
+}
+
+/* Counts the connection against its caps: its listener's max_conns when it has one, else
+ * the server's. Returns 0, or -1 when that cap is full (the connection is not counted). */
+static int cap_take(dm_httpd_conn *c) {
+  listener *l = c->l;
+  dm_httpd *s = c->s;
+  if (l->max_conns ? l->ncapped >= l->max_conns : s->nshared >= s->o.max_conns) return -1;
+  c->capped = 1;
+  l->ncapped++;
+  if (!l->max_conns) s->nshared++;
+  return 0;
+}
+
 static void conn_finalize(dm_httpd_conn *c) {
   if (c->open_handles) return;
   dm_httpd *s = c->s;
@@ -233,6 +276,7 @@ static void conn_finalize(dm_httpd_conn *c) {
   if (c->next) c->next->prev = c->prev;
   s->nconns--;
   l->nconns--;
+  uncap(c);
   free(c->hb);
   free(c->body);
   free(c->held);
@@ -250,6 +294,7 @@ static void handle_closed(uv_handle_t *h) {
 static void conn_close(dm_httpd_conn *c, const char *why) {
   if (c->state == S_CLOSING) return;
   c->state = S_CLOSING;
+  preauth_leave(c);
   if (!c->why) c->why = why;
   uv_close((uv_handle_t *)&c->timer, handle_closed);
   uv_close((uv_handle_t *)&c->h, handle_closed);
@@ -748,6 +793,20 @@ static int on_headers_complete(llhttp_t *p) {
     return HPE_PAUSED;
   }
   if (check_head(c) < 0) return HPE_PAUSED;
+  if (c->preauth) {
+    /* past the listener's checks (its token, when it has one): counted from now on */
+    preauth_leave(c);
+    if (cap_take(c) < 0) {
+      refuse(c, 503, "too many connections", 0);
+      return HPE_PAUSED;
+    }
+  }
+  if (c->head_timed) {
+    /* the head came in time: the rest of the request has request_timeout_ms */
+    c->head_timed = 0;
+    uv_timer_stop(&c->timer);
+    uv_timer_start(&c->timer, on_timeout, c->s->o.request_timeout_ms, 0);
+  }
   if ((p->flags & F_CONTENT_LENGTH) && p->content_length > c->s->o.max_body) {
     c->refused = 1;
     c->refuse_status = 413;
@@ -933,7 +992,7 @@ static void on_timeout(uv_timer_t *t) {
 
 /* Runs bytes through the parser in READ state. Returns the number consumed. */
 static size_t parse(dm_httpd_conn *c, const char *data, size_t n) {
-  if (c->seen == 0 && n) {
+  if (c->seen == 0 && n && !c->head_timed) {
     uv_timer_stop(&c->timer);
     uv_timer_start(&c->timer, on_timeout, c->s->o.request_timeout_ms, 0);
   }
@@ -1092,15 +1151,59 @@ static dm_httpd_conn *conn_new(listener *l, int tcp) {
   return c;
 }
 
-/* Starts serving an opened connection: refused 503 over the caps, else read. */
+/* 1 when the client has sent nothing on c: no byte parsed and none waiting in the socket
+ * (a client that hung up has sent nothing either), or c was refused and only drains. */
+static int conn_silent(dm_httpd_conn *c) {
+  if (c->close_after) return 1; /* refused: it only waits for its answer to drain */
+  if (c->seen || c->held_len || c->state != S_READ) return 0;
+  uv_os_fd_t fd;
+  if (uv_fileno((uv_handle_t *)&c->h, &fd) != 0) return 1;
+  char b;
+  ssize_t r = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+  return r <= 0;
+}
+
+/* The connection a full pre-authentication queue gives up: its oldest that has sent
+ * nothing, so a client whose head is already waiting to be read (accepted before a burst
+ * of others) is kept; when every one has sent something, the oldest. */
+static dm_httpd_conn *preauth_victim(listener *l) {
+  for (dm_httpd_conn *c = l->pre_head; c; c = c->pre_next)
+    if (conn_silent(c)) return c;
+  return l->pre_head;
+}
+
+/* A new connection's timer: head_timeout_ms for its first head, from now, when set; else
+ * idle_timeout_ms until its first byte (then request_timeout_ms). */
+static void conn_start_timer(dm_httpd_conn *c) {
+  c->head_timed = c->s->o.head_timeout_ms != 0;
+  uv_timer_start(&c->timer, on_timeout, c->head_timed ? c->s->o.head_timeout_ms : c->s->o.idle_timeout_ms, 0);
+}
+
+/* Starts serving an opened connection. Without a pre-authentication queue it is counted
+ * now (503 over the caps); with one it joins the queue (its oldest closed when full) and is
+ * counted once its first head passes the listener's checks. Then it is read. */
 static void conn_begin(dm_httpd_conn *c) {
-  dm_httpd *s = c->s;
   listener *l = c->l;
-  if (s->nconns > s->o.max_conns || (l->max_conns && l->nconns > l->max_conns)) {
-    refuse(c, 503, "too many connections", 0);
+  if (!l->max_preauth) {
+    if (cap_take(c) < 0) {
+      refuse(c, 503, "too many connections", 0);
+      return;
+    }
+    conn_start_timer(c);
+    start_reading(c);
     return;
   }
-  uv_timer_start(&c->timer, on_timeout, s->o.idle_timeout_ms, 0);
+  /* not counted until it passes the listener's checks; a full queue gives up its oldest
+     silent one, so connections that never present a token cannot keep out the ones that do */
+  if (l->npreauth >= l->max_preauth && l->pre_head)
+    conn_close(preauth_victim(l), "too many connections before authentication");
+  c->preauth = 1;
+  c->pre_prev = l->pre_tail;
+  if (l->pre_tail) l->pre_tail->pre_next = c;
+  else l->pre_head = c;
+  l->pre_tail = c;
+  l->npreauth++;
+  conn_start_timer(c);
   start_reading(c);
 }
 
@@ -1148,8 +1251,10 @@ static void on_connection(uv_stream_t *server, int status) {
  * through, never anything the client says. Where a socket cannot be passed (gVisor) the
  * relay sends the byte '\0' with no socket and copies the client's bytes over the unix
  * connection, which then becomes the HTTP connection (copy mode). A sandbox can also connect to the socket itself
- * and send nothing: at most RELAY_PENDING_MAX such connections per listener are kept (each
- * holds a descriptor), later ones are closed at once (as core.stream.listen_relay does). */
+ * and send nothing: at most RELAY_PENDING_MAX connections per listener wait (each holds a
+ * descriptor); past it the oldest that has sent nothing is closed, so a burst of them cannot
+ * push out a hand-over whose byte is already waiting to be read; when every waiting one has
+ * sent its byte (they are read in this turn of the loop) the new one is kept. */
 #define RELAY_PENDING_MAX 16
 
 struct relay {
@@ -1189,6 +1294,28 @@ static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
   if (!uv_is_closing((uv_handle_t *)st)) uv_close((uv_handle_t *)st, relay_closed);
 }
 
+/* 1 when a waiting relay connection has nothing to read (or has hung up). */
+static int relay_silent(struct relay *r) {
+  uv_os_fd_t fd;
+  if (uv_fileno((uv_handle_t *)&r->pipe, &fd) != 0) return 1;
+  char b;
+  return recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) <= 0;
+}
+
+/* When the listener's waiting relay connections but r are RELAY_PENDING_MAX or more, closes
+ * the oldest silent one; when none is silent they are all read in this turn of the loop, and
+ * r is kept beside them. */
+static void relay_make_room(listener *l, struct relay *r) {
+  size_t live = 0;
+  for (struct relay *p = l->s->relays; p; p = p->next)
+    if (p->l == l && p != r && !uv_is_closing((uv_handle_t *)&p->pipe)) live++;
+  if (live < RELAY_PENDING_MAX) return;
+  struct relay *victim = NULL;
+  for (struct relay *p = l->s->relays; p; p = p->next) /* newest first: the last found is the oldest */
+    if (p->l == l && p != r && !uv_is_closing((uv_handle_t *)&p->pipe) && relay_silent(p)) victim = p;
+  if (victim) uv_close((uv_handle_t *)&victim->pipe, relay_closed);
+}
+
 static void on_relay_connection(uv_stream_t *server, int status) {
   listener *l = server->data;
   dm_httpd *s = l->s;
@@ -1203,9 +1330,12 @@ static void on_relay_connection(uv_stream_t *server, int status) {
   if (s->relays) s->relays->prev = r;
   s->relays = r;
   /* every path takes the connection: libuv accepts no other until it is taken */
-  if (uv_accept(server, (uv_stream_t *)&r->pipe) != 0 || l->nrelays > RELAY_PENDING_MAX ||
-      uv_read_start((uv_stream_t *)&r->pipe, relay_alloc, relay_read) != 0)
+  if (uv_accept(server, (uv_stream_t *)&r->pipe) != 0 ||
+      uv_read_start((uv_stream_t *)&r->pipe, relay_alloc, relay_read) != 0) {
     uv_close((uv_handle_t *)&r->pipe, relay_closed);
+    return;
+  }
+  relay_make_room(l, r);
 }
 
 static listener *listener_new(dm_httpd *s, const dm_httpd_listen_opts *o) {
@@ -1213,6 +1343,7 @@ static listener *listener_new(dm_httpd *s, const dm_httpd_listen_opts *o) {
   if (!l) return NULL;
   l->s = s;
   l->max_conns = o->max_conns;
+  l->max_preauth = o->max_preauth ? o->max_preauth : s->o.max_preauth;
   l->tag = dupstr(o->tag ? o->tag : "");
   l->token = o->token && *o->token ? dupstr(o->token) : NULL;
   if (o->hosts && o->nhosts) {

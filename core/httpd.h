@@ -17,6 +17,14 @@
  *   - Content-Length over max_body: 413 at once (a chunked body: as soon as it crosses it).
  * Refusals close the connection. The token is never logged or echoed.
  *
+ * Connections before their first head passes those checks: with head_timeout_ms, a new
+ * connection that has not sent a whole head within it is closed (408 after part of one).
+ * With a pre-authentication queue (max_preauth), a new connection joins its listener's
+ * queue and counts against max_conns only once a head passes (503 then when full); a full
+ * queue closes its oldest connection that has sent nothing (its oldest when all have), so
+ * connections without the token cannot keep out one with it. A listener's own max_conns is
+ * its own: its connections do not count against the server's.
+ *
  * Body bytes being read are bounded for the whole server too: when max_buffered is set, the
  * body bytes its connections hold (read and not yet handed to on_request) never pass it; the
  * request whose bytes would is answered 503 (max_buffered_why) and its connection closed; a
@@ -99,9 +107,15 @@ typedef struct dm_httpd_opts {
   size_t max_body;              ///< largest request body in bytes (413 above); default 4 MiB
   size_t max_head;              ///< largest request head in bytes (431 above); default 64 KiB
   size_t max_output;            ///< bytes queued on one connection before it is cut as a slow reader; default 16 MiB
-  size_t max_conns;             ///< connections at once (503 above); default 1024
+  size_t max_conns;             ///< connections at once of the listeners with no max_conns of their own (503
+                                ///< above: at accept, or with a pre-authentication queue when a connection
+                                ///< passes the checks); default 1024
   unsigned request_timeout_ms;  ///< a request must arrive whole within this, from its first byte (408); default 30000
   unsigned idle_timeout_ms;     ///< an idle keep-alive connection is closed after this; default 120000
+  unsigned head_timeout_ms;     ///< a new connection must send its first request head whole within this, from
+                                ///< accept: else it is closed (408 when part of a head came); the rest of that
+                                ///< request then has request_timeout_ms. 0: idle_timeout_ms until the first byte
+  size_t max_preauth;           ///< default of dm_httpd_listen_opts.max_preauth; 0: none
   const char *error_body;       ///< body of the server's own refusals: a printf format with one %s (the
                                 ///< reason, plain ASCII without quotes); default "%s\n"
   const char *error_type;       ///< Content-Type of those bodies; default "text/plain; charset=utf-8"
@@ -118,8 +132,13 @@ typedef struct dm_httpd_listen_opts {
   const char *token;        ///< bearer token every request must carry, or NULL for none
   const char *const *hosts; ///< accepted Host names ("localhost", "127.0.0.1", "[::1]"), or NULL: any
   size_t nhosts;
-  int ipv6_only;    ///< TCP on an IPv6 address: do not also take IPv4
-  size_t max_conns; ///< connections of this listener at once (503 above); 0: only the server's cap
+  int ipv6_only;      ///< TCP on an IPv6 address: do not also take IPv4
+  size_t max_conns;   ///< connections of this listener at once (503 above), not counted in the server's
+                      ///< max_conns; 0: the server's cap
+  size_t max_preauth; ///< connections of this listener that have not yet passed its checks (Host, Origin,
+                      ///< token) kept at once: a new one past it closes the oldest such. They do not count
+                      ///< against max_conns until they pass (then 503 when it is full). 0: the server's
+                      ///< max_preauth; when both are 0 there is no queue and max_conns counts at accept
 } dm_httpd_listen_opts;
 
 /// Creates a server with no listener yet. Returns NULL when out of memory.

@@ -145,6 +145,25 @@ local SPEC = {
   http_max_sessions = { env = "DEMESNE_HTTP_MAX_SESSIONS", default = 1000, number = true,
     doc = "MCP sessions (2025 revisions) `serve --http` keeps at once; past it the longest-idle one without a "
       .. "request in progress, an open stream or a job or sandbox it started goes, else initialize gets 503" },
+  http_max_connections = { env = "DEMESNE_HTTP_MAX_CONNECTIONS", default = 1024, number = true,
+    doc = "connections `serve --http` serves at once once they presented the bearer token (503 past it); those "
+      .. "that have not yet do not count (http_max_preauth_connections)" },
+  http_max_preauth_connections = { env = "DEMESNE_HTTP_MAX_PREAUTH_CONNECTIONS", default = 256, number = true,
+    doc = "connections per `serve --http` address that have not yet sent a request head with the bearer token; "
+      .. "a new one past it closes the oldest such (one that has sent nothing first), so they never keep out a client "
+      .. "that has the token; a client opening more at once than this may see some reset" },
+  http_head_timeout_seconds = { env = "DEMESNE_HTTP_HEAD_TIMEOUT_SECONDS", default = 5, number = true,
+    doc = "a new connection to `serve --http` or to a sandbox's MCP endpoint must send its first request head "
+      .. "whole within this, else it is closed (an authenticated connection may then idle 120 s between requests)" },
+  endpoint_max_connections = { env = "DEMESNE_ENDPOINT_MAX_CONNECTIONS", default = 32, number = true,
+    doc = "connections one sandbox's MCP endpoint (127.0.0.1:3130 inside it) serves at once once they presented "
+      .. "its token (503 past it); its own, so no sandbox takes another's" },
+  endpoint_max_preauth_connections = { env = "DEMESNE_ENDPOINT_MAX_PREAUTH_CONNECTIONS", default = 32, number = true,
+    doc = "connections to one sandbox's MCP endpoint that have not yet sent a head with its token; a new one past "
+      .. "it closes the oldest such" },
+  endpoint_max_sessions = { env = "DEMESNE_ENDPOINT_MAX_SESSIONS", default = 16, number = true,
+    doc = "MCP sessions one sandbox's MCP endpoint keeps at once (its own, apart from http_max_sessions); past it "
+      .. "its longest-idle session without a request in progress or an open stream goes, else initialize gets 503" },
   readonly_rootfs = { env = "DEMESNE_READONLY_ROOTFS", default = true, bool = true,
     doc = "mount each sandbox's root filesystem read-only (tmpfs on /tmp, /var/tmp, /root, /run)" },
   -- nested sandboxes (lua/tree): a host call's `tree` and `budget_usd` override the defaults within the ceilings

@@ -181,8 +181,11 @@ static void on_closed(void *ud) {
 
 /// core.httpd.new(opts, on_request, on_close[, on_head]) -> server.
 /// opts (all optional, in bytes and ms): max_body (4 MiB), max_head (64 KiB), max_output
-/// (16 MiB queued per connection before it is cut as a slow reader), max_conns (1024),
-/// request_timeout_ms (30000), idle_timeout_ms (120000), error_body (printf format with
+/// (16 MiB queued per connection before it is cut as a slow reader), max_conns (1024
+/// connections at once of the listeners with no max_conns of their own), request_timeout_ms
+/// (30000), idle_timeout_ms (120000), head_timeout_ms (a new connection's first request head
+/// must be whole within it from accept, else it is closed; 0 = none: idle_timeout_ms until
+/// its first byte), max_preauth (default of the listeners' max_preauth; 0 = none), error_body (printf format with
 /// one %s for the server's own refusals), error_type (their Content-Type), max_buffered
 /// (body bytes all connections may hold while being read: 503 above; 0 = no cap),
 /// max_buffered_why (the reason in that 503), pool (a core.httpd.pool shared with other
@@ -207,6 +210,8 @@ static int l_new(lua_State *L) {
   o.max_conns = (size_t)dm_opt_count(L, 1, "max_conns", 0);
   o.request_timeout_ms = (unsigned)dm_opt_count(L, 1, "request_timeout_ms", 0);
   o.idle_timeout_ms = (unsigned)dm_opt_count(L, 1, "idle_timeout_ms", 0);
+  o.head_timeout_ms = (unsigned)dm_opt_count(L, 1, "head_timeout_ms", 0);
+  o.max_preauth = (size_t)dm_opt_count(L, 1, "max_preauth", 0);
   o.max_buffered = (size_t)dm_opt_count(L, 1, "max_buffered", 0);
   if (!lua_isnoneornil(L, 4)) luaL_checktype(L, 4, LUA_TFUNCTION);
   lua_getfield(L, 1, "max_buffered_why");
@@ -283,6 +288,13 @@ static const char **listen_opts(lua_State *L, int t, dm_httpd_listen_opts *o) {
     o->max_conns = (size_t)n;
   }
   lua_pop(L, 1);
+  lua_getfield(L, t, "max_preauth");
+  if (!lua_isnil(L, -1)) {
+    lua_Integer n = luaL_checkinteger(L, -1);
+    luaL_argcheck(L, n >= 0, t, "max_preauth must be >= 0");
+    o->max_preauth = (size_t)n;
+  }
+  lua_pop(L, 1);
   lua_getfield(L, t, "hosts");
   const char **hosts = NULL;
   if (lua_istable(L, -1)) {
@@ -309,7 +321,11 @@ static const char **listen_opts(lua_State *L, int t, dm_httpd_listen_opts *o) {
 /// IPv4/IPv6 address (port 0 = any free port). lopts: tag (required: the listener's
 /// identity, given with each request), token (bearer token required on every request:
 /// 401 otherwise), hosts (list of accepted Host names, e.g. {"localhost", "127.0.0.1",
-/// "[::1]"}: 421 for another Host, 403 for an Origin naming another host), ipv6_only.
+/// "[::1]"}: 421 for another Host, 403 for an Origin naming another host), ipv6_only,
+/// max_conns (connections of this listener at once, not counted in the server's max_conns;
+/// 503 above; 0/nil = the server's cap), max_preauth (connections that have not yet passed
+/// the checks kept at once: a new one past it closes the oldest such; they count against
+/// max_conns only once they pass; 0/nil = the server's max_preauth, none when both are 0).
 static int l_listen_tcp(lua_State *L) {
   lserver *ls = check_server(L);
   const char *ip = luaL_checkstring(L, 2);

@@ -7,6 +7,13 @@
 --     folder), 401 + WWW-Authenticate otherwise; Host must name this machine's loopback
 --     (421 otherwise) and a present Origin too (403); bodies over http_max_body_bytes 413.
 --     Binding to a non-loopback address needs allow_remote.
+--   * connections (in C): a new one must send its first head whole within
+--     http_head_timeout_seconds, else it is closed; until a head passes the checks it is in
+--     its listener's own queue of http_max_preauth_connections (a new one past it closes the
+--     oldest), and only then counts against http_max_connections (503 past it), so
+--     connections without the token never keep out a client that has it. A relay listener
+--     (one sandbox's endpoint) has its own caps instead, and its own session cap
+--     (max_sessions_per_listener), apart from the host's http_max_sessions.
 --   * 2025-11-25 / 2025-06-18: POST initialize opens a session (Mcp-Session-Id); every later
 --     request names it (400 without, 404 for an unknown or ended one); notifications and
 --     responses get 202; a request is answered as JSON when its answer is ready at once,
@@ -169,7 +176,8 @@ end
 ---@field shutdown_timeout_ms integer|nil
 ---@field session_options (fun(listener: string): table|nil)|nil  extra ServerOptions for the sessions
 ---   and 2026-07-28 requests of a listener (the in-sandbox endpoint: no host log records, a scope)
----@field max_sessions_per_listener integer|nil  sessions one relay listener may hold (default 16)
+---@field max_sessions_per_listener integer|nil  sessions one relay listener may hold, apart from the
+---   host's http_max_sessions (default endpoint_max_sessions)
 ---@field routes (fun(path: string, listener: string): HttpRoute|nil)|nil  MCP servers at paths other
 ---   than /mcp (the in-sandbox endpoint's /mcp/host/<server>): nil = 404. A session belongs to the
 ---   path that opened it and is not found on another.
@@ -202,7 +210,7 @@ function http.start(o)
     if not token then return nil, origin end
   end
   local max_sessions = math.floor(config.get("http_max_sessions"))
-  local per_listener = o.max_sessions_per_listener or 16
+  local per_listener = math.max(1, math.floor(o.max_sessions_per_listener or config.get("endpoint_max_sessions")))
   local function server_opts(listener, base)
     local extra = o.session_options and o.session_options(listener)
     for k, v in pairs(extra or {}) do base[k] = v end
@@ -211,6 +219,7 @@ function http.start(o)
   local self = {
     sessions = {},         -- id -> session
     nsessions = 0,
+    nshared = 0,           -- of them, those of "host" listeners (http_max_sessions; a relay listener has its own)
     channels = {},         -- conn -> the channel answering its current request
     streams = {},          -- conn -> true: open SSE streams (keep-alive comments)
     modern = {},           -- per-request 2026-07-28 sessions in progress -> true
@@ -242,23 +251,32 @@ function http.start(o)
     return base
   end
 
+  -- Counts a session in or out of the tables (its listener's share: host ones in nshared).
+  local function count(sess, d)
+    self.nsessions = self.nsessions + d
+    if sess.listener == "host" then self.nshared = self.nshared + d end
+  end
+
   local function new_session(listener, route)
-    -- a relay listener (one sandbox) holds at most per_listener sessions of the table
+    -- the host's sessions share http_max_sessions; a relay listener (one sandbox) holds at
+    -- most per_listener sessions of its own, so no sandbox and no host client crowds out another
     local mine = 0
     if listener ~= "host" then
       for _, s in pairs(self.sessions) do if s.listener == listener then mine = mine + 1 end end
     end
-    if self.nsessions >= max_sessions or mine >= per_listener then
+    local full
+    if listener == "host" then full = self.nshared >= max_sessions else full = mine >= per_listener end
+    if full then
       -- room: the longest-idle session with nothing in progress and no open stream goes.
       -- Of a relay listener's own sessions any such one may go: what a sandbox started
       -- belongs to its run, not to a session, and short-lived clients (a script per call)
       -- often never DELETE theirs
-      local own = mine >= per_listener
+      local own = listener ~= "host"
       local victim
       for _, s in pairs(self.sessions) do
         if s.srv:pending() == 0 and not (s.get_conn and s.get_conn:is_open())
           and (own and s.listener == listener
-            or not own and not s.owns_work and loop.now() - s.seen >= IDLE_EVICT_MS)
+            or not own and s.listener == "host" and not s.owns_work and loop.now() - s.seen >= IDLE_EVICT_MS)
           and (not victim or s.seen < victim.seen) then
           victim = s
         end
@@ -266,21 +284,21 @@ function http.start(o)
       if not victim then return nil end
       log.notice(LOGGER, "session %s idle for %d s: ended to make room", victim.id, (loop.now() - victim.seen) // 1000)
       self.sessions[victim.id] = nil
-      self.nsessions = self.nsessions - 1
+      count(victim, -1)
       victim.srv:close()
     end
     local sess = { id = util.random_hex(16), listener = listener, path = route.path, seen = loop.now() }
     sess.srv = server.new(route_opts(listener, route, { transport = session_transport(sess), registry = route.registry,
       max_message_bytes = o.max_message_bytes, listener = listener }))
     self.sessions[sess.id] = sess
-    self.nsessions = self.nsessions + 1
+    count(sess, 1)
     return sess
   end
 
   local function end_session(sess, why)
     if self.sessions[sess.id] ~= sess then return end
     self.sessions[sess.id] = nil
-    self.nsessions = self.nsessions - 1
+    count(sess, -1)
     log.info(LOGGER, "session %s ended (%s)", sess.id, why)
     local c = sess.get_conn
     sess.get_conn = nil
@@ -478,7 +496,10 @@ function http.start(o)
       if msg.method == "initialize" and is_request and not sid then
         sess = new_session(conn:listener(), route)
         if not sess then
-          return reply(conn, 503, server.INVALID_REQUEST, "too many sessions: end one (DELETE) or raise http_max_sessions")
+          return reply(conn, 503, server.INVALID_REQUEST, conn:listener() == "host"
+            and "too many sessions: end one (DELETE) or raise http_max_sessions"
+            or ("too many sessions on this endpoint (its ceiling of %d, endpoint_max_sessions in the demesne "
+              .. "configuration): end one (DELETE)"):format(per_listener))
         end
         headers = { ["Mcp-Session-Id"] = sess.id }
       elseif sid then
@@ -502,7 +523,7 @@ function http.start(o)
       -- an initialize that failed leaves no session behind
       if ch.done then
         self.sessions[sess.id] = nil
-        self.nsessions = self.nsessions - 1
+        count(sess, -1)
         sess.srv:close()
         return
       end
@@ -590,6 +611,11 @@ function http.start(o)
   self.http = httpd.new({
     max_body = math.floor(config.get("http_max_body_bytes")),
     max_output = MAX_OUTPUT,
+    -- connections that have not presented the token: a short head timeout and a queue of their
+    -- own per listener (its oldest closed when full), so they never crowd out one that has it
+    max_conns = math.max(1, math.floor(config.get("http_max_connections"))),
+    max_preauth = math.max(1, math.floor(config.get("http_max_preauth_connections"))),
+    head_timeout_ms = math.max(1, math.floor(config.get("http_head_timeout_seconds") * 1000)),
     error_body = '{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"%s"}}',
     error_type = JSON_TYPE,
   }, function(conn, req)
@@ -634,13 +660,19 @@ function http.start(o)
   function handle.sessions() return self.nsessions end
   --- Listens on a unix socket for demesne-init's relay (core.httpd listen_relay): the
   --- listener's `tag` names the caller of every request that arrives on it (never "host"),
-  --- `token` is required on each, Host must be loopback, and at most `max_conns`
-  --- (default 32) connections are open on it at once.
+  --- `token` is required on each, Host must be loopback, at most `max_conns` (default
+  --- endpoint_max_connections) connections that presented the token are open on it at once
+  --- and at most `max_preauth` (default endpoint_max_preauth_connections) that have not yet
+  --- (the oldest closed past it); both its own, apart from every other listener's.
+  ---@param path string
+  ---@param lopts {tag: string, token: string|nil, max_conns: integer|nil, max_preauth: integer|nil}
+  ---@return boolean|nil ok, string|nil err, string|nil code
   function handle.listen_relay(path, lopts)
     assert(type(lopts.tag) == "string" and lopts.tag ~= "host", "listen_relay: a tag other than host")
     if self.stopping then return nil, "the server is shutting down" end
     local ok, err, code = self.http:listen_relay(path, { tag = lopts.tag, token = lopts.token, hosts = LOOPBACK_HOSTS,
-      max_conns = lopts.max_conns or 32 })
+      max_conns = math.max(1, math.floor(lopts.max_conns or config.get("endpoint_max_connections"))),
+      max_preauth = math.max(1, math.floor(lopts.max_preauth or config.get("endpoint_max_preauth_connections"))) })
     if not ok then return nil, ("listen on %s: %s"):format(path, tostring(err)), code end
     return true
   end

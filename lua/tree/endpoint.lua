@@ -9,7 +9,9 @@
 -- calling run ("run:<run id>", tree.tag); the run's bearer token is required on every request
 -- as a second check (compared in C, in constant time); Host must be loopback. Nothing the
 -- sandbox sends can name another run. Everything on the socket is hostile input: bodies,
--- heads, connections (32 per run), sessions (16 per run) and output are bounded in C and in
+-- heads (a new connection's within http_head_timeout_seconds), connections (per run:
+-- endpoint_max_connections that presented the token, endpoint_max_preauth_connections that have
+-- not yet), sessions (endpoint_max_sessions per run, apart from the host's) and output are bounded in C and in
 -- lua/mcp/http.lua, and a session there is scoped (server option `scope`): it hears only of
 -- the ends of its own subtree's jobs, and no host log record.
 --
@@ -73,7 +75,7 @@ function endpoint.start(registry, opts)
   local h, err = http.start({ addrs = {}, registry = child.registry(registry),
     max_message_bytes = opts.max_message_bytes, shutdown_timeout_ms = opts.shutdown_timeout_ms,
     session_options = function(listener) return { scope = scope_of(listener) } end,
-    routes = host_route, max_sessions_per_listener = 16 })
+    routes = host_route })
   if not h then return nil, err end
   handle = h
   tree.set_host_mcp(hostmcp)
@@ -83,8 +85,8 @@ function endpoint.start(registry, opts)
   end)
   tree.set_endpoint({
     open = function(n)
-      local ok, lerr = h.listen_relay(n.endpoint.socket, { tag = tree.tag(n.run_id), token = n.endpoint.token,
-        max_conns = 32 })
+      -- its own connection and session caps (endpoint_max_*): no sandbox can take another's
+      local ok, lerr = h.listen_relay(n.endpoint.socket, { tag = tree.tag(n.run_id), token = n.endpoint.token })
       if not ok then return nil, lerr end
       -- whatever user the image runs as may connect; the token and the socket folder are the checks
       local d = fs.opendir(n.run_dir)

@@ -425,10 +425,11 @@ static void *flood_client(void *arg) {
     setsockopt(x->fds[i], SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
     char b;
     if (read(x->fds[i], &b, 1) == 0) x->refused++; /* EOF: closed by the server */
-    close(x->fds[i]);
   }
+  /* with 16 silent ones waiting, a hand-over is served (the oldest silent one gives way) */
   x->ready = 1;
   relay_client(&x->real);
+  for (int i = 0; i < 24; i++) close(x->fds[i]);
   x->done = 1;
   return NULL;
 }
@@ -450,8 +451,8 @@ static void test_relay_pending_bound(void) {
     usleep(1000);
   }
   pthread_join(t, NULL);
-  CHECK(x.refused == 24 - 16, "the connections past 16 were closed at once: %d", x.refused);
-  CHECK(strstr(x.real.got, "HTTP/1.1 200 OK"), "once they are gone a relay is served again: %s", x.real.got);
+  CHECK(x.refused == 24 - 16, "16 silent connections kept, the others closed: %d", x.refused);
+  CHECK(strstr(x.real.got, "HTTP/1.1 200 OK"), "a hand-over is served beside 16 silent ones: %s", x.real.got);
   dm_httpd_close(srv);
   while (!closed) {
     uv_run(&loop, UV_RUN_NOWAIT);
@@ -587,6 +588,118 @@ static void test_pool(void) {
   CHECK(uv_loop_close(&loop) == 0, "every handle closed");
 }
 
+/* ---- connections before authentication: a queue of their own per listener (its oldest
+ * closed when full), never counted against max_conns, and the head timeout; the cap on
+ * authenticated connections ---- */
+
+#include <errno.h>
+#include <fcntl.h>
+
+/* A raw loopback connection to `port`, non-blocking once connected. */
+static int raw_connect(void) {
+  int fd = socket(AF_INET, SOCK_STREAM, 0);
+  struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons((uint16_t)port)};
+  inet_pton(AF_INET, "127.0.0.1", &a.sin_addr);
+  if (connect(fd, (struct sockaddr *)&a, sizeof a) != 0) {
+    close(fd);
+    return -1;
+  }
+  fcntl(fd, F_SETFL, fcntl(fd, F_GETFL) | O_NONBLOCK);
+  return fd;
+}
+
+/* 1 when the server closed fd (EOF or reset, after any answer: its bytes go to got), 0
+ * while it is open. */
+static int raw_closed(int fd, char *got, size_t cap) {
+  char buf[512];
+  ssize_t r;
+  size_t len = got ? strlen(got) : 0;
+  while ((r = read(fd, buf, sizeof buf)) > 0) {
+    if (got && len + (size_t)r < cap) {
+      memcpy(got + len, buf, (size_t)r);
+      len += (size_t)r;
+      got[len] = '\0';
+    }
+  }
+  return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK);
+}
+
+/* Runs the loop until every fd in fds is closed by the server (a guard of 10 s against a
+ * hang, not a timing). Returns how many are closed. */
+static int pump_until_closed(const int *fds, int n) {
+  int done = 0;
+  for (int round = 0; round < 10000 && done < n; round++) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+    done = 0;
+    for (int i = 0; i < n; i++) done += raw_closed(fds[i], NULL, 0);
+  }
+  return done;
+}
+
+static void test_preauth(void) {
+  uv_loop_init(&loop);
+  closed = 0;
+  streaming = NULL;
+  dm_httpd_handler h = {on_request, NULL, on_close, on_closed, NULL};
+  dm_httpd_opts o = {.max_conns = 1, .max_preauth = 4, .head_timeout_ms = 300};
+  srv = dm_httpd_new(&loop, &o, &h, NULL);
+  dm_httpd_listen_opts lo = {.tag = "host", .token = "tok-0123456789abcdef"};
+  CHECK(dm_httpd_listen_tcp(srv, "127.0.0.1", 0, &lo, &port) == 0, "listen");
+  /* 12 silent connections: only the 4 newest are kept, the older ones closed */
+  enum { SILENT = 12 };
+  int fds[SILENT];
+  for (int i = 0; i < SILENT; i++) {
+    fds[i] = raw_connect();
+    CHECK(fds[i] >= 0, "connect %d", i);
+    for (int k = 0; k < 5; k++) uv_run(&loop, UV_RUN_NOWAIT);
+  }
+  for (int k = 0; k < 50; k++) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(pump_until_closed(fds, SILENT - 4) == SILENT - 4, "the 8 oldest silent connections were closed");
+  CHECK(dm_httpd_connections(srv) <= 4, "at most 4 wait for their head: %zu", dm_httpd_connections(srv));
+  /* a client with the token is served beside them (max_conns 1 counts only it) */
+  exchange_t x = {.send = "GET /authed HTTP/1.1\r\nHost: localhost\r\n" AUTH "Connection: close\r\n\r\n"};
+  exchange(&x);
+  CHECK(strstr(x.got, "HTTP/1.1 200 OK") && !strcmp(last_target, "/authed"), "served: %s", x.got);
+  /* one without it is refused, as before */
+  x = (exchange_t){.send = "GET /no HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n"};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 401 ", 13), "no token: %s", x.got);
+  /* the newest silent ones, and a connection that sent half a head, go at the head timeout */
+  int part = raw_connect();
+  CHECK(write(part, "GET /slow HTTP/1.1\r\nHost: loc", 29) == 29, "half a head");
+  char got[1024] = "";
+  for (int round = 0; round < 10000 && !raw_closed(part, got, sizeof got); round++) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  CHECK(pump_until_closed(fds, SILENT) == SILENT, "the newest silent ones are closed after the head timeout");
+  CHECK(!strncmp(got, "HTTP/1.1 408 ", 13), "half a head gets 408: %s", got);
+  /* the cap on authenticated connections: one holds a stream, the second gets 503 */
+  pthread_t t;
+  exchange_t held = {.send = "GET /hold HTTP/1.1\r\nHost: localhost\r\n" AUTH "\r\n"};
+  pthread_create(&t, NULL, client, &held);
+  while (!streaming) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  x = (exchange_t){.send = "GET /second HTTP/1.1\r\nHost: localhost\r\n" AUTH "Connection: close\r\n\r\n"};
+  exchange(&x);
+  CHECK(!strncmp(x.got, "HTTP/1.1 503 ", 13) && strstr(x.got, "too many connections"), "over max_conns: %s", x.got);
+  for (int i = 0; i < SILENT; i++) close(fds[i]);
+  close(part);
+  dm_httpd_close(srv);
+  while (!closed || !held.done) {
+    uv_run(&loop, UV_RUN_NOWAIT);
+    usleep(1000);
+  }
+  pthread_join(t, NULL);
+  CHECK(uv_loop_close(&loop) == 0, "every handle closed");
+}
+
 int main(void) {
   test_token_equal();
   test_exchanges();
@@ -596,6 +709,7 @@ int main(void) {
   test_relay_pending_bound();
   test_on_head();
   test_pool();
+  test_preauth();
   if (failures) fprintf(stderr, "%d failure(s)\n", failures);
   return failures ? 1 : 0;
 }

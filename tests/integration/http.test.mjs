@@ -63,6 +63,19 @@ async function until(fn, ms, what) {
     await sleep(100);
   }
 }
+// Whether the loopback listener on `port` has no connection waiting to be accepted: its
+// accept queue (rx_queue of its LISTEN line in /proc/net/tcp) is empty and no handshake is
+// half done (SYN_RECV) on it.
+function backlogEmpty(port) {
+  const hex = port.toString(16).toUpperCase().padStart(4, "0");
+  for (const line of readFileSync("/proc/net/tcp", "utf8").split("\n").slice(1)) {
+    const f = line.trim().split(/\s+/);
+    if (f.length < 5 || !f[1].endsWith(`:${hex}`)) continue;
+    if (f[3] === "03") return false;
+    if (f[3] === "0A" && parseInt(f[4].split(":")[1], 16) !== 0) return false;
+  }
+  return true;
+}
 function rss(pid) {
   const m = readFileSync(`/proc/${pid}/status`, "utf8").match(/VmRSS:\s+(\d+) kB/);
   return Number(m[1]) * 1024;
@@ -339,6 +352,43 @@ describe("bad input over HTTP", () => {
     assert.ok(grew < 64 * 1024 * 1024, `server RSS grew by ${(grew / 1048576).toFixed(1)} MiB`);
     const ended = await Promise.all(sids.map((sid) => raw(srv, { method: "DELETE", headers: { "Mcp-Session-Id": sid } })));
     assert.ok(ended.every((r) => r.status === 200));
+  });
+
+  test("1,100 idle connections without the token: an SDK client with it is served; the server closes every silent one", LONG, async () => {
+    const u = new URL(srv.url);
+    const closed = new Set();
+    const connectOne = (i) => new Promise((resolve, reject) => {
+      const s = net.connect({ host: u.hostname, port: Number(u.port) }, () => {
+        s.off("error", reject);
+        s.on("error", () => {}); // a reset when the server drops it
+        s.resume(); // read what the server may answer, so its close is seen
+        resolve(s);
+      });
+      s.on("error", reject);
+      s.on("close", () => closed.add(i));
+    });
+    // in batches of 100, each accepted before the next (a connect completes before the server
+    // accepts it; a full accept queue would make the kernel drop some)
+    const socks = [];
+    for (let b = 0; b < 11; b++) {
+      socks.push(...await Promise.all(Array.from({ length: 100 }, (_, k) => connectOne(b * 100 + k))));
+      await until(() => backlogEmpty(Number(u.port)), 60_000, "the server to accept the connections");
+    }
+    assert.equal(socks.length, 1100);
+    // the server has taken them all once it has closed at least the 76 past 1024 (before this
+    // fix it refused those, and kept the rest)
+    await until(() => closed.size >= 1100 - 1024, 60_000, "the server to close some silent connections");
+    const { client } = await v1();
+    const { tools } = await client.listTools();
+    assert.ok(tools.some((t) => t.name === "sandbox_script"), "served beside 1,100 connections without the token");
+    const res = await client.callTool({ name: "sandbox_list", arguments: {} });
+    assert.ok(!res.isError, res.content?.[0]?.text);
+    await client.close();
+    // every silent one is closed by the server: the oldest when newer ones fill the queue of
+    // connections without the token (http_max_preauth_connections), the rest at the head
+    // timeout (http_head_timeout_seconds)
+    await until(() => closed.size === 1100, 60_000, `the server to close the silent connections (${1100 - closed.size} open)`);
+    assert.equal(closed.size, 1100);
   });
 
   test("wrong method, path, content type and Accept get 405, 404, 415, 406", async () => {

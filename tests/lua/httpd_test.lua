@@ -386,4 +386,36 @@ function tests.options_that_are_not_counts_are_refused_by_name(t)
   t:match(tostring(err), "max_conns must be a non%-negative integer", "naming the option")
 end
 
+-- Connections that have not passed the listener's checks: a queue of their own (its oldest
+-- silent one closed when full), not counted against max_conns, and the head timeout.
+function tests.preauth_queue_and_head_timeout(t)
+  local tok = "preauth-token-0123456789"
+  local s <close> = server(function(conn) assert(conn:respond(200, {}, "ok")) end,
+    { max_conns = 1, max_preauth = 2, head_timeout_ms = 200 }, { token = tok, hosts = HOSTS })
+  local closed, all, held = 0, async.event(), {}
+  for _ = 1, 6 do
+    assert(stream.connect_tcp("127.0.0.1", s.port, function(c)
+      held[#held + 1] = c
+      c:read_start(function(d)
+        if d then return end
+        closed = closed + 1
+        if closed == 6 then all.set() end
+      end)
+    end))
+  end
+  async.sleep(50)
+  -- a client with the token is served beside them (max_conns 1 counts only it)
+  local res = assert(request({ url = s.url .. "/", headers = { Authorization = "Bearer " .. tok,
+    Connection = "close" } }))
+  t:eq(res.status, 200)
+  pcall(async.timeout, 5000, all.wait)
+  t:eq(closed, 6, "the server closed every silent connection (the oldest past the queue, the rest at the head timeout)")
+  for _, c in ipairs(held) do c:close() end
+  t:match(raw(s.port, "GET / HTTP/1.1\r\nHost: loc"), "^HTTP/1.1 408 ", "half a head at the head timeout")
+  t:match(raw(s.port, "GET / HTTP/1.1\r\nHost: localhost\r\n\r\n"), "^HTTP/1.1 401 ", "no token")
+  local ok, err = pcall(s.srv.listen_tcp, s.srv, "127.0.0.1", 0, { tag = "x", max_preauth = -1 })
+  t:eq(ok, false)
+  t:match(tostring(err), "max_preauth must be >= 0")
+end
+
 return tests

@@ -10,6 +10,7 @@ local async = require("demesne.async")
 local fs = require("core.fs")
 local loop = require("core.loop")
 local curl = require("core.http")
+local cstream = require("core.stream")
 
 local request = async.wrap(curl.request)
 local tests = {}
@@ -210,6 +211,50 @@ function tests.routes_serve_their_own_registry_sessions_and_list_changed(t)
       "the route's stream got it")
     async.sleep(100)
     t:eq(got.main:find("list_changed", 1, true), nil, "/mcp's stream did not")
+  end)
+end
+
+-- One request over a relay listener in copy mode (what demesne-init sends where a socket
+-- cannot be handed over: the byte 0, then the client's bytes on the same connection).
+-- Returns the status and the response text.
+local function relay_post(path, token, body)
+  local b = json.encode(body)
+  local req = "\0POST /mcp HTTP/1.1\r\nHost: 127.0.0.1:3130\r\nAuthorization: Bearer " .. token
+    .. "\r\nContent-Type: application/json\r\nAccept: application/json, text/event-stream\r\n"
+    .. "MCP-Protocol-Version: 2025-06-18\r\nConnection: close\r\nContent-Length: " .. #b .. "\r\n\r\n" .. b
+  local got, ev = {}, async.event()
+  assert(cstream.connect_unix(path, function(c, msg)
+    if not c then ev.set(msg) return end
+    c:read_start(function(d) if d then got[#got + 1] = d else c:close() ev.set() end end)
+    c:write(req)
+  end))
+  async.timeout(5000, ev.wait)
+  local text = table.concat(got)
+  return tonumber(text:match("^HTTP/1.1 (%d+)")), text
+end
+
+-- A sandbox's endpoint (a relay listener) keeps its sessions apart from the host's
+-- http_max_sessions, within its own endpoint_max_sessions.
+function tests.relay_sessions_are_apart_from_the_hosts(t)
+  local d <close> = tmpdir()
+  with_env({ DEMESNE_STATE_DIR = d.path .. "/state", DEMESNE_HTTP_TOKEN = "lua-test-token-0123456789",
+    DEMESNE_HTTP_MAX_SESSIONS = "1", DEMESNE_ENDPOINT_MAX_SESSIONS = "2" }, function()
+    local h = assert(http.start({ addrs = { "127.0.0.1:0" }, registry = registry() }))
+    local _ <close> = setmetatable({}, { __close = function() h.stop(2000) end })
+    local sock = d.path .. "/mcp.sock"
+    assert(h.listen_relay(sock, { tag = "run:a", token = "run-a-token-0123456789" }))
+    local init = { jsonrpc = "2.0", id = 1, method = "initialize",
+      params = { protocolVersion = "2025-06-18", capabilities = {}, clientInfo = { name = "lua", version = "1" } } }
+    t:eq(post(h.urls[1], "lua-test-token-0123456789", init).status, 200)
+    t:eq(post(h.urls[1], "lua-test-token-0123456789", init).status, 503, "the host's table of 1 is full")
+    local st, text = relay_post(sock, "run-a-token-0123456789", init)
+    t:eq(st, 200, "the sandbox's endpoint opens a session beside the full host table: " .. tostring(text))
+    t:match(text, "[Mm]cp%-[Ss]ession%-[Ii]d: %x+")
+    t:eq(relay_post(sock, "run-a-token-0123456789", init), 200)
+    -- past its own 2, its longest-idle session gives way (nothing in progress)
+    t:eq(relay_post(sock, "run-a-token-0123456789", init), 200)
+    t:eq(h.sessions(), 3, "1 of the host, 2 of the sandbox")
+    t:eq(relay_post(sock, "lua-test-token-0123456789", init), 401, "the host's token does not open it")
   end)
 end
 
