@@ -70,6 +70,17 @@ function tests.the_walk_counts_allocated_blocks_hard_links_once_and_follows_noth
   t:eq(fs.stat(s.path .. "/canary/big").size, 3145728, "the canary is untouched")
 end
 
+function tests.many_hard_linked_files_each_count_once(t)
+  local s <close> = scratch()
+  -- 600 files of 8 KiB, each under two names: the set of seen inodes grows past its first size
+  t:ok(sh(("cd %q && for i in $(seq 1 600); do head -c 8192 /dev/urandom > f$i && ln f$i g$i || exit 1; done")
+    :format(s.tree)), "setup")
+  local u = assert(measure(s.tree))
+  t:eq(u.entries, 1200)
+  t:eq(u.bytes, du_inside(s.tree), "the same bytes as du")
+  t:ok(u.bytes >= 600 * 8192 and u.bytes < 2 * 600 * 8192, tostring(u.bytes))
+end
+
 function tests.a_sparse_file_counts_what_it_holds_in_either_direction(t)
   local s <close> = scratch()
   -- 8 GiB long, 0 held: not over a 1 MiB quota; 2 MiB held in a file 2 MiB long: over it
