@@ -155,3 +155,20 @@ test("a background job over its quota fails with the quota's reason and how much
   const used = du(started.output_dir);
   assert.ok(used > QUOTA && used <= QUOTA + OVERSHOOT, `the output folder takes ${used} bytes`);
 });
+
+test("a persistent sandbox is watched again by the next server (its reaper pass at start)", async () => {
+  const first = await connect({ env, fixtures: false });
+  const sb = await ok("sandbox_create", { image: "base" }, first);
+  await first.client.close(); // a graceful stop: the sandbox goes on
+  const next = await connect({ env, fixtures: false });
+  try {
+    const during = await err("sandbox_exec", { sandbox_id: sb.sandbox_id, command: WRITER, timeout_seconds: 30 }, next);
+    assert.match(during, /output quota exceeded/, during);
+    const used = du(sb.output_dir);
+    assert.ok(used > QUOTA && used <= QUOTA + OVERSHOOT, `the output folder takes ${used} bytes`);
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id }, next);
+    await next.client.close();
+  }
+  assert.deepEqual(await containersOf(sb.sandbox_id), []);
+});
