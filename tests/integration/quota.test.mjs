@@ -8,10 +8,10 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
-import { mkdtempSync, rmSync, statSync, statfsSync } from "node:fs";
+import { mkdtempSync, readFileSync, rmSync, statSync, statfsSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { connect, engineContainers } from "./helpers.mjs";
+import { connect, engineContainers, ROOT } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const work = mkdtempSync(path.join(tmpdir(), "demesne-quota-"));
@@ -171,4 +171,28 @@ test("a persistent sandbox is watched again by the next server (its reaper pass 
     await next.client.close();
   }
   assert.deepEqual(await containersOf(sb.sandbox_id), []);
+});
+
+test("a tree shares its root's quota: two children, each under it alone, over it together, stop the root", async () => {
+  const FIX = path.join(ROOT, "tests/fixtures/tree");
+  const c = await connect({ env: { ...env, DEMESNE_ALLOWED_PATHS: FIX }, fixtures: false });
+  try {
+    // each child writes 30 MB into its own /out (the root's <out>/child/<name>) and ends; then the root waits
+    const child = (name) => `python3 /in/tree/mcp-client.py sandbox_script '${JSON.stringify({ name, image: "base",
+      command: "head -c 30000000 /dev/zero > /out/data && echo wrote" })}' > /out/${name}.json`;
+    const root = await ok("sandbox_script", { directories: [FIX], image: "default", mcp: true, egress: "none",
+      timeout_seconds: 60, command: `${child("one")} && ${child("two")}; echo children-done; sleep 60` }, c);
+    // the root is stopped while the second child writes: the tree's total passed the quota
+    assert.equal(root.reason, "output quota exceeded", JSON.stringify(root));
+    assert.doesNotMatch(root.stdout, /children-done/);
+    const one = JSON.parse(readFileSync(path.join(root.output_dir, "one.json"), "utf8"));
+    assert.equal(one.exit_code, 0, JSON.stringify(one));
+    assert.equal(one.reason, undefined, "the first child alone was under the quota");
+    assert.equal(statSync(path.join(root.output_dir, "child/one/data")).size, 30 * MB);
+    assert.ok(statSync(path.join(root.output_dir, "child/two")).isDirectory(), "the second child ran");
+    assert.ok(root.output_quota.written_bytes > QUOTA, String(root.output_quota.written_bytes));
+    assert.ok(du(root.output_dir) <= QUOTA + OVERSHOOT);
+  } finally {
+    await c.client.close();
+  }
 });
