@@ -620,3 +620,166 @@ int dm_cf_remove_tree(int dfd, const char *rel, dm_err *err) {
   close(pfd);
   return rc;
 }
+
+/* ================================ tree usage ================================ */
+
+/* A set of (dev, ino) of the files with several links seen so far: open addressing. */
+typedef struct {
+  uint64_t *keys; /* pairs: dev, ino; 0/0 = empty (no real file has inode 0) */
+  size_t cap, n;
+} ino_set;
+
+/* Adds (dev, ino); returns 1 when it was new, 0 when seen, -1 out of memory. */
+static int ino_add(ino_set *s, uint64_t dev, uint64_t ino) {
+  if ((s->n + 1) * 2 > s->cap) {
+    size_t nc = s->cap ? s->cap * 2 : 256;
+    uint64_t *nk = calloc(nc, 2 * sizeof *nk);
+    if (!nk) return -1;
+    for (size_t i = 0; i < s->cap; i++) {
+      if (!s->keys[2 * i + 1]) continue;
+      size_t h = (size_t)((s->keys[2 * i] * 0x9e3779b97f4a7c15ull) ^ s->keys[2 * i + 1]) & (nc - 1);
+      while (nk[2 * h + 1]) h = (h + 1) & (nc - 1);
+      nk[2 * h] = s->keys[2 * i];
+      nk[2 * h + 1] = s->keys[2 * i + 1];
+    }
+    free(s->keys);
+    s->keys = nk;
+    s->cap = nc;
+  }
+  if (!ino) ino = ~0ull; /* never the empty mark */
+  size_t h = (size_t)((dev * 0x9e3779b97f4a7c15ull) ^ ino) & (s->cap - 1);
+  while (s->keys[2 * h + 1]) {
+    if (s->keys[2 * h] == dev && s->keys[2 * h + 1] == ino) return 0;
+    h = (h + 1) & (s->cap - 1);
+  }
+  s->keys[2 * h] = dev;
+  s->keys[2 * h + 1] = ino;
+  s->n++;
+  return 1;
+}
+
+typedef struct {
+  uint64_t stop_bytes, max_entries;
+  unsigned max_depth;
+  atomic_int *cancel;
+  dm_cf_usage_t *u;
+  dm_err *err;
+  ino_set links;
+  char path[PATH_MAX]; /* the folder being walked, relative, for `where` */
+} usage_walk;
+
+static void usage_where(usage_walk *w, const char *n) {
+  if (w->u->where[0]) return;
+  if (snprintf(w->u->where, sizeof w->u->where, "%s%s%s", w->path, *w->path ? "/" : "", n) >= (int)sizeof w->u->where)
+    memcpy(w->u->where + sizeof w->u->where - 4, "...", 4); /* cut */
+}
+
+/* Adds up the entries of the folder fd (owned: closed here), `depth` levels down.
+ * Returns 0 (also when a limit stopped it), -1 with w->err filled. */
+static int usage_dir(usage_walk *w, int fd, unsigned depth) {
+  DIR *d = fdopendir(fd);
+  if (!d) {
+    dm_err_errno(w->err, errno, "read folder", *w->path ? w->path : ".");
+    close(fd);
+    return -1;
+  }
+  int rc = 0;
+  size_t plen = strlen(w->path);
+  while (!w->u->limit) {
+    errno = 0;
+    struct dirent *e = readdir(d);
+    if (!e) {
+      if (errno) {
+        dm_err_errno(w->err, errno, "read folder", *w->path ? w->path : ".");
+        rc = -1;
+      }
+      break;
+    }
+    const char *n = e->d_name;
+    if (!strcmp(n, ".") || !strcmp(n, "..")) continue;
+    if (w->cancel && atomic_load(w->cancel)) {
+      dm_err_set(w->err, "ECANCELED", "cancelled");
+      rc = -1;
+      break;
+    }
+    struct stat st;
+    if (fstatat(fd, n, &st, AT_SYMLINK_NOFOLLOW) != 0) {
+      if (errno == ENOENT) continue; /* gone meanwhile */
+      dm_err_errno(w->err, errno, "stat", n);
+      rc = -1;
+      break;
+    }
+    if (++w->u->entries > w->max_entries) {
+      w->u->limit = "entries";
+      break;
+    }
+    int once = 1;
+    if (!S_ISDIR(st.st_mode) && st.st_nlink > 1) {
+      once = ino_add(&w->links, (uint64_t)st.st_dev, (uint64_t)st.st_ino);
+      if (once < 0) {
+        dm_err_set(w->err, "ENOMEM", "out of memory");
+        rc = -1;
+        break;
+      }
+    }
+    if (once) w->u->bytes += (uint64_t)st.st_blocks * 512u;
+    if (w->stop_bytes && w->u->bytes > w->stop_bytes) {
+      w->u->limit = "bytes";
+      break;
+    }
+    if (!S_ISDIR(st.st_mode)) continue;
+    if (depth + 1 > w->max_depth) {
+      usage_where(w, n);
+      w->u->limit = "depth";
+      break;
+    }
+    int cfd = openat(fd, n, O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+    struct stat cst;
+    if (cfd >= 0 && (fstat(cfd, &cst) != 0 || cst.st_dev != st.st_dev || cst.st_ino != st.st_ino)) {
+      close(cfd); /* swapped since it was listed: taken for what it was */
+      continue;
+    }
+    if (cfd < 0) {
+      if (errno == ENOENT || errno == ELOOP || errno == ENOTDIR) continue; /* gone or swapped meanwhile */
+      if (errno == EACCES || errno == EPERM) {
+        w->u->unreadable++;
+        usage_where(w, n);
+        continue;
+      }
+      dm_err_errno(w->err, errno, "open", n);
+      rc = -1;
+      break;
+    }
+    size_t nl = strlen(n);
+    if (plen + 1 + nl < sizeof w->path) {
+      if (plen) w->path[plen] = '/';
+      memcpy(w->path + plen + (plen ? 1 : 0), n, nl + 1);
+    }
+    rc = usage_dir(w, cfd, depth + 1);
+    w->path[plen] = '\0';
+    if (rc != 0) break;
+  }
+  closedir(d);
+  return rc;
+}
+
+int dm_cf_usage(int dfd, uint64_t stop_bytes, uint64_t max_entries, unsigned max_depth, atomic_int *cancel,
+                dm_cf_usage_t *u, dm_err *err) {
+  memset(u, 0, sizeof *u);
+  usage_walk w = {.stop_bytes = stop_bytes,
+                  .max_entries = max_entries,
+                  .max_depth = max_depth > DM_TREE_MAX_DEPTH ? DM_TREE_MAX_DEPTH : max_depth,
+                  .cancel = cancel,
+                  .u = u,
+                  .err = err};
+  w.path[0] = '\0';
+  /* a descriptor of its own (not a dup: readdir would share the held one's offset) */
+  int fd = openat(dfd, ".", O_RDONLY | O_DIRECTORY | O_NOFOLLOW | O_NONBLOCK | O_CLOEXEC);
+  if (fd < 0) {
+    dm_err_errno(err, errno, "read folder", ".");
+    return -1;
+  }
+  int rc = usage_dir(&w, fd, 0);
+  free(w.links.keys);
+  return rc;
+}

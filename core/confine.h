@@ -19,6 +19,7 @@
  * relative paths ("exec/x/status.json"); "" and "." name the held folder itself where
  * that makes sense. Functions return -1 with errno set, or fill a dm_err.
  */
+#include <stdatomic.h>
 #include <stddef.h>
 #include <stdint.h>
 #include <sys/stat.h>
@@ -120,5 +121,25 @@ int dm_cf_remove_contents(int folder, dm_err *err);
 
 /// Fills buf with `n` random bytes (getrandom). 0 or -1/errno.
 int dm_cf_random(void *buf, size_t n);
+
+/// What dm_cf_usage measured of a tree.
+typedef struct dm_cf_usage_t {
+  uint64_t bytes;      ///< allocated bytes (st_blocks * 512) of every entry, a hard-linked file once
+  uint64_t entries;    ///< entries seen below the folder (folders, files, links, FIFOs ...)
+  uint64_t unreadable; ///< folders that could not be opened (their own blocks count, not their contents)
+  const char *limit;   ///< NULL, or why the walk stopped early: "bytes", "entries" or "depth" (static)
+  char where[256];     ///< the first unreadable or too deep folder (relative), or ""
+} dm_cf_usage_t;
+
+/// Measures the disk space the tree below the folder `dfd` takes, without following a
+/// link or opening anything but folders (O_NOFOLLOW | O_NONBLOCK, checked to be the folder
+/// that was listed): every entry's allocated blocks (st_blocks * 512, so a sparse file
+/// counts what it holds, not its length), a file with several hard links once. Stops early
+/// (u->limit) past `stop_bytes` bytes (0: never), `max_entries` entries, or a folder
+/// `max_depth` levels down (at most DM_TREE_MAX_DEPTH; one descriptor held per level).
+/// Entries that vanish meanwhile are skipped. `cancel` (may be NULL) set to 1 stops it.
+/// Returns 0 (with *u filled, also when a limit stopped it), or -1 with *err filled.
+int dm_cf_usage(int dfd, uint64_t stop_bytes, uint64_t max_entries, unsigned max_depth, atomic_int *cancel,
+                dm_cf_usage_t *u, dm_err *err);
 
 #endif

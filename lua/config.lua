@@ -104,6 +104,19 @@ local SPEC = {
     doc = "ceiling on the unpacked size of one sandbox_download" },
   upload_max_bytes = { env = "DEMESNE_UPLOAD_MAX_BYTES", default = 4 * 1024 * 1024 * 1024, number = true,
     doc = "ceiling on the size of the files one sandbox_upload copies (sparse files count in full)" },
+  output_max_bytes = { env = "DEMESNE_OUTPUT_MAX_BYTES", default = 16 * 1024 * 1024 * 1024, number = true,
+    doc = "disk space (allocated bytes) one run's output folder may take, its children's folders in it included; "
+      .. "past it the sandbox is stopped (output quota exceeded)" },
+  output_max_entries = { env = "DEMESNE_OUTPUT_MAX_ENTRIES", default = 1000000, number = true,
+    doc = "files, folders and links one run's output folder may hold; past it the sandbox is stopped" },
+  output_min_free_bytes = { env = "DEMESNE_OUTPUT_MIN_FREE_BYTES", default = 2 * 1024 * 1024 * 1024, number = true,
+    zero = true, doc = "free space kept on the filesystem of output_root: a sandbox does not start below it and "
+      .. "is stopped when its writes would go below it" },
+  output_min_free_percent = { env = "DEMESNE_OUTPUT_MIN_FREE_PERCENT", default = 2, number = true, zero = true,
+    doc = "the same reserve as a percentage of that filesystem's size; the larger of the two holds" },
+  output_quota_interval_ms = { env = "DEMESNE_OUTPUT_QUOTA_INTERVAL_MS", default = 1000, number = true,
+    doc = "longest time between two measurements of a running sandbox's output folder (sooner as it nears "
+      .. "its quota, or when its filesystem's free space drops, down to 10 ms)" },
   egress_max_connections = { env = "DEMESNE_EGRESS_MAX_CONNECTIONS", default = 256, number = true,
     doc = "connections one sandbox may hold open through its egress proxy at once; more are answered 503" },
   sandbox_max_descriptors = { env = "DEMESNE_SANDBOX_MAX_DESCRIPTORS", default = 1024, number = true,

@@ -83,6 +83,11 @@ function schemas.run_result(extra)
     truncated = { type = "boolean", description = "true when stdout or stderr was cut; the logs hold everything" },
     oom_killed = { type = "string", description = "present when the kernel killed a process in the sandbox for "
       .. "lack of memory while the command ran: says so, with the sandbox's memory limit" },
+    reason = { type = "string", description = "present when demesne stopped the run: \"output quota exceeded\"" },
+    output_quota = { type = "object", description = "with that reason: the bytes the output folder took once the "
+      .. "sandbox stopped, output_max_bytes, and which limit it passed",
+      properties = { written_bytes = { type = "integer" }, max_bytes = { type = "integer" },
+        detail = { type = "string" } } },
   }
   for k, v in pairs(extra or {}) do props[k] = v end
   return { type = "object", properties = props,
@@ -99,6 +104,10 @@ function schemas.run_text(r)
   }
   if r.run_id then lines[#lines + 1] = "run_id: " .. r.run_id end
   if r.oom_killed then lines[#lines + 1] = "oom_killed: " .. r.oom_killed end
+  if r.output_quota then
+    lines[#lines + 1] = ("reason: %s (%s; %s bytes written)"):format(tostring(r.reason), tostring(r.output_quota.detail),
+      tostring(r.output_quota.written_bytes))
+  end
   lines[#lines + 1] = ("duration_ms: %d"):format(r.duration_ms)
   lines[#lines + 1] = "--- stdout ---"
   lines[#lines + 1] = r.stdout

@@ -14,6 +14,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #define FILE_MT "core.fs.file"
@@ -701,6 +702,111 @@ static int l_dir_remove_tree(lua_State *L) {
   return dm_lwork_start(L, &j->lw, 3);
 }
 
+typedef struct {
+  dm_lwork lw;
+  int fd;
+  char *path;
+  uint64_t stop_bytes, max_entries;
+  unsigned max_depth;
+  int rc;
+  dm_cf_usage_t u;
+  dm_err err;
+} usage_job;
+
+static void usage_run(dm_work *w) {
+  usage_job *j = (usage_job *)w;
+  j->rc = dm_cf_usage(j->fd, j->stop_bytes, j->max_entries, j->max_depth, &w->cancel, &j->u, &j->err);
+}
+
+static int usage_push(lua_State *L, dm_lwork *lw) {
+  usage_job *j = (usage_job *)lw;
+  if (j->rc != 0) {
+    lua_pushnil(L);
+    lua_pushfstring(L, "%s (in %s)", j->err.msg, j->path);
+    lua_pushstring(L, j->err.code);
+    return 3;
+  }
+  lua_createtable(L, 0, 5);
+  lua_pushinteger(L, (lua_Integer)j->u.bytes);
+  lua_setfield(L, -2, "bytes");
+  lua_pushinteger(L, (lua_Integer)j->u.entries);
+  lua_setfield(L, -2, "entries");
+  lua_pushinteger(L, (lua_Integer)j->u.unreadable);
+  lua_setfield(L, -2, "unreadable");
+  if (j->u.limit) {
+    lua_pushstring(L, j->u.limit);
+    lua_setfield(L, -2, "limit");
+  }
+  if (j->u.where[0]) {
+    lua_pushstring(L, j->u.where);
+    lua_setfield(L, -2, "where");
+  }
+  return 1;
+}
+
+static void usage_release(dm_lwork *lw) {
+  usage_job *j = (usage_job *)lw;
+  if (j->fd >= 0) close(j->fd);
+  free(j->path);
+}
+
+/// dir:usage(opts, callback) -> work | nil, msg, code. Measures, off the loop, the disk
+/// space the tree below this folder takes: every entry's allocated blocks (st_blocks * 512:
+/// a sparse file counts what it holds, not its length; a file with several hard links
+/// once; folders, links and FIFOs their own blocks), never following a link or opening
+/// anything but a folder (one descriptor per level). opts: stop_bytes (stop once past it;
+/// 0 = never), max_entries (default 1000000), max_depth (folder levels, default and at most
+/// 256). callback({bytes, entries, unreadable, limit?, where?}): limit is "bytes",
+/// "entries" or "depth" when the walk stopped there (bytes and entries then count what was
+/// seen so far); unreadable counts folders the host could not open (where names the
+/// first, or the folder too deep); or callback(nil, msg, code).
+static int l_dir_usage(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  luaL_checktype(L, 2, LUA_TTABLE);
+  luaL_checktype(L, 3, LUA_TFUNCTION);
+  lua_Integer stop = dm_opt_count(L, 2, "stop_bytes", 0);
+  lua_Integer maxe = dm_opt_count(L, 2, "max_entries", 1000000);
+  lua_Integer maxd = dm_opt_count(L, 2, "max_depth", DM_TREE_MAX_DEPTH);
+  luaL_argcheck(L, maxd <= DM_TREE_MAX_DEPTH, 2, "max_depth must be at most 256");
+  usage_job *j = calloc(1, sizeof *j);
+  if (!j) return dm_fail(L, "usage: out of memory", "ENOMEM");
+  j->fd = fcntl(d->fd, F_DUPFD_CLOEXEC, 0);
+  j->path = strdup(d->path);
+  if (j->fd < 0 || !j->path) {
+    int e = errno;
+    usage_release(&j->lw);
+    free(j);
+    return fail_at(L, "usage", d, "", e ? e : ENOMEM);
+  }
+  j->stop_bytes = (uint64_t)stop;
+  j->max_entries = (uint64_t)maxe;
+  j->max_depth = (unsigned)maxd;
+  j->lw.w.run = usage_run;
+  j->lw.push = usage_push;
+  j->lw.release = usage_release;
+  return dm_lwork_start(L, &j->lw, 3);
+}
+
+/// dir:statvfs() -> {avail_bytes, free_bytes, total_bytes, avail_files} | nil, msg, code.
+/// The filesystem that holds this folder (fstatvfs on the held descriptor): avail_bytes is
+/// what an unprivileged writer may still use (f_bavail * f_frsize), free_bytes counts the
+/// blocks reserved for root too, avail_files the inodes left.
+static int l_dir_statvfs(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  struct statvfs v;
+  if (fstatvfs(d->fd, &v) != 0) return fail_at(L, "statvfs", d, "", errno);
+  lua_createtable(L, 0, 4);
+  lua_pushinteger(L, (lua_Integer)((uint64_t)v.f_bavail * v.f_frsize));
+  lua_setfield(L, -2, "avail_bytes");
+  lua_pushinteger(L, (lua_Integer)((uint64_t)v.f_bfree * v.f_frsize));
+  lua_setfield(L, -2, "free_bytes");
+  lua_pushinteger(L, (lua_Integer)((uint64_t)v.f_blocks * v.f_frsize));
+  lua_setfield(L, -2, "total_bytes");
+  lua_pushinteger(L, (lua_Integer)v.f_favail);
+  lua_setfield(L, -2, "avail_files");
+  return 1;
+}
+
 /// dir:close() -> nil. Idempotent; also __gc and __close.
 static int l_dir_close(lua_State *L) {
   dm_dir *d = luaL_checkudata(L, 1, DIR_MT);
@@ -717,6 +823,7 @@ static const luaL_Reg dir_methods[] = {
   {"mkdir", l_dir_mkdir},     {"unlink", l_dir_unlink},
   {"rename", l_dir_rename},   {"write_atomic", l_dir_write_atomic},
   {"chmod", l_dir_chmod},     {"remove_tree", l_dir_remove_tree},
+  {"usage", l_dir_usage},     {"statvfs", l_dir_statvfs},
   {"close", l_dir_close},     {NULL, NULL},
 };
 static const luaL_Reg work_methods[] = {{"cancel", l_work_cancel}, {NULL, NULL}};

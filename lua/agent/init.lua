@@ -258,7 +258,11 @@ function agent.finish(o, code, err, duration_ms, reason)
     is_error = type(details) == "table" and details.is_error or nil,
     session_id = type(details) == "table" and details.session_id or nil,
   }
-  if reason then r.reason = reason
+  local q = sandbox.quota_outcome(o) -- the output quota stopped it (lua/sandbox/quota.lua)
+  if q then
+    r.reason, r.output_quota, r.is_error = q.reason, q.output_quota, true
+    if r.exit_code == nil then r.exit_code = 137 end
+  elseif reason then r.reason = reason
   elseif exit_code == nil then r.reason = "the agent run failed: " .. tostring(err) end
   local rate = totals.rate_limited
   if type(rate) == "table" then

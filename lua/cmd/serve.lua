@@ -22,7 +22,8 @@ local endpoint = require("demesne.tree.endpoint")
 local function start_reaper()
   return async.spawn("reaper", function()
     while true do
-      local ok, err = pcall(sandbox.reap)
+      -- watch: the persistent sandboxes still running get their output quota watched again
+      local ok, err = pcall(sandbox.reap, { watch = true })
       if not ok and err ~= async.CANCELLED then log.warning("demesne.reaper", "%s", tostring(err)) end
       if err == async.CANCELLED then return end
       async.sleep(math.floor(config.get("reap_interval") * 1000))
@@ -109,5 +110,6 @@ return function(args, opts)
   -- no host MCP server outlives the server
   hostmcp.shutdown_outside_task()
   async.cancel(reaper, "shutdown")
+  sandbox.unwatch_all() -- the persistent sandboxes' quota watches (the next server takes them up)
   return status
 end

@@ -12,6 +12,12 @@ local outcome_of, engine_retry = outcome.of, outcome.engine_retry
 
 -- One-shot jobs: the container runs `demesne-init run` as PID 1.
 local function script_outcome(rec, o, code, err, ecode)
+  local q = sandbox.quota_outcome(o) -- the output quota stopped it (lua/sandbox/quota.lua)
+  if q then
+    return { status = "failed", exit_code = math.tointeger(code) or 137,
+      reason = ("%s: %s; %s bytes were written"):format(q.reason, q.output_quota.detail,
+        sandbox.num(q.output_quota.written_bytes)) }
+  end
   local st = sandbox.read_status(o.run_dir, o.exec_id)
   if st then return outcome_of(st, rec.timeout_seconds) end
   if code ~= nil then

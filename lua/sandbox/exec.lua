@@ -33,7 +33,10 @@ function exec.exec_prepare(args)
   local eng = spec.engine()
   local timeout = spec.timeout(args.timeout_seconds)
   local sb = persistent.lookup_running(eng, args.sandbox_id)
-  if not sb.running then fail(("sandbox_id: sandbox %s is not running"):format(args.sandbox_id)) end
+  if not sb.running then
+    fail(("sandbox_id: sandbox %s is not running%s"):format(args.sandbox_id,
+      sb.stopped_reason and (" (" .. sb.stopped_reason .. ")") or ""))
+  end
   local pol = sb.labels[LABEL .. "egress"]
   if pol then -- after a server restart the sandbox's proxy has to be started again
     local _, eerr = egress.ensure(args.sandbox_id, sb.run_dir, sb.output_dir, pol)

@@ -9,6 +9,7 @@
 --   persistent.lua  persistent sandboxes: create, look up, renew, expire, destroy, list
 --   exec.lua        commands in a persistent sandbox through demesne-init (sandbox_exec)
 --   transfer.lua    sandbox_upload and sandbox_download
+--   quota.lua       the output quota: a watcher of each running sandbox's /out
 --   reaper.lua      removes expired sandboxes and what a server that is gone left behind
 --
 -- Host layout (DESIGN.md "State on the host"):
@@ -47,8 +48,9 @@ export(spec, "new_run_id engine num limits env check_command timeout dirs prepar
 export(spec, "isolation check_inputs_reach private_roots")
 export(files, "oom_note gvisor_kill_note check_status read_status collect remove_in remove_tree")
 export(oneshot, "script_prepare script_env script_start script_send script_remove script_wait script_result run_script")
-export(oneshot, "script_teardown script_exec use_pool")
+export(oneshot, "script_teardown script_exec use_pool watch_quota quota_outcome")
 export(persistent, "create write_expiry expiry_file lookup state_of check_alive stop_unresponsive destroy list")
+export(persistent, "watch unwatch unwatch_all watched stopped_reason")
 export(exec, "exec_prepare exec_run exec_kill exec_result exec")
 export(transfer, "upload download")
 export(reaper, "reap start_exit_reaper after_exit")

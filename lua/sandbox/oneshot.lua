@@ -13,6 +13,7 @@ local util = require("demesne.util")
 local files = require("demesne.sandbox.files")
 local hooks = require("demesne.sandbox.hooks")
 local persistent = require("demesne.sandbox.persistent")
+local quota = require("demesne.sandbox.quota")
 local spec = require("demesne.sandbox.spec")
 
 local oneshot = {}
@@ -166,6 +167,7 @@ function oneshot.script_remove(o)
   -- demesne-init's control connection closes after the removal: a `wait` that sees the
   -- host hang up exits, and Podman refuses to remove a container caught stopping
   local _conn <close> = o.conn
+  if o.quota_watch then o.quota_watch.stop() end
   -- [pool] an exec through the engine's API (script_exec) ends with the container anyway
   if o.exec_task and not o.exec_task.done then async.cancel(o.exec_task, "the sandbox is removed") end
   if not o.id and o.creating then
@@ -179,11 +181,36 @@ function oneshot.script_remove(o)
   return ok, err
 end
 
+--- Starts watching a started one-shot's output folder (lua/sandbox/quota.lua), once: past
+--- its quota the container is killed (as a timeout's SIGKILL) and o.quota_watch.settle()
+--- says so. script_wait calls it; script_remove ends the watch.
+---@param o table  a plan with id and output_dir
+function oneshot.watch_quota(o)
+  if o.quota_watch or not (o.id and o.output_dir) or o.removed then return end
+  local eng, id = o.engine, o.id
+  o.quota_watch = quota.watch(o.output_dir, o.run_id or o.name, function()
+    local ok, err = (eng.kill and eng.kill or eng.remove)(eng, id, "KILL")
+    if not ok then log.warning("demesne.sandbox", "%s: kill: %s", tostring(o.name or id), tostring(err)) end
+  end)
+end
+
+--- The fields a result gets when the run's output quota stopped it: reason and
+--- output_quota = {written_bytes, max_bytes, detail}. nil when it did not (the watch ends).
+---@param o table  the plan
+---@return table|nil
+function oneshot.quota_outcome(o)
+  local q = o.quota_watch and o.quota_watch.settle()
+  if not q then return nil end
+  return { reason = q.reason, output_quota = { written_bytes = q.output_bytes, max_bytes = q.output_max_bytes,
+    detail = q.detail } }
+end
+
 --- Waits up to `ms` for a one-shot container to stop. Returns its exit code, or nil, message,
 --- code ("ETIMEDOUT", "ENOENT" when the container is gone, "ENOENGINE" …).
 ---@param o table  a plan with id (a container id or name)
 ---@param ms integer
 function oneshot.script_wait(o, ms)
+  oneshot.watch_quota(o)
   if o.exec_task then
     -- [pool] the command was handed over through the exec API: its end is the exec's
     local task = o.exec_task
@@ -222,14 +249,19 @@ end
 ---@param code integer|nil
 ---@param err string|nil
 ---@param duration_ms integer
----@return table result  exit_code, stdout, stderr, output_dir, run_id, duration_ms, timed_out, truncated
+---@return table result  exit_code, stdout, stderr, output_dir, run_id, duration_ms, timed_out, truncated, and
+---  reason = "output quota exceeded" with output_quota {written_bytes, max_bytes, detail} when the quota stopped it
 function oneshot.script_result(o, code, err, duration_ms)
   local st = read_status(o.run_dir, o.exec_id)
+  local q = oneshot.quota_outcome(o)
   local timed_out = (st and st.timed_out) or (code == nil and err and err:find("timed out") ~= nil) or false
   local stdout, stderr, truncated = collect(o.output_dir)
   local exit_code = st and st.exit_code or code
+  if exit_code == nil and q then exit_code = 137 end -- killed, as a timeout's SIGKILL
   if exit_code == nil then fail("sandbox run failed: " .. tostring(err)) end
   return {
+    reason = q and q.reason,
+    output_quota = q and q.output_quota,
     exit_code = exit_code,
     stdout = stdout,
     stderr = stderr,
@@ -263,6 +295,7 @@ function oneshot.run_script(ctx, args)
     oneshot.script_teardown(o)
   end)
   plan_once(ctx, o)
+  quota.check_reserve() -- also before a warm sandbox (made earlier) is claimed
   -- [pool] a warm sandbox of the same kind when there is one (lua/pool.lua), else a new one
   if not (warm_pool and warm_pool.claim(ctx, o)) then
     oneshot.script_start(ctx, o)

@@ -14,9 +14,12 @@ local paths = require("demesne.paths")
 local util = require("demesne.util")
 local files = require("demesne.sandbox.files")
 local hooks = require("demesne.sandbox.hooks")
+local quota = require("demesne.sandbox.quota")
 local spec = require("demesne.sandbox.spec")
 
 local persistent = {}
+
+local watching = {} -- sandbox_id -> QuotaWatch (lua/sandbox/quota.lua) of the live ones this server watches
 
 local seen = {} -- [h10] sandbox_id -> {sb, engine, at (loop.now() ms)}: lookup_running
 local SEEN_MS = 30000
@@ -79,6 +82,7 @@ function persistent.create(ctx, args)
   end
   local expires = math.floor(loop.time()) + ttl
   persistent.write_expiry(o.run_dir, expires)
+  persistent.watch(o.engine, id, o.run_id, o.output_dir, o.run_dir)
   return {
     sandbox_id = o.run_id,
     output_dir = o.output_dir,
@@ -94,6 +98,79 @@ end
 local function expiry_file(run_dir)
   local state, id = tostring(run_dir):match("^(.*)/run/([^/]+)$")
   return state and (state .. "/expiry/" .. id)
+end
+
+--- <state>/run/<id> -> <state>/stopped/<id>: why the sandbox was stopped (its output
+--- quota), out of the sandbox's reach.
+---@param run_dir string|nil
+---@return string|nil
+local function stopped_file(run_dir)
+  local state, id = tostring(run_dir):match("^(.*)/run/([^/]+)$")
+  return state and (state .. "/stopped/" .. id)
+end
+
+--- Watches a running persistent sandbox's output folder (lua/sandbox/quota.lua), once per
+--- sandbox: past its quota the container is killed (its output folder stays until
+--- sandbox_destroy or expiry), its egress proxy stops and <state>/stopped/<id> records why,
+--- which sandbox_exec and the sandbox's lookup then say. sandbox_create calls it; the
+--- reaper again for the running ones after a server restart.
+---@param eng table        the engine adapter
+---@param container string container id or name
+---@param sandbox_id string
+---@param output_dir string
+---@param run_dir string
+function persistent.watch(eng, container, sandbox_id, output_dir, run_dir)
+  if watching[sandbox_id] then return end
+  watching[sandbox_id] = quota.watch(output_dir, sandbox_id, function(info)
+    seen[sandbox_id] = nil
+    local f = stopped_file(run_dir)
+    if f then
+      fs.mkdir_p(f:match("^(.*)/"), 448) -- 0700
+      fs.write_atomic(f, json.encode(info) .. "\n")
+    end
+    local ok, err = (eng.kill and eng.kill or eng.remove)(eng, container, "KILL")
+    if not ok then log.warning("demesne.sandbox", "sandbox %s: kill: %s", sandbox_id, tostring(err)) end
+    egress.stop(sandbox_id)
+  end)
+end
+
+--- Ends the quota watch of a persistent sandbox (destroyed or expired) and forgets why it
+--- was stopped.
+---@param sandbox_id string
+---@param run_dir string|nil
+function persistent.unwatch(sandbox_id, run_dir)
+  local w = watching[sandbox_id]
+  watching[sandbox_id] = nil
+  if w then w.stop() end
+  local f = stopped_file(run_dir)
+  if f then os.remove(f) end
+end
+
+--- Ends every quota watch of persistent sandboxes (the server stops; the sandboxes go on,
+--- and the next server's reaper watches them again).
+function persistent.unwatch_all()
+  for id, w in pairs(watching) do
+    watching[id] = nil
+    w.stop()
+  end
+end
+
+--- True while this server watches the persistent sandbox's output quota.
+---@param sandbox_id string
+---@return boolean
+function persistent.watched(sandbox_id) return watching[sandbox_id] ~= nil end
+
+--- Why a persistent sandbox was stopped by demesne (its output quota: "output quota
+--- exceeded: <detail>; N bytes were written"), or nil.
+---@param run_dir string|nil
+---@return string|nil
+function persistent.stopped_reason(run_dir)
+  local f = stopped_file(run_dir)
+  local text = f and fs.read_file(f, 0, 64 * 1024)
+  local ok, info = pcall(json.decode, text or "")
+  if not ok or type(info) ~= "table" then return nil end
+  return ("%s: %s; %s bytes were written"):format(tostring(info.reason), tostring(info.detail),
+    spec.num(tonumber(info.output_bytes) or 0))
 end
 
 --- Records a renewed expiry (unix seconds) for the sandbox whose run folder is run_dir.
@@ -142,6 +219,7 @@ function persistent.lookup(eng, sandbox_id)
     id = info.id, name = "demesne-" .. sandbox_id, labels = labels,
     output_dir = labels[LABEL .. "output_dir"], run_dir = labels[LABEL .. "run_dir"],
     running = info.state == "running",
+    stopped_reason = info.state ~= "running" and persistent.stopped_reason(labels[LABEL .. "run_dir"]) or nil,
     expires_at = expiry_of(labels),
     memory_mb = tonumber(labels[LABEL .. "memory_mb"]),
   }
@@ -169,7 +247,9 @@ function persistent.check_alive(eng, sandbox_id)
       fail(("sandbox_id: sandbox %s was destroyed while the call was running"):format(sandbox_id), "ENOENT")
     end
     if info and info.state ~= "running" then
-      fail(("sandbox_id: sandbox %s stopped while the call was running"):format(sandbox_id))
+      local why = persistent.stopped_reason((info.labels or {})[LABEL .. "run_dir"])
+      fail(("sandbox_id: sandbox %s stopped while the call was running%s"):format(sandbox_id,
+        why and (" (" .. why .. ")") or ""))
     end
     async.sleep(200)
   end
@@ -234,6 +314,7 @@ function persistent.destroy(ctx, args)
   if not removed then fail(how) end
   hooks.run_removal("removed", { run_id = args.sandbox_id })
   seen[args.sandbox_id] = nil
+  persistent.unwatch(args.sandbox_id, sb.run_dir)
   egress.stop(args.sandbox_id)
   if sb.run_dir then
     files.remove_tree(sb.run_dir)

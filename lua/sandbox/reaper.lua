@@ -130,8 +130,12 @@ end
 --- owner process is gone, but never a background job's container while its job record
 --- says running; then what a killed server left in the state folder (run folders without
 --- a container, their expiry and claim files, old temporary files). Works from the
---- engine's state. Returns the number of containers removed.
-function reaper.reap()
+--- engine's state. With opts.watch (`demesne serve`), the running persistent sandboxes of
+--- this configuration that no quota watch follows get one (persistent.watch). Returns the
+--- number of containers removed.
+---@param opts {watch: boolean|nil}|nil
+---@return integer
+function reaper.reap(opts)
   local eng = engines.get()
   if not eng then return 0 end
   local list = eng:list({ LABEL .. "managed=1" })
@@ -143,11 +147,19 @@ function reaper.reap()
     local kind = l[LABEL .. "kind"]
     local expired = expiry_of(l) < now
     local orphan = (kind == "oneshot" or kind == "job") and not owner_alive(l[LABEL .. "owner"])
+    local sid, srd = l[LABEL .. "run_id"], l[LABEL .. "run_dir"]
+    if opts and opts.watch and kind == "persistent" and not expired and c.state == "running" and type(sid) == "string"
+      and not persistent.watched(sid) and srd and paths.within(srd, config.get("state_dir") .. "/run")
+      and l[LABEL .. "output_dir"] then
+      -- a running sandbox of this configuration that no server watches (this one restarted)
+      persistent.watch(eng, c.id, sid, l[LABEL .. "output_dir"], srd)
+    end
     if (expired or orphan) and not (kind == "job" and job_running(l)) then
       if eng:remove(c.id) then
         n = n + 1
         if l[LABEL .. "run_id"] then
           egress.stop(l[LABEL .. "run_id"])
+          if kind == "persistent" then persistent.unwatch(l[LABEL .. "run_id"], l[LABEL .. "run_dir"]) end
           hooks.run_removal("removed", { run_id = l[LABEL .. "run_id"] }, expired and "expired" or "its server is gone")
         end
         local rd = l[LABEL .. "run_dir"]

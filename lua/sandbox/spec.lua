@@ -14,6 +14,7 @@ local log = require("demesne.log")
 local paths = require("demesne.paths")
 local util = require("demesne.util")
 local owner = require("demesne.sandbox.owner")
+local quota = require("demesne.sandbox.quota")
 
 local spec = {}
 
@@ -396,6 +397,7 @@ end
 ---@param o table  the plan (prepare)
 local function make_dirs(o)
   spec.private_roots(true)
+  quota.check_reserve() -- no sandbox starts on a filesystem below its free-space reserve
   check(fs.mkdir_p(o.output_dir, 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/exec", 493)) -- 0755 (Lua has no octal literals)
   check(fs.mkdir_p(o.run_dir .. "/xfer", 448)) -- 0700
