@@ -318,6 +318,11 @@ providers.MAX_OUTPUT_TOKENS = 128000
 -- The body fields that limit an answer: Anthropic Messages, OpenAI Responses, Chat Completions.
 local MAX_FIELDS = { "max_tokens", "max_output_tokens", "max_completion_tokens" }
 
+--- The largest request body whose JSON is decoded for its model and max_tokens (bytes). A
+--- larger one (the sandbox's to write: decoding 64 MiB of tiny values would take the server
+--- gigabytes) is reserved at the dearest price of the adapter's table and the longest answer.
+providers.RESERVATION_DECODE_MAX = 4 * 1024 * 1024
+
 -- The cost of `usage` under the adapter's cost function (0 when it fails).
 local function cost_of(p, usage)
   local ok, usd = pcall(p.cost or function(u) return providers.cost_with(p.prices, u) end, usage)
@@ -343,8 +348,13 @@ end
 ---@return ProviderReservation
 function providers.reservation(p, body)
   body = type(body) == "string" and body or ""
-  local ok, b = pcall(json.decode, body)
-  if not ok or type(b) ~= "table" then b = {} end
+  local b, dearest = nil, #body > providers.RESERVATION_DECODE_MAX
+  if not dearest then
+    local ok
+    ok, b = pcall(json.decode, body)
+    if not ok then b = nil end
+  end
+  if type(b) ~= "table" then b = {} end
   local cap = num(p.max_output_tokens) or providers.MAX_OUTPUT_TOKENS
   local out
   for _, k in ipairs(MAX_FIELDS) do
@@ -355,11 +365,19 @@ function providers.reservation(p, body)
   local model = type(b.model) == "string" and b.model ~= "" and b.model or nil
   local n = #body
   local usd = 0
-  -- the whole input at whichever rate is dearest (a cache write costs more than plain input)
-  for _, k in ipairs({ "input", "cache_creation", "cache_read" }) do
-    local u = { model = model, input = 0, output = out, cache_creation = 0, cache_read = 0 }
-    u[k] = n
-    usd = math.max(usd, cost_of(p, u))
+  -- the whole input at whichever rate is dearest (a cache write costs more than plain input);
+  -- a body too large to read, at the dearest model's
+  local models = { model }
+  if dearest then
+    models = {}
+    for prefix in pairs(type(p.prices) == "table" and p.prices or {}) do models[#models + 1] = prefix end
+  end
+  for _, m in ipairs(models) do
+    for _, k in ipairs({ "input", "cache_creation", "cache_read" }) do
+      local u = { model = m, input = 0, output = out, cache_creation = 0, cache_read = 0 }
+      u[k] = n
+      usd = math.max(usd, cost_of(p, u))
+    end
   end
   return { model = model, input = n, output = out, usd = usd }
 end

@@ -33,10 +33,20 @@ const costOf = (model, u) => ((model || "").startsWith("claude-sonnet-5")
 const N = 20;
 const MAX_TOKENS = 16000;
 const CUT_MAX_TOKENS = 1000;
+const HOLD_MAX_TOKENS = 2000;
+const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
+async function until(what, fn, ms) {
+  const end = Date.now() + ms;
+  while (!(await fn())) {
+    if (Date.now() > end) throw new Error(`timed out waiting for ${what}`);
+    await sleep(200);
+  }
+}
 
 let vendor;
 const burst = { seen: 0, held: [], timer: null }; // the twenty: held until no new one for 2 s
 const cut = { seen: 0, res: [], input: 0 };
+const hold = { seen: 0, res: [], input: 0 }; // answers held until the tree is cancelled
 
 function sse(res, events, end) {
   for (const ev of events) res.write(`event: ${ev.type}\ndata: ${JSON.stringify(ev)}\n\n`);
@@ -61,16 +71,18 @@ function releaseBurst() {
 
 function intercept(kind, body, res, size) {
   const text = JSON.stringify(body.messages || []);
-  const marker = text.includes("BURST-REQ") ? "burst" : text.includes("CUT-REQ") ? "cut" : null;
+  const marker = text.includes("BURST-REQ") ? "burst" : text.includes("CUT-REQ") ? "cut"
+    : text.includes("HOLD-REQ") ? "hold" : null;
   if (kind !== "anthropic" || !marker) return false;
   const model = body.model;
   const input = Math.ceil(size / 4); // about four bytes a token, as real text goes
   res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
   sse(res, [start(model, input)], false);
-  if (marker === "cut") {
-    cut.seen++;
-    cut.input = input;
-    cut.res.push(res); // never finished: the agent hangs up
+  if (marker === "cut" || marker === "hold") {
+    const x = marker === "cut" ? cut : hold;
+    x.seen++;
+    x.input = input;
+    x.res.push(res); // never finished: the agent hangs up, or the tree is cancelled
     return true;
   }
   burst.seen++;
@@ -84,11 +96,11 @@ before(async () => { vendor = await startVendor({ secret: SECRET, intercept }); 
 after(async () => {
   clearTimeout(burst.timer);
   releaseBurst();
-  for (const r of cut.res) r.destroy();
+  for (const r of [...cut.res, ...hold.res]) r.destroy();
   await vendor.close();
   const left = (await engineContainers(ENGINE)).filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(work));
   for (const c of left) await engineRequest(ENGINE, "DELETE", `/containers/${c.Id}?force=true`);
-  rmSync(work, { recursive: true, force: true });
+  if (!process.env.DEMESNE_TEST_KEEP) rmSync(work, { recursive: true, force: true });
   assert.deepEqual(left.map((c) => c.Names), [], "no sandbox of this file is left on the engine");
 });
 
@@ -112,52 +124,75 @@ function report(transcript) {
 // The sandbox's script: N requests at once, then one it hangs up on after message_start.
 const SCRIPT = `
 const http = require("http");
+const mode = process.argv[2];
 const tok = process.env.DEMESNE_VENDOR_TOKEN;
-function post(body, onRes) {
-  const r = http.request({ host: "127.0.0.1", port: 3129, path: "/v1/messages", method: "POST", headers: {
-    "x-api-key": tok, "content-type": "application/json", "anthropic-version": "2023-06-01",
-    "content-length": Buffer.byteLength(body) } }, onRes);
-  r.on("error", () => {});
+// A connection the route's server did not take (more than 16 handed over at once and not yet
+// taken up: RELAY_PENDING_MAX in core/httpd.c) is reset before its request is read: sent again.
+function post(body, onRes, tries = 0) {
+  const r = http.request({ host: "127.0.0.1", port: 3129, path: "/v1/messages", method: "POST", agent: false,
+    headers: { "x-api-key": tok, "content-type": "application/json", "anthropic-version": "2023-06-01",
+      "content-length": Buffer.byteLength(body) } }, (res) => { r.answered = true; onRes(res); });
+  r.on("error", (e) => {
+    if (r.answered || r.destroyedByUs) return;
+    out.errors = out.errors || [];
+    out.errors.push(e.code || e.message);
+    if (e.code === "ECONNRESET" && tries < 20) setTimeout(() => post(body, onRes, tries + 1), 20);
+    else if (onRes.settle) onRes.settle();
+  });
   r.end(body);
   return r;
 }
 const out = { codes: {}, messages: [] };
 let done = 0;
+if (mode === "hold") {
+  post(JSON.stringify({ model: "claude-sonnet-5", max_tokens: ${HOLD_MAX_TOKENS}, stream: true,
+    messages: [{ role: "user", content: "HOLD-REQ" }] }), (res) => { res.on("data", () => {}); });
+  setTimeout(() => process.exit(0), 300000);
+} else {
 const body = JSON.stringify({ model: "claude-sonnet-5", max_tokens: ${MAX_TOKENS}, stream: true,
   messages: [{ role: "user", content: "BURST-REQ " + "x".repeat(2000) }] });
 for (let i = 0; i < ${N}; i++) {
-  post(body, (res) => {
+  const settle = () => { if (++done === ${N}) cutOne(); };
+  const onRes = (res) => {
     let t = "";
     res.on("data", (d) => { t += d; });
     res.on("end", () => {
       out.codes[res.statusCode] = (out.codes[res.statusCode] || 0) + 1;
       if (res.statusCode === 400 && out.messages.length < 3) out.messages.push(t);
-      if (++done === ${N}) cutOne();
+      settle();
     });
-  });
+  };
+  onRes.settle = settle;
+  post(body, onRes);
+}
 }
 function cutOne() {
   const cb = JSON.stringify({ model: "claude-sonnet-5", max_tokens: ${CUT_MAX_TOKENS}, stream: true,
     messages: [{ role: "user", content: "CUT-REQ" }] });
-  const r = post(cb, (res) => {
+  post(cb, (res) => {
     out.cut = res.statusCode;
-    res.on("data", (d) => { if (String(d).includes("message_start")) { r.destroy(); finish(); } });
+    res.on("data", (d) => { if (String(d).includes("message_start")) { res.req.destroyedByUs = true; res.req.destroy(); finish(); } });
   });
 }
 function finish() { setTimeout(() => { console.log("REPORT " + JSON.stringify(out)); process.exit(0); }, 1000); }
 setTimeout(() => { console.log("REPORT " + JSON.stringify({ ...out, timeout: true })); process.exit(0); }, 120000);
 `;
 
-test("twenty concurrent model requests under a $1 budget: forwarded within the budget, the rest refused, "
-  + "everything served charged (a cut answer too)", LONG, async () => {
-  const conn = await connect({ fixtures: false, env: {
-    DEMESNE_ENGINE: ENGINE, DEMESNE_OUTPUT_ROOT: path.join(work, "out"), DEMESNE_STATE_DIR: path.join(work, "state"),
+function server(name) {
+  return connect({ fixtures: false, env: {
+    DEMESNE_ENGINE: ENGINE, DEMESNE_OUTPUT_ROOT: path.join(work, name, "out"),
+    DEMESNE_STATE_DIR: path.join(work, name, "state"),
     ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${vendor.port}`,
     DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
   } });
+}
+const command = (mode) => `echo ${Buffer.from(SCRIPT).toString("base64")} | base64 -d > /tmp/b.js && node /tmp/b.js ${mode}`;
+
+test("twenty concurrent model requests under a $1 budget: forwarded within the budget, the rest refused, "
+  + "everything served charged (a cut answer too)", LONG, async () => {
+  const conn = await server("burst");
   try {
-    const cmd = `echo ${Buffer.from(SCRIPT).toString("base64")} | base64 -d > /tmp/b.js && node /tmp/b.js`;
-    const id = vendor.plan(`budget-${randomBytes(3).toString("hex")}`, [{ shell: cmd }, { final: "BUDGET-DONE" }],
+    const id = vendor.plan(`budget-${randomBytes(3).toString("hex")}`, [{ shell: command("burst") }, { final: "BUDGET-DONE" }],
       { input: 100, output: 10 });
     const res = await conn.client.callTool({ name: "sandbox_agent", arguments: {
       prompt: `PLAN:${id} run the burst`, model: "sonnet", budget_usd: 1, timeout_seconds: 240 } }, undefined, LONG);
@@ -177,10 +212,10 @@ test("twenty concurrent model requests under a $1 budget: forwarded within the b
     // the others were refused with budget_exceeded (usage.jsonl, and what the sandbox saw)
     const lines = read(outDir, "usage.jsonl").trim().split("\n").map((l) => JSON.parse(l));
     const denied = lines.filter((l) => l.verdict === "deny" && l.status === 400);
-    assert.equal(denied.length, N - burst.seen, JSON.stringify(denied.slice(0, 2)));
+    const rep = report(read(outDir, "transcript.jsonl"));
+    assert.equal(denied.length, N - burst.seen, `${JSON.stringify(rep)}\n${lines.map((l) => JSON.stringify(l)).join("\n")}`);
     assert.match(denied[0].reason,
       /^budget of \$1\.00: \$\d+\.\d+ spent and \$0\.\d\d reserved by the model requests in flight leave no room for this one's \$0\.25/);
-    const rep = report(read(outDir, "transcript.jsonl"));
     assert.equal(rep.codes["400"], N - burst.seen, JSON.stringify(rep));
     assert.equal(rep.codes["200"], burst.seen, JSON.stringify(rep));
     const refusal = JSON.parse(rep.messages[0]).error;
@@ -205,6 +240,45 @@ test("twenty concurrent model requests under a $1 budget: forwarded within the b
     assert.ok(Math.abs(sc.total_cost_usd - served) < 1e-9, `sandbox_usage_report says $${sc.total_cost_usd}`);
     assert.ok(Math.abs(sc.tree_spent_usd - served) < 1e-9, `the tree spent $${sc.tree_spent_usd}`);
     assert.equal(sc.budget_usd, 1);
+  } finally {
+    await conn.client.close();
+  }
+});
+
+test("a tree cancelled while a model answer streams: the answer is still charged", LONG, async () => {
+  const conn = await server("cancel");
+  const before = vendor.served.length;
+  try {
+    const id = vendor.plan(`hold-${randomBytes(3).toString("hex")}`, [{ shell: command("hold") }, { final: "not reached" }],
+      { input: 100, output: 10 });
+    const res = await conn.client.callTool({ name: "sandbox_agent", arguments: {
+      prompt: `PLAN:${id} hold an answer`, model: "sonnet", budget_usd: 5, background: true, timeout_seconds: 240 } },
+    undefined, LONG);
+    assert.ok(!res.isError, res.content?.[0]?.text);
+    const started = res.structuredContent;
+    await until("the held request at the vendor", () => hold.seen === 1, 180_000);
+    const cancelled = await conn.client.callTool({ name: "sandbox_cancel", arguments: { job_id: started.job_id } });
+    assert.ok(!cancelled.isError, cancelled.content?.[0]?.text);
+    const linesOf = () => {
+      try {
+        return read(started.output_dir, "usage.jsonl").trim().split("\n").map((l) => JSON.parse(l));
+      } catch { return []; }
+    };
+    await until("the held answer's line in usage.jsonl", () => linesOf().some((l) => l.charged === "cut"), 60_000);
+    const line = linesOf().find((l) => l.charged === "cut");
+    assert.deepEqual([line.input, line.output], [hold.input, HOLD_MAX_TOKENS]);
+    const charge = costOf("claude-sonnet-5", { input: hold.input, output: HOLD_MAX_TOKENS });
+    assert.ok(Math.abs(line.cost_usd - charge) < 1e-9, `${line.cost_usd} != ${charge}`);
+    // the CLI's own first turn, served whole, and the held answer: nothing else, nothing lost
+    const served = vendor.served.slice(before).reduce((a, s) => a + costOf(s.model, s), 0);
+    const rep = (await conn.client.callTool({ name: "sandbox_usage_report", arguments: { run_id: started.run_id } }))
+      .structuredContent;
+    assert.ok(Math.abs(rep.tree_spent_usd - (served + charge)) < 1e-9,
+      `the tree spent $${rep.tree_spent_usd}; served $${served} and the held answer $${charge}`);
+    await until("the usage.json total", () => {
+      const u = JSON.parse(read(started.output_dir, "usage.json"));
+      return Math.abs(u.cost_usd - rep.tree_spent_usd) < 1e-9;
+    }, 30_000);
   } finally {
     await conn.client.close();
   }

@@ -848,6 +848,11 @@ function tests.a_reservation_covers_the_body_as_input_and_max_tokens_as_output(t
   t:eq(providers.reservation(p, json.encode({ model = "claude-sonnet-5", max_tokens = 1e12 })).output,
     providers.MAX_OUTPUT_TOKENS)
   t:eq(providers.reservation(p, "not json").usd, 0, "no model: no price")
+  -- a body too large to decode: the dearest model of the table (claude-fable-5: 12.50 a cache write, 50 output)
+  local big = '{"model":"claude-haiku-4-5","max_tokens":10,"x":"' .. ("y"):rep(providers.RESERVATION_DECODE_MAX) .. '"}'
+  e = providers.reservation(p, big)
+  t:eq({ e.model, e.output }, { nil, providers.MAX_OUTPUT_TOKENS }, "not read")
+  close_to(t, e.usd, (#big * 12.5 + providers.MAX_OUTPUT_TOKENS * 50) / 1e6, "the dearest price")
   local codex = providers.load({ user_dir = false, quiet = true }):get("codex")
   e = providers.reservation(codex, json.encode({ model = "gpt-5.6-sol", input = "x" }))
   t:eq(e.output, providers.MAX_OUTPUT_TOKENS, "the Responses API's max_output_tokens is optional")
