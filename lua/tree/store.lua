@@ -466,6 +466,7 @@ function store.report(run_id)
     cache_read_share = prompt > 0 and acc.cache_read / prompt or 0,
     by_model = by_model, nodes = rows,
     budget_usd = budget, tree_spent_usd = spent, budget_spent = root and root.budget_spent or nil,
+    tree_reserved_usd = budget and store.reserved(n.root) or nil,
   }
 end
 

@@ -687,7 +687,8 @@ local function decide_429(self, conn, limited, rec)
 end
 
 -- Failures before an answer's head that prove nothing reached the vendor: nothing is charged.
-local NOT_SENT = { ESTART = true, ECONNREFUSED = true, EAI_NONAME = true, EINVAL = true, ENOMEM = true }
+local NOT_SENT = { ESTART = true, ECONNREFUSED = true, ENETUNREACH = true, EHOSTUNREACH = true, EAI_NONAME = true,
+  EAI_AGAIN = true, EAI_FAIL = true, EINVAL = true, ENOMEM = true }
 
 --- What one forwarded request is charged once it ended, from how it ended (`st`: status,
 --- head_sent, complete, code, counter) and its reservation: the usage the answer gave; for

@@ -240,6 +240,7 @@ test("twenty concurrent model requests under a $1 budget: forwarded within the b
     assert.ok(Math.abs(sc.total_cost_usd - served) < 1e-9, `sandbox_usage_report says $${sc.total_cost_usd}`);
     assert.ok(Math.abs(sc.tree_spent_usd - served) < 1e-9, `the tree spent $${sc.tree_spent_usd}`);
     assert.equal(sc.budget_usd, 1);
+    assert.equal(sc.tree_reserved_usd, 0, "nothing is left reserved once every request ended");
   } finally {
     await conn.client.close();
   }
