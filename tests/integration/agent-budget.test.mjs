@@ -284,3 +284,52 @@ test("a tree cancelled while a model answer streams: the answer is still charged
     await conn.client.close();
   }
 });
+
+test("a server killed while a model answer streams: the next server charges its reservation in full", LONG, async () => {
+  const env = { DEMESNE_ENGINE: ENGINE, DEMESNE_OUTPUT_ROOT: path.join(work, "kill", "out"),
+    DEMESNE_STATE_DIR: path.join(work, "kill", "state"),
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${vendor.port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false" };
+  let a = await connect({ fixtures: false, env });
+  let b;
+  const before = vendor.served.length;
+  const held = hold.seen;
+  try {
+    const id = vendor.plan(`kill-${randomBytes(3).toString("hex")}`, [{ shell: command("hold") }, { final: "not reached" }],
+      { input: 100, output: 10 });
+    const res = await a.client.callTool({ name: "sandbox_agent", arguments: {
+      prompt: `PLAN:${id} hold an answer`, model: "sonnet", budget_usd: 5, background: true, timeout_seconds: 240 } },
+    undefined, LONG);
+    assert.ok(!res.isError, res.content?.[0]?.text);
+    const started = res.structuredContent;
+    await until("the held request at the vendor", () => hold.seen === held + 1, 180_000);
+    process.kill(a.transport.pid, "SIGKILL");
+    await a.client.close().catch(() => {});
+    a = null;
+    b = await connect({ fixtures: false, env });
+    // what the held request reserved when it was admitted: its body at the dearest input rate, its max_tokens
+    const body = JSON.stringify({ model: "claude-sonnet-5", max_tokens: HOLD_MAX_TOKENS, stream: true,
+      messages: [{ role: "user", content: "HOLD-REQ" }] });
+    const reservation = (Buffer.byteLength(body) * SONNET.cache_creation + HOLD_MAX_TOKENS * SONNET.output) / 1e6;
+    const served = vendor.served.slice(before).reduce((a, s) => a + costOf(s.model, s), 0);
+    const rep = (await b.client.callTool({ name: "sandbox_usage_report", arguments: { run_id: started.run_id } }))
+      .structuredContent;
+    assert.ok(Math.abs(rep.tree_spent_usd - (served + reservation)) < 1e-9,
+      `the tree spent $${rep.tree_spent_usd}; served $${served} and the reservation $${reservation}\n${b.stderr().slice(-3000)}`);
+    assert.ok(Math.abs(rep.total_cost_usd - rep.tree_spent_usd) < 1e-9, "charged to the run that made the request");
+    assert.match(b.stderr(), /was in flight when its server stopped; charged its reservation/);
+    await b.client.callTool({ name: "sandbox_cancel", arguments: { job_id: started.job_id } });
+    const done = await b.client.callTool({ name: "sandbox_wait", arguments: { job_id: started.job_id,
+      timeout_seconds: 120 } }, undefined, LONG);
+    assert.equal(done.structuredContent?.status, "cancelled", JSON.stringify(done.structuredContent));
+    // read again by a third server: charged once
+    await b.client.close();
+    b = await connect({ fixtures: false, env });
+    const again = (await b.client.callTool({ name: "sandbox_usage_report", arguments: { run_id: started.run_id } }))
+      .structuredContent;
+    assert.ok(Math.abs(again.tree_spent_usd - rep.tree_spent_usd) < 1e-9, `charged once: $${again.tree_spent_usd}`);
+  } finally {
+    if (a) await a.client.close().catch(() => {});
+    if (b) await b.client.close();
+  }
+});
