@@ -756,8 +756,10 @@ function Route:forward(conn, req, v, rec, resv)
       self:charge(0, nil, resv)
     end
     if not retry then
-      self:log_line(rec)
+      -- the totals first: whoever sees the request's line (a test, a server killed right
+      -- after) finds it counted in them
       self:write_totals()
+      self:log_line(rec)
     end
   end)
   local opts = {
@@ -827,8 +829,8 @@ function Route:forward(conn, req, v, rec, resv)
     local retry_ms = decide_429(self, conn, limited, rec)
     if retry_ms then
       -- logged here, before the wait: the closer gives the reservation back
-      self:log_line(rec)
       self:write_totals()
+      self:log_line(rec)
       retry = true
       return retry_ms
     end
