@@ -12,8 +12,8 @@ local function text_of(r)
     ("total_cost_usd: %.4f (indicative)"):format(r.total_cost_usd),
   }
   if r.budget_usd then
-    lines[#lines + 1] = ("budget_usd: %.2f, spent by the tree: %.4f%s"):format(r.budget_usd, r.tree_spent_usd,
-      r.budget_spent and " (spent: the tree was ended)" or "")
+    lines[#lines + 1] = ("budget_usd: %.2f, spent by the tree: %.4f, reserved by its requests in flight: %.4f%s")
+      :format(r.budget_usd, r.tree_spent_usd, r.tree_reserved_usd or 0, r.budget_spent and " (spent: the tree was ended)" or "")
   end
   local t = r.tokens
   lines[#lines + 1] = ("tokens: input %d, output %d, cache_creation %d, cache_read %d (cache-read share %.1f%%)")
@@ -69,6 +69,8 @@ return {
         output_dir = { type = "string" } } } },
       budget_usd = { type = "number", description = "the tree's budget, when it has one" },
       tree_spent_usd = { type = "number", description = "what the whole tree has spent (counted by its vendor routes)" },
+      tree_reserved_usd = { type = "number", description = "what the tree's model requests in flight hold reserved "
+        .. "against its budget (each the most it can still cost)" },
       budget_spent = { type = "boolean" },
     },
   },

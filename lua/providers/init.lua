@@ -100,6 +100,9 @@ local LOGGER = "demesne.providers"
 ---@field usage_from_sse fun(event: string|nil, data: string): table|nil
 ---@field prices table<string, {input: number, output: number, cache_creation: number|nil, cache_read: number|nil}>
 ---@field cost fun(usage: ProviderUsage): number, boolean
+---@field max_output_tokens integer|nil  the longest answer (tokens) a model of the provider gives: what a model
+---  request whose body names no max_tokens is reserved for against a tree's budget, and the most any is
+---  (default providers.MAX_OUTPUT_TOKENS)
 ---@field mcp "http"|nil      how the CLI takes MCP servers: "http" = argv/env/files wire run.mcp_servers
 ---  (Streamable HTTP with a bearer token) into it; nil = it takes none (its runs get no demesne tools)
 ---@field files (fun(run: ProviderRun): table<string,string>)|nil  extra files of a run (name -> text),
@@ -305,6 +308,100 @@ function providers.cost_with(prices, usage)
 end
 
 --------------------------------------------------------------------------------------------
+-- Reservations (a tree's budget: lua/vendor reserves before it forwards a model request)
+
+--- The output tokens a request is reserved for when its body names no limit, and the most
+--- it is reserved for whatever its body says, unless an adapter sets `max_output_tokens`:
+--- the longest answer any model of the built-in providers gives (128 000 tokens).
+providers.MAX_OUTPUT_TOKENS = 128000
+
+-- The body fields that limit an answer: Anthropic Messages, OpenAI Responses, Chat Completions.
+local MAX_FIELDS = { "max_tokens", "max_output_tokens", "max_completion_tokens" }
+
+--- The largest request body whose JSON is decoded for its model and max_tokens (bytes). A
+--- larger one (the sandbox's to write: decoding 64 MiB of tiny values would take the server
+--- gigabytes) is reserved at the dearest price of the adapter's table and the longest answer.
+providers.RESERVATION_DECODE_MAX = 4 * 1024 * 1024
+
+-- The cost of `usage` under the adapter's cost function (0 when it fails).
+local function cost_of(p, usage)
+  local ok, usd = pcall(p.cost or function(u) return providers.cost_with(p.prices, u) end, usage)
+  usd = ok and tonumber(usd) or 0
+  if usd ~= usd or usd < 0 or usd == math.huge then return 0 end
+  return usd
+end
+
+---@class ProviderReservation
+---@field model string|nil  the body's `model`
+---@field input integer     input tokens reserved: the body's size in bytes (a token is at least one byte of text)
+---@field output integer    output tokens reserved: the body's max_tokens (or max_output_tokens,
+---  max_completion_tokens: the largest), else the adapter's max_output_tokens; at most that
+---@field usd number        the most the request can cost: `input` at the dearest input rate of
+---  the model (input, cache_creation or cache_read) plus `output` at its output rate; 0 unpriced
+
+--- What one model request is reserved against a tree's budget before it is forwarded, from
+--- its body as the agent sent it (JSON; anything else reserves the body's size and the
+--- default output). The estimate is an upper bound for text: a tokenizer never makes more
+--- tokens than bytes, and the answer is cut at max_tokens.
+---@param p ProviderAdapter
+---@param body string|nil
+---@return ProviderReservation
+function providers.reservation(p, body)
+  body = type(body) == "string" and body or ""
+  local b, dearest = nil, #body > providers.RESERVATION_DECODE_MAX
+  if not dearest then
+    local ok
+    ok, b = pcall(json.decode, body)
+    if not ok then b = nil end
+  end
+  if type(b) ~= "table" then b = {} end
+  local cap = num(p.max_output_tokens) or providers.MAX_OUTPUT_TOKENS
+  local out
+  for _, k in ipairs(MAX_FIELDS) do
+    local v = num(b[k])
+    if v and (not out or v > out) then out = v end
+  end
+  out = math.min(out or cap, cap)
+  local model = type(b.model) == "string" and b.model ~= "" and b.model or nil
+  local n = #body
+  local usd = 0
+  -- the whole input at whichever rate is dearest (a cache write costs more than plain input);
+  -- a body too large to read, at the dearest model's
+  local models = { model }
+  if dearest then
+    models = {}
+    for prefix in pairs(type(p.prices) == "table" and p.prices or {}) do models[#models + 1] = prefix end
+  end
+  for _, m in ipairs(models) do
+    for _, k in ipairs({ "input", "cache_creation", "cache_read" }) do
+      local u = { model = m, input = 0, output = out, cache_creation = 0, cache_read = 0 }
+      u[k] = n
+      usd = math.max(usd, cost_of(p, u))
+    end
+  end
+  return { model = model, input = n, output = out, usd = usd }
+end
+
+--- The usage a request is charged when its answer did not end (cut mid-stream, or no usage
+--- read from it): with `usage` (what the stream said so far: message_start's input counts),
+--- those input counts and the reserved output (the vendor may have written all of it; the
+--- route cannot tell how much); without, the whole reservation. Returns the usage record
+--- and its cost in USD.
+---@param p ProviderAdapter
+---@param est ProviderReservation
+---@param usage ProviderUsage|nil
+---@return ProviderUsage usage, number usd
+function providers.reserved_usage(p, est, usage)
+  if type(usage) ~= "table" then
+    return { model = est.model, input = est.input, output = est.output, cache_creation = 0, cache_read = 0 }, est.usd
+  end
+  local u = { model = usage.model or est.model, id = usage.id, input = usage.input or 0,
+    cache_creation = usage.cache_creation or 0, cache_read = usage.cache_read or 0,
+    output = math.max(usage.output or 0, est.output) }
+  return u, cost_of(p, u)
+end
+
+--------------------------------------------------------------------------------------------
 -- Server-sent events
 
 local SSE_MAX = 16 * 1024 * 1024 -- bytes of one event kept; a longer one is dropped
@@ -464,6 +561,9 @@ function providers.check(p)
     end
   end
   if p.cost ~= nil and type(p.cost) ~= "function" then return nil, "cost: must be a function(usage)" end
+  if p.max_output_tokens ~= nil and (math.type(p.max_output_tokens) ~= "integer" or p.max_output_tokens < 1) then
+    return nil, "max_output_tokens: must be a whole number of tokens >= 1 (the longest answer a model gives)"
+  end
   if p.refresh ~= nil and type(p.refresh) ~= "function" then
     return nil, "refresh: must be a function(credential, seconds) returning true or nil, err"
   end
@@ -805,7 +905,7 @@ end
 --- as they pass; finish() returns the usage record, or nil and why there is none.
 ---@param p ProviderAdapter
 ---@param content_type string|nil
----@return {feed: fun(self, chunk: string), finish: fun(self): ProviderUsage|nil, string|nil}
+---@return {feed: fun(self, chunk: string), partial: fun(self): ProviderUsage|nil, finish: fun(self): ProviderUsage|nil, string|nil}
 function providers.usage_counter(p, content_type)
   local is_json = type(content_type) == "string" and content_type:lower():find("json", 1, true) ~= nil
   local c = { parts = {}, size = 0, acc = providers.empty_usage(), seen = false, too_big = false }
@@ -825,6 +925,8 @@ function providers.usage_counter(p, content_type)
     if self.size > SSE_MAX then self.too_big, self.parts = true, {} return end
     self.parts[#self.parts + 1] = chunk
   end
+  --- The usage the stream has given so far (an SSE answer's message_start), or nil.
+  function c.partial(self) return self.seen and self.acc or nil end
   function c.finish(self)
     if reader then
       take(reader:finish())

@@ -26,9 +26,11 @@
 --     (agent.hooks.result -> tree.result, which also adds `children` to results.json).
 --   * What a run may do, for its context file: info(run_id) -> {run_id, root, name, depth,
 --     limits = {depth, children, running, jobs, job_records}, children_used, budget_usd, spent_usd}.
---   * Budget, from the vendor route: check(run_id) -> true | nil, "budget of $X spent"
---     before forwarding a model request; charge(run_id, usd, usage) -> true | nil,
---     "budget of $X spent" after counting one (usage optional: {model, input, output,
+--   * Budget, from the vendor route: check(run_id, resv) -> true | nil, why before
+--     forwarding a model request reserves what it may cost at most (refused when the budget
+--     is spent, or the spend and the reservations in flight leave no room); charge(run_id,
+--     usd, usage, resv) -> true | nil, "budget of $X spent" after it ended gives the
+--     reservation back and counts the usage (optional: {model, input, output,
 --     cache_creation, cache_read}; it feeds the live usage report); spent(run_id) -> usd
 --     spent by its tree, budget (nil: none). The charge that reaches the budget starts the
 --     reaction: every run of the tree still going ends with reason "budget of $X spent",

@@ -57,11 +57,16 @@ local fail = errors.raise
 ---   (the kept records that count against tree.jobs and tree.job_records)
 ---@field budget_usd number|nil root: the tree's budget
 ---@field spent_usd number|nil  root: the tree's spend
+---@field reservations table|nil  root: the model requests in flight, id -> {run_id, usd, model, owner}
+---   (what each may cost at most; a server that died with some is charged them in full when
+---   the record is next read)
 ---@field members string[]|nil  root: every node's run id
 
 local cache = {}     -- run_id -> TreeNode (this process's copy)
 local mem = {}       -- run_id -> {ended = event, reserved = n (roots), held = {memory_mb, cpus, pids} (roots:
-                     -- the reserved spawns'), slot = event (roots)}
+                     -- the reserved spawns'), slot = event (roots), resv = {id -> the vendor route's
+                     -- reservation, its usd kept current} (roots)}
+local settle_stale   -- (root) charges the reservations a dead server left (below)
 
 --- The in-memory state of a run (events, slot reservations), made on first use.
 ---@param id string
@@ -121,6 +126,7 @@ function store.get(run_id)
   n.host_mcp = hm
   n.cost_usd = tonumber(n.cost_usd) or 0
   cache[run_id] = n
+  if type(n.reservations) == "table" and next(n.reservations) ~= nil then settle_stale(n) end
   return n
 end
 
@@ -243,18 +249,71 @@ function store.spent(root)
   return tonumber(r.spent_usd) or 0, r.budget_usd
 end
 
---- Checks before a model request of the run `run_id` is forwarded: true, or nil and
---- "budget of $X spent" once its tree's budget is spent. A run that is no tree node passes.
+-- A dollar amount from a reservation or a record: finite and >= 0, else 0.
+local function usd_of(v)
+  v = tonumber(v) or 0
+  if v ~= v or v < 0 or v == math.huge then return 0 end
+  return v
+end
+
+--- What the model requests of the tree of `root` in flight in this process hold reserved,
+--- in USD (each the most it can still cost).
+---@param root string
+---@return number usd
+function store.reserved(root)
+  local x = mem[root]
+  local sum = 0
+  for _, resv in pairs(x and x.resv or {}) do sum = sum + usd_of(resv.usd) end
+  return sum
+end
+
+--- Checks before a model request of the run `run_id` is forwarded and reserves it against
+--- its tree's budget. `resv` = {id, usd, model} (the vendor route's reservation: its usd the
+--- most the request can cost, lowered by the route while the answer comes). Admitted when
+--- the budget is not spent and the spend, what the requests in flight hold and this
+--- reservation stay within the budget; a request with none in flight is admitted whenever
+--- the budget is not spent (so the spend passes the budget by at most one reservation).
+--- Returns true (the reservation is held until store.charge gives it back), or nil and
+--- "budget of $X spent", or nil, a sentence naming the budget, the spend and the reserved
+--- amount, and false (the budget is not spent: the requests in flight leave no room). Without
+--- `resv` it only says whether the budget is spent. A run that is no tree node, or of a
+--- tree without a budget, passes.
 ---@param run_id string
----@return boolean|nil ok, string|nil why
-function store.check(run_id)
+---@param resv {id: string, usd: number, model: string|nil}|nil
+---@return boolean|nil ok, string|nil why, boolean|nil spent
+function store.check(run_id, resv)
   local n = store.get(run_id)
   if not n then return true end
   local r = store.get(n.root)
-  if r and r.budget_usd and (r.budget_spent or (r.spent_usd or 0) >= r.budget_usd) then
-    return nil, store.budget_reason(r.budget_usd)
+  if not r or not r.budget_usd then return true end
+  local spent = usd_of(r.spent_usd)
+  if r.budget_spent or spent >= r.budget_usd then return nil, store.budget_reason(r.budget_usd) end
+  if type(resv) ~= "table" or type(resv.id) ~= "string" then return true end
+  local usd, held = usd_of(resv.usd), store.reserved(r.run_id)
+  if held > 0 and spent + held + usd > r.budget_usd then
+    return nil, ("budget of $%s: $%s spent and $%s reserved by the model requests in flight leave no room for "
+      .. "this one's $%s (its max_tokens and its size); it can go once those end"):format(store.money(r.budget_usd),
+      store.money(spent), store.money(held), store.money(usd)), false
   end
+  local x = store.mem(r.run_id)
+  x.resv = x.resv or {}
+  x.resv[resv.id] = resv
+  r.reservations = type(r.reservations) == "table" and r.reservations or {}
+  r.reservations[resv.id] = { run_id = n.run_id, usd = usd, model = resv.model, owner = sandbox.owner() }
+  store.save(r)
   return true
+end
+
+-- Gives back the reservation `resv` of the tree `r`. True when the record changed.
+local function release(r, resv)
+  if type(resv) ~= "table" or type(resv.id) ~= "string" then return false end
+  local x = mem[r.run_id]
+  if x and x.resv then x.resv[resv.id] = nil end
+  if type(r.reservations) == "table" and r.reservations[resv.id] then
+    r.reservations[resv.id] = nil
+    return true
+  end
+  return false
 end
 
 --- Adds one model request (`usd`, `u` = {model, input, output, cache_creation, cache_read})
@@ -407,6 +466,7 @@ function store.report(run_id)
     cache_read_share = prompt > 0 and acc.cache_read / prompt or 0,
     by_model = by_model, nodes = rows,
     budget_usd = budget, tree_spent_usd = spent, budget_spent = root and root.budget_spent or nil,
+    tree_reserved_usd = budget and store.reserved(n.root) or nil,
   }
 end
 
@@ -416,22 +476,30 @@ end
 function store.put(n) cache[n.run_id] = n end
 
 --- Counts `usd` (one model request, with its `usage` when known) against the run's own
---- spend and its tree's budget. Returns true, or nil and "budget of $X spent" when the tree's
---- budget is now spent: the reaction (store.on_budget_spent, set by lua/tree/init.lua: every
---- run of the tree ends with that reason) has then started. A run that is no tree node is not
---- counted (true). For the vendor route, which sits below lua/tree/init.lua.
+--- spend and its tree's budget, and gives back its reservation `resv` (store.check); with
+--- `resv`, no usage and no cost it only gives the reservation back (the request was not
+--- counted: refused, rate limited, never sent). Returns true, or nil and "budget of $X
+--- spent" when the tree's budget is now spent: the reaction (store.on_budget_spent, set by
+--- lua/tree/init.lua: every run of the tree ends with that reason) has then started. A run
+--- that is no tree node is not counted (true). For the vendor route, which sits below
+--- lua/tree/init.lua.
 ---@param run_id string
 ---@param usd number
 ---@param usage table|nil  {model, input, output, cache_creation, cache_read}
+---@param resv table|nil   the reservation store.check held
 ---@return boolean|nil ok, string|nil why
-function store.charge(run_id, usd, usage)
+function store.charge(run_id, usd, usage, resv)
   local n = store.get(run_id)
   if not n then return true end
-  usd = tonumber(usd) or 0
-  if usd ~= usd or usd < 0 then usd = 0 end
+  usd = usd_of(usd)
+  local r = store.get(n.root) or n
+  local released = release(r, resv)
+  if resv ~= nil and usage == nil and usd == 0 then
+    if released then store.save(r) end
+    return true
+  end
   n.cost_usd = (n.cost_usd or 0) + usd
   store.add_usage(n, usd, usage)
-  local r = store.get(n.root) or n
   if r ~= n then r.spent_usd = (tonumber(r.spent_usd) or 0) + usd else n.spent_usd = (tonumber(n.spent_usd) or 0) + usd end
   store.save(n)
   if r ~= n then store.save(r) end
@@ -448,6 +516,32 @@ function store.charge(run_id, usd, usage)
   return true
 end
 
+-- A root read from its record with reservations a server that is gone left (it died with
+-- those requests in flight): each is charged in full to the run that made it, since the
+-- vendor may have answered it. Reservations of a live server (this one, or another that
+-- still runs) are kept.
+settle_stale = function(r)
+  local me = sandbox.owner()
+  local gone = {}
+  for id, x in pairs(r.reservations) do
+    if type(x) ~= "table" then
+      r.reservations[id] = nil
+    elseif x.owner ~= me and not sandbox.owner_alive(x.owner) then
+      gone[#gone + 1] = { id = id, x = x }
+    end
+  end
+  if #gone == 0 then return end
+  table.sort(gone, function(a, b) return tostring(a.id) < tostring(b.id) end)
+  for _, g in ipairs(gone) do
+    r.reservations[g.id] = nil
+    local run = valid_id(g.x.run_id) and store.within(r.run_id, g.x.run_id) and g.x.run_id or r.run_id
+    local usd = usd_of(g.x.usd)
+    log.notice(LOGGER, "tree %s: a model request of %s was in flight when its server stopped; charged its "
+      .. "reservation of $%s", r.run_id, run, store.money(usd))
+    store.charge(run, usd, { model = type(g.x.model) == "string" and g.x.model or nil })
+  end
+  store.save(r)
+end
 
 --- What a run of a tree may do, for its context file: {run_id, root, name, depth, limits =
 --- {depth, children, running}, children_used (names taken), budget_usd (nil: none),

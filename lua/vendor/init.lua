@@ -32,9 +32,16 @@ local vendor = {}
 local LOGGER = "demesne.vendor"
 
 --- Hooks of the layer above (nested sandboxes, lua/tree), each called with the run id:
----   admit(run_id) -> true | nil, why   before a model request is forwarded: a refusal (the
----                                      tree's budget is spent) answers the agent with `why`
----   charge(run_id, usd, usage)         after a model request was counted (usage: ProviderUsage)
+---   admit(run_id, resv) -> true | nil, why, spent
+---       before a model request is forwarded, with its reservation `resv` = {id (unique),
+---       usd (the most it can cost: providers.reservation; lowered once the answer's
+---       message_start gives the input counts), model, input, output}. A refusal answers the
+---       agent with `why`; `spent` true when the budget is spent (no later request can pass),
+---       false when only the requests in flight leave no room for this one.
+---   charge(run_id, usd, usage, resv)
+---       once the request ended, whatever ended it (answered, cut, cancelled, the route
+---       stopping): usage (ProviderUsage) and its cost, which gives `resv` back; usage nil
+---       (and usd 0) when nothing is to be counted (refused, a 429, an error answer, never sent).
 vendor.hooks = { admit = {}, charge = {} }
 
 --- The vendor port inside an agent sandbox.
@@ -115,7 +122,7 @@ function Route:rate_state() return self.rate end
 function vendor.start(o)
   local r = setmetatable({ run_id = o.run_id, provider = o.provider, token = o.token, credential = o.credential,
     output_dir = o.output_dir, tasks = {}, forwarding = 0, buffered = 0, admitted = {}, models = {}, requests = 0,
-    closed = false,
+    closed = false, resv_tag = util.random_hex(4),
     deadline = o.deadline, decide = o.decide, holds = o.holds ~= false,
     rate = rate.load(o.run_id, rate.budget(o.rate_limit_retries)),
     total = { input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 } }, Route)
@@ -241,10 +248,13 @@ end
 --- Adds one response's usage to the totals of its model. Returns its indicative cost in
 --- USD and whether the model has a price.
 ---@param usage ProviderUsage
+---@param usd number|nil  the cost when already known (a reservation charged whole), else priced here
 ---@return number usd, boolean priced
-function Route:count(usage)
+function Route:count(usage, usd)
   local model = usage.model or "unknown"
-  local usd, priced = self.provider.cost(usage)
+  local priced
+  if usd then priced = providers.price_for(self.provider.prices, model) ~= nil
+  else usd, priced = self.provider.cost(usage) end
   local m = self.models[model]
   if not m then
     m = { requests = 0, input = 0, output = 0, cache_creation = 0, cache_read = 0, cost_usd = 0 }
@@ -261,12 +271,13 @@ function Route:count(usage)
   return usd, priced
 end
 
---- Tells the charge hooks (vendor.hooks.charge) of one counted request.
----@param usd number          its indicative cost
----@param usage ProviderUsage
-function Route:charge(usd, usage)
+--- Tells the charge hooks (vendor.hooks.charge) of one ended request.
+---@param usd number          its indicative cost (0 with no usage)
+---@param usage ProviderUsage|nil  nil: nothing counted, the reservation is only given back
+---@param resv table|nil      its reservation (vendor.hooks.admit)
+function Route:charge(usd, usage, resv)
   for _, fn in ipairs(vendor.hooks.charge) do
-    local ok, err = pcall(fn, self.run_id, usd, usage)
+    local ok, err = pcall(fn, self.run_id, usd, usage, resv)
     if not ok then log.warning(LOGGER, "%s: charge hook: %s", self.run_id, tostring(err)) end
   end
 end
@@ -351,27 +362,37 @@ function Route:note_refusal(rec, why)
   end
 end
 
--- A refusal of the layer above (a tree's budget is spent) in both vendors' error shape, with
--- status 400 as the vendors answer a spent balance: neither CLI retries a 400 (both retry
--- 402 and 403, and Claude Code reads 403 as a failed login), so the run ends at once with
--- the message shown.
+-- A refusal of the layer above (a tree's budget) in both vendors' error shape, with status
+-- 400 as the vendors answer a spent balance: neither CLI retries a 400 (both retry 402 and
+-- 403, and Claude Code reads 403 as a failed login), so the run ends at once with the
+-- message shown.
 local REFUSED_STATUS = 400
-local function refusal_body(message)
+local function refusal_body(message, spent)
   return json.encode({ type = "error", error = { type = "invalid_request_error", code = "budget_exceeded",
-    message = "demesne vendor route: " .. message .. "; no further model requests are sent for this tree" } })
+    message = "demesne vendor route: " .. message
+      .. (spent and "; no further model requests are sent for this tree" or "") } })
 end
 
--- The first refusal of an admit hook (vendor.hooks.admit), or nil.
-local function refused(run_id)
+--- Reserves one model request against the layer above (vendor.hooks.admit) before it is
+--- forwarded. Returns the reservation {id, usd, model, input, output, est}, or nil, the
+--- refusal's sentence and whether the budget is spent (hooks that had admitted it are given
+--- it back).
+---@param est ProviderReservation  providers.reservation of the request
+---@return table|nil resv, string|nil why, boolean|nil spent
+function Route:reserve(est)
+  self.reservations = (self.reservations or 0) + 1
+  local resv = { id = ("%s-%s-%d"):format(self.run_id, self.resv_tag, self.reservations), usd = est.usd,
+    model = est.model, input = est.input, output = est.output, est = est }
   for _, fn in ipairs(vendor.hooks.admit) do
-    local ok, yes, why = pcall(fn, run_id)
+    local ok, yes, why, spent = pcall(fn, self.run_id, resv)
     if not ok then
-      log.warning(LOGGER, "%s: admit hook: %s", run_id, tostring(yes))
+      log.warning(LOGGER, "%s: admit hook: %s", self.run_id, tostring(yes))
     elseif not yes then
-      return tostring(why or "refused")
+      self:charge(0, nil, resv)
+      return nil, tostring(why or "refused"), spent ~= false
     end
   end
-  return nil
+  return resv
 end
 
 -- The target as a path-first target (an absolute-form one, from a client that used the
@@ -603,16 +624,19 @@ function Route:serve(conn, req, charged)
     self.rate.holding_until = nil
     rec.time = iso_now()
   end
+  -- what the request may cost at most (its body's size as input, its max_tokens as output)
+  local est = providers.reservation(self.provider, req.body)
   while true do
-    -- the tree's budget (checked again when a held request is sent after its reset)
-    local refusal = refused(self.run_id)
-    if refusal then
+    -- the tree's budget: reserved before each send (again when a held request is sent
+    -- after its reset), given back or charged once the request ended
+    local resv, refusal, spent = self:reserve(est)
+    if not resv then
       rec.verdict, rec.status, rec.reason = "deny", REFUSED_STATUS, refusal
       self:note_refusal(rec, refusal)
-      conn:respond(REFUSED_STATUS, { ["content-type"] = "application/json" }, refusal_body(refusal))
+      conn:respond(REFUSED_STATUS, { ["content-type"] = "application/json" }, refusal_body(refusal, spent))
       return
     end
-    local retry_ms = self:forward(conn, req, v, rec)
+    local retry_ms = self:forward(conn, req, v, rec, resv)
     if not retry_ms then return end
     -- rate limited: this answer is logged, the reset waited for, the request sent again
     log.info(LOGGER, "%s: rate limited (429); retrying %s in %d ms", self.run_id, path, retry_ms)
@@ -662,36 +686,96 @@ local function decide_429(self, conn, limited, rec)
   return nil
 end
 
+-- Failures before an answer's head that prove nothing reached the vendor: nothing is charged.
+local NOT_SENT = { ESTART = true, ECONNREFUSED = true, ENETUNREACH = true, EHOSTUNREACH = true, EAI_NONAME = true,
+  EAI_AGAIN = true, EAI_FAIL = true, EINVAL = true, ENOMEM = true }
+
+--- What one forwarded request is charged once it ended, from how it ended (`st`: status,
+--- head_sent, complete, code, counter) and its reservation: the usage the answer gave; for
+--- an answer that did not end (cut mid-stream, the agent gone, the route stopping) or a
+--- success without usage, the input it gave (message_start) and the reserved output, or the
+--- whole reservation (providers.reserved_usage); nothing for a request that never reached
+--- the vendor, a 429 or an error answer without usage. Returns usage (nil: nothing), its
+--- cost when it is a reservation's, and how it was found ("answer", "cut", "reserved").
+---@param st table
+---@param resv table
+---@return ProviderUsage|nil usage, number|nil usd, string|nil how
+function Route:charge_of(st, resv)
+  local p = self.provider
+  if st.limited then return nil end
+  if not st.head_sent then
+    if st.code and NOT_SENT[st.code] then return nil end
+    -- sent and no answer yet (a timeout, a reset, cancelled): the vendor may be writing it
+    local u, usd = providers.reserved_usage(p, resv.est, nil)
+    return u, usd, "reserved"
+  end
+  local usage = st.counter and (st.complete and st.counter:finish() or st.counter:partial())
+  if st.status and st.status >= 400 then return usage, nil, usage and "answer" or nil end
+  if st.complete and usage then return usage, nil, "answer" end
+  local u, usd = providers.reserved_usage(p, resv.est, usage)
+  return u, (not usage) and usd or nil, usage and "cut" or "reserved"
+end
+
 --- Sends one request upstream with the real credential and streams the answer to the
 --- agent as it arrives (SSE unbuffered), counting its usage on the way. A 429 is read
 --- whole and decided on (Route:rate_wait). Returns the wait in ms when the route holds the
---- request and sends it again, else nil once the answer went out (or could not).
+--- request and sends it again, else nil once the answer went out (or could not). However
+--- it ends (a cancel included: the agent hung up, the route stopped), the request is
+--- counted and charged once (Route:charge_of), its reservation given back, its line logged.
 ---@param conn userdata  the core.httpd.conn to answer on
 ---@param req table        {method, target, headers, body}
 ---@param v VendorVerdict  a "forward" verdict
 ---@param rec table        the usage.jsonl line of this attempt (logged here)
+---@param resv table       its reservation (Route:reserve)
 ---@return integer|nil retry_ms
-function Route:forward(conn, req, v, rec)
+function Route:forward(conn, req, v, rec, resv)
   local p = self.provider
   local headers = {}
   for k, val in pairs(v.headers) do
     if not HOP[k] then headers[k] = val end
   end
-  local counter, limited, upstream
-  local head_sent = false
+  local st = {} -- how the request ended: status, head_sent, complete, code, counter, limited
+  local limited, upstream
+  local started = loop.hrtime()
+  local retry
+  local _settle <close> = util.closer(function(err)
+    if err ~= nil then
+      rec.error = rec.error or tostring(err == async.CANCELLED and "cancelled" or err)
+      rec.duration_ms = rec.duration_ms or math.floor((loop.hrtime() - started) / 1e6)
+    end
+    local usage, usd, how = self:charge_of(st, resv)
+    if usage then
+      rec.model = usage.model
+      rec.id = usage.id
+      for _, k in ipairs({ "input", "output", "cache_creation", "cache_read", "reasoning" }) do rec[k] = usage[k] end
+      if how ~= "answer" then rec.charged = how end
+      self.requests = self.requests + 1
+      rec.cost_usd = self:count(usage, usd)
+      self:charge(rec.cost_usd, usage, resv)
+    else
+      self:charge(0, nil, resv)
+    end
+    if not retry then
+      -- the totals first: whoever sees the request's line (a test, a server killed right
+      -- after) finds it counted in them
+      self:write_totals()
+      self:log_line(rec)
+    end
+  end)
   local opts = {
     url = v.url, method = req.method, headers = headers, timeout_ms = UPSTREAM_TIMEOUT_MS,
     connect_timeout_ms = 30000,
     on_headers = function(status, h)
       if status == 429 then
         limited = { headers = h or {}, parts = {}, size = 0 }
+        st.limited = true
         rec.rate_limited = true
         return
       end
-      head_sent = true
+      st.head_sent, st.status = true, status
       rec.status = status
       conn:start(status, answer_headers(h))
-      counter = providers.usage_counter(p, h and h["content-type"])
+      st.counter = providers.usage_counter(p, h and h["content-type"])
     end,
     on_data = function(chunk)
       if limited then
@@ -701,13 +785,25 @@ function Route:forward(conn, req, v, rec)
         end
         return
       end
-      if counter then counter:feed(chunk) end
+      local counter = st.counter
+      if counter then
+        counter:feed(chunk)
+        -- the input counts are known (message_start): the reservation shrinks to them and
+        -- the output it still may write
+        if not st.refined then
+          local part = counter:partial()
+          if part then
+            st.refined = true
+            local _, usd = providers.reserved_usage(p, resv.est, part)
+            resv.usd = usd
+          end
+        end
+      end
       -- the agent hung up (or reads too slowly and was cut): stop the upstream call too
       if not conn:write(chunk) and upstream then upstream:cancel() end
     end,
   }
   if req.method ~= "GET" and req.method ~= "HEAD" then opts.body = req.body or "" end
-  local started = loop.hrtime()
   local res, msg, code
   do
     self.forwarding = self.forwarding + 1
@@ -722,47 +818,36 @@ function Route:forward(conn, req, v, rec)
       return function() upstream:cancel() end
     end)
   end
+  st.complete, st.code = res ~= nil, code
   rec.duration_ms = math.floor((loop.hrtime() - started) / 1e6)
   if code == "ESTART" then
     rec.status, rec.error = 502, tostring(msg)
-    self:log_line(rec)
     refuse(conn, 502, "cannot start the upstream request")
     return nil
   end
   if limited and res and not self.closed and conn:is_open() then
     local retry_ms = decide_429(self, conn, limited, rec)
     if retry_ms then
-      self:log_line(rec)
+      -- logged here, before the wait: the closer gives the reservation back
       self:write_totals()
+      self:log_line(rec)
+      retry = true
       return retry_ms
     end
   elseif not res then
     rec.error = tostring(msg)
-    if head_sent then
+    if st.head_sent then
       conn:close() -- cut mid-answer: the agent sees a stream that did not end
     else
       rec.status = code == "ETIMEDOUT" and 504 or 502
       refuse(conn, rec.status, "upstream failed: " .. tostring(msg))
     end
-  elseif head_sent then
+  elseif st.head_sent then
     conn:finish()
   else
     -- a 429 read while the route was closing or the agent had gone
     refuse(conn, 429, "rate limited by the vendor")
   end
-  if counter then
-    local usage = counter:finish()
-    if usage then
-      rec.model = usage.model
-      rec.id = usage.id
-      for _, k in ipairs({ "input", "output", "cache_creation", "cache_read", "reasoning" }) do rec[k] = usage[k] end
-      self.requests = self.requests + 1
-      rec.cost_usd = self:count(usage)
-      self:charge(rec.cost_usd, usage)
-    end
-  end
-  self:log_line(rec)
-  self:write_totals()
   return nil
 end
 

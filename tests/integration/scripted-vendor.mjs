@@ -34,12 +34,16 @@ const textOf = (x) => (typeof x === "string" ? x : Array.isArray(x)
 
 /**
  * Starts the vendor. Requests must carry `secret` (the host's real credential, swapped in
- * by demesne's vendor route); others get 401.
- * @param {{secret: string}} o
- * @returns {Promise<{port: number, plan: Function, plans: Map, close: () => Promise<void>}>}
+ * by demesne's vendor route); others get 401. `intercept(kind, body, res, size)` (optional)
+ * sees each authorised request first ("anthropic" or "openai", its parsed body, the
+ * response, its size in bytes) and returns true when it answered it itself. Every answer
+ * the vendor writes whole is recorded in `served`: {model, input, output}.
+ * @param {{secret: string, intercept?: Function}} o
+ * @returns {Promise<{port: number, plan: Function, plans: Map, served: object[], close: () => Promise<void>}>}
  */
-export async function startVendor({ secret }) {
+export async function startVendor({ secret, intercept }) {
   const plans = new Map();
+  const served = [];
 
   /** Adds a plan and returns its id. tokens: {input, output} billed per response (plus the step number). */
   function plan(id, steps, tokens = { input: 100, output: 10 }) {
@@ -144,6 +148,7 @@ export async function startVendor({ secret }) {
     }
     const id = "msg_" + randomBytes(6).toString("hex");
     const u = { input_tokens: usage.input, output_tokens: 1, cache_read_input_tokens: 0, cache_creation_input_tokens: 0 };
+    served.push({ model, input: usage.input, output: usage.output });
     if (!body.stream) {
       res.writeHead(200, { "content-type": "application/json" });
       res.end(JSON.stringify({ id, type: "message", role: "assistant", model, content: blocks, stop_reason: stop,
@@ -212,6 +217,7 @@ export async function startVendor({ secret }) {
       }
     }
     const id = "resp_" + randomBytes(6).toString("hex");
+    served.push({ model, input: usage.input, output: usage.output });
     res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
     for (const ev of [
       { type: "response.created", response: { id, model } },
@@ -232,8 +238,11 @@ export async function startVendor({ secret }) {
       const auth = req.headers["x-api-key"] || req.headers.authorization || "";
       if (!auth.includes(secret)) { res.writeHead(401); res.end(); return; }
       let body = {};
-      try { body = JSON.parse(Buffer.concat(chunks).toString("utf8") || "{}"); } catch { /* empty */ }
-      if (req.url.startsWith("/openai/")) openai(res, body); else anthropic(res, body);
+      const raw = Buffer.concat(chunks);
+      try { body = JSON.parse(raw.toString("utf8") || "{}"); } catch { /* empty */ }
+      const kind = req.url.startsWith("/openai/") ? "openai" : "anthropic";
+      if (intercept && intercept(kind, body, res, raw.length)) return;
+      if (kind === "openai") openai(res, body); else anthropic(res, body);
     });
   });
   await new Promise((r) => server.listen(0, "127.0.0.1", r));
@@ -241,6 +250,7 @@ export async function startVendor({ secret }) {
     port: server.address().port,
     plan,
     plans,
+    served,
     close: () => new Promise((r) => server.close(r)),
   };
 }

@@ -229,7 +229,11 @@ function tests.route_charges_each_request_and_refuses_once_the_budget_is_spent(t
     if spent then return nil, spent end
     return run_id == "vb" or nil, "not this run"
   end
-  local charge = function(run_id, usd, usage) charged[#charged + 1] = { run_id = run_id, usd = usd, usage = usage } end
+  local released = 0
+  local charge = function(run_id, usd, usage)
+    if usage == nil then released = released + 1 return end -- a reservation given back
+    charged[#charged + 1] = { run_id = run_id, usd = usd, usage = usage }
+  end
   table.insert(vendor.hooks.admit, admit)
   table.insert(vendor.hooks.charge, charge)
   local route = assert(vendor.start({ run_id = "vb", run_dir = dir .. "/run", output_dir = dir .. "/out", provider = p,
@@ -256,6 +260,7 @@ function tests.route_charges_each_request_and_refuses_once_the_budget_is_spent(t
       message = "demesne vendor route: budget of $0.0001 spent; no further model requests are sent for this tree" } })
     t:eq(#up.seen, 1, "the refused request never reached the upstream")
     t:eq(#charged, 1, "nothing charged for it")
+    t:eq(released, 1, "its reservation was given back")
   end)
   route:stop()
   vendor.forget(route.run_id) -- (the host's copy of its totals, in the state folder)
@@ -817,6 +822,258 @@ function tests.a_restarted_route_takes_up_the_hosts_totals_not_the_sandboxs(t)
   t:eq(tot.models.forged, nil, "the sandbox's usage.json is not read")
   t:eq({ tot.input, tot.output, tot.models["claude-sonnet-5"].input }, { 100, 10, 100 }, "the host's totals")
   t:ok(tot.cost_usd < 999)
+end
+
+--------------------------------------------------------------------------------------------
+-- The tree's budget as a reservation (lua/tree/store.lua through vendor.hooks)
+
+-- claude-sonnet-5: input 3, cache_creation 3.75, output 15 USD per million tokens.
+local function close_to(t, got, want, what)
+  t:ok(type(got) == "number" and math.abs(got - want) < 1e-12, ("%s: expected %.10f, got %s"):format(what, want,
+    tostring(got)))
+end
+
+function tests.a_reservation_covers_the_body_as_input_and_max_tokens_as_output(t)
+  local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
+  local body = json.encode({ model = "claude-sonnet-5", max_tokens = 16000, stream = true,
+    messages = { { role = "user", content = "hello" } } })
+  local e = providers.reservation(p, body)
+  t:eq({ e.model, e.input, e.output }, { "claude-sonnet-5", #body, 16000 })
+  close_to(t, e.usd, (#body * 3.75 + 16000 * 15) / 1e6, "the body's bytes at the dearest input rate (a cache write)")
+  -- the largest of the fields that limit an answer counts; none: the provider's longest answer; more: capped
+  e = providers.reservation(p, json.encode({ model = "claude-sonnet-5", max_tokens = 10, max_output_tokens = 900 }))
+  t:eq(e.output, 900)
+  e = providers.reservation(p, '{"model":"claude-sonnet-5","messages":[{"role":"user","content":[{"max_tokens":1}]}]}')
+  t:eq(e.output, providers.MAX_OUTPUT_TOKENS, "only the body's own max_tokens counts, not one nested in a message")
+  t:eq(providers.reservation(p, json.encode({ model = "claude-sonnet-5", max_tokens = 1e12 })).output,
+    providers.MAX_OUTPUT_TOKENS)
+  t:eq(providers.reservation(p, "not json").usd, 0, "no model: no price")
+  -- a body too large to decode: the dearest model of the table (claude-fable-5: 12.50 a cache write, 50 output)
+  local big = '{"model":"claude-haiku-4-5","max_tokens":10,"x":"' .. ("y"):rep(providers.RESERVATION_DECODE_MAX) .. '"}'
+  e = providers.reservation(p, big)
+  t:eq({ e.model, e.output }, { nil, providers.MAX_OUTPUT_TOKENS }, "not read")
+  close_to(t, e.usd, (#big * 12.5 + providers.MAX_OUTPUT_TOKENS * 50) / 1e6, "the dearest price")
+  local codex = providers.load({ user_dir = false, quiet = true }):get("codex")
+  e = providers.reservation(codex, json.encode({ model = "gpt-5.6-sol", input = "x" }))
+  t:eq(e.output, providers.MAX_OUTPUT_TOKENS, "the Responses API's max_output_tokens is optional")
+  close_to(t, e.usd, (e.input * 5 + providers.MAX_OUTPUT_TOKENS * 30) / 1e6, "Codex")
+  -- once message_start gives the input counts: those, and the output still to come
+  local u, usd = providers.reserved_usage(p, { model = "claude-sonnet-5", input = 5000, output = 16000, usd = 1 },
+    { model = "claude-sonnet-5-20260101", input = 500, cache_read = 2000, cache_creation = 0, output = 1 })
+  t:eq({ u.model, u.input, u.cache_read, u.output }, { "claude-sonnet-5-20260101", 500, 2000, 16000 })
+  close_to(t, usd, (500 * 3 + 2000 * 0.30 + 16000 * 15) / 1e6, "input known, output reserved")
+  u, usd = providers.reserved_usage(p, { model = "claude-sonnet-5", input = 5000, output = 16000, usd = 0.5 }, nil)
+  t:eq({ u.input, u.output, usd }, { 5000, 16000, 0.5 }, "nothing known: the whole reservation")
+end
+
+-- A scratch state folder with one tree root (budget in USD) in demesne.tree.store, and its
+-- check/charge as the route's hooks (they are when lua/tree is loaded). Closing restores.
+local function budget_world(budget)
+  local config = require("demesne.config")
+  local store = require("demesne.tree.store")
+  local d = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-vbudget-" .. hex(loop.random(6))
+  assert(fs.mkdir_p(d .. "/state", 448))
+  local saved = os.getenv("DEMESNE_STATE_DIR")
+  loop.setenv("DEMESNE_STATE_DIR", d .. "/state")
+  config.load()
+  store.reset()
+  local root_id = "20260101T000000Z-" .. hex(loop.random(4))
+  local n = { run_id = root_id, root = root_id, depth = 0, kind = "agent", tool = "sandbox_agent", status = "running",
+    active = true, children = json.array(), inputs = json.array(), cost_usd = 0, budget_usd = budget, spent_usd = 0,
+    members = json.array({ root_id }), limits = { depth = 3, children = 32, running = 8 } }
+  store.put(n)
+  store.save(n)
+  local added = {}
+  for _, pair in ipairs({ { vendor.hooks.admit, store.check }, { vendor.hooks.charge, store.charge } }) do
+    local found = false
+    for _, fn in ipairs(pair[1]) do if fn == pair[2] then found = true end end
+    if not found then
+      table.insert(pair[1], pair[2])
+      added[#added + 1] = pair
+    end
+  end
+  local spent_hook = store.on_budget_spent
+  store.on_budget_spent = nil -- no tree to stop here
+  return setmetatable({ dir = d, root = root_id, store = store }, { __close = function()
+    for _, pair in ipairs(added) do
+      for i, fn in ipairs(pair[1]) do if fn == pair[2] then table.remove(pair[1], i) break end end
+    end
+    store.on_budget_spent = spent_hook
+    store.reset()
+    loop.setenv("DEMESNE_STATE_DIR", saved)
+    config.load()
+    fs.remove_tree(d)
+  end })
+end
+
+function tests.the_budget_admits_while_spent_and_reserved_fit_and_one_request_alone_always(t)
+  local w <close> = budget_world(1)
+  local store = w.store
+  t:eq({ store.check(w.root, { id = "a", usd = 0.4 }) }, { true })
+  t:eq({ store.check(w.root, { id = "b", usd = 0.4 }) }, { true })
+  close_to(t, store.reserved(w.root), 0.8, "held")
+  local ok, why, spent = store.check(w.root, { id = "c", usd = 0.4 })
+  t:eq({ ok, spent }, { nil, false }, "0.8 reserved + 0.4 is over the budget of 1")
+  t:eq(why, "budget of $1.00: $0.00 spent and $0.80 reserved by the model requests in flight leave no room for "
+    .. "this one's $0.40 (its max_tokens and its size); it can go once those end")
+  t:eq(store.get(w.root).reservations.a.usd, 0.4, "reservations are in the root's record")
+  -- the answer of `a` cost 0.1: spent 0.1, its reservation given back
+  t:eq({ store.charge(w.root, 0.1, { model = "m", input = 1, output = 1 }, { id = "a" }) }, { true })
+  close_to(t, store.reserved(w.root), 0.4, "held after a's charge")
+  t:eq({ store.check(w.root, { id = "c", usd = 0.4 }) }, { true }, "0.1 + 0.4 + 0.4 fits")
+  t:eq({ store.charge(w.root, 0, nil, { id = "b" }) }, { true }, "b never reached the vendor: given back")
+  t:eq({ store.charge(w.root, 0, nil, { id = "c" }) }, { true })
+  t:eq(store.reserved(w.root), 0)
+  t:eq(next(store.get(w.root).reservations), nil)
+  -- alone, a request goes whatever its reservation while the budget is not spent: the spend
+  -- passes the budget by at most that one reservation
+  t:eq({ store.check(w.root, { id = "d", usd = 5 }) }, { true })
+  t:eq({ store.charge(w.root, 1.2, { model = "m", input = 1, output = 1 }, { id = "d" }) },
+    { nil, "budget of $1.00 spent" })
+  t:eq({ store.check(w.root, { id = "e", usd = 0.01 }) }, { nil, "budget of $1.00 spent" })
+  close_to(t, (store.spent(w.root)), 1.3, "spent")
+end
+
+function tests.reservations_a_dead_server_left_are_charged_in_full_when_the_tree_is_read(t)
+  local w <close> = budget_world(10)
+  local store = w.store
+  local sandbox = require("demesne.sandbox")
+  t:eq({ store.check(w.root, { id = "live", usd = 0.5, model = "claude-sonnet-5" }) }, { true })
+  local rec = store.get(w.root)
+  -- a server that is gone (no such process) left one request in flight
+  rec.reservations.dead = { run_id = w.root, usd = 2.25, model = "claude-sonnet-5",
+    owner = loop.hostname() .. "/999999999/1" }
+  store.save(rec)
+  t:ok(not sandbox.owner_alive(rec.reservations.dead.owner))
+  store.reset()
+  rec = store.get(w.root)
+  close_to(t, (store.spent(w.root)), 2.25, "charged in full")
+  t:eq(rec.reservations.dead, nil)
+  t:eq(rec.reservations.live.usd, 0.5, "this server's own reservation is kept")
+  t:eq(rec.usage.models["claude-sonnet-5"].requests, 1)
+  store.reset()
+  close_to(t, (store.spent(w.root)), 2.25, "charged once")
+end
+
+-- An upstream that answers each POST with its head and message_start (input 500), then
+-- holds the rest until released (output `out`); seen = requests, held = their sockets.
+local function held_upstream()
+  local srv = { seen = 0, held = {} }
+  local function on_client(c)
+    local buf = ""
+    c:read_start(function(data)
+      if not data then c:close() return end
+      buf = buf .. data
+      local s, e = buf:find("\r\n\r\n", 1, true)
+      if not s then return end
+      local len = tonumber(buf:sub(1, s - 1):lower():match("content%-length:%s*(%d+)") or "0")
+      if #buf - e < len then return end
+      c:read_stop()
+      srv.seen = srv.seen + 1
+      c:write("HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n")
+      local ev = 'event: message_start\ndata: {"type":"message_start","message":{"id":"m","model":"claude-sonnet-5",'
+        .. '"usage":{"input_tokens":500,"output_tokens":1}}}\n\n'
+      c:write(("%x\r\n%s\r\n"):format(#ev, ev))
+      srv.held[#srv.held + 1] = c
+    end)
+  end
+  function srv.release(i, out)
+    local c = srv.held[i]
+    local ev = ('event: message_delta\ndata: {"type":"message_delta","delta":{"stop_reason":"end_turn"},'
+      .. '"usage":{"output_tokens":%d}}\n\n'):format(out)
+    c:write(("%x\r\n%s\r\n0\r\n\r\n"):format(#ev, ev), function() c:close() end)
+  end
+  srv.listener, srv.port = assert(stream.listen_tcp("127.0.0.1", 0, on_client))
+  return srv
+end
+
+function tests.concurrent_requests_reserve_and_what_was_forwarded_is_always_charged(t)
+  if (os.getenv("DEMESNE_CLAUDE_CODE_UPSTREAM") or "") ~= "" then return end
+  local w <close> = budget_world(1)
+  local up = held_upstream()
+  local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
+  local saved = p.vendor.upstream
+  p.vendor.upstream = "http://127.0.0.1:" .. up.port
+  local route, base, close, dir = bare_route(w.root, { provider = p })
+  -- each request: about 2 KB, max_tokens 16000: reserved (2 KB x 3.75 + 16000 x 15) / 1e6, about $0.2475
+  local body = json.encode({ model = "claude-sonnet-5", max_tokens = 16000, stream = true,
+    messages = { { role = "user", content = ("x"):rep(2000) } } })
+  local resv = (#body * 3.75 + 16000 * 15) / 1e6
+  local answers, tasks = {}, {}
+  local function send(i)
+    tasks[i] = async.spawn("client " .. i, function()
+      local chunks = {}
+      local res = request({ url = base .. "/v1/messages", method = "POST", body = body,
+        headers = { ["x-api-key"] = "dmsn-good", ["content-type"] = "application/json" },
+        on_headers = function(status) answers[i] = { status = status } end,
+        on_data = function(c) chunks[#chunks + 1] = c end })
+      answers[i] = answers[i] or {}
+      answers[i].done, answers[i].status, answers[i].body = true, res and res.status, table.concat(chunks)
+    end)
+  end
+  local ok, err = pcall(function()
+    for i = 1, 6 do send(i) end
+    local deadline = loop.now() + 10000
+    local function settled(n)
+      local c = 0
+      for i = 1, 6 do if answers[i] and (answers[i].done or answers[i].status == 200) then c = c + 1 end end
+      return c >= n
+    end
+    while not (settled(6) and up.seen >= 4) and loop.now() < deadline do async.sleep(10) end
+    t:eq(up.seen, 4, "4 reservations of $0.2475 fit in $1; the other 2 never reach the vendor")
+    local refused = {}
+    for i = 1, 6 do if answers[i].done then refused[#refused + 1] = answers[i] end end
+    t:eq(#refused, 2)
+    t:eq(refused[1].status, 400)
+    local e = json.decode(refused[1].body).error
+    t:eq(e.code, "budget_exceeded")
+    t:match(e.message, "^demesne vendor route: budget of %$1%.00: %$0%.00 spent and %$0%.%d%d reserved by the model "
+      .. "requests in flight leave no room for this one's %$0%.25")
+    -- message_start gave the input (500): each reservation is now its input and the output still to come
+    close_to(t, w.store.reserved(w.root), 4 * (500 * 3 + 16000 * 15) / 1e6, "reserved once the input is known")
+    -- three answers end (100 output tokens each): charged what they used, reservations given back
+    local held = {}
+    for i = 1, 6 do if not answers[i].done then held[#held + 1] = i end end
+    for k = 1, 3 do up.release(k, 100) end
+    while not (answers[held[1]].done and answers[held[2]].done and answers[held[3]].done) and loop.now() < deadline do
+      async.sleep(10)
+    end
+    local each = (500 * 3 + 100 * 15) / 1e6
+    close_to(t, (w.store.spent(w.root)), 3 * each, "spent")
+    close_to(t, w.store.reserved(w.root), (500 * 3 + 16000 * 15) / 1e6, "one still in flight")
+    -- the agent hangs up mid-answer: charged the input message_start gave and the whole output reserved
+    async.cancel(tasks[held[4]])
+    while w.store.reserved(w.root) > 0 and loop.now() < deadline do async.sleep(10) end
+    close_to(t, (w.store.spent(w.root)), 3 * each + (500 * 3 + 16000 * 15) / 1e6, "the cut answer is charged")
+    -- one more, and the route stops (the tree ended) while it is answered: charged too
+    send(7)
+    while up.seen < 5 and loop.now() < deadline do async.sleep(10) end
+    t:eq(up.seen, 5)
+    route:stop() -- waits up to 5 s for the answer, then cuts it
+    close_to(t, (w.store.spent(w.root)), 3 * each + 2 * (500 * 3 + 16000 * 15) / 1e6, "charged when the route stops")
+    t:eq(w.store.reserved(w.root), 0)
+    t:eq(next(w.store.get(w.root).reservations), nil, "nothing left reserved in the record")
+  end)
+  local lines = {}
+  for l in (fs.read_file(dir .. "/out/usage.jsonl") or ""):gmatch("[^\n]+") do lines[#lines + 1] = json.decode(l) end
+  local usage = json.decode(fs.read_file(dir .. "/out/usage.json") or "{}")
+  close()
+  up.listener:close()
+  for _, c in ipairs(up.held) do c:close() end
+  p.vendor.upstream = saved
+  if not ok then error(err, 0) end
+  local cut, denied = 0, 0
+  for _, l in ipairs(lines) do
+    if l.charged == "cut" then
+      cut = cut + 1
+      t:eq({ l.input, l.output }, { 500, 16000 })
+    end
+    if l.verdict == "deny" then denied = denied + 1 end
+  end
+  t:eq({ cut, denied }, { 2, 2 }, "usage.jsonl: the cut answers and the refusals")
+  t:eq(usage.requests, 5)
+  close_to(t, usage.cost_usd, (w.store.spent(w.root)), "usage.json's cost is the tree's spend")
+  t:ok(resv > 0.24)
 end
 
 return tests
