@@ -291,20 +291,29 @@ function providers.price_for(prices, model)
   return best, key
 end
 
+local function cost_at(r, usage)
+  local cc = r.cache_creation or r.input or 0
+  local cr = r.cache_read or r.input or 0
+  return ((usage.input or 0) * (r.input or 0) + (usage.output or 0) * (r.output or 0)
+    + (usage.cache_creation or 0) * cc + (usage.cache_read or 0) * cr) / 1e6
+end
+
 --- Indicative cost in USD of one usage record under a price table (USD per million tokens:
---- input, output, cache_creation, cache_read). A model with no price costs 0 and the
---- second result is false.
+--- input, output, cache_creation, cache_read). A model with no price (or none named) costs
+--- what the dearest entry of the table would charge for the same tokens, and the second
+--- result is false: a tree's budget cannot be passed by naming a model demesne has no price
+--- for (the vendor charges it all the same). An empty table costs 0.
 ---@param prices table
 ---@param usage ProviderUsage
 ---@return number usd, boolean priced
 function providers.cost_with(prices, usage)
   local r = providers.price_for(prices, usage and usage.model)
-  if not r then return 0, false end
-  local cc = r.cache_creation or r.input or 0
-  local cr = r.cache_read or r.input or 0
-  local usd = ((usage.input or 0) * (r.input or 0) + (usage.output or 0) * (r.output or 0)
-    + (usage.cache_creation or 0) * cc + (usage.cache_read or 0) * cr) / 1e6
-  return usd, true
+  if r then return cost_at(r, usage), true end
+  local usd = 0
+  for _, rates in pairs(type(prices) == "table" and prices or {}) do
+    if type(rates) == "table" then usd = math.max(usd, cost_at(rates, usage or {})) end
+  end
+  return usd, false
 end
 
 --------------------------------------------------------------------------------------------
@@ -367,14 +376,14 @@ function providers.reservation(p, body)
   local usd = 0
   -- the whole input at whichever rate is dearest (a cache write costs more than plain input);
   -- a body too large to read, at the dearest model's
-  local models = { model }
+  local models = { model or false } -- none named: priced as an unpriced one (the dearest)
   if dearest then
     models = {}
     for prefix in pairs(type(p.prices) == "table" and p.prices or {}) do models[#models + 1] = prefix end
   end
   for _, m in ipairs(models) do
     for _, k in ipairs({ "input", "cache_creation", "cache_read" }) do
-      local u = { model = m, input = 0, output = out, cache_creation = 0, cache_read = 0 }
+      local u = { model = m or nil, input = 0, output = out, cache_creation = 0, cache_read = 0 }
       u[k] = n
       usd = math.max(usd, cost_of(p, u))
     end

@@ -241,9 +241,14 @@ function tests.cost_from_indicative_prices(t)
   -- gpt-5.6-sol: (2000 - 1500 cached) × 5 + 1500 × 0.50 + 300 × 30 per million
   usd = codex.cost(sse_usage(codex, fixture("openai_responses_stream.sse")))
   t:ok(close(usd, 0.01225), "codex cost " .. usd)
+  -- a model with no price costs what the dearest entry would: a budget cannot be passed by
+  -- naming one demesne has no price for
   usd, priced = codex.cost({ model = "some-unpriced-model", input = 1e6, output = 1e6, cache_creation = 0, cache_read = 0 })
-  t:eq(usd, 0)
+  local dearest = 0
+  for _, r in pairs(codex.prices) do dearest = math.max(dearest, (r.input or 0) + (r.output or 0)) end
+  t:ok(dearest > 0 and close(usd, dearest), ("unpriced: %s, dearest %s"):format(usd, dearest))
   t:eq(priced, false)
+  t:eq((providers.cost_with({}, { model = "x", input = 5 })), 0, "an empty table costs 0")
   -- longest prefix wins
   local r, key = providers.price_for({ ["gpt-5"] = { input = 1, output = 1 }, ["gpt-5.5"] = { input = 2, output = 2 } },
     "gpt-5.5-2026")

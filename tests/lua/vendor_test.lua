@@ -847,7 +847,11 @@ function tests.a_reservation_covers_the_body_as_input_and_max_tokens_as_output(t
   t:eq(e.output, providers.MAX_OUTPUT_TOKENS, "only the body's own max_tokens counts, not one nested in a message")
   t:eq(providers.reservation(p, json.encode({ model = "claude-sonnet-5", max_tokens = 1e12 })).output,
     providers.MAX_OUTPUT_TOKENS)
-  t:eq(providers.reservation(p, "not json").usd, 0, "no model: no price")
+  -- no model, or one without a price: the dearest model of the table, as the vendor charges it all the same
+  close_to(t, providers.reservation(p, "not json").usd, (8 * 12.5 + providers.MAX_OUTPUT_TOKENS * 50) / 1e6,
+    "no model: the dearest price")
+  close_to(t, providers.reservation(p, json.encode({ model = "claude-unlisted-9", max_tokens = 100 })).usd,
+    (#json.encode({ model = "claude-unlisted-9", max_tokens = 100 }) * 12.5 + 100 * 50) / 1e6, "an unpriced model too")
   -- a body too large to decode: the dearest model of the table (claude-fable-5: 12.50 a cache write, 50 output)
   local big = '{"model":"claude-haiku-4-5","max_tokens":10,"x":"' .. ("y"):rep(providers.RESERVATION_DECODE_MAX) .. '"}'
   e = providers.reservation(p, big)
