@@ -4,6 +4,7 @@
 -- launch and watch (lua/agent/job.lua).
 local jobs = require("demesne.jobs")
 local outcome = require("demesne.jobs.outcome")
+local repo = require("demesne.repo")
 local sandbox = require("demesne.sandbox")
 local util = require("demesne.util")
 
@@ -76,8 +77,14 @@ return jobs.register("script", {
   end,
   -- o: a plan whose container sandbox.script_start has started
   run = function(job, o)
-    job.after = function() sandbox.remove_tree(o.run_dir) end
-    return script_watch(job, o)
+    job.after = function()
+      sandbox.remove_tree(o.run_dir)
+      repo.cleanup(o)
+    end
+    local out = script_watch(job, o)
+    -- a repository run's work comes back as its branch (lua/repo) once the container is gone
+    if o.repo and type(out) == "table" then out.branch = repo.hand_back(o, out) end
+    return out
   end,
   attach = function(job)
     local rec = job.rec

@@ -1,0 +1,155 @@
+// A host repository in, a branch out (docs/how-to/hand-back-a-branch.md), over MCP against a
+// real engine, with real git on the host and in the sandbox. Every case compares the host
+// repository before and after: only the run's branch may appear.
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { execFileSync } from "node:child_process";
+import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, existsSync, rmSync, readdirSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { connect, engineContainers } from "./helpers.mjs";
+
+const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
+const work = mkdtempSync(path.join(tmpdir(), "demesne-repo-"));
+const allowed = path.join(work, "allowed");
+mkdirSync(allowed, { recursive: true });
+const env = {
+  DEMESNE_ENGINE: ENGINE,
+  DEMESNE_ALLOWED_PATHS: allowed,
+  DEMESNE_OUTPUT_ROOT: path.join(work, "out"),
+  DEMESNE_STATE_DIR: path.join(work, "state"),
+};
+
+const G = ["-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"];
+function git(cwd, ...args) {
+  return execFileSync("git", [...G, ...args], { cwd, encoding: "utf8" }).trim();
+}
+
+// A host repository: two commits, an uncommitted change, an untracked file, a hook that
+// would leave a marker, and a remote URL with a token that must not reach the sandbox.
+function makeRepo(name) {
+  const h = path.join(allowed, name);
+  mkdirSync(h);
+  git(h, "init", "-q");
+  writeFileSync(path.join(h, "a.txt"), "one\n");
+  git(h, "add", "a.txt");
+  git(h, "commit", "-qm", "first");
+  writeFileSync(path.join(h, "a.txt"), "one\ntwo\n");
+  git(h, "commit", "-qam", "second");
+  git(h, "remote", "add", "origin", "https://user:SECRET-TOKEN@example.invalid/x.git");
+  writeFileSync(path.join(h, "a.txt"), "one\ntwo\ndirty\n");
+  writeFileSync(path.join(h, "untracked.txt"), "new\n");
+  writeFileSync(path.join(h, ".git/hooks/post-merge"), `#!/bin/sh\ntouch ${work}/HOOK-RAN\n`, { mode: 0o755 });
+  return h;
+}
+
+function snapshot(h) {
+  return {
+    status: git(h, "status", "--porcelain"),
+    head: git(h, "rev-parse", "HEAD"),
+    sym: git(h, "symbolic-ref", "HEAD"),
+    refs: git(h, "for-each-ref", "--format=%(refname) %(objectname)").split("\n").filter(Boolean),
+    config: readFileSync(path.join(h, ".git/config"), "utf8"),
+    hooks: readdirSync(path.join(h, ".git/hooks")).sort(),
+    index: readFileSync(path.join(h, ".git/index")).toString("base64"),
+  };
+}
+
+let conn;
+before(async () => { conn = await connect({ env, fixtures: false }); });
+after(async () => {
+  await conn?.client.close();
+  rmSync(work, { recursive: true, force: true });
+});
+
+const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
+async function call(name, args) {
+  return conn.client.callTool({ name, arguments: args }, undefined, LONG);
+}
+async function ok(name, args) {
+  const res = await call(name, args);
+  assert.ok(!res.isError, `${name} failed: ${res.content?.[0]?.text}`);
+  return res.structuredContent;
+}
+
+test("sandbox_script with a repository: the clone inside, the branch back, nothing else changed", async () => {
+  const h = makeRepo("proj");
+  const before = snapshot(h);
+  const r = await ok("sandbox_script", {
+    repository: h, include_uncommitted: true, branch: "fix-1", image: "base", egress: "none",
+    command: [
+      "set -e", "pwd", "git branch --show-current", "git remote -v | wc -l", "cat a.txt", "cat untracked.txt",
+      "grep -c SECRET .git/config || true", "ls .git/hooks | wc -l",
+      "echo fixed > fix.txt", "git add fix.txt", "git commit -qm 'fix: add fix.txt'",
+      "echo left >> a.txt", // left uncommitted: demesne commits it at the end
+      // hostile settings for the host: none of them may ever run there
+      `git config core.fsmonitor 'touch ${work}/FSMONITOR-RAN'`, "git config core.hooksPath /out",
+      `printf '#!/bin/sh\\ntouch ${work}/HOOK-RAN\\n' > /out/post-merge`, "chmod +x /out/post-merge",
+      "git config includeIf.gitdir:/.path /out/evil",
+    ].join("\n"),
+  });
+  assert.equal(r.exit_code, 0, r.stderr);
+  const lines = r.stdout.trim().split("\n");
+  assert.equal(lines[0], "/workspace/proj", "the clone is at /workspace/<basename>");
+  assert.equal(lines[1], "demesne/fix-1", "on the run's branch");
+  assert.equal(lines[2], "0", "no remote");
+  assert.deepEqual(lines.slice(3, 6), ["one", "two", "dirty"], "with the uncommitted changes");
+  assert.equal(lines[6], "new", "and the untracked file");
+  assert.equal(lines[7], "0", "no token in the clone's config");
+  const b = r.branch;
+  assert.equal(b.error, undefined, JSON.stringify(b));
+  assert.equal(b.branch, "demesne/fix-1");
+  assert.equal(b.host_head, before.head);
+  assert.deepEqual(b.commits.map((c) => c.subject),
+    ["demesne: work left uncommitted at the end of run " + r.run_id, "fix: add fix.txt"]);
+  assert.deepEqual(b.diffstat, { files: 2, insertions: 2, deletions: 0 }, git(h, "diff", "--stat", b.base, b.head));
+  assert.equal(b.base_is_ancestor, true);
+  assert.equal(b.bundle, "/out/demesne-branch.bundle");
+  assert.ok(existsSync(path.join(r.output_dir, "demesne-branch.bundle")));
+  assert.equal(git(h, "rev-parse", "refs/heads/demesne/fix-1"), b.head);
+  assert.equal(git(h, "show", "demesne/fix-1:fix.txt"), "fixed");
+  assert.equal(git(h, "show", `${b.base}:untracked.txt`), "new", "the base holds the host's uncommitted work");
+  assert.equal(git(h, "rev-parse", `${b.base}^`), before.head);
+  const now = snapshot(h);
+  assert.deepEqual(now.refs, [...before.refs, `refs/heads/demesne/fix-1 ${b.head}`].sort());
+  now.refs = before.refs;
+  assert.deepEqual(now, before, "work tree, index, HEAD, config and hooks untouched");
+  assert.ok(!existsSync(path.join(work, "HOOK-RAN")) && !existsSync(path.join(work, "FSMONITOR-RAN")),
+    "nothing the sandbox wrote ran");
+  // the same branch again is refused, never overwritten
+  const again = await call("sandbox_script", { repository: h, branch: "fix-1", image: "base", command: "true" });
+  assert.equal(again.isError, true);
+  assert.match(again.content[0].text, /^branch: the branch demesne\/fix-1 already exists/);
+  assert.equal(git(h, "rev-parse", "refs/heads/demesne/fix-1"), b.head);
+  const left = (await engineContainers(ENGINE)).filter((c) => c.Labels?.["io.demesne.run_id"] === r.run_id);
+  assert.deepEqual(left, [], "the container is gone");
+});
+
+test("sandbox_script with a repository: bad input is refused naming the field, the repository unchanged", async () => {
+  const h = makeRepo("proj2");
+  const before = snapshot(h);
+  mkdirSync(path.join(allowed, "plain"));
+  git(allowed, "init", "-q", "--bare", "bare.git");
+  const cases = [
+    [{ repository: path.join(allowed, "plain") }, /^repository: .* is not a git repository/],
+    [{ repository: path.join(allowed, "bare.git") }, /^repository: .* is a bare repository/],
+    [{ repository: path.join(work, "state") }, /^repository: .* is not inside the allowed paths/],
+    [{ repository: h, branch: "bad..name" }, /^branch: "bad\.\.name" is not a valid git ref component/],
+    [{ include_uncommitted: true }, /^include_uncommitted: only with repository/],
+  ];
+  for (const [args, want] of cases) {
+    const res = await call("sandbox_script", { image: "base", command: "true", ...args });
+    assert.equal(res.isError, true, JSON.stringify(args));
+    assert.match(res.content[0].text, want);
+  }
+  // a sandbox whose branch holds an object fsck rejects: an error in the result, no branch
+  const r = await ok("sandbox_script", { repository: h, image: "base", egress: "none", command:
+    "t=$(git write-tree) && c=$(printf 'tree %s\\nparent %s\\nauthor nobody\\ncommitter x <x> 1 +0000\\n\\nbad\\n' "
+    + "$t $(git rev-parse HEAD) | git hash-object -t commit -w --literally --stdin) && "
+    + "git update-ref refs/heads/$(git branch --show-current) $c" });
+  assert.equal(r.exit_code, 0, r.stderr);
+  assert.match(r.branch.error, /failed the checks/);
+  assert.equal(r.branch.head, undefined);
+  const now = snapshot(h);
+  assert.deepEqual(now, before, "no branch, nothing changed");
+});
