@@ -145,12 +145,16 @@ end
 local RUN_SH = [=[#!/bin/sh
 # demesne: the run's repository (lua/repo/init.lua). Clones the bundle, runs the command in
 # the clone, then hands the branch back as /out/demesne-branch.bundle.
-W="$DEMESNE_REPO_PATH"; B="$DEMESNE_REPO_BRANCH"; H="$DEMESNE_REPO_HOST_HEAD"
+W="$DEMESNE_REPO_PATH"; B="$DEMESNE_REPO_BRANCH"; H="$DEMESNE_REPO_HOST_HEAD"; X="${DEMESNE_REPO_CONTEXT:-}"
 say() { printf 'demesne: %s\n' "$*" >&2; }
 git() { command git -c core.fsmonitor=false -c core.hooksPath=/dev/null "$@"; }
 handback() {
   trap '' TERM INT
   cd "$W" 2>/dev/null || { say "$W is gone: nothing to hand back"; return 1; }
+  # the agent's context file, linked into the clone by the CLI's start script, is not work
+  if [ -n "$X" ] && [ -L "$X" ] && case "$(readlink "$X")" in /.demesne/*) true;; *) false;; esac; then
+    rm -f "$X"; git checkout -q -- "$X" 2>/dev/null || true
+  fi
   if [ "$(git symbolic-ref -q HEAD 2>/dev/null)" = "refs/heads/$B" ]; then
     git add -A >/dev/null 2>&1
     if ! git diff --cached --quiet 2>/dev/null; then
@@ -172,7 +176,9 @@ stopped=0
 mkdir -p "$(dirname "$W")"
 if ! git clone -q -b "$B" /.demesne/repo/in.bundle "$W" >&2; then say "could not clone the repository"; exit 125; fi
 (cd "$W" && git remote remove origin && git config user.name "demesne agent" \
-  && git config user.email agent@demesne.invalid) >&2 || say "could not set up the clone"
+  && git config user.email agent@demesne.invalid \
+  && if [ -n "$X" ] && ! git ls-files --error-unmatch -- "$X" >/dev/null 2>&1; then echo "/$X" >> .git/info/exclude; fi) \
+  >&2 || say "could not set up the clone"
 (unset -f git; cd "$W" && exec "$@")
 rc=$?
 handback
@@ -262,12 +268,14 @@ function repo.prepare(o, path, opts)
 end
 
 --- Adds the repository's variables to a plan's environment list (o.env, "K=V" strings):
---- DEMESNE_REPO_PATH, DEMESNE_REPO_BRANCH, DEMESNE_REPO_HOST_HEAD, DEMESNE_REPO_BASE.
+--- DEMESNE_REPO_PATH, DEMESNE_REPO_BRANCH, DEMESNE_REPO_HOST_HEAD, DEMESNE_REPO_BASE, and
+--- DEMESNE_REPO_CONTEXT (o.repo.context: an agent's context file name, linked into the
+--- clone by its CLI's start script and never handed back).
 ---@param o table  a plan with o.repo
 function repo.add_env(o)
   if not o.repo or not o.env then return end
   local vars = { DEMESNE_REPO_PATH = o.repo.path, DEMESNE_REPO_BRANCH = o.repo.branch,
-    DEMESNE_REPO_HOST_HEAD = o.repo.host_head, DEMESNE_REPO_BASE = o.repo.base }
+    DEMESNE_REPO_HOST_HEAD = o.repo.host_head, DEMESNE_REPO_BASE = o.repo.base, DEMESNE_REPO_CONTEXT = o.repo.context }
   local keep = {}
   for _, kv in ipairs(o.env) do
     if not vars[kv:match("^([^=]*)")] then keep[#keep + 1] = kv end
