@@ -187,15 +187,14 @@ function agent.prepare(args, tool, kind)
   if args.repository ~= nil then
     -- the agent works in a clone of the host repository; its branch comes back (lua/repo)
     local rok, rerr = pcall(repo.prepare, o, args.repository, { include_uncommitted = args.include_uncommitted,
-      name = args.branch })
+      name = args.branch, context = p.context_file_name })
     if not rok then
       repo.cleanup(o)
       error(rerr, 0)
     end
     run.workdir = o.repo.path
-    o.repo.context = p.context_file_name -- linked into the clone by the CLI's script: not work
     repo.add_env(o)
-  elseif args.include_uncommitted ~= nil or args.branch ~= nil then
+  elseif args.include_uncommitted or args.branch ~= nil then
     fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
   end
   o.before_create = function(plan)

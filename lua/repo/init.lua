@@ -25,7 +25,9 @@ local async = require("demesne.async")
 local config = require("demesne.config")
 local errors = require("demesne.errors")
 local fs = require("core.fs")
+local json = require("demesne.json")
 local paths = require("demesne.paths")
+local util = require("demesne.util")
 local git = require("demesne.repo.git")
 
 local repo = {}
@@ -143,8 +145,11 @@ end
 -- clone, hand back. Its settings come in variables: DEMESNE_REPO_PATH, DEMESNE_REPO_BRANCH,
 -- DEMESNE_REPO_HOST_HEAD.
 local RUN_SH = [=[#!/bin/sh
-# demesne: the run's repository (lua/repo/init.lua). Clones the bundle, runs the command in
-# the clone, then hands the branch back as /out/demesne-branch.bundle.
+# demesne: the run's repository (lua/repo/init.lua). `run.sh CMD…` clones the bundle, runs
+# the command in the clone, then hands the branch back as /out/demesne-branch.bundle;
+# `run.sh --setup` only clones, `run.sh --handback` only hands back (a persistent sandbox).
+# The settings file is the host's (read-only here).
+. /.demesne/repo/settings
 W="$DEMESNE_REPO_PATH"; B="$DEMESNE_REPO_BRANCH"; H="$DEMESNE_REPO_HOST_HEAD"; X="${DEMESNE_REPO_CONTEXT:-}"
 say() { printf 'demesne: %s\n' "$*" >&2; }
 git() { command git -c core.fsmonitor=false -c core.hooksPath=/dev/null "$@"; }
@@ -171,14 +176,21 @@ handback() {
   git bundle create -q /out/.demesne-branch.bundle.tmp "refs/heads/$B" "^$H" 2>&1 >/dev/null | sed 's/^/demesne: /' >&2
   mv -f /out/.demesne-branch.bundle.tmp /out/demesne-branch.bundle || say "the bundle could not be written"
 }
+setup() {
+  mkdir -p "$(dirname "$W")"
+  if ! git clone -q -b "$B" /.demesne/repo/in.bundle "$W" >&2; then say "could not clone the repository"; return 125; fi
+  (cd "$W" && git remote remove origin && git config user.name "demesne agent" \
+    && git config user.email agent@demesne.invalid \
+    && if [ -n "$X" ] && ! git ls-files --error-unmatch -- "$X" >/dev/null 2>&1; then echo "/$X" >> .git/info/exclude; fi) \
+    >&2 || say "could not set up the clone"
+}
+case "${1:-}" in
+  --setup) setup; exit $? ;;
+  --handback) handback; exit $? ;;
+esac
 trap 'stopped=1' TERM INT
 stopped=0
-mkdir -p "$(dirname "$W")"
-if ! git clone -q -b "$B" /.demesne/repo/in.bundle "$W" >&2; then say "could not clone the repository"; exit 125; fi
-(cd "$W" && git remote remove origin && git config user.name "demesne agent" \
-  && git config user.email agent@demesne.invalid \
-  && if [ -n "$X" ] && ! git ls-files --error-unmatch -- "$X" >/dev/null 2>&1; then echo "/$X" >> .git/info/exclude; fi) \
-  >&2 || say "could not set up the clone"
+setup || exit 125
 (unset -f git; cd "$W" && exec "$@")
 rc=$?
 handback
@@ -258,6 +270,8 @@ function repo.prepare(o, path, opts)
   local inside = "/workspace/" .. basename
   o.repo = { host = info.top, field = field, base = base, host_head = info.head, branch = branch, ref = ref,
     path = inside, notes = info.notes, dir = dir, expect = opts.expect, name = name, objects = info.objects }
+  o.repo.context = opts.context
+  repo.save(o)
   o.mounts[#o.mounts + 1] = { host = dir .. "/in", target = repo.MOUNT }
   local argv = { "/bin/sh", repo.MOUNT .. "/run.sh" }
   for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do argv[#argv + 1] = a end
@@ -265,6 +279,48 @@ function repo.prepare(o, path, opts)
   o.cwd = "/workspace"
   repo.add_env(o)
   return o.repo
+end
+
+local SAVED = { "host", "field", "base", "host_head", "branch", "ref", "path", "notes", "dir", "expect", "name",
+  "objects", "context" }
+
+--- Writes a run's repository plan where the sandbox cannot reach it (<dir>/plan.json) and
+--- the settings run.sh reads (<dir>/in/settings, mounted read-only): a persistent sandbox's
+--- later hand-backs (and a continue) find them with repo.load.
+---@param o table  a plan with o.repo
+function repo.save(o)
+  local g = o.repo
+  local keep = {}
+  for _, k in ipairs(SAVED) do keep[k] = g[k] end
+  keep.notes = json.array(g.notes or {})
+  assert(fs.write_atomic(g.dir .. "/plan.json", json.encode(keep) .. "\n", 384)) -- 0600
+  local lines = {}
+  for k, v in pairs({ DEMESNE_REPO_PATH = g.path, DEMESNE_REPO_BRANCH = g.branch, DEMESNE_REPO_HOST_HEAD = g.host_head,
+    DEMESNE_REPO_BASE = g.base, DEMESNE_REPO_CONTEXT = g.context or "" }) do
+    lines[#lines + 1] = k .. "=" .. util.sh_quote(v)
+  end
+  table.sort(lines)
+  assert(fs.write_atomic(g.dir .. "/in/settings", table.concat(lines, "\n") .. "\n", 420)) -- 0644
+end
+
+--- The repository plan of run `run_id` saved by repo.save (from the state folder, the
+--- host's own), or nil when the run has none.
+---@param run_id string
+---@return table|nil repo  the o.repo fields
+function repo.load(run_id)
+  if type(run_id) ~= "string" or not run_id:match("^[%w%-]+$") then return nil end
+  local text = fs.read_file(config.get("state_dir") .. "/repo/" .. run_id .. "/plan.json", 0, 1024 * 1024)
+  local ok, g = pcall(json.decode, text or "")
+  if not ok or type(g) ~= "table" or type(g.dir) ~= "string" then return nil end
+  return g
+end
+
+--- Removes the repository folder of run `run_id` (see repo.cleanup), if it has one.
+---@param run_id string
+function repo.forget(run_id)
+  if type(run_id) == "string" and run_id:match("^[%w%-]+$") then
+    fs.remove_tree(config.get("state_dir") .. "/repo/" .. run_id)
+  end
 end
 
 --- Adds the repository's variables to a plan's environment list (o.env, "K=V" strings):

@@ -50,7 +50,7 @@ function oneshot.script_prepare(args, kind)
       error(err, 0)
     end
     repo.add_env(o)
-  elseif args.include_uncommitted ~= nil or args.branch ~= nil then
+  elseif args.include_uncommitted or args.branch ~= nil then
     fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
   end
   return o

@@ -153,3 +153,49 @@ test("sandbox_script with a repository: bad input is refused naming the field, t
   const now = snapshot(h);
   assert.deepEqual(now, before, "no branch, nothing changed");
 });
+
+test("sandbox_create with a repository: hand_back on demand, then at destroy the same branch moves on", async () => {
+  const h = makeRepo("proj3");
+  const before = snapshot(h);
+  const c = await ok("sandbox_create", { repository: h, image: "base", egress: "none", branch: "long" });
+  assert.equal(c.repository.path, "/workspace/proj3");
+  assert.equal(c.repository.branch, "demesne/long");
+  const e1 = await ok("sandbox_exec", { sandbox_id: c.sandbox_id, cwd: c.repository.path, hand_back: true,
+    command: "echo 1 > one.txt && git add one.txt && git commit -qm one && git log --format=%s -n 1" });
+  assert.equal(e1.stdout.trim(), "one");
+  assert.equal(e1.branch.error, undefined, JSON.stringify(e1.branch));
+  assert.deepEqual(e1.branch.commits.map((x) => x.subject), ["one"]);
+  assert.equal(git(h, "rev-parse", "demesne/long"), e1.branch.head);
+  // more work, part of it uncommitted; destroy takes it back and fast-forwards the branch
+  await ok("sandbox_exec", { sandbox_id: c.sandbox_id, cwd: c.repository.path,
+    command: "echo 2 > two.txt && git add two.txt && git commit -qm two && echo 3 > three.txt" });
+  const d = await ok("sandbox_destroy", { sandbox_id: c.sandbox_id });
+  assert.equal(d.status, "destroyed");
+  assert.equal(d.branch.error, undefined, JSON.stringify(d.branch));
+  assert.deepEqual(d.branch.commits.map((x) => x.subject),
+    [`demesne: work left uncommitted at the end of run ${c.sandbox_id}`, "two", "one"]);
+  assert.equal(git(h, "rev-parse", `${d.branch.head}~2`), e1.branch.head, "the same branch, moved on");
+  assert.equal(git(h, "rev-parse", "demesne/long"), d.branch.head);
+  assert.deepEqual(d.branch.diffstat, { files: 3, insertions: 3, deletions: 0 });
+  const now = snapshot(h);
+  assert.deepEqual(now.refs, [...before.refs, `refs/heads/demesne/long ${d.branch.head}`].sort());
+  now.refs = before.refs;
+  assert.deepEqual(now, before);
+  assert.ok(!existsSync(path.join(work, "state", "repo", c.sandbox_id)), "its repository folder is gone");
+  const noRepo = await ok("sandbox_create", { image: "base", egress: "none" });
+  const refused = await call("sandbox_exec", { sandbox_id: noRepo.sandbox_id, command: "true", hand_back: true });
+  assert.equal(refused.isError, true);
+  assert.match(refused.content[0].text, /^hand_back: sandbox .* was not created with a repository/);
+  await ok("sandbox_destroy", { sandbox_id: noRepo.sandbox_id });
+});
+
+test("sandbox_script with a repository in the background: the job's status carries the branch", async () => {
+  const h = makeRepo("proj4");
+  const j = await ok("sandbox_script", { repository: h, image: "base", egress: "none", background: true,
+    command: "echo bg > bg.txt && git add bg.txt && git commit -qm bg" });
+  const w = await ok("sandbox_wait", { job_id: j.job_id, timeout_seconds: 120 });
+  assert.equal(w.status, "succeeded");
+  assert.equal(w.branch.error, undefined, JSON.stringify(w.branch));
+  assert.deepEqual(w.branch.commits.map((x) => x.subject), ["bg"]);
+  assert.equal(git(h, "show", `${w.branch.branch}:bg.txt`), "bg");
+});
