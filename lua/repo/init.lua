@@ -151,6 +151,7 @@ local RUN_SH = [=[#!/bin/sh
 # The settings file is the host's (read-only here).
 . /.demesne/repo/settings
 W="$DEMESNE_REPO_PATH"; B="$DEMESNE_REPO_BRANCH"; H="$DEMESNE_REPO_HOST_HEAD"; X="${DEMESNE_REPO_CONTEXT:-}"
+S="${DEMESNE_REPO_SOURCE:-}"
 say() { printf 'demesne: %s\n' "$*" >&2; }
 git() { command git -c core.fsmonitor=false -c core.hooksPath=/dev/null "$@"; }
 handback() {
@@ -178,7 +179,13 @@ handback() {
 }
 setup() {
   mkdir -p "$(dirname "$W")"
-  if ! git clone -q -b "$B" /.demesne/repo/in.bundle "$W" >&2; then say "could not clone the repository"; return 125; fi
+  if [ -n "$S" ]; then
+    # a child in a tree: a clone of the parent's clone (in the shared /workspace) at its HEAD
+    if ! git clone -q --no-local --no-hardlinks "$S" "$W" >&2 || ! (cd "$W" && git checkout -q -b "$B"); then
+      say "could not clone $S"; return 125
+    fi
+    (cd "$W" && git rev-parse HEAD) > /out/demesne-branch.base 2>/dev/null
+  elif ! git clone -q -b "$B" /.demesne/repo/in.bundle "$W" >&2; then say "could not clone the repository"; return 125; fi
   (cd "$W" && git remote remove origin && git config user.name "demesne agent" \
     && git config user.email agent@demesne.invalid \
     && if [ -n "$X" ] && ! git ls-files --error-unmatch -- "$X" >/dev/null 2>&1; then echo "/$X" >> .git/info/exclude; fi) \
@@ -201,7 +208,8 @@ exit $rc
 --- uncommitted work) into the plan's private scratch folder, mounts it at /.demesne/repo
 --- and wraps the plan's command so that it runs in the clone at /workspace/<basename> and
 --- hands the branch back at the end. Sets o.repo = {host, field, base, host_head, branch,
---- ref, path, notes, dir}; o.argv (wrapped), o.cwd, o.mounts, o.env. Fails naming `field`.
+--- ref, path, notes, dir}; o.argv (wrapped), o.cwd, o.env. The sandbox spec mounts
+--- repo.mount_of(o) (not o.mounts: a tree's children inherit those). Fails naming `field`.
 --- opts: include_uncommitted (boolean), name (the branch component after demesne/,
 --- default the run id), name_field (for messages), expect (a continue: the branch's
 --- current head, which it fast-forwards). Runs inside a task.
@@ -211,6 +219,7 @@ exit $rc
 ---@return table o.repo
 function repo.prepare(o, path, opts)
   opts = opts or {}
+  if type(path) == "table" then return repo.prepare_child(o, path, opts) end
   local field = opts.field or "repository"
   local name = repo.check_name(opts.name_field or "branch", opts.name or o.run_id)
   local info = repo.inspect(field, path)
@@ -272,7 +281,6 @@ function repo.prepare(o, path, opts)
     path = inside, notes = info.notes, dir = dir, expect = opts.expect, name = name, objects = info.objects }
   o.repo.context = opts.context
   repo.save(o)
-  o.mounts[#o.mounts + 1] = { host = dir .. "/in", target = repo.MOUNT }
   local argv = { "/bin/sh", repo.MOUNT .. "/run.sh" }
   for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do argv[#argv + 1] = a end
   o.argv = argv
@@ -282,7 +290,7 @@ function repo.prepare(o, path, opts)
 end
 
 local SAVED = { "host", "field", "base", "host_head", "branch", "ref", "path", "notes", "dir", "expect", "name",
-  "objects", "context" }
+  "objects", "context", "source" }
 
 --- Writes a run's repository plan where the sandbox cannot reach it (<dir>/plan.json) and
 --- the settings run.sh reads (<dir>/in/settings, mounted read-only): a persistent sandbox's
@@ -296,7 +304,7 @@ function repo.save(o)
   assert(fs.write_atomic(g.dir .. "/plan.json", json.encode(keep) .. "\n", 384)) -- 0600
   local lines = {}
   for k, v in pairs({ DEMESNE_REPO_PATH = g.path, DEMESNE_REPO_BRANCH = g.branch, DEMESNE_REPO_HOST_HEAD = g.host_head,
-    DEMESNE_REPO_BASE = g.base, DEMESNE_REPO_CONTEXT = g.context or "" }) do
+    DEMESNE_REPO_BASE = g.base, DEMESNE_REPO_CONTEXT = g.context or "", DEMESNE_REPO_SOURCE = g.source or "" }) do
     lines[#lines + 1] = k .. "=" .. util.sh_quote(v)
   end
   table.sort(lines)
@@ -321,6 +329,53 @@ function repo.forget(run_id)
   if type(run_id) == "string" and run_id:match("^[%w%-]+$") then
     fs.remove_tree(config.get("state_dir") .. "/repo/" .. run_id)
   end
+end
+
+--- Plans a tree child's repository (`repository: true` from inside a sandbox; lua/tree
+--- passes spec = {parent = run id, name = child name}): a clone, made inside the child, of
+--- the parent's clone in the shared /workspace at its current commit, at
+--- <parent's path>--<name>, on branch <parent's branch>--<name> (git cannot hold a branch
+--- and branches below it under one name). It comes back to the host repository of the
+--- tree's root like any other. The host runs no git in the parent's clone (the sandbox's).
+--- Fails naming `repository` when the parent has no repository.
+---@param o table  the plan
+---@param spec {parent: string, name: string}
+---@param opts table|nil  context (the agent's context file name)
+---@return table o.repo
+function repo.prepare_child(o, spec, opts)
+  opts = opts or {}
+  local p = repo.load(spec.parent)
+  if not p then fail("repository: the calling sandbox was not given a repository, so it has none to clone") end
+  local name = repo.check_name("name", p.name .. "--" .. tostring(spec.name))
+  local branch = repo.PREFIX .. name
+  local ref = "refs/heads/" .. branch
+  local cur = host_git(p.host, { "rev-parse", "--verify", "--quiet", ref .. "^{commit}" })
+  if cur and cur ~= "" then
+    fail(("name: the branch %s already exists in %s and is not this run's; choose another name"):format(branch, p.host))
+  end
+  local dir = config.get("state_dir") .. "/repo/" .. o.run_id
+  assert(fs.mkdir_p(dir .. "/in", 448))
+  assert(fs.chmod(dir .. "/in", 493))
+  assert(fs.write_atomic(dir .. "/in/run.sh", RUN_SH, 420))
+  o.repo = { host = p.host, field = "repository", base = p.host_head, host_head = p.host_head, branch = branch,
+    ref = ref, path = p.path .. "--" .. spec.name, notes = {}, dir = dir, name = name, objects = p.objects,
+    source = p.path, context = opts.context }
+  repo.save(o)
+  local argv = { "/bin/sh", repo.MOUNT .. "/run.sh" }
+  for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do argv[#argv + 1] = a end
+  o.argv = argv
+  o.cwd = "/workspace"
+  repo.add_env(o)
+  return o.repo
+end
+
+--- The read-only mount of a plan's repository folder (run.sh, settings, the bundle) at
+--- /.demesne/repo, or nil: {host, target}.
+---@param o table  a plan
+---@return table|nil
+function repo.mount_of(o)
+  if type(o.repo) == "table" and o.repo.dir then return { host = o.repo.dir .. "/in", target = repo.MOUNT } end
+  return nil
 end
 
 --- Adds the repository's variables to a plan's environment list (o.env, "K=V" strings):
@@ -405,6 +460,19 @@ local function check_objects(g, file)
   if not ok then fail("the objects of the bundle the sandbox handed back failed the checks: " .. err, "EBUNDLE") end
 end
 
+-- A tree child's base: the parent's commit it cloned, as its run.sh recorded it in
+-- /out/demesne-branch.base (the sandbox's word: taken only when it names a commit that is an
+-- ancestor of the handed-back head; else the root's host HEAD stays the base).
+local function child_base(o, r)
+  local out = fs.opendir(o.output_dir)
+  local text = out and out:read("demesne-branch.base", 200)
+  if out then out:close() end
+  local oid = type(text) == "string" and text:match("^(%x+)%s*$")
+  if not oid or (#oid ~= 40 and #oid ~= 64) then return end
+  local anc = git.run({ "merge-base", "--is-ancestor", oid, r.head }, { cwd = o.repo.host, timeout_ms = timeout_ms() })
+  if anc and anc.status == 0 then r.base = oid end
+end
+
 --- The branch fields of a result from the host repository (after the fetch): commits
 --- base..head (hash, subject; at most 200), the diffstat, whether base is an ancestor.
 ---@param top string
@@ -478,6 +546,7 @@ function repo.hand_back(o, run)
     end
     r.head = head
     r.bundle = "/out/" .. repo.BUNDLE
+    if g.source then child_base(o, r) end
     describe(g.host, r)
     g.expect = head -- a later hand-back of the same run fast-forwards it
   end)

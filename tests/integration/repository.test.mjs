@@ -7,7 +7,7 @@ import { execFileSync } from "node:child_process";
 import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, existsSync, rmSync, readdirSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { connect, engineContainers } from "./helpers.mjs";
+import { connect, engineContainers, ROOT } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const work = mkdtempSync(path.join(tmpdir(), "demesne-repo-"));
@@ -15,7 +15,7 @@ const allowed = path.join(work, "allowed");
 mkdirSync(allowed, { recursive: true });
 const env = {
   DEMESNE_ENGINE: ENGINE,
-  DEMESNE_ALLOWED_PATHS: allowed,
+  DEMESNE_ALLOWED_PATHS: `${allowed}:${path.join(ROOT, "tests/fixtures/tree")}`,
   DEMESNE_OUTPUT_ROOT: path.join(work, "out"),
   DEMESNE_STATE_DIR: path.join(work, "state"),
 };
@@ -121,8 +121,14 @@ test("sandbox_script with a repository: the clone inside, the branch back, nothi
   assert.equal(again.isError, true);
   assert.match(again.content[0].text, /^branch: the branch demesne\/fix-1 already exists/);
   assert.equal(git(h, "rev-parse", "refs/heads/demesne/fix-1"), b.head);
-  const left = (await engineContainers(ENGINE)).filter((c) => c.Labels?.["io.demesne.run_id"] === r.run_id);
-  assert.deepEqual(left, [], "the container is gone");
+  // the container goes after the answer (a tracked teardown): wait for it, then look
+  let left = [];
+  for (let i = 0; i < 120; i++) {
+    left = (await engineContainers(ENGINE)).filter((c) => c.Labels?.["io.demesne.run_id"] === r.run_id);
+    if (left.length === 0) break;
+    await new Promise((res) => setTimeout(res, 250));
+  }
+  assert.deepEqual(left.map((c) => c.Names), [], "the container is gone");
 });
 
 test("sandbox_script with a repository: bad input is refused naming the field, the repository unchanged", async () => {
@@ -198,4 +204,35 @@ test("sandbox_script with a repository in the background: the job's status carri
   assert.equal(w.branch.error, undefined, JSON.stringify(w.branch));
   assert.deepEqual(w.branch.commits.map((x) => x.subject), ["bg"]);
   assert.equal(git(h, "show", `${w.branch.branch}:bg.txt`), "bg");
+});
+
+test("a tree: three children with repository: true give three branches beside the root's", async () => {
+  const h = makeRepo("proj5");
+  const before = snapshot(h);
+  const child = (n) => `python3 /in/tree/mcp-client.py sandbox_script '${JSON.stringify({ name: n, repository: true,
+    command: `pwd > /out/pwd.txt && git log --format=%s -n 1 > /out/start.txt && echo ${n} > ${n}.txt && `
+      + `git add ${n}.txt && git commit -qm try-${n}` })}' > /out/${n}.json`;
+  const r = await ok("sandbox_script", { repository: h, branch: "orch", mcp: true, image: "default", egress: "none",
+    directories: [path.join(ROOT, "tests/fixtures/tree")], command: [
+      "set -e", "echo plan > plan.txt", "git add plan.txt", "git commit -qm 'root: plan'",
+      child("a"), child("b"), child("c"),
+    ].join("\n") });
+  assert.equal(r.exit_code, 0, r.stderr);
+  assert.equal(r.branch.error, undefined, JSON.stringify(r.branch));
+  assert.deepEqual(r.branch.commits.map((x) => x.subject), ["root: plan"]);
+  for (const n of ["a", "b", "c"]) {
+    const out = path.join(r.output_dir, "child", n);
+    const res = JSON.parse(readFileSync(path.join(r.output_dir, `${n}.json`), "utf8"));
+    assert.equal(res.exit_code, 0, JSON.stringify(res));
+    assert.equal(readFileSync(path.join(out, "pwd.txt"), "utf8").trim(), `/workspace/proj5--${n}`);
+    assert.equal(readFileSync(path.join(out, "start.txt"), "utf8").trim(), "root: plan", "from the parent's commit");
+    assert.equal(res.branch.error, undefined, JSON.stringify(res.branch));
+    assert.equal(res.branch.branch, `demesne/orch--${n}`);
+    assert.deepEqual(res.branch.commits.map((x) => x.subject), [`try-${n}`], "its own work against its base");
+    assert.equal(git(h, "log", "--format=%s", "-n", "2", `demesne/orch--${n}`), `try-${n}\nroot: plan`);
+  }
+  const now = snapshot(h);
+  assert.equal(now.refs.length, before.refs.length + 4, "the root's branch and three children's");
+  now.refs = before.refs;
+  assert.deepEqual(now, before);
 });

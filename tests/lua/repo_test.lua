@@ -88,7 +88,7 @@ function tests.branch_comes_back_and_nothing_else_changes(t)
   t:eq(g.host_head, before.head, "from the host's HEAD")
   t:ok(g.base ~= g.host_head, "the uncommitted changes are a commit of their own")
   t:eq(o.argv[2], repo.MOUNT .. "/run.sh", "the command is wrapped")
-  t:eq(o.mounts[1].target, repo.MOUNT, "the bundle is mounted")
+  t:eq(repo.mount_of(o).target, repo.MOUNT, "the bundle is mounted")
   t:eq(snapshot(h), before, "preparing changed nothing in the host repository")
   local ws = sandbox_side(o, G .. " show HEAD:a.txt > shown && grep -q dirty a.txt && test -f untracked.txt && "
     .. "echo agent > b.txt && " .. G .. " add b.txt && " .. G .. " commit -qm 'agent: add b'")
