@@ -7,7 +7,7 @@ import { execFileSync } from "node:child_process";
 import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, existsSync, rmSync, readdirSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { connect, engineContainers, ROOT } from "./helpers.mjs";
+import { BIN, connect, engineContainers, ROOT, serverEnv } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const work = mkdtempSync(path.join(tmpdir(), "demesne-repo-"));
@@ -235,4 +235,22 @@ test("a tree: three children with repository: true give three branches beside th
   assert.equal(now.refs.length, before.refs.length + 4, "the root's branch and three children's");
   now.refs = before.refs;
   assert.deepEqual(now, before);
+});
+
+test("demesne branches lists the branches demesne made, with run, status and diffstat, and deletes them", async () => {
+  const h = makeRepo("proj6");
+  const before = snapshot(h);
+  const r = await ok("sandbox_script", { repository: h, image: "base", egress: "none", branch: "listed",
+    command: "echo x > x.txt && echo y > y.txt && git add . && git commit -qm xy" });
+  assert.equal(r.branch.error, undefined, JSON.stringify(r.branch));
+  const cli = (...args) => JSON.parse(execFileSync(BIN, ["branches", ...args], { env: serverEnv(env), encoding: "utf8" }));
+  const listed = cli(h, "--json");
+  assert.equal(listed.repository, h);
+  assert.deepEqual(listed.branches.map((b) => [b.name, b.run_id, b.status, b.head, b.merged]),
+    [["demesne/listed", r.run_id, "ended", r.branch.head, false]]);
+  assert.deepEqual(listed.branches[0].diffstat, { files: 2, insertions: 2, deletions: 0 });
+  const out = execFileSync(BIN, ["branches", h, "--delete", "listed"], { env: serverEnv(env), encoding: "utf8" });
+  assert.equal(out, "deleted demesne/listed\n");
+  assert.deepEqual(cli(h, "--json").branches, []);
+  assert.deepEqual(snapshot(h).refs, before.refs, "and nothing else went");
 });
