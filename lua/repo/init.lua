@@ -80,6 +80,18 @@ function repo.check_name(field, name)
   return name
 end
 
+-- A repository in the output root or the state folder is one a sandbox could have written
+-- (its .git/config, hooks, filters): git on the host never runs there.
+local function refuse_sandbox_written(field, path, real)
+  for _, name in ipairs({ "output_root", "state_dir" }) do
+    local root = fs.realpath(config.get(name))
+    if root and paths.within(real, root) then
+      fail(("%s: %s is inside demesne's %s (%s), which sandboxes write; git on the host never runs in a "
+        .. "repository a sandbox could have written. Clone it elsewhere first"):format(field, path, name, root))
+    end
+  end
+end
+
 --- Looks at a host repository (read only): resolves `path` inside the allowed paths, finds
 --- its work tree, and refuses what demesne does not take (not a repository, bare, shallow,
 --- no commit yet, too large). Returns {top, common (the git folder holding objects), head,
@@ -91,6 +103,7 @@ end
 function repo.inspect(field, path)
   local real, err = paths.check(field, path, "directory")
   if not real then fail(err) end
+  refuse_sandbox_written(field, path, real)
   local r = git.run({ "rev-parse", "--is-bare-repository", "--is-inside-work-tree" },
     { cwd = real, timeout_ms = timeout_ms() })
   if not r or r.status ~= 0 then
@@ -105,6 +118,7 @@ function repo.inspect(field, path)
   local top = assert(host_git(real, { "rev-parse", "--show-toplevel" }))
   local ok2, rerr = paths.check(field, top, "directory")
   if not ok2 then fail(("%s: the work tree %s holds %s, and %s"):format(field, top, path, rerr)) end
+  refuse_sandbox_written(field, path, top)
   local notes = {}
   if top ~= real then notes[#notes + 1] = ("%s is inside the work tree %s: the whole repository is used"):format(path, top) end
   if host_git(top, { "rev-parse", "--is-shallow-repository" }) == "true" then

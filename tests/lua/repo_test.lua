@@ -124,6 +124,28 @@ function tests.branch_comes_back_and_nothing_else_changes(t)
   teardown(d)
 end
 
+function tests.submodules_are_left_out_with_a_note(t)
+  local d, h = setup()
+  must(("%s init -q %s/lib && cd %s/lib && %s commit -q --allow-empty -m lib"):format(G, d, d, G))
+  must(("cd %s && %s -c protocol.file.allow=always submodule add -q %s/lib vendor/lib && %s commit -qm sub"):format(
+    h, G, d, G))
+  local before = snapshot(h)
+  local o = plan(d, "sub1")
+  local g = repo.prepare(o, h)
+  t:match(table.concat(g.notes, "\n"), "submodules are left out %(their folders are empty in the clone%): vendor/lib")
+  local ws = sandbox_side(o, "test -d vendor/lib && test -z \"$(ls -A vendor/lib)\" && echo y > y.txt && "
+    .. G .. " add y.txt && " .. G .. " commit -qm y")
+  t:ok(ws)
+  local b = repo.hand_back(o)
+  t:eq(b.error, nil)
+  t:eq(#b.commits, 1)
+  local after = snapshot(h)
+  after.refs = before.refs
+  t:eq(after, before)
+  repo.cleanup(o)
+  teardown(d)
+end
+
 function tests.no_commit_no_branch(t)
   local d, h = setup()
   local before = snapshot(h)
@@ -224,6 +246,10 @@ function tests.bad_repositories_are_refused(t)
   must(("%s clone -q --depth 1 file://%s %s/allowed/shallow"):format(G, h, d))
   fs.mkdir_p(d .. "/allowed/plain")
   fs.mkdir_p(d .. "/outside")
+  -- an output root inside the allowed paths, holding a repository a sandbox could have written
+  must(("%s init -q %s/allowed/out-repo && cd %s/allowed/out-repo && %s commit -q --allow-empty -m x"):format(G, d, d, G))
+  loop.setenv("DEMESNE_OUTPUT_ROOT", d .. "/allowed/out-repo")
+  config.load()
   local before = snapshot(h)
   local cases = {
     { d .. "/allowed/plain", nil, "^repository: .* is not a git repository" },
@@ -232,6 +258,7 @@ function tests.bad_repositories_are_refused(t)
     { d .. "/allowed/shallow", nil, "^repository: .* is a shallow clone" },
     { d .. "/outside", nil, "^repository: .* is not inside the allowed paths" },
     { h, "bad..name", "^branch: \"bad..name\" is not a valid git ref component" },
+    { d .. "/allowed/out-repo", nil, "^repository: .* is inside demesne's output_root" },
     { h, "x.lock", "^branch: .* is not a valid git ref component" },
     { h, "-x", "^branch: .* is not a valid git ref component" },
     { h, "a b", "^branch: .* is not a valid git ref component" },
