@@ -193,6 +193,9 @@ handback() {
 }
 setup() {
   mkdir -p "$(dirname "$W")"
+  if [ -d "$W/.git" ]; then
+    say "the clone at $W is there already (a continued run): it is used as it is"; return 0
+  fi
   if [ -n "$S" ]; then
     # a child in a tree: a clone of the parent's clone (in the shared /workspace) at its HEAD
     if ! git clone -q --no-local --no-hardlinks "$S" "$W" >&2 || ! (cd "$W" && git checkout -q -b "$B"); then
@@ -334,6 +337,28 @@ function repo.load(run_id)
   local text = fs.read_file(config.get("state_dir") .. "/repo/" .. run_id .. "/plan.json", 0, 1024 * 1024)
   local ok, g = pcall(json.decode, text or "")
   if not ok or type(g) ~= "table" or type(g.dir) ~= "string" then return nil end
+  return g
+end
+
+--- Plans a run that continues run `prev_id` on the same branch (a `continue` in the same
+--- kept workspace): the saved plan of `prev_id` (repo.load; its folder must still be there,
+--- so the earlier run must not have been cleaned up) becomes this plan's, its run.sh and
+--- settings are mounted again (the clone in the workspace is used as it is: run.sh's setup
+--- skips an existing clone), and the hand-back fast-forwards the branch from the head the
+--- last hand-back left (`expect`), never overwriting it. Sets o.repo, o.argv, o.cwd, o.env
+--- as repo.prepare does. Fails naming `continue` when there is no saved plan.
+---@param o table  the new plan
+---@param prev_id string
+---@return table o.repo
+function repo.resume(o, prev_id)
+  local g = repo.load(prev_id)
+  if not g then fail(("continue: run %s has no repository plan left to continue"):format(tostring(prev_id))) end
+  o.repo = g
+  local argv = { "/bin/sh", repo.MOUNT .. "/run.sh" }
+  for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do argv[#argv + 1] = a end
+  o.argv = argv
+  o.cwd = "/workspace"
+  repo.add_env(o)
   return g
 end
 
@@ -560,9 +585,13 @@ function repo.hand_back(o, run)
     end
     r.head = head
     r.bundle = "/out/" .. repo.BUNDLE
-    if g.source then child_base(o, r) end
+    if g.source then
+      child_base(o, r)
+      r.repository = nil -- a tree child's result goes to its parent sandbox: no host path in it
+    end
     describe(g.host, r)
-    g.expect = head -- a later hand-back of the same run fast-forwards it
+    g.expect = head -- a later hand-back of the same run (or a continue) fast-forwards it
+    pcall(repo.save, o)
   end)
   if not ok then
     r.error = errors.message(err)
