@@ -102,7 +102,8 @@ function kind.attach(job)
   end
   -- the result names the run as a tree node (o.tree) so that results.json lists its children
   local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
-    output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model, tree = rec.run_id }
+    output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model, tree = rec.run_id,
+    repo = repo.load(rec.run_id) } -- a repository run's saved plan: its branch still comes back
   local finished = false
   local _ <close> = closer(function()
     if finished or not route then return end
@@ -116,6 +117,7 @@ function kind.attach(job)
   job.after = function()
     if after then after() end
     vendor.forget(rec.run_id)
+    repo.forget(rec.run_id)
   end
   if route then out = finish(rec, o, out, now_ms() - rec.started_ms) end
   return out

@@ -90,7 +90,10 @@ return jobs.register("script", {
     local rec = job.rec
     local o = { engine = sandbox.engine(), id = rec.container, run_dir = rec.run_dir, exec_id = rec.exec_id,
       output_dir = rec.output_dir, tree = rec.run_id }
-    job.after = function() sandbox.remove_tree(o.run_dir) end
+    job.after = function()
+      sandbox.remove_tree(o.run_dir)
+      repo.forget(rec.run_id)
+    end
     local info, err, ecode
     repeat info, err, ecode = o.engine:inspect(rec.container) until info or not engine_retry(ecode)
     if not info and ecode ~= "ENOENT" then return { status = "failed", reason = tostring(err) } end
@@ -100,7 +103,15 @@ return jobs.register("script", {
       o.engine:remove(o.id)
       return out
     end
-    return script_watch(job, o)
+    local out = script_watch(job, o)
+    -- a repository run's saved plan (lua/repo): its branch comes back after a restart too
+    -- (an agent job's comes back through its results: lua/agent/job.lua)
+    local g = rec.kind == "script" and repo.load(rec.run_id)
+    if g and type(out) == "table" then
+      o.repo, o.run_id = g, rec.run_id
+      out.branch = repo.hand_back(o, out)
+    end
+    return out
   end,
   -- for kinds that run a one-shot sandbox too (agent runs)
   launch = launch_oneshot,

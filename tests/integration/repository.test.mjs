@@ -254,3 +254,34 @@ test("demesne branches lists the branches demesne made, with run, status and dif
   assert.deepEqual(cli(h, "--json").branches, []);
   assert.deepEqual(snapshot(h).refs, before.refs, "and nothing else went");
 });
+
+test("a background repository run re-attached by a new server after SIGKILL still hands its branch back", async () => {
+  const h = makeRepo("proj7");
+  const before = snapshot(h);
+  const state = { ...env, DEMESNE_STATE_DIR: path.join(work, "state-restart") };
+  const a = await connect({ env: state, fixtures: false });
+  const started = await a.client.callTool({ name: "sandbox_script", arguments: { repository: h, image: "base",
+    egress: "none", background: true, branch: "survivor",
+    command: "sleep 4 && echo s > s.txt && git add s.txt && git commit -qm survived" } }, undefined, LONG);
+  assert.ok(!started.isError, started.content?.[0]?.text);
+  const job = started.structuredContent.job_id;
+  const exited = new Promise((resolve) => a.transport._process.once("exit", resolve));
+  process.kill(a.transport.pid, "SIGKILL");
+  await exited;
+  await a.client.close().catch(() => {});
+  const b = await connect({ env: state, fixtures: false });
+  try {
+    const w = await b.client.callTool({ name: "sandbox_wait", arguments: { job_id: job, timeout_seconds: 120 } },
+      undefined, LONG);
+    const r = w.structuredContent;
+    assert.equal(r.status, "succeeded", JSON.stringify(r));
+    assert.equal(r.branch?.error, undefined, JSON.stringify(r.branch));
+    assert.deepEqual(r.branch.commits.map((x) => x.subject), ["survived"]);
+    assert.equal(git(h, "show", "demesne/survivor:s.txt"), "s");
+    const now = snapshot(h);
+    now.refs = before.refs;
+    assert.deepEqual(now, before);
+  } finally {
+    await b.client.close();
+  }
+});
