@@ -48,7 +48,10 @@ end
 local function finish(rec, o, out, duration_ms, reason)
   local ok, r, read_error = pcall(agent.finish, o, out and out.exit_code, out and out.reason, duration_ms, reason)
   if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(r)) end
-  if ok and type(out) == "table" and type(r) == "table" and r.branch then out.branch = r.branch end
+  if ok and type(r) == "table" and r.branch then
+    rec.branch = r.branch -- also for a cancel (no outcome here): jobs.finish saves the record
+    if type(out) == "table" then out.branch = r.branch end
+  end
   if ok and read_error and out and out.status == "succeeded" then
     return { status = "failed", exit_code = out.exit_code, reason = r.reason }
   end

@@ -35,12 +35,24 @@ local function script_watch(job, o)
   local rec = job.rec
   -- the container goes on success, failure and cancel; the run folder (status.json) only
   -- once the terminal record is saved, so a crash in between still finds the exit status
-  local _ <close> = closer(function() sandbox.script_remove(o) end)
+  local ended = false
+  local _ <close> = closer(function()
+    if o.repo and o.id and not ended then
+      -- a cancelled repository run: demesne-init stops the command gently (SIGTERM, SIGKILL
+      -- 2 s on), so that its run.sh hands the branch back before the container goes
+      pcall(sandbox.exec_kill, o.engine, o.id, "/.demesne/run/exec/" .. tostring(o.exec_id), nil)
+      pcall(sandbox.script_wait, o, 10000)
+    end
+    sandbox.script_remove(o)
+  end)
   if not o.id then return script_outcome(rec, o, nil, "gone", "ENOENT") end
   while true do
     local left = rec.started_ms + (rec.timeout_seconds + 60) * 1000 - now_ms()
     local code, err, ecode = sandbox.script_wait(o, math.max(left, 30000))
-    if code ~= nil or not engine_retry(ecode) then return script_outcome(rec, o, code, err, ecode) end
+    if code ~= nil or not engine_retry(ecode) then
+      ended = true
+      return script_outcome(rec, o, code, err, ecode)
+    end
   end
 end
 
@@ -81,9 +93,20 @@ return jobs.register("script", {
       sandbox.remove_tree(o.run_dir)
       repo.cleanup(o)
     end
+    -- a cancelled run's branch comes back too: script_watch stopped it gently, and the
+    -- record (saved by jobs.finish) gets the branch
+    local _hb <close> = closer(function()
+      if o.repo and not o.handed_back then
+        o.handed_back = true
+        job.rec.branch = repo.hand_back(o)
+      end
+    end)
     local out = script_watch(job, o)
     -- a repository run's work comes back as its branch (lua/repo) once the container is gone
-    if o.repo and type(out) == "table" then out.branch = repo.hand_back(o, out) end
+    if o.repo and type(out) == "table" then
+      o.handed_back = true
+      out.branch = repo.hand_back(o, out)
+    end
     return out
   end,
   attach = function(job)

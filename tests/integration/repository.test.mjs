@@ -285,3 +285,22 @@ test("a background repository run re-attached by a new server after SIGKILL stil
     await b.client.close();
   }
 });
+
+test("a run that times out, or a background run that is cancelled, still hands back what it committed and left", async () => {
+  const h = makeRepo("proj8");
+  const r = await ok("sandbox_script", { repository: h, image: "base", egress: "none", timeout_seconds: 2,
+    branch: "timed-out", command: "echo t > t.txt && git add t.txt && git commit -qm before-timeout && echo u > u.txt && sleep 60" });
+  assert.equal(r.timed_out, true);
+  assert.equal(r.branch.error, undefined, JSON.stringify(r.branch));
+  assert.deepEqual(r.branch.commits.map((x) => x.subject),
+    [`demesne: work left uncommitted at the end of run ${r.run_id}`, "before-timeout"]);
+  const j = await ok("sandbox_script", { repository: h, image: "base", egress: "none", background: true,
+    branch: "cancelled", command: "echo c > c.txt && git add c.txt && git commit -qm before-cancel && touch /out/ready && sleep 120" });
+  for (let i = 0; i < 240 && !existsSync(path.join(j.output_dir, "ready")); i++) await new Promise((res) => setTimeout(res, 250));
+  await ok("sandbox_cancel", { job_id: j.job_id });
+  const w = await ok("sandbox_wait", { job_id: j.job_id, timeout_seconds: 60 });
+  assert.equal(w.status, "cancelled");
+  assert.equal(w.branch?.error, undefined, JSON.stringify(w.branch));
+  assert.deepEqual(w.branch.commits.map((x) => x.subject), ["before-cancel"]);
+  assert.equal(git(h, "show", "demesne/cancelled:c.txt"), "c");
+});
