@@ -6,6 +6,7 @@
  *   VERDICT  on_request was called; waiting for dm_proxy_allow/deny (same timer)
  *   RESOLVE  looking the name up: getaddrinfo, or the test resolver (timer: connect_timeout_ms)
  *   DIAL     connecting to the next address that passed the checks (same timer)
+ *   VIA      through an upstream proxy: its answer to our CONNECT is being read (same timer)
  *   SPLICE   bytes flow both ways; each direction reads only while its write side keeps up
  *   REPLY    writing the proxy's own answer (403, 502…), then closing
  *   CLOSING  handles closing; on_done runs from the last close callback
@@ -40,11 +41,12 @@
                                     direction keeps the default (pipe pages count against
                                     the user's pipe-user-pages-soft budget) */
 #define MAX_ADDRS 16
+#define VIA_HEAD_MAX 16384 /* the most an upstream proxy's answer to CONNECT may take */
 
 /* ------------------------------------------------------------------------------------ */
 /* Listener and connections                                                               */
 
-enum { C_HEAD, C_VERDICT, C_RESOLVE, C_DIAL, C_SPLICE, C_REPLY, C_CLOSING };
+enum { C_HEAD, C_VERDICT, C_RESOLVE, C_DIAL, C_VIA, C_SPLICE, C_REPLY, C_CLOSING };
 
 /* One direction of a spliced connection, on raw descriptors. */
 typedef struct dir {
@@ -89,6 +91,12 @@ struct dm_proxy_conn {
   char error[512];
   const char *code;
   void *data;
+  int via; /* through an upstream proxy (dm_proxy_allow_via) */
+  char via_host[DM_PROXY_HOST_MAX];
+  int via_port;
+  char *via_auth; /* Proxy-Authorization to send, or NULL (heap) */
+  char *via_buf;  /* the upstream proxy's answer to CONNECT so far (heap) */
+  size_t via_len;
   size_t fds;  /* descriptors counted against the ceilings (fds_take) */
   int refused; /* over a ceiling: answered 503 once its head is in, never judged */
 };
@@ -204,6 +212,7 @@ static void conn_finalize(dm_proxy_conn *c) {
       .address = c->address,
       .error = c->error[0] ? c->error : NULL,
       .code = c->code,
+      .via = c->via,
     };
     p->cb.on_done(p->ud, c, &res);
   }
@@ -213,6 +222,8 @@ static void conn_finalize(dm_proxy_conn *c) {
   if (c->refused) p->nrefusing--;
   else p->nconns--;
   dm_proxy_head_free(&c->head);
+  free(c->via_auth);
+  free(c->via_buf);
   dir *ds[2] = {&c->up, &c->down};
   for (int i = 0; i < 2; i++) {
     free(ds[i]->buf);
@@ -365,7 +376,11 @@ static void on_timeout(uv_timer_t *t) {
     break;
   case C_RESOLVE:
   case C_DIAL:
-    snprintf(c->error, sizeof c->error, "%s timed out", c->state == C_RESOLVE ? "name lookup" : "connect");
+  case C_VIA:
+    snprintf(c->error, sizeof c->error, "%s timed out",
+             c->state == C_RESOLVE ? "name lookup"
+             : c->state == C_DIAL  ? "connect"
+                                   : "the upstream proxy's answer");
     c->code = "ETIMEDOUT";
     if (c->dnsq) {
       dm_dns_cancel(c->dnsq);
@@ -546,9 +561,19 @@ static void start_splice(dm_proxy_conn *c) {
     c->status = 200;
     bad = dir_preload(&c->down, ok, sizeof ok - 1) < 0 || dir_preload(&c->up, rest, rest_len) < 0;
     c->up.bytes += rest_len;
+    /* what the upstream proxy sent after its answer is the tunnel's first bytes */
+    if (!bad && c->via && c->via_len) {
+      const char *end = memmem(c->via_buf, c->via_len, "\r\n\r\n", 4);
+      size_t after = end ? c->via_len - (size_t)(end + 4 - c->via_buf) : 0;
+      bad = dir_preload(&c->down, end ? end + 4 : "", after) < 0;
+      c->down.bytes += after;
+    }
   } else if (!bad) {
-    char *out = malloc(DM_PROXY_HEAD_MAX + 512);
-    size_t n = out ? dm_proxy_head_rewrite(h, out, DM_PROXY_HEAD_MAX + 512) : 0;
+    char *out = malloc(DM_PROXY_HEAD_MAX + 1024);
+    size_t cap = DM_PROXY_HEAD_MAX + 1024;
+    size_t n = !out     ? 0
+               : c->via ? dm_proxy_head_rewrite_proxy(h, out, cap, c->via_auth)
+                        : dm_proxy_head_rewrite(h, out, cap);
     bad = !n || dir_preload(&c->up, out, n) < 0;
     free(out);
     c->up.bytes += n;
@@ -574,6 +599,83 @@ static void start_splice(dm_proxy_conn *c) {
 
 static void dial_next(dm_proxy_conn *c);
 
+/* ---- through an upstream proxy ---- */
+
+static void via_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
+  dm_proxy_conn *c = h->data;
+  (void)suggested;
+  if (!c->via_buf) c->via_buf = malloc(VIA_HEAD_MAX);
+  size_t room = c->via_buf ? VIA_HEAD_MAX - c->via_len : 0;
+  *buf = uv_buf_init(room ? c->via_buf + c->via_len : NULL, (unsigned)room);
+}
+
+/* The upstream proxy's answer to our CONNECT: 2xx starts the tunnel, anything else is a 502
+ * that quotes its status line. */
+static void via_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf) {
+  dm_proxy_conn *c = s->data;
+  (void)buf;
+  if (c->state != C_VIA) return;
+  if (n == 0) return;
+  if (n < 0 || !c->via_buf) {
+    snprintf(c->error, sizeof c->error, "the upstream proxy %s:%d closed before answering CONNECT", c->via_host,
+             c->via_port);
+    c->code = "EPROTO";
+    close_upstream(c);
+    reply(c, 502, c->error);
+    return;
+  }
+  c->via_len += (size_t)n;
+  const char *end = memmem(c->via_buf, c->via_len, "\r\n\r\n", 4);
+  if (!end) {
+    if (c->via_len < VIA_HEAD_MAX) return;
+    snprintf(c->error, sizeof c->error, "the upstream proxy %s:%d sent an answer head over %d bytes", c->via_host,
+             c->via_port, VIA_HEAD_MAX);
+    c->code = "EPROTO";
+    close_upstream(c);
+    reply(c, 502, c->error);
+    return;
+  }
+  int status = 0;
+  if (c->via_len >= 12 && memcmp(c->via_buf, "HTTP/1.", 7) == 0 && c->via_buf[8] == ' ')
+    for (int i = 9; i < 12 && c->via_buf[i] >= '0' && c->via_buf[i] <= '9'; i++)
+      status = status * 10 + c->via_buf[i] - '0';
+  if (status < 200 || status > 299) {
+    const char *eol = memchr(c->via_buf, '\r', (size_t)(end - c->via_buf) + 1);
+    int line = (int)((eol ? eol : end) - c->via_buf);
+    if (line > 120) line = 120;
+    char shown[128];
+    int k = 0;
+    for (int i = 0; i < line; i++) shown[k++] = c->via_buf[i] >= 0x20 && c->via_buf[i] < 0x7f ? c->via_buf[i] : '?';
+    shown[k] = 0;
+    snprintf(c->error, sizeof c->error, "the upstream proxy %s:%d answered CONNECT with \"%s\"", c->via_host,
+             c->via_port, shown);
+    c->code = status == 407 ? "EACCES" : "EPROTO";
+    close_upstream(c);
+    reply(c, 502, c->error);
+    return;
+  }
+  uv_read_stop(s);
+  start_splice(c);
+}
+
+/* Connected to the upstream proxy: asks it for a tunnel to the sandbox's target. */
+static void via_handshake(dm_proxy_conn *c) {
+  const dm_proxy_request *r = &c->head.req;
+  char msg[DM_PROXY_HOST_MAX * 2 + 1024];
+  const char *lb = r->ip == 6 ? "[" : "", *rb = r->ip == 6 ? "]" : "";
+  int n = snprintf(msg, sizeof msg, "CONNECT %s%s%s:%d HTTP/1.1\r\nHost: %s%s%s:%d\r\n%s%s%s\r\n", lb, r->host, rb,
+                   r->port, lb, r->host, rb, r->port, c->via_auth ? "Proxy-Authorization: " : "",
+                   c->via_auth ? c->via_auth : "", c->via_auth ? "\r\n" : "");
+  c->state = C_VIA;
+  if (n < 0 || (size_t)n >= sizeof msg || write_copy(c, (uv_stream_t *)c->upstream, msg, (size_t)n, 0) != 0 ||
+      uv_read_start((uv_stream_t *)c->upstream, via_alloc, via_read) != 0) {
+    snprintf(c->error, sizeof c->error, "cannot ask the upstream proxy %s:%d for a tunnel", c->via_host, c->via_port);
+    c->code = "EPROTO";
+    close_upstream(c);
+    reply(c, 502, c->error);
+  }
+}
+
 static void on_connect(uv_connect_t *req, int status) {
   dm_proxy_conn *c = req->data;
   if (c->state != C_DIAL) return; /* closing, or timed out and replying */
@@ -591,7 +693,8 @@ static void on_connect(uv_connect_t *req, int status) {
       return;
     }
     uv_tcp_nodelay(c->upstream, 1);
-    start_splice(c);
+    if (c->via && !c->plain) via_handshake(c);
+    else start_splice(c);
     return;
   }
   snprintf(c->error, sizeof c->error, "connect %s: %s", c->address, uv_strerror(status));
@@ -677,6 +780,26 @@ static void resolved(dm_proxy_conn *c, const struct sockaddr *const *list, size_
   dial_next(c);
 }
 
+/* The upstream proxy's addresses (configuration, not the sandbox's: not checked), then dials. */
+static void resolved_via(dm_proxy_conn *c, const struct sockaddr *const *list, size_t n) {
+  c->naddrs = 0;
+  for (size_t i = 0; i < n && c->naddrs < MAX_ADDRS; i++) {
+    struct sockaddr_storage a;
+    memcpy(&a, list[i], list[i]->sa_family == AF_INET6 ? sizeof(struct sockaddr_in6) : sizeof(struct sockaddr_in));
+    if (a.ss_family == AF_INET) ((struct sockaddr_in *)&a)->sin_port = htons((uint16_t)c->via_port);
+    else ((struct sockaddr_in6 *)&a)->sin6_port = htons((uint16_t)c->via_port);
+    c->addrs[c->naddrs++] = a;
+  }
+  if (c->naddrs == 0) {
+    snprintf(c->error, sizeof c->error, "the upstream proxy %s has no address", c->via_host);
+    c->code = "ENOTFOUND";
+    reply(c, 502, c->error);
+    return;
+  }
+  c->state = C_DIAL;
+  dial_next(c);
+}
+
 static void on_gai(uv_getaddrinfo_t *req, int status, struct addrinfo *res) {
   dm_proxy_conn *c = req->data;
   c->gai_pending = 0;
@@ -686,7 +809,8 @@ static void on_gai(uv_getaddrinfo_t *req, int status, struct addrinfo *res) {
     return;
   }
   if (status < 0) {
-    snprintf(c->error, sizeof c->error, "cannot resolve %s: %s", c->head.req.host, uv_strerror(status));
+    snprintf(c->error, sizeof c->error, "cannot resolve %s%s: %s", c->via ? "the upstream proxy " : "",
+             c->via ? c->via_host : c->head.req.host, uv_strerror(status));
     c->code = status == UV_EAI_NONAME ? "ENOTFOUND" : uv_err_name(status);
     reply(c, 502, c->error);
     return;
@@ -695,7 +819,8 @@ static void on_gai(uv_getaddrinfo_t *req, int status, struct addrinfo *res) {
   size_t n = 0;
   for (struct addrinfo *ai = res; ai && n < MAX_ADDRS; ai = ai->ai_next)
     if (ai->ai_family == AF_INET || ai->ai_family == AF_INET6) list[n++] = ai->ai_addr;
-  resolved(c, list, n);
+  if (c->via) resolved_via(c, list, n);
+  else resolved(c, list, n);
   uv_freeaddrinfo(res);
 }
 
@@ -760,6 +885,70 @@ void dm_proxy_allow(dm_proxy_conn *c) {
     c->code = uv_err_name(err);
     reply(c, 502, c->error);
   }
+}
+
+void dm_proxy_allow_via(dm_proxy_conn *c, const char *host, int port, const char *proxy_auth) {
+  if (!c || c->state != C_VERDICT) return;
+  dm_proxy *p = c->p;
+  const dm_proxy_request *r = &c->head.req;
+  const char *limit;
+  if (!host || !*host || strlen(host) >= sizeof c->via_host || port < 1 || port > 65535) {
+    dm_proxy_deny(c, "the upstream proxy setting is not a host and port");
+    return;
+  }
+  if (r->ip) { /* a literal is judged here as without the upstream proxy */
+    struct sockaddr_storage a;
+    memset(&a, 0, sizeof a);
+    const char *why;
+    int rule = -1, ok;
+    if (r->ip == 4) {
+      a.ss_family = AF_INET;
+      inet_pton(AF_INET, r->host, &((struct sockaddr_in *)&a)->sin_addr);
+    } else {
+      a.ss_family = AF_INET6;
+      inet_pton(AF_INET6, r->host, &((struct sockaddr_in6 *)&a)->sin6_addr);
+    }
+    ok = dm_proxy_check_address((struct sockaddr *)&a, r->port, p->rules, p->nrules, &why, &rule);
+    if (!ok) {
+      c->rule = rule;
+      c->denied = 1;
+      c->code = "EPOLICY";
+      snprintf(c->error, sizeof c->error, "address %s is %s", r->host,
+               strcmp(why, "rule") == 0 ? "denied by an address rule" : why);
+      reply(c, 403, c->error);
+      return;
+    }
+    c->rule = rule;
+  }
+  if (fds_take(c, 1, &limit) < 0) { /* the upstream socket */
+    ceiling_text(p, limit, c->error, sizeof c->error);
+    c->code = "ELIMIT";
+    reply(c, 503, c->error);
+    return;
+  }
+  c->via = 1;
+  snprintf(c->via_host, sizeof c->via_host, "%s", host);
+  c->via_port = port;
+  if (proxy_auth && *proxy_auth && !(c->via_auth = strdup(proxy_auth))) {
+    conn_close(c, "ENOMEM", "out of memory");
+    return;
+  }
+  c->plain = r->form != DM_FORM_CONNECT;
+  c->state = C_RESOLVE;
+  uv_timer_start(&c->timer, on_timeout, p->connect_timeout_ms, 0);
+  struct addrinfo hints;
+  memset(&hints, 0, sizeof hints);
+  hints.ai_family = AF_UNSPEC;
+  hints.ai_socktype = SOCK_STREAM;
+  c->gai.data = c;
+  int err = uv_getaddrinfo(p->loop, &c->gai, on_gai, c->via_host, NULL, &hints);
+  if (err) {
+    snprintf(c->error, sizeof c->error, "cannot resolve the upstream proxy %s: %s", c->via_host, uv_strerror(err));
+    c->code = uv_err_name(err);
+    reply(c, 502, c->error);
+    return;
+  }
+  c->gai_pending = 1;
 }
 
 void dm_proxy_deny(dm_proxy_conn *c, const char *reason) {

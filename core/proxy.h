@@ -128,6 +128,10 @@ int dm_proxy_head_body(dm_proxy_head *h, const char *data, size_t len, size_t *f
 /// Host set from the target (absolute-form), hop-by-hop and Proxy-* headers dropped,
 /// "Connection: close" added. Returns the length, or 0 when `cap` is too small.
 size_t dm_proxy_head_rewrite(const dm_proxy_head *h, char *out, size_t cap);
+/// The same for a request sent on to an upstream proxy: the request line in absolute-form
+/// (RFC 9112 3.2.2), the sandbox's Proxy-* headers dropped and `proxy_auth` (NULL: none) sent
+/// as Proxy-Authorization. Returns the length, or 0 when `cap` is too small.
+size_t dm_proxy_head_rewrite_proxy(const dm_proxy_head *h, char *out, size_t cap, const char *proxy_auth);
 
 /// Normalises a host (a name, an IPv4 literal in any inet_aton spelling, or an IPv6
 /// literal with or without brackets): lowercase, one trailing dot removed, IPv4 canonical.
@@ -196,7 +200,8 @@ typedef struct dm_proxy_result {
   int status;          ///< status the proxy answered itself (200 CONNECT, 403, 502, 504), 0 when forwarding
   int denied;          ///< 1 when the owner denied it or the address check refused it
   int rule;            ///< index of the address rule that decided, -1 when none
-  const char *address; ///< "ip:port" dialled, or "" when none
+  const char *address; ///< "ip:port" dialled, or "" when none (through an upstream proxy: the proxy's)
+  int via;             ///< 1 when it went through an upstream proxy (dm_proxy_allow_via)
   const char *error;   ///< what went wrong, or NULL
   const char *code;    ///< short code for error ("EPOLICY", "ECONNREFUSED", "ETIMEDOUT"...), or NULL
 } dm_proxy_result;
@@ -231,6 +236,16 @@ size_t dm_proxy_fds_total(size_t *cap);
 /// The verdict "allow": resolve, check, dial, then answer 200 (CONNECT) or forward.
 /// Ignored unless the connection is waiting for its verdict.
 void dm_proxy_allow(dm_proxy_conn *c);
+
+/// The verdict "allow", through an upstream proxy (the host's own, e.g. HTTPS_PROXY): the
+/// upstream proxy's name `host` (trusted configuration: its addresses are not checked) is
+/// resolved and dialled on `port`; a CONNECT is sent on as "CONNECT host:port" and the tunnel
+/// spliced once the upstream proxy answers 2xx (any other answer: 502 naming it), a plain
+/// request is forwarded in absolute-form. The sandbox's target is never resolved here; an IP
+/// literal target is still checked against the address rules first (403 when refused).
+/// `proxy_auth` (may be NULL) is the Proxy-Authorization value sent upstream (copied).
+/// Ignored unless the connection is waiting for its verdict.
+void dm_proxy_allow_via(dm_proxy_conn *c, const char *host, int port, const char *proxy_auth);
 
 /// The verdict "deny": answers 403 with `reason` (copied; may be NULL) and closes.
 /// Ignored unless the connection is waiting for its verdict.

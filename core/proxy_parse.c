@@ -513,17 +513,31 @@ static int put(char *out, size_t cap, size_t *o, const char *s, size_t n) {
   return 0;
 }
 
-size_t dm_proxy_head_rewrite(const dm_proxy_head *h, char *out, size_t cap) {
+/* The head to forward for a plain request: the request line in origin-form (to the
+ * target) or in absolute-form (to an upstream proxy, with `proxy_auth` as its
+ * Proxy-Authorization when not NULL), Host from the target where the sandbox sent an
+ * absolute URL, hop-by-hop and the sandbox's Proxy-* headers dropped, Connection: close. */
+static size_t rewrite(const dm_proxy_head *h, char *out, size_t cap, int absolute, const char *proxy_auth) {
   static const char *const drop[] = {"connection",         "proxy-connection", "keep-alive", "proxy-authorization",
                                      "proxy-authenticate", "upgrade",          "te",         NULL};
   const dm_proxy_request *r = &h->req;
   size_t o = 0;
   char line[64];
-  int bad = 0;
+  int bad = 0, n;
   bad |= put(out, cap, &o, r->method, strlen(r->method));
   bad |= put(out, cap, &o, " ", 1);
+  if (absolute) {
+    bad |= put(out, cap, &o, "http://", 7);
+    if (r->ip == 6) bad |= put(out, cap, &o, "[", 1);
+    bad |= put(out, cap, &o, r->host, strlen(r->host));
+    if (r->ip == 6) bad |= put(out, cap, &o, "]", 1);
+    if (r->port != 80) {
+      n = snprintf(line, sizeof line, ":%d", r->port);
+      bad |= put(out, cap, &o, line, (size_t)n);
+    }
+  }
   bad |= put(out, cap, &o, r->path, strlen(r->path));
-  int n = snprintf(line, sizeof line, " HTTP/%d.%d\r\n", r->http_major, r->http_minor);
+  n = snprintf(line, sizeof line, " HTTP/%d.%d\r\n", r->http_major, r->http_minor);
   bad |= put(out, cap, &o, line, (size_t)n);
   if (r->form == DM_FORM_ABSOLUTE) {
     bad |= put(out, cap, &o, "Host: ", 6);
@@ -549,6 +563,17 @@ size_t dm_proxy_head_rewrite(const dm_proxy_head *h, char *out, size_t cap) {
     bad |= put(out, cap, &o, v, vl);
     bad |= put(out, cap, &o, "\r\n", 2);
   }
+  if (absolute && proxy_auth) {
+    bad |= put(out, cap, &o, "Proxy-Authorization: ", 21);
+    bad |= put(out, cap, &o, proxy_auth, strlen(proxy_auth));
+    bad |= put(out, cap, &o, "\r\n", 2);
+  }
   bad |= put(out, cap, &o, "Connection: close\r\n\r\n", 21);
   return bad ? 0 : o;
+}
+
+size_t dm_proxy_head_rewrite(const dm_proxy_head *h, char *out, size_t cap) { return rewrite(h, out, cap, 0, NULL); }
+
+size_t dm_proxy_head_rewrite_proxy(const dm_proxy_head *h, char *out, size_t cap, const char *proxy_auth) {
+  return rewrite(h, out, cap, 1, proxy_auth);
 }

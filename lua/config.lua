@@ -46,6 +46,22 @@ local SPEC = {
     doc = "hosts for the config-defined allowlist egress policy (','-separated)" },
   egress_default = { env = "DEMESNE_EGRESS_DEFAULT", default = "package-managers",
     doc = "egress policy of a sandbox whose call names none" },
+  egress_https_proxy = { env = "DEMESNE_EGRESS_HTTPS_PROXY",
+    default = function() return os.getenv("HTTPS_PROXY") or os.getenv("https_proxy") or "" end,
+    doc = "the host's own proxy that allowed CONNECT (HTTPS) requests go on through, http://[user:password@]host:port; "
+      .. "default: HTTPS_PROXY (or https_proxy) of demesne's environment; empty = dial directly" },
+  egress_http_proxy = { env = "DEMESNE_EGRESS_HTTP_PROXY",
+    default = function() return os.getenv("HTTP_PROXY") or os.getenv("http_proxy") or "" end,
+    doc = "the same for allowed plain HTTP requests; default: HTTP_PROXY (or http_proxy) of demesne's environment" },
+  egress_no_proxy = { env = "DEMESNE_EGRESS_NO_PROXY", list = true, sep = ",",
+    default = function()
+      local v = os.getenv("NO_PROXY") or os.getenv("no_proxy") or ""
+      local out = {}
+      for item in v:gmatch("[^,]+") do out[#out + 1] = item end
+      return out
+    end,
+    doc = "names (and their subdomains), IP addresses and host:port pairs that are dialled directly rather than "
+      .. "through egress_https_proxy / egress_http_proxy, ','-separated; * = all; default: NO_PROXY (or no_proxy)" },
   egress_resolver = { env = "DEMESNE_EGRESS_RESOLVER", default = "",
     doc = "test mode: ip:port of a DNS server the egress proxy asks instead of the system resolver" },
   init_path = { env = "DEMESNE_INIT", doc = "demesne-init binary mounted into sandboxes; default: beside the demesne binary" },
@@ -147,6 +163,15 @@ local SPEC = {
   tree_running_default = { default = 8, number = true,
     doc = "sandboxes of one tree running at once, its root included; a spawn past it waits its turn" },
   tree_running_max = { env = "DEMESNE_TREE_RUNNING_MAX", default = 32, number = true, doc = "ceiling for tree.running" },
+  tree_jobs_default = { default = 32, number = true,
+    doc = "background jobs (sandbox_exec, background spawns) running at once on the sandboxes below a tree's root; "
+      .. "one more is refused" },
+  tree_jobs_max = { env = "DEMESNE_TREE_JOBS_MAX", default = 256, number = true, doc = "ceiling for tree.jobs" },
+  tree_job_records_default = { default = 256, number = true,
+    doc = "job records a tree keeps of the background jobs below its root; at it, a new job removes the oldest "
+      .. "finished one's record, and is refused when all are running" },
+  tree_job_records_max = { env = "DEMESNE_TREE_JOB_RECORDS_MAX", default = 4096, number = true,
+    doc = "ceiling for tree.job_records" },
   tree_budget_usd_default = { env = "DEMESNE_TREE_BUDGET_USD", default = 0, number = true, zero = true,
     doc = "USD a tree's model requests may spend when the call names no budget_usd; 0: no budget" },
   tree_budget_usd_max = { env = "DEMESNE_TREE_BUDGET_USD_MAX", default = 0, number = true, zero = true,
@@ -154,6 +179,12 @@ local SPEC = {
   tree_wait_seconds = { env = "DEMESNE_TREE_WAIT_SECONDS", default = 240, number = true,
     doc = "longest a call from inside a sandbox blocks on sandbox_wait or on a free slot (then it returns running "
       .. "or is refused), so that no MCP client timeout is hit" },
+  child_images = { env = "DEMESNE_CHILD_IMAGES", default = {}, list = true, sep = ",",
+    doc = "images of the engine's store (references) that a sandbox may name for its children, besides demesne's "
+      .. "built-in and user images (','-separated); any other engine image is refused from inside a sandbox" },
+  child_image_builds = { env = "DEMESNE_CHILD_IMAGE_BUILDS", default = false, bool = true,
+    doc = "let a call from inside a sandbox build a demesne image that is not built yet (minutes of CPU, GBs of "
+      .. "disk); false refuses it: the host builds it (`demesne images build NAME`)" },
   isolation_default = { env = "DEMESNE_ISOLATION", default = "container", choices = { "container", "gvisor" },
     doc = "isolation of a sandbox whose call names none: container (the engine's runtime) or gvisor (gVisor's "
       .. "own kernel in between; the engine must offer it, see gvisor_runtime and gvisor_engine)" },

@@ -215,6 +215,16 @@ schemas.tree = { type = "object", additionalProperties = false, description =
     depth = { type = "integer", minimum = 1, description = "deepest level below this run (3)" },
     children = { type = "integer", minimum = 1, description = "children one run may spawn (32)" },
     running = { type = "integer", minimum = 1, description = "sandboxes running at once, this one included (8)" },
+    memory_mb = { type = "number", exclusiveMinimum = 0, description = "MiB the tree's running sandboxes may hold "
+      .. "together, this one included (default: this run's limits.memory_mb x running)" },
+    cpus = { type = "number", exclusiveMinimum = 0, description = "CPUs the tree's running sandboxes may hold together "
+      .. "(default: this run's limits.cpus x running)" },
+    pids = { type = "integer", minimum = 1, description = "processes the tree's running sandboxes may hold together "
+      .. "(default: this run's limits.pids x running)" },
+    jobs = { type = "integer", minimum = 1, description = "background jobs running at once on the sandboxes below "
+      .. "this run (32)" },
+    job_records = { type = "integer", minimum = 1, description = "job records kept of those jobs; at it the oldest "
+      .. "finished one's goes (256)" },
   } }
 
 --- sandbox_script/sandbox_create: serve demesne's MCP endpoint inside the sandbox (lua/tree).

@@ -63,6 +63,22 @@ function util.sh_quote(s)
   return "'" .. tostring(s):gsub("'", "'\\''") .. "'"
 end
 
+local B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
+
+--- Base64 (RFC 4648 §4, the standard alphabet, with padding) of a byte string.
+---@param bytes string
+---@return string
+function util.base64(bytes)
+  local out = {}
+  for i = 1, #bytes, 3 do
+    local a, b, c = bytes:byte(i, i + 2)
+    local n = (a << 16) | ((b or 0) << 8) | (c or 0)
+    out[#out + 1] = B64:sub((n >> 18) + 1, (n >> 18) + 1) .. B64:sub(((n >> 12) & 63) + 1, ((n >> 12) & 63) + 1)
+      .. (b and B64:sub(((n >> 6) & 63) + 1, ((n >> 6) & 63) + 1) or "=") .. (c and B64:sub((n & 63) + 1, (n & 63) + 1) or "=")
+  end
+  return table.concat(out)
+end
+
 --- A to-be-closed value that calls `fn(err)` when it goes out of scope (on return, error
 --- or cancellation): `local _ <close> = util.closer(function() … end)`.
 ---@param fn fun(err: any)

@@ -109,6 +109,10 @@ static void on_done(void *ud, dm_proxy_conn *c, const dm_proxy_result *res) {
     lua_pushstring(L, res->code);
     lua_setfield(L, -2, "code");
   }
+  if (res->via) {
+    lua_pushboolean(L, 1);
+    lua_setfield(L, -2, "via");
+  }
   dm_call(L, 2);
   dm_unref(L, &ref);
 }
@@ -158,9 +162,10 @@ static void on_closed(void *ud) {
 /// "connections"|"descriptors"|"server", active, ceiling, answered, message}; the sandbox
 /// gets a 503 carrying `message` when answered). on_request(conn, req) for each request head, req =
 /// {method, host, port, ip = 4|6|nil, form = "connect"|"absolute"|"origin", path,
-/// host_header}; the callback answers with conn:allow() or conn:deny(reason), now or later.
+/// host_header}; the callback answers with conn:allow(), conn:allow_via(host, port, auth) or
+/// conn:deny(reason), now or later.
 /// on_done(conn, res) once per connection that reached on_request, res = {bytes_up,
-/// bytes_down, status, denied, rule, address, error, code}.
+/// bytes_down, status, denied, rule, address, error, code, via = true|nil}.
 static int l_listen(lua_State *L) {
   const char *path = luaL_checkstring(L, 1);
   luaL_checktype(L, 2, LUA_TTABLE);
@@ -306,6 +311,22 @@ static int l_conn_allow(lua_State *L) {
   return 1;
 }
 
+/// conn:allow_via(host, port[, proxy_authorization]) -> boolean: the verdict "allow", sent on
+/// through the upstream proxy host:port (the host's own proxy; its addresses are not
+/// checked, the target's name is never resolved here), with `proxy_authorization` as the
+/// Proxy-Authorization value (e.g. "Basic …"). false when the connection is gone or
+/// already answered. See dm_proxy_allow_via.
+static int l_conn_allow_via(lua_State *L) {
+  dm_proxy_conn *c = check_conn(L);
+  const char *host = luaL_checkstring(L, 2);
+  lua_Integer port = luaL_checkinteger(L, 3);
+  const char *auth = luaL_optstring(L, 4, NULL);
+  luaL_argcheck(L, port >= 1 && port <= 65535, 3, "a port from 1 to 65535");
+  if (c) dm_proxy_allow_via(c, host, (int)port, auth);
+  lua_pushboolean(L, c != NULL);
+  return 1;
+}
+
 /// conn:deny([reason]) -> boolean: the verdict "deny": a 403 carrying `reason`, then close.
 static int l_conn_deny(lua_State *L) {
   dm_proxy_conn *c = check_conn(L);
@@ -390,7 +411,8 @@ static int l_match_cidr(lua_State *L) {
 
 static const luaL_Reg listener_methods[] = {
   {"close", l_listener_close}, {"active", l_listener_active}, {"descriptors", l_listener_descriptors}, {NULL, NULL}};
-static const luaL_Reg conn_methods[] = {{"allow", l_conn_allow}, {"deny", l_conn_deny}, {NULL, NULL}};
+static const luaL_Reg conn_methods[] = {
+  {"allow", l_conn_allow}, {"allow_via", l_conn_allow_via}, {"deny", l_conn_deny}, {NULL, NULL}};
 static const luaL_Reg funcs[] = {
   {"listen", l_listen},
   {"normalize_host", l_normalize_host},

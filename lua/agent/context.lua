@@ -71,8 +71,12 @@ function context.children(o, add)
   add("- Script, create and agent children see your `/in` read-only and share your `/workspace` read-write: hand "
     .. "them files through `/workspace` and give each child its own paths to write.")
   add("- A child sees the output of each child you spawned before it at `/in/previous-jobs/<name>/`.")
-  add("- `sandbox_research` children get none of that (no `/in`, no `/workspace`, no previous jobs).")
+  add("- `sandbox_research` children get none of that (no `/in`, no `/workspace`, no previous jobs), and their "
+    .. "`/out` appears at `/out/child/<name>/` (and to later children) only once they have ended.")
   add("- A child's egress is never wider than yours; `open` is only for `sandbox_research`.")
+  add("- A child runs with your isolation and your limits (memory, CPUs, processes) or less, and the tree's running "
+    .. "sandboxes share its totals: ask a child for less when several run at once. Its image is one of demesne's "
+    .. "or the user's (already built), or one the host configured.")
   add("- Children you leave running are cancelled when you finish.")
   add("")
   add("Habits that work:")

@@ -129,14 +129,10 @@ end
 local RESULT_FIELDS = { "answer", "reason", "cost_usd", "usage", "rate_limited", "model", "provider", "session_id",
   "is_error" }
 
---- An ended agent job's result, from results.json in its output folder (written by
---- agent.finish; read confined: no link followed, a regular file of at most 256 KiB),
---- reduced to the fields a job's view carries. nil when there is none; {is_error = true,
---- reason} when it cannot be read or is not a JSON object (the sandbox can write its
---- output folder).
----@param rec JobRecord
----@return table|nil
-function kind.result(rec)
+-- results.json of an ended agent job (written by agent.finish; read confined: no link
+-- followed, a regular file of at most 256 KiB): the decoded object, nil when there is
+-- none, or nil and why it cannot be used (the sandbox can write its output folder).
+local function read_results(rec)
   if type(rec.output_dir) ~= "string" then return nil end
   local d, derr, dcode = fs.opendir(rec.output_dir)
   if not d and dcode == "ENOENT" then return nil end
@@ -149,12 +145,20 @@ function kind.result(rec)
   end
   if not text then
     if code == "ENOENT" then return nil end
-    return { is_error = true, reason = "cannot read results.json: " .. tostring(err) }
+    return nil, "cannot read results.json: " .. tostring(err)
   end
-  local ok, r = pcall(json.decode, text)
-  if not ok or type(r) ~= "table" then
-    return { is_error = true, reason = "results.json in the output folder is not a JSON object" }
+  local ok, r = pcall(json.decode_arrays, text) -- [] stays an array (children)
+  if not ok or type(r) ~= "table" or json.is_array(r) then
+    return nil, "results.json in the output folder is not a JSON object"
   end
+  return r
+end
+
+-- An ended agent job's result reduced to the fields a job's view carries; nil when there is
+-- none; {is_error = true, reason} when results.json cannot be used.
+local function summary(rec)
+  local r, why = read_results(rec)
+  if not r then return why and { is_error = true, reason = why } or nil end
   local out = {}
   for _, k in ipairs(RESULT_FIELDS) do
     if r[k] ~= nil and r[k] ~= json.null then out[k] = r[k] end
@@ -162,11 +166,38 @@ function kind.result(rec)
   return out
 end
 
+local function of_type(v, t, default)
+  if type(v) == t then return v end
+  return default
+end
+
+--- An ended agent job's result as the sandbox_agent call would have returned it in the
+--- foreground (jobs.result, for MCP tasks/result): results.json (written by agent.finish
+--- once the container was gone) with the run's identity, exit code and duration from the
+--- host's job record, and its text (agent.text). The caller checks it against the tool's
+--- outputSchema.
+---@param rec JobRecord  an ended agent job that ran to an exit status
+---@return table structured, string text
+function kind.result(rec)
+  local doc, why = read_results(rec)
+  local r = {}
+  for k, v in pairs(doc or {}) do r[k] = v end
+  r.exit_code, r.output_dir, r.run_id = rec.exit_code, rec.output_dir, rec.run_id
+  r.duration_ms = math.max((rec.finished_ms or rec.started_ms) - rec.started_ms, 0)
+  r.timed_out = rec.timed_out == true or r.timed_out == true
+  r.provider, r.model = of_type(r.provider, "string", rec.provider), of_type(r.model, "string", rec.model)
+  r.answer, r.stderr = of_type(r.answer, "string", ""), of_type(r.stderr, "string", "")
+  r.cost_usd, r.usage = of_type(r.cost_usd, "number", 0), of_type(r.usage, "table", {})
+  r.reason = of_type(r.reason, "string", nil)
+  if not doc then r.reason = why or "the run left no results.json" end
+  return r, agent.text(r)
+end
+
 --- The view of an agent job adds `agent`: its result once it has ended (jobs.view).
 ---@param rec JobRecord
 ---@return table|nil
 function kind.view(rec)
-  if jobs.is_terminal(rec.status) then return { agent = kind.result(rec) } end
+  if jobs.is_terminal(rec.status) then return { agent = summary(rec) } end
   return nil
 end
 

@@ -6,12 +6,15 @@
 -- (before any DNS lookup). After an allow, C resolves the name itself and dials only an
 -- address that passes the address checks (loopback, private, link-local, metadata, IPv6…
 -- are refused unless a CIDR rule allows them). Every connection ends as one JSON line in
--- <output_dir>/egress.jsonl.
+-- <output_dir>/egress.jsonl. Where the host has a proxy of its own (HTTPS_PROXY and its
+-- kin, lua/egress/upstream.lua), an allowed request goes on through it instead, and the name
+-- is resolved there.
 local async = require("demesne.async")
 local config = require("demesne.config")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local policy = require("demesne.egress.policy")
+local upstream = require("demesne.egress.upstream")
 local proxy = require("core.proxy")
 local fs = require("core.fs")
 local loop = require("core.loop")
@@ -83,7 +86,9 @@ local Handle = {}
 Handle.__index = Handle
 
 --- Starts the proxy of one sandbox: listens on <run_dir>/egress.sock and appends to
---- <output_dir>/egress.jsonl. `o`: {run_id, run_dir, output_dir, policy (or egress) = compiled policy}.
+--- <output_dir>/egress.jsonl. Where the host has a proxy of its own (HTTPS_PROXY and its
+-- kin, lua/egress/upstream.lua), an allowed request goes on through it instead, and the name
+-- is resolved there. `o`: {run_id, run_dir, output_dir, policy (or egress) = compiled policy}.
 --- The listener admits at most egress_max_connections connections whose descriptors stay
 --- within sandbox_max_descriptors (see core/proxy.h); a connection over either ceiling is
 --- answered 503 naming it, and egress.jsonl gets a "ceiling" line (at most one a second,
@@ -105,6 +110,12 @@ function egress.start(o)
   out:close()
   if not file then return nil, "egress: " .. tostring(ferr), fcode end
   h.file = file
+  local up, uerr = upstream.settings()
+  if not up then
+    file:close()
+    return nil, "egress: " .. uerr, "EINVAL"
+  end
+  h.upstream = up
   local run, rerr, rcode = fs.opendir(o.run_dir)
   if not run then
     file:close()
@@ -138,13 +149,17 @@ end
 function Handle:on_request(conn, req)
   local verdict, label = policy.decide(self.policy, req)
   self.pending[conn] = { req = req, verdict = verdict, rule = label, time = iso_now() }
-  if verdict == egress.ALLOW then conn:allow()
+  local via = verdict == egress.ALLOW and upstream.for_request(self.upstream, req)
+  if via then
+    self.pending[conn].via = via.url
+    conn:allow_via(via.host, via.port, via.authorization)
+  elseif verdict == egress.ALLOW then conn:allow()
   else conn:deny(("denied by egress policy %s (%s)"):format(self.policy.name, label)) end
 end
 
 --- core.proxy's on_done: appends the connection's line to egress.jsonl.
 ---@param conn userdata
----@param res table  {bytes_up, bytes_down, status, denied, rule, address, error, code}
+---@param res table  {bytes_up, bytes_down, status, denied, rule, address, error, code, via}
 function Handle:on_done(conn, res)
   local p = self.pending[conn]
   self.pending[conn] = nil
@@ -161,6 +176,7 @@ function Handle:on_done(conn, res)
     time = p.time, sandbox = self.run_id, method = p.req.method, host = p.req.host, port = p.req.port,
     verdict = allowed and "allow" or "deny", rule = rule, status = res.status,
     bytes_up = res.bytes_up, bytes_down = res.bytes_down, address = res.address, error = res.error,
+    via = res.via and p.via or nil,
   }
   if p.req.form ~= "connect" then rec.path = p.req.path end
   if self.file then

@@ -190,6 +190,7 @@ end
 ---@field run fun(job: table, plan: any): JobOutcome        watches the job it started (in the job's task)
 ---@field attach fun(job: table): JobOutcome                re-attaches to a job a server that is gone left running
 ---@field view (fun(rec: JobRecord): table|nil)|nil         extra fields of jobs.view for a job of this kind
+---@field result (fun(rec: JobRecord): table, string)|nil  an ended job's result as the call would have returned it in the foreground (structuredContent, text); without it, the exit code and the head and tail of the output
 
 ---@type table<string, JobKind>
 local kinds = {}
@@ -545,6 +546,43 @@ function jobs.prune()
   return n
 end
 
+--- Removes the record of a finished job now, before jobs_keep_seconds (a tree at its
+--- tree.job_records, lua/tree): its file and this process's copy go; its output folder is
+--- kept, and an adoption claim left with it goes at the next prune. A running job, or one
+--- with no record, is left alone.
+---@param id string
+---@return boolean removed
+function jobs.forget(id)
+  if not jobs.valid_id(id) then return false end
+  local rec = live[id] and live[id].rec or read_record(id)
+  if not rec or not TERMINAL[rec.status] then return false end
+  if not fs.unlink(record_path(id)) then return false end
+  live[id] = nil
+  return true
+end
+
+--- A job's output folder moved from `from` to `to` (a research child's, handed to its
+--- parent when it ended: lua/tree): the record's output_dir and log_dir follow (saved).
+--- Returns true when the record named the folder.
+---@param id string
+---@param from string  the old host path
+---@param to string    the new host path
+---@return boolean moved
+function jobs.moved(id, from, to)
+  local rec = jobs.valid_id(id) and (live[id] and live[id].rec or read_record(id))
+  if not rec then return false end
+  local changed = false
+  for _, k in ipairs({ "output_dir", "log_dir" }) do
+    local v = rec[k]
+    if type(v) == "string" and (v == from or v:sub(1, #from + 1) == from .. "/") then
+      rec[k] = to .. v:sub(#from + 1)
+      changed = true
+    end
+  end
+  if changed then save(rec) end
+  return changed
+end
+
 --- Loads the records: adopts every running job whose server is gone (re-attaching to its
 --- container) and prunes old finished ones. Returns the number adopted.
 ---@return integer
@@ -677,6 +715,18 @@ function jobs.collect(rec)
   end
   local rel = (rec.log_dir or rec.output_dir):sub(#rec.output_dir + 2)
   return sandbox.collect(rec.output_dir, rel ~= "" and rel or nil)
+end
+
+--- An ended job's result as its call would have returned it without `background`, where
+--- its kind says (JobKind.result: an agent's answer, cost and children): structured result
+--- and text. nil for kinds without one (a script's or exec's result is its exit code and
+--- output, which the caller builds from the record).
+---@param rec JobRecord  a record whose status is terminal and which ran to an exit status
+---@return table|nil structured, string|nil text
+function jobs.result(rec)
+  local k = kinds[rec.kind]
+  if k and k.result then return k.result(rec) end
+  return nil
 end
 
 --- Readable text for a "job started" result.

@@ -69,10 +69,13 @@ function tasks.task_of(rec)
   }
 end
 
---- The CallToolResult a job's call would have returned without a task.
+--- The CallToolResult a job's call would have returned without a task (jobs.result: the
+--- kind's own result, e.g. an agent's answer and cost).
+--- The result is checked against the outputSchema of the job's tool in `registry`.
 ---@param rec JobRecord
+---@param registry ToolRegistry|nil  the session's tools
 ---@return table
-function tasks.result_of(rec)
+function tasks.result_of(rec, registry)
   local meta = { [RELATED] = { taskId = rec.job_id } }
   if rec.status == "cancelled" or rec.exit_code == nil then
     local why = rec.status == "cancelled" and ("cancelled: " .. tostring(rec.reason or "cancelled"))
@@ -80,15 +83,26 @@ function tasks.result_of(rec)
     return { content = json.array({ { type = "text", text = ("%s %s"):format(rec.tool or "job", why) } }),
       isError = true, _meta = meta }
   end
-  local r = {
-    exit_code = rec.exit_code,
-    output_dir = rec.output_dir,
-    duration_ms = math.max((rec.finished_ms or rec.started_ms) - rec.started_ms, 0),
-    timed_out = rec.timed_out == true,
-  }
-  r.stdout, r.stderr, r.truncated = jobs.collect(rec)
-  if rec.kind == "exec" then r.log_dir = rec.log_dir else r.run_id = rec.run_id end
-  local text = schemas.run_text(r)
+  local r, text = jobs.result(rec)
+  if not r then
+    r = {
+      exit_code = rec.exit_code,
+      output_dir = rec.output_dir,
+      duration_ms = math.max((rec.finished_ms or rec.started_ms) - rec.started_ms, 0),
+      timed_out = rec.timed_out == true,
+    }
+    r.stdout, r.stderr, r.truncated = jobs.collect(rec)
+    if rec.kind == "exec" then r.log_dir = rec.log_dir else r.run_id = rec.run_id end
+    text = schemas.run_text(r)
+  end
+  local tool = registry and rec.tool and registry:get(rec.tool)
+  local schema = tool and tool.outputSchema
+  local ok, errs = true, nil
+  if schema then ok, errs = tools.validate(schema, r) end
+  if not ok then
+    return { content = json.array({ { type = "text", text = ("%s: the job's result does not match the tool's "
+      .. "outputSchema: %s"):format(rec.tool, tools.schema.format_errors(errs)) } }), isError = true, _meta = meta }
+  end
   return { content = json.array({ { type = "text", text = text } }), structuredContent = r, isError = false,
     _meta = meta }
 end
@@ -129,10 +143,10 @@ tasks.methods["tasks/get"] = function(_, params)
   return tasks.task_of(must_get(params.taskId))
 end
 
-tasks.methods["tasks/result"] = function(_, params)
+tasks.methods["tasks/result"] = function(session, params)
   local rec = must_get(params.taskId)
   while not jobs.is_terminal(rec.status) do rec = jobs.wait(rec.job_id, 3600 * 1000) end
-  return tasks.result_of(rec)
+  return tasks.result_of(rec, session.registry)
 end
 
 tasks.methods["tasks/list"] = function(_, params)

@@ -41,13 +41,16 @@ local NAME_SCHEMA = { type = "string", minLength = 1, maxLength = 40, pattern = 
 local NOTE = {
   script = "From inside a sandbox: the child sees this sandbox's /in read-only, shares its /workspace, sees "
     .. "earlier children's outputs at /in/previous-jobs/<name>, and writes /out/child/<name> (read it there). "
-    .. "Its egress is never wider than this sandbox's.",
+    .. "Its egress is never wider than this sandbox's, its isolation never weaker, its limits never larger (by "
+    .. "default this sandbox's), and its image is demesne's, the user's or one the configuration lists, already built.",
   create = "From inside a sandbox: as sandbox_script, for a sandbox that stays up for sandbox_exec.",
   agent = "From inside a sandbox: the child agent sees this sandbox's /in, shares /workspace, sees earlier "
-    .. "children's outputs at /in/previous-jobs/<name>, writes /out/child/<name>; egress none or this sandbox's. "
+    .. "children's outputs at /in/previous-jobs/<name>, writes /out/child/<name>; egress none or this sandbox's; "
+    .. "isolation and limits this sandbox's or narrower. "
     .. "Use background: true and sandbox_wait for long runs.",
   research = "From inside a sandbox: the research child gets no inputs, its own workspace and open egress; its "
-    .. "/out is /out/child/<name> here.",
+    .. "/out appears at /out/child/<name> here (and to later children at /in/previous-jobs/<name>) once it has "
+    .. "ended: while it runs that folder is empty; its isolation and limits are this sandbox's or narrower.",
 }
 
 --- The input schema a tool has when a sandbox calls it: the host tool's, without the
@@ -172,13 +175,17 @@ local function wrap(host)
     -- waits for cleanup), with the caller's token: its client's timeout is reset by it
     local _hb <close> = progress.heartbeat(ctx)
     local res = table.pack(pcall(function()
+      if BY_JOB[name] and not tree.sees_job(n.run_id, args.job_id) then unknown_job(args.job_id) end
+      if BY_SANDBOX[name] and not tree.sees_sandbox(n.run_id, args.sandbox_id) then unknown_sandbox(args.sandbox_id) end
+      -- a background job started from in here counts against the tree's tree.jobs and
+      -- tree.job_records (the check and reservation come before anything is made)
+      local _job <close> = args.background == true and (kind or name == "sandbox_exec") and tree.job_admit(n.run_id)
+        or nil
       if kind then
         local r, text = tree.spawn(ctx, n.run_id, kind, args, host.run)
         if type(r) == "table" then r.mcp = nil end -- a child's endpoint is reachable only inside it
         return r, text
       end
-      if BY_JOB[name] and not tree.sees_job(n.run_id, args.job_id) then unknown_job(args.job_id) end
-      if BY_SANDBOX[name] and not tree.sees_sandbox(n.run_id, args.sandbox_id) then unknown_sandbox(args.sandbox_id) end
       if name == "sandbox_wait" then
         local max = config.get("tree_wait_seconds")
         args.timeout_seconds = math.min(args.timeout_seconds or max, max)

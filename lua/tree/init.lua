@@ -25,7 +25,7 @@
 --     (script_remove, destroy, the reaper); agent.finish reports its result and usage
 --     (agent.hooks.result -> tree.result, which also adds `children` to results.json).
 --   * What a run may do, for its context file: info(run_id) -> {run_id, root, name, depth,
---     limits = {depth, children, running}, children_used, budget_usd, spent_usd}.
+--     limits = {depth, children, running, jobs, job_records}, children_used, budget_usd, spent_usd}.
 --   * Budget, from the vendor route: check(run_id) -> true | nil, "budget of $X spent"
 --     before forwarding a model request; charge(run_id, usd, usage) -> true | nil,
 --     "budget of $X spent" after counting one (usage optional: {model, input, output,
@@ -40,7 +40,9 @@
 --     info on the plan (o.endpoint.tree).
 --
 -- Records: <state_dir>/tree/<run id>.json (0600, out of every sandbox's reach), one per
--- node; a root's also holds the tree's limits, budget, spend and member list. Workspaces
+-- node; a root's also holds the tree's limits, budget, spend, member list and the background
+-- jobs started below it (tree.job_admit). A research child's /out is <output_root>/<run id>
+-- until it ends, then <parent out>/child/<name> (hand_over). Workspaces
 -- shared by a tree: <state_dir>/workspaces/<run id>/ (bind-mounted rw at /workspace, never
 -- read by the host, removed when the run that made it ends).
 local async = require("demesne.async")
@@ -55,6 +57,7 @@ local sandbox = require("demesne.sandbox")
 local agent = require("demesne.agent")
 local vendor = require("demesne.vendor")
 local store = require("demesne.tree.store")
+local walls = require("demesne.tree.walls")
 local util = require("demesne.util")
 local fs = require("core.fs")
 local loop = require("core.loop")
@@ -283,6 +286,15 @@ host_offer = function(n)
   return out
 end
 
+-- Gives back a spawn's reservation: its slot and what it would hold (its limits).
+local function unhold(root_id, want)
+  local rm = m(root_id)
+  rm.reserved = math.max(rm.reserved - 1, 0)
+  if want and rm.held then
+    for _, k in ipairs(walls.LIMITS) do rm.held[k] = math.max((rm.held[k] or 0) - (want[k] or 0), 0) end
+  end
+end
+
 local function new_node(o, kind)
   return {
     run_id = o.run_id, kind = kind, tool = o.tool, status = "running", active = true, owner = sandbox.owner(),
@@ -311,9 +323,24 @@ function tree.plan(ctx, o, args)
   if spawn then
     local parent = must(spawn.parent)
     local root = must(parent.root)
+    -- the plan that came out of the call (tree.spawn narrowed it) against the parent's walls,
+    -- and an agent's image (its provider's), which the call did not name
+    walls.check(parent, walls.of_plan(o))
+    if kind == "agent" or kind == "research" then walls.image(o.engine, o.image_arg, true) end
     n = new_node(o, kind)
     n.root, n.parent, n.depth, n.name = root.run_id, parent.run_id, parent.depth + 1, spawn.name
-    o.output_dir = spawn.output_dir
+    if kind == "research" then
+      -- its /out is a folder of its own under the output root, seen by no other sandbox
+      -- while it runs (a socket bound in it would be a live channel to its parent, which
+      -- holds host inputs: a read-only mount does not stop connect); hand_over moves it to
+      -- <parent out>/child/<name> once it has ended
+      assert(fs.mkdir_p(config.get("output_root"), 493))
+      local dir, derr = make_dir_in(config.get("output_root"), o.run_id, 493)
+      if not dir then fail(("cannot make the output folder of %s: %s"):format(o.run_id, tostring(derr))) end
+      o.output_dir, n.final_dir = dir, spawn.output_dir
+    else
+      o.output_dir = spawn.output_dir
+    end
     n.output_dir = o.output_dir
     o.mounts = {}
     if kind ~= "research" then
@@ -322,7 +349,7 @@ function tree.plan(ctx, o, args)
       for _, x in ipairs(n.inputs) do o.mounts[#o.mounts + 1] = { host = x.host, target = x.target } end
       for _, c in ipairs(parent.children) do
         local sib = c.run_id and tree.get(c.run_id)
-        if sib and c.name ~= spawn.name then
+        if sib and c.name ~= spawn.name and not sib.final_dir then -- (a research child's: once handed over)
           o.mounts[#o.mounts + 1] = { host = sib.output_dir, target = "/in/previous-jobs/" .. c.name }
         end
       end
@@ -337,10 +364,9 @@ function tree.plan(ctx, o, args)
     for _, c in ipairs(parent.children) do
       if c.name == spawn.name then c.run_id = n.run_id end
     end
-    local rm = m(root.run_id)
     if spawn.reserved then
       spawn.reserved = false
-      rm.reserved = math.max(rm.reserved - 1, 0)
+      unhold(root.run_id, spawn.want) -- the node holds it now (it is active)
     end
     save(parent)
     save(root)
@@ -349,6 +375,8 @@ function tree.plan(ctx, o, args)
     n = new_node(o, kind)
     n.root, n.depth = n.run_id, 0
     n.limits, n.budget_usd = tree.limits(args and args.tree, args and args.budget_usd)
+    n.walls = walls.of_plan(o)
+    n.walls.tree = walls.totals(args and args.tree, n.walls.limits, n.limits.running)
     n.spent_usd, n.members = 0, json.array({ n.run_id })
     for _, x in ipairs(o.mounts or {}) do
       if x.target == "/in/previous-jobs" then
@@ -359,6 +387,7 @@ function tree.plan(ctx, o, args)
     n.workspace, n.owns_workspace = new_workspace(n.run_id), true
   end
   n.host_mcp = host_set
+  n.walls = n.walls or walls.of_plan(o)
   store.put(n)
   m(n.run_id)
   o.tree = n.run_id
@@ -439,6 +468,42 @@ local function ended(n, why)
   log.info(LOGGER, "%s: ended (%s%s)", n.run_id, n.status, n.reason and (": " .. n.reason) or "")
 end
 
+-- A research child's output folder (made in tree.plan under the output root, where no other
+-- sandbox sees it) goes to <parent out>/child/<name> once the child has ended and the host
+-- has written its results there: renamed between held folders (no link followed) over the
+-- empty folder tree.spawn made, which no sandbox can write (the parent sees it read-only).
+-- The paths in the records of the subtree and of its jobs follow. A failure is logged and
+-- the folder stays where it was (the host still reads it there).
+local function hand_over(n)
+  if not n.final_dir or n.active then return end
+  local from, to = n.output_dir, n.final_dir
+  local fp, fname = from:match("^(.*)/([^/]+)$")
+  local tp, tname = to:match("^(.*)/([^/]+)$")
+  local a, aerr = fs.opendir(fp)
+  local b, berr = fs.opendir(tp)
+  local ok, err = a and b, aerr or berr
+  if ok then ok, err = a:rename(fname, b, tname) end
+  if a then a:close() end
+  if b then b:close() end
+  n.final_dir = nil
+  if not ok then
+    log.warning(LOGGER, "%s: its output folder stays in %s: not moved to %s: %s", n.run_id, from, to, tostring(err))
+    save(n)
+    return
+  end
+  for _, w in ipairs(store.walk(n)) do
+    local x = w.node
+    if x.output_dir == from or x.output_dir:sub(1, #from + 1) == from .. "/" then
+      x.output_dir = to .. x.output_dir:sub(#from + 1)
+    end
+    if x.job_id then jobs.moved(x.job_id, from, to) end
+    save(x)
+  end
+  local root = tree.get(n.root)
+  for _, id in ipairs(root and root.jobs or {}) do jobs.moved(id, from, to) end
+  log.info(LOGGER, "%s: output folder handed over to %s", n.run_id, to)
+end
+
 --- The removed hook (sandbox.hooks.removed): a one-shot run's container is gone, or a
 --- persistent sandbox was destroyed or reaped. Ends the node (see above).
 ---@param o table  the plan ({tree} or {run_id}); `why` optional
@@ -483,10 +548,13 @@ function tree.job_finished(rec)
   settle(n, rec.status, { exit_code = rec.exit_code, reason = rec.reason }, "job")
   if n.active and (rec.status ~= "running") then ended(n) end
   save(n)
+  if jobs.is_terminal(rec.status) then hand_over(n) end -- results.json is written by now
 end
 
 --- The job launch hook (jobs.hooks.launch): a run handed to a background job records the
---- job at once, so that a restart knows a job (not a call) watches it.
+--- job at once, so that a restart knows a job (not a call) watches it; a job on a member
+--- below the root (a background child, an exec in a child sandbox) joins the root's list of
+--- the tree's jobs (tree.job_admit bounds it).
 ---@param rec JobRecord
 function tree.job_launched(rec)
   local n = rec.run_id and tree.get(rec.run_id)
@@ -494,6 +562,67 @@ function tree.job_launched(rec)
     n.job_id = rec.job_id
     save(n)
   end
+  local on = n or (rec.sandbox_id and tree.get(rec.sandbox_id))
+  local root = on and on.root ~= on.run_id and tree.get(on.root)
+  if root then
+    root.jobs = root.jobs or json.array()
+    root.jobs[#root.jobs + 1] = rec.job_id
+    save(root)
+  end
+end
+
+--- Admits one more background job that a call from inside the run `run_id` is about to
+--- start (sandbox_exec or a spawn with background: true), against its tree's limits:
+--- tree.jobs running at once, tree.job_records kept. At tree.job_records the oldest
+--- finished records of the tree go (jobs.forget) to make room. Fails naming the limit.
+--- Returns a to-be-closed value that ends the reservation (by then the job is launched and
+--- counted through tree.job_launched, or it never started).
+---@param run_id string  the calling run (an active node)
+---@return table reservation  close it (local x <close> = tree.job_admit(id))
+function tree.job_admit(run_id)
+  local root = must(must(run_id).root)
+  local max_running = root.limits.jobs or config.get("tree_jobs_default")
+  local max_kept = math.max(root.limits.job_records or config.get("tree_job_records_default"), max_running)
+  local rm = m(root.run_id)
+  rm.job_pending = rm.job_pending or 0
+  local kept, finished, running = json.array(), {}, 0
+  for _, id in ipairs(root.jobs or {}) do
+    local rec = jobs.get(id)
+    if rec then
+      kept[#kept + 1] = id
+      if jobs.is_terminal(rec.status) then finished[#finished + 1] = { rec = rec, at = #kept }
+      else running = running + 1 end
+    end
+  end
+  if running + rm.job_pending >= max_running then
+    root.jobs = kept
+    save(root)
+    fail(("this tree already runs %d background jobs, its limit (tree.jobs); wait for one to end (sandbox_wait) "
+      .. "or cancel one (sandbox_cancel), then start it again"):format(running + rm.job_pending))
+  end
+  -- room among the kept records: the tree's oldest finished ones go
+  table.sort(finished, function(a, b)
+    local fa, fb = a.rec.finished_ms or a.rec.started_ms, b.rec.finished_ms or b.rec.started_ms
+    if fa ~= fb then return fa < fb end
+    return a.at < b.at -- (the list is in launch order)
+  end)
+  local gone = {}
+  local over = #kept + rm.job_pending + 1 - max_kept
+  for i = 1, over do
+    local f = finished[i]
+    if not f then break end
+    if jobs.forget(f.rec.job_id) then gone[f.rec.job_id] = true end
+  end
+  local left = json.array()
+  for _, id in ipairs(kept) do if not gone[id] then left[#left + 1] = id end end
+  root.jobs = left
+  save(root)
+  if #left + rm.job_pending >= max_kept then
+    fail(("this tree keeps %d job records, its limit (tree.job_records), and none of them can go yet; wait for a "
+      .. "job to end, then start it again"):format(#left + rm.job_pending))
+  end
+  rm.job_pending = rm.job_pending + 1
+  return closer(function() rm.job_pending = math.max(rm.job_pending - 1, 0) end)
 end
 
 --- The job cancel hook (jobs.hooks.cancel): a cancelled job's run takes its children with
@@ -602,32 +731,95 @@ local function running_in(root)
   return count
 end
 
--- Waits until the tree has a free slot and reserves it (released by tree.plan or by the
--- caller). Sends progress while waiting; fails after tree_wait_seconds.
-local function reserve_slot(ctx, root)
-  local max = root.limits.running
-  if running_in(root) < max then
-    m(root.run_id).reserved = m(root.run_id).reserved + 1
-    return
-  end
-  local wait_s = config.get("tree_wait_seconds")
-  local _hb <close> = progress.heartbeat(ctx, { total = wait_s, message = function(s)
-    return ("waiting for a free slot: %d sandboxes of this tree run at once (its limit); waited %d s")
-      :format(max, math.floor(s))
-  end })
-  local deadline = loop.now() + wait_s * 1000
-  while running_in(root) >= max do
-    local left = deadline - loop.now()
-    if left <= 0 then
-      fail(("this tree already runs %d sandboxes at once, its limit (tree.running); waited %d s for one to end. "
-        .. "Wait for a child (sandbox_wait) and spawn again"):format(max, math.floor(wait_s)))
+-- What the tree's running nodes and reserved spawns hold together: {memory_mb, cpus, pids}.
+local function held_in(root)
+  local held = m(root.run_id).held or {}
+  local h = {}
+  for _, k in ipairs(walls.LIMITS) do h[k] = held[k] or 0 end
+  for _, id in ipairs(root.members or {}) do
+    local x = tree.get(id)
+    local l = x and x.active and type(x.walls) == "table" and x.walls.limits
+    if type(l) == "table" then
+      for _, k in ipairs(walls.LIMITS) do h[k] = h[k] + (tonumber(l[k]) or 0) end
     end
-    local rm = m(root.run_id)
-    rm.slot = rm.slot or async.event()
-    local ev = rm.slot
-    async.timeout(math.min(left, 5000), function() ev.wait() return true end)
   end
-  m(root.run_id).reserved = m(root.run_id).reserved + 1
+  return h
+end
+
+-- What `n` and the nodes above it hold, and how many they are: they run at least as long as
+-- a call of `n` does.
+local function chain_held(n)
+  local h, count = {}, 0
+  for _, k in ipairs(walls.LIMITS) do h[k] = 0 end
+  for _ = 1, 64 do
+    if not n then break end
+    count = count + 1
+    local l = type(n.walls) == "table" and n.walls.limits
+    if type(l) == "table" then
+      for _, k in ipairs(walls.LIMITS) do h[k] = h[k] + (tonumber(l[k]) or 0) end
+    end
+    n = n.parent and tree.get(n.parent)
+  end
+  return h, count
+end
+
+-- Waits until the tree has a free slot and room in its totals for `want` (the child's
+-- limits) and reserves both (released by tree.plan or by the caller). Refuses at once a
+-- child that can never fit beside its parent and the nodes above it (waiting would be in
+-- vain: they run as long as this call). Sends progress while waiting; fails after
+-- tree_wait_seconds.
+local function reserve_slot(ctx, root, parent, want)
+  local max = root.limits.running
+  local caps = type(root.walls) == "table" and root.walls.tree or nil
+  local chain, above = chain_held(parent)
+  if above >= max then
+    fail(("this tree runs at most %d sandboxes at once (tree.running), and this sandbox and those above it, which "
+      .. "run as long as this call, are %d of them: a child here never gets a slot; do the work in this sandbox"):format(
+      max, above))
+  end
+  if caps then
+    local ok, _, why = walls.fits(caps, chain, want, "this sandbox and those above it, which run as long as this call, hold")
+    if not ok then fail(why .. " while they run; ask for less") end
+  end
+  local function room()
+    if running_in(root) >= max then return nil, "slot" end
+    if caps then
+      local ok, _, why = walls.fits(caps, held_in(root), want)
+      if not ok then return nil, why end
+    end
+    return true
+  end
+  local ok, why = room()
+  if not ok then
+    local wait_s = config.get("tree_wait_seconds")
+    local _hb <close> = progress.heartbeat(ctx, { total = wait_s, message = function(s)
+      if why ~= "slot" then return ("waiting for room: %s; waited %d s"):format(tostring(why), math.floor(s)) end
+      return ("waiting for a free slot: %d sandboxes of this tree run at once (its limit); waited %d s")
+        :format(max, math.floor(s))
+    end })
+    local deadline = loop.now() + wait_s * 1000
+    while true do
+      ok, why = room()
+      if ok then break end
+      local left = deadline - loop.now()
+      if left <= 0 then
+        if why ~= "slot" then
+          fail(("%s; waited %d s for a sandbox of this tree to end. Wait for a child (sandbox_wait) and spawn again, "
+            .. "or ask for less"):format(why, math.floor(wait_s)))
+        end
+        fail(("this tree already runs %d sandboxes at once, its limit (tree.running); waited %d s for one to end. "
+          .. "Wait for a child (sandbox_wait) and spawn again"):format(max, math.floor(wait_s)))
+      end
+      local rm = m(root.run_id)
+      rm.slot = rm.slot or async.event()
+      local ev = rm.slot
+      async.timeout(math.min(left, 5000), function() ev.wait() return true end)
+    end
+  end
+  local rm = m(root.run_id)
+  rm.reserved = rm.reserved + 1
+  rm.held = rm.held or {}
+  for _, k in ipairs(walls.LIMITS) do rm.held[k] = (rm.held[k] or 0) + (want[k] or 0) end
 end
 
 local function policy_open(name)
@@ -663,7 +855,9 @@ end
 
 --- Spawns a child of the run `parent_id` (the caller, known by the listener its request came
 --- on): checks the name (unique in the parent for its life), the depth, the number of
---- children, the egress, waits for a free slot, makes <parent out>/child/<name>, then runs
+--- children, the egress, the walls (isolation, limits, image: lua/tree/walls.lua, which fills
+--- in the call's isolation and limits), waits for a free slot and room in the tree's totals,
+--- makes <parent out>/child/<name>, then runs
 --- `run(ctx, args)` (the host tool's run) with ctx.spawn set so that the plan hook makes
 --- the child. Returns what `run` returns; a run that came back (not in the background) is
 --- recorded as the child's result.
@@ -694,6 +888,10 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   end
   local eg = child_egress(parent, kind, args.egress)
   if kind ~= "research" then args.egress = eg end
+  -- isolation no weaker, limits no larger than the parent's (the defaults: the parent's); an
+  -- image demesne's, the user's or the configuration's, and built (lua/tree/walls.lua)
+  local want = walls.narrow(parent, args)
+  if kind == "script" or kind == "create" then walls.image(sandbox.engine(), args.image) end
   local call = {}
   for k, v in pairs(args) do if k ~= "name" then call[k] = v end end
   -- repository: true clones the parent's workspace repository (lua/repo prepare_child)
@@ -701,12 +899,11 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   -- the name is taken from here on, even if the spawn fails
   parent.children[#parent.children + 1] = { name = name }
   save(parent)
-  reserve_slot(ctx, root)
-  local spawn = { parent = parent_id, name = name, kind = kind, reserved = true }
+  reserve_slot(ctx, root, parent, want)
+  local spawn = { parent = parent_id, name = name, kind = kind, reserved = true, want = want }
   local _ <close> = closer(function()
     if spawn.reserved then
-      local rm = m(root.run_id)
-      rm.reserved = math.max(rm.reserved - 1, 0)
+      unhold(root.run_id, want)
       wake_root(root.run_id)
     end
   end)
@@ -721,6 +918,23 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   ctx.job_id = parent.job_id
   local res = table.pack(pcall(run, ctx, call))
   local child = spawn.run_id and tree.get(spawn.run_id)
+  local staged = child and child.final_dir and child.output_dir
+  local _handed <close> = closer(function()
+    -- a research child that came back (or failed) has ended: its folder is handed over
+    if child and not (child.job_id and res[1]) then
+      local hok, herr = pcall(hand_over, child)
+      if not hok then log.warning(LOGGER, "%s: handing over its output folder: %s", child.run_id, tostring(herr)) end
+    end
+  end)
+  if staged and res[1] and type(res[2]) == "table" then
+    -- what the caller reads names the folder where it sees it: <its out>/child/<name>
+    local r = res[2]
+    if r.output_dir == staged then r.output_dir = spawn.output_dir end
+    if type(res[3]) == "string" then
+      local s_, e_ = res[3]:find(staged, 1, true)
+      if s_ then res[3] = res[3]:sub(1, s_ - 1) .. spawn.output_dir .. res[3]:sub(e_ + 1) end
+    end
+  end
   if not res[1] then
     if res[2] == async.CANCELLED then
       -- the caller's request was cancelled (or its session ended): the child went with it
@@ -748,19 +962,18 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   return table.unpack(res, 2, res.n)
 end
 
--- Rewrites usage.json in the node's output folder with its own usage and its subtree's
--- totals. Called once its container is gone, so nothing in the sandbox can redirect it.
-write_usage = function(n)
+-- Rewrites usage.json in the node's output folder from the host's own numbers only: at the
+-- top level `route` (the totals its vendor route holds in memory: Route:totals, for an
+-- agent run) or else the node's own usage as its record has it (none for a script), and
+-- its subtree's totals. Nothing the sandbox wrote into usage.json is read. Called once its
+-- container is gone, so nothing in the sandbox can redirect it.
+write_usage = function(n, route)
   local own = store.own_usage(n)
   local t = tree.totals(n.run_id)
   local doc = {}
-  -- keep what the vendor route wrote (its own usage, rate limits) at the top level
-  local d = fs.opendir(n.output_dir)
-  local text = d and d:read("usage.json", 1 << 20)
-  if d then d:close() end
-  local prev = text and json.decode(text)
-  if type(prev) == "table" then doc = prev end
-  if doc.models == nil and next(own.models) then
+  if type(route) == "table" then
+    for k, v in pairs(route) do doc[k] = v end
+  else
     doc.models, doc.cost_usd = own.models, own.cost_usd
     for _, k in ipairs(TOKENS) do doc[k] = own[k] end
   end
@@ -802,7 +1015,7 @@ function tree.result(o, r)
   r.children = tree.children(n.run_id)
   local t = tree.totals(n.run_id)
   r.total_cost_usd = t.cost_usd
-  local ok, err = pcall(write_usage, n)
+  local ok, err = pcall(write_usage, n, o.vendor and o.vendor:totals() or nil)
   if not ok then log.warning(LOGGER, "%s: usage.json: %s", n.run_id, tostring(err)) end
 end
 
@@ -836,7 +1049,8 @@ local function resume_node(n)
     end
     if not rec and not info then
       settle(n, "lost", { reason = "its job record and its container are gone" }, "job")
-      return ended(n)
+      ended(n)
+      return hand_over(n)
     end
   elseif n.kind ~= "create" then
     -- a run a call was waiting for: that call died with its server
@@ -845,7 +1059,8 @@ local function resume_node(n)
       n.cancel_reason = n.cancel_reason or "lost: the server stopped while it ran"
       if info then eng:remove(info.id) end
       settle(n, "lost", { reason = "the server that ran it stopped while it ran" }, "job")
-      return ended(n)
+      ended(n)
+      return hand_over(n)
     end
     return
   elseif not info then

@@ -50,13 +50,18 @@ local fail = errors.raise
 ---@field usage table|nil       its own tokens: {models = {model = {requests, input, output, cache_creation,
 ---   cache_read, cost_usd}}}
 ---@field cancel_reason string|nil
----@field limits table|nil      root: {depth, children, running}
+---@field walls table|nil       {isolation, userns, limits = {memory_mb, cpus, pids}}: what it runs with, the floor
+---   and ceiling of its children's (lua/tree/walls.lua); a root's also tree = {memory_mb, cpus, pids} (totals)
+---@field limits table|nil      root: {depth, children, running, jobs, job_records}
+---@field jobs string[]|nil     root: the background jobs started on its members below it, oldest first
+---   (the kept records that count against tree.jobs and tree.job_records)
 ---@field budget_usd number|nil root: the tree's budget
 ---@field spent_usd number|nil  root: the tree's spend
 ---@field members string[]|nil  root: every node's run id
 
 local cache = {}     -- run_id -> TreeNode (this process's copy)
-local mem = {}       -- run_id -> {ended = event, reserved = n (roots), slot = event (roots)}
+local mem = {}       -- run_id -> {ended = event, reserved = n (roots), held = {memory_mb, cpus, pids} (roots:
+                     -- the reserved spawns'), slot = event (roots)}
 
 --- The in-memory state of a run (events, slot reservations), made on first use.
 ---@param id string
@@ -198,7 +203,7 @@ local function ceiling(field, v, max)
 end
 
 --- Resolves a host call's `tree` limits and `budget_usd` against the configuration:
---- {depth, children, running}, budget (nil: none). Fails naming the field.
+--- {depth, children, running, jobs, job_records}, budget (nil: none). Fails naming the field.
 ---@param t table|nil
 ---@param budget number|nil
 ---@return table limits, number|nil budget
@@ -209,7 +214,13 @@ function store.limits(t, budget)
     children = ceiling("tree.children", t.children or config.get("tree_children_default"),
       config.get("tree_children_max")),
     running = ceiling("tree.running", t.running or config.get("tree_running_default"), config.get("tree_running_max")),
+    jobs = ceiling("tree.jobs", t.jobs or config.get("tree_jobs_default"), config.get("tree_jobs_max")),
+    job_records = ceiling("tree.job_records", t.job_records or config.get("tree_job_records_default"),
+      config.get("tree_job_records_max")),
   }
+  if l.job_records < l.jobs then
+    fail(("tree.job_records: %d is below tree.jobs (%d): every running job keeps a record"):format(l.job_records, l.jobs))
+  end
   local max = config.get("tree_budget_usd_max")
   local b = budget or config.get("tree_budget_usd_default")
   if type(b) ~= "number" or b ~= b or b < 0 then fail("budget_usd: must be a non-negative number") end
@@ -449,7 +460,8 @@ function store.info(run_id)
   if not n or not r then return nil end
   local spent, budget = store.spent(n.root)
   return { run_id = n.run_id, root = n.root, name = n.name, depth = n.depth,
-    limits = { depth = r.limits.depth, children = r.limits.children, running = r.limits.running },
+    limits = { depth = r.limits.depth, children = r.limits.children, running = r.limits.running,
+      jobs = r.limits.jobs, job_records = r.limits.job_records },
     children_used = #n.children, budget_usd = budget, spent_usd = spent }
 end
 

@@ -84,7 +84,17 @@ local reading = httpd.pool(0, "the vendor routes of all sandboxes are reading mo
 Route.rate_wait, Route.save_rate = rate.wait, rate.save
 vendor.rate_budget, vendor.parse_reset, vendor.reset_wait, vendor.body_reset = rate.budget, rate.parse_reset,
   rate.reset_wait, rate.body_reset
-vendor.DEADLINE_MARGIN, vendor.forget = rate.DEADLINE_MARGIN, rate.forget
+vendor.DEADLINE_MARGIN = rate.DEADLINE_MARGIN
+
+-- The host's copy of a run's totals (Route:write_totals), out of the sandbox's reach.
+local function totals_file(run_id) return config.get("state_dir") .. "/vendor/" .. run_id .. ".usage.json" end
+
+--- Forgets what the host saved of a finished run's route: its rate-limit state and totals.
+---@param run_id string
+function vendor.forget(run_id)
+  rate.forget(run_id)
+  if type(run_id) == "string" and run_id:match("^[%w][%w%-]*$") then os.remove(totals_file(run_id)) end
+end
 
 --- The rate-limit state of the run (saved in <state_dir>/vendor/<run_id>.json): budget,
 --- used (holds + resumes), held, resumed, limited (429 answers seen), reset_at (epoch s),
@@ -114,10 +124,10 @@ function vendor.start(o)
   local out, oerr = fs.opendir(o.output_dir)
   if not out then return nil, "vendor: " .. tostring(oerr) end
   r.out = out
-  -- a route started again (a background job re-attached after a restart) keeps the totals;
-  -- they are the sandbox's word (it can write usage.json): only finite counts are taken
-  local prev, perr, pcode = out:read("usage.json", 1 << 20)
-  if not prev and pcode ~= "ENOENT" then log.warning(LOGGER, "%s: previous totals not read: %s", o.run_id, tostring(perr)) end
+  -- a route started again (a background job re-attached after a restart) keeps the totals
+  -- it saved on the host (never usage.json in /out: the sandbox can write that); only
+  -- finite counts are taken
+  local prev = fs.read_file(totals_file(o.run_id), 0, 1 << 20)
   local pok
   pok, prev = pcall(json.decode, prev or "")
   if not pok then prev = nil end
@@ -212,13 +222,19 @@ function Route:totals()
   }
 end
 
---- Rewrites usage.json atomically with the totals (logged when it cannot).
+--- Rewrites usage.json atomically with the totals (logged when it cannot), and the host's
+--- own copy of them, <state_dir>/vendor/<run id>.usage.json (0600), which a route started
+--- again for the run takes up.
 function Route:write_totals()
   local ok, text = pcall(json.encode, self:totals())
   if ok then
     local w, err = nil, "the route is stopped"
     if self.out then w, err = self.out:write_atomic("usage.json", text .. "\n") end
     if not w then log.warning(LOGGER, "%s: usage.json: %s", self.run_id, tostring(err)) end
+    local f = totals_file(self.run_id)
+    fs.mkdir_p(f:match("^(.*)/"), 448) -- 0700
+    local hw, herr = fs.write_atomic(f, text .. "\n", 384)
+    if not hw then log.warning(LOGGER, "%s: %s: %s", self.run_id, f, tostring(herr)) end
   end
 end
 

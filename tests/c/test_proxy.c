@@ -62,6 +62,15 @@ static void test_heads(void) {
   CHECK(!strstr(out, "Proxy-Connection") && !strstr(out, "Host: x") && strstr(out, "User-Agent: t\r\n") &&
           strstr(out, "Connection: close\r\n\r\n"),
         "rewrite headers: %s", out);
+  /* to an upstream proxy: absolute-form, the sandbox's Proxy-* gone, the host's credential added */
+  n = dm_proxy_head_rewrite_proxy(&h, out, sizeof out, "Basic Y29ycDpwdw==");
+  out[n] = '\0';
+  want = "GET http://denied.test:8080/a/b?q=1 HTTP/1.1\r\nHost: denied.test:8080\r\n";
+  CHECK(n && !strncmp(out, want, strlen(want)), "rewrite for an upstream proxy: %s", out);
+  CHECK(!strstr(out, "Proxy-Connection") &&
+          strstr(out, "Proxy-Authorization: Basic Y29ycDpwdw==\r\nConnection: close\r\n\r\n"),
+        "upstream proxy headers: %s", out);
+  CHECK(dm_proxy_head_rewrite_proxy(&h, out, 40, NULL) == 0, "too small a buffer gives 0");
   const char *rest = abs + i;
   size_t fwd;
   r = dm_proxy_head_body(&h, rest, strlen(rest), &fwd);

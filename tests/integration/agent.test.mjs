@@ -489,6 +489,42 @@ test("claude_code in the background: the job ends, results.json and usage.json a
   }
 });
 
+// issue 24 §3: tasks/result of a task-augmented sandbox_agent is the agent's result (its
+// answer, cost and usage), not a script's exit code and stdout
+test("claude_code as an MCP task: tasks/result carries the answer and the cost", { timeout: 240_000 }, async () => {
+  const conn = await connect({ fixtures: false, env: serverEnv({
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+  }) });
+  try {
+    const { tools } = await conn.client.listTools();
+    assert.equal(tools.find((x) => x.name === "sandbox_agent").execution?.taskSupport, "optional");
+    const seenTypes = [];
+    let result;
+    for await (const m of conn.client.experimental.tasks.callToolStream({ name: "sandbox_agent", arguments: {
+      prompt: "Write done to /out/answer.txt.", timeout_seconds: 180 } }, undefined, { task: { ttl: 600000 }, timeout: 230_000 })) {
+      seenTypes.push(m.type);
+      if (m.type === "result") result = m.result;
+      if (m.type === "error") assert.fail(`${m.error.code}: ${m.error.message}`);
+    }
+    assert.equal(seenTypes[0], "taskCreated");
+    assert.ok(result, `a result arrived (${seenTypes.join(",")})`);
+    assert.ok(!result.isError, JSON.stringify(result.content));
+    const r = result.structuredContent;
+    assert.equal(r.exit_code, 0);
+    assert.equal(r.answer, FINAL, "the agent's answer, as the call without a task gives it");
+    assert.ok(Math.abs(r.cost_usd - (300 * 3 + 50 * 15) / 1e6) < 1e-9, `cost ${r.cost_usd}`);
+    assert.equal(r.usage["claude-sonnet-5"].output, 50);
+    assert.equal(r.provider, "claude_code");
+    assert.match(r.run_id, /^\d{8}T\d{6}Z-/);
+    assert.equal(r.stdout, undefined, "not a script's result");
+    assert.match(result.content[0].text, /--- answer ---\nThe answer is done\./);
+    assert.equal(readFileSync(path.join(r.output_dir, "answer.txt"), "utf8"), "done\n");
+  } finally {
+    await conn.client.close();
+  }
+});
+
 test("a background agent survives a server restart: the vendor route comes back, usage is kept", { timeout: 240_000 }, async () => {
   const env = serverEnv({
     ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${port}`,

@@ -6,6 +6,8 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
+import http from "node:http";
+import net from "node:net";
 import { createHash } from "node:crypto";
 import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, existsSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -114,6 +116,107 @@ test("C18: https://allowed.test, :443, a *.allowed.test name and http://allowed.
     ["allowed.test", "allow", "test#2 allowed"], ["allowed.test", "allow", "test#2 allowed"],
     ["sub.allowed.test", "allow", "test#2 allowed"], ["allowed.test", "allow", "test#2 allowed"],
     ["a.b.allowed.test", "allow", "test#2 allowed"]], JSON.stringify(log));
+});
+
+// The host's own proxy (a corporate HTTPS_PROXY): a loopback upstream proxy that reaches the
+// test hosts by its own name table. Allowed requests go through it with its credentials, the
+// policy still decides first (a denied name never reaches it), NO_PROXY names are dialled
+// directly, and its refusal (407) reaches the sandbox as a 502 that says so.
+async function upstreamProxy() {
+  const names = { "allowed.test": "127.0.0.2", "sub.allowed.test": "127.0.0.2", "a.b.allowed.test": "127.0.0.2" };
+  const state = { seen: [] };
+  const authOk = (req) => req.headers["proxy-authorization"] === `Basic ${Buffer.from("corp:pa:ss").toString("base64")}`;
+  state.server = http.createServer((req, res) => { // absolute-form plain HTTP
+    const u = new URL(req.url);
+    state.seen.push({ method: req.method, target: req.url, auth: authOk(req), sandboxAuth: req.headers["x-sandbox-auth"] });
+    const headers = { ...req.headers };
+    delete headers["proxy-authorization"];
+    const fwd = http.request({ host: names[u.hostname], port: hostA.httpPort, path: u.pathname, method: req.method, headers }, (up) => { res.writeHead(up.statusCode, up.headers); up.pipe(res); });
+    fwd.on("error", () => { res.writeHead(502); res.end(); });
+    req.pipe(fwd);
+  });
+  state.server.on("connect", (req, sock, head) => {
+    state.seen.push({ method: "CONNECT", target: req.url, auth: authOk(req) });
+    const [host, port] = req.url.split(":");
+    if (!authOk(req) || host === "a.b.allowed.test") {
+      sock.end("HTTP/1.1 407 Proxy Authentication Required\r\nProxy-Authenticate: Basic realm=corp\r\nContent-Length: 0\r\n\r\n");
+      return;
+    }
+    const up = net.connect(port === "443" ? hostA.httpsPort : Number(port), names[host], () => {
+      sock.write("HTTP/1.1 200 Connection established\r\n\r\n");
+      up.write(head);
+      up.pipe(sock);
+      sock.pipe(up);
+    });
+    up.on("error", () => sock.destroy());
+    sock.on("error", () => up.destroy());
+  });
+  await new Promise((r) => state.server.listen(0, "127.0.0.1", r));
+  state.port = state.server.address().port;
+  state.close = () => new Promise((r) => { state.server.closeAllConnections?.(); state.server.close(r); });
+  return state;
+}
+
+test("the host's own proxy: allowed requests go through HTTPS_PROXY/HTTP_PROXY, denied ones never reach it, NO_PROXY is dialled directly", async () => {
+  const up = await upstreamProxy();
+  const c = await connect({ fixtures: false, env: { ...serverEnv(), DEMESNE_STATE_DIR: path.join(work, "state-upstream"),
+    DEMESNE_EGRESS_HTTPS_PROXY: `http://corp:pa%3Ass@127.0.0.1:${up.port}`,
+    DEMESNE_EGRESS_HTTP_PROXY: `http://corp:pa%3Ass@127.0.0.1:${up.port}/`,
+    DEMESNE_EGRESS_NO_PROXY: "localhost, .sub.allowed.test" } });
+  try {
+    const before = hostA.hits;
+    const queries = dns.queries.length;
+    const res = await c.client.callTool({ name: "sandbox_script", arguments: { image: "base", egress: "test", command:
+      `${CURL} -k https://${A()}/via-tls; ${CURL} -H 'x-sandbox-auth: 1' -H 'Proxy-Authorization: Basic c2FuZGJveA==' http://${Ahttp()}/via-plain; `
+      + `${CURL} -k -o /dev/null -w '%{http_code}\\n' https://denied.test/ 2>&1; `
+      + `${CURL} -k https://sub.${A()}/direct; `
+      + `${CURL} -k -o /dev/null https://a.b.${A()}/ 2>&1; echo "refused=$?"` } }, undefined, LONG);
+    assert.ok(!res.isError, res.content?.[0]?.text);
+    const r = res.structuredContent;
+    assert.match(r.stdout, /^host-a GET \/via-tls host=allowed\.test/m);
+    assert.match(r.stdout, /^host-a GET \/via-plain host=allowed\.test/m);
+    assert.match(r.stdout, /^host-a GET \/direct host=sub\.allowed\.test/m, "a NO_PROXY name is dialled directly");
+    assert.match(r.stdout, /refused=56/, "curl: the CONNECT tunnel failed");
+    assert.equal(hostA.hits - before, 3);
+    // what the upstream proxy saw: the two allowed requests with the host's credentials, the
+    // refused one, never the denied name nor the NO_PROXY one, never the sandbox's Proxy-Authorization
+    assert.deepEqual(up.seen.map((x) => [x.method, x.target, x.auth]), [
+      ["CONNECT", `allowed.test:${hostA.httpsPort}`, true],
+      ["GET", `http://${Ahttp()}/via-plain`, true],
+      ["CONNECT", `a.b.allowed.test:${hostA.httpsPort}`, true]]);
+    assert.equal(up.seen[1].sandboxAuth, "1", "the sandbox's own headers are forwarded");
+    const log = egressLog(r);
+    assert.deepEqual(log.map((l) => [l.method, l.host, l.verdict, l.via ?? null]), [
+      ["CONNECT", "allowed.test", "allow", `http://…@127.0.0.1:${up.port}`],
+      ["GET", "allowed.test", "allow", `http://…@127.0.0.1:${up.port}`],
+      ["CONNECT", "denied.test", "deny", null],
+      ["CONNECT", "sub.allowed.test", "allow", null],
+      ["CONNECT", "a.b.allowed.test", "allow", `http://…@127.0.0.1:${up.port}`]], JSON.stringify(log));
+    assert.equal(log[0].address, `127.0.0.1:${up.port}`, "the address dialled is the upstream proxy's");
+    assert.match(log[4].error, /answered CONNECT with "HTTP\/1\.1 407 Proxy Authentication Required"/);
+    assert.equal(log[4].status, 502);
+    // the names that went through the upstream proxy were never looked up on this host
+    const asked = dns.queries.slice(queries);
+    assert.ok(!asked.includes("allowed.test") && !asked.includes("a.b.allowed.test"), JSON.stringify(asked));
+    assert.ok(asked.includes("sub.allowed.test"), "the NO_PROXY name was resolved here");
+    for (const l of log) assert.ok(!JSON.stringify(l).includes("pa:ss") && !JSON.stringify(l).includes("corp:"), "no credential in egress.jsonl");
+  } finally {
+    await c.client.close();
+    await up.close();
+  }
+});
+
+test("a host proxy setting that is not a proxy URL fails the sandbox's start naming the setting", async () => {
+  const c = await connect({ fixtures: false, env: { ...serverEnv(), DEMESNE_STATE_DIR: path.join(work, "state-upstream-bad"),
+    DEMESNE_EGRESS_HTTPS_PROXY: "socks5://127.0.0.1:1080" } });
+  try {
+    const res = await c.client.callTool({ name: "sandbox_script", arguments: { image: "base", egress: "test", command: "true" } },
+      undefined, LONG);
+    assert.equal(res.isError, true);
+    assert.match(res.content[0].text, /egress_https_proxy: "socks5:\/\/127\.0\.0\.1:1080": only http:\/\/ proxies are supported/);
+  } finally {
+    await c.client.close();
+  }
 });
 
 test("C17: 50 times each of 7 spellings of a denied name: every attempt denied", async () => {

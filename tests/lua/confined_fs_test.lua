@@ -280,7 +280,7 @@ function tests.egress_and_vendor_files_never_block_or_follow(t)
   h = assert(egress.start({ run_id = "ct-" .. hex(loop.random(3)), run_dir = run, output_dir = out, policy = pol }))
   t:eq(fs.lstat(run .. "/apt.conf").type, "file")
   h:stop()
-  -- the vendor route: a FIFO at usage.json (read back after a restart) is skipped, one at
+  -- the vendor route: a FIFO at usage.json (never read: the host keeps its own totals) is replaced, one at
   -- usage.jsonl is refused; neither blocks
   local vendor = require("demesne.vendor")
   local reg = require("demesne.providers").load({ user_dir = false, quiet = true })
@@ -290,7 +290,10 @@ function tests.egress_and_vendor_files_never_block_or_follow(t)
   local route, verr = vendor.start({ run_id = "ct-v" .. hex(loop.random(3)), run_dir = run, output_dir = out,
     provider = p, token = "dmsn-x", credential = cred })
   t:ok(route, tostring(verr))
-  if route then route:stop() end
+  if route then
+    route:stop()
+    vendor.forget(route.run_id) -- (the host's copy of its totals, in the state folder)
+  end
   t:eq(fs.lstat(out .. "/usage.json").type, "file", "the FIFO was replaced by the totals, never opened")
   t:ok(sh(("rm %s/usage.jsonl && mkfifo %s/usage.jsonl"):format(out, out)), "mkfifo usage.jsonl")
   local none, uerr = vendor.start({ run_id = "ct-v" .. hex(loop.random(3)), run_dir = run, output_dir = out,

@@ -7,6 +7,7 @@
 local async = require("demesne.async")
 local config = require("demesne.config")
 local engines = require("demesne.engines")
+local jobs = require("demesne.jobs")
 local sandbox = require("demesne.sandbox")
 local tree = require("demesne.tree")
 local hostmcp = require("demesne.hostmcp")
@@ -23,7 +24,7 @@ local tests = {}
 
 local VARS = { "XDG_CONFIG_HOME", "DEMESNE_ENGINE_ADAPTER", "DEMESNE_ENGINE", "DEMESNE_STATE_DIR",
   "DEMESNE_OUTPUT_ROOT", "DEMESNE_ALLOWED_PATHS", "DEMESNE_INIT", "DEMESNE_TREE_BUDGET_USD_MAX",
-  "DEMESNE_TREE_WAIT_SECONDS" }
+  "DEMESNE_TREE_WAIT_SECONDS", "DEMESNE_CHILD_IMAGES" }
 
 -- A scratch world on the fake engine, with a stub endpoint (opened and closed runs).
 local function world(extra_env)
@@ -37,7 +38,7 @@ local function world(extra_env)
   local saved = {}
   local env = { XDG_CONFIG_HOME = d .. "/config", DEMESNE_ENGINE_ADAPTER = "fake", DEMESNE_ENGINE = "",
     DEMESNE_STATE_DIR = d .. "/state", DEMESNE_OUTPUT_ROOT = d .. "/out", DEMESNE_ALLOWED_PATHS = d .. "/host",
-    DEMESNE_INIT = d .. "/demesne-init" }
+    DEMESNE_INIT = d .. "/demesne-init", DEMESNE_CHILD_IMAGES = IMAGE } -- the fake's image, named from inside
   for k, v in pairs(extra_env or {}) do env[k] = v end
   for _, k in ipairs(VARS) do
     saved[k] = os.getenv(k)
@@ -98,6 +99,45 @@ local function spawn(caller, kind, args, run)
     if kind == "create" then return sandbox.create(c, a) end
     error("no run for " .. kind)
   end)
+end
+
+function tests.background_jobs_of_a_tree_are_bounded_running_and_kept(t)
+  local w <close> = world()
+  local r = root(w, { egress = "none", tree = { jobs = 2, job_records = 3 } })
+  local id = r.sandbox_id
+  local box = spawn(id, "create", { name = "box", image = IMAGE })
+  local gate = async.event()
+  jobs.register("tree_test", {
+    start = function() error("not used") end,
+    run = function(_, hold)
+      if hold then gate.wait() end
+      return { status = "succeeded", exit_code = 0 }
+    end,
+    attach = function() return { status = "lost" } end,
+  })
+  -- what child.lua does for a background call from inside the root: admit, then launch
+  local function launch(hold)
+    local _admitted <close> = tree.job_admit(id)
+    return jobs.launch({ tool = "sandbox_exec", kind = "tree_test", command = "x", timeout_seconds = 60,
+      output_dir = w.dir, sandbox_id = box.sandbox_id }, hold)
+  end
+  local a, b = launch(true), launch(true)
+  t:match(failure(tree.job_admit, id), "already runs 2 background jobs, its limit %(tree%.jobs%)")
+  gate.set()
+  t:eq({ jobs.wait(a.job_id, 5000).status, jobs.wait(b.job_id, 5000).status }, { "succeeded", "succeeded" })
+  local c = launch(false)
+  t:eq(jobs.wait(c.job_id, 5000).status, "succeeded")
+  -- three kept, the limit: the next one removes the tree's oldest finished record
+  local d = launch(false)
+  t:eq(jobs.wait(d.job_id, 5000).status, "succeeded")
+  t:eq(jobs.get(a.job_id), nil, "the oldest finished record went")
+  t:eq(fs.lstat(jobs.record_path(a.job_id)), nil, "its file too")
+  t:eq(tree.get(id).jobs, { b.job_id, c.job_id, d.job_id })
+  launch(false)
+  t:eq(#tree.get(id).jobs, 3, "the kept records stay at the limit")
+  t:eq(jobs.get(b.job_id), nil)
+  t:match(failure(tree.limits, { jobs = 4, job_records = 2 }), "tree%.job_records: 2 is below tree%.jobs %(4%)")
+  sandbox.destroy(nil, { sandbox_id = id })
 end
 
 function tests.a_root_gets_its_endpoint_workspace_and_read_only_child_folder(t)
@@ -182,8 +222,8 @@ function tests.names_depth_children_and_egress_are_checked(t)
   t:match(failure(spawn, id, "script", { name = "broken", command = "true", image = IMAGE }), "already used")
   spawn(id, "script", { name = "third", command = "true", image = IMAGE })
   t:match(failure(spawn, id, "script", { name = "more", command = "true", image = IMAGE }), "spawned 3 children")
-  t:eq(tree.info(id), { run_id = id, root = id, depth = 0, limits = { depth = 1, children = 3, running = 8 },
-    children_used = 3, spent_usd = 0 })
+  t:eq(tree.info(id), { run_id = id, root = id, depth = 0, limits = { depth = 1, children = 3, running = 8,
+    jobs = 32, job_records = 256 }, children_used = 3, spent_usd = 0 })
   sandbox.destroy(nil, { sandbox_id = id })
   local kids = tree.children(id)
   t:eq({ kids[2].name, kids[2].status }, { "broken", "failed" })
@@ -338,11 +378,134 @@ function tests.a_planted_child_folder_is_refused(t)
   sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
 end
 
+-- The spec the engine was given for a sandbox.
+local function spec_of(w, id) return w.specs["demesne-" .. id] end
+
+function tests.isolation_is_a_floor_kept_in_the_record(t)
+  local w <close> = world()
+  w.eng.capabilities.runtimes = { gvisor = true }
+  local r = root(w, { egress = "none", isolation = "gvisor", mcp = true })
+  t:eq(tree.get(r.sandbox_id).walls.isolation, "gvisor")
+  local a = spawn(r.sandbox_id, "create", { name = "names-none", image = IMAGE })
+  t:eq(spec_of(w, a.sandbox_id).runtime, "gvisor", "a child that names no isolation runs on the parent's")
+  t:eq(tree.get(a.sandbox_id).walls.isolation, "gvisor")
+  t:eq(failure(spawn, r.sandbox_id, "create", { name = "weaker", image = IMAGE, isolation = "container" }),
+    'isolation: "container" is weaker than this sandbox\'s own isolation (gvisor); a child runs on gvisor')
+  local again = spawn(r.sandbox_id, "create", { name = "weaker", image = IMAGE, isolation = "gvisor" })
+  t:ok(again.sandbox_id, "a refused isolation does not take the name")
+  -- a container parent's child may ask for more
+  local c = root(w, { egress = "none" })
+  local g = spawn(c.sandbox_id, "create", { name = "stronger", image = IMAGE, isolation = "gvisor" })
+  t:eq(spec_of(w, g.sandbox_id).runtime, "gvisor")
+  -- the record survives a restart (a new process reads it from the state folder)
+  tree.reset()
+  t:eq(tree.get(r.sandbox_id).walls, { isolation = "gvisor", userns = false,
+    limits = { memory_mb = 2048, cpus = 2, pids = 1024 }, tree = { memory_mb = 2048 * 8, cpus = 16, pids = 1024 * 8 } })
+  t:match(failure(spawn, r.sandbox_id, "create", { name = "after-restart", image = IMAGE, isolation = "container" }),
+    "weaker than this sandbox's own isolation %(gvisor%)")
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+  sandbox.destroy(nil, { sandbox_id = c.sandbox_id })
+end
+
+function tests.limits_default_to_the_parents_and_never_exceed_them(t)
+  local w <close> = world()
+  local r = root(w, { egress = "none", limits = { memory_mb = 256, pids = 64, cpus = 1 } })
+  local a = spawn(r.sandbox_id, "create", { name = "inherits", image = IMAGE })
+  t:eq(spec_of(w, a.sandbox_id).limits, { memory_bytes = 256 * 1024 * 1024, cpus = 1, pids = 64 })
+  local b = spawn(r.sandbox_id, "create", { name = "smaller", image = IMAGE, limits = { memory_mb = 128 } })
+  t:eq(spec_of(w, b.sandbox_id).limits, { memory_bytes = 128 * 1024 * 1024, cpus = 1, pids = 64 })
+  t:eq(failure(spawn, r.sandbox_id, "create", { name = "greedy", image = IMAGE, limits = { memory_mb = 512 } }),
+    "limits.memory_mb: 512 is more than this sandbox's own limit of 256 (the parent's); a child may have at most 256")
+  t:match(failure(spawn, r.sandbox_id, "script", { name = "forks", command = "true", image = IMAGE,
+    limits = { pids = 30000 } }), "^limits.pids: 30000 is more than this sandbox's own limit of 64 %(the parent's%)")
+  t:match(failure(spawn, r.sandbox_id, "create", { name = "cpus", image = IMAGE, limits = { cpus = 1.5 } }),
+    "^limits.cpus: 1.5 is more than")
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+end
+
+function tests.tree_totals_are_checked_where_a_slot_is_reserved(t)
+  local w <close> = world({ DEMESNE_TREE_WAIT_SECONDS = "1" })
+  t:match(failure(root, w, { egress = "none", limits = { memory_mb = 256 }, tree = { memory_mb = 128 } }),
+    "^tree.memory_mb: 128 is less than this run's own limits.memory_mb %(256%)")
+  local r = root(w, { egress = "none", limits = { memory_mb = 256 }, tree = { memory_mb = 640 } })
+  t:eq(tree.get(r.sandbox_id).walls.tree.memory_mb, 640)
+  local mid = spawn(r.sandbox_id, "create", { name = "mid", image = IMAGE, mcp = true })
+  -- mid's child would need 256 beside mid and the root (512): more than 640, at once
+  t:eq(failure(spawn, mid.sandbox_id, "create", { name = "deep", image = IMAGE }),
+    "limits.memory_mb: this sandbox and those above it, which run as long as this call, hold 512 of its 640 MB "
+      .. "(tree.memory_mb: the root's limits x tree.running unless the host's call set it), so a child of 256 does "
+      .. "not fit while they run; ask for less")
+  local small = spawn(mid.sandbox_id, "create", { name = "small", image = IMAGE, limits = { memory_mb = 128 } })
+  -- with tree.running 2, a grandchild never gets a slot while its parent and the root run: refused at once
+  local r2 = root(w, { egress = "none", tree = { running = 2 } })
+  local mid2 = spawn(r2.sandbox_id, "create", { name = "mid", image = IMAGE, mcp = true })
+  local started = loop.now()
+  t:match(failure(spawn, mid2.sandbox_id, "create", { name = "deep", image = IMAGE }),
+    "^this tree runs at most 2 sandboxes at once %(tree.running%), and this sandbox and those above it, which run as "
+      .. "long as this call, are 2 of them: a child here never gets a slot")
+  t:ok(loop.now() - started < 900, "without waiting")
+  sandbox.destroy(nil, { sandbox_id = r2.sandbox_id })
+  -- 640 held: a further child waits for room, then is refused
+  t:match(failure(spawn, r.sandbox_id, "create", { name = "late", image = IMAGE, limits = { memory_mb = 64 } }),
+    "^limits.memory_mb: this tree's running sandboxes already hold 640 of its 640 MB %(tree.memory_mb: the root's "
+      .. "limits x tree.running.*so a child of 64 does not fit; waited 1 s")
+  -- room that frees while a spawn waits lets it go on
+  local waiter = async.spawn("spawn", function()
+    return spawn(r.sandbox_id, "create", { name = "gets-in", image = IMAGE, limits = { memory_mb = 64 } })
+  end)
+  async.sleep(100)
+  sandbox.destroy(nil, { sandbox_id = small.sandbox_id })
+  local ok, got = waiter:wait()
+  t:ok(ok, tostring(got and got.message or got))
+  t:eq(tree.get(got.sandbox_id).walls.limits.memory_mb, 64)
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+end
+
+function tests.images_from_inside_are_demesnes_the_users_or_the_configurations(t)
+  local w <close> = world()
+  w.eng.images["local/secret:1"] = { id = "feed", labels = {} }
+  local r = root(w, { egress = "none" })
+  t:match(failure(spawn, r.sandbox_id, "script", { name = "secret", command = "true", image = "local/secret:1" }),
+    '^image: "local/secret:1" is not an image a sandbox may start: from inside a sandbox only demesne\'s images %(.*base.*%) '
+      .. "and those the configuration lists in child_images may be named")
+  t:eq(sandbox.run_script(nil, { command = "true", image = "local/secret:1" }).exit_code, 0, "the host may use it")
+  t:match(failure(spawn, r.sandbox_id, "create", { name = "builds", image = "browser" }),
+    '^image: "browser" is not built yet, and a sandbox may not start its build .*`demesne images build browser`')
+  t:eq(#tree.get(r.sandbox_id).children, 0, "refused before the name is taken")
+  t:eq(spawn(r.sandbox_id, "script", { name = "listed", command = "true", image = IMAGE }).exit_code, 0,
+    "an image child_images lists")
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
+end
+
 -- An agent run's plan as agent.prepare makes it (only what tree.plan reads).
 local function agent_plan(w, tool, id, args)
   local out = w.dir .. "/out/" .. id
   return { tool = tool, run_id = id, output_dir = out, run_dir = w.dir .. "/state/runs/" .. id, mounts = {},
-    egress = { name = tool == "sandbox_research" and "open" or "none" }, args = args }
+    egress = { name = tool == "sandbox_research" and "open" or "none" }, args = args, engine = w.eng, image_arg = IMAGE,
+    isolation = args.isolation or "container", limits = sandbox.limits(args.limits) }
+end
+
+function tests.a_research_childs_out_is_handed_over_when_it_ends(t)
+  local w <close> = world()
+  local r = root(w, { egress = "none" })
+  local final = r.output_dir .. "/child/web"
+  local seen = {}
+  local res = spawn(r.sandbox_id, "research", { name = "web", prompt = "x" }, function(ctx, a)
+    local o = agent_plan(w, "sandbox_research", "20260101T000000Z-eeeeeeee", a)
+    tree.plan(ctx, o, a)
+    seen.out = o.output_dir
+    assert(fs.write_atomic(o.output_dir .. "/note.txt", "from the child\n")) -- the child runs
+    seen.while_running = fs.readdir(final)
+    tree.removed(o) -- its container is gone
+    return { exit_code = 0, output_dir = o.output_dir, run_id = o.run_id }
+  end)
+  t:eq(seen.out, w.dir .. "/out/20260101T000000Z-eeeeeeee", "it ran in a folder of its own under the output root")
+  t:eq(seen.while_running, {}, "its parent's child/web stays empty while it runs")
+  t:eq(res.output_dir, final, "the result names the folder where the parent reads it")
+  t:eq(fs.read_file(final .. "/note.txt"), "from the child\n", "handed over when it ended")
+  t:eq(fs.lstat(seen.out), nil, "nothing is left where it ran")
+  t:eq(tree.get("20260101T000000Z-eeeeeeee").output_dir, final)
+  sandbox.destroy(nil, { sandbox_id = r.sandbox_id })
 end
 
 -- Writes config.lua with host MCP servers that cannot start (/bin/false): tree.plan's sets

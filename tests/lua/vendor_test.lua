@@ -94,6 +94,7 @@ function tests.route_checks_token_and_path_swaps_credential_and_counts_usage(t)
     t:eq(#up.seen, 1, "refused requests never reach the upstream")
   end)
   route:stop()
+  vendor.forget(route.run_id) -- (the host's copy of its totals, in the state folder)
   up.listener:close()
   p.vendor.upstream = saved
   if not ok then fs.remove_tree(dir) error(err, 0) end
@@ -153,6 +154,7 @@ function tests.route_refuses_connections_over_its_ceiling(t)
     t:eq(res.status, 403, "under the ceiling again, requests are served")
   end)
   route:stop()
+  vendor.forget(route.run_id) -- (the host's copy of its totals, in the state folder)
   loop.setenv("DEMESNE_VENDOR_MAX_CONNECTIONS", nil)
   config.load()
   local lines = fs.read_file(dir .. "/out/usage.jsonl") or ""
@@ -256,6 +258,7 @@ function tests.route_charges_each_request_and_refuses_once_the_budget_is_spent(t
     t:eq(#charged, 1, "nothing charged for it")
   end)
   route:stop()
+  vendor.forget(route.run_id) -- (the host's copy of its totals, in the state folder)
   up.listener:close()
   p.vendor.upstream = saved
   for _, pair in ipairs({ { vendor.hooks.admit, admit }, { vendor.hooks.charge, charge } }) do
@@ -789,6 +792,31 @@ function tests.endless_trailer_and_bad_chunk_framing_are_refused(t)
   end)
   close()
   if not ok then error(err, 0) end
+end
+
+-- A route started again for a run (a background job re-attached after a restart) takes up
+-- the totals the host saved, never usage.json in /out, which the sandbox can rewrite.
+function tests.a_restarted_route_takes_up_the_hosts_totals_not_the_sandboxs(t)
+  local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-vendor-" .. hex(loop.random(6))
+  assert(fs.mkdir_p(dir .. "/run", 493))
+  assert(fs.mkdir_p(dir .. "/out", 493))
+  local p = providers.load({ user_dir = false, quiet = true }):get("claude_code")
+  local cred = { present = true, kind = "api_key", value = function() return "x" end }
+  local o = { run_id = "vh-" .. hex(loop.random(4)), run_dir = dir .. "/run", output_dir = dir .. "/out", provider = p,
+    token = "dmsn-x", credential = cred }
+  local first = assert(vendor.start(o))
+  first:count({ model = "claude-sonnet-5", input = 100, output = 10 })
+  first:stop()
+  assert(fs.write_atomic(dir .. "/out/usage.json", json.encode({ cost_usd = 999, input = 7,
+    models = { forged = { requests = 9, input = 7, cost_usd = 999 } } })))
+  local again = assert(vendor.start(o))
+  local tot = again:totals()
+  again:stop()
+  vendor.forget(o.run_id)
+  fs.remove_tree(dir)
+  t:eq(tot.models.forged, nil, "the sandbox's usage.json is not read")
+  t:eq({ tot.input, tot.output, tot.models["claude-sonnet-5"].input }, { 100, 10, 100 }, "the host's totals")
+  t:ok(tot.cost_usd < 999)
 end
 
 return tests
