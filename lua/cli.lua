@@ -1,4 +1,4 @@
--- The command line: demesne [serve] | tools | check-config | doctor | images | policy | skills | reap |
+-- The command line: demesne [serve] | tools | check-config | doctor | images | policy | skills | reap | branches |
 -- test | --help |
 -- --version
 local loop = require("core.loop")
@@ -32,6 +32,9 @@ Commands:
                       link the skills into Claude Code's and Codex's skill folders
   reap                remove what servers that are gone left behind (their one-shot and
                       warm sandboxes, run folders) and expired sandboxes; keeps running jobs
+  branches [REPO] [--delete NAME]... [--prune] [--json]
+                      list the branches demesne made in a repository (run, status, cost,
+                      diffstat); --delete removes one, --prune those merged into HEAD
   test DIR...         run the Lua tests in DIR inside this binary
   --help              show this help
   --version           print the version

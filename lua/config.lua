@@ -102,6 +102,11 @@ local SPEC = {
     doc = "bytes of the end of each stream kept in a result" },
   download_max_bytes = { env = "DEMESNE_DOWNLOAD_MAX_BYTES", default = 1024 * 1024 * 1024, number = true,
     doc = "ceiling on the unpacked size of one sandbox_download" },
+  repository_max_bytes = { env = "DEMESNE_REPOSITORY_MAX_BYTES", default = 2 * 1024 * 1024 * 1024, number = true,
+    doc = "ceiling on a host repository given to a sandbox (its objects on disk, and the bundle made of it) and on "
+      .. "the bundle a sandbox hands back" },
+  repository_timeout_seconds = { env = "DEMESNE_REPOSITORY_TIMEOUT_SECONDS", default = 300, number = true,
+    doc = "seconds one git command on the host (bundling a repository, fetching a handed-back branch) may take" },
   upload_max_bytes = { env = "DEMESNE_UPLOAD_MAX_BYTES", default = 4 * 1024 * 1024 * 1024, number = true,
     doc = "ceiling on the size of the files one sandbox_upload copies (sparse files count in full)" },
   output_max_bytes = { env = "DEMESNE_OUTPUT_MAX_BYTES", default = 16 * 1024 * 1024 * 1024, number = true,

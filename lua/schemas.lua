@@ -1,6 +1,7 @@
 -- JSON Schema pieces shared by the sandbox tools, so every tool spells a parameter the same way.
 local json = require("demesne.json")
 local paths = require("demesne.paths")
+local repo = require("demesne.repo")
 
 local schemas = {}
 
@@ -166,6 +167,7 @@ function schemas.job_properties(extra)
     message = { type = "string" },
     agent = { type = "object", description = "an ended agent job's result (from results.json in output_dir): "
       .. "answer, reason, cost_usd, usage, rate_limited, model, session_id" },
+    branch = repo.SCHEMA,
     tree = { type = "object", description = "when the job runs a sandbox tree (or a node of one): its live cost "
       .. "(cost_usd of the subtree), nodes, running, and the tree's budget_usd and spent_usd" },
   }
@@ -191,6 +193,7 @@ function schemas.status_text(r)
   if r.reason then lines[#lines + 1] = "reason: " .. r.reason end
   if r.message then lines[#lines + 1] = "message: " .. r.message end
   if r.output_dir then lines[#lines + 1] = "output_dir: " .. r.output_dir end
+  if type(r.branch) == "table" then lines[#lines + 1] = repo.text(r.branch) end
   if type(r.tree) == "table" then
     lines[#lines + 1] = ("tree: %d sandbox(es), %d running, cost_usd %.4f%s"):format(r.tree.nodes or 0,
       r.tree.running or 0, r.tree.cost_usd or 0,

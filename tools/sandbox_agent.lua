@@ -2,6 +2,7 @@
 -- credential kept on the host (the run itself: lua/agent/).
 local agent = require("demesne.agent")
 local jobs = require("demesne.jobs")
+local repo = require("demesne.repo")
 local json = require("demesne.json")
 local schemas = require("demesne.schemas")
 
@@ -24,9 +25,12 @@ return {
       egress = { type = "string", enum = json.array({ "none", "package-managers" }), default = "none",
         description = "'none' (default): only the model API; 'package-managers': also package registries." },
       host_mcp = schemas.host_mcp,
+      repository = repo.params().repository,
+      include_uncommitted = repo.params().include_uncommitted,
+      branch = repo.params().branch,
     }),
   },
-  outputSchema = schemas.or_job(schemas.agent_result()),
+  outputSchema = schemas.or_job(schemas.agent_result(), { branch = repo.SCHEMA }),
   execution = { taskSupport = "optional" }, -- MCP tasks: runs as a background job
   annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = true },
   run = jobs.dispatch("agent", function(ctx, args)

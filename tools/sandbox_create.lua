@@ -1,4 +1,5 @@
 -- sandbox_create: a persistent sandbox for several sandbox_exec calls.
+local repo = require("demesne.repo")
 local sandbox = require("demesne.sandbox")
 local schemas = require("demesne.schemas")
 local json = require("demesne.json")
@@ -24,6 +25,9 @@ return {
       mcp = schemas.mcp,
       budget_usd = schemas.budget_usd,
       tree = schemas.tree,
+      repository = repo.params().repository,
+      include_uncommitted = repo.params().include_uncommitted,
+      branch = repo.params().branch,
     },
   },
   outputSchema = {
@@ -36,11 +40,17 @@ return {
       image = { type = "string" },
       mcp = { type = "object", description = "with mcp: true, the in-sandbox endpoint: url (inside the sandbox) and "
         .. "the bearer token its commands find in $DEMESNE_MCP_TOKEN" },
+      repository = { type = "object", description = "with repository: the clone in the sandbox (path), its branch, "
+        .. "base and host_head, and notes; the branch comes back at sandbox_destroy and with sandbox_exec hand_back",
+        properties = { branch = { type = "string" }, path = { type = "string" }, base = { type = "string" },
+          host_head = { type = "string" }, notes = { type = "array", items = { type = "string" } } } },
     },
   },
   annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = false },
   run = function(ctx, args)
     local r = sandbox.create(ctx, args)
-    return r, ("sandbox_id: %s\noutput_dir: %s\nexpires_at: %s"):format(r.sandbox_id, r.output_dir, r.expires_at)
+    local text = ("sandbox_id: %s\noutput_dir: %s\nexpires_at: %s"):format(r.sandbox_id, r.output_dir, r.expires_at)
+    if r.repository then text = text .. ("\nrepository: %s on branch %s"):format(r.repository.path, r.repository.branch) end
+    return r, text
   end,
 }

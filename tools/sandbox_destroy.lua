@@ -1,4 +1,5 @@
 -- sandbox_destroy: remove a persistent sandbox (its output folder stays).
+local repo = require("demesne.repo")
 local sandbox = require("demesne.sandbox")
 local schemas = require("demesne.schemas")
 local json = require("demesne.json")
@@ -6,7 +7,8 @@ local json = require("demesne.json")
 return {
   name = "sandbox_destroy",
   title = "Destroy a persistent sandbox",
-  description = "Removes a sandbox made by sandbox_create and every process in it. Its output folder is kept. "
+  description = "Removes a sandbox made by sandbox_create and every process in it. Its output folder is kept; a "
+    .. "sandbox made with repository hands its branch back first. "
     .. "Idempotent: destroying a sandbox that is already gone succeeds and says so.",
   inputSchema = {
     type = "object",
@@ -21,11 +23,14 @@ return {
       sandbox_id = { type = "string" },
       status = { type = "string", enum = { "destroyed", "already gone" } },
       output_dir = { type = "string" },
+      branch = repo.SCHEMA,
     },
   },
   annotations = { readOnlyHint = false, destructiveHint = true, idempotentHint = true, openWorldHint = false },
   run = function(ctx, args)
     local r = sandbox.destroy(ctx, args)
-    return r, ("%s: %s"):format(r.status, r.sandbox_id)
+    local text = ("%s: %s"):format(r.status, r.sandbox_id)
+    if r.branch then text = text .. "\n" .. repo.text(r.branch) end
+    return r, text
   end,
 }

@@ -1,5 +1,7 @@
 -- sandbox_exec: a command in a persistent sandbox.
+local errors = require("demesne.errors")
 local jobs = require("demesne.jobs")
+local repo = require("demesne.repo")
 local sandbox = require("demesne.sandbox")
 local schemas = require("demesne.schemas")
 
@@ -20,13 +22,22 @@ return {
       cwd = { type = "string", description = "Absolute working directory in the sandbox. Default /out." },
       env = schemas.env,
       background = schemas.background,
+      hand_back = { type = "boolean", default = false, description = "A sandbox made with repository: after the "
+        .. "command, hand its branch back to the host repository now (commits, and what is uncommitted as a commit by "
+        .. "demesne); the result gets `branch`. sandbox_destroy always does. Not with background." },
     },
   },
-  outputSchema = schemas.or_job(schemas.run_result({ log_dir = { type = "string" }, expires_at = { type = "string" } })),
+  outputSchema = schemas.or_job(schemas.run_result({ log_dir = { type = "string" }, expires_at = { type = "string" },
+    branch = repo.SCHEMA })),
   execution = { taskSupport = "optional" }, -- MCP tasks: runs as a background job
   annotations = { readOnlyHint = false, destructiveHint = true, idempotentHint = false, openWorldHint = false },
-  run = jobs.dispatch("exec", function(ctx, args)
-    local r = sandbox.exec(ctx, args)
-    return r, schemas.run_text(r)
-  end),
+  run = function(ctx, args)
+    if args.hand_back and args.background then errors.raise("hand_back: not with background") end
+    return jobs.dispatch("exec", function(c, a)
+      local r = sandbox.exec(c, a)
+      local text = schemas.run_text(r)
+      if r.branch then text = repo.text(r.branch) .. "\n" .. text end
+      return r, text
+    end)(ctx, args)
+  end,
 }

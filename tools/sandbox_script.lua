@@ -1,5 +1,6 @@
 -- sandbox_script: one command in a fresh, disposable container.
 local jobs = require("demesne.jobs")
+local repo = require("demesne.repo")
 local sandbox = require("demesne.sandbox")
 local schemas = require("demesne.schemas")
 
@@ -28,13 +29,18 @@ return {
       budget_usd = schemas.budget_usd,
       tree = schemas.tree,
       isolation = schemas.isolation,
+      repository = repo.params().repository,
+      include_uncommitted = repo.params().include_uncommitted,
+      branch = repo.params().branch,
     },
   },
-  outputSchema = schemas.or_job(schemas.run_result({ run_id = { type = "string" } })),
+  outputSchema = schemas.or_job(schemas.run_result({ run_id = { type = "string" }, branch = repo.SCHEMA })),
   execution = { taskSupport = "optional" }, -- MCP tasks: runs as a background job
   annotations = { readOnlyHint = false, destructiveHint = false, idempotentHint = false, openWorldHint = false },
   run = jobs.dispatch("script", function(ctx, args)
     local r = sandbox.run_script(ctx, args)
-    return r, schemas.run_text(r)
+    local text = schemas.run_text(r)
+    if r.branch then text = repo.text(r.branch) .. "\n" .. text end
+    return r, text
   end),
 }

@@ -19,6 +19,7 @@ local core_text = require("core.text")
 local output = require("demesne.output")
 local progress = require("demesne.progress")
 local providers = require("demesne.providers")
+local repo = require("demesne.repo")
 local resume = require("demesne.agent.resume")
 local sandbox = require("demesne.sandbox")
 local util = require("demesne.util")
@@ -183,6 +184,19 @@ function agent.prepare(args, tool, kind)
   o.env = sandbox.env(nil, env)
   o.args = args
   local host_agent_dir = o.run_dir .. "/agent"
+  if args.repository ~= nil then
+    -- the agent works in a clone of the host repository; its branch comes back (lua/repo)
+    local rok, rerr = pcall(repo.prepare, o, args.repository, { include_uncommitted = args.include_uncommitted,
+      name = args.branch, context = p.context_file_name })
+    if not rok then
+      repo.cleanup(o)
+      error(rerr, 0)
+    end
+    run.workdir = o.repo.path
+    repo.add_env(o)
+  elseif args.include_uncommitted or args.branch ~= nil then
+    fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
+  end
   o.before_create = function(plan)
     -- the run's MCP endpoint is known now (the plan hooks ran): wire it into the CLI
     local files = agent.wire(plan)
@@ -280,6 +294,8 @@ function agent.finish(o, code, err, duration_ms, reason)
     r.reason = "demesne could not read the run's results: " .. read_error
     r.is_error = true
   end
+  -- a repository run: the container has stopped; its branch comes back (never raises)
+  if o.repo then r.branch = repo.hand_back(o, r) end
   for _, fn in ipairs(agent.hooks.result) do
     local hok, herr = pcall(fn, o, r)
     if not hok then log.warning("demesne.agent", "result hook: %s", tostring(herr)) end
@@ -317,6 +333,7 @@ function agent.run(ctx, args, tool)
     if o.vendor then o.vendor:stop() end
     vendor.forget(o.run_id)
     sandbox.remove_tree(o.run_dir)
+    repo.cleanup(o)
   end)
   sandbox.script_start(ctx, o)
   local _hb <close> = progress.heartbeat(ctx)
@@ -340,6 +357,7 @@ function agent.text(r)
     ("cost_usd: %.4f (indicative)"):format(r.cost_usd or 0),
   }
   if r.reason then lines[#lines + 1] = "reason: " .. r.reason end
+  if r.branch then lines[#lines + 1] = repo.text(r.branch) end
   lines[#lines + 1] = "--- answer ---"
   lines[#lines + 1] = r.answer
   if r.exit_code ~= 0 and r.stderr ~= "" then

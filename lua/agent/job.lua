@@ -11,6 +11,7 @@ local jobs = require("demesne.jobs")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local providers = require("demesne.providers")
+local repo = require("demesne.repo")
 local resume = require("demesne.agent.resume")
 local sandbox = require("demesne.sandbox")
 local util = require("demesne.util")
@@ -35,7 +36,10 @@ function kind.start(ctx, args, tool)
   return script.launch(ctx, o, {
     tool = tool, kind = "agent", command = jobs.short(args.prompt), provider = o.provider.name, model = o.model,
     vendor_token = o.token, resumable = o.resumable, stdout_file = "transcript.jsonl",
-  }, function() if o.vendor then o.vendor:stop() end end)
+  }, function()
+    if o.vendor then o.vendor:stop() end
+    repo.cleanup(o)
+  end)
 end
 
 -- Writes results.json (agent.finish), logging instead of raising: the job's outcome
@@ -44,6 +48,10 @@ end
 local function finish(rec, o, out, duration_ms, reason)
   local ok, r, read_error = pcall(agent.finish, o, out and out.exit_code, out and out.reason, duration_ms, reason)
   if not ok then log.warning(LOGGER, "%s: results.json: %s", rec.job_id, tostring(r)) end
+  if ok and type(r) == "table" and r.branch then
+    rec.branch = r.branch -- also for a cancel (no outcome here): jobs.finish saves the record
+    if type(out) == "table" then out.branch = r.branch end
+  end
   if ok and read_error and out and out.status == "succeeded" then
     return { status = "failed", exit_code = out.exit_code, reason = r.reason }
   end
@@ -58,6 +66,7 @@ function kind.run(job, o)
   job.after = function()
     sandbox.remove_tree(o.run_dir)
     vendor.forget(o.run_id)
+    repo.cleanup(o)
   end
   local started = now_ms()
   local finished = false
@@ -96,7 +105,8 @@ function kind.attach(job)
   end
   -- the result names the run as a tree node (o.tree) so that results.json lists its children
   local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
-    output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model, tree = rec.run_id }
+    output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model, tree = rec.run_id,
+    repo = repo.load(rec.run_id) } -- a repository run's saved plan: its branch still comes back
   local finished = false
   local _ <close> = closer(function()
     if finished or not route then return end
@@ -110,6 +120,7 @@ function kind.attach(job)
   job.after = function()
     if after then after() end
     vendor.forget(rec.run_id)
+    repo.forget(rec.run_id)
   end
   if route then out = finish(rec, o, out, now_ms() - rec.started_ms) end
   return out

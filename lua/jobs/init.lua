@@ -54,6 +54,7 @@ local KNOWN = { running = true, succeeded = true, failed = true, cancelled = tru
 ---@field exit_code integer|nil
 ---@field timed_out boolean|nil
 ---@field reason string|nil     why it failed, was cancelled or lost
+---@field branch table|nil      a repository run's branch (lua/repo: repo.hand_back's result)
 ---@field command string        the command (first 1000 bytes)
 ---@field timeout_seconds integer
 ---@field output_dir string     the sandbox's /out on the host
@@ -154,6 +155,7 @@ function jobs.finish(job, status, fields)
   if math.type(fields.exit_code) == "integer" then rec.exit_code = fields.exit_code end
   if fields.timed_out ~= nil then rec.timed_out = fields.timed_out and true or false end
   if fields.reason ~= nil then rec.reason = tostring(fields.reason) end
+  if type(fields.branch) == "table" then rec.branch = fields.branch end -- a repository run's (lua/repo)
   local fin = math.tointeger(fields.finished_ms)
   if not fin or fin < rec.started_ms or fin > now_ms() + 60000 then fin = now_ms() end
   rec.finished_ms = math.max(fin, rec.started_ms)
@@ -180,6 +182,7 @@ end
 ---@field exit_code integer|nil
 ---@field timed_out boolean|nil
 ---@field reason string|nil
+---@field branch table|nil      a repository run's branch (lua/repo)
 ---@field finished_ms integer|nil
 
 ---@class JobKind
@@ -664,6 +667,7 @@ function jobs.view(rec)
     sandbox_id = rec.sandbox_id,
     parent = rec.parent,
     children = json.array({ table.unpack(rec.children or {}) }),
+    branch = rec.branch,
   }
   local k = kinds[rec.kind]
   if k and k.view then

@@ -4,6 +4,7 @@
 -- launch and watch (lua/agent/job.lua).
 local jobs = require("demesne.jobs")
 local outcome = require("demesne.jobs.outcome")
+local repo = require("demesne.repo")
 local sandbox = require("demesne.sandbox")
 local util = require("demesne.util")
 
@@ -40,12 +41,24 @@ local function script_watch(job, o)
   local rec = job.rec
   -- the container goes on success, failure and cancel; the run folder (status.json) only
   -- once the terminal record is saved, so a crash in between still finds the exit status
-  local _ <close> = closer(function() sandbox.script_remove(o) end)
+  local ended = false
+  local _ <close> = closer(function()
+    if o.repo and o.id and not ended then
+      -- a cancelled repository run: demesne-init stops the command gently (SIGTERM, SIGKILL
+      -- 2 s on), so that its run.sh hands the branch back before the container goes
+      pcall(sandbox.exec_kill, o.engine, o.id, "/.demesne/run/exec/" .. tostring(o.exec_id), nil)
+      pcall(sandbox.script_wait, o, 10000)
+    end
+    sandbox.script_remove(o)
+  end)
   if not o.id then return script_outcome(rec, o, nil, "gone", "ENOENT") end
   while true do
     local left = rec.started_ms + (rec.timeout_seconds + 60) * 1000 - now_ms()
     local code, err, ecode = sandbox.script_wait(o, math.max(left, 30000))
-    if code ~= nil or not engine_retry(ecode) then return script_outcome(rec, o, code, err, ecode) end
+    if code ~= nil or not engine_retry(ecode) then
+      ended = true
+      return script_outcome(rec, o, code, err, ecode)
+    end
   end
 end
 
@@ -82,14 +95,34 @@ return jobs.register("script", {
   end,
   -- o: a plan whose container sandbox.script_start has started
   run = function(job, o)
-    job.after = function() sandbox.remove_tree(o.run_dir) end
-    return script_watch(job, o)
+    job.after = function()
+      sandbox.remove_tree(o.run_dir)
+      repo.cleanup(o)
+    end
+    -- a cancelled run's branch comes back too: script_watch stopped it gently, and the
+    -- record (saved by jobs.finish) gets the branch
+    local _hb <close> = closer(function()
+      if o.repo and not o.handed_back then
+        o.handed_back = true
+        job.rec.branch = repo.hand_back(o)
+      end
+    end)
+    local out = script_watch(job, o)
+    -- a repository run's work comes back as its branch (lua/repo) once the container is gone
+    if o.repo and type(out) == "table" then
+      o.handed_back = true
+      out.branch = repo.hand_back(o, out)
+    end
+    return out
   end,
   attach = function(job)
     local rec = job.rec
     local o = { engine = sandbox.engine(), id = rec.container, run_dir = rec.run_dir, exec_id = rec.exec_id,
       output_dir = rec.output_dir, tree = rec.run_id }
-    job.after = function() sandbox.remove_tree(o.run_dir) end
+    job.after = function()
+      sandbox.remove_tree(o.run_dir)
+      repo.forget(rec.run_id)
+    end
     local info, err, ecode
     repeat info, err, ecode = o.engine:inspect(rec.container) until info or not engine_retry(ecode)
     if not info and ecode ~= "ENOENT" then return { status = "failed", reason = tostring(err) } end
@@ -99,7 +132,15 @@ return jobs.register("script", {
       o.engine:remove(o.id)
       return out
     end
-    return script_watch(job, o)
+    local out = script_watch(job, o)
+    -- a repository run's saved plan (lua/repo): its branch comes back after a restart too
+    -- (an agent job's comes back through its results: lua/agent/job.lua)
+    local g = rec.kind == "script" and repo.load(rec.run_id)
+    if g and type(out) == "table" then
+      o.repo, o.run_id = g, rec.run_id
+      out.branch = repo.hand_back(o, out)
+    end
+    return out
   end,
   -- for kinds that run a one-shot sandbox too (agent runs)
   launch = launch_oneshot,

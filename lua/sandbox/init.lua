@@ -11,6 +11,7 @@
 --   transfer.lua    sandbox_upload and sandbox_download
 --   quota.lua       the output quota: a watcher of each running sandbox's /out
 --   reaper.lua      removes expired sandboxes and what a server that is gone left behind
+--   repository.lua  a host repository in a persistent sandbox: clone after create, hand back
 --
 -- Host layout (DESIGN.md "State on the host"):
 --   <output_root>/<run id>/              = /out of that sandbox (stdout.log, stderr.log, exec/<n>/…)
@@ -26,6 +27,7 @@ local oneshot = require("demesne.sandbox.oneshot")
 local owner = require("demesne.sandbox.owner")
 local persistent = require("demesne.sandbox.persistent")
 local reaper = require("demesne.sandbox.reaper")
+local repository = require("demesne.sandbox.repository")
 local spec = require("demesne.sandbox.spec")
 local transfer = require("demesne.sandbox.transfer")
 
@@ -54,5 +56,8 @@ export(persistent, "watch unwatch unwatch_all watched stopped_reason")
 export(exec, "exec_prepare exec_run exec_kill exec_result exec")
 export(transfer, "upload download")
 export(reaper, "reap start_exit_reaper after_exit")
+-- a persistent sandbox's repository (lua/sandbox/repository.lua) wraps create, exec, destroy
+export(repository, "create exec destroy")
+sandbox.hand_back = repository.hand_back
 
 return sandbox

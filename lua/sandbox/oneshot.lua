@@ -8,6 +8,7 @@ local images = require("demesne.images")
 local log = require("demesne.log")
 local loop = require("core.loop")
 local progress = require("demesne.progress")
+local repo = require("demesne.repo")
 local teardown = require("demesne.teardown")
 local util = require("demesne.util")
 local files = require("demesne.sandbox.files")
@@ -41,6 +42,18 @@ function oneshot.script_prepare(args, kind)
   o.image_arg, o.command = args.image, spec.check_command("command", args.command)
   o.args = args -- for the plan hooks (mcp, tree, budget_usd)
   o.caller_env = args.env -- [channel] script_env: a warm sandbox gets it with its own run id
+  if args.repository ~= nil then
+    -- the command runs in a clone of the host repository; its branch comes back (lua/repo)
+    local ok, err = pcall(repo.prepare, o, args.repository, { include_uncommitted = args.include_uncommitted,
+      name = args.branch })
+    if not ok then
+      repo.cleanup(o)
+      error(err, 0)
+    end
+    repo.add_env(o)
+  elseif args.include_uncommitted or args.branch ~= nil then
+    fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
+  end
   return o
 end
 
@@ -49,7 +62,12 @@ end
 ---@param o table  the plan
 ---@return string[]
 function oneshot.script_env(o)
-  return spec.env(o.caller_env, default_env(o.run_id, o.egress))
+  local env = spec.env(o.caller_env, default_env(o.run_id, o.egress))
+  if o.repo then
+    o.env = env
+    repo.add_env(o)
+  end
+  return env
 end
 
 -- The words of `demesne-init run` (after "run") that run a planned one-shot's command.
@@ -292,7 +310,7 @@ function oneshot.run_script(ctx, args)
   -- children have ended, must be there when the caller reads the answer; see lua/tree)
   local _ <close> = util.closer(function()
     if o.tree then oneshot.script_remove(o) end
-    oneshot.script_teardown(o)
+    oneshot.script_teardown(o, o.repo and function() repo.cleanup(o) end)
   end)
   plan_once(ctx, o)
   quota.check_reserve() -- also before a warm sandbox (made earlier) is claimed
@@ -307,7 +325,9 @@ function oneshot.run_script(ctx, args)
   local code, err = oneshot.script_wait(o, spec.deadline_ms(o.timeout))
   -- every process in the sandbox is gone: the proxy's last lines reach egress.jsonl now
   if o.egress_handle then o.egress_handle:stop() end
-  return oneshot.script_result(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
+  local r = oneshot.script_result(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
+  if o.repo then r.branch = repo.hand_back(o, r) end -- the container has stopped: /out is still
+  return r
 end
 
 --- Removes a one-shot's container and run folder in a tracked task of its own

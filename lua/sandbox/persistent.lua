@@ -15,6 +15,7 @@ local util = require("demesne.util")
 local files = require("demesne.sandbox.files")
 local hooks = require("demesne.sandbox.hooks")
 local quota = require("demesne.sandbox.quota")
+local repo = require("demesne.repo")
 local spec = require("demesne.sandbox.spec")
 
 local persistent = {}
@@ -41,10 +42,22 @@ function persistent.create(ctx, args)
   end
   local o = prepare(args, "persistent", "sandbox_create", ttl)
   o.env = spec.env(args.env, default_env(o.run_id, o.egress))
+  if args.repository ~= nil then
+    -- the clone is made once the sandbox runs (lua/sandbox/repository.lua); the plan is saved
+    local rok, rerr = pcall(repo.prepare, o, args.repository, { include_uncommitted = args.include_uncommitted,
+      name = args.branch })
+    if not rok then
+      repo.cleanup(o)
+      error(rerr, 0)
+    end
+  elseif args.include_uncommitted or args.branch ~= nil then
+    fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
+  end
   local started = false
   -- a sandbox that never came up is no tree node either (lua/tree)
   local _tree <close> = util.closer(function()
     if o.tree and not started then hooks.run_removal("removed", o, "the sandbox could not be started") end
+    if not started then repo.cleanup(o) end
   end)
   hooks.run("plan", ctx, o, args)
   local img = check(images.ensure(o.engine, args.image, ctx))

@@ -119,6 +119,15 @@ local function reap_leftovers(eng, containers)
       end
     end
   end
+  -- a repository run's folder (lua/repo) whose run folder is gone, an hour on (it is made
+  -- before its run folder): a run that ended without its own cleanup (a crash) left it
+  for _, id in ipairs(fs.readdir(state .. "/repo") or {}) do
+    local st = fs.lstat(state .. "/repo/" .. id)
+    if id:match("^[%w%-]+$") and not keep[id] and not fs.lstat(state .. "/run/" .. id) and st
+      and now - (st.mtime or now) > 3600 then
+      remove_leftover(state .. "/repo/" .. id)
+    end
+  end
   for _, name in ipairs(fs.readdir(state .. "/tmp") or {}) do
     local st = fs.lstat(state .. "/tmp/" .. name)
     if st and now - (st.mtime or now) > TMP_AGE then remove_leftover(state .. "/tmp/" .. name) end

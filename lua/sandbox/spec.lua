@@ -12,6 +12,7 @@ local json = require("demesne.json")
 local loop = require("core.loop")
 local log = require("demesne.log")
 local paths = require("demesne.paths")
+local repo = require("demesne.repo")
 local util = require("demesne.util")
 local owner = require("demesne.sandbox.owner")
 local quota = require("demesne.sandbox.quota")
@@ -142,6 +143,8 @@ local function container_spec(o)
     { source = o.output_dir, target = "/out", mode = "rw" },
   }
   for _, m in ipairs(o.mounts or {}) do mounts[#mounts + 1] = { source = m.host, target = m.target, mode = "ro" } end
+  local rm = repo.mount_of(o) -- a repository run's folder (lua/repo), never inherited by a tree's children
+  if rm then mounts[#mounts + 1] = { source = rm.host, target = rm.target, mode = "ro" } end
   local tmpfs = { { target = "/tmp", mode = "1777", exec = true } }
   if o.workspace then -- a run that can have children shares its /workspace with them: a host folder
     mounts[#mounts + 1] = { source = o.workspace, target = "/workspace", mode = "rw" }

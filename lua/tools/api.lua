@@ -21,4 +21,5 @@ return {
   ["demesne.log"] = { "log", "debug", "info", "notice", "warning", "error", "critical", "alert", "emergency" },
   ["demesne.tools"] = { "fail" },
   ["demesne.tree"] = { "report" },
+  ["demesne.repo"] = { "params", "text", "SCHEMA" },
 }

@@ -68,6 +68,13 @@ local function derive(host, kind)
     for _, k in ipairs(HOST_ONLY) do if r == k then drop = true end end
     if not drop then req[#req + 1] = r end
   end
+  if s.properties.repository then
+    -- a child clones its parent's workspace repository; no host path, no host work tree
+    s.properties.repository = { type = "boolean", default = false, description = "Clone this sandbox's own "
+      .. "repository (the clone it was given) at its current commit, at <its path>--<name>; the child's branch "
+      .. "comes back to the host repository as <this branch>--<name>." }
+    s.properties.include_uncommitted, s.properties.branch = nil, nil
+  end
   if kind then
     s.properties.name = schema.copy(NAME_SCHEMA)
     table.insert(req, 1, "name")

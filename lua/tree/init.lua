@@ -896,6 +896,8 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   if kind == "script" or kind == "create" then walls.image(sandbox.engine(), args.image) end
   local call = {}
   for k, v in pairs(args) do if k ~= "name" then call[k] = v end end
+  -- repository: true clones the parent's workspace repository (lua/repo prepare_child)
+  call.repository = call.repository == true and { parent = parent_id, name = name } or nil
   -- the name is taken from here on, even if the spawn fails
   parent.children[#parent.children + 1] = { name = name }
   save(parent)

@@ -405,8 +405,7 @@ skillTest("demesne-build-and-land", async (skill) => {
     task: `Add mul(a, b) to calc.py, with a test. Test command: ${testCommand} (image default). Reviewer models: sonnet and gpt-5.6-luna.`,
     fill: { "absolute path of the repository": repo },
     steps: [
-      sh("cp -r /in/calc-repo /workspace/repo && cd /workspace/repo && git init -q && git add -A && "
-        + "git -c user.name=demesne -c user.email=demesne@localhost commit -qm base --allow-empty && git tag -f demesne-base && "
+      sh("ln -sfn \"$DEMESNE_REPO_PATH\" /workspace/repo && cd /workspace/repo && git tag -f demesne-base && "
         + "printf '# Plan\\nmul(a, b) in calc.py; acceptance: mul(2, 3) == 6\\n' > /workspace/PLAN.md"),
       spawn(skill, "sandbox_agent", "impl", { plan: impl }),
       sh(capture),
@@ -417,7 +416,8 @@ skillTest("demesne-build-and-land", async (skill) => {
       spawn(skill, "sandbox_agent", "fix", { plan: fix }),
       sh(capture),
       spawn(skill, "sandbox_script", "verify", { fill: { "test command": testCommand } }),
-      sh("cp /workspace/impl.patch /out/change.patch && cp /out/child/impl/SUMMARY.md /out/SUMMARY.md && "
+      sh("cd /workspace/repo && git add -A && git commit -qm 'Add mul(a, b), with a test' && "
+        + "cp /out/child/impl/SUMMARY.md /out/SUMMARY.md && "
         + "cp /out/child/review-a/REVIEW.md /out/REVIEW-A.md && cp /out/child/review-b/REVIEW.md /out/REVIEW-B.md && "
         + "cp /out/child/fix/FIXES.md /out/FIXES.md && e=$(cat /out/child/verify/exit_code) && "
         + "{ if [ \"$e\" = 0 ]; then echo 'verdict: verified'; else echo 'verdict: failed'; fi; "
@@ -425,9 +425,16 @@ skillTest("demesne-build-and-land", async (skill) => {
         + "{ echo '# Add mul'; for c in impl review-a review-b fix verify; do echo \"- $c: succeeded\"; done; head -1 /out/VERIFY.md; } > /out/REPORT.md"),
     ],
   });
-  const patch = read(r.out, "change.patch");
+  // the change came back as the orchestrator's branch in the host repository, nothing else
+  const b = r.done.branch;
+  assert.equal(b?.error, undefined, JSON.stringify(b));
+  assert.deepEqual(b.commits.map((c) => c.subject), ["Add mul(a, b), with a test"]);
+  assert.deepEqual(b.diffstat, { files: 2, insertions: 10, deletions: 0 });
+  const patch = git(repo, "diff", b.base, b.branch);
   assert.match(patch, /^\+def mul\(a, b\):\n\+    """The product of a and b\."""\n\+    return a \* b$/m, "the fixed change");
   assert.match(patch, /\+    def test_mul\(self\):/);
+  assert.equal(git(repo, "status", "--porcelain"), "", "the host's work tree is untouched");
+  assert.equal(git(repo, "rev-parse", "HEAD"), b.host_head);
   assert.match(read(r.out, "SUMMARY.md"), /mul\(a, b\)/);
   assert.equal(firstLine(read(r.out, "REVIEW-A.md")), "verdict: fail");
   assert.equal(firstLine(read(r.out, "REVIEW-B.md")), "verdict: pass");
@@ -462,8 +469,7 @@ skillTest("demesne-migration-sweep", async (skill) => {
     task: `Replace old_api( with new_api( everywhere (and import new_api itself). Pattern: ${pattern}. Test command: ${testCommand} (image default).`,
     fill: { "absolute path of the repository": repo },
     steps: [
-      sh("cp -r /in/sweep-repo /workspace/repo && cd /workspace/repo && git init -q && git add -A && "
-        + "git -c user.name=demesne -c user.email=demesne@localhost commit -qm base --allow-empty && git tag -f demesne-base && "
+      sh("ln -sfn \"$DEMESNE_REPO_PATH\" /workspace/repo && cd /workspace/repo && git tag -f demesne-base && "
         + "printf 'old: old_api(x)\\nnew: new_api(x)\\n' > /workspace/MIGRATION.md && "
         + `git grep -lE '${pattern}' > /workspace/files.txt && mkdir -p /workspace/slices && `
         + "split -l 20 -d -a 2 /workspace/files.txt /workspace/slices/slice- && ls /workspace/slices"),
@@ -475,18 +481,23 @@ skillTest("demesne-migration-sweep", async (skill) => {
       { ...slice("01", slicePlan("01"), { as: "slice-01-retry" }), id: "slice-01-retry" },
       wait(skill, "slice-01-retry"),
       spawn(skill, "sandbox_script", "verify", { fill: { pattern, "test command": testCommand } }),
-      sh("cd /workspace/repo && git add -A && git diff --cached demesne-base > /out/change.patch && "
+      sh("cd /workspace/repo && git add -A && git commit -qm 'Replace old_api with new_api' && "
         + "{ for n in 00 01 02; do d=/out/child/slice-$n; [ -s $d/DONE.md ] || d=/out/child/slice-$n-retry; "
         + "s=succeeded; r=no; [ $d = /out/child/slice-$n ] || r=yes; echo \"slice-$n | $(wc -l < /workspace/slices/slice-$n) files | $s | retried: $r\"; done; "
         + "for d in /out/child/slice-*; do [ -s $d/DONE.md ] && cat $d/DONE.md; done; } > /out/SLICES.md && "
         + "e=$(cat /out/child/verify/exit_code) && { if [ \"$e\" = 0 ] && [ ! -s /out/child/verify/leftovers.txt ]; then echo 'verdict: verified'; else echo 'verdict: failed'; fi; "
         + "cat /out/child/verify/leftovers.txt; tail -n 50 /out/child/verify/test.log; } > /out/VERIFY.md && "
-        + "{ echo \"matched: $(wc -l < /workspace/files.txt)\"; echo \"changed: $(grep -c '^diff --git' /out/change.patch)\"; "
+        + "{ echo \"matched: $(wc -l < /workspace/files.txt)\"; echo \"changed: $(git -C /workspace/repo diff --name-only demesne-base | wc -l)\"; "
         + "echo \"left over: $(wc -l < /out/child/verify/leftovers.txt)\"; echo 'failed slices: none'; head -1 /out/VERIFY.md; } > /out/REPORT.md"),
     ],
   });
-  const patch = read(r.out, "change.patch");
-  assert.equal(patch.match(/^diff --git/gm).length, 41, "every matching file is in the patch");
+  const b = r.done.branch;
+  assert.equal(b?.error, undefined, JSON.stringify(b));
+  assert.deepEqual(b.commits.map((c) => c.subject), ["Replace old_api with new_api"]);
+  assert.deepEqual(b.diffstat, { files: 41, insertions: 82, deletions: 82 }, "every matching file, on the branch");
+  const patch = git(repo, "diff", b.base, b.branch);
+  assert.equal(patch.match(/^diff --git/gm).length, 41, "every matching file is in the branch");
+  assert.equal(git(repo, "status", "--porcelain"), "", "the host's work tree is untouched");
   assert.equal(patch.match(/^\+    return new_api\(\d+\)$/gm).length, 41);
   const slices = read(r.out, "SLICES.md").split("\n");
   assert.deepEqual(slices.slice(0, 3), ["slice-00 | 20 files | succeeded | retried: no",

@@ -33,6 +33,8 @@ local LAYERS = {
   ["demesne.tree.child"] = 4, ["demesne.tree.endpoint"] = 5,
   -- 2: engine adapters
   ["demesne.engines"] = 2,
+  -- git on the host (lua/repo): a repository in, a branch out; below sandboxes and jobs
+  ["demesne.repo"] = 2,
   -- 1: the base library over the core.* bindings
   ["demesne.async"] = 1, ["demesne.config"] = 1, ["demesne.errors"] = 1, ["demesne.json"] = 1, ["demesne.log"] = 1,
   ["demesne.util"] = 1, ["demesne.paths"] = 1, ["demesne.output"] = 1, ["demesne.progress"] = 1,
