@@ -24,6 +24,11 @@ return {
       egress = { type = "string", enum = json.array({ "none", "package-managers" }), default = "none",
         description = "'none' (default): only the model API; 'package-managers': also package registries." },
       host_mcp = schemas.host_mcp,
+      continue = { type = "string", minLength = 1, maxLength = 64, description = "The run_id of an ended "
+        .. "sandbox_agent run to continue: the same provider, model and inputs, the same /workspace, and the CLI's "
+        .. "own session resumed with this prompt (kept for workspace_keep_seconds after a run, default a day). "
+        .. "Leave model, files, directories, egress, isolation and host_mcp out (they are the first run's). "
+        .. "The result names the run it continues (continues)." },
     }),
   },
   outputSchema = schemas.or_job(schemas.agent_result()),

@@ -13,6 +13,7 @@
 --   * host paths in results are given as the caller sees them (<its output folder>/… →
 --     /out/…).
 local config = require("demesne.config")
+local continue = require("demesne.agent.continue")
 local errors = require("demesne.errors")
 local json = require("demesne.json")
 local progress = require("demesne.progress")
@@ -166,6 +167,8 @@ local function wrap(host)
     local _hb <close> = progress.heartbeat(ctx)
     local res = table.pack(pcall(function()
       if kind then
+        -- a continue takes the continued run's egress (and model) before the spawn checks them
+        if name == "sandbox_agent" and args.continue ~= nil then continue.resolve(ctx.caller, args) end
         local r, text = tree.spawn(ctx, n.run_id, kind, args, host.run)
         if type(r) == "table" then r.mcp = nil end -- a child's endpoint is reachable only inside it
         return r, text
