@@ -16,15 +16,15 @@
 -- /workspace, and the continuation is a new child of the caller (it needs a `name` of its
 -- own). The host never continues a child: its workspace was its tree's.
 --
--- Seam for the git hand-back (issue 25, "repository in, branch out"): a continuation's plan
--- carries `o.continues` (the run it continues) and `o.chain` (the chain's first run, whose
--- branch `demesne/<run>` the continuation's new commits are appended to), and
--- continue.INHERITED includes `repository` and `include_uncommitted`, so a continue of a run
--- that had a repository gets the same one (its clone is already in the kept /workspace). The
--- hand-back module registers continue.hooks.handback[i](o, r) -> fields|nil: called when a
--- run that has a keep ends, before results.json is written, it takes the work back and may
--- add fields to the result (branch, head, commits …); on a continuation it is called the same
--- way and is expected to fast-forward the chain's branch (continue.branch_run(o)).
+-- Seam for the git hand-back (issue 25, "repository in, branch out", lua/repo on its own
+-- branch): continue.INHERITED includes `repository`, `include_uncommitted` and `branch`, so a
+-- continue of a run that had a repository gets the same one, and its clone is already in the
+-- kept /workspace. The one place that connects the two is the repository step of
+-- agent.prepare: it passes continue.repo_opts(o) ({name, expect}) to repo.prepare, so that
+-- the continuation's hand-back (repo.hand_back at agent.finish, as for every repository
+-- run) fast-forwards the same branch `demesne/<name>` from the head the run it continues
+-- handed back (`expect`) instead of making a new one. continue.finished records that head
+-- (r.branch.head) and the branch's name for the next continue.
 local config = require("demesne.config")
 local errors = require("demesne.errors")
 local json = require("demesne.json")
@@ -36,13 +36,10 @@ local util = require("demesne.util")
 
 local continue = {}
 
---- Hooks of the layers above: handback[i](o, r) when a run with a keep ends (see the header).
-continue.hooks = { handback = {} }
-
 --- The arguments a continue takes from the run it continues: given with another value they
 --- are refused, naming the field; left out they are the first run's.
 continue.INHERITED = { "model", "files", "directories", "egress", "isolation", "host_mcp", "repository",
-  "include_uncommitted" }
+  "include_uncommitted", "branch" }
 
 local LOGGER = "demesne.continue"
 local fail = errors.raise
@@ -133,11 +130,18 @@ function continue.plan(o, args)
   o.chain = c.keep
 end
 
---- The id of the run whose branch a run's work is handed back to: the first run of its
---- chain (itself, for a run that continues none).
----@param o table  the plan
----@return string
-function continue.branch_run(o) return o.chain or o.keep_id or o.run_id end
+--- What repo.prepare takes for a continuation's repository (see the header): `name`, the
+--- branch component after demesne/ of the run it continues (the chain's first run id when
+--- it recorded none), and `expect`, the head that run handed back, which the continuation's
+--- hand-back fast-forwards (nil: it made none; the branch is then made). {} for a plan that
+--- continues nothing.
+---@param o table  the plan (continue.plan ran)
+---@return {name: string|nil, expect: string|nil}
+function continue.repo_opts(o)
+  if not o.continues then return {} end
+  local prev = keep.run(o.continues)
+  return { name = prev and prev.branch_name or o.chain, expect = prev and prev.branch_head or nil }
+end
 
 --- Takes the plan's keep, the last step of agent.prepare (nothing after it fails): a
 --- continue claims the keep of the run it continues (refused when another continue took it
@@ -189,7 +193,7 @@ function continue.started(o)
 end
 
 --- A run with a keep ended (agent.finish, before results.json is written; its container is
---- gone): the result says which run it continues (r.continues), the hand-back hooks run, the
+--- gone): the result says which run it continues (r.continues), the branch it handed back is noted, the
 --- run record keeps the session the CLI named (or the one it resumed) and its cost, and the
 --- keep is released for the next continue (measured, and removed when over its bounds).
 ---@param o table  the plan (or the re-attached job's: only run_id is relied on)
@@ -200,16 +204,15 @@ function continue.finished(o, r)
     if o.keep_id then keep.release(o.keep_id, o.run_id, false) end -- never started
     return
   end
+  local prev = rec.continues and keep.run(rec.continues)
   if rec.continues then r.continues = rec.continues end
-  for _, fn in ipairs(continue.hooks.handback) do
-    local ok, extra = pcall(fn, o, r)
-    if not ok then log.warning(LOGGER, "%s: hand-back: %s", o.run_id, tostring(extra))
-    elseif type(extra) == "table" then for k, v in pairs(extra) do r[k] = v end end
-  end
+  -- the branch a repository run handed back (r.branch of lua/repo): the next continue's start
+  local b = type(r.branch) == "table" and r.branch or nil
+  rec.branch_name = b and type(b.branch) == "string" and b.branch:match("^demesne/(.+)$") or (prev and prev.branch_name)
+  rec.branch_head = b and type(b.head) == "string" and b.head or (prev and prev.branch_head)
   local session = type(r.session_id) == "string" and r.session_id or nil
-  if not session and rec.continues then -- the CLI said nothing (it failed at once): the chain's session stands
-    local prev = keep.run(rec.continues)
-    session = prev and prev.session_id
+  if not session and prev then -- the CLI said nothing (it failed at once): the chain's session stands
+    session = prev.session_id
   end
   rec.status, rec.session_id, rec.finished_at = "finished", session, loop.time()
   rec.exit_code, rec.cost_usd = r.exit_code, r.cost_usd

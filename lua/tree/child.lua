@@ -46,7 +46,8 @@ local NOTE = {
   create = "From inside a sandbox: as sandbox_script, for a sandbox that stays up for sandbox_exec.",
   agent = "From inside a sandbox: the child agent sees this sandbox's /in, shares /workspace, sees earlier "
     .. "children's outputs at /in/previous-jobs/<name>, writes /out/child/<name>; egress none or this sandbox's. "
-    .. "Use background: true and sandbox_wait for long runs.",
+    .. "Use background: true and sandbox_wait for long runs. `continue` (with a new name) resumes an agent child "
+    .. "that ended, in its own session.",
   research = "From inside a sandbox: the research child gets no inputs, its own workspace and open egress; its "
     .. "/out is /out/child/<name> here.",
 }

@@ -224,4 +224,28 @@ function tests.a_continue_is_refused_with_the_reason(t)
   end)
 end
 
+function tests.a_continuation_ends_as_the_latest_run_and_hands_its_branch_on(t)
+  with_state({}, function()
+    finished_run("run-g")
+    local o = { run_id = "run-h", continues = "run-g", chain = "run-g", keep_id = "run-g", tool = "sandbox_agent" }
+    keep.claim("run-g", "run-h")
+    keep.save_run({ run_id = "run-h", keep = "run-g", tool = "sandbox_agent", status = "running", continues = "run-g",
+      args = {} })
+    t:eq(continue.repo_opts(o), { name = "run-g" }, "a first run without a branch: the chain's first run names it")
+    t:eq(continue.repo_opts({ run_id = "run-z" }), {}, "a run that continues nothing")
+    local r = { exit_code = 0, cost_usd = 0.5, branch = { branch = "demesne/run-g", head = ("a"):rep(40) } }
+    continue.finished(o, r)
+    t:eq(r.continues, "run-g", "the result names the run it continues")
+    local h = keep.run("run-h")
+    t:eq({ h.status, h.session_id, h.branch_name, h.branch_head, h.cost_usd },
+      { "finished", "sess-run-g", "run-g", ("a"):rep(40), 0.5 },
+      "no session named: the resumed one stands; the branch and its head are recorded")
+    t:eq({ keep.get("run-g").latest, keep.get("run-g").busy }, { "run-h", nil }, "the latest, and free")
+    t:eq(continue.repo_opts({ run_id = "run-i", continues = "run-h", chain = "run-g" }),
+      { name = "run-g", expect = ("a"):rep(40) }, "the next continue fast-forwards the same branch from that head")
+    t:eq(#continue.chain("run-h"), 2, "the chain has both runs")
+    t:eq(continue.chain("run-g")[2].continues, "run-g", "first to latest")
+  end)
+end
+
 return tests
