@@ -7,7 +7,8 @@
 // first run's turns in the second run's request: the same plan, its tool result, its final
 // answer, and the new prompt) in the same /workspace (a file written in run 1 is read in run
 // 2), with the same provider and model, and says which run it continues; sandbox_usage_report
-// shows both runs; the first run cannot be continued again (the chain's latest can).
+// shows both runs; the first run cannot be continued again (the chain's latest can, in the
+// background too).
 // Refusals naming `continue`: an unknown run, a run still running, a run whose keep expired
 // (workspace_keep_seconds tiny: its folder is gone from the host too), a different model.
 // From inside a tree: a script node with mcp: true spawns an agent and continues it (the
@@ -133,6 +134,13 @@ async function continueRun({ tag, model, cli }) {
     new RegExp(`^continue: run ${r1.run_id} was continued by run ${r2.run_id}; continue ${r2.run_id} instead`));
   await refused(conn, { continue: r2.run_id, prompt: "again", model: cli === "claude" ? "opus" : "gpt-5.6-luna" },
     /^model: a continue runs with the model of run/);
+  // the latest goes on, in the background too: a third turn of the same session
+  const bg = await call(conn, "sandbox_agent", { continue: r2.run_id, prompt: "One more thing.", background: true,
+    timeout_seconds: 300 });
+  const done = await call(conn, "sandbox_wait", { job_id: bg.job_id, timeout_seconds: 300 });
+  assert.equal(done.status, "succeeded", JSON.stringify(done));
+  assert.deepEqual([done.agent.continues, done.agent.answer], [r2.run_id, "done"], JSON.stringify(done.agent));
+  assert.deepEqual(p.results.slice(1), [NEW_TURN, p.results[2], NEW_TURN], "three turns of one session");
   assert.deepEqual(await containersUnder(path.join(work, tag)), [], "no container left");
 }
 
