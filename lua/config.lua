@@ -142,6 +142,13 @@ local SPEC = {
     doc = "seconds between notifications/progress while a call waits (when the caller sent a progressToken)" },
   jobs_keep_seconds = { env = "DEMESNE_JOBS_KEEP_SECONDS", default = 7 * 24 * 3600, number = true,
     doc = "seconds a finished background job's record is kept before it is pruned" },
+  workspace_keep_seconds = { env = "DEMESNE_WORKSPACE_KEEP_SECONDS", default = 24 * 3600, number = true, zero = true,
+    doc = "seconds a sandbox_agent run's /workspace and CLI session state are kept after it ends, for a "
+      .. "`continue`; 0 keeps nothing" },
+  workspace_keep_max_mb = { env = "DEMESNE_WORKSPACE_KEEP_MAX_MB", default = 2048, number = true,
+    doc = "a run's kept workspace and session state larger than this (MB) are removed when it ends (not continuable)" },
+  workspace_keep_max_count = { env = "DEMESNE_WORKSPACE_KEEP_MAX_COUNT", default = 20, number = true, zero = true,
+    doc = "kept workspaces at most; past it the one expiring soonest goes" },
   jobs_poll_interval = { env = "DEMESNE_JOBS_POLL_INTERVAL", default = 1, number = true,
     doc = "seconds between checks of a re-attached exec job's status file" },
   jobs_tail_bytes = { default = 16384, number = true, doc = "bytes of stdout in sandbox_status's stdout_tail" },

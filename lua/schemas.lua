@@ -288,6 +288,8 @@ function schemas.agent_result()
     children = { type = "array", items = { type = "object" }, description = "the child sandboxes it spawned: name, "
       .. "kind, status, exit_code, reason, cost_usd (own), total_cost_usd (its subtree), output_dir, run_id, job_id" },
     total_cost_usd = { type = "number", description = "this run's cost and that of every sandbox below it" },
+    session_id = { type = "string", description = "the CLI's session (Claude Code) or thread (Codex)" },
+    continues = { type = "string", description = "the run this one continues (sandbox_agent `continue`)" },
   }, required = json.array({ "exit_code", "answer", "stderr", "output_dir", "run_id", "cost_usd", "usage" }) }
 end
 

@@ -1,4 +1,5 @@
 -- sandbox_usage_report: the cost and tokens of a sandbox tree (a run and everything it spawned).
+local agent = require("demesne.agent")
 local jobs = require("demesne.jobs")
 local json = require("demesne.json")
 local tree = require("demesne.tree")
@@ -29,6 +30,13 @@ local function text_of(r)
   for _, n in ipairs(r.nodes) do
     lines[#lines + 1] = ("%s  %d  %s  %s  $%.4f"):format(n.path ~= "" and n.path or "(this run)", n.depth, n.kind,
       n.status, n.cost_usd)
+  end
+  if r.continuation then
+    lines[#lines + 1] = ("--- continuation (first to latest; together $%.4f) ---"):format(r.continuation.total_cost_usd)
+    for _, c in ipairs(r.continuation.runs) do
+      lines[#lines + 1] = ("%s  %s  $%.4f%s"):format(c.run_id, tostring(c.status), c.cost_usd or 0,
+        c.continues and (" (continues " .. c.continues .. ")") or "")
+    end
   end
   return table.concat(lines, "\n")
 end
@@ -72,6 +80,11 @@ return {
       tree_reserved_usd = { type = "number", description = "what the tree's model requests in flight hold reserved "
         .. "against its budget (each the most it can still cost)" },
       budget_spent = { type = "boolean" },
+      continuation = { type = "object", description = "when the run continues another or was continued "
+        .. "(sandbox_agent `continue`): every run of the chain, first to latest, with its own cost, and their total",
+        properties = { total_cost_usd = { type = "number" }, runs = { type = "array", items = { type = "object",
+          properties = { run_id = { type = "string" }, status = { type = "string" }, cost_usd = { type = "number" },
+            continues = { type = "string" }, exit_code = { type = "integer" } } } } } },
     },
   },
   annotations = { readOnlyHint = true, destructiveHint = false, idempotentHint = true, openWorldHint = false },
@@ -95,6 +108,17 @@ return {
     end
     local r, err = tree.report(run_id)
     if not r then fail("run_id: " .. err) end
+    local chain = agent.chain(run_id)
+    if chain and #chain > 1 then
+      local runs, total = json.array(), 0
+      for _, c in ipairs(chain) do
+        if not ctx.caller or ctx.caller.sees_run(c.run_id) then
+          runs[#runs + 1] = c
+          total = total + (tonumber(c.cost_usd) or 0)
+        end
+      end
+      r.continuation = { runs = runs, total_cost_usd = total }
+    end
     return r, text_of(r)
   end,
 }

@@ -57,7 +57,9 @@ function context.children(o, add)
   add("")
   add("- `sandbox_script`: run a shell command in a fresh sandbox (pick an `image`); returns its exit code and output.")
   add("- `sandbox_agent`: another AI agent with a prompt of its own (and a `model`); `sandbox_research`: an agent "
-    .. "with open network access and no inputs, for web research.")
+    .. "with open network access and no inputs, for web research. To send more work to an agent child that "
+    .. "ended (a reviewer's findings), call `sandbox_agent` with `continue: <its run_id>`, a new `name` and the new "
+    .. "`prompt`: its own session resumes where it stopped.")
   add("- `sandbox_create`, `sandbox_exec`, `sandbox_destroy`: a sandbox that stays up for several commands.")
   add("- `sandbox_status`, `sandbox_wait`, `sandbox_cancel`, `sandbox_jobs`: children running in the background.")
   add("- `sandbox_usage_report`: the cost and tokens of everything below you.")

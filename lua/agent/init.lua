@@ -9,6 +9,7 @@
 -- After the run, results.json in the output folder holds the result the tool returns.
 local config = require("demesne.config")
 local context = require("demesne.agent.context")
+local continue = require("demesne.agent.continue")
 local errors = require("demesne.errors")
 local egress_policy = require("demesne.egress.policy")
 local fs = require("core.fs")
@@ -176,6 +177,7 @@ function agent.prepare(args, tool, kind)
   }
   o.run = run
   run.agent_dir = AGENT_DIR
+  continue.plan(o, args) -- a continue resumes the session of the run it continues
   o.argv = { "/bin/sh", AGENT_DIR .. "/run.sh" }
   agent.wire(o) -- refuses a provider whose argv cannot be run now, before anything is made
   local env = sandbox.default_env(o.run_id, o.egress)
@@ -186,8 +188,11 @@ function agent.prepare(args, tool, kind)
   local host_agent_dir = o.run_dir .. "/agent"
   if args.repository ~= nil then
     -- the agent works in a clone of the host repository; its branch comes back (lua/repo)
+    -- a continue works on in the clone its kept /workspace holds (run.sh's setup keeps it)
+    -- and fast-forwards the branch from the head the run it continues handed back
+    local c = continue.repo_opts(o)
     local rok, rerr = pcall(repo.prepare, o, args.repository, { include_uncommitted = args.include_uncommitted,
-      name = args.branch, context = p.context_file_name })
+      name = args.branch or c.name, expect = c.expect, context = p.context_file_name })
     if not rok then
       repo.cleanup(o)
       error(rerr, 0)
@@ -198,6 +203,7 @@ function agent.prepare(args, tool, kind)
     fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
   end
   o.before_create = function(plan)
+    continue.started(plan) -- its place in a tree is known now: recorded for a later continue
     -- the run's MCP endpoint is known now (the plan hooks ran): wire it into the CLI
     local files = agent.wire(plan)
     -- the run folder is the sandbox's to write once it runs: written through held folders
@@ -215,6 +221,7 @@ function agent.prepare(args, tool, kind)
     if not route then fail(verr) end
     plan.vendor = route
   end
+  continue.claim(o) -- last: nothing after it fails (the run's keep: its HOME and /workspace)
   return o
 end
 
@@ -296,6 +303,9 @@ function agent.finish(o, code, err, duration_ms, reason)
   end
   -- a repository run: the container has stopped; its branch comes back (never raises)
   if o.repo then r.branch = repo.hand_back(o, r) end
+  -- recorded for a later continue (with the branch, which a continue fast-forwards)
+  local cok, cerr = pcall(continue.finished, o, r)
+  if not cok then log.warning("demesne.agent", "%s: keep: %s", tostring(o.run_id), tostring(cerr)) end
   for _, fn in ipairs(agent.hooks.result) do
     local hok, herr = pcall(fn, o, r)
     if not hok then log.warning("demesne.agent", "result hook: %s", tostring(herr)) end
@@ -315,12 +325,31 @@ function agent.finish(o, code, err, duration_ms, reason)
   return r, read_error
 end
 
+--- A call's `continue` (sandbox_agent): checked against the run it continues and the call
+--- filled from it (lua/agent/continue.lua: continue.resolve, scoped to ctx.caller's subtree
+--- from inside a tree). Fails (errors.raise) naming the field and the reason.
+---@param ctx table|nil  the tool call's context
+---@param args table
+---@param tool string
+function agent.resolve_continue(ctx, args, tool)
+  if args.continue == nil then return end
+  if tool ~= "sandbox_agent" then fail("continue: only sandbox_agent continues a run") end
+  continue.resolve(type(ctx) == "table" and ctx.caller or nil, args)
+end
+
+--- The runs of a run's chain of continues, first to latest ({run_id, status, exit_code,
+--- cost_usd, continues, started, finished} each), or nil when the run kept nothing.
+---@param run_id string
+---@return table[]|nil
+function agent.chain(run_id) return continue.chain(run_id) end
+
 --- Runs an agent to the end (foreground). Returns the result.
 ---@param ctx table   the tool call's context (progress, cancel)
 ---@param args table
 ---@param tool string  "sandbox_agent" or "sandbox_research"
 ---@return table result
 function agent.run(ctx, args, tool)
+  agent.resolve_continue(ctx, args, tool)
   local o = agent.prepare(args, tool)
   local started = loop.hrtime()
   local finished = false
@@ -331,6 +360,7 @@ function agent.run(ctx, args, tool)
         "the call ended before the agent did (cancelled by the client, or the server stopped)")
     end
     if o.vendor then o.vendor:stop() end
+    if not finished and not o.vendor then continue.abandon(o) end -- it never started
     vendor.forget(o.run_id)
     sandbox.remove_tree(o.run_dir)
     repo.cleanup(o)
@@ -356,6 +386,7 @@ function agent.text(r)
     ("model: %s (%s)"):format(tostring(r.model), tostring(r.provider)),
     ("cost_usd: %.4f (indicative)"):format(r.cost_usd or 0),
   }
+  if r.continues then table.insert(lines, 4, "continues: " .. r.continues) end
   if r.reason then lines[#lines + 1] = "reason: " .. r.reason end
   if r.branch then lines[#lines + 1] = repo.text(r.branch) end
   lines[#lines + 1] = "--- answer ---"

@@ -6,6 +6,7 @@
 -- before the terminal record. After a restart the route is started again with the per-run
 -- token kept in the record (never the credential), so the agent's model calls go on.
 local agent = require("demesne.agent")
+local continue = require("demesne.agent.continue")
 local fs = require("core.fs")
 local jobs = require("demesne.jobs")
 local json = require("demesne.json")
@@ -32,14 +33,20 @@ local kind = {}
 ---@return table started
 function kind.start(ctx, args, tool)
   tool = tool or "sandbox_agent"
+  agent.resolve_continue(ctx, args, tool)
   local o = agent.prepare(args, tool, "job")
-  return script.launch(ctx, o, {
+  local res = table.pack(pcall(script.launch, ctx, o, {
     tool = tool, kind = "agent", command = jobs.short(args.prompt), provider = o.provider.name, model = o.model,
     vendor_token = o.token, resumable = o.resumable, stdout_file = "transcript.jsonl",
   }, function()
     if o.vendor then o.vendor:stop() end
     repo.cleanup(o)
-  end)
+  end))
+  if not res[1] then
+    continue.abandon(o) -- it never started: its keep is freed (a new one goes)
+    error(res[2], 0)
+  end
+  return table.unpack(res, 2, res.n)
 end
 
 -- Writes results.json (agent.finish), logging instead of raising: the job's outcome
@@ -127,7 +134,7 @@ function kind.attach(job)
 end
 
 local RESULT_FIELDS = { "answer", "reason", "cost_usd", "usage", "rate_limited", "model", "provider", "session_id",
-  "is_error" }
+  "is_error", "continues" }
 
 -- results.json of an ended agent job (written by agent.finish; read confined: no link
 -- followed, a regular file of at most 256 KiB): the decoded object, nil when there is

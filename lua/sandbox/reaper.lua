@@ -13,6 +13,7 @@ local paths = require("demesne.paths")
 local process = require("core.process")
 local files = require("demesne.sandbox.files")
 local hooks = require("demesne.sandbox.hooks")
+local kept = require("demesne.sandbox.keep")
 local owner = require("demesne.sandbox.owner")
 local persistent = require("demesne.sandbox.persistent")
 local spec = require("demesne.sandbox.spec")
@@ -139,12 +140,15 @@ end
 --- owner process is gone, but never a background job's container while its job record
 --- says running; then what a killed server left in the state folder (run folders without
 --- a container, their expiry and claim files, old temporary files). Works from the
---- engine's state. With opts.watch (`demesne serve`), the running persistent sandboxes of
---- this configuration that no quota watch follows get one (persistent.watch). Returns the
---- number of containers removed.
+--- engine's state. Kept workspaces past their expiry go too (keep.sweep). With opts.watch
+--- (`demesne serve`), the running persistent sandboxes of this configuration that no quota
+--- watch follows get one (persistent.watch). Returns the number of containers removed.
 ---@param opts {watch: boolean|nil}|nil
 ---@return integer
 function reaper.reap(opts)
+  -- kept workspaces past workspace_keep_seconds (lua/sandbox/keep.lua): no engine needed
+  local kok, kerr = pcall(kept.sweep)
+  if not kok then log.warning("demesne.reaper", "kept workspaces: %s", tostring(kerr)) end
   local eng = engines.get()
   if not eng then return 0 end
   local list = eng:list({ LABEL .. "managed=1" })

@@ -151,9 +151,12 @@ local function container_spec(o)
   else
     tmpfs[#tmpfs + 1] = { target = "/workspace", mode = "0777", exec = true }
   end
+  if o.home then -- an agent run's HOME kept for a `continue` (lua/sandbox/keep.lua): a host folder
+    mounts[#mounts + 1] = { source = o.home, target = "/root", mode = "rw" }
+  end
   if config.get("readonly_rootfs") then
     tmpfs[#tmpfs + 1] = { target = "/var/tmp", mode = "1777", exec = true }
-    tmpfs[#tmpfs + 1] = { target = "/root", mode = "0700", exec = true }
+    if not o.home then tmpfs[#tmpfs + 1] = { target = "/root", mode = "0700", exec = true } end
     tmpfs[#tmpfs + 1] = { target = "/run", mode = "0755" }
   end
   local now = math.floor(loop.time())

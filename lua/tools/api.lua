@@ -7,7 +7,7 @@ return {
   ["demesne.sandbox"] = { "run_script", "create", "exec", "upload", "download", "destroy", "list" },
   ["demesne.jobs"] = { "dispatch", "get", "must_get", "wait", "cancel", "list", "view", "is_terminal",
     "read_stdout", "stdout_tail", "collect", "STATUSES" },
-  ["demesne.agent"] = { "run", "text", "model_schema" },
+  ["demesne.agent"] = { "run", "text", "model_schema", "chain" },
   ["demesne.schemas"] = { "string_list", "files", "directories", "image", "env", "egress", "timeout_seconds",
     "limits", "sandbox_id", "run_result", "run_text", "background", "or_job", "job_id", "job_status",
     "job_properties", "status_result", "status_text", "agent_task", "agent_result", "AGENT_RUN_NOTE", "budget_usd",

@@ -13,6 +13,7 @@
 --   * host paths in results are given as the caller sees them (<its output folder>/… →
 --     /out/…).
 local config = require("demesne.config")
+local continue = require("demesne.agent.continue")
 local errors = require("demesne.errors")
 local json = require("demesne.json")
 local progress = require("demesne.progress")
@@ -47,7 +48,8 @@ local NOTE = {
   agent = "From inside a sandbox: the child agent sees this sandbox's /in, shares /workspace, sees earlier "
     .. "children's outputs at /in/previous-jobs/<name>, writes /out/child/<name>; egress none or this sandbox's; "
     .. "isolation and limits this sandbox's or narrower. "
-    .. "Use background: true and sandbox_wait for long runs.",
+    .. "Use background: true and sandbox_wait for long runs. `continue` (with a new name) resumes an agent child "
+    .. "that ended, in its own session.",
   research = "From inside a sandbox: the research child gets no inputs, its own workspace and open egress; its "
     .. "/out appears at /out/child/<name> here (and to later children at /in/previous-jobs/<name>) once it has "
     .. "ended: while it runs that folder is empty; its isolation and limits are this sandbox's or narrower.",
@@ -182,6 +184,8 @@ local function wrap(host)
       local _job <close> = args.background == true and (kind or name == "sandbox_exec") and tree.job_admit(n.run_id)
         or nil
       if kind then
+        -- a continue takes the continued run's egress (and model) before the spawn checks them
+        if name == "sandbox_agent" and args.continue ~= nil then continue.resolve(ctx.caller, args) end
         local r, text = tree.spawn(ctx, n.run_id, kind, args, host.run)
         if type(r) == "table" then r.mcp = nil end -- a child's endpoint is reachable only inside it
         return r, text

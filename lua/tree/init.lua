@@ -386,7 +386,11 @@ function tree.plan(ctx, o, args)
       end
     end
     n.inputs = copy_inputs(o.mounts)
-    n.workspace, n.owns_workspace = new_workspace(n.run_id), true
+    if o.keep_workspace then -- a sandbox_agent run's, kept for a `continue` (lua/agent/continue.lua): not ours to remove
+      n.workspace = o.keep_workspace
+    else
+      n.workspace, n.owns_workspace = new_workspace(n.run_id), true
+    end
   end
   n.host_mcp = host_set
   n.walls = n.walls or walls.of_plan(o)

@@ -12,11 +12,16 @@
 // and any step may have `id` (for ctx.result(id) and ctx.job(id)), `again(text, ctx)` (repeat
 // while it holds for the step's result: a wait that answered `running`), or `next(text,
 // ctx)` (the id of the step to go to after this one, or undefined for the following one).
+// A plan made with {turns: true} spans several turns of one session (a resumed session: a
+// `continue`): each user message that follows a final answer in the history counts as one
+// result, NEW_TURN, so the step after a {final} is taken in the next turn.
 // Each request is answered with the step the results so far lead to, so the vendor keeps no
 // state between requests beyond the plan; every step taken is recorded in plan.taken.
 import http from "node:http";
 import { randomBytes } from "node:crypto";
 
+/** The result a plan with {turns: true} sees for a user message after a final answer. */
+export const NEW_TURN = "(a new turn of the same session)";
 const JOB = /job-[0-9]{8}T[0-9]{6}Z-[0-9a-f]+/;
 /** The job id a tool result names, or a marker that fails loudly. */
 export const jobOf = (text) => (text || "").match(JOB)?.[0] || "no-job-id-in-the-result";
@@ -45,11 +50,14 @@ export async function startVendor({ secret, intercept }) {
   const plans = new Map();
   const served = [];
 
-  /** Adds a plan and returns its id. tokens: {input, output} billed per response (plus the step number). */
-  function plan(id, steps, tokens = { input: 100, output: 10 }) {
+  /**
+   * Adds a plan and returns its id. tokens: {input, output} billed per response (plus the step
+   * number); opts.turns: the plan spans several turns (see NEW_TURN).
+   */
+  function plan(id, steps, tokens = { input: 100, output: 10 }, opts = {}) {
     const byId = new Map();
     steps.forEach((s, i) => { if (s.id) byId.set(s.id, i); });
-    plans.set(id, { id, steps, byId, tokens, served: 0, taken: [], results: [], offered: null });
+    plans.set(id, { id, steps, byId, tokens, turns: !!opts.turns, served: 0, taken: [], results: [], offered: null });
     return id;
   }
 
@@ -127,7 +135,14 @@ export async function startVendor({ secret, intercept }) {
     let blocks = [{ type: "text", text: "ok" }], stop = "end_turn", usage = { input: 1, output: 1 };
     if (p) {
       const results = [];
+      let ended = false; // the last assistant message was a final answer (no tool call)
       for (const m of msgs) {
+        if (m.role === "assistant") {
+          ended = !(Array.isArray(m.content) && m.content.some((b) => b?.type === "tool_use"));
+          continue;
+        }
+        if (p.turns && ended) results.push(NEW_TURN);
+        ended = false;
         if (m.role !== "user" || !Array.isArray(m.content)) continue;
         for (const b of m.content) if (b.type === "tool_result") results.push(textOf(b.content));
       }
@@ -193,8 +208,14 @@ export async function startVendor({ secret, intercept }) {
     const callId = () => "call_" + randomBytes(6).toString("hex");
     if (p) {
       const tools = codexTools(body);
-      const results = input.filter((i) => typeof i?.type === "string" && i.type.endsWith("_output") && i.call_id)
-        .map((i) => textOf(i.output));
+      const results = [];
+      let ended = false; // the last assistant item was a final message (no tool call after it)
+      for (const i of input) {
+        if (i?.type === "message" && i.role === "assistant") { ended = true; continue; }
+        if (typeof i?.type === "string" && i.type.endsWith("_call")) { ended = false; continue; }
+        if (i?.type === "message" && i.role === "user" && p.turns && ended) { results.push(NEW_TURN); ended = false; }
+        if (typeof i?.type === "string" && i.type.endsWith("_output") && i.call_id) results.push(textOf(i.output));
+      }
       const t = take(p, results, offeredNames(tools), body);
       usage = t.usage;
       const { step } = t;
