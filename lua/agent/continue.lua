@@ -16,8 +16,7 @@
 -- /workspace, and the continuation is a new child of the caller (it needs a `name` of its
 -- own). The host never continues a child: its workspace was its tree's.
 --
--- Seam for the git hand-back (issue 25, "repository in, branch out", lua/repo on its own
--- branch): continue.INHERITED includes `repository`, `include_uncommitted` and `branch`, so a
+-- With the git hand-back (lua/repo): continue.INHERITED includes `repository`, `include_uncommitted` and `branch`, so a
 -- continue of a run that had a repository gets the same one, and its clone is already in the
 -- kept /workspace. The one place that connects the two is the repository step of
 -- agent.prepare: it passes continue.repo_opts(o) ({name, expect}) to repo.prepare, so that

@@ -340,28 +340,6 @@ function repo.load(run_id)
   return g
 end
 
---- Plans a run that continues run `prev_id` on the same branch (a `continue` in the same
---- kept workspace): the saved plan of `prev_id` (repo.load; its folder must still be there,
---- so the earlier run must not have been cleaned up) becomes this plan's, its run.sh and
---- settings are mounted again (the clone in the workspace is used as it is: run.sh's setup
---- skips an existing clone), and the hand-back fast-forwards the branch from the head the
---- last hand-back left (`expect`), never overwriting it. Sets o.repo, o.argv, o.cwd, o.env
---- as repo.prepare does. Fails naming `continue` when there is no saved plan.
----@param o table  the new plan
----@param prev_id string
----@return table o.repo
-function repo.resume(o, prev_id)
-  local g = repo.load(prev_id)
-  if not g then fail(("continue: run %s has no repository plan left to continue"):format(tostring(prev_id))) end
-  o.repo = g
-  local argv = { "/bin/sh", repo.MOUNT .. "/run.sh" }
-  for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do argv[#argv + 1] = a end
-  o.argv = argv
-  o.cwd = "/workspace"
-  repo.add_env(o)
-  return g
-end
-
 --- Removes the repository folder of run `run_id` (see repo.cleanup), if it has one.
 ---@param run_id string
 function repo.forget(run_id)

@@ -104,3 +104,42 @@ test("Claude Code edits and commits in the clone; the branch comes back", async 
 test("Codex edits and commits in the clone; the branch comes back", async () => {
   await agentRun({ tag: "repo-codex", model: "gpt-5.6-sol" });
 });
+
+// issue 25: a follow-up continues the run in the same clone and adds to the same branch
+test("a continue of a repository run adds its commit to the same branch, fast-forwarded", async () => {
+  const tag = "cont";
+  const h = makeRepo(tag);
+  const before = snapshot(h);
+  const id = vendor.plan(tag, [
+    { shell: "sed -i 's/a - b/a + b/' app.py && git commit -qam 'fix add' && echo committed" },
+    { final: "Fixed add." },
+    { shell: "git log --format=%s > /out/log-before.txt && printf 'def sub(a, b):\\n    return a - b\\n' >> app.py "
+      + "&& git commit -qam 'add sub' && echo committed" },
+    { final: "Added sub." },
+  ], undefined, { turns: true });
+  const conn = await connect({ env: serverEnv(tag), fixtures: false });
+  try {
+    const call = async (args) => {
+      const res = await conn.client.callTool({ name: "sandbox_agent", arguments: args }, undefined, LONG);
+      assert.ok(!res.isError, res.content?.[0]?.text);
+      assert.equal(res.structuredContent.exit_code, 0, res.structuredContent.stderr);
+      return res.structuredContent;
+    };
+    const r1 = await call({ prompt: `PLAN:${id} Fix add in app.py and commit.`, model: "sonnet", repository: h, branch: tag });
+    assert.deepEqual(r1.branch.commits.map((c) => c.subject), ["fix add"]);
+    const r2 = await call({ continue: r1.run_id, prompt: "The reviewer asks for a sub function too." });
+    assert.equal(r2.continues, r1.run_id);
+    // the same clone: run 1's commit is there when run 2 starts
+    assert.deepEqual(readFileSync(path.join(r2.output_dir, "log-before.txt"), "utf8").trim().split("\n"),
+      ["fix add", "app with a bug"]);
+    const b = r2.branch;
+    assert.equal(b.error, undefined, JSON.stringify(b));
+    assert.equal(b.branch, `demesne/${tag}`, "the same branch");
+    assert.equal(git(h, "rev-parse", `demesne/${tag}`), b.head);
+    assert.deepEqual(git(h, "log", "--format=%s", `demesne/${tag}`).split("\n"), ["add sub", "fix add", "app with a bug"]);
+    assert.equal(git(h, "rev-parse", `demesne/${tag}~1`), r1.branch.head, "fast-forwarded from run 1's head");
+    assert.deepEqual(snapshot(h), before, "the host's work tree, index, HEAD and config are untouched");
+  } finally {
+    await conn.client.close();
+  }
+});

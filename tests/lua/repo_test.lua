@@ -146,8 +146,9 @@ function tests.submodules_are_left_out_with_a_note(t)
   teardown(d)
 end
 
--- A continue (repo.resume): the same branch fast-forwards from where the last hand-back left
--- it, and a branch someone else moved meanwhile is never overwritten.
+-- A continue (lua/agent: repo.prepare with the branch's name and the head the last hand-back
+-- left, `expect`): the same branch fast-forwards, and a branch someone else moved meanwhile
+-- is never overwritten: the continue is refused before it starts.
 function tests.a_continue_fast_forwards_the_same_branch(t)
   local d, h = setup()
   local o = plan(d, "c1")
@@ -156,9 +157,8 @@ function tests.a_continue_fast_forwards_the_same_branch(t)
   local b1 = repo.hand_back(o)
   t:eq(b1.error, nil)
   local o2 = plan(d, "c2")
-  local g = repo.resume(o2, "c1")
+  local g = repo.prepare(o2, h, { name = "cont", expect = b1.head })
   t:eq(g.branch, "demesne/cont", "the same branch")
-  t:eq(g.expect, b1.head, "from the last hand-back's head")
   o2.output_dir = o.output_dir -- the same /out: the sandbox's side below writes its bundle there
   must(("cd %s && echo 2 > two && %s add two && %s commit -qm two && %s bundle create -q %s/%s refs/heads/%s ^%s"):format(
     ws, G, G, G, o.output_dir, repo.BUNDLE, g.branch, g.host_head))
@@ -168,18 +168,12 @@ function tests.a_continue_fast_forwards_the_same_branch(t)
   t:eq(#b2.commits, 2, "both runs' commits against the base")
   -- someone moves the branch on the host: the next continue is refused, never overwrites
   must(("git -C %s update-ref refs/heads/demesne/cont %s"):format(h, b1.head))
-  local o3 = plan(d, "c3")
-  repo.resume(o3, "c1")
-  o3.output_dir = o.output_dir
-  must(("cd %s && echo 3 > three && %s add three && %s commit -qm three && %s bundle create -q %s/%s refs/heads/%s ^%s"):format(
-    ws, G, G, G, o.output_dir, repo.BUNDLE, g.branch, g.host_head))
-  local b3 = repo.hand_back(o3)
-  t:match(tostring(b3.error), "could not be written", "refused")
-  t:eq(must(("git -C %s rev-parse refs/heads/demesne/cont"):format(h)), b1.head, "left where the host put it")
-  local ok, err = pcall(repo.resume, plan(d, "c4"), "nope")
+  local ok, err = pcall(repo.prepare, plan(d, "c3"), h, { name = "cont", expect = b2.head })
   t:eq(ok, false)
-  t:match(tostring(err.message), "^continue: run nope has no repository plan")
+  t:match(tostring(err.message), "^branch: the branch demesne/cont already exists", "refused")
+  t:eq(must(("git -C %s rev-parse refs/heads/demesne/cont"):format(h)), b1.head, "left where the host put it")
   repo.cleanup(o)
+  repo.cleanup(o2)
   teardown(d)
 end
 
