@@ -69,6 +69,15 @@ schemas.host_mcp = { type = "array", uniqueItems = true,
 
 schemas.sandbox_id = { type = "string", minLength = 1, description = "The id returned by sandbox_create." }
 
+--- A port of a sandbox to preview (sandbox_create's ports, sandbox_expose's port).
+schemas.port = { type = "integer", minimum = 1, maximum = 65535 }
+
+--- The previews of a sandbox in a result: [{port, url}] (lua/sandbox/preview.lua).
+schemas.previews = { type = "array", description = "port previews: each sandbox port (on its 127.0.0.1) at a URL on "
+  .. "the host's loopback; the URL carries the preview's secret (open it as it is, in a browser on this host)",
+  items = { type = "object", required = json.array({ "port", "url" }), properties = {
+    port = { type = "integer" }, url = { type = "string" } } } }
+
 --- The result of a command: shared by sandbox_script and sandbox_exec.
 ---@param extra table<string, table>|nil  more properties
 ---@return table schema

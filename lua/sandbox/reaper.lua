@@ -15,6 +15,7 @@ local files = require("demesne.sandbox.files")
 local hooks = require("demesne.sandbox.hooks")
 local owner = require("demesne.sandbox.owner")
 local persistent = require("demesne.sandbox.persistent")
+local preview = require("demesne.sandbox.preview")
 local spec = require("demesne.sandbox.spec")
 
 local reaper = {}
@@ -148,6 +149,7 @@ function reaper.reap()
         n = n + 1
         if l[LABEL .. "run_id"] then
           egress.stop(l[LABEL .. "run_id"])
+          preview.close(l[LABEL .. "run_id"])
           hooks.run_removal("removed", { run_id = l[LABEL .. "run_id"] }, expired and "expired" or "its server is gone")
         end
         local rd = l[LABEL .. "run_dir"]
