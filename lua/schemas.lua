@@ -166,6 +166,8 @@ function schemas.job_properties(extra)
     message = { type = "string" },
     agent = { type = "object", description = "an ended agent job's result (from results.json in output_dir): "
       .. "answer, reason, cost_usd, usage, rate_limited, model, session_id" },
+    previews = { type = "array", items = { type = "object" }, description = "while the job runs: the port previews "
+      .. "of its sandbox, [{port, url}] (sandbox_expose from inside the sandbox)" },
     tree = { type = "object", description = "when the job runs a sandbox tree (or a node of one): its live cost "
       .. "(cost_usd of the subtree), nodes, running, and the tree's budget_usd and spent_usd" },
   }
@@ -285,6 +287,8 @@ function schemas.agent_result()
     children = { type = "array", items = { type = "object" }, description = "the child sandboxes it spawned: name, "
       .. "kind, status, exit_code, reason, cost_usd (own), total_cost_usd (its subtree), output_dir, run_id, job_id" },
     total_cost_usd = { type = "number", description = "this run's cost and that of every sandbox below it" },
+    previews = { type = "array", items = { type = "object" }, description = "the port previews the agent opened "
+      .. "(sandbox_expose from inside): sandbox_id, port, url; each closed once its sandbox has gone" },
   }, required = json.array({ "exit_code", "answer", "stderr", "output_dir", "run_id", "cost_usd", "usage" }) }
 end
 

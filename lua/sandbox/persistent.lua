@@ -244,6 +244,22 @@ function persistent.expose(ctx, args)
   return { sandbox_id = args.sandbox_id, port = p.port, url = p.url, previews = preview.list(args.sandbox_id) }
 end
 
+--- Opens a preview of `port` of the running demesne sandbox `run_id`, whatever its kind
+--- (an agent run's own sandbox, from inside its tree: lua/tree/child.lua checks the scope).
+--- Returns {sandbox_id, port, url, previews}.
+---@param run_id string
+---@param port integer
+---@return table
+function persistent.expose_run(run_id, port)
+  local eng = spec.engine()
+  local info = spec.state_of(eng, run_id)
+  if not info or info.state ~= "running" or (info.labels or {})[LABEL .. "managed"] ~= "1" then
+    fail(("sandbox_id: sandbox %s is not running"):format(run_id))
+  end
+  local p = preview.open(eng, run_id, info.id, port, "port")
+  return { sandbox_id = run_id, port = p.port, url = p.url, previews = preview.list(run_id) }
+end
+
 --- Destroys a persistent sandbox. Idempotent: a gone sandbox is success, with status
 --- "already gone". Returns {sandbox_id, status}.
 ---@param ctx table

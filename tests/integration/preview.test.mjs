@@ -20,6 +20,7 @@ const env = {
   DEMESNE_OUTPUT_ROOT: path.join(work, "out"),
   DEMESNE_STATE_DIR: path.join(work, "state"),
   DEMESNE_PREVIEWS_MAX: "3",
+  DEMESNE_ALLOWED_PATHS: `${path.join(ROOT, "tests/fixtures/tree")}:${path.join(ROOT, "tests/integration/node_modules")}`,
 };
 
 let conn;
@@ -261,6 +262,36 @@ test("bad ports in sandbox_create are refused before anything is made", async ()
   assert.match(await err("sandbox_expose", { sandbox_id: "20261201T000000Z-00000000", port: 80 }),
     /^sandbox_id: no sandbox 20261201T000000Z-00000000/);
   assert.equal((await ok("sandbox_list", {})).sandboxes.length, before, "no sandbox left behind");
+});
+
+test("from inside a tree: a sandbox exposes a port of its own, not of one outside its scope", async () => {
+  // the official SDK client runs inside (tests/fixtures/tree/sdk-call.mjs), at egress none
+  const sb = await ok("sandbox_create", { mcp: true, egress: "none", directories: [
+    path.join(ROOT, "tests/fixtures/tree"), path.join(ROOT, "tests/integration/node_modules")] });
+  const other = await ok("sandbox_create", { egress: "none" });
+  try {
+    const r = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, timeout_seconds: 120, command:
+      "mkdir -p /tmp/site && echo 'made inside a tree' > /tmp/site/index.html && "
+      + "(cd /tmp/site && python3 -m http.server 8000 --bind 127.0.0.1 >/tmp/http.log 2>&1 &); "
+      + "node /in/tree/sdk-call.mjs --field url sandbox_expose '{\"port\": 8000}'; echo \"own=$?\"; "
+      + `node /in/tree/sdk-call.mjs sandbox_expose '{"sandbox_id": "${other.sandbox_id}", "port": 8000}'; echo "other=$?"` });
+    assert.match(r.stdout, /own=0/, r.stderr);
+    assert.match(r.stdout, /other=2/);
+    assert.match(r.stderr, new RegExp(`sandbox_id: no sandbox ${other.sandbox_id} \\(it was destroyed or has expired\\)`));
+    const url = r.stdout.split("\n")[0];
+    assert.match(url, /^http:\/\/127\.0\.0\.1:\d+\/\?demesne_preview=[0-9a-f]{48}$/);
+    // the host's caller sees it (sandbox_list), and it works from the host
+    const mine = (await ok("sandbox_list", {})).sandboxes.find((s) => s.sandbox_id === sb.sandbox_id);
+    assert.deepEqual(mine.previews, [{ port: 8000, url }]);
+    const cookie = await login(url);
+    const page = await ready(url.split("?")[0], cookie);
+    assert.equal(page.status, 200);
+    assert.equal(await page.text(), "made inside a tree\n");
+    assert.deepEqual((await ok("sandbox_list", {})).sandboxes.find((s) => s.sandbox_id === other.sandbox_id).previews, []);
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+    await ok("sandbox_destroy", { sandbox_id: other.sandbox_id });
+  }
 });
 
 const imageTest = IMAGES ? test : (name, fn) =>
