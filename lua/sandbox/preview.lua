@@ -21,11 +21,13 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local loop = require("core.loop")
 local stream = require("core.stream")
+local timer = require("core.timer")
 
 local preview = {}
 
 local LOGGER = "demesne.preview"
 local HEAD_MAX = 16384 -- bytes of the first request head
+local HEAD_MS = 10000 -- the first request head must arrive within this
 local HIGH, LOW = 1024 * 1024, 256 * 1024 -- back-pressure marks (bytes queued)
 local PARAM = "demesne_preview"
 local INIT = "/.demesne/init"
@@ -176,8 +178,16 @@ local function accept(e, c)
   end
   e.conns[c] = true
   local buf = ""
+  -- a connection that sends no whole head in time goes: it holds one of the preview's slots
+  local slow = timer.after(HEAD_MS, function()
+    if e.conns[c] == true then
+      e.conns[c] = nil
+      c:close()
+    end
+  end)
   c:read_start(function(data)
     if not data then
+      slow:close()
       e.conns[c] = nil
       return c:close()
     end
@@ -186,11 +196,13 @@ local function accept(e, c)
     if not head then
       if code == "EAGAIN" and #buf <= HEAD_MAX then return end
       c:read_stop()
+      slow:close()
       e.conns[c] = nil
       if code == "EAGAIN" then return answer(c, 431, "Request Header Fields Too Large", "the request head is too large\n") end
       return answer(c, 400, "Bad Request", "not an HTTP/1 request\n")
     end
     c:read_stop()
+    slow:close()
     local status, why, redirect = preview.judge(e, head)
     if status then
       e.conns[c] = nil
