@@ -6,10 +6,11 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { createHash, randomBytes } from "node:crypto";
-import { mkdtempSync, mkdirSync, rmSync, statSync } from "node:fs";
+import { mkdtempSync, mkdirSync, readFileSync, rmSync } from "node:fs";
 import net from "node:net";
 import { tmpdir } from "node:os";
 import path from "node:path";
+import { PNG } from "pngjs";
 import { connect, ROOT } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
@@ -332,7 +333,11 @@ imageTest("webgamedev: Vite's dev server opened through a preview in Chromium, s
     const bound = new Promise((resolve) => setTimeout(resolve, 60_000, false)); // (a bound, not a speed check)
     assert.equal(await Promise.race([connected, bound]), true, `no "[vite] connected" in:\n${logs.join("\n")}`);
     await pg.screenshot({ path: shot });
-    assert.ok(statSync(shot).size > 1000, `a screenshot at ${shot}`);
+    // the template's yellow square sits in the middle of its 800x600 canvas
+    const img = PNG.sync.read(readFileSync(shot));
+    const at = (img.height / 2 * img.width + img.width / 2) * 4;
+    const [r, g, b] = img.data.subarray(at, at + 3);
+    assert.ok(r > 200 && g > 150 && b < 80, `the game's square is drawn at the centre of ${shot}: rgb(${r}, ${g}, ${b})`);
     console.log(`# screenshot: ${shot}`);
   } finally {
     await browser?.close();
