@@ -70,6 +70,15 @@ schemas.host_mcp = { type = "array", uniqueItems = true,
 
 schemas.sandbox_id = { type = "string", minLength = 1, description = "The id returned by sandbox_create." }
 
+--- A port of a sandbox to preview (sandbox_create's ports, sandbox_expose's port).
+schemas.port = { type = "integer", minimum = 1, maximum = 65535 }
+
+--- The previews of a sandbox in a result: [{port, url}] (lua/sandbox/preview.lua).
+schemas.previews = { type = "array", description = "port previews: each sandbox port (on its 127.0.0.1) at a URL on "
+  .. "the host's loopback; the URL carries the preview's secret (open it as it is, in a browser on this host)",
+  items = { type = "object", required = json.array({ "port", "url" }), properties = {
+    port = { type = "integer" }, url = { type = "string" } } } }
+
 --- The result of a command: shared by sandbox_script and sandbox_exec.
 ---@param extra table<string, table>|nil  more properties
 ---@return table schema
@@ -168,6 +177,8 @@ function schemas.job_properties(extra)
     agent = { type = "object", description = "an ended agent job's result (from results.json in output_dir): "
       .. "answer, reason, cost_usd, usage, rate_limited, model, session_id" },
     branch = repo.SCHEMA,
+    previews = { type = "array", items = { type = "object" }, description = "while the job runs: the port previews "
+      .. "of its sandbox, [{port, url}] (sandbox_expose from inside the sandbox)" },
     tree = { type = "object", description = "when the job runs a sandbox tree (or a node of one): its live cost "
       .. "(cost_usd of the subtree), nodes, running, and the tree's budget_usd and spent_usd" },
   }
@@ -290,6 +301,8 @@ function schemas.agent_result()
     total_cost_usd = { type = "number", description = "this run's cost and that of every sandbox below it" },
     session_id = { type = "string", description = "the CLI's session (Claude Code) or thread (Codex)" },
     continues = { type = "string", description = "the run this one continues (sandbox_agent `continue`)" },
+    previews = { type = "array", items = { type = "object" }, description = "the port previews the agent opened "
+      .. "(sandbox_expose from inside): sandbox_id, port, url; each closed once its sandbox has gone" },
   }, required = json.array({ "exit_code", "answer", "stderr", "output_dir", "run_id", "cost_usd", "usage" }) }
 end
 

@@ -28,6 +28,10 @@ return {
       repository = repo.params().repository,
       include_uncommitted = repo.params().include_uncommitted,
       branch = repo.params().branch,
+      ports = { type = "array", uniqueItems = true, items = schemas.port, description = "Ports the sandbox's "
+        .. "services listen on (on its 127.0.0.1) to open in a browser on this host: each gets a URL of its own on "
+        .. "the host's loopback (see previews in the result), relayed without any network interface, also at "
+        .. "egress none. sandbox_expose adds one later." },
     },
   },
   outputSchema = {
@@ -38,6 +42,7 @@ return {
       output_dir = { type = "string" },
       expires_at = { type = "string", description = "UTC, RFC 3339" },
       image = { type = "string" },
+      previews = schemas.previews,
       mcp = { type = "object", description = "with mcp: true, the in-sandbox endpoint: url (inside the sandbox) and "
         .. "the bearer token its commands find in $DEMESNE_MCP_TOKEN" },
       repository = { type = "object", description = "with repository: the clone in the sandbox (path), its branch, "
@@ -51,6 +56,7 @@ return {
     local r = sandbox.create(ctx, args)
     local text = ("sandbox_id: %s\noutput_dir: %s\nexpires_at: %s"):format(r.sandbox_id, r.output_dir, r.expires_at)
     if r.repository then text = text .. ("\nrepository: %s on branch %s"):format(r.repository.path, r.repository.branch) end
+    for _, p in ipairs(r.previews or {}) do text = text .. ("\npreview of port %d: %s"):format(p.port, p.url) end
     return r, text
   end,
 }

@@ -15,6 +15,7 @@ static const luaL_Reg modules[] = {
   {"core.archive", luaopen_core_archive},
   {"core.proxy", luaopen_core_proxy},
   {"core.httpd", luaopen_core_httpd},
+  {"core.httphead", luaopen_core_httphead}, /* request heads (llhttp) */
   {NULL, NULL},
 };
 

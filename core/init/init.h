@@ -55,6 +55,11 @@ int init_wait(int argc, char **argv);
 /// Returns 0 when the group is gone, 1 when it remains, 2 on usage errors, 125 on I/O errors.
 int init_kill(int argc, char **argv);
 
+/// `demesne-init connect 127.x.y.z:PORT`: pipes stdin to a TCP connection to that port and
+/// the connection to stdout (connect.c), for port previews. argv[0] is "connect". Returns 0
+/// when the connection ended, 2 on usage errors, 125 when nothing accepts on the port.
+int init_connect(int argc, char **argv);
+
 // The control socket (control.c). Reference: docs/reference/demesne-init.md.
 #define CONTROL_MAGIC "DMI1"
 #define CONTROL_MAX (4u << 20)  // bytes of one request's payload (argv + environment)

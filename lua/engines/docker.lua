@@ -9,6 +9,7 @@
 -- HostConfig, Binds, State or Config.Labels.
 local http = require("core.http")
 local fs = require("core.fs")
+local stream = require("core.stream")
 local loop = require("core.loop")
 local async = require("demesne.async")
 local json = require("demesne.json")
@@ -746,6 +747,138 @@ function Engine:exec(id, argv, opts)
     return nil, ("exec in container %s: its output ended but the engine reports no exit code"):format(id), "EENGINE"
   end
   return exit
+end
+
+--- A process started by Engine:exec_stream: its stdin and stdout as a byte stream.
+---@class ExecStream
+---@field write fun(self: ExecStream, data: string, cb: fun(ok: boolean|nil)|nil)  to its stdin
+---@field shutdown fun(self: ExecStream)  ends its stdin (the process reads end of file)
+---@field pause fun(self: ExecStream)     stops delivering its stdout (back-pressure)
+---@field resume fun(self: ExecStream)
+---@field queued fun(self: ExecStream): integer  bytes written and not yet sent
+---@field close fun(self: ExecStream)     hangs up (idempotent)
+local ExecStream = {}
+ExecStream.__index = ExecStream
+
+local EXEC_HEAD_MAX = 16384 -- bytes of the engine's answer head
+local EXEC_STDERR_MAX = 4096 -- bytes of stderr kept for the end callback
+
+--- Queues `data` for the process's stdin; cb(true) or cb(nil, msg, code) once written.
+---@param data string
+---@param cb fun(ok: boolean|nil)|nil
+---@return boolean|nil ok, string|nil err, string|nil code
+function ExecStream:write(data, cb)
+  if self.closed then return nil, "the exec stream is closed", "ECANCELED" end
+  return self.s:write(data, cb)
+end
+--- Ends the process's stdin after what is queued (it reads end of file).
+function ExecStream:shutdown() if not self.closed then self.s:shutdown() end end
+--- Bytes written and not yet sent.
+---@return integer
+function ExecStream:queued() return self.closed and 0 or self.s:write_queue_size() end
+--- Stops delivering the process's stdout until resume (back-pressure).
+function ExecStream:pause()
+  if not self.closed and not self.paused then self.paused = true self.s:read_stop() end
+end
+--- Delivers the process's stdout again after pause.
+function ExecStream:resume()
+  if not self.closed and self.paused then self.paused = false self.s:read_start(self.reader) end
+end
+--- Hangs up (the process's stdin ends; on_out(nil, stderr) follows if it has not). Idempotent.
+function ExecStream:close()
+  if self.closed then return end
+  self.closed = true
+  self.s:close()
+  if not self.ended then
+    self.ended = true
+    self.on_out(nil, self.stderr)
+  end
+end
+
+--- POST /containers/{id}/exec with stdin attached, then /exec/{id}/start on a hijacked
+--- connection: `argv` runs in the running container with its stdin fed by handle:write and
+--- its stdout given to on_out(data) as it comes (the engine's frames undone); on_out(nil,
+--- stderr) once at the end (the process ended or the connection broke; stderr: its first
+--- 4 KiB). Returns the handle once the engine has started the process, or nil, msg, code
+--- (ENOENT: no such container; ECONFLICT: not running). The exit code is not asked for.
+---@param id string
+---@param argv string[]
+---@param on_out fun(data: string|nil, stderr: string|nil)
+---@return ExecStream|nil handle, string|nil err, string|nil code
+function Engine:exec_stream(id, argv, on_out)
+  local t, err, code = ok_json(self, "POST", "/containers/" .. seg(id) .. "/exec", nil, {
+    Cmd = argv, AttachStdin = true, AttachStdout = true, AttachStderr = true, Tty = false,
+  }, "create exec")
+  if not t then
+    if code == "EENGINE" then
+      local info = self:inspect(id)
+      if info and info.state ~= "running" then
+        return nil, ("create exec: container %s is not running"):format(id), "ECONFLICT"
+      end
+    end
+    return nil, err, code
+  end
+  local s, cerr, ccode = async.await(function(cb)
+    local ok, e, c = stream.connect_unix(self.socket, cb)
+    if not ok then cb(nil, e, c) end
+  end)
+  if not s then return nil, ("container engine at %s: %s"):format(self.socket, tostring(cerr)), ccode end
+  local h = setmetatable({ s = s, on_out = on_out, stderr = "" }, ExecStream)
+  local body = '{"Detach":false,"Tty":false}'
+  s:write(("POST /v1.41/exec/%s/start HTTP/1.1\r\nHost: d\r\nContent-Type: application/json\r\n"
+    .. "Connection: Upgrade\r\nUpgrade: tcp\r\nContent-Length: %d\r\n\r\n%s"):format(seg(t.Id), #body, body))
+  local buf, started = "", async.event()
+  local status
+  local function finish()
+    if h.ended then return end
+    h.ended = true
+    h.on_out(nil, h.stderr)
+  end
+  local function frames()
+    -- [8-byte header: stream (0 stdin, 1 stdout, 2 stderr), 0, 0, 0, size (big-endian u32)] payload
+    while #buf >= 8 do
+      local kind, size = buf:byte(1), string.unpack(">I4", buf, 5)
+      if #buf < 8 + size then return end
+      local payload = buf:sub(9, 8 + size)
+      buf = buf:sub(9 + size)
+      if kind == 2 then
+        if #h.stderr < EXEC_STDERR_MAX then h.stderr = (h.stderr .. payload):sub(1, EXEC_STDERR_MAX) end
+      elseif kind == 1 and #payload > 0 then
+        h.on_out(payload)
+      end
+    end
+  end
+  h.reader = function(data)
+    if not data then
+      if not status then status = false started.set() end
+      h.closed = true
+      s:close()
+      return finish()
+    end
+    buf = buf .. data
+    if not status then
+      local e = buf:find("\r\n\r\n", 1, true)
+      if not e then
+        if #buf > EXEC_HEAD_MAX then status = false started.set() h:close() end
+        return
+      end
+      status = tonumber(buf:match("^HTTP/1%.%d (%d%d%d)")) or 0
+      h.head = buf:sub(1, e + 3)
+      buf = buf:sub(e + 4)
+      started.set()
+      if status ~= 101 and status ~= 200 then return end
+    end
+    frames()
+  end
+  s:read_start(h.reader)
+  started.wait()
+  if status ~= 101 and status ~= 200 then
+    local msg = h.head and h.head:match("^[^\r\n]*") or "no answer"
+    h.ended = true
+    h:close()
+    return nil, ("start exec: the engine answered %s"):format(msg), "EENGINE"
+  end
+  return h
 end
 
 --- PUT /containers/{id}/archive?path=DIR with a tar file as the body (streamed from disk).

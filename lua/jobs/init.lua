@@ -669,6 +669,10 @@ function jobs.view(rec)
     children = json.array({ table.unpack(rec.children or {}) }),
     branch = rec.branch,
   }
+  if rec.status == "running" and rec.run_id then
+    local p = sandbox.previews(rec.run_id)
+    if #p > 0 then out.previews = p end
+  end
   local k = kinds[rec.kind]
   if k and k.view then
     for key, v in pairs(k.view(rec) or {}) do out[key] = v end

@@ -15,6 +15,7 @@ local files = require("demesne.sandbox.files")
 local hooks = require("demesne.sandbox.hooks")
 local persistent = require("demesne.sandbox.persistent")
 local quota = require("demesne.sandbox.quota")
+local preview = require("demesne.sandbox.preview")
 local spec = require("demesne.sandbox.spec")
 
 local oneshot = {}
@@ -195,6 +196,7 @@ function oneshot.script_remove(o)
   if not o.id or o.removed then return true end
   local ok, err = o.engine:remove(o.id)
   if not ok then log.warning("demesne.sandbox", "remove %s: %s", o.name or o.id, tostring(err)) end
+  preview.close(o.run_id) -- those an agent opened from inside (lua/tree/child.lua)
   o.removed = ok or nil -- a second call (the teardown after an early removal) does nothing
   return ok, err
 end

@@ -16,6 +16,7 @@ local files = require("demesne.sandbox.files")
 local hooks = require("demesne.sandbox.hooks")
 local quota = require("demesne.sandbox.quota")
 local repo = require("demesne.repo")
+local preview = require("demesne.sandbox.preview")
 local spec = require("demesne.sandbox.spec")
 
 local persistent = {}
@@ -30,16 +31,17 @@ local LABEL, container_spec, default_env = spec.LABEL, spec.container_spec, spec
 local prepare, make_dirs = spec.prepare, spec.make_dirs
 
 --- Creates a persistent sandbox (sandbox_create). Returns {sandbox_id, output_dir,
---- expires_at, image, mcp}: mcp = {url, token} of its in-sandbox endpoint when the plan
---- hooks (lua/tree) gave it one.
+--- expires_at, image, mcp, previews}: mcp = {url, token} of its in-sandbox endpoint when the plan
+--- hooks (lua/tree) gave it one; previews = {{port, url}} for `ports` (lua/sandbox/preview.lua).
 ---@param ctx table
----@param args table  ttl_seconds, image, files, directories, env, limits, egress, mcp, tree, budget_usd
+---@param args table  ttl_seconds, image, files, directories, env, limits, egress, mcp, tree, budget_usd, ports
 ---@return table
 function persistent.create(ctx, args)
   local ttl = args.ttl_seconds or config.get("ttl_default")
   if ttl > config.get("ttl_max") then
     fail(("ttl_seconds: %s is above the ceiling of %s"):format(spec.num(ttl), spec.num(config.get("ttl_max"))))
   end
+  preview.check_ports(args.ports)
   local o = prepare(args, "persistent", "sandbox_create", ttl)
   o.env = spec.env(args.env, default_env(o.run_id, o.egress))
   if args.repository ~= nil then
@@ -93,10 +95,21 @@ function persistent.create(ctx, args)
     end)
     if conn then conn:close() else log.warning("demesne.sandbox", "sandbox %s: %s", o.run_id, tostring(cerr2)) end
   end
+  -- the previews last: a listener that cannot be opened takes the sandbox down with it
+  local pok, previews = pcall(preview.open_all, o.engine, o.run_id, id, args.ports)
+  if not pok then
+    hooks.run_removal("removing", o.run_id)
+    o.engine:remove(id)
+    hooks.run_removal("removed", { run_id = o.run_id })
+    eg:stop()
+    files.remove_tree(o.run_dir)
+    error(previews, 0)
+  end
   local expires = math.floor(loop.time()) + ttl
   persistent.write_expiry(o.run_dir, expires)
   persistent.watch(o.engine, id, o.run_id, o.output_dir, o.run_dir)
   return {
+    previews = previews,
     sandbox_id = o.run_id,
     output_dir = o.output_dir,
     expires_at = util.iso(expires),
@@ -302,10 +315,42 @@ function persistent.stop_unresponsive(eng, container, sandbox_id, what)
   if sandbox_id then
     seen[sandbox_id] = nil -- [h10] no longer running: the next exec looks it up afresh
     egress.stop(sandbox_id)
+    preview.close(sandbox_id)
   end
   return ("%s: the sandbox's demesne-init is not responding (stopped or hung), so sandbox %s %s; its output "
     .. "folder is kept. sandbox_destroy removes it; create a new sandbox to go on"):format(what,
     tostring(sandbox_id or container), ok and "was stopped" or ("could not be stopped (" .. tostring(err) .. ")"))
+end
+
+--- Opens a preview of `args.port` of the running persistent sandbox `args.sandbox_id`
+--- (sandbox_expose). Returns {sandbox_id, port, url, previews = {{port, url}}}.
+---@param ctx table
+---@param args table  sandbox_id, port
+---@return table
+function persistent.expose(ctx, args)
+  local eng = spec.engine()
+  local sb = persistent.lookup(eng, args.sandbox_id)
+  if not sb.running then
+    fail(("sandbox_id: sandbox %s is not running"):format(args.sandbox_id))
+  end
+  local p = preview.open(eng, args.sandbox_id, sb.id, args.port, "port")
+  return { sandbox_id = args.sandbox_id, port = p.port, url = p.url, previews = preview.list(args.sandbox_id) }
+end
+
+--- Opens a preview of `port` of the running demesne sandbox `run_id`, whatever its kind
+--- (an agent run's own sandbox, from inside its tree: lua/tree/child.lua checks the scope).
+--- Returns {sandbox_id, port, url, previews}.
+---@param run_id string
+---@param port integer
+---@return table
+function persistent.expose_run(run_id, port)
+  local eng = spec.engine()
+  local info = spec.state_of(eng, run_id)
+  if not info or info.state ~= "running" or (info.labels or {})[LABEL .. "managed"] ~= "1" then
+    fail(("sandbox_id: sandbox %s is not running"):format(run_id))
+  end
+  local p = preview.open(eng, run_id, info.id, port, "port")
+  return { sandbox_id = run_id, port = p.port, url = p.url, previews = preview.list(run_id) }
 end
 
 --- Destroys a persistent sandbox. Idempotent: a gone sandbox is success, with status
@@ -329,6 +374,7 @@ function persistent.destroy(ctx, args)
   seen[args.sandbox_id] = nil
   persistent.unwatch(args.sandbox_id, sb.run_dir)
   egress.stop(args.sandbox_id)
+  preview.close(args.sandbox_id)
   if sb.run_dir then
     files.remove_tree(sb.run_dir)
     local ef = expiry_file(sb.run_dir)
@@ -339,7 +385,8 @@ function persistent.destroy(ctx, args)
 end
 
 --- Lists the live persistent sandboxes of this configuration (those whose run folder is
---- under this state_dir): {sandboxes = {{sandbox_id, image, created_at, expires_at, output_dir, state}}}.
+--- under this state_dir): {sandboxes = {{sandbox_id, image, created_at, expires_at, output_dir, state,
+--- previews = {{port, url}}}}} (previews: those this server process holds).
 function persistent.list()
   local eng = spec.engine()
   local list = check(eng:list({ LABEL .. "managed=1", LABEL .. "kind=persistent" }))
@@ -354,6 +401,7 @@ function persistent.list()
       expires_at = util.iso(expiry_of(l)),
       output_dir = l[LABEL .. "output_dir"],
       state = c.state,
+      previews = preview.list(l[LABEL .. "run_id"]),
     } end
   end
   table.sort(out, function(a, b) return tostring(a.sandbox_id) < tostring(b.sandbox_id) end)

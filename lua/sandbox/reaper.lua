@@ -16,6 +16,7 @@ local hooks = require("demesne.sandbox.hooks")
 local kept = require("demesne.sandbox.keep")
 local owner = require("demesne.sandbox.owner")
 local persistent = require("demesne.sandbox.persistent")
+local preview = require("demesne.sandbox.preview")
 local spec = require("demesne.sandbox.spec")
 
 local reaper = {}
@@ -173,6 +174,7 @@ function reaper.reap(opts)
         if l[LABEL .. "run_id"] then
           egress.stop(l[LABEL .. "run_id"])
           if kind == "persistent" then persistent.unwatch(l[LABEL .. "run_id"], l[LABEL .. "run_dir"]) end
+          preview.close(l[LABEL .. "run_id"])
           hooks.run_removal("removed", { run_id = l[LABEL .. "run_id"] }, expired and "expired" or "its server is gone")
         end
         local rd = l[LABEL .. "run_dir"]

@@ -4,14 +4,14 @@
 -- docs/reference/runtime-api.md documents every name; tests/lua/runtime_api_test.lua fails
 -- when the two disagree.
 return {
-  ["demesne.sandbox"] = { "run_script", "create", "exec", "upload", "download", "destroy", "list" },
+  ["demesne.sandbox"] = { "run_script", "create", "exec", "upload", "download", "destroy", "list", "expose" },
   ["demesne.jobs"] = { "dispatch", "get", "must_get", "wait", "cancel", "list", "view", "is_terminal",
     "read_stdout", "stdout_tail", "collect", "STATUSES" },
   ["demesne.agent"] = { "run", "text", "model_schema", "chain" },
   ["demesne.schemas"] = { "string_list", "files", "directories", "image", "env", "egress", "timeout_seconds",
     "limits", "sandbox_id", "run_result", "run_text", "background", "or_job", "job_id", "job_status",
     "job_properties", "status_result", "status_text", "agent_task", "agent_result", "AGENT_RUN_NOTE", "budget_usd",
-    "tree", "mcp", "isolation", "host_mcp" },
+    "tree", "mcp", "isolation", "host_mcp", "port", "previews" },
   ["demesne.paths"] = { "check", "describe_roots" },
   ["demesne.progress"] = { "heartbeat" },
   ["demesne.config"] = { "get" },

@@ -9,6 +9,10 @@
 --   * sandbox_status, sandbox_wait, sandbox_cancel, sandbox_exec, sandbox_destroy,
 --     sandbox_jobs and sandbox_usage_report act only on the caller's subtree: anything else
 --     is refused exactly as an unknown id is;
+--   * sandbox_expose previews a port of the calling sandbox itself (sandbox_id omitted or its
+--     own; any kind: an agent's run too) or of a persistent sandbox of its subtree; the URLs
+--     appear in the caller's agent result (`previews`) and, while it runs, in its host job's
+--     status (jobs.view);
 --   * sandbox_wait blocks at most tree_wait_seconds (default 240 s) and then returns running;
 --   * host paths in results are given as the caller sees them (<its output folder>/… →
 --     /out/…).
@@ -17,6 +21,7 @@ local continue = require("demesne.agent.continue")
 local errors = require("demesne.errors")
 local json = require("demesne.json")
 local progress = require("demesne.progress")
+local sandbox = require("demesne.sandbox")
 local schema = require("demesne.jsonschema")
 local tools = require("demesne.tools")
 local tree = require("demesne.tree")
@@ -27,12 +32,14 @@ local SPAWN = { sandbox_script = "script", sandbox_create = "create", sandbox_ag
   sandbox_research = "research" }
 local BY_JOB = { sandbox_status = true, sandbox_wait = true, sandbox_cancel = true }
 local BY_SANDBOX = { sandbox_exec = true, sandbox_destroy = true }
+local EXPOSE = "sandbox_expose"
 local OTHERS = { sandbox_jobs = true, sandbox_usage_report = true }
 local HOST_ONLY = { "files", "directories", "budget_usd", "tree" }
 
 --- The names of the tools a sandbox sees, sorted.
 child.TOOLS = { "sandbox_agent", "sandbox_cancel", "sandbox_create", "sandbox_destroy", "sandbox_exec",
-  "sandbox_jobs", "sandbox_research", "sandbox_script", "sandbox_status", "sandbox_usage_report", "sandbox_wait" }
+  "sandbox_expose", "sandbox_jobs", "sandbox_research", "sandbox_script", "sandbox_status", "sandbox_usage_report",
+  "sandbox_wait" }
 
 local NAME_SCHEMA = { type = "string", minLength = 1, maxLength = 40, pattern = "^[a-z0-9][a-z0-9-]*$",
   description = "The child's name: lowercase letters, digits and inner hyphens, at most 40 characters, unique "
@@ -89,6 +96,15 @@ local function derive(host, kind)
     t.description = ("Seconds to wait at most (default and at most %d from inside a sandbox; 0 = just look). "
       .. "Past it the answer says running: call sandbox_wait again."):format(math.floor(max))
     s.properties.timeout_seconds = t
+  end
+  if host.name == EXPOSE and s.properties.sandbox_id then
+    -- from inside, the sandbox to preview is by default the caller's own
+    local r2 = json.array()
+    for _, r in ipairs(req) do if r ~= "sandbox_id" then r2[#r2 + 1] = r end end
+    req = r2
+    local sid = schema.copy(s.properties.sandbox_id)
+    sid.description = "This sandbox (the default: omit it) or a persistent sandbox made in its subtree."
+    s.properties.sandbox_id = sid
   end
   s.required = #req > 0 and req or nil
   return s
@@ -167,6 +183,11 @@ local function wrap(host)
     d.description = host.description .. (" From inside a sandbox it waits at most %d s, then returns running.")
       :format(math.floor(config.get("tree_wait_seconds")))
   end
+  if name == EXPOSE then
+    d.description = host.description .. " From inside a sandbox: a port of this sandbox (omit sandbox_id), or of a "
+      .. "persistent sandbox it made; the URL is for the user's browser on the host (this sandbox cannot reach it), "
+      .. "and the host's caller sees it in this run's result (previews)."
+  end
   if BY_JOB[name] or BY_SANDBOX[name] or OTHERS[name] then
     d.description = host.description .. " From inside a sandbox: only what this sandbox spawned (and what those spawned)."
   end
@@ -189,6 +210,20 @@ local function wrap(host)
         local r, text = tree.spawn(ctx, n.run_id, kind, args, host.run)
         if type(r) == "table" then r.mcp = nil end -- a child's endpoint is reachable only inside it
         return r, text
+      end
+      if name == EXPOSE then
+        local id = args.sandbox_id or n.run_id
+        local r
+        if id == n.run_id then
+          r = sandbox.expose_run(n.run_id, args.port)
+        elseif tree.sees_sandbox(n.run_id, id) then
+          r = host.run(ctx, args)
+        else
+          unknown_sandbox(id)
+        end
+        n.previews = n.previews or json.array()
+        n.previews[#n.previews + 1] = { sandbox_id = id, port = r.port, url = r.url }
+        return r, ("preview of port %d of %s: %s"):format(r.port, id, r.url)
       end
       if name == "sandbox_wait" then
         local max = config.get("tree_wait_seconds")

@@ -1019,6 +1019,7 @@ function tree.result(o, r)
   if n.cancel_reason then r.reason = n.cancel_reason end
   tree.finish(n.run_id, r)
   r.children = tree.children(n.run_id)
+  if n.previews and #n.previews > 0 then r.previews = n.previews end -- sandbox_expose from inside
   local t = tree.totals(n.run_id)
   r.total_cost_usd = t.cost_usd
   local ok, err = pcall(write_usage, n, o.vendor and o.vendor:totals() or nil)

@@ -448,6 +448,34 @@ for mode in handover copy; do
 		eq "$(cat "$T/relay-$mode.log")" "$(printf "%s b'ping' b''\n%s b'ping' b''" $mode $mode)"
 done
 
+# --- connect 127.0.0.1:PORT (port previews) -----------------------------------------------
+for bad in "10.0.0.1:80" "127.0.0.1:0" "127.0.0.1:65536" "127.0.0.1:x" "127.0.0.1" ""; do
+	"$BIN" connect "$bad" </dev/null >/dev/null 2>"$T/connect.err"
+	check "connect '$bad': usage error 2" eq "$?" 2
+done
+CPORT=$((20000 + ($$ + 7) % 40000))
+"$BIN" connect "127.0.0.1:$CPORT" </dev/null >/dev/null 2>"$T/connect.err"
+rc=$?
+check "connect to a port nobody listens on: 125, and stderr says so" \
+	eq "$rc/$(cat "$T/connect.err")" "125/demesne-init: connect: nothing accepts connections on 127.0.0.1:$CPORT (Connection refused)"
+# a service that reads to the end of its input, then answers with what it got: the half-close
+# of stdin reaches it, and its answer comes back after it
+python3 -c 'import socket,sys
+s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); s.bind(("127.0.0.1",int(sys.argv[1]))); s.listen(1)
+open(sys.argv[2],"w").close()
+c,_=s.accept(); d=b""
+while True:
+    x=c.recv(100)
+    if not x: break
+    d+=x
+c.sendall(b"got "+d); c.close()' "$CPORT" "$T/connect.ready" &
+SRVP=$!; STRAYS="$STRAYS $SRVP"
+i=0; while [ ! -e "$T/connect.ready" ] && [ $i -lt 250 ]; do sleep 0.02; i=$((i + 1)); done
+out=$(printf 'hello' | "$BIN" connect "127.0.0.1:$CPORT")
+rc=$?
+wait "$SRVP"
+check "connect: stdin to the port, its end as a half-close, the answer to stdout, exit 0" eq "$rc/$out" "0/got hello"
+
 # --- inside a real container -------------------------------------------------------------
 ENGINE=${DEMESNE_INIT_TEST_ENGINE:-}
 if [ -z "$ENGINE" ]; then

@@ -171,7 +171,7 @@ function tests.builtin_tools_load_cleanly(t)
     names[#names + 1] = d.name
   end
   t:eq(names, { "sandbox_agent", "sandbox_cancel", "sandbox_create", "sandbox_destroy", "sandbox_download",
-    "sandbox_exec", "sandbox_jobs", "sandbox_list", "sandbox_research", "sandbox_script", "sandbox_status",
+    "sandbox_exec", "sandbox_expose", "sandbox_jobs", "sandbox_list", "sandbox_research", "sandbox_script", "sandbox_status",
     "sandbox_upload", "sandbox_usage_report", "sandbox_wait" })
 end
 

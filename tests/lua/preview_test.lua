@@ -1,0 +1,72 @@
+-- core.httphead.parse (llhttp) on request heads, and the port preview's judgement of a first
+-- request (lua/sandbox/preview.lua: Host, Origin, Sec-Fetch-Site, the secret in the URL or
+-- the cookie). The relay itself runs against real engines in tests/integration/preview.test.mjs.
+local httphead = require("core.httphead")
+local preview = require("demesne.sandbox.preview")
+
+local tests = {}
+
+function tests.parse_gives_method_target_headers_and_length(t)
+  local raw = "GET /a?b=1 HTTP/1.1\r\nHost: 127.0.0.1:8\r\nX-Two: a\r\nUpgrade: websocket\r\n"
+    .. "Connection: Upgrade\r\n\r\nrest"
+  local h = assert(httphead.parse(raw))
+  t:eq(h.method, "GET")
+  t:eq(h.target, "/a?b=1")
+  t:eq(h.version, "1.1")
+  t:eq(h.headers, { { "host", "127.0.0.1:8" }, { "x-two", "a" }, { "upgrade", "websocket" },
+    { "connection", "Upgrade" } })
+  t:eq(h.upgrade, true)
+  t:eq(raw:sub(h.length + 1), "rest", "length: the head's bytes, what follows is not part of it")
+  local p = assert(httphead.parse("POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\nabc"))
+  t:eq({ p.method, p.upgrade, p.length }, { "POST", false, #"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 3\r\n\r\n" })
+end
+
+function tests.parse_says_incomplete_or_malformed(t)
+  t:eq({ httphead.parse("GET / HTTP/1.1\r\nHost: x\r\n") }, { nil, "incomplete", "EAGAIN" })
+  t:eq({ httphead.parse("") }, { nil, "incomplete", "EAGAIN" })
+  local _, _, code = httphead.parse("NOT HTTP\r\n\r\n")
+  t:eq(code, "EPROTO")
+  _, _, code = httphead.parse("GET / HTTP/1.1\r\nBad Header\r\n\r\n")
+  t:eq(code, "EPROTO")
+  local many = { "GET / HTTP/1.1\r\n" }
+  for i = 1, 129 do many[#many + 1] = ("X-%d: v\r\n"):format(i) end
+  many[#many + 1] = "\r\n"
+  local _, msg, c = httphead.parse(table.concat(many))
+  t:eq({ msg, c }, { "the request has more than 128 headers", "EPROTO" })
+end
+
+local E = { host_port = 4100, token = ("ab"):rep(24), cookie = "demesne_preview_4100" }
+
+local function judge(lines)
+  return preview.judge(E, assert(httphead.parse(table.concat(lines, "\r\n") .. "\r\n\r\n")))
+end
+
+function tests.judge_wants_the_secret_in_the_url_or_the_cookie(t)
+  local status, why, redirect = judge({ "GET /x?a=1&demesne_preview=" .. E.token .. "&b=2 HTTP/1.1", "Host: 127.0.0.1:4100" })
+  t:eq({ status, why, redirect }, { nil, nil, "/x?a=1&b=2" }, "the right token: a redirect to the URL without it")
+  t:eq({ judge({ "GET /?demesne_preview=" .. E.token .. " HTTP/1.1", "Host: localhost:4100" }) }, { nil, nil, "/" })
+  status = judge({ "GET /?demesne_preview=" .. ("00"):rep(24) .. " HTTP/1.1", "Host: 127.0.0.1:4100" })
+  t:eq(status, 403)
+  t:eq({ judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Cookie: a=1; demesne_preview_4100=" .. E.token }) }, {})
+  status, why = judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Cookie: demesne_preview_4101=" .. E.token })
+  t:eq(status, 403, "another preview's cookie name")
+  t:match(why, "needs its secret")
+  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100" }), 403)
+end
+
+function tests.judge_refuses_other_hosts_and_origins(t)
+  local ck = "Cookie: demesne_preview_4100=" .. E.token
+  for _, host in ipairs({ "evil.example:4100", "127.0.0.1:4101", "127.0.0.1", "127.0.0.2:4100", "" }) do
+    t:eq(judge({ "GET / HTTP/1.1", "Host: " .. host, ck }), 421, host)
+  end
+  t:eq(judge({ "GET / HTTP/1.1", ck }), 421, "no Host at all")
+  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Origin: http://127.0.0.1:4101", ck }), 403)
+  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Origin: null", ck }), 403)
+  t:eq({ judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Origin: http://127.0.0.1:4100", ck }) }, {})
+  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Sec-Fetch-Site: same-site", "Sec-Fetch-Mode: cors", ck }),
+    403, "a request another preview's page made")
+  t:eq({ judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Sec-Fetch-Site: cross-site", "Sec-Fetch-Mode: navigate",
+    ck }) }, {}, "a navigation from elsewhere is opening the preview")
+end
+
+return tests
