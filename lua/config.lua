@@ -54,6 +54,16 @@ local SPEC = {
   timeout_max = { env = "DEMESNE_TIMEOUT_MAX", default = 48 * 3600, number = true, doc = "ceiling for timeout_seconds" },
   ttl_default = { default = 48 * 3600, number = true, doc = "seconds a persistent sandbox lives without use" },
   ttl_max = { env = "DEMESNE_TTL_MAX", default = 7 * 24 * 3600, number = true, doc = "ceiling for ttl_seconds" },
+  snapshot_keep_seconds = { env = "DEMESNE_SNAPSHOT_KEEP_SECONDS", default = 7 * 24 * 3600, number = true,
+    doc = "seconds a snapshot (sandbox_snapshot, sandbox_fork) is kept before the reaper removes it (once no "
+      .. "sandbox runs from it)" },
+  snapshot_max_count = { env = "DEMESNE_SNAPSHOT_MAX_COUNT", default = 20, number = true,
+    doc = "snapshots kept at most; past it the oldest go (the reaper and each new snapshot prune)" },
+  snapshot_max_bytes = { env = "DEMESNE_SNAPSHOT_MAX_BYTES", default = 2 * 1024 * 1024 * 1024, number = true,
+    doc = "largest snapshot: the bytes of /workspace (as a tar) plus the root filesystem's changes; a larger one "
+      .. "is refused before anything is made" },
+  fork_max_count = { env = "DEMESNE_FORK_MAX_COUNT", default = 8, number = true,
+    doc = "ceiling for sandbox_fork's count (sandboxes started from one snapshot in one call)" },
   memory_mb_default = { default = 2048, number = true, doc = "memory limit per sandbox (MiB)" },
   memory_mb_max = { env = "DEMESNE_MEMORY_MB_MAX", default = 16384, number = true, doc = "ceiling for limits.memory_mb" },
   cpus_default = { default = 2, number = true, doc = "CPU limit per sandbox" },

@@ -14,6 +14,8 @@ return {
     additionalProperties = false,
     properties = {
       image = schemas.image,
+      snapshot = { type = "string", minLength = 1, description = "Start from this snapshot (sandbox_snapshot's "
+        .. "snapshot_id) instead of an image: its /workspace and files, isolated no weaker than its source." },
       files = schemas.files(),
       directories = schemas.directories(),
       env = schemas.env,
@@ -34,6 +36,8 @@ return {
       output_dir = { type = "string" },
       expires_at = { type = "string", description = "UTC, RFC 3339" },
       image = { type = "string" },
+      snapshot = { type = "string", description = "the snapshot it started from" },
+      isolation = { type = "string" },
       mcp = { type = "object", description = "with mcp: true, the in-sandbox endpoint: url (inside the sandbox) and "
         .. "the bearer token its commands find in $DEMESNE_MCP_TOKEN" },
     },

@@ -803,16 +803,19 @@ function Engine:size(id)
   return { rw_bytes = math.tointeger(t.SizeRw) or 0 }
 end
 
--- One LABEL instruction of a commit's `changes` (Dockerfile syntax): the value quoted as a
--- JSON string, which Docker and Podman both parse.
+-- One LABEL instruction of a commit's `changes` (Dockerfile syntax): the value in double
+-- quotes. Podman 4.3 keeps a backslash escape as written, so a value with '"', '\\' or a
+-- line break cannot be given the same on both engines: nil.
 local function label_change(k, v)
-  return ("LABEL %s=%s"):format(k, json.encode(tostring(v)))
+  v = tostring(v)
+  if not tostring(k):match("^[%w_.%-/]+$") or v:find('[\r\n"\\]') then return nil end
+  return ('LABEL %s="%s"'):format(k, v)
 end
 
 --- POST /commit?container=<id>&repo=&tag=: the container's root filesystem layer (not its
 --- tmpfs or bind mounts, nor its processes) becomes the image repo:tag, with `labels` added
---- to the image's (as LABEL changes: Podman ignores a config body). The container is
---- paused while it is copied. Returns the image id.
+--- to the image's (as LABEL changes: Podman ignores a config body; a value with '"', '\\'
+--- or a line break is EINVAL). The container is paused while it is copied. Returns the image id.
 ---@param id string
 ---@param opts {repo: string, tag: string, labels: table<string, string>|nil}
 ---@return string|nil image_id, string|nil err, string|nil code
@@ -821,7 +824,14 @@ function Engine:commit(id, opts)
   local keys = {}
   for k in pairs(opts.labels or {}) do keys[#keys + 1] = k end
   table.sort(keys)
-  for _, k in ipairs(keys) do changes[#changes + 1] = label_change(k, opts.labels[k]) end
+  for _, k in ipairs(keys) do
+    local c = label_change(k, opts.labels[k])
+    if not c then
+      return nil, ("commit container: label %s: a key of letters, digits and . _ - /, and a value without '\"', '\\' "
+        .. "or a line break"):format(k), "EINVAL"
+    end
+    changes[#changes + 1] = c
+  end
   local q = { container = id, repo = opts.repo, tag = opts.tag, pause = true }
   if #changes > 0 then q.changes = table.concat(changes, "\n") end
   local t, err, code = ok_json(self, "POST", "/commit", q, {}, "commit container", { timeout_ms = 0 })

@@ -34,6 +34,7 @@ function exec.exec_prepare(args)
   local timeout = spec.timeout(args.timeout_seconds)
   local sb = persistent.lookup_running(eng, args.sandbox_id)
   if not sb.running then fail(("sandbox_id: sandbox %s is not running"):format(args.sandbox_id)) end
+  persistent.check_not_paused(sb, args.sandbox_id)
   local pol = sb.labels[LABEL .. "egress"]
   if pol then -- after a server restart the sandbox's proxy has to be started again
     local _, eerr = egress.ensure(args.sandbox_id, sb.run_dir, sb.output_dir, pol)

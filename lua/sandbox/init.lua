@@ -10,6 +10,8 @@
 --   exec.lua        commands in a persistent sandbox through demesne-init (sandbox_exec)
 --   transfer.lua    sandbox_upload and sandbox_download
 --   reaper.lua      removes expired sandboxes and what a server that is gone left behind
+--   snapshots.lua   snapshot images: labels, lookup, list, restore into a new sandbox
+--   snapshot.lua    sandbox_snapshot, sandbox_fork, sandbox_pause and their kin
 --
 -- Host layout (DESIGN.md "State on the host"):
 --   <output_root>/<run id>/              = /out of that sandbox (stdout.log, stderr.log, exec/<n>/…)
@@ -25,6 +27,7 @@ local oneshot = require("demesne.sandbox.oneshot")
 local owner = require("demesne.sandbox.owner")
 local persistent = require("demesne.sandbox.persistent")
 local reaper = require("demesne.sandbox.reaper")
+local snapshot = require("demesne.sandbox.snapshot")
 local spec = require("demesne.sandbox.spec")
 local transfer = require("demesne.sandbox.transfer")
 
@@ -52,5 +55,10 @@ export(persistent, "create write_expiry expiry_file lookup state_of check_alive 
 export(exec, "exec_prepare exec_run exec_kill exec_result exec")
 export(transfer, "upload download")
 export(reaper, "reap start_exit_reaper after_exit")
+
+--- Snapshots, forks and pause (lua/sandbox/snapshot.lua).
+sandbox.snapshot, sandbox.snapshots, sandbox.snapshot_delete = snapshot.take, snapshot.list, snapshot.delete
+sandbox.fork, sandbox.pause, sandbox.resume = snapshot.fork, snapshot.pause, snapshot.resume
+sandbox.snapshot_prune, sandbox.check_fork_count = snapshot.prune, snapshot.check_count
 
 return sandbox

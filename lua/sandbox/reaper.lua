@@ -15,6 +15,7 @@ local files = require("demesne.sandbox.files")
 local hooks = require("demesne.sandbox.hooks")
 local owner = require("demesne.sandbox.owner")
 local persistent = require("demesne.sandbox.persistent")
+local snapshot = require("demesne.sandbox.snapshot")
 local spec = require("demesne.sandbox.spec")
 
 local reaper = {}
@@ -168,6 +169,7 @@ function reaper.reap()
       end
     end
   end
+  snapshot.prune(eng) -- retention: snapshot_keep_seconds, snapshot_max_count
   -- the list again: what was just removed no longer claims its folder
   local now_list = eng:list({ LABEL .. "managed=1" })
   if now_list then reap_leftovers(eng, now_list) end
