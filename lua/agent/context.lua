@@ -58,7 +58,9 @@ function context.children(o, add)
   add("- `sandbox_script`: run a shell command in a fresh sandbox (pick an `image`); returns its exit code and output.")
   add("- `sandbox_agent`: another AI agent with a prompt of its own (and a `model`); `sandbox_research`: an agent "
     .. "with open network access and no inputs, for web research.")
-  add("- `sandbox_create`, `sandbox_exec`, `sandbox_destroy`: a sandbox that stays up for several commands.")
+  add("- `sandbox_create`, `sandbox_exec`, `sandbox_destroy`: a sandbox that stays up for several commands; "
+    .. "`sandbox_snapshot`, `sandbox_fork` (a snapshot and `count` new sandboxes from it, each a child of yours), "
+    .. "`sandbox_snapshots`, `sandbox_snapshot_delete`, `sandbox_pause`, `sandbox_resume` for those sandboxes.")
   add("- `sandbox_status`, `sandbox_wait`, `sandbox_cancel`, `sandbox_jobs`: children running in the background.")
   add("- `sandbox_usage_report`: the cost and tokens of everything below you.")
   add("")

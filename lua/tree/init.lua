@@ -353,7 +353,12 @@ function tree.plan(ctx, o, args)
           o.mounts[#o.mounts + 1] = { host = sib.output_dir, target = "/in/previous-jobs/" .. c.name }
         end
       end
-      n.workspace = parent.workspace
+      if args and args.snapshot then
+        -- a child from a snapshot (sandbox_fork): a workspace of its own, holding the snapshot's
+        n.workspace, n.owns_workspace = new_workspace(n.run_id), true
+      else
+        n.workspace = parent.workspace
+      end
     end
     if has_endpoint(kind, args) and not n.workspace then
       n.workspace, n.owns_workspace = new_workspace(n.run_id), true

@@ -10,7 +10,7 @@ import { execFileSync } from "node:child_process";
 import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { BIN, connect, engineContainers, engineRequest, serverEnv } from "./helpers.mjs";
+import { BIN, ROOT, connect, engineContainers, engineRequest, serverEnv } from "./helpers.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const RUNSC = existsSync("/usr/bin/runsc");
@@ -26,6 +26,7 @@ const ENVS = {
     DEMESNE_FORK_MAX_COUNT: "3" }),
   ro: env("ro"),
   keep: env("keep", { DEMESNE_SNAPSHOT_KEEP_SECONDS: "3" }),
+  tree: env("tree", { DEMESNE_ALLOWED_PATHS: path.join(ROOT, "tests/fixtures/tree") }),
 };
 const conns = {};
 
@@ -193,6 +194,50 @@ test("a fork of a gVisor sandbox runs on gVisor", { skip: RUNSC ? false : "runsc
     /^isolation: snapshot snap-.* was taken of a gvisor sandbox/);
   for (const x of [id, src.sandbox_id]) await ok("ro", "sandbox_destroy", { sandbox_id: x });
   await ok("ro", "sandbox_snapshot_delete", { snapshot_id: fork.snapshot_id });
+});
+
+
+test("from inside a tree a fork is a set of the caller's children, refused above the children left", async () => {
+  const FIX = path.join(ROOT, "tests/fixtures/tree");
+  const other = await ok("tree", "sandbox_create", { image: "base", egress: "none" });
+  const root = await ok("tree", "sandbox_create", { image: "default", mcp: true, egress: "none", directories: [FIX],
+    tree: { children: 3 } });
+  const C = "python3 /in/tree/mcp-client.py";
+  const script = [
+    "set -e",
+    `src=$(${C} --field sandbox_id sandbox_create '{"name":"src","image":"base"}')`,
+    `${C} sandbox_exec "{\\"sandbox_id\\":\\"$src\\",\\"command\\":\\"echo from-src > /workspace/s.txt\\"}" > /dev/null`,
+    "set +e",
+    `${C} sandbox_fork "{\\"sandbox_id\\":\\"$src\\",\\"count\\":3}" 2> /out/refuse-count.txt`,
+    `${C} sandbox_snapshot '{"sandbox_id":"${other.sandbox_id}"}' 2> /out/refuse-scope.txt`,
+    "set -e",
+    `${C} sandbox_fork "{\\"sandbox_id\\":\\"$src\\",\\"count\\":2}" > /out/fork.json`,
+    `${C} sandbox_snapshots '{}' > /out/snaps.json`,
+    "echo done",
+  ].join("\n");
+  const run = await ok("tree", "sandbox_exec", { sandbox_id: root.sandbox_id, command: script, timeout_seconds: 300 });
+  assert.equal(run.exit_code, 0, run.stderr + run.stdout);
+  const out = root.output_dir;
+  assert.match(readFileSync(path.join(out, "refuse-count.txt"), "utf8"),
+    /count: 3 sandboxes would pass this sandbox's limit of 3 children \(tree\.children\): 2 are left/);
+  assert.match(readFileSync(path.join(out, "refuse-scope.txt"), "utf8"), new RegExp(`sandbox_id: no sandbox ${other.sandbox_id}`));
+  const fork = JSON.parse(readFileSync(path.join(out, "fork.json"), "utf8"));
+  assert.deepEqual(fork.sandboxes.map((s) => s.output_dir), ["/out/child/fork2-1", "/out/child/fork2-2"],
+    "children of the caller, as it sees their folders");
+  const snaps = JSON.parse(readFileSync(path.join(out, "snaps.json"), "utf8")).snapshots;
+  assert.deepEqual(snaps.map((s) => s.snapshot_id), [fork.snapshot_id], "the tree sees its own snapshot");
+  for (const [i, s] of fork.sandboxes.entries()) {
+    assert.equal(await sh("tree", s.sandbox_id, "cat /workspace/s.txt"), "from-src\n");
+    await sh("tree", s.sandbox_id, `echo ${i} > /workspace/own.txt`);
+  }
+  for (const [i, s] of fork.sandboxes.entries()) {
+    assert.equal(await sh("tree", s.sandbox_id, "cat /workspace/own.txt"), `${i}\n`, "a workspace of its own");
+  }
+  // the host sees the tree's snapshot too; destroying the root ends its children
+  assert.ok((await ok("tree", "sandbox_snapshots", {})).snapshots.some((s) => s.snapshot_id === fork.snapshot_id));
+  await ok("tree", "sandbox_destroy", { sandbox_id: root.sandbox_id });
+  await ok("tree", "sandbox_destroy", { sandbox_id: other.sandbox_id });
+  await ok("tree", "sandbox_snapshot_delete", { snapshot_id: fork.snapshot_id });
 });
 
 test("nothing is left behind: no snapshot image and no container of these servers", async () => {
