@@ -815,9 +815,11 @@ end
 --- POST /commit?container=<id>&repo=&tag=: the container's root filesystem layer (not its
 --- tmpfs or bind mounts, nor its processes) becomes the image repo:tag, with `labels` added
 --- to the image's (as LABEL changes: Podman ignores a config body; a value with '"', '\\'
---- or a line break is EINVAL). The container is paused while it is copied. Returns the image id.
+--- or a line break is EINVAL). `clear_env` names variables of the container's environment
+--- that the image keeps empty (its secrets: a commit keeps the container's Env). The
+--- container is paused while it is copied. Returns the image id.
 ---@param id string
----@param opts {repo: string, tag: string, labels: table<string, string>|nil}
+---@param opts {repo: string, tag: string, labels: table<string, string>|nil, clear_env: string[]|nil}
 ---@return string|nil image_id, string|nil err, string|nil code
 function Engine:commit(id, opts)
   local changes = {}
@@ -831,6 +833,12 @@ function Engine:commit(id, opts)
         .. "or a line break"):format(k), "EINVAL"
     end
     changes[#changes + 1] = c
+  end
+  for _, name in ipairs(opts.clear_env or {}) do
+    if not tostring(name):match("^[A-Za-z_][A-Za-z0-9_]*$") then
+      return nil, ("commit container: clear_env: %q is not a variable name"):format(tostring(name)), "EINVAL"
+    end
+    changes[#changes + 1] = ('ENV %s=""'):format(name)
   end
   local q = { container = id, repo = opts.repo, tag = opts.tag, pause = true }
   if #changes > 0 then q.changes = table.concat(changes, "\n") end

@@ -111,7 +111,9 @@ local function take_writable(eng, sb, id, labels, cap)
     if k:sub(1, #LABEL) == LABEL and not BASE[k] and labels[k] == nil then labels[k] = "" end
   end
   labels[LABEL .. "snapshot_created"] = tostring(math.floor(loop.time())) -- retention counts from the commit
-  return check(eng:commit(sb.id, { repo = snapshots.REPO, tag = id, labels = labels }))
+  -- a commit keeps the container's environment: its endpoint's token is no image's
+  return check(eng:commit(sb.id, { repo = snapshots.REPO, tag = id, labels = labels,
+    clear_env = { "DEMESNE_MCP_TOKEN", "DEMESNE_MCP_URL" } }))
 end
 
 -- <state_dir>/snapshots, held: where the host keeps a snapshot's tar while it makes the image.

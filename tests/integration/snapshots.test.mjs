@@ -26,6 +26,7 @@ const ENVS = {
     DEMESNE_FORK_MAX_COUNT: "3" }),
   ro: env("ro"),
   keep: env("keep", { DEMESNE_SNAPSHOT_KEEP_SECONDS: "3" }),
+  cap: env("cap", { DEMESNE_SNAPSHOT_MAX_COUNT: "1" }),
   tree: env("tree", { DEMESNE_ALLOWED_PATHS: path.join(ROOT, "tests/fixtures/tree") }),
 };
 const conns = {};
@@ -67,7 +68,7 @@ async function containersOf(c) {
 }
 
 test("a snapshot keeps the root filesystem and /workspace; a fork of three each sees them and only its own writes", async () => {
-  const src = await ok("rw", "sandbox_create", { image: "base" });
+  const src = await ok("rw", "sandbox_create", { image: "base", mcp: true, egress: "none" });
   await sh("rw", src.sandbox_id, "echo root-data > /etc/demesne-snap && mkdir -p /workspace/proj && "
     + "echo ws-data > /workspace/proj/a.txt && echo out-data > /out/o.txt && sleep 1000 > /dev/null 2>&1 &");
   const fork = await ok("rw", "sandbox_fork", { sandbox_id: src.sandbox_id, count: 3, name: "prepared" });
@@ -81,6 +82,7 @@ test("a snapshot keeps the root filesystem and /workspace; a fork of three each 
     assert.equal(await sh("rw", id, "test -e /out/o.txt && echo present || echo absent"), "absent\n",
       "/out is not part of a snapshot");
     assert.equal(await sh("rw", id, "pgrep -x sleep || echo none"), "none\n", "processes are not part of a snapshot");
+    assert.equal(await sh("rw", id, 'echo "[$DEMESNE_MCP_TOKEN]"'), "[]\n", "the source's endpoint token is not in the image");
     await sh("rw", id, `echo mine-${i} > /workspace/proj/own.txt && echo root-${i} > /etc/own && echo o-${i} > /out/mine`);
   }
   for (const [i, id] of ids.entries()) {
@@ -135,6 +137,16 @@ test("retention: the reaper removes a snapshot past snapshot_keep_seconds", asyn
   await ok("keep", "sandbox_destroy", { sandbox_id: src.sandbox_id });
 });
 
+test("retention: past snapshot_max_count the oldest snapshot goes", async () => {
+  const src = await ok("cap", "sandbox_create", { image: "base" });
+  const a = await ok("cap", "sandbox_snapshot", { sandbox_id: src.sandbox_id, name: "a" });
+  const b = await ok("cap", "sandbox_snapshot", { sandbox_id: src.sandbox_id, name: "b" });
+  assert.deepEqual((await ok("cap", "sandbox_snapshots", {})).snapshots.map((s) => s.snapshot_id), [b.snapshot_id],
+    `${a.snapshot_id} went when ${b.snapshot_id} was taken`);
+  await ok("cap", "sandbox_destroy", { sandbox_id: src.sandbox_id });
+  await ok("cap", "sandbox_snapshot_delete", { snapshot_id: b.snapshot_id });
+});
+
 test("a paused sandbox refuses exec, transfers and snapshots until it is resumed", async () => {
   const sb = await ok("ro", "sandbox_create", { image: "base" });
   await sh("ro", sb.sandbox_id, "echo 1 > /workspace/n");
@@ -150,7 +162,9 @@ test("a paused sandbox refuses exec, transfers and snapshots until it is resumed
   assert.equal((await ok("ro", "sandbox_resume", { sandbox_id: sb.sandbox_id })).status, "resumed");
   assert.equal((await ok("ro", "sandbox_resume", { sandbox_id: sb.sandbox_id })).status, "not paused");
   assert.equal(await sh("ro", sb.sandbox_id, "cat /workspace/n"), "1\n", "exec works again, state kept");
-  await ok("ro", "sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  await ok("ro", "sandbox_pause", { sandbox_id: sb.sandbox_id });
+  assert.equal((await ok("ro", "sandbox_destroy", { sandbox_id: sb.sandbox_id })).status, "destroyed",
+    "a paused sandbox can be destroyed");
   assert.match(await refused("ro", "sandbox_pause", { sandbox_id: sb.sandbox_id }), /^sandbox_id: no sandbox /);
 });
 
@@ -167,6 +181,12 @@ test("refusals name the field and leave no image or container behind", async () 
   assert.match(await refused("rw", "sandbox_create", { snapshot: "nope" }), /^snapshot: "nope" is not a snapshot id/);
   assert.match(await refused("rw", "sandbox_create", { snapshot: "snap-x", image: "base" }),
     /^snapshot: give image or snapshot, not both/);
+  // a fork that fails half-way (its snapshot taken, its first sandbox refused) keeps nothing
+  const made = (await containersOf("rw")).length;
+  assert.match(await refused("rw", "sandbox_fork", { sandbox_id: sb.sandbox_id, count: 2, egress: "no-such-policy" }),
+    /egress/);
+  assert.equal((await imagesOf("rw")).length, before, "the fork's snapshot was deleted");
+  assert.equal((await containersOf("rw")).length, made, "no sandbox of the fork was kept");
   // too large: /workspace over snapshot_max_bytes (8 MiB here), found while it is packed
   await sh("rw", sb.sandbox_id, "head -c 9000000 /dev/urandom > /workspace/big");
   assert.match(await refused("rw", "sandbox_snapshot", { sandbox_id: sb.sandbox_id }),

@@ -299,8 +299,8 @@ return function(fixture)
     t:ok(math.type(size.rw_bytes) == "integer" and size.rw_bytes > 0, "size.rw_bytes counts the write")
     local repo, tag = "demesne-contract/snap", w.tag
     local label = "io.demesne.contract_snap"
-    local img = t:ok(w.eng:commit(id, { repo = repo, tag = tag, labels = { [label] = w.tag, ["io.demesne.n"] = "s" } }),
-      "commit")
+    local img = t:ok(w.eng:commit(id, { repo = repo, tag = tag, labels = { [label] = w.tag, ["io.demesne.n"] = "s" },
+      clear_env = { "A" } }), "commit")
     t:eq(type(img), "string", "commit returns the image id")
     local _img <close> = setmetatable({}, { __close = function() w.eng:image_remove(repo .. ":" .. tag) end })
     local list = t:ok(w.eng:image_list({ label .. "=" .. w.tag }), "image_list")
@@ -309,9 +309,11 @@ return function(fixture)
       "refs names repo:tag: " .. tostring(list[1].refs[1]))
     t:eq(list[1].labels["io.demesne.n"], "s", "the commit's label wins over the container's")
     t:eq(math.type(list[1].created), "integer", "created")
-    local from = w.run({ image = repo .. ":" .. tag, labels = { ["io.demesne.contract"] = w.tag } })
+    local from = w.run({ image = repo .. ":" .. tag, labels = { ["io.demesne.contract"] = w.tag }, env = { "C=3" } })
     t:eq(w.sh(from, "cat /etc/contract-snap > /out/snap"), 0, "read it in a container of the image")
     t:eq(w.read("out/snap"), "kept\n", "the committed file")
+    t:eq(w.sh(from, 'printf "[%s][%s]" "$A" "$C" > /out/env'), 0, "exec")
+    t:eq(w.read("out/env"), "[][3]", "clear_env: the container's A is empty in the image")
     local ok, _, code = w.eng:image_remove(repo .. ":" .. tag)
     t:eq({ ok, code }, { nil, "ECONFLICT" }, "an image a container uses is not removed")
     t:eq(w.eng:remove(from), true, "remove its container")
