@@ -309,7 +309,9 @@ function snapshot.fork(ctx, args, create)
   local src = persistent.lookup(spec.engine(), args.sandbox_id)
   for i = 1, count do
     local call = { snapshot = snap.snapshot_id, ttl_seconds = args.ttl_seconds, limits = args.limits, env = args.env,
-      egress = args.egress or src.labels[LABEL .. "egress"], isolation = args.isolation }
+      egress = args.egress or src.labels[LABEL .. "egress"],
+      -- the snapshot's floor, named: from inside a tree a child that names none gets its parent's
+      isolation = args.isolation or (snap.isolation == "gvisor" and "gvisor" or nil) }
     local r = create and create(i, call) or persistent.create(ctx, call)
     made[#made + 1] = r
   end

@@ -896,7 +896,8 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   -- isolation no weaker, limits no larger than the parent's (the defaults: the parent's); an
   -- image demesne's, the user's or the configuration's, and built (lua/tree/walls.lua)
   local want = walls.narrow(parent, args)
-  if kind == "script" or kind == "create" then walls.image(sandbox.engine(), args.image) end
+  -- (a child from a snapshot runs on the snapshot's image, which the sandbox layer checks is in scope)
+  if (kind == "script" or kind == "create") and args.snapshot == nil then walls.image(sandbox.engine(), args.image) end
   local call = {}
   for k, v in pairs(args) do if k ~= "name" then call[k] = v end end
   -- the name is taken from here on, even if the spawn fails

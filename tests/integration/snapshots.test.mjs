@@ -218,6 +218,8 @@ test("a fork of a gVisor sandbox runs on gVisor", { skip: RUNSC ? false : "runsc
 
 
 test("from inside a tree a fork is a set of the caller's children, refused above the children left", async () => {
+  // a gVisor source under a container parent: its forks run on gVisor (the snapshot's floor)
+  const iso = RUNSC ? "gvisor" : "container";
   const FIX = path.join(ROOT, "tests/fixtures/tree");
   const other = await ok("tree", "sandbox_create", { image: "base", egress: "none" });
   const root = await ok("tree", "sandbox_create", { image: "default", mcp: true, egress: "none", directories: [FIX],
@@ -225,7 +227,7 @@ test("from inside a tree a fork is a set of the caller's children, refused above
   const C = "python3 /in/tree/mcp-client.py";
   const script = [
     "set -e",
-    `src=$(${C} --field sandbox_id sandbox_create '{"name":"src","image":"base"}')`,
+    `src=$(${C} --field sandbox_id sandbox_create '{"name":"src","image":"base","isolation":"${iso}"}')`,
     `${C} sandbox_exec "{\\"sandbox_id\\":\\"$src\\",\\"command\\":\\"echo from-src > /workspace/s.txt\\"}" > /dev/null`,
     "set +e",
     `${C} sandbox_fork "{\\"sandbox_id\\":\\"$src\\",\\"count\\":3}" 2> /out/refuse-count.txt`,
@@ -244,6 +246,7 @@ test("from inside a tree a fork is a set of the caller's children, refused above
   const fork = JSON.parse(readFileSync(path.join(out, "fork.json"), "utf8"));
   assert.deepEqual(fork.sandboxes.map((s) => s.output_dir), ["/out/child/fork2-1", "/out/child/fork2-2"],
     "children of the caller, as it sees their folders");
+  assert.deepEqual(fork.sandboxes.map((s) => s.isolation), [iso, iso], "the source's isolation");
   const snaps = JSON.parse(readFileSync(path.join(out, "snaps.json"), "utf8")).snapshots;
   assert.deepEqual(snaps.map((s) => s.snapshot_id), [fork.snapshot_id], "the tree sees its own snapshot");
   for (const [i, s] of fork.sandboxes.entries()) {
