@@ -13,6 +13,7 @@ return {
       sandboxes = { type = "array", items = { type = "object", properties = {
         sandbox_id = { type = "string" }, image = { type = "string" }, created_at = { type = "string" },
         expires_at = { type = "string" }, output_dir = { type = "string" }, state = { type = "string" },
+        paused = { type = "boolean", description = "frozen by sandbox_pause (state stays running)" },
       } } },
     },
   },

@@ -294,7 +294,7 @@ function persistent.destroy(ctx, args)
 end
 
 --- Lists the live persistent sandboxes of this configuration (those whose run folder is
---- under this state_dir): {sandboxes = {{sandbox_id, image, created_at, expires_at, output_dir, state}}}.
+--- under this state_dir): {sandboxes = {{sandbox_id, image, created_at, expires_at, output_dir, state, paused}}}.
 function persistent.list()
   local eng = spec.engine()
   local list = check(eng:list({ LABEL .. "managed=1", LABEL .. "kind=persistent" }))
@@ -309,6 +309,7 @@ function persistent.list()
       expires_at = util.iso(expiry_of(l)),
       output_dir = l[LABEL .. "output_dir"],
       state = c.state,
+      paused = c.paused == true,
     } end
   end
   table.sort(out, function(a, b) return tostring(a.sandbox_id) < tostring(b.sandbox_id) end)

@@ -158,7 +158,7 @@ test("a paused sandbox refuses exec, transfers and snapshots until it is resumed
   assert.match(await refused("ro", "sandbox_snapshot", { sandbox_id: sb.sandbox_id }), /is paused/);
   assert.match(await refused("ro", "sandbox_fork", { sandbox_id: sb.sandbox_id, count: 1 }), /is paused/);
   const list = await ok("ro", "sandbox_list", {});
-  assert.ok(list.sandboxes.some((s) => s.sandbox_id === sb.sandbox_id), "a paused sandbox is still listed");
+  assert.equal(list.sandboxes.find((s) => s.sandbox_id === sb.sandbox_id)?.paused, true, "a paused sandbox is listed, paused");
   assert.equal((await ok("ro", "sandbox_resume", { sandbox_id: sb.sandbox_id })).status, "resumed");
   assert.equal((await ok("ro", "sandbox_resume", { sandbox_id: sb.sandbox_id })).status, "not paused");
   assert.equal(await sh("ro", sb.sandbox_id, "cat /workspace/n"), "1\n", "exec works again, state kept");
