@@ -74,6 +74,16 @@ local SPEC = {
     doc = "port previews (ports, sandbox_expose) per sandbox, each a listener on the host's loopback" },
   preview_connections_max = { default = 64, number = true,
     doc = "open connections per port preview; more are refused with 503" },
+  snapshot_keep_seconds = { env = "DEMESNE_SNAPSHOT_KEEP_SECONDS", default = 7 * 24 * 3600, number = true,
+    doc = "seconds a snapshot (sandbox_snapshot, sandbox_fork) is kept before the reaper removes it (once no "
+      .. "sandbox runs from it)" },
+  snapshot_max_count = { env = "DEMESNE_SNAPSHOT_MAX_COUNT", default = 20, number = true,
+    doc = "snapshots kept at most; past it the oldest go (the reaper and each new snapshot prune)" },
+  snapshot_max_bytes = { env = "DEMESNE_SNAPSHOT_MAX_BYTES", default = 2 * 1024 * 1024 * 1024, number = true,
+    doc = "largest snapshot: the bytes of /workspace (as a tar) plus the root filesystem's changes; a larger one "
+      .. "is refused before anything is made" },
+  fork_max_count = { env = "DEMESNE_FORK_MAX_COUNT", default = 8, number = true,
+    doc = "ceiling for sandbox_fork's count (sandboxes started from one snapshot in one call)" },
   memory_mb_default = { default = 2048, number = true, doc = "memory limit per sandbox (MiB)" },
   memory_mb_max = { env = "DEMESNE_MEMORY_MB_MAX", default = 16384, number = true, doc = "ceiling for limits.memory_mb" },
   cpus_default = { default = 2, number = true, doc = "CPU limit per sandbox" },

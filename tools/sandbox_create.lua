@@ -15,6 +15,8 @@ return {
     additionalProperties = false,
     properties = {
       image = schemas.image,
+      snapshot = { type = "string", minLength = 1, description = "Start from this snapshot (sandbox_snapshot's "
+        .. "snapshot_id) instead of an image: its /workspace and files, isolated no weaker than its source." },
       files = schemas.files(),
       directories = schemas.directories(),
       env = schemas.env,
@@ -43,6 +45,8 @@ return {
       expires_at = { type = "string", description = "UTC, RFC 3339" },
       image = { type = "string" },
       previews = schemas.previews,
+      snapshot = { type = "string", description = "the snapshot it started from" },
+      isolation = { type = "string" },
       mcp = { type = "object", description = "with mcp: true, the in-sandbox endpoint: url (inside the sandbox) and "
         .. "the bearer token its commands find in $DEMESNE_MCP_TOKEN" },
       repository = { type = "object", description = "with repository: the clone in the sandbox (path), its branch, "

@@ -16,6 +16,7 @@ return {
         sandbox_id = { type = "string" }, image = { type = "string" }, created_at = { type = "string" },
         expires_at = { type = "string" }, output_dir = { type = "string" }, state = { type = "string" },
         previews = schemas.previews,
+        paused = { type = "boolean", description = "frozen by sandbox_pause (state stays running)" },
       } } },
     },
   },

@@ -60,7 +60,9 @@ function context.children(o, add)
     .. "with open network access and no inputs, for web research. To send more work to an agent child that "
     .. "ended (a reviewer's findings), call `sandbox_agent` with `continue: <its run_id>`, a new `name` and the new "
     .. "`prompt`: its own session resumes where it stopped.")
-  add("- `sandbox_create`, `sandbox_exec`, `sandbox_destroy`: a sandbox that stays up for several commands.")
+  add("- `sandbox_create`, `sandbox_exec`, `sandbox_destroy`: a sandbox that stays up for several commands; "
+    .. "`sandbox_snapshot`, `sandbox_fork` (a snapshot and `count` new sandboxes from it, each a child of yours), "
+    .. "`sandbox_snapshots`, `sandbox_snapshot_delete`, `sandbox_pause`, `sandbox_resume` for those sandboxes.")
   add("- `sandbox_status`, `sandbox_wait`, `sandbox_cancel`, `sandbox_jobs`: children running in the background.")
   add("- `sandbox_usage_report`: the cost and tokens of everything below you.")
   add("")

@@ -86,6 +86,8 @@ docker.CAPABILITIES = {
   runtimes = {},
   userns = false,
   limits = true,
+  snapshots = true,
+  pause = true,
 }
 
 --- Under gVisor the host's pids cgroup counts the gVisor kernel's own threads (about five
@@ -242,6 +244,7 @@ function docker.container_info(t)
     state = state,
     exit_code = (state == "exited" or state == "gone") and math.tointeger(st.ExitCode) or nil,
     labels = type(cfg.Labels) == "table" and cfg.Labels or {},
+    paused = st.Paused == true or st.Status == "paused",
     limits = { memory_bytes = positive(hc.Memory), cpus = nano and nano / 1e9, pids = pids },
   }
 end
@@ -257,6 +260,7 @@ function docker.container_summary(c)
     name = type(name) == "string" and (name:gsub("^/", "")) or nil,
     image = c.Image,
     state = STATES[c.State] or "exited",
+    paused = c.State == "paused",
     labels = type(c.Labels) == "table" and c.Labels or {},
   }
 end
@@ -879,6 +883,140 @@ function Engine:exec_stream(id, argv, on_out)
     return nil, ("start exec: the engine answered %s"):format(msg), "EENGINE"
   end
   return h
+end
+
+--- POST /containers/{id}/pause: freezes every process of a running container (the cgroup
+--- freezer; under gVisor, runsc pause). A paused container lists as state "running" with
+--- paused = true. Pausing a paused one is success.
+---@param id string
+---@return boolean|nil ok, string|nil err, string|nil code  ECONFLICT: not running
+function Engine:pause(id)
+  local res, err, code = self:call("POST", "/containers/" .. seg(id) .. "/pause")
+  if not res then return nil, err, code end
+  if res.status >= 300 then
+    local _, msg, ecode = engine_error(res, "pause container")
+    if tostring(msg):find("already paused", 1, true) then return true end
+    -- Docker 409 "is not running", Podman 500 "container state improper"
+    if ecode == "EENGINE" and tostring(msg):find("state improper", 1, true) then ecode = "ECONFLICT" end
+    return nil, msg, ecode
+  end
+  return true
+end
+
+--- POST /containers/{id}/unpause: thaws a paused container. Unpausing one that is not
+--- paused is success.
+---@param id string
+---@return boolean|nil ok, string|nil err, string|nil code
+function Engine:unpause(id)
+  local res, err, code = self:call("POST", "/containers/" .. seg(id) .. "/unpause")
+  if not res then return nil, err, code end
+  if res.status >= 300 then
+    local _, msg, ecode = engine_error(res, "unpause container")
+    local m = tostring(msg)
+    if m:find("not paused", 1, true) or m:find("is not paused", 1, true) then return true end
+    if ecode == "EENGINE" and m:find("state improper", 1, true) then
+      local info = self:inspect(id)
+      if info and not info.paused then return true end
+      ecode = "ECONFLICT"
+    end
+    return nil, msg, ecode
+  end
+  return true
+end
+
+--- GET /containers/{id}/json?size=true: the bytes the container has written to its own
+--- root filesystem layer (SizeRw; tmpfs and bind mounts are not in it).
+---@param id string
+---@return {rw_bytes: integer}|nil size, string|nil err, string|nil code
+function Engine:size(id)
+  local t, err, code = ok_json(self, "GET", "/containers/" .. seg(id) .. "/json", { size = true }, nil,
+    "inspect container size")
+  if not t then return nil, err, code end
+  if type(t) ~= "table" then return nil, "inspect container size: the engine answered no JSON object", "EENGINE" end
+  return { rw_bytes = math.tointeger(t.SizeRw) or 0 }
+end
+
+-- One LABEL instruction of a commit's `changes` (Dockerfile syntax): the value in double
+-- quotes. Podman 4.3 keeps a backslash escape as written, so a value with '"', '\\' or a
+-- line break cannot be given the same on both engines: nil.
+local function label_change(k, v)
+  v = tostring(v)
+  if not tostring(k):match("^[%w_.%-/]+$") or v:find('[\r\n"\\]') then return nil end
+  return ('LABEL %s="%s"'):format(k, v)
+end
+
+--- POST /commit?container=<id>&repo=&tag=: the container's root filesystem layer (not its
+--- tmpfs or bind mounts, nor its processes) becomes the image repo:tag, with `labels` added
+--- to the image's (as LABEL changes: Podman ignores a config body; a value with '"', '\\'
+--- or a line break is EINVAL). `clear_env` names variables of the container's environment
+--- that the image keeps empty (its secrets: a commit keeps the container's Env). The
+--- container is paused while it is copied. Returns the image id.
+---@param id string
+---@param opts {repo: string, tag: string, labels: table<string, string>|nil, clear_env: string[]|nil}
+---@return string|nil image_id, string|nil err, string|nil code
+function Engine:commit(id, opts)
+  local changes = {}
+  local keys = {}
+  for k in pairs(opts.labels or {}) do keys[#keys + 1] = k end
+  table.sort(keys)
+  for _, k in ipairs(keys) do
+    local c = label_change(k, opts.labels[k])
+    if not c then
+      return nil, ("commit container: label %s: a key of letters, digits and . _ - /, and a value without '\"', '\\' "
+        .. "or a line break"):format(k), "EINVAL"
+    end
+    changes[#changes + 1] = c
+  end
+  for _, name in ipairs(opts.clear_env or {}) do
+    if not tostring(name):match("^[A-Za-z_][A-Za-z0-9_]*$") then
+      return nil, ("commit container: clear_env: %q is not a variable name"):format(tostring(name)), "EINVAL"
+    end
+    changes[#changes + 1] = ('ENV %s=""'):format(name)
+  end
+  local q = { container = id, repo = opts.repo, tag = opts.tag, pause = true }
+  if #changes > 0 then q.changes = table.concat(changes, "\n") end
+  local t, err, code = ok_json(self, "POST", "/commit", q, {}, "commit container", { timeout_ms = 0 })
+  if not t then return nil, err, code end
+  if type(t) ~= "table" or type(t.Id) ~= "string" then return nil, "commit container: the engine answered no id", "EENGINE" end
+  return t.Id
+end
+
+--- GET /images/json?filters={label:[...]}: the images with all of the labels ("k=v" or
+--- "k"). Returns a list of {id, refs = {"repo:tag", ...}, labels, created (epoch seconds),
+--- size_bytes}.
+---@param labels string[]
+---@return table[]|nil images, string|nil err, string|nil code
+function Engine:image_list(labels)
+  local t, err, code = ok_json(self, "GET", "/images/json", { filters = { label = labels } }, nil, "list images")
+  if not t then return nil, err, code end
+  if type(t) ~= "table" then return nil, "list images: the engine answered no JSON list", "EENGINE" end
+  local out = {}
+  for _, i in ipairs(t) do
+    local refs = {}
+    for _, r in ipairs(type(i.RepoTags) == "table" and i.RepoTags or {}) do
+      if r ~= "<none>:<none>" then refs[#refs + 1] = r end
+    end
+    out[#out + 1] = { id = i.Id, refs = refs, labels = type(i.Labels) == "table" and i.Labels or {},
+      created = math.tointeger(i.Created) or 0, size_bytes = math.tointeger(i.Size) or 0 }
+  end
+  return out
+end
+
+--- DELETE /images/{ref} (never forced: an image a container still uses is not removed).
+--- Returns true, or true, "gone" when there is no such image; ECONFLICT while a container
+--- uses it.
+---@param ref string  an image id or repo:tag
+---@return boolean|nil ok, string|nil how_or_err, string|nil code
+function Engine:image_remove(ref)
+  local res, err, code = self:call("DELETE", "/images/" .. seg(ref))
+  if not res then return nil, err, code end
+  if res.status == 404 then return true, "gone" end
+  if res.status >= 300 then
+    local _, msg, ecode = engine_error(res, "remove image")
+    if ecode == "EENGINE" and tostring(msg):find("in use", 1, true) then ecode = "ECONFLICT" end
+    return nil, msg, ecode
+  end
+  return true
 end
 
 --- PUT /containers/{id}/archive?path=DIR with a tar file as the body (streamed from disk).

@@ -97,6 +97,14 @@ end
 engines.METHODS = { "create", "start", "wait", "remove", "inspect", "list", "exec", "image_inspect", "build",
   "import", "pull" }
 
+--- The methods an engine has when it declares a capability (docs/reference/engines.md,
+--- "Methods"): `snapshots` (sandbox_snapshot, sandbox_fork) and `pause` (sandbox_pause,
+--- sandbox_resume). An engine without them says so with the capability false.
+engines.CAPABILITY_METHODS = {
+  snapshots = { "commit", "image_list", "image_remove", "size", "put_archive" },
+  pause = { "pause", "unpause" },
+}
+
 --- Builds a user adapter's engine: mod.new(endpoint), checked. Returns the engine, or nil
 --- and a message naming the adapter and what is wrong.
 ---@param name string
@@ -122,6 +130,18 @@ function engines.new_user(name, mod, endpoint)
   if type(eng.capabilities) ~= "table" then
     return nil, ("engine_adapter %s: the engine new() returned has no capabilities table "
       .. "(docs/reference/engines.md, \"Capabilities\")"):format(name)
+  end
+  for cap, methods in pairs(engines.CAPABILITY_METHODS) do
+    if eng.capabilities[cap] then
+      for _, m in ipairs(methods) do
+        if type(eng[m]) ~= "function" then missing[#missing + 1] = m end
+      end
+    end
+  end
+  if #missing > 0 then
+    table.sort(missing)
+    return nil, ("engine_adapter %s: the engine declares capabilities snapshots or pause but has no method %s "
+      .. "(set the capability false, or add the methods)"):format(name, table.concat(missing, ", "))
   end
   return eng
 end

@@ -37,6 +37,7 @@ function exec.exec_prepare(args)
     fail(("sandbox_id: sandbox %s is not running%s"):format(args.sandbox_id,
       sb.stopped_reason and (" (" .. sb.stopped_reason .. ")") or ""))
   end
+  persistent.check_not_paused(sb, args.sandbox_id)
   local pol = sb.labels[LABEL .. "egress"]
   if pol then -- after a server restart the sandbox's proxy has to be started again
     local _, eerr = egress.ensure(args.sandbox_id, sb.run_dir, sb.output_dir, pol)

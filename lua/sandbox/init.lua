@@ -12,6 +12,8 @@
 --   quota.lua       the output quota: a watcher of each running sandbox's /out
 --   reaper.lua      removes expired sandboxes and what a server that is gone left behind
 --   repository.lua  a host repository in a persistent sandbox: clone after create, hand back
+--   snapshots.lua   snapshot images: labels, lookup, list, restore into a new sandbox
+--   snapshot.lua    sandbox_snapshot, sandbox_fork, sandbox_pause and their kin
 --
 -- Host layout (DESIGN.md "State on the host"):
 --   <output_root>/<run id>/              = /out of that sandbox (stdout.log, stderr.log, exec/<n>/…)
@@ -29,6 +31,7 @@ local persistent = require("demesne.sandbox.persistent")
 local preview = require("demesne.sandbox.preview")
 local reaper = require("demesne.sandbox.reaper")
 local repository = require("demesne.sandbox.repository")
+local snapshot = require("demesne.sandbox.snapshot")
 local spec = require("demesne.sandbox.spec")
 local transfer = require("demesne.sandbox.transfer")
 
@@ -62,5 +65,10 @@ export(reaper, "reap start_exit_reaper after_exit")
 -- a persistent sandbox's repository (lua/sandbox/repository.lua) wraps create, exec, destroy
 export(repository, "create exec destroy")
 sandbox.hand_back = repository.hand_back
+
+--- Snapshots, forks and pause (lua/sandbox/snapshot.lua).
+sandbox.snapshot, sandbox.snapshots, sandbox.snapshot_delete = snapshot.take, snapshot.list, snapshot.delete
+sandbox.fork, sandbox.pause, sandbox.resume = snapshot.fork, snapshot.pause, snapshot.resume
+sandbox.snapshot_prune, sandbox.check_fork_count = snapshot.prune, snapshot.check_count
 
 return sandbox

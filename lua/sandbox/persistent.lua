@@ -17,6 +17,7 @@ local hooks = require("demesne.sandbox.hooks")
 local quota = require("demesne.sandbox.quota")
 local repo = require("demesne.repo")
 local preview = require("demesne.sandbox.preview")
+local snapshots = require("demesne.sandbox.snapshots")
 local spec = require("demesne.sandbox.spec")
 
 local persistent = {}
@@ -34,7 +35,10 @@ local prepare, make_dirs = spec.prepare, spec.make_dirs
 --- expires_at, image, mcp, previews}: mcp = {url, token} of its in-sandbox endpoint when the plan
 --- hooks (lua/tree) gave it one; previews = {{port, url}} for `ports` (lua/sandbox/preview.lua).
 ---@param ctx table
----@param args table  ttl_seconds, image, files, directories, env, limits, egress, mcp, tree, budget_usd, ports
+--- With `snapshot` (a snapshot id) the sandbox starts from that snapshot's image, its
+--- /workspace unpacked from it, isolated no weaker than the snapshot's source (gvisor when
+--- `isolation` is left out; "container" for a gVisor snapshot is refused).
+---@param args table  ttl_seconds, image, snapshot, files, directories, env, limits, egress, mcp, tree, budget_usd, ports
 ---@return table
 function persistent.create(ctx, args)
   local ttl = args.ttl_seconds or config.get("ttl_default")
@@ -42,7 +46,23 @@ function persistent.create(ctx, args)
     fail(("ttl_seconds: %s is above the ceiling of %s"):format(spec.num(ttl), spec.num(config.get("ttl_max"))))
   end
   preview.check_ports(args.ports)
+  local snap
+  if args.snapshot ~= nil then
+    if args.image ~= nil then fail("snapshot: give image or snapshot, not both (a snapshot is its own image)") end
+    snap = snapshots.find(spec.engine(), ctx, args.snapshot, "snapshot")
+    if snap.isolation == "gvisor" then
+      if args.isolation == "container" then
+        fail(("isolation: snapshot %s was taken of a gvisor sandbox, and a sandbox from it runs on gvisor too (give "
+          .. "isolation gvisor, or leave it out)"):format(snap.snapshot_id))
+      end
+      local a = {}
+      for k, v in pairs(args) do a[k] = v end
+      a.isolation = "gvisor"
+      args = a
+    end
+  end
   local o = prepare(args, "persistent", "sandbox_create", ttl)
+  if snap then o.labels = { from_snapshot = snap.snapshot_id } end
   o.env = spec.env(args.env, default_env(o.run_id, o.egress))
   if args.repository ~= nil then
     -- the clone is made once the sandbox runs (lua/sandbox/repository.lua); the plan is saved
@@ -62,7 +82,7 @@ function persistent.create(ctx, args)
     if not started then repo.cleanup(o) end
   end)
   hooks.run("plan", ctx, o, args)
-  local img = check(images.ensure(o.engine, args.image, ctx))
+  local img = snap and { ref = snap.ref, name = snap.image or "snapshot" } or check(images.ensure(o.engine, args.image, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
   -- [channel] a control socket, except under gVisor: the host cannot connect to a socket made
@@ -84,6 +104,16 @@ function persistent.create(ctx, args)
     eg:stop()
     files.remove_tree(o.run_dir)
     fail(err)
+  end
+  if snap then
+    local rok, rerr = snapshots.restore(o.engine, id)
+    if not rok then
+      o.engine:remove(id)
+      eg:stop()
+      files.remove_tree(o.run_dir)
+      fail(("snapshot: the sandbox from snapshot %s could not be prepared (%s); nothing was kept"):format(
+        snap.snapshot_id, tostring(rerr)))
+    end
   end
   started = true
   -- [channel] answer once demesne-init listens on its control socket, so that the first
@@ -114,6 +144,8 @@ function persistent.create(ctx, args)
     output_dir = o.output_dir,
     expires_at = util.iso(expires),
     image = img.name,
+    snapshot = snap and snap.snapshot_id or nil,
+    isolation = o.isolation,
     mcp = o.endpoint and { url = o.endpoint.url, token = o.endpoint.token } or nil,
   }
 end
@@ -246,10 +278,27 @@ function persistent.lookup(eng, sandbox_id)
     output_dir = labels[LABEL .. "output_dir"], run_dir = labels[LABEL .. "run_dir"],
     running = info.state == "running",
     stopped_reason = info.state ~= "running" and persistent.stopped_reason(labels[LABEL .. "run_dir"]) or nil,
+    paused = info.paused == true,
+    image = info.image,
     expires_at = expiry_of(labels),
     memory_mb = tonumber(labels[LABEL .. "memory_mb"]),
   }
 end
+
+--- Fails, naming sandbox_id, when the sandbox (persistent.lookup) is paused: its
+--- processes are frozen, so a command, a transfer or a snapshot would hang until its
+--- deadline and then find demesne-init unresponsive. sandbox_resume thaws it.
+---@param sb table
+---@param sandbox_id string
+function persistent.check_not_paused(sb, sandbox_id)
+  if sb.paused then
+    fail(("sandbox_id: sandbox %s is paused (sandbox_pause); sandbox_resume it first"):format(sandbox_id), "EPAUSED")
+  end
+end
+
+--- Forgets what lookup_running remembers of a sandbox (its state changed: paused, resumed).
+---@param sandbox_id string
+function persistent.forget(sandbox_id) seen[sandbox_id] = nil end
 
 --- The engine's summary of the demesne sandbox `run_id`, found by list, never by inspect
 --- (spec.state_of says why).
@@ -385,7 +434,7 @@ function persistent.destroy(ctx, args)
 end
 
 --- Lists the live persistent sandboxes of this configuration (those whose run folder is
---- under this state_dir): {sandboxes = {{sandbox_id, image, created_at, expires_at, output_dir, state,
+--- under this state_dir): {sandboxes = {{sandbox_id, image, created_at, expires_at, output_dir, state, paused,
 --- previews = {{port, url}}}}} (previews: those this server process holds).
 function persistent.list()
   local eng = spec.engine()
@@ -402,6 +451,7 @@ function persistent.list()
       output_dir = l[LABEL .. "output_dir"],
       state = c.state,
       previews = preview.list(l[LABEL .. "run_id"]),
+      paused = c.paused == true,
     } end
   end
   table.sort(out, function(a, b) return tostring(a.sandbox_id) < tostring(b.sandbox_id) end)

@@ -17,6 +17,7 @@ local kept = require("demesne.sandbox.keep")
 local owner = require("demesne.sandbox.owner")
 local persistent = require("demesne.sandbox.persistent")
 local preview = require("demesne.sandbox.preview")
+local snapshot = require("demesne.sandbox.snapshot")
 local spec = require("demesne.sandbox.spec")
 
 local reaper = {}
@@ -195,6 +196,7 @@ function reaper.reap(opts)
       end
     end
   end
+  snapshot.prune(eng) -- retention: snapshot_keep_seconds, snapshot_max_count
   -- the list again: what was just removed no longer claims its folder
   local now_list = eng:list({ LABEL .. "managed=1" })
   if now_list then reap_leftovers(eng, now_list) end

@@ -176,6 +176,7 @@ local function container_spec(o)
     -- open egress is a property of the policy, kept here as it was at create
     [LABEL .. "egress_unrestricted"] = o.egress and o.egress.unrestricted and "1" or "0",
     [LABEL .. "isolation"] = o.isolation or "container",
+    [LABEL .. "rootfs"] = config.get("readonly_rootfs") and "ro" or "rw",
   }
   for k, v in pairs(o.labels or {}) do labels[LABEL .. k] = v end
   local cspec = {

@@ -129,6 +129,7 @@ function transfer.upload(ctx, args)
   if not base or base == "." or base == ".." then fail("dst: must name a file or folder, e.g. /out/data.csv") end
   if parent == "" then parent = "/" end
   local sb = persistent.lookup(eng, args.sandbox_id)
+  persistent.check_not_paused(sb, args.sandbox_id)
   -- host inputs plus open egress is the exfiltration shape sandbox_create refuses: open as
   -- the policy was at create (label), or as the policy of that name is now (the proxy of a
   -- re-attached sandbox follows the current file)
@@ -215,6 +216,7 @@ function transfer.download(ctx, args)
   if not base or base == "." then fail("src: must name a file or folder (not / and not ending in /.)") end
   if parent == "" then parent = "/" end
   local sb = persistent.lookup(eng, args.sandbox_id)
+  persistent.check_not_paused(sb, args.sandbox_id)
   local max = config.get("download_max_bytes")
   local cap = download_tar_cap(max)
   -- the sandbox can write its own /out: the downloads folder is held by descriptor and
@@ -265,5 +267,35 @@ function transfer.download(ctx, args)
   return { sandbox_id = args.sandbox_id, src = src, path = sb.output_dir .. "/downloads/" .. base, files = stats.files,
     bytes = stats.bytes }
 end
+
+--- Runs argv (no shell) in a persistent sandbox through demesne-init and waits for it
+--- (lua/sandbox/snapshot.lua packs /workspace with it). Returns exit code, stderr text
+--- (bounded) and the exec's status record; fails when the sandbox is gone or hung.
+---@param eng table
+---@param sb table  persistent.lookup's sandbox
+---@param argv string[]
+---@return integer code, string stderr, table|nil status
+function transfer.run_quiet(eng, sb, argv) return run_quiet(eng, sb, argv) end
+
+--- Fails for a step that went wrong in the sandbox: gone, out of memory, or its exit code
+--- and stderr.
+---@param eng table
+---@param sb table
+---@param what string  the step, for the message
+---@param code integer|nil
+---@param msg string
+---@param st table|nil  the exec's status record
+function transfer.transfer_failure(eng, sb, what, code, msg, st) return transfer_failure(eng, sb, what, code, msg, st) end
+
+--- The sandbox's transfer folder, held: returns the folder, a fresh tar name in it, that
+--- tar's path inside the sandbox, and a guard that removes the tar and closes the folder.
+---@param sb table
+---@return table dir, string name, string sandbox_path, table guard
+function transfer.xfer_dir(sb) return xfer_dir(sb) end
+
+--- Waits in the current task for core work started by start(cb); cancelling the task cancels it.
+---@param start fun(cb: function): table|nil, string|nil, string|nil
+---@return any ...
+function transfer.await_work(start) return await_work(start) end
 
 return transfer

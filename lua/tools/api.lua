@@ -4,7 +4,8 @@
 -- docs/reference/runtime-api.md documents every name; tests/lua/runtime_api_test.lua fails
 -- when the two disagree.
 return {
-  ["demesne.sandbox"] = { "run_script", "create", "exec", "upload", "download", "destroy", "list", "expose" },
+  ["demesne.sandbox"] = { "run_script", "create", "exec", "upload", "download", "destroy", "list", "expose", "snapshot",
+    "snapshots", "snapshot_delete", "fork", "pause", "resume" },
   ["demesne.jobs"] = { "dispatch", "get", "must_get", "wait", "cancel", "list", "view", "is_terminal",
     "read_stdout", "stdout_tail", "collect", "STATUSES" },
   ["demesne.agent"] = { "run", "text", "model_schema", "chain" },

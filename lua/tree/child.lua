@@ -31,15 +31,19 @@ local child = {}
 local SPAWN = { sandbox_script = "script", sandbox_create = "create", sandbox_agent = "agent",
   sandbox_research = "research" }
 local BY_JOB = { sandbox_status = true, sandbox_wait = true, sandbox_cancel = true }
-local BY_SANDBOX = { sandbox_exec = true, sandbox_destroy = true }
+local BY_SANDBOX = { sandbox_exec = true, sandbox_destroy = true, sandbox_snapshot = true, sandbox_fork = true,
+  sandbox_pause = true, sandbox_resume = true }
 local EXPOSE = "sandbox_expose"
-local OTHERS = { sandbox_jobs = true, sandbox_usage_report = true }
+-- (sandbox_snapshots and sandbox_snapshot_delete see only the snapshots the caller's subtree took: ctx.caller)
+local OTHERS = { sandbox_jobs = true, sandbox_usage_report = true, sandbox_snapshots = true,
+  sandbox_snapshot_delete = true }
 local HOST_ONLY = { "files", "directories", "budget_usd", "tree" }
 
 --- The names of the tools a sandbox sees, sorted.
 child.TOOLS = { "sandbox_agent", "sandbox_cancel", "sandbox_create", "sandbox_destroy", "sandbox_exec",
-  "sandbox_expose", "sandbox_jobs", "sandbox_research", "sandbox_script", "sandbox_status", "sandbox_usage_report",
-  "sandbox_wait" }
+  "sandbox_expose", "sandbox_fork", "sandbox_jobs", "sandbox_pause", "sandbox_research", "sandbox_resume",
+  "sandbox_script", "sandbox_snapshot", "sandbox_snapshot_delete", "sandbox_snapshots", "sandbox_status",
+  "sandbox_usage_report", "sandbox_wait" }
 
 local NAME_SCHEMA = { type = "string", minLength = 1, maxLength = 40, pattern = "^[a-z0-9][a-z0-9-]*$",
   description = "The child's name: lowercase letters, digits and inner hyphens, at most 40 characters, unique "
@@ -51,7 +55,8 @@ local NOTE = {
     .. "earlier children's outputs at /in/previous-jobs/<name>, and writes /out/child/<name> (read it there). "
     .. "Its egress is never wider than this sandbox's, its isolation never weaker, its limits never larger (by "
     .. "default this sandbox's), and its image is demesne's, the user's or one the configuration lists, already built.",
-  create = "From inside a sandbox: as sandbox_script, for a sandbox that stays up for sandbox_exec.",
+  create = "From inside a sandbox: as sandbox_script, for a sandbox that stays up for sandbox_exec. A child from a "
+    .. "snapshot gets a /workspace of its own holding the snapshot's.",
   agent = "From inside a sandbox: the child agent sees this sandbox's /in, shares /workspace, sees earlier "
     .. "children's outputs at /in/previous-jobs/<name>, writes /out/child/<name>; egress none or this sandbox's; "
     .. "isolation and limits this sandbox's or narrower. "
@@ -170,8 +175,32 @@ local function caller_view(n)
   }
 end
 
--- The child descriptor of a host tool.
-local function wrap(host)
+local FORK_NOTE = " From inside a sandbox: the new sandboxes are children of this sandbox (named fork<k>-1 … "
+  .. "fork<k>-<count>), counted against the tree's children, running and totals limits (a count above the children "
+  .. "left is refused before anything is made), each with a /workspace of its own holding the snapshot's."
+
+-- A fork from inside a tree: its sandboxes are children of the caller, spawned as
+-- sandbox_create {snapshot} children; a count above the children left is refused first.
+local function fork_in_tree(ctx, n, args, host, create)
+  local root = tree.get(n.root)
+  local left = (root and root.limits.children or 0) - #n.children
+  local count = math.tointeger(args.count) or 0
+  if count > left then
+    fail(("count: %d sandboxes would pass this sandbox's limit of %d children (tree.children): %d are left"):format(
+      count, root and root.limits.children or 0, math.max(left, 0)))
+  end
+  local base = ("fork%d"):format(#n.children + 1)
+  ctx.fork_create = function(i, call)
+    call.name = base .. "-" .. i
+    local r = tree.spawn(ctx, n.run_id, "create", call, create.run)
+    if type(r) == "table" then r.mcp = nil end
+    return r
+  end
+  return host.run(ctx, args)
+end
+
+-- The child descriptor of a host tool (`reg`: the host's registry).
+local function wrap(host, reg)
   local name = host.name
   local kind = SPAWN[name]
   local d = {}
@@ -179,6 +208,7 @@ local function wrap(host)
   d.inputSchema = derive(host, kind)
   d.execution = nil -- no MCP tasks from inside a sandbox: background + sandbox_wait
   if kind then d.description = host.description .. " " .. NOTE[kind] end
+  if name == "sandbox_fork" then d.description = host.description .. FORK_NOTE end
   if name == "sandbox_wait" then
     d.description = host.description .. (" From inside a sandbox it waits at most %d s, then returns running.")
       :format(math.floor(config.get("tree_wait_seconds")))
@@ -204,6 +234,7 @@ local function wrap(host)
       -- tree.job_records (the check and reservation come before anything is made)
       local _job <close> = args.background == true and (kind or name == "sandbox_exec") and tree.job_admit(n.run_id)
         or nil
+      if name == "sandbox_fork" then return fork_in_tree(ctx, n, args, host, reg:get("sandbox_create")) end
       if kind then
         -- a continue takes the continued run's egress (and model) before the spawn checks them
         if name == "sandbox_agent" and args.continue ~= nil then continue.resolve(ctx.caller, args) end
@@ -249,7 +280,7 @@ function child.registry(host)
   local reg = tools.registry()
   for _, name in ipairs(child.TOOLS) do
     local d = host:get(name)
-    if d then reg:add(wrap(d)) end
+    if d then reg:add(wrap(d, host)) end
   end
   return reg
 end

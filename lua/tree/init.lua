@@ -355,7 +355,12 @@ function tree.plan(ctx, o, args)
           o.mounts[#o.mounts + 1] = { host = sib.output_dir, target = "/in/previous-jobs/" .. c.name }
         end
       end
-      n.workspace = parent.workspace
+      if args and args.snapshot then
+        -- a child from a snapshot (sandbox_fork): a workspace of its own, holding the snapshot's
+        n.workspace, n.owns_workspace = new_workspace(n.run_id), true
+      else
+        n.workspace = parent.workspace
+      end
     end
     if has_endpoint(kind, args) and not n.workspace then
       n.workspace, n.owns_workspace = new_workspace(n.run_id), true
@@ -897,7 +902,8 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   -- isolation no weaker, limits no larger than the parent's (the defaults: the parent's); an
   -- image demesne's, the user's or the configuration's, and built (lua/tree/walls.lua)
   local want = walls.narrow(parent, args)
-  if kind == "script" or kind == "create" then walls.image(sandbox.engine(), args.image) end
+  -- (a child from a snapshot runs on the snapshot's image, which the sandbox layer checks is in scope)
+  if (kind == "script" or kind == "create") and args.snapshot == nil then walls.image(sandbox.engine(), args.image) end
   local call = {}
   for k, v in pairs(args) do if k ~= "name" then call[k] = v end end
   -- repository: true clones the parent's workspace repository (lua/repo prepare_child)

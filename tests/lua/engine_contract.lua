@@ -6,6 +6,7 @@
 --                                             through tests/integration/engine-contract.test.mjs)
 -- Each test makes its own containers, labelled io.demesne.contract=<random>, and removes
 -- them; it sees no other container on the engine.
+local archive = require("core.archive")
 local async = require("demesne.async")
 local fs = require("core.fs")
 local loop = require("core.loop")
@@ -93,7 +94,8 @@ return function(fixture)
     local w <close> = world(fixture)
     local caps = w.eng.capabilities
     t:eq(type(caps), "table", "capabilities")
-    for _, k in ipairs({ "bind_mounts", "unix_socket_mounts", "tmpfs", "read_only_rootfs", "bounded_logs", "userns" }) do
+    for _, k in ipairs({ "bind_mounts", "unix_socket_mounts", "tmpfs", "read_only_rootfs", "bounded_logs", "userns",
+      "snapshots", "pause" }) do
       t:eq(type(caps[k]), "boolean", "capabilities." .. k)
     end
     t:eq(caps.networks.none, true, "every adapter offers network none (the egress enforcement)")
@@ -271,6 +273,84 @@ return function(fixture)
     t:ok(r2[2] ~= 0, "the exec did not succeed")
     local none, _, code = w.eng:inspect(id)
     t:eq({ none, code }, { nil, "ENOENT" }, "gone")
+  end
+
+  -- snapshots and pause: an adapter implements them or declares the capability false
+  function tests.a_declared_capability_has_its_methods(t)
+    local w <close> = world(fixture)
+    local methods = {
+      snapshots = { "commit", "image_list", "image_remove", "size", "put_archive" },
+      pause = { "pause", "unpause" },
+    }
+    for cap, list in pairs(methods) do
+      t:eq(type(w.eng.capabilities[cap]), "boolean", "capabilities." .. cap .. " is declared")
+      if w.eng.capabilities[cap] then
+        for _, m in ipairs(list) do t:eq(type(w.eng[m]), "function", cap .. ": method " .. m) end
+      end
+    end
+  end
+
+  function tests.a_commit_keeps_the_root_filesystem_and_labels(t)
+    local w <close> = world(fixture)
+    if not w.eng.capabilities.snapshots then return end
+    local id = w.run({ read_only_rootfs = false })
+    t:eq(w.sh(id, "echo kept > /etc/contract-snap"), 0, "write the root filesystem")
+    local size = t:ok(w.eng:size(id), "size")
+    t:ok(math.type(size.rw_bytes) == "integer" and size.rw_bytes > 0, "size.rw_bytes counts the write")
+    local repo, tag = "demesne-contract/snap", w.tag
+    local label = "io.demesne.contract_snap"
+    local img = t:ok(w.eng:commit(id, { repo = repo, tag = tag, labels = { [label] = w.tag, ["io.demesne.n"] = "s" },
+      clear_env = { "A" } }), "commit")
+    t:eq(type(img), "string", "commit returns the image id")
+    local _img <close> = setmetatable({}, { __close = function() w.eng:image_remove(repo .. ":" .. tag) end })
+    local list = t:ok(w.eng:image_list({ label .. "=" .. w.tag }), "image_list")
+    t:eq(#list, 1, "one image with the label")
+    t:ok(list[1].refs[1] == repo .. ":" .. tag or list[1].refs[1]:sub(-#repo - #tag - 2) == "/" .. repo .. ":" .. tag,
+      "refs names repo:tag: " .. tostring(list[1].refs[1]))
+    t:eq(list[1].labels["io.demesne.n"], "s", "the commit's label wins over the container's")
+    t:eq(math.type(list[1].created), "integer", "created")
+    local from = w.run({ image = repo .. ":" .. tag, labels = { ["io.demesne.contract"] = w.tag }, env = { "C=3" } })
+    t:eq(w.sh(from, "cat /etc/contract-snap > /out/snap"), 0, "read it in a container of the image")
+    t:eq(w.read("out/snap"), "kept\n", "the committed file")
+    t:eq(w.sh(from, 'printf "[%s][%s]" "$A" "$C" > /out/env'), 0, "exec")
+    t:eq(w.read("out/env"), "[][3]", "clear_env: the container's A is empty in the image")
+    local ok, _, code = w.eng:image_remove(repo .. ":" .. tag)
+    t:eq({ ok, code }, { nil, "ECONFLICT" }, "an image a container uses is not removed")
+    t:eq(w.eng:remove(from), true, "remove its container")
+    t:eq(w.eng:image_remove(repo .. ":" .. tag), true, "image_remove")
+    t:eq({ w.eng:image_remove(repo .. ":" .. tag) }, { true, "gone" }, "removing again")
+    t:eq(#t:ok(w.eng:image_list({ label .. "=" .. w.tag })), 0, "listed no more")
+  end
+
+  function tests.put_archive_writes_a_created_containers_root(t)
+    local w <close> = world(fixture)
+    if not w.eng.capabilities.snapshots then return end
+    local tar = w.dir .. "/in.tar"
+    t:ok(archive.pack(tar, { { name = "contract-put", data = "put\n" } }), "pack")
+    local id = w.create({ read_only_rootfs = false })
+    t:eq(w.eng:put_archive(id, "/", tar), true, "put_archive before start")
+    t:ok(w.eng:start(id), "start")
+    t:eq(w.sh(id, "cat /contract-put > /out/put"), 0, "read it")
+    t:eq(w.read("out/put"), "put\n", "the file")
+  end
+
+  function tests.a_paused_container_refuses_exec_until_unpaused(t)
+    local w <close> = world(fixture)
+    if not w.eng.capabilities.pause then return end
+    local id = w.run()
+    t:eq(w.eng:pause(id), true, "pause")
+    t:eq(w.eng:pause(id), true, "pausing again")
+    local i = t:ok(w.eng:inspect(id))
+    t:eq({ i.state, i.paused }, { "running", true }, "inspect: running, paused")
+    local l = t:ok(w.eng:list({ "io.demesne.contract=" .. w.tag }))
+    t:eq(l[1].paused, true, "list: paused")
+    local code, msg, ecode = w.sh(id, "true")
+    t:eq({ code, ecode }, { nil, "ECONFLICT" }, "exec while paused")
+    t:eq(type(msg), "string", "a message")
+    t:eq(w.eng:unpause(id), true, "unpause")
+    t:eq(w.eng:unpause(id), true, "unpausing again")
+    t:eq(t:ok(w.eng:inspect(id)).paused, false, "not paused")
+    t:eq(w.sh(id, "exit 3"), 3, "exec after unpause")
   end
 
   return tests

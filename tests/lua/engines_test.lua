@@ -90,8 +90,10 @@ function tests.docker_reads_inspect_and_list_into_neutral_info(t)
     HostConfig = { Memory = 268435456, NanoCpus = 500000000, PidsLimit = 64, NetworkMode = "none" },
   }
   t:eq(docker.container_info(inspect), { id = "3f9c", name = "demesne-r1", image = "docker.io/demesne/default:3f9c0a1b2c4d",
-    state = "running", labels = { ["io.demesne.run_id"] = "r1" },
+    state = "running", labels = { ["io.demesne.run_id"] = "r1" }, paused = false,
     limits = { memory_bytes = 268435456, cpus = 0.5, pids = 64 } }, "a running container")
+  t:eq(docker.container_info({ Id = "x", State = { Status = "paused", Running = true, Paused = true } }).paused, true,
+    "paused")
   local function state(st) return docker.container_info({ Id = "x", State = st }) end
   t:eq(state({ Status = "exited", Running = false, ExitCode = 7 }).exit_code, 7, "exit code once exited")
   t:eq(state({ Status = "created", Running = false, ExitCode = 0 }).state, "created", "created")
@@ -106,7 +108,9 @@ function tests.docker_reads_inspect_and_list_into_neutral_info(t)
   t:eq(docker.container_info({ Id = "x" }).labels, {}, "no labels: an empty map")
   t:eq(docker.container_summary({ Id = "3f9c", Names = { "/demesne-r1" }, Image = "demesne/default:3f9c0a1b2c4d",
     State = "exited", Labels = { a = "1" } }), { id = "3f9c", name = "demesne-r1", image = "demesne/default:3f9c0a1b2c4d",
-    state = "exited", labels = { a = "1" } }, "a list entry")
+    state = "exited", labels = { a = "1" }, paused = false }, "a list entry")
+  t:eq(docker.container_summary({ Id = "x", State = "paused" }).paused, true, "a paused list entry")
+  t:eq(docker.container_summary({ Id = "x", State = "paused" }).state, "running", "a paused one is running")
 end
 
 function tests.docker_translates_gvisor_and_the_user_namespace(t)

@@ -171,8 +171,9 @@ function tests.builtin_tools_load_cleanly(t)
     names[#names + 1] = d.name
   end
   t:eq(names, { "sandbox_agent", "sandbox_cancel", "sandbox_create", "sandbox_destroy", "sandbox_download",
-    "sandbox_exec", "sandbox_expose", "sandbox_jobs", "sandbox_list", "sandbox_research", "sandbox_script", "sandbox_status",
-    "sandbox_upload", "sandbox_usage_report", "sandbox_wait" })
+    "sandbox_exec", "sandbox_expose", "sandbox_fork", "sandbox_jobs", "sandbox_list", "sandbox_pause", "sandbox_research",
+    "sandbox_resume", "sandbox_script", "sandbox_snapshot", "sandbox_snapshot_delete", "sandbox_snapshots",
+    "sandbox_status", "sandbox_upload", "sandbox_usage_report", "sandbox_wait" })
 end
 
 function tests.fixture_tools_load_cleanly(t)

@@ -22,7 +22,7 @@ local tests = {}
 
 local VARS = { "XDG_CONFIG_HOME", "DEMESNE_ENGINE_ADAPTER", "DEMESNE_ENGINE", "DEMESNE_STATE_DIR",
   "DEMESNE_OUTPUT_ROOT", "DEMESNE_ALLOWED_PATHS", "DEMESNE_INIT", "DEMESNE_MEMORY_MB_MAX", "DEMESNE_ISOLATION",
-  "DEMESNE_USERNS" }
+  "DEMESNE_USERNS", "DEMESNE_FORK_MAX_COUNT" }
 
 -- A scratch world: config, state and output folders, an allowed host folder, the fake
 -- engine as the runtime's adapter, and every create() it receives. Closing it removes what
@@ -60,6 +60,7 @@ local function world(extra_env)
       local rid = c.labels["io.demesne.run_id"]
       if rid then require("demesne.egress").stop(rid) end
     end
+    sandbox.unwatch_all() -- the output quota's watches of what a test left running
     eng:reset()
     for _, k in ipairs(VARS) do loop.setenv(k, saved[k]) end
     config.load()
@@ -448,6 +449,57 @@ function tests.sandbox_list_shows_only_this_state_folders_sandboxes(t)
   for _, s in ipairs(sandbox.list().sandboxes) do ids[#ids + 1] = s.sandbox_id end
   t:eq(ids, { c.sandbox_id }, "only this configuration's")
   sandbox.destroy(nil, { sandbox_id = c.sandbox_id })
+end
+
+function tests.a_paused_sandbox_refuses_exec_until_resumed(t)
+  local _w <close> = world()
+  local c = sandbox.create(nil, { image = IMAGE, ttl_seconds = 600 })
+  t:eq(sandbox.exec(nil, { sandbox_id = c.sandbox_id, command = "exit 0" }).exit_code, 0, "exec")
+  t:eq(sandbox.pause(nil, { sandbox_id = c.sandbox_id }).status, "paused", "pause")
+  t:eq(sandbox.pause(nil, { sandbox_id = c.sandbox_id }).status, "already paused", "pause again")
+  local listed = sandbox.list().sandboxes[1]
+  t:eq({ listed.state, listed.paused }, { "running", true }, "listed: running, paused")
+  local msg, code = failure(sandbox.exec, nil, { sandbox_id = c.sandbox_id, command = "exit 0" })
+  t:match(msg, "^sandbox_id: sandbox .* is paused %(sandbox_pause%); sandbox_resume it first", "exec refused")
+  t:eq(code, "EPAUSED", "its code")
+  t:match(failure(sandbox.snapshot, nil, { sandbox_id = c.sandbox_id }), "is paused", "snapshot refused")
+  t:eq(sandbox.resume(nil, { sandbox_id = c.sandbox_id }).status, "resumed", "resume")
+  t:eq(sandbox.resume(nil, { sandbox_id = c.sandbox_id }).status, "not paused", "resume again")
+  t:eq(sandbox.exec(nil, { sandbox_id = c.sandbox_id, command = "exit 3" }).exit_code, 3, "exec after resume")
+  t:eq(sandbox.destroy(nil, { sandbox_id = c.sandbox_id }).status, "destroyed", "destroy")
+end
+
+function tests.an_engine_without_snapshots_or_pause_refuses_them_by_capability(t)
+  local w <close> = world()
+  local c = sandbox.create(nil, { image = IMAGE, ttl_seconds = 600 })
+  w.eng.capabilities = setmetatable({ snapshots = false, pause = false }, { __index = w.caps })
+  local msg, code = failure(sandbox.snapshot, nil, { sandbox_id = c.sandbox_id })
+  t:eq({ msg, code }, { "sandbox_id: this engine adapter cannot take snapshots (capability snapshots is false)",
+    "ENOTSUP" }, "snapshot")
+  t:match(failure(sandbox.fork, nil, { sandbox_id = c.sandbox_id, count = 2 }), "capability snapshots is false", "fork")
+  t:match(failure(sandbox.create, nil, { snapshot = "snap-20260101T000000Z-00000000" }),
+    "^snapshot: this engine adapter cannot take snapshots", "create from a snapshot")
+  t:match(failure(sandbox.pause, nil, { sandbox_id = c.sandbox_id }), "capability pause is false", "pause")
+  t:eq(#w.specs, 1, "nothing more was created")
+end
+
+function tests.snapshot_names_counts_and_ids_are_checked_before_anything_is_made(t)
+  local w <close> = world({ DEMESNE_FORK_MAX_COUNT = "2" })
+  local c = sandbox.create(nil, { image = IMAGE, ttl_seconds = 600 })
+  for _, bad in ipairs({ "a b", "-x", ".x", ("n"):rep(129), "x/y", "x:y" }) do
+    t:match(failure(sandbox.snapshot, nil, { sandbox_id = c.sandbox_id, name = bad }),
+      "^name: .* is not a valid image reference component", ("name %q"):format(bad))
+  end
+  t:match(failure(sandbox.fork, nil, { sandbox_id = c.sandbox_id, count = 3 }),
+    "^count: 3 is above the ceiling of 2 set in the configuration %(fork_max_count%)", "count over the cap")
+  t:match(failure(sandbox.fork, nil, { sandbox_id = c.sandbox_id, count = 0 }), "^count: must be a positive integer",
+    "count 0")
+  t:match(failure(sandbox.create, nil, { snapshot = "../x" }), '^snapshot: "%.%./x" is not a snapshot id', "a bad id")
+  t:match(failure(sandbox.snapshot_delete, nil, { snapshot_id = "x" }), '^snapshot_id: "x" is not a snapshot id',
+    "delete: a bad id")
+  t:eq(sandbox.snapshot_delete(nil, { snapshot_id = "snap-20260101T000000Z-00000000" }).status, "already gone",
+    "delete: an unknown one")
+  t:eq(#t:ok(w.eng:image_list({ "io.demesne.snapshot_id" })), 0, "no image was made")
 end
 
 return tests
