@@ -6,7 +6,9 @@
 -- hard links once, no link followed, no FIFO opened), plus fstatvfs of it, repeated while
 -- the sandbox runs; past either limit the sandbox is stopped and its result says
 -- "output quota exceeded". A tree node's children write into <its out>/child/<name>, so
--- the root's walk counts the whole tree: no node gets more than the root's quota.
+-- the root's walk counts the whole tree: no node gets more than the root's quota. A
+-- research child's folder of its own (outside the root's until it is handed over) is
+-- included in the root's walk while it runs (quota.include).
 --
 -- The overshoot is bounded by what the sandbox writes between two measurements plus the
 -- engine's kill: the interval shrinks as the folder nears its limit (from
@@ -33,6 +35,48 @@ quota.REASON = "output quota exceeded"
 quota.MIN_INTERVAL_MS = 10
 
 local function num(x) return ("%.0f"):format(x) end
+
+-- watched output folder -> {[folder] = true}: folders elsewhere that count against its quota
+local included = {}
+
+--- Counts the folder `path` (outside `output_dir`) against the quota of `output_dir`'s
+--- watch, as if it were inside it: a tree's research child writes a folder of its own
+--- under the output root while it runs (lua/tree), which is its root's until it is handed
+--- over. Idempotent; quota.exclude undoes it.
+---@param output_dir string  a watched output folder (a tree's root)
+---@param path string        another folder, measured confined like the watched one
+function quota.include(output_dir, path)
+  included[output_dir] = included[output_dir] or {}
+  included[output_dir][path] = true
+end
+
+--- Undoes quota.include (the folder was handed over into output_dir, or is gone).
+---@param output_dir string
+---@param path string
+function quota.exclude(output_dir, path)
+  local set = included[output_dir]
+  if not set then return end
+  set[path] = nil
+  if next(set) == nil then included[output_dir] = nil end
+end
+
+-- Adds the folders included in `output_dir`'s quota to its measurement `u` (in place),
+-- each walk bounded by what is left of `max_bytes` (nil: not bounded) and of `max_entries`.
+local function measure_included(output_dir, u, max_bytes, max_entries)
+  for path in pairs(included[output_dir] or {}) do
+    if u.limit or (max_bytes and u.bytes >= max_bytes) then return end
+    local d = fs.opendir(path)
+    if d then
+      local x = quota.measure(d, { stop_bytes = max_bytes and math.floor(max_bytes - u.bytes) or nil,
+        max_entries = math.max(max_entries - u.entries, 1) })
+      d:close()
+      if x then
+        u.bytes, u.entries, u.unreadable = u.bytes + x.bytes, u.entries + x.entries, u.unreadable + x.unreadable
+        if x.limit then u.limit, u.where = x.limit, x.where end
+      end
+    end
+  end
+end
 
 --- The free-space reserve (bytes) on a filesystem of `total_bytes`: the larger of
 --- output_min_free_bytes and output_min_free_percent of it.
@@ -134,6 +178,7 @@ function quota.watch(output_dir, name, on_exceeded)
       lim.reserve = v and quota.reserve(v.total_bytes) or 0
       local t0 = loop.hrtime()
       local u, err = quota.measure(dir, { stop_bytes = math.floor(lim.max_bytes), max_entries = lim.max_entries })
+      if u then measure_included(output_dir, u, lim.max_bytes, lim.max_entries) end
       local walk_ms = (loop.hrtime() - t0) / 1e6
       if not u then
         log.warning(LOGGER, "%s: output quota: %s", tostring(name), tostring(err))
@@ -148,7 +193,10 @@ function quota.watch(output_dir, name, on_exceeded)
             tostring(name), (loop.hrtime() - tk) // 1000000, u.bytes, delay)
           if not ok then log.warning(LOGGER, "%s: stopping the sandbox: %s", tostring(name), tostring(e)) end
           local full = quota.measure(dir, { max_entries = lim.max_entries })
-          if full then w.exceeded.output_bytes = full.bytes end
+          if full then
+            measure_included(output_dir, full, nil, lim.max_entries)
+            w.exceeded.output_bytes = full.bytes
+          end
           return
         end
         local t = loop.now()

@@ -60,6 +60,7 @@ local agent = require("demesne.agent")
 local vendor = require("demesne.vendor")
 local store = require("demesne.tree.store")
 local walls = require("demesne.tree.walls")
+local quota = require("demesne.sandbox.quota")
 local util = require("demesne.util")
 local fs = require("core.fs")
 local loop = require("core.loop")
@@ -340,6 +341,7 @@ function tree.plan(ctx, o, args)
       local dir, derr = make_dir_in(config.get("output_root"), o.run_id, 493)
       if not dir then fail(("cannot make the output folder of %s: %s"):format(o.run_id, tostring(derr))) end
       o.output_dir, n.final_dir = dir, spawn.output_dir
+      quota.include(root.output_dir, dir) -- still the root's quota while it runs here
     else
       o.output_dir = spawn.output_dir
     end
@@ -488,6 +490,8 @@ end
 local function hand_over(n)
   if not n.final_dir or n.active then return end
   local from, to = n.output_dir, n.final_dir
+  local root = tree.get(n.root)
+  if root then quota.exclude(root.output_dir, from) end -- once moved, the root's walk finds it
   local fp, fname = from:match("^(.*)/([^/]+)$")
   local tp, tname = to:match("^(.*)/([^/]+)$")
   local a, aerr = fs.opendir(fp)
@@ -510,7 +514,6 @@ local function hand_over(n)
     if x.job_id then jobs.moved(x.job_id, from, to) end
     save(x)
   end
-  local root = tree.get(n.root)
   for _, id in ipairs(root and root.jobs or {}) do jobs.moved(id, from, to) end
   log.info(LOGGER, "%s: output folder handed over to %s", n.run_id, to)
 end

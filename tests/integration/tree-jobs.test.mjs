@@ -138,3 +138,33 @@ test("a script node's final usage.json holds the host's numbers, not what the sa
   assert.deepEqual(usage.models, {});
   assert.deepEqual([usage.subtree.nodes, usage.subtree.cost_usd], [2, 0]);
 });
+
+// The output quota is the root's, a research child's folder of its own included while it runs
+// (it is under the output root, outside the root's folder, until it is handed over)
+test("a research child's /out counts against its root's output quota while it runs", async () => {
+  const MB = 1024 * 1024;
+  vendor.plan("fill", [
+    { shell: "head -c 80000000 /dev/zero > /out/data && echo wrote; sleep 30" },
+    { final: "filled" },
+  ], { input: 10, output: 5 });
+  const c = await connect({ fixtures: false, env: {
+    DEMESNE_ENGINE: ENGINE, DEMESNE_OUTPUT_ROOT: path.join(work, "out-quota"), DEMESNE_STATE_DIR: path.join(work, "state-quota"),
+    DEMESNE_ALLOWED_PATHS: `${FIX}:${JOBS_FIX}`, DEMESNE_OUTPUT_MAX_BYTES: String(50 * MB), DEMESNE_POOL_SIZE: "0",
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${vendor.port}`,
+    CLAUDE_CODE_OAUTH_TOKEN: "", ANTHROPIC_AUTH_TOKEN: "", DEMESNE_CODEX_ENABLED: "false",
+    DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+  } });
+  try {
+    const spawn = JSON.stringify({ name: "filler", prompt: "Fill /out. PLAN:fill", model: "sonnet", timeout_seconds: 120 });
+    const res = await c.client.callTool({ name: "sandbox_script", arguments: { ...INPUTS, mcp: true, timeout_seconds: 150,
+      command: `python3 /in/tree/mcp-client.py sandbox_research '${spawn}' > /out/filler.json; echo child-done; sleep 60` } },
+    undefined, LONG);
+    assert.ok(!res.isError, res.content?.[0]?.text);
+    const root = res.structuredContent;
+    assert.equal(root.reason, "output quota exceeded", JSON.stringify(root));
+    assert.doesNotMatch(root.stdout, /child-done/, "the root was stopped while its research child wrote");
+    assert.ok(root.output_quota.written_bytes > 50 * MB, String(root.output_quota.written_bytes));
+  } finally {
+    await c.client.close();
+  }
+});
