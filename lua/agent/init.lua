@@ -354,6 +354,8 @@ function agent.run(ctx, args, tool)
   local started = loop.hrtime()
   local finished = false
   local _ <close> = util.closer(function()
+    -- cancelled: a repository run is stopped gently first, so that its branch comes back
+    if not finished and o.repo then sandbox.script_stop_gently(o) end
     if not o.removed then sandbox.script_remove(o) end
     if not finished and o.vendor then -- cancelled or failed on the way: still say so in results.json
       pcall(agent.finish, o, nil, nil, math.floor((loop.hrtime() - started) / 1e6),

@@ -310,7 +310,15 @@ function oneshot.run_script(ctx, args)
   -- the container goes on success, failure, timeout and cancel alike, after the answer
   -- (a tree node's container goes before the answer: its results.json, written once its
   -- children have ended, must be there when the caller reads the answer; see lua/tree)
+  local handed = false
   local _ <close> = util.closer(function()
+    if o.repo and not handed and not o.tree then
+      -- the call was cancelled (the client gave up, or the server stops): its work still
+      -- comes back, as the branch in the host repository (nobody gets the answer)
+      oneshot.script_stop_gently(o)
+      local b = repo.hand_back(o)
+      log.info("demesne.sandbox", "%s: cancelled; %s", tostring(o.run_id), repo.text(b))
+    end
     if o.tree then oneshot.script_remove(o) end
     oneshot.script_teardown(o, o.repo and function() repo.cleanup(o) end)
   end)
@@ -328,8 +336,21 @@ function oneshot.run_script(ctx, args)
   -- every process in the sandbox is gone: the proxy's last lines reach egress.jsonl now
   if o.egress_handle then o.egress_handle:stop() end
   local r = oneshot.script_result(o, code, err, math.floor((loop.hrtime() - started) / 1e6))
+  handed = o.repo ~= nil
   if o.repo then r.branch = repo.hand_back(o, r) end -- the container has stopped: /out is still
   return r
+end
+
+--- Stops a running one-shot gently: SIGTERM to its demesne-init, which passes it to the
+--- command's process group and SIGKILLs it 2 s later, then waits (at most `ms`, default
+--- 10000) for the container to stop. A repository run's run.sh hands its branch back in
+--- that grace (lua/repo). Never raises.
+---@param o table  the plan (o.engine, o.id)
+---@param ms integer|nil
+function oneshot.script_stop_gently(o, ms)
+  if not (o.engine and o.id) then return end
+  pcall(o.engine.kill, o.engine, o.id, "TERM")
+  pcall(async.timeout, ms or 10000, function() return o.engine:wait(o.id) end)
 end
 
 --- Removes a one-shot's container and run folder in a tracked task of its own

@@ -304,3 +304,31 @@ test("a run that times out, or a background run that is cancelled, still hands b
   assert.deepEqual(w.branch.commits.map((x) => x.subject), ["before-cancel"]);
   assert.equal(git(h, "show", "demesne/cancelled:c.txt"), "c");
 });
+
+test("a foreground run whose call is cancelled still hands back what it committed and left", async () => {
+  const h = makeRepo("proj9");
+  const out = path.join(work, "out");
+  const before = new Set(existsSync(out) ? readdirSync(out) : []);
+  const ac = new AbortController();
+  const call = conn.client.callTool({ name: "sandbox_script", arguments: { repository: h, image: "base", egress: "none",
+    branch: "fg-cancelled", command: "echo f > f.txt && git add f.txt && git commit -qm before-cancel && echo g > g.txt "
+      + "&& touch /out/ready && sleep 120" } }, undefined, { signal: ac.signal, timeout: 600_000 });
+  let dir;
+  for (let i = 0; i < 480 && !dir; i++) {
+    await new Promise((res) => setTimeout(res, 250));
+    dir = readdirSync(out).find((d) => !before.has(d) && existsSync(path.join(out, d, "ready")));
+  }
+  assert.ok(dir, "the run started and committed");
+  ac.abort();
+  await assert.rejects(call);
+  // the branch lands in the host repository although nobody gets the answer
+  let head = "";
+  for (let i = 0; i < 120 && !head; i++) {
+    await new Promise((res) => setTimeout(res, 250));
+    try { head = git(h, "rev-parse", "--verify", "--quiet", "refs/heads/demesne/fg-cancelled"); } catch { head = ""; }
+  }
+  assert.ok(head, "the branch came back");
+  assert.deepEqual(git(h, "log", "--format=%s", "demesne/fg-cancelled").split("\n").slice(0, 2),
+    [`demesne: work left uncommitted at the end of run ${dir}`, "before-cancel"]);
+  assert.equal(git(h, "show", "demesne/fg-cancelled:g.txt"), "g", "what it left uncommitted too");
+});
