@@ -1,4 +1,5 @@
 -- The command line: demesne [serve] | tools | check-config | doctor | images | policy | skills | reap |
+-- attach |
 -- test | --help |
 -- --version
 local loop = require("core.loop")
@@ -32,6 +33,9 @@ Commands:
                       link the skills into Claude Code's and Codex's skill folders
   reap                remove what servers that are gone left behind (their one-shot and
                       warm sandboxes, run folders) and expired sandboxes; keeps running jobs
+  attach ID           an interactive shell in a running sandbox (ID: sandbox_id, run_id or
+                      job_id); Ctrl-] detaches, the sandbox keeps running
+  attach --follow ID  show a background run's transcript or stdout as it grows
   test DIR...         run the Lua tests in DIR inside this binary
   --help              show this help
   --version           print the version

@@ -55,6 +55,12 @@ int init_wait(int argc, char **argv);
 /// Returns 0 when the group is gone, 1 when it remains, 2 on usage errors, 125 on I/O errors.
 int init_kill(int argc, char **argv);
 
+/// `demesne-init pty --connect PATH [--cwd DIR] -- ARGV...`: runs ARGV on a new PTY and
+/// carries it over the unix socket at PATH in frames (frame.h; pty.c). argv[0] is "pty".
+/// Returns the shell's exit code (128+N for signal N), 2 on usage errors, 125 when the
+/// socket or the PTY cannot be had.
+int init_pty(int argc, char **argv);
+
 // The control socket (control.c). Reference: docs/reference/demesne-init.md.
 #define CONTROL_MAGIC "DMI1"
 #define CONTROL_MAX (4u << 20)  // bytes of one request's payload (argv + environment)
