@@ -14,7 +14,7 @@ static const char usage_text[] =
 	"                        -- ARGV...\n"
 	"       demesne-init kill --dir DIR [--signal TERM|KILL|INT|QUIT|HUP|USR1|USR2]\n"
 	"                         [--grace SECONDS]\n"
-	"       demesne-init pty --connect PATH [--cwd DIR] -- ARGV...\n"
+	"       demesne-init pty --connect PATH [--cwd DIR] [--signals] -- ARGV...\n"
 	"       demesne-init --version | --help\n"
 	"\n"
 	"serve  PID 1 of a persistent sandbox: reaps zombies; on SIGTERM/SIGINT signals every\n"

@@ -30,6 +30,7 @@ struct pty_args {
 	const char *connect; // absolute unix socket path
 	const char *cwd;     // or NULL
 	char **argv;         // NULL-terminated, non-empty
+	bool signals;        // --signals: turn ^C, ^\ and ^Z into signals here (gVisor's PTY does not)
 };
 
 // Parses `pty`'s command line (argv[0] is "pty"). Returns 0, 1 (--help) or -1 (reported).
@@ -52,6 +53,10 @@ static int pty_args_parse(struct pty_args *a, int argc, char **argv)
 			if (r < 0)
 				return -1;
 			a->connect = v;
+			continue;
+		}
+		if (strcmp(argv[i], "--signals") == 0) {
+			a->signals = true;
 			continue;
 		}
 		if ((r = opt_value(argc, argv, &i, "--cwd", &v)) != 0) {
@@ -91,8 +96,42 @@ static int exit_code_of(int status)
 	return INIT_EXIT_FAILURE;
 }
 
-// The child: a new session whose controlling terminal is the slave; then ARGV.
-static _Noreturn void pty_child(const char *slave, const struct pty_args *a)
+// With --signals, the session leader stays as a helper that holds the terminal: it reads
+// one byte per signal from `rd` ('i' INT, 'q' QUIT, 'z' TSTP) and sends it to the
+// terminal's foreground group, which only a process of the session can ask for
+// (tcgetpgrp). When `rd` ends (the host hung up) the shell gets SIGHUP. Exits with the
+// shell's exit code.
+static _Noreturn void signal_helper(int s, int rd, pid_t shell)
+{
+	signal(SIGHUP, SIG_IGN); // hang_up's SIGHUP to our group: the shell gets it from us
+	bool open = true;
+	for (;;) {
+		int status;
+		if (waitpid(shell, &status, WNOHANG) == shell)
+			_exit(exit_code_of(status));
+		struct pollfd p = { .fd = open ? rd : -1, .events = POLLIN };
+		if (poll(&p, 1, INIT_POLL_MS) <= 0)
+			continue;
+		char c;
+		if (read(rd, &c, 1) != 1) {
+			open = false;
+			pid_t g = tcgetpgrp(s);
+			if (g > 1)
+				kill(-g, SIGHUP);
+			kill(-shell, SIGHUP);
+			kill(shell, SIGHUP);
+			continue;
+		}
+		int sig = c == 'i' ? SIGINT : c == 'q' ? SIGQUIT : c == 'z' ? SIGTSTP : 0;
+		pid_t g = tcgetpgrp(s);
+		if (sig && g > 1)
+			kill(-g, sig);
+	}
+}
+
+// The child: a new session whose controlling terminal is the slave; then ARGV (with
+// --signals, in a grandchild, this process staying as signal_helper).
+static _Noreturn void pty_child(const char *slave, const struct pty_args *a, int rd)
 {
 	sigset_t none;
 	sigemptyset(&none);
@@ -111,6 +150,14 @@ static _Noreturn void pty_child(const char *slave, const struct pty_args *a)
 	if (ctty)
 		diag("pty: the terminal is not the shell's controlling terminal (%s): Ctrl-C cannot reach it",
 		     strerror(ctty));
+	if (rd >= 0) {
+		pid_t shell = fork();
+		if (shell < 0)
+			_exit(INIT_EXIT_FAILURE);
+		if (shell > 0)
+			signal_helper(s, rd, shell);
+		close(rd);
+	}
 	if (s > 2)
 		close(s);
 	if (a->cwd && chdir(a->cwd) < 0)
@@ -119,6 +166,30 @@ static _Noreturn void pty_child(const char *slave, const struct pty_args *a)
 	int e = errno;
 	diag("pty: cannot execute '%s': %s", a->argv[0], strerror(e));
 	_exit(e == ENOENT || e == ENOTDIR ? INIT_EXIT_NOTFOUND : INIT_EXIT_NOEXEC);
+}
+
+// --signals: copies data to out without the terminal's INTR, QUIT and SUSP characters
+// (while ISIG is on), writing for each the helper's byte to `wr` instead. Returns the bytes
+// left in out.
+static size_t take_signals(int m, int wr, const uint8_t *data, size_t len, uint8_t *out)
+{
+	struct termios t;
+	cc_t intr = 3, quit = 28, susp = 26;
+	bool isig = true;
+	if (tcgetattr(m, &t) == 0) {
+		isig = (t.c_lflag & ISIG) != 0;
+		intr = t.c_cc[VINTR], quit = t.c_cc[VQUIT], susp = t.c_cc[VSUSP];
+	}
+	size_t n = 0;
+	for (size_t i = 0; i < len; i++) {
+		uint8_t c = data[i];
+		char sig = !isig ? 0 : c == intr ? 'i' : c == quit ? 'q' : c == susp ? 'z' : 0;
+		if (sig && c != _POSIX_VDISABLE)
+			(void)!write(wr, &sig, 1);
+		else
+			out[n++] = c;
+	}
+	return n;
 }
 
 static int send_frame(int sock, uint8_t type, const void *buf, size_t len)
@@ -218,13 +289,20 @@ int init_pty(int argc, char **argv)
 		diag("pty: signalfd: %s", strerror(errno));
 		return INIT_EXIT_FAILURE;
 	}
+	int sigp[2] = { -1, -1 };
+	if (a.signals && pipe2(sigp, O_CLOEXEC) < 0) {
+		diag("pty: pipe: %s", strerror(errno));
+		return INIT_EXIT_FAILURE;
+	}
 	pid_t pid = fork();
 	if (pid < 0) {
 		diag("pty: fork: %s", strerror(errno));
 		return INIT_EXIT_FAILURE;
 	}
 	if (pid == 0)
-		pty_child(slave, &a);
+		pty_child(slave, &a, a.signals ? sigp[0] : -1);
+	if (a.signals)
+		close(sigp[0]);
 	(void)fcntl(m, F_SETFL, fcntl(m, F_GETFL) | O_NONBLOCK);
 
 	// bytes from the host on their way to the PTY (held while the PTY's input is full)
@@ -246,8 +324,8 @@ int init_pty(int argc, char **argv)
 				break;
 			}
 			if (f.type == FRAME_DATA) {
-				memcpy(topty, f.data, f.len);
-				toptylen = f.len;
+				toptylen = a.signals ? take_signals(m, sigp[1], f.data, f.len, topty)
+						     : (memcpy(topty, f.data, f.len), f.len);
 				toptyoff = 0;
 			} else {
 				struct winsize w = { .ws_row = (unsigned short)f.rows,
@@ -320,5 +398,7 @@ int init_pty(int argc, char **argv)
 	}
 	close(sock);
 	close(m);
+	if (a.signals)
+		close(sigp[1]); // the helper hangs the shell up
 	return hang_up(pid, sfd);
 }

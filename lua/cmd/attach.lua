@@ -84,7 +84,8 @@ local function container_of(eng, run_id)
     fail(("ID: sandbox %s is not one of this configuration's (its run folder is not under state_dir %s)"):format(
       run_id, config.get("state_dir")), "EPERM")
   end
-  return { container = c.id, run_id = run_id, run_dir = run_dir, state = c.state, kind = l[LABEL .. "kind"] }
+  return { container = c.id, run_id = run_id, run_dir = run_dir, state = c.state, kind = l[LABEL .. "kind"],
+    isolation = l[LABEL .. "isolation"] }
 end
 
 -- What ID names: {container, run_id, run_dir, ...} of a running sandbox, or a failure that
@@ -141,6 +142,8 @@ local function attach(id, cwd)
   async.spawn("attach exec", function()
     local argv = { spec.INIT, "pty", "--connect", "/.demesne/run/" .. name }
     if cwd then argv[#argv + 1] = "--cwd=" .. cwd end
+    -- gVisor's PTY (as of runsc 2022) does not turn ^C, ^\ and ^Z into signals: demesne-init does
+    if t.isolation == "gvisor" then argv[#argv + 1] = "--signals" end
     argv[#argv + 1] = "--"
     for _, a in ipairs(SHELL) do argv[#argv + 1] = a end
     exec_done.set(eng:exec(t.container, argv, { env = env }))
