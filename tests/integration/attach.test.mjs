@@ -6,7 +6,9 @@
 //  - the shell's exit closes the terminal with its status; a sandbox destroyed while
 //    attached closes it with a status and says so;
 //  - a gone sandbox, an id that names nothing and a stdin that is no terminal are refused;
-//  - under gVisor (Podman: DEMESNE_GVISOR_ENGINE) the same shell works.
+//  - under gVisor (Podman: DEMESNE_GVISOR_ENGINE) the same shell works;
+//  - `--follow` of a background agent run (the agent image, the scripted vendor of
+//    scripted-vendor.mjs) prints its transcript as lines, escape sequences neutralised.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { spawn, spawnSync } from "node:child_process";
@@ -15,6 +17,7 @@ import { tmpdir } from "node:os";
 import path from "node:path";
 import { createInterface } from "node:readline";
 import { BIN, connect, ROOT, serverEnv } from "./helpers.mjs";
+import { startVendor } from "./scripted-vendor.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const PODMAN = ENGINE.includes("podman");
@@ -23,6 +26,8 @@ const gvisorSkip = !existsSync("/usr/bin/runsc") ? "runsc is not installed (test
   : PODMAN && !GVISOR_ENGINE ? "Podman offers gVisor only with DEMESNE_GVISOR_ENGINE (tests/run sets it)" : false;
 const DRIVE = path.join(ROOT, "tests/fixtures/attach/pty-drive.py");
 const work = mkdtempSync(path.join(tmpdir(), "demesne-attach-"));
+const SECRET = "sk-test-attach-0123456789";
+let vendor;
 const env = {
   DEMESNE_ENGINE: ENGINE, DEMESNE_OUTPUT_ROOT: path.join(work, "out"), DEMESNE_STATE_DIR: path.join(work, "state"),
   XDG_CONFIG_HOME: path.join(work, "xdg"),
@@ -30,8 +35,16 @@ const env = {
 };
 
 let conn;
-before(async () => { conn = await connect({ env, fixtures: false }); });
-after(async () => { await conn?.client.close(); });
+before(async () => {
+  vendor = await startVendor({ secret: SECRET });
+  Object.assign(env, {
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${vendor.port}`,
+    CLAUDE_CODE_OAUTH_TOKEN: "", ANTHROPIC_AUTH_TOKEN: "", DEMESNE_CODEX_ENABLED: "false",
+    DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false",
+  });
+  conn = await connect({ env, fixtures: false });
+});
+after(async () => { await conn?.client.close(); await vendor?.close(); });
 
 async function call(name, args) {
   const r = await conn.client.callTool({ name, arguments: args }, undefined, { timeout: 300_000 });
@@ -143,4 +156,25 @@ test("attach: a shell in a gVisor sandbox", { skip: gvisorSkip, timeout: 300_000
   } finally {
     await call("sandbox_destroy", { sandbox_id: sb.sandbox_id });
   }
+});
+
+test("attach --follow: a background agent's transcript as lines, escape sequences neutralised", { timeout: 300_000 }, async () => {
+  // the agent's tool output and its answer carry escape sequences: a colour, a window
+  // title, a screen clear, a clipboard write (OSC 52)
+  vendor.plan("follow", [
+    { shell: "printf 'shell-\\033[31mRED\\033]0;title\\007-end\\n'" },
+    { final: "follow-answer \x1b[2J \x1b]52;c;aGk=\x07 ok" },
+  ]);
+  const started = await call("sandbox_agent", { prompt: "PLAN:follow go", timeout_seconds: 180, background: true });
+  const p = spawn(BIN, ["attach", "--follow", started.job_id], { env: serverEnv(env) });
+  let out = "", err = "";
+  p.stdout.on("data", (d) => { out += d; });
+  p.stderr.on("data", (d) => { err += d; });
+  const code = await new Promise((resolve) => p.on("close", resolve));
+  assert.equal(code, 0, err);
+  assert.match(out, /assistant: follow-answer \^\[\[2J \^\[\]52;c;aGk=\^G ok/, out);
+  assert.match(out, /tool result: .*shell-\^\[\[31mRED\^\[\]0;title\^G-end/, out);
+  assert.match(out, /^\[result\] follow-answer/m, out);
+  assert.doesNotMatch(out, /[\x00-\x08\x0b-\x1f\x7f]/, "no control character reaches the terminal");
+  assert.match(err, new RegExp(`${started.job_id} succeeded, exit code 0`));
 });
