@@ -1,4 +1,5 @@
 -- The command line: demesne [serve] | tools | check-config | doctor | images | policy | skills | reap | branches |
+-- attach |
 -- test | --help |
 -- --version
 local loop = require("core.loop")
@@ -35,6 +36,9 @@ Commands:
   branches [REPO] [--delete NAME]... [--prune] [--json]
                       list the branches demesne made in a repository (run, status, cost,
                       diffstat); --delete removes one, --prune those merged into HEAD
+  attach ID           an interactive shell in a running sandbox (ID: sandbox_id, run_id or
+                      job_id); Ctrl-] detaches, the sandbox keeps running
+  attach --follow ID  show a background run's transcript or stdout as it grows
   test DIR...         run the Lua tests in DIR inside this binary
   --help              show this help
   --version           print the version

@@ -15,6 +15,7 @@ static const char usage_text[] =
 	"       demesne-init kill --dir DIR [--signal TERM|KILL|INT|QUIT|HUP|USR1|USR2]\n"
 	"                         [--grace SECONDS]\n"
 	"       demesne-init connect 127.0.0.1:PORT\n"
+	"       demesne-init pty --connect PATH [--cwd DIR] [--signals] -- ARGV...\n"
 	"       demesne-init --version | --help\n"
 	"\n"
 	"serve  PID 1 of a persistent sandbox: reaps zombies; on SIGTERM/SIGINT signals every\n"
@@ -35,6 +36,8 @@ static const char usage_text[] =
 	"       after that many seconds. Exits 0 when the group is gone, 1 when it remains.\n"
 	"connect pipes stdin to a TCP connection to 127.0.0.1:PORT and the connection to\n"
 	"       stdout, until the port's side ends (port previews, through the engine's exec).\n"
+	"pty    runs ARGV on a new pseudo-terminal and carries it over the unix socket PATH in\n"
+	"       frames (demesne attach); the host hanging up sends SIGHUP to its session.\n"
 	"\n"
 	"exit codes: 2 usage, 125 demesne-init failed, 126 cannot execute, 127 not found.\n";
 
@@ -61,6 +64,8 @@ int main(int argc, char **argv)
 		return init_kill(argc - 1, argv + 1);
 	if (strcmp(cmd, "connect") == 0)
 		return init_connect(argc - 1, argv + 1);
+	if (strcmp(cmd, "pty") == 0)
+		return init_pty(argc - 1, argv + 1);
 	if (strcmp(cmd, "--version") == 0 || strcmp(cmd, "-V") == 0) {
 		static const char v[] = "demesne-init " DEMESNE_VERSION "\n";
 		return write_all(1, v, sizeof v - 1) == 0 ? INIT_EXIT_OK : INIT_EXIT_FAILURE;

@@ -59,6 +59,11 @@ int init_kill(int argc, char **argv);
 /// the connection to stdout (connect.c), for port previews. argv[0] is "connect". Returns 0
 /// when the connection ended, 2 on usage errors, 125 when nothing accepts on the port.
 int init_connect(int argc, char **argv);
+/// `demesne-init pty --connect PATH [--cwd DIR] -- ARGV...`: runs ARGV on a new PTY and
+/// carries it over the unix socket at PATH in frames (frame.h; pty.c). argv[0] is "pty".
+/// Returns the shell's exit code (128+N for signal N), 2 on usage errors, 125 when the
+/// socket or the PTY cannot be had.
+int init_pty(int argc, char **argv);
 
 // The control socket (control.c). Reference: docs/reference/demesne-init.md.
 #define CONTROL_MAGIC "DMI1"

@@ -475,6 +475,21 @@ out=$(printf 'hello' | "$BIN" connect "127.0.0.1:$CPORT")
 rc=$?
 wait "$SRVP"
 check "connect: stdin to the port, its end as a half-close, the answer to stdout, exit 0" eq "$rc/$out" "0/got hello"
+# --- pty: the shell of demesne attach ------------------------------------------------------
+PTYHOST="$(dirname "$0")/pty-host.py"
+r=$(python3 "$PTYHOST" "$BIN" "$T/pty.sock" session 2>&1)
+check "pty: the window size frame reaches the PTY (stty size)" sh -c 'echo "$1" | grep -q "33 101"' _ "$r"
+check "pty: typed data reaches the shell, its output comes back" sh -c 'echo "$1" | grep -q "got-x42"' _ "$r"
+check "pty: the shell's exit code is the exit frame and demesne-init's" sh -c 'echo "$1" | grep -q "^rc=3 status=3 "' _ "$r"
+rm -f "$T/pty.sock"
+r=$(python3 "$PTYHOST" "$BIN" "$T/pty.sock" malformed 2>&1)
+check "pty: a malformed frame hangs the shell up (SIGHUP: 129), no exit frame" sh -c 'echo "$1" | grep -q "^rc=129 status=None "' _ "$r"
+rm -f "$T/pty.sock"
+r=$(python3 "$PTYHOST" "$BIN" "$T/pty.sock" hangup 2>&1)
+check "pty: the host hanging up ends the shell (SIGHUP: 129)" sh -c 'echo "$1" | grep -q "^rc=129 "' _ "$r"
+rm -f "$T/pty.sock"
+"$BIN" pty -- sh >/dev/null 2>&1
+check "pty: no --connect is a usage error (2)" eq $? 2
 
 # --- inside a real container -------------------------------------------------------------
 ENGINE=${DEMESNE_INIT_TEST_ENGINE:-}
