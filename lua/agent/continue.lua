@@ -108,7 +108,10 @@ function continue.resolve(caller, args)
   for _, f in ipairs(continue.INHERITED) do
     local want = first[f]
     if want == json.null then want = nil end
-    if args[f] ~= nil and not same(args[f], want) then
+    -- false is the schema's default of a flag (inside a tree `repository` is one): as absent
+    local given = args[f]
+    if given == false and (want == nil or want == false) then given = nil end
+    if given ~= nil and not same(given, want) then
       fail(("%s: a continue runs with the %s of run %s (%s); leave it out"):format(f, f, id,
         want == nil and "none" or json.encode(want)))
     end
