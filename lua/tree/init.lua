@@ -1026,6 +1026,10 @@ function tree.result(o, r)
   local n = o.tree and tree.get(o.tree)
   if not n then return end
   if n.cancel_reason then r.reason = n.cancel_reason end
+  -- a run whose own request was refused for the spent budget may end before the tree's stop
+  -- has marked it (the CLI exits on the 400 at once): the reason is the budget all the same
+  local root = not r.reason and r.exit_code ~= 0 and tree.get(n.root)
+  if root and root.budget_spent then r.reason = tree.budget_reason(root.budget_usd) end
   tree.finish(n.run_id, r)
   r.children = tree.children(n.run_id)
   if n.previews and #n.previews > 0 then r.previews = n.previews end -- sandbox_expose from inside
