@@ -180,3 +180,30 @@ test("attach --follow: a background agent's transcript as lines, escape sequence
   assert.doesNotMatch(out, /[\x00-\x08\x0b-\x1f\x7f]/, "no control character reaches the terminal");
   assert.match(err, new RegExp(`${started.job_id} succeeded, exit code 0`));
 });
+
+// issue 27: a shell in the sandbox a background run works in (an agent's is the same kind of
+// one-shot sandbox), named by its job id; leaving it does not end the run
+test("attach: a shell in a running background job's sandbox, by its job id; the job goes on", { timeout: 300_000 }, async () => {
+  const j = await call("sandbox_script", { image: "base", egress: "none", background: true,
+    command: "echo working > /out/progress.txt; sleep 40; echo done" });
+  try {
+    let t;
+    for (let i = 0; i < 40; i++) {
+      const s = await call("sandbox_status", { job_id: j.job_id });
+      if (s.status === "running") break;
+      await new Promise((r) => setTimeout(r, 250));
+    }
+    t = attach(j.job_id);
+    await t.expect("attached to");
+    await t.send("cat /out/progress.txt; echo seen-$((5*5))\r");
+    const out = await t.expect("seen-25");
+    assert.match(out, /working/, "the shell is in the job's own sandbox");
+    await t.send("\x1d");
+    const end = await t.wait();
+    assert.equal(end.exit, 0, end.out);
+    const s = await call("sandbox_status", { job_id: j.job_id });
+    assert.equal(s.status, "running", "detaching left the job running");
+  } finally {
+    await call("sandbox_cancel", { job_id: j.job_id });
+  }
+});
