@@ -69,6 +69,8 @@ function attach(...args) {
       assert.ok(r.ok, `expected /${rx}/ on the terminal; it showed: ${JSON.stringify(r.out)} (driver: ${stderr})`);
       return r.out;
     },
+    // whether /rx/ shows within `seconds` (no failure: for what may take a moment to apply)
+    async shows(rx, seconds) { return (await request({ expect: rx, timeout: seconds })).ok; },
     async wait() {
       const r = await request({ wait: 60 });
       child.stdin.end();
@@ -84,8 +86,14 @@ async function shellSession(sb) {
   await t.send("echo out-$((6*7))\r");
   await t.expect("out-42");
   await t.resize(33, 101);
-  await t.send("stty size\r");
-  await t.expect("33 101");
+  // the new size travels as a frame of its own once the CLI sees SIGWINCH: a command typed at
+  // once may still see the old one, so ask again until it shows (a few tries, each 3 s)
+  let resized = false;
+  for (let i = 0; i < 5 && !resized; i++) {
+    await t.send(`stty size; echo size-${i}-$((1+${i}))\r`);
+    resized = await t.shows(`33 101\\r?\\nsize-${i}-${i + 1}`, 3);
+  }
+  assert.ok(resized, "the resize reached the shell (stty size says 33 101)");
   // Ctrl-C goes through the PTY to the foreground job, not to the shell
   // the marker comes from the job itself (which then becomes the sleep), so the Ctrl-C
   // cannot reach the shell before the job is in the foreground
