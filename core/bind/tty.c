@@ -10,13 +10,12 @@
 
 #include <errno.h>
 #include <poll.h>
-#include <pthread.h>
+#include <fcntl.h>
 #include <signal.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/ioctl.h>
-#include <sys/signalfd.h>
 #include <termios.h>
 #include <unistd.h>
 
@@ -35,6 +34,16 @@ static int l_size(lua_State *L) {
   lua_pushinteger(L, ws.ws_row);
   lua_pushinteger(L, ws.ws_col);
   return 2;
+}
+
+/* The self-pipe of attach()'s signal handler: the signal's number, one byte each. */
+static int sig_pipe[2] = {-1, -1};
+
+static void on_signal(int signo) {
+  int saved = errno;
+  uint8_t b = (uint8_t)signo;
+  if (sig_pipe[1] >= 0) (void)!write(sig_pipe[1], &b, 1);
+  errno = saved;
 }
 
 static int write_fd(int fd, const uint8_t *p, size_t n) {
@@ -103,6 +112,11 @@ static int enqueue_size(queue *q, int fd) {
 static int l_attach(lua_State *L) {
   int sock = dup((int)luaL_checkinteger(L, 1));
   if (sock < 0) return dm_fail(L, strerror(errno), "EIO");
+  if (pipe2(sig_pipe, O_CLOEXEC | O_NONBLOCK) < 0) {
+    int e = errno;
+    close(sock);
+    return dm_fail(L, strerror(e), "EIO");
+  }
   int detach = 0x1d, raw = 1;
   if (lua_istable(L, 2)) {
     lua_getfield(L, 2, "detach");
@@ -120,16 +134,21 @@ static int l_attach(lua_State *L) {
     cfmakeraw(&t);
     if (tcsetattr(0, TCSANOW, &t) == 0) restored = 0;
   }
-  sigset_t set, old;
-  sigemptyset(&set);
-  sigaddset(&set, SIGWINCH);
-  sigaddset(&set, SIGTERM);
-  sigaddset(&set, SIGHUP);
-  sigaddset(&set, SIGQUIT);
-  sigaddset(&set, SIGINT);
-  sigaddset(&set, SIGPIPE);
-  pthread_sigmask(SIG_BLOCK, &set, &old);
-  int sfd = signalfd(-1, &set, SFD_CLOEXEC | SFD_NONBLOCK);
+  /* The signals come through a self-pipe written by a handler, not a signalfd: a signalfd
+   * only sees signals blocked in every thread, and the loop's thread pool (libuv's workers,
+   * started by earlier file work) does not block them, so the kernel could hand SIGWINCH to a
+   * worker, whose default action drops it (a resize lost), or SIGTERM to one (the process
+   * killed with the terminal left raw). A handler runs in whichever thread gets it. */
+  static const int sigs[] = {SIGWINCH, SIGTERM, SIGHUP, SIGQUIT, SIGINT};
+  struct sigaction saved_act[sizeof sigs / sizeof sigs[0]];
+  for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) {
+    struct sigaction sa = {0};
+    sa.sa_handler = on_signal;
+    sa.sa_flags = SA_RESTART;
+    sigemptyset(&sa.sa_mask);
+    sigaction(sigs[i], &sa, &saved_act[i]);
+  }
+  int sfd = sig_pipe[0];
 
   queue out = {0};
   static uint8_t in[2 * (FRAME_HEAD + FRAME_MAX)];
@@ -150,10 +169,13 @@ static int l_attach(lua_State *L) {
       break;
     }
     if (p[2].revents & POLLIN) {
-      struct signalfd_siginfo si;
-      while (read(sfd, &si, sizeof si) == (ssize_t)sizeof si) {
-        if (si.ssi_signo == SIGWINCH) enqueue_size(&out, 0);
-        else if (si.ssi_signo != SIGPIPE && si.ssi_signo != SIGINT) how = "signal", value = si.ssi_signo;
+      uint8_t signos[64];
+      ssize_t n;
+      while ((n = read(sfd, signos, sizeof signos)) > 0) {
+        for (ssize_t i = 0; i < n; i++) {
+          if (signos[i] == SIGWINCH) enqueue_size(&out, 0);
+          else if (signos[i] != SIGINT) how = "signal", value = signos[i];
+        }
       }
       if (how) break;
     }
@@ -211,9 +233,10 @@ static int l_attach(lua_State *L) {
   }
   free(out.buf);
   close(sock);
-  if (sfd >= 0) close(sfd);
+  for (size_t i = 0; i < sizeof sigs / sizeof sigs[0]; i++) sigaction(sigs[i], &saved_act[i], NULL);
+  if (sig_pipe[0] >= 0) close(sig_pipe[0]), close(sig_pipe[1]);
+  sig_pipe[0] = sig_pipe[1] = -1;
   if (!restored) tcsetattr(0, TCSANOW, &saved);
-  pthread_sigmask(SIG_SETMASK, &old, NULL);
   lua_pushstring(L, how);
   if (strcmp(how, "exit") == 0 || strcmp(how, "signal") == 0) lua_pushinteger(L, value);
   else if (strcmp(how, "error") == 0) lua_pushstring(L, msg);

@@ -64,13 +64,12 @@ function attach(...args) {
   return {
     send: (text) => request({ send: text }),
     resize: (rows, cols) => request({ resize: [rows, cols] }),
+    signal: (n) => request({ signal: n }),
     async expect(rx) {
       const r = await request({ expect: rx, timeout: 60 });
       assert.ok(r.ok, `expected /${rx}/ on the terminal; it showed: ${JSON.stringify(r.out)} (driver: ${stderr})`);
       return r.out;
     },
-    // whether /rx/ shows within `seconds` (no failure: for what may take a moment to apply)
-    async shows(rx, seconds) { return (await request({ expect: rx, timeout: seconds })).ok; },
     async wait() {
       const r = await request({ wait: 60 });
       child.stdin.end();
@@ -87,13 +86,18 @@ async function shellSession(sb) {
   await t.expect("out-42");
   await t.resize(33, 101);
   // the new size travels as a frame of its own once the CLI sees SIGWINCH: a command typed at
-  // once may still see the old one, so ask again until it shows (a few tries, each 3 s)
-  let resized = false;
+  // once may still see the old one, so ask again until it shows (a few tries, each waiting
+  // for the shell's answer however slow a loaded machine makes it, then a short pause)
+  let resized = false, sizes = [];
   for (let i = 0; i < 5 && !resized; i++) {
+    if (i > 0) await new Promise((r) => setTimeout(r, 500));
     await t.send(`stty size; echo size-${i}-$((1+${i}))\r`);
-    resized = await t.shows(`33 101\\r?\\nsize-${i}-${i + 1}`, 3);
+    const out = await t.expect(`size-${i}-${i + 1}`);
+    const m = out.match(/(\d+ \d+)\r?\nsize-\d+-\d+$/);
+    sizes.push(m ? m[1] : out);
+    resized = m?.[1] === "33 101";
   }
-  assert.ok(resized, "the resize reached the shell (stty size says 33 101)");
+  assert.ok(resized, `the resize reached the shell (stty size said ${JSON.stringify(sizes)})`);
   // Ctrl-C goes through the PTY to the foreground job, not to the shell
   // the marker comes from the job itself (which then becomes the sleep), so the Ctrl-C
   // cannot reach the shell before the job is in the foreground
@@ -123,6 +127,15 @@ test("attach: a shell at egress none: a command, a resize, Ctrl-C, detach; the s
     const end = await t.wait();
     assert.equal(end.exit, 7, end.out);
     assert.match(end.out, /exited with 7/);
+    // SIGTERM to the CLI detaches with a message (whichever of its threads the kernel hands it to)
+    const k = attach(sb.sandbox_id);
+    await k.expect("attached to");
+    await k.send("echo term-$((4*4))\r");
+    await k.expect("term-16");
+    await k.signal(15);
+    const killed = await k.wait();
+    assert.equal(killed.exit, 128 + 15, killed.out);
+    assert.match(killed.out, /detached from .* by signal 15; it keeps running/);
   } finally {
     await call("sandbox_destroy", { sandbox_id: sb.sandbox_id });
   }
