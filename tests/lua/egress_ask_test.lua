@@ -209,6 +209,15 @@ function T.held_connections_are_answered_and_logged(t)
   local a = exchange(sock, head)
   local pend = until_pending(1)
   t:eq(#pend, 1, "one question")
+  -- while it is held, the same sandbox and another one go on: nothing waits for the answer
+  local other <close> = tmpdir()
+  local h2 = assert(egress.start({ run_id = "rb", run_dir = other.path .. "/run", output_dir = other.path .. "/out",
+    policy = p }))
+  local direct = ("CONNECT 127.0.0.1:%d HTTP/1.1\r\n\r\n"):format(port)
+  t:match(result(exchange(sock, direct)), "pong$", "the same sandbox's allowed connection goes through")
+  t:match(result(exchange(other.path .. "/run/egress.sock", direct)), "pong$", "another sandbox's too")
+  h2:stop()
+  t:eq(#ask.pending(), 1, "still held")
   t:eq({ pend[1].run_id, pend[1].sandbox_id, pend[1].root_id, pend[1].host, pend[1].port, pend[1].has_inputs,
     pend[1].connections, pend[1].rule }, { "ra", "ra", "ra", "localhost", port, false, 1, "asks#1 local" }, "the question")
   t:match(pend[1].since, "^%d%d%d%d%-%d%d%-%d%dT", "since")
@@ -241,7 +250,9 @@ function T.held_connections_are_answered_and_logged(t)
   unsubscribe()
 
   local lines = lines_of(dir.path)
-  t:eq(#lines, 4, "one line per connection")
+  t:eq(#lines, 5, "one line per connection")
+  t:eq({ lines[1].verdict, lines[1].rule, lines[1].decision }, { "allow", "asks#2", nil }, "the direct one, first to end")
+  table.remove(lines, 1)
   local got = {}
   for _, l in ipairs(lines) do got[#got + 1] = { l.verdict, l.decision, l.decided_by, l.granted or false } end
   t:eq(got, { { "allow", "once", "cockpit", false }, { "deny", "deny", "cockpit", false },
