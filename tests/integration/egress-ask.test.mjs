@@ -10,7 +10,9 @@ import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, existsSync, rmSync
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { ElicitRequestSchema } from "@modelcontextprotocol/sdk/types.js";
-import { connect, ROOT } from "./helpers.mjs";
+import { Client } from "@modelcontextprotocol/sdk/client/index.js";
+import { StreamableHTTPClientTransport } from "@modelcontextprotocol/sdk/client/streamableHttp.js";
+import { connect, startHttp, ROOT } from "./helpers.mjs";
 import { dnsServer, selfSigned, testHost } from "./egress-fixtures.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
@@ -192,4 +194,51 @@ test("a child sandbox's question goes to the root's host client, naming the chil
   const log = egressLog({ output_dir: path.join(r.output_dir, "child", "fetch") });
   assert.deepEqual(log.map((l) => [l.host, l.verdict, l.decision, l.decided_by, l.sandbox]),
     [["asked.test", "allow", "run", "elicitation", childId]], JSON.stringify(log));
+});
+
+test("a persistent sandbox is asked about during a later exec, after the call that made it has ended", async () => {
+  asked.length = 0;
+  answer = () => ({ action: "accept", content: { decision: "run" } });
+  const call = async (name, args) => {
+    const res = await conn.client.callTool({ name, arguments: args }, undefined, LONG);
+    assert.ok(!res.isError, `${name} failed: ${res.content?.[0]?.text}`);
+    return res.structuredContent;
+  };
+  const sb = await call("sandbox_create", { image: "base", egress: "asktest" });
+  try {
+    const r1 = await call("sandbox_exec", { sandbox_id: sb.sandbox_id, command: `${CURL} ${url("asked.test", "/exec1")}` });
+    assert.match(r1.stdout, /GET \/exec1/);
+    const r2 = await call("sandbox_exec", { sandbox_id: sb.sandbox_id, command: `${CURL} ${url("asked.test", "/exec2")}` });
+    assert.match(r2.stdout, /GET \/exec2/);
+    assert.equal(asked.length, 1, "asked once: the answer holds for the sandbox's run");
+    assert.ok(asked[0].message.includes(`run ${sb.sandbox_id}`), asked[0].message);
+  } finally {
+    await call("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+  const log = readFileSync(path.join(sb.output_dir, "egress.jsonl"), "utf8").trim().split("\n").map((l) => JSON.parse(l));
+  assert.deepEqual(log.map((l) => [l.verdict, l.decision, l.decided_by, l.granted ?? false]),
+    [["allow", "run", "elicitation", false], ["allow", "run", "elicitation", true]]);
+});
+
+test("over Streamable HTTP (2025-11-25): the question reaches the client on its call's stream", async () => {
+  const s = await startHttp({ fixtures: false, env: serverEnv() });
+  const client = new Client({ name: "demesne-ask-http", version: "1.0.0" }, { capabilities: { elicitation: {} } });
+  const got = [];
+  client.setRequestHandler(ElicitRequestSchema, async (req) => {
+    got.push(req.params);
+    return { action: "accept", content: { decision: "once" } };
+  });
+  try {
+    await client.connect(new StreamableHTTPClientTransport(new URL(s.url),
+      { requestInit: { headers: { Authorization: `Bearer ${s.token}` } } }));
+    const r = await script(`${CURL} ${url("asked.test", "/http")}`, {}, { client });
+    assert.equal(r.exit_code, 0, r.stderr);
+    assert.match(r.stdout, /GET \/http host=asked\.test/);
+    assert.equal(got.length, 1);
+    assert.ok(got[0].message.includes(`run ${r.run_id}`), got[0].message);
+    assert.deepEqual(egressLog(r).map((l) => [l.verdict, l.decision, l.decided_by]), [["allow", "once", "elicitation"]]);
+  } finally {
+    await client.close();
+    await s.stop();
+  }
 });
