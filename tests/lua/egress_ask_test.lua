@@ -245,6 +245,16 @@ function T.held_connections_are_answered_and_logged(t)
   t:match(result(c), "pong$", "through")
   t:match(result(exchange(sock, head)), "pong$", "the next one goes through without a question")
   t:eq(#ask.pending(), 0, "nothing asked")
+  -- the answer covers the run's subtree: a child (lineage child, ra) goes through too, a
+  -- sibling tree does not
+  local kid <close> = tmpdir()
+  local hk = assert(egress.start({ run_id = "rc", run_dir = kid.path .. "/run", output_dir = kid.path .. "/out", policy = p,
+    ask = { root = "ra", lineage = { "rc", "ra" }, has_inputs = true } }))
+  t:match(result(exchange(kid.path .. "/run/egress.sock", head)), "pong$", "a child of the run: no question")
+  hk:stop()
+  t:eq(ask.granted({ "rz" }, "localhost", port), nil, "another run has no grant")
+  t:ok(ask.granted({ "rc", "ra" }, "localhost", port), "the subtree has")
+  t:eq(ask.granted({ "ra" }, "localhost", port + 1), nil, "for that port only")
   h:stop()
   upstream:close()
   unsubscribe()
