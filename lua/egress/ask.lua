@@ -22,7 +22,8 @@
 --     the loop: it must not wait; an error in it is logged and changes nothing.
 --
 -- Who is asked: the host MCP client of the sandbox's tree root (the session whose tool call
--- made the root, bound with ask.bind by the plan hook in lua/tree), through MCP elicitation
+-- made the root: the plan hook in lua/tree puts it on the plan, egress.start registers it),
+-- through MCP elicitation
 -- (elicitation/create, form mode) when that client declared the elicitation capability on a
 -- 2025-06-18 / 2025-11-25 session (2026-07-28 has no requests from server to client outside a
 -- call's own result, so its clients are not asked); and whoever watches ask.pending (the
@@ -140,9 +141,14 @@ end
 ---@param client table|nil
 function ask.bind(root_id, client) clients[root_id] = client end
 
---- Registers a live run (egress.start): its grants live until ask.forget(run_id).
+--- Registers a live run (egress.start): its grants, and for a root its host client (as
+--- ask.bind takes it, or nil), live until ask.forget(run_id).
 ---@param run_id string
-function ask.register(run_id) grants[run_id] = grants[run_id] or {} end
+---@param client table|nil
+function ask.register(run_id, client)
+  grants[run_id] = grants[run_id] or {}
+  if client ~= nil then clients[run_id] = client end
+end
 
 --- Forgets a run that has ended: its grants and, for a root, its client binding. Questions
 --- still pending for it end with its connections (ask.release).

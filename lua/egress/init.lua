@@ -95,9 +95,9 @@ Handle.__index = Handle
 --- answered 503 naming it, and egress.jsonl gets a "ceiling" line (at most one a second,
 --- with the count of refusals since the last one).
 --- A request the policy asks about (ASK) is held while a person decides (lua/egress/ask.lua):
---- `o.ask` = {root, lineage = {run_id, parent, …, root}, has_inputs, tool} says whose tree
---- it is (set by the plan hook of lua/tree; without it the run is its own root and counts as
---- holding host inputs). A "run" answer of this run or one above it lets it through at once.
+--- `o.ask` = {root, lineage = {run_id, parent, …, root}, has_inputs, tool, client} says whose
+--- tree it is and, for a root, its host client (set by the plan hook of lua/tree; without it
+--- the run is its own root, counts as holding host inputs, and only the cockpit is asked). A "run" answer of this run or one above it lets it through at once.
 --- Returns a handle (closing it — or egress.stop — stops the listener and waits for its
 --- connections to end), or a handle that does nothing for open egress; nil, err on failure.
 ---@param o table  the sandbox's plan: run_id, run_dir, its policy (o.policy or o.egress), ask
@@ -150,7 +150,7 @@ function egress.start(o)
   run:chmod(egress.SOCKET_NAME, 438) -- 0666: whatever user the image runs as can connect
   h.listener = listener
   active[o.run_id] = h
-  ask.register(o.run_id)
+  ask.register(o.run_id, a.client)
   return h
 end
 

@@ -51,7 +51,6 @@ local async = require("demesne.async")
 local errors = require("demesne.errors")
 local config = require("demesne.config")
 local egress_policy = require("demesne.egress.policy")
-local egress_ask = require("demesne.egress.ask")
 local jobs = require("demesne.jobs")
 local json = require("demesne.json")
 local log = require("demesne.log")
@@ -1187,7 +1186,7 @@ end
 
 --- The ask hook (sandbox.hooks.plan, after tree.plan): whom the egress `ask` verdict of the
 --- sandbox asks (lua/egress/ask.lua). Sets o.ask = {root, lineage = {run, parent, …, root},
---- has_inputs, tool} for egress.start, and binds a root made by a host call to that call's
+--- has_inputs, tool, client} for egress.start: a root made by a host call gets that call's
 --- host client (ctx.client), which the questions of its whole tree go to. A sandbox holds
 --- host inputs when it mounts host files or directories, works on a host repository, or is
 --- a child (not research) of a run that does (it shares that run's /in and /workspace).
@@ -1211,8 +1210,8 @@ function tree.ask_plan(ctx, o)
   if n then m(n.run_id).has_inputs = has end
   o.ask = { root = lineage[#lineage], lineage = lineage, has_inputs = has, tool = o.tool }
   local spawn = type(ctx) == "table" and ctx.spawn or nil
-  if not spawn and type(ctx) == "table" and type(ctx.client) == "table" and o.egress and o.egress.asks then
-    egress_ask.bind(o.ask.root, ctx.client)
+  if not spawn and #lineage == 1 and type(ctx) == "table" and type(ctx.client) == "table" then
+    o.ask.client = ctx.client -- bound while the root's proxy lives (egress.start, ask.register)
   end
 end
 
