@@ -9,6 +9,6 @@ ignore = {
   "212/self", "212/ctx", "212/args", -- a method's self, a tool's run(ctx, args): the interface, used or not
 }
 -- policy files run with the rule actions and the host sources as globals (lua/egress/policy.lua)
-files["policies/"] = { read_globals = { "ALLOW", "DENY", "sources" } }
+files["policies/"] = { read_globals = { "ALLOW", "DENY", "ASK", "sources" } }
 -- the fuzz driver (tests/fuzz/driver/lua_target.c) sets the source folder as a global
 files["tests/fuzz/"] = { read_globals = { "FUZZ_SOURCE_DIR" } }

@@ -951,6 +951,11 @@ void dm_proxy_allow_via(dm_proxy_conn *c, const char *host, int port, const char
   c->gai_pending = 1;
 }
 
+void dm_proxy_hold(dm_proxy_conn *c, unsigned ms) {
+  if (!c || c->state != C_VERDICT) return;
+  uv_timer_start(&c->timer, on_timeout, ms, 0);
+}
+
 void dm_proxy_deny(dm_proxy_conn *c, const char *reason) {
   if (!c || c->state != C_VERDICT) return;
   c->denied = 1;

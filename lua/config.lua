@@ -62,6 +62,10 @@ local SPEC = {
     end,
     doc = "names (and their subdomains), IP addresses and host:port pairs that are dialled directly rather than "
       .. "through egress_https_proxy / egress_http_proxy, ','-separated; * = all; default: NO_PROXY (or no_proxy)" },
+  ask_timeout_seconds = { env = "DEMESNE_ASK_TIMEOUT_SECONDS", default = 120, number = true,
+    doc = "how long a connection the egress policy asks about (ASK) is held for an answer before it is denied" },
+  ask_max_held = { env = "DEMESNE_ASK_MAX_HELD", default = 16, number = true,
+    doc = "connections one sandbox may have held waiting for an ask answer at once; more are denied at once" },
   egress_resolver = { env = "DEMESNE_EGRESS_RESOLVER", default = "",
     doc = "test mode: ip:port of a DNS server the egress proxy asks instead of the system resolver" },
   init_path = { env = "DEMESNE_INIT", doc = "demesne-init binary mounted into sandboxes; default: beside the demesne binary" },

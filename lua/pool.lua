@@ -73,9 +73,11 @@ local function key_of(eng, image_ref, policy, lim, isolation)
 end
 
 -- Whether a planned sandbox_script run may take a warm sandbox: a one-shot of the plain
--- shape (no host inputs, no agent extras, no job labels).
+-- shape (no host inputs, no agent extras, no job labels), under a policy that never asks (a
+-- warm sandbox's proxy was started before anyone called: it would know no client to ask).
 local function eligible(o)
   return o.kind == "oneshot" and o.tool == "sandbox_script" and (o.control or o.isolation == "gvisor")
+    and not (o.egress and o.egress.asks)
     and #(o.mounts or {}) == 0
     and not o.argv and not o.extra_relay and not o.before_create and not o.labels and not o.tree
 end

@@ -327,6 +327,17 @@ static int l_conn_allow_via(lua_State *L) {
   return 1;
 }
 
+/// conn:hold(ms) -> boolean: keeps a connection waiting for its verdict `ms` more
+/// milliseconds (1 to 86400000) before the proxy denies it itself (see dm_proxy_hold).
+static int l_conn_hold(lua_State *L) {
+  dm_proxy_conn *c = check_conn(L);
+  lua_Integer ms = luaL_checkinteger(L, 2);
+  luaL_argcheck(L, ms >= 1 && ms <= 86400000, 2, "milliseconds from 1 to 86400000");
+  if (c) dm_proxy_hold(c, (unsigned)ms);
+  lua_pushboolean(L, c != NULL);
+  return 1;
+}
+
 /// conn:deny([reason]) -> boolean: the verdict "deny": a 403 carrying `reason`, then close.
 static int l_conn_deny(lua_State *L) {
   dm_proxy_conn *c = check_conn(L);
@@ -412,7 +423,7 @@ static int l_match_cidr(lua_State *L) {
 static const luaL_Reg listener_methods[] = {
   {"close", l_listener_close}, {"active", l_listener_active}, {"descriptors", l_listener_descriptors}, {NULL, NULL}};
 static const luaL_Reg conn_methods[] = {
-  {"allow", l_conn_allow}, {"allow_via", l_conn_allow_via}, {"deny", l_conn_deny}, {NULL, NULL}};
+  {"allow", l_conn_allow}, {"allow_via", l_conn_allow_via}, {"deny", l_conn_deny}, {"hold", l_conn_hold}, {NULL, NULL}};
 static const luaL_Reg funcs[] = {
   {"listen", l_listen},
   {"normalize_host", l_normalize_host},

@@ -3,7 +3,8 @@
 --   demesne policy test package-managers pypi.org          -> ALLOW package-managers#2 pypi
 --   demesne policy test none https://example.com            -> DENY none:default-deny
 -- HOST may be a URL (http:// defaults to port 80, https:// to 443); a bare host defaults to
--- 443. Exit status: 0 allow, 1 deny, 2 usage or unknown policy.
+-- 443. Exit status: 0 allow, 1 deny, 3 ask (the connection would be held while the person
+-- is asked), 2 usage or unknown policy.
 local policy = require("demesne.egress.policy")
 local proxy = require("core.proxy")
 
@@ -31,7 +32,8 @@ local function list()
   table.sort(names)
   for _, n in ipairs(names) do
     local p = all[n]
-    io.stdout:write(("%-20s %s%s (%s)\n"):format(n, p.description, p.unrestricted and " [open egress]" or "", p.origin))
+    local marks = (p.unrestricted and " [open egress]" or "") .. (p.asks and " [asks]" or "")
+    io.stdout:write(("%-20s %s%s (%s)\n"):format(n, p.description, marks, p.origin))
   end
   for _, e in ipairs(errors) do io.stderr:write("refused: ", e.message, "\n") end
   return #errors > 0 and 1 or 0
@@ -59,5 +61,5 @@ return function(args)
   local extra = ""
   if req.ip ~= 0 then extra = (" (address class: %s)"):format(proxy.classify(req.host)) end
   io.stdout:write(("%s %s:%d %s%s\n"):format(verdict, req.host, req.port, rule, extra))
-  return verdict == policy.ALLOW and 0 or 1
+  return verdict == policy.ALLOW and 0 or verdict == policy.ASK and 3 or 1
 end

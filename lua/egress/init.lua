@@ -14,6 +14,7 @@ local config = require("demesne.config")
 local json = require("demesne.json")
 local log = require("demesne.log")
 local policy = require("demesne.egress.policy")
+local ask = require("demesne.egress.ask")
 local upstream = require("demesne.egress.upstream")
 local proxy = require("core.proxy")
 local fs = require("core.fs")
@@ -24,7 +25,7 @@ local egress = {}
 
 local LOGGER = "demesne.egress"
 
-egress.ALLOW, egress.DENY = policy.ALLOW, policy.DENY
+egress.ALLOW, egress.DENY, egress.ASK = policy.ALLOW, policy.DENY, policy.ASK
 --- The proxy's port inside every sandbox.
 egress.PORT = proxy.PORT
 --- The socket inside the sandbox (the run folder is bind-mounted at /.demesne/run).
@@ -93,14 +94,23 @@ Handle.__index = Handle
 --- within sandbox_max_descriptors (see core/proxy.h); a connection over either ceiling is
 --- answered 503 naming it, and egress.jsonl gets a "ceiling" line (at most one a second,
 --- with the count of refusals since the last one).
+--- A request the policy asks about (ASK) is held while a person decides (lua/egress/ask.lua):
+--- `o.ask` = {root, lineage = {run_id, parent, …, root}, has_inputs, tool, client} says whose
+--- tree it is and, for a root, its host client (set by the plan hook of lua/tree; without it
+--- the run is its own root, counts as holding host inputs, and only the cockpit is asked). A "run" answer of this run or one above it lets it through at once.
 --- Returns a handle (closing it — or egress.stop — stops the listener and waits for its
 --- connections to end), or a handle that does nothing for open egress; nil, err on failure.
----@param o table  the sandbox's plan: run_id, run_dir, its policy (o.policy or o.egress)
+---@param o table  the sandbox's plan: run_id, run_dir, its policy (o.policy or o.egress), ask
 ---@return table|nil handle, string|nil err
 function egress.start(o)
   local pol = o.policy or o.egress
-  local h = setmetatable({ run_id = o.run_id, policy = pol, pending = {}, closed = false }, Handle)
+  local h = setmetatable({ run_id = o.run_id, policy = pol, pending = {}, closed = false, held = 0 }, Handle)
   if pol.open then h.closed = true return h end
+  local a = type(o.ask) == "table" and o.ask or {}
+  h.lineage = type(a.lineage) == "table" and #a.lineage > 0 and a.lineage or { o.run_id }
+  h.root_id = a.root or h.lineage[#h.lineage]
+  h.has_inputs = a.has_inputs ~= false
+  h.tool = a.tool or o.tool
   -- the output and run folders are the sandbox's to write (and it runs already after a
   -- server restart): every file in them is reached through a held folder, confined (no
   -- link, no FIFO, never blocking; core.fs.dir)
@@ -140,21 +150,79 @@ function egress.start(o)
   run:chmod(egress.SOCKET_NAME, 438) -- 0666: whatever user the image runs as can connect
   h.listener = listener
   active[o.run_id] = h
+  ask.register(o.run_id, a.client)
   return h
 end
 
---- core.proxy's on_request: judges the name and answers allow or deny.
+--- core.proxy's on_request: judges the name and answers allow or deny, or holds the
+--- connection while the person is asked (ASK; lua/egress/ask.lua).
 ---@param conn userdata  a core.proxy.conn
 ---@param req table      {method, host, port, ip, form, path, host_header}
 function Handle:on_request(conn, req)
   local verdict, label = policy.decide(self.policy, req)
-  self.pending[conn] = { req = req, verdict = verdict, rule = label, time = iso_now() }
-  local via = verdict == egress.ALLOW and upstream.for_request(self.upstream, req)
+  local p = { req = req, verdict = verdict, rule = label, time = iso_now() }
+  self.pending[conn] = p
+  if verdict == egress.ASK then
+    local g = ask.granted(self.lineage, req.host, req.port)
+    if not g then return self:hold(conn, p) end
+    -- an earlier "allow for this run" of this run or one above it
+    p.verdict, p.question, p.decision, p.decided_by, p.granted = egress.ALLOW, g.question, "run", g.by, true
+  end
+  self:answer(conn, p)
+end
+
+--- Gives a connection its verdict (p.verdict): allow (through the host's proxy where there is
+--- one) or deny (with p.reason, else the policy's rule).
+---@param conn userdata  a core.proxy.conn
+---@param p table  the connection's pending record {req, verdict, rule, reason}
+function Handle:answer(conn, p)
+  local via = p.verdict == egress.ALLOW and upstream.for_request(self.upstream, p.req)
   if via then
-    self.pending[conn].via = via.url
+    p.via = via.url
     conn:allow_via(via.host, via.port, via.authorization)
-  elseif verdict == egress.ALLOW then conn:allow()
-  else conn:deny(("denied by egress policy %s (%s)"):format(self.policy.name, label)) end
+  elseif p.verdict == egress.ALLOW then conn:allow()
+  else conn:deny(p.reason or ("denied by egress policy %s (%s)"):format(self.policy.name, p.rule)) end
+end
+
+--- Holds a connection the policy asks about until its question is answered (ask.hold): at
+--- most ask_max_held of the sandbox's at once (more are denied at once), each at most
+--- ask_timeout_seconds (then denied; the proxy's own hold ends a little later still).
+---@param conn userdata
+---@param p table  the connection's pending record
+function Handle:hold(conn, p)
+  local req = p.req
+  p.holding = true
+  local id, err, waiter = ask.hold({ run_id = self.run_id, root_id = self.root_id, lineage = self.lineage,
+    has_inputs = self.has_inputs, policy = self.policy.name, rule = p.rule, tool = self.tool, host = req.host,
+    port = req.port, held = self.held,
+    decided = function(decision, who, qid)
+      if not p.holding then return end
+      p.holding, p.waiter = false, nil
+      self.held = self.held - 1
+      p.question, p.decision, p.decided_by = qid, decision, who
+      if decision == "deny" then
+        p.verdict = egress.DENY
+        p.reason = who == "timeout"
+          and ("denied: egress policy %s (%s) asks about %s:%d and nobody answered within ask_timeout_seconds")
+            :format(self.policy.name, p.rule, req.host, req.port)
+          or ("denied: egress policy %s (%s) asks about %s:%d and the answer (%s) was deny")
+            :format(self.policy.name, p.rule, req.host, req.port, who)
+      else
+        p.verdict = egress.ALLOW
+      end
+      self:answer(conn, p)
+    end })
+  if not id then
+    p.holding = false
+    p.verdict, p.decision, p.decided_by = egress.DENY, "deny", "ask_max_held"
+    p.reason = ("denied: egress policy %s (%s) asks about %s:%d, but %s"):format(self.policy.name, p.rule, req.host,
+      req.port, err)
+    return self:answer(conn, p)
+  end
+  if not p.holding then return end -- answered already
+  p.question, p.waiter = id, waiter
+  self.held = self.held + 1
+  conn:hold((math.max(1, math.floor(config.get("ask_timeout_seconds"))) + 10) * 1000)
 end
 
 --- core.proxy's on_done: appends the connection's line to egress.jsonl.
@@ -164,6 +232,12 @@ function Handle:on_done(conn, res)
   local p = self.pending[conn]
   self.pending[conn] = nil
   if not p then return end
+  if p.holding then -- it ended while held (its sandbox stopped): it leaves its question
+    p.holding = false
+    self.held = self.held - 1
+    ask.release(p.question, p.waiter)
+    p.verdict = egress.DENY
+  end
   local allowed = p.verdict == egress.ALLOW and not res.denied
   local rule = p.rule
   if res.code == "ELIMIT" then
@@ -177,6 +251,9 @@ function Handle:on_done(conn, res)
     verdict = allowed and "allow" or "deny", rule = rule, status = res.status,
     bytes_up = res.bytes_up, bytes_down = res.bytes_down, address = res.address, error = res.error,
     via = res.via and p.via or nil,
+    -- an asked connection: its question, the decision (once, run, deny) and who took it
+    -- (elicitation, cockpit, timeout, ask_max_held…); granted: by an earlier "run" answer
+    question = p.question, decision = p.decision, decided_by = p.decided_by, granted = p.granted,
   }
   if p.req.form ~= "connect" then rec.path = p.req.path end
   if self.file then
@@ -227,6 +304,7 @@ function Handle:stop()
   end
   self:flush_refusals()
   if self.file then self.file:close() self.file = nil end
+  if self.run_id then ask.forget(self.run_id) end
 end
 Handle.__close = Handle.stop
 

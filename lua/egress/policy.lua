@@ -9,12 +9,20 @@
 --       { ALLOW, host = { "pypi.org", "files.pythonhosted.org" }, port = 443, name = "pypi" },
 --       { DENY,  host = "*.internal.example" },
 --       { ALLOW, cidr = "127.0.0.0/8", port = 8080 },
+--       { ASK,   host = "*.example.org", port = 443 },
 --     },
+--     ask = { "*" },            -- optional: names no rule decided are asked about
+--     extends = "package-managers", -- optional: that policy's rules come first
 --   }
 --
 -- Rules are tried in order; the first rule that matches decides; nothing matches → deny.
--- A rule has an action (ALLOW or DENY, first element or `action`), and either `host`
+-- A rule has an action (ALLOW, DENY or ASK, first element or `action`), and either `host`
 -- patterns or `cidr` blocks (one or a list), optionally `port` (one or a list) and `name`.
+-- ASK (host patterns only) neither allows nor denies: the connection is held while a person
+-- decides (lua/egress/ask.lua). The `ask` field is a list of allowlist entries ("host",
+-- "host:port", patterns) that become ASK rules after every rule of the file; `extends`
+-- names a policy whose rules (not its `ask`) go before this file's, resolved when the
+-- policies load (policy.policies), one level deep.
 -- Host patterns: "example.com" (exactly), "*.example.com" (any subdomain, not the domain
 -- itself), ".example.com" (the domain and any subdomain), "*" (any name, never an IP
 -- literal). Matching is on whole labels, after lowercasing and dropping a trailing dot.
@@ -38,7 +46,7 @@ local policy = {}
 
 local LOGGER = "demesne.egress"
 
-policy.ALLOW, policy.DENY = "ALLOW", "DENY"
+policy.ALLOW, policy.DENY, policy.ASK = "ALLOW", "DENY", "ASK"
 
 --------------------------------------------------------------------------------------------
 -- Policies
@@ -74,22 +82,47 @@ function policy.compile(name, def, origin)
   origin = origin or name
   if type(def) ~= "table" then return nil, ("%s: a policy file must return a table"):format(origin) end
   local pol = { name = name, description = def.description or "", origin = origin, open = def.open == true,
-    unrestricted = def.open == true or def.unrestricted == true, rules = {}, addr_rules = {} }
+    unrestricted = def.open == true or def.unrestricted == true, rules = {}, addr_rules = {}, def = def,
+    asks = false }
   if pol.open then return pol end
+  if def.extends ~= nil and (type(def.extends) ~= "string" or def.extends == "") then
+    return nil, ("%s: extends must be the name of a policy"):format(origin)
+  end
+  pol.extends = def.extends
   local rules = def.rules or def
   if type(rules) ~= "table" then return nil, ("%s: rules must be a list"):format(origin) end
+  if def.ask ~= nil then
+    if type(def.ask) ~= "table" then return nil, ("%s: ask must be a list of host patterns"):format(origin) end
+    local all = {}
+    for _, r in ipairs(rules) do all[#all + 1] = r end
+    for i, e in ipairs(def.ask) do
+      local r, err = policy.allow_entry(e)
+      if not r then return nil, ("%s: ask[%d]: %s"):format(origin, i, err) end
+      if r.cidr then return nil, ("%s: ask[%d]: %q: ask takes host names and patterns, not addresses"):format(origin, i, e) end
+      r[1], r.name = policy.ASK, "ask " .. e
+      all[#all + 1] = r
+    end
+    rules = all
+  end
   for i, r in ipairs(rules) do
     local where = ("%s: rules[%d]"):format(origin, i)
     if type(r) ~= "table" then return nil, where .. ": must be a table" end
     local action = r.action or r[1]
-    if action ~= policy.ALLOW and action ~= policy.DENY then
-      return nil, where .. ": the action must be ALLOW or DENY"
+    if action ~= policy.ALLOW and action ~= policy.DENY and action ~= policy.ASK then
+      return nil, where .. ": the action must be ALLOW, DENY or ASK"
     end
     if (r.host == nil) == (r.cidr == nil) then return nil, where .. ": give either host or cidr" end
+    if action == policy.ASK and r.cidr ~= nil then
+      return nil, where .. ": ASK takes host names and patterns, not cidr (an address is never asked about)"
+    end
+    if action == policy.ASK then pol.asks = true end
     local rule = { index = i, action = action, name = r.name, hosts = {}, cidrs = {}, ports = nil, hits = 0 }
     for _, p in ipairs(list_of(r.host)) do
       local pat, err = compile_pattern(p, where .. ".host")
       if not pat then return nil, err end
+      if pat.kind == "cidr" and action == policy.ASK then
+        return nil, where .. (".host: %q: ASK takes host names and patterns, not addresses"):format(p)
+      end
       if pat.kind == "cidr" then rule.cidrs[#rule.cidrs + 1] = pat.text else rule.hosts[#rule.hosts + 1] = pat end
     end
     for _, c in ipairs(list_of(r.cidr)) do
@@ -142,7 +175,7 @@ end
 --- on the deciding rule.
 ---@param pol table   a compiled policy
 ---@param req {host: string, port: integer, ip: integer|nil}  host normalised as core.proxy does
----@return string verdict "ALLOW"|"DENY", string rule_label, table|nil rule
+---@return string verdict "ALLOW"|"DENY"|"ASK", string rule_label, table|nil rule
 function policy.decide(pol, req)
   if pol.open then return policy.ALLOW, pol.name .. ":open" end
   local ip = req.ip and req.ip ~= 0
@@ -165,6 +198,30 @@ function policy.decide(pol, req)
     end
   end
   return policy.DENY, pol.name .. ":default-deny"
+end
+
+--- Resolves `extends`: compiles `pol` again with the rules of `base` (a compiled policy, or
+--- nil when there is none of that name) before its own. One level deep: a base that extends
+--- another, or gives open egress, is refused.
+---@param pol table   a compiled policy with pol.extends
+---@param base table|nil
+---@return table|nil policy, string|nil err
+function policy.extend(pol, base)
+  local where = ("%s: extends %q"):format(pol.origin, pol.extends)
+  if not base then return nil, where .. ": there is no such policy" end
+  if base.extends then return nil, where .. (": it extends %q itself (one level only)"):format(base.extends) end
+  if base.open then return nil, where .. ": it is open (a bridge network): there are no rules to extend" end
+  local def = {}
+  for k, v in pairs(pol.def) do def[k] = v end
+  local rules = {}
+  for _, r in ipairs(base.def.rules or base.def) do rules[#rules + 1] = r end
+  for _, r in ipairs(pol.def.rules or pol.def) do rules[#rules + 1] = r end
+  def.rules, def.extends = rules, nil
+  def.unrestricted = pol.def.unrestricted or base.def.unrestricted
+  local out, err = policy.compile(pol.name, def, pol.origin)
+  if not out then return nil, err end
+  out.extends = pol.extends
+  return out
 end
 
 --- Parses one allowlist entry ("host", "host:port", "*.example.com:443", "10.0.0.0/8",
@@ -230,18 +287,18 @@ end
 policy.sources = sources
 
 --- The runtime API of policy files: the modules a policy file may require (a policy is
---- data: its rules). The globals ALLOW, DENY and `sources` come with the environment.
+--- data: its rules). The globals ALLOW, DENY, ASK and `sources` come with the environment.
 policy.API = {
   ["demesne.json"] = { "encode", "decode", "array", "is_array", "null" },
 }
 
---- The environment a policy file runs in (demesne.plugins): the safe globals, ALLOW, DENY
---- and `sources` (policy.sources), and `require` of policy.API only.
+--- The environment a policy file runs in (demesne.plugins): the safe globals, ALLOW, DENY,
+--- ASK and `sources` (policy.sources), and `require` of policy.API only.
 ---@param origin string
 ---@return table env
 function policy.environment(origin)
   local env = plugins.environment(origin, { kind = "policy", kinds = "policies", api = policy.API, logger = LOGGER })
-  env.ALLOW, env.DENY = policy.ALLOW, policy.DENY
+  env.ALLOW, env.DENY, env.ASK = policy.ALLOW, policy.DENY, policy.ASK
   env.sources = sources
   return env
 end
@@ -285,6 +342,16 @@ function policy.policies()
   registry, load_errors = set.by_name, set.errors
   local function add(name, origin, pol, err)
     if pol then registry[name] = pol else set:refuse(origin, err) end
+  end
+  local extending = {}
+  for name, pol in pairs(registry) do
+    if pol.extends then extending[#extending + 1] = name end
+  end
+  table.sort(extending)
+  for _, name in ipairs(extending) do
+    local pol = registry[name]
+    registry[name] = nil
+    add(name, pol.origin, policy.extend(pol, registry[pol.extends]))
   end
   local function allowlist(name, entries, origin)
     local rules = {}

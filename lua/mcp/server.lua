@@ -658,6 +658,28 @@ function Server:tool_context(tool, entry, meta)
   end
   function ctx.is_cancelled() return entry.cancelled or self.closing end
   function ctx.request(method, params, opts) return self:request(method, params, opts, entry) end
+  -- The host client behind this call, for the layers below that ask it something after the
+  -- call itself may have ended (the egress `ask` verdict, lua/egress/ask.lua): a request goes
+  -- on this call's stream while the call lasts, else on that of another tools/call of the
+  -- session in progress, else on the session's own (stdio; the HTTP session's GET stream
+  -- when it is open). 2026-07-28 has no server-to-client request.
+  local function live(e)
+    local ch = e.channel
+    return not e.done and not e.cancelled and not e.modern and not (ch and ch:is_closing())
+  end
+  ctx.client = {
+    capabilities = ctx.client_capabilities, protocol_version = ctx.protocol_version, modern = m ~= nil,
+    info = ctx.client_info,
+    request = function(method, params, opts)
+      local via = live(entry) and entry or nil
+      if not via then
+        for _, e in pairs(self.inflight) do
+          if e.method == "tools/call" and live(e) then via = e break end
+        end
+      end
+      return self:request(method, params, opts, via)
+    end,
+  }
   return ctx
 end
 

@@ -69,6 +69,9 @@ local LOGGER = "demesne.tools"
 ---@field log fun(level: string, message: string, data: any|nil)
 ---@field is_cancelled fun(): boolean
 ---@field request fun(method: string, params: table|nil, opts: table|nil): table|nil, string|nil, any
+---@field client {capabilities: table, protocol_version: string, modern: boolean, info: table|nil, request: fun(method: string, params: table|nil, opts: table|nil): table|nil, string|nil, any}|nil
+---   the host client behind the call, for asking it something later (the egress `ask` verdict):
+---   request() uses the call's stream while the call lasts, else the session's own
 
 --------------------------------------------------------------------------------------------
 -- The environment tool files run in

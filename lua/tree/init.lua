@@ -1184,8 +1184,40 @@ store.on_budget_spent = function(root_id, why)
   end)
 end
 
+--- The ask hook (sandbox.hooks.plan, after tree.plan): whom the egress `ask` verdict of the
+--- sandbox asks (lua/egress/ask.lua). Sets o.ask = {root, lineage = {run, parent, …, root},
+--- has_inputs, tool, client} for egress.start: a root made by a host call gets that call's
+--- host client (ctx.client), which the questions of its whole tree go to. A sandbox holds
+--- host inputs when it mounts host files or directories, works on a host repository, or is
+--- a child (not research) of a run that does (it shares that run's /in and /workspace).
+---@param ctx ToolContext|nil
+---@param o table  the plan
+function tree.ask_plan(ctx, o)
+  local n = o.tree and tree.get(o.tree)
+  local lineage, id = {}, n and n.run_id
+  while id do
+    lineage[#lineage + 1] = id
+    local x = tree.get(id)
+    id = x and x.parent
+  end
+  if #lineage == 0 then lineage = { o.run_id } end
+  local inputs = n and n.inputs or o.mounts or {}
+  local has = #inputs > 0 or o.repo ~= nil
+  if n and n.parent and n.kind ~= "research" then
+    local pm = m(n.parent)
+    has = has or not pm or pm.has_inputs ~= false
+  end
+  if n then m(n.run_id).has_inputs = has end
+  o.ask = { root = lineage[#lineage], lineage = lineage, has_inputs = has, tool = o.tool }
+  local spawn = type(ctx) == "table" and ctx.spawn or nil
+  if not spawn and #lineage == 1 and type(ctx) == "table" and type(ctx.client) == "table" then
+    o.ask.client = ctx.client -- bound while the root's proxy lives (egress.start, ask.register)
+  end
+end
+
 -- The hooks of the layers below.
 sandbox.hooks.plan[#sandbox.hooks.plan + 1] = tree.plan
+sandbox.hooks.plan[#sandbox.hooks.plan + 1] = tree.ask_plan
 sandbox.hooks.removed[#sandbox.hooks.removed + 1] = tree.removed
 sandbox.hooks.removing[#sandbox.hooks.removing + 1] = tree.removing
 jobs.hooks.launch[#jobs.hooks.launch + 1] = tree.job_launched

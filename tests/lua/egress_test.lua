@@ -110,7 +110,7 @@ end
 
 function T.bad_policies_are_refused_with_their_field(t)
   local cases = {
-    { { { "MAYBE", host = "a" } }, "ALLOW or DENY" },
+    { { { "MAYBE", host = "a" } }, "ALLOW, DENY or ASK" },
     { { { egress_policy.ALLOW } }, "either host or cidr" },
     { { { egress_policy.ALLOW, host = "a", cidr = "10.0.0.0/8" } }, "either host or cidr" },
     { { { egress_policy.ALLOW, host = "a*.test" } }, "only as a whole first label" },
