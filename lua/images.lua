@@ -378,7 +378,8 @@ local function build(eng, plan, ctx, dry)
       end)
     if not ok then
       if plan.tail then -- the end of the build's output, for a build the user wrote (lua/images/devcontainer.lua)
-        result.err = ("building image %s failed: %s; the end of its output:\n%s"):format(name, berr, table.concat(tail, "\n"))
+        result.err = ("building image %s failed: %s; the end of its output:\n%s"):format(name,
+          (tostring(berr):gsub("%s+$", "")), table.concat(tail, "\n"))
       else
         result.err = ("building image %s failed: %s (last output: %s)"):format(name, berr, last)
       end

@@ -166,4 +166,27 @@ function tests.a_plan_never_leaves_the_folder(t)
   t:match(tostring(err), "image: devcontainer needs repository, or a directories entry holding")
 end
 
+function tests.prune_takes_the_older_builds_and_those_whose_folder_is_gone(t)
+  with_folder(t, { ["x"] = "" }, function(dir)
+    local function img(id, created, src, ref)
+      return { id = id, created = created, refs = { ref }, size_bytes = 1, labels = {
+        ["io.demesne.origin"] = "devcontainer", [devcontainer.SOURCE_LABEL] = src,
+        ["io.demesne.devcontainer.file"] = ".devcontainer.json", ["io.demesne.devcontainer.agent"] = "" } }
+    end
+    local asked
+    local eng = { image_list = function(_, labels)
+      asked = labels
+      return { img("old", 1, dir, "demesne/devcontainer-x:111111111111"),
+        img("new", 2, dir, "demesne/devcontainer-x:222222222222"),
+        img("base", 1, dir, "demesne/devcontainer-x-base:333333333333"),
+        img("gone", 3, dir .. "/nowhere", "demesne/devcontainer-nowhere:444444444444") }
+    end }
+    local list = assert(devcontainer.built(eng))
+    t:eq(asked, { "io.demesne.origin=devcontainer" })
+    local stale = {}
+    for _, i in ipairs(list) do stale[i.id] = i.stale end
+    t:eq(stale, { old = true, new = false, base = false, gone = true })
+  end)
+end
+
 return tests
