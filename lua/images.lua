@@ -355,12 +355,17 @@ local function build(eng, plan, ctx, dry)
     local _t <close> = util.closer(function() os.remove(tar) end)
     local ok, perr = archive.pack(tar, files)
     if not ok then result.err = "packing the build context failed: " .. tostring(perr) return end
-    local last, notes = "", {}
+    local last, tail, notes = "", {}, {}
     local berr
-    ok, berr = eng:build(tar, { tag = tag, buildargs = plan.buildargs, network = "host", labels = plan.labels },
+    ok, berr = eng:build(tar, { tag = tag, buildargs = plan.buildargs, network = plan.network or "host",
+      labels = plan.labels, dockerfile = plan.dockerfile, target = plan.target },
       function(chunk)
         for l in chunk:gmatch("[^\r\n]+") do
-          if l:match("%S") then last = l:gsub("%s+$", "") end
+          if l:match("%S") then
+            last = l:gsub("%s+$", "")
+            tail[#tail + 1] = last
+            if #tail > 20 then table.remove(tail, 1) end
+          end
           local note = l:match(NOTE_PATTERN)
           if note and note ~= "" and not notes[note] then
             notes[note] = true
@@ -371,7 +376,15 @@ local function build(eng, plan, ctx, dry)
           end
         end
       end)
-    if not ok then result.err = ("building image %s failed: %s (last output: %s)"):format(name, berr, last) return end
+    if not ok then
+      if plan.tail then -- the end of the build's output, for a build the user wrote (lua/images/devcontainer.lua)
+        result.err = ("building image %s failed: %s; the end of its output:\n%s"):format(name,
+          (tostring(berr):gsub("%s+$", "")), table.concat(tail, "\n"))
+      else
+        result.err = ("building image %s failed: %s (last output: %s)"):format(name, berr, last)
+      end
+      return
+    end
     -- Notes the build printed ("demesne-note: …") become a label of the image, so that they
     -- can be shown for it later: a second, one-line build on top of it, under the same tag.
     -- A step the engine takes from its cache prints nothing: an image prints its notes in
@@ -639,6 +652,35 @@ function images.ensure(eng, name, ctx)
   return nil, ("image: %q is neither a built-in or user image (%s) nor an image present in the engine"):format(name,
     table.concat(images.list(), ", "))
 end
+
+--- Builds a prepared context unless its tag is present (for lua/images/devcontainer.lua),
+--- as demesne's own images are built: the same join of a build already running and the
+--- same progress. plan: {name, tag, files = {{name, data, mode}}, buildargs, labels,
+--- dockerfile (default Containerfile), target, network (default "host")}; a failure
+--- message ends with the last 20 lines of the build's output. Returns the tag, or nil and
+--- the message.
+---@param eng table
+---@param plan table
+---@param ctx ToolContext|nil
+---@return string|nil tag, string|nil err
+function images.build_context(eng, plan, ctx)
+  local p = { tail = true }
+  for k, v in pairs(plan) do p[k] = v end
+  return build(eng, p, ctx)
+end
+
+--- The tag of a content key: demesne/<name>:<12 hex digits of the hash of the key's parts>.
+---@param name string
+---@param key string[]
+---@return string
+function images.tag_of(name, key) return tag_of(name, key) end
+
+--- Rewrites the FROM lines of a Containerfile: each word naming a demesne image (and no
+--- stage above) becomes tags[word].
+---@param src string
+---@param tags table<string, string>
+---@return string
+function images.rewrite_from(src, tags) return rewrite_from(src, tags) end
 
 --- Whether a demesne image is present in the engine, without building anything.
 --- Returns its tag and its notes (the lines its build printed as "demesne-note: …", or nil),

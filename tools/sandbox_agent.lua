@@ -25,6 +25,9 @@ return {
       egress = { type = "string", enum = json.array({ "none", "package-managers" }), default = "none",
         description = "'none' (default): only the model API; 'package-managers': also package registries." },
       host_mcp = schemas.host_mcp,
+      image = { type = "string", enum = json.array({ "devcontainer" }), description = "\"devcontainer\": run in "
+        .. "the environment the repository (or a directories entry) declares in .devcontainer/devcontainer.json, "
+        .. "with the provider's CLI added; left out, the provider's own image." },
       repository = repo.params().repository,
       include_uncommitted = repo.params().include_uncommitted,
       branch = repo.params().branch,

@@ -38,7 +38,7 @@ local continue = {}
 --- The arguments a continue takes from the run it continues: given with another value they
 --- are refused, naming the field; left out they are the first run's.
 continue.INHERITED = { "model", "files", "directories", "egress", "isolation", "host_mcp", "repository",
-  "include_uncommitted", "branch" }
+  "include_uncommitted", "branch", "image" }
 
 local LOGGER = "demesne.continue"
 local fail = errors.raise

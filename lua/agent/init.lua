@@ -10,6 +10,7 @@
 local config = require("demesne.config")
 local context = require("demesne.agent.context")
 local continue = require("demesne.agent.continue")
+local devcontainer = require("demesne.images.devcontainer")
 local errors = require("demesne.errors")
 local egress_policy = require("demesne.egress.policy")
 local fs = require("core.fs")
@@ -201,6 +202,20 @@ function agent.prepare(args, tool, kind)
     repo.add_env(o)
   elseif args.include_uncommitted or args.branch ~= nil then
     fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
+  end
+  if args.image ~= nil then
+    -- the repository's own environment with the provider's CLI added (lua/images/devcontainer.lua)
+    local dok, derr = pcall(function()
+      if args.image ~= devcontainer.IMAGE then
+        fail(("image: %q: an agent runs in its provider's image, or in the repository's devcontainer "
+          .. "(\"devcontainer\")"):format(tostring(args.image)))
+      end
+      devcontainer.plan(o, args, { agent = p.image })
+    end)
+    if not dok then
+      repo.cleanup(o)
+      error(derr, 0)
+    end
   end
   o.before_create = function(plan)
     continue.started(plan) -- its place in a tree is known now: recorded for a later continue

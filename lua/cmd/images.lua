@@ -1,11 +1,13 @@
 -- `demesne images list [NAME...]` and `demesne images build [--all | NAME...]`: the images
--- (built-in and the user's own) and building them ahead of use.
+-- (built-in and the user's own) and building them ahead of use; `demesne images prune`: the
+-- stale devcontainer images go (lua/images/devcontainer.lua).
 local async = require("demesne.async")
 local images = require("demesne.images")
+local devcontainer = require("demesne.images.devcontainer")
 local engines = require("demesne.engines")
 local loop = require("core.loop")
 
-local USAGE = "usage: demesne images list [NAME...] | build [--all | NAME...]\n"
+local USAGE = "usage: demesne images list [NAME...] | build [--all | NAME...] | prune\n"
 
 local function origin_text(name)
   local origin, dir = images.origin(name)
@@ -19,9 +21,39 @@ local function print_notes(notes)
   for line in (notes or ""):gmatch("[^\n]+") do io.stdout:write("    ", line, "\n") end
 end
 
+-- The devcontainer images built from repositories and folders (list), or removes the stale
+-- ones (prune: a newer build of the same source exists, or the source folder is gone; an
+-- image a container still uses stays). Returns the exit status.
+local function devcontainer_images(eng, prune)
+  local list, err = devcontainer.built(eng)
+  if not list then
+    io.stderr:write("demesne: ", tostring(err), "\n")
+    return 1
+  end
+  local status, removed = 0, 0
+  for _, i in ipairs(list) do
+    if not prune then
+      io.stdout:write(("%-18s %-50s from %s (%s)%s%s\n"):format("devcontainer", i.ref, i.source, tostring(i.file),
+        i.agent and (", with " .. i.agent) or "", i.stale and ", stale" or ""))
+    elseif i.stale then
+      local ok, rerr = eng:image_remove(i.ref)
+      if ok then
+        removed = removed + 1
+        io.stdout:write("removed ", i.ref, " (from ", i.source, ")\n")
+      else
+        io.stderr:write("demesne: ", i.ref, " kept: ", tostring(rerr), "\n")
+        status = 1
+      end
+    end
+  end
+  if prune then io.stdout:write(("%d stale devcontainer image(s) removed\n"):format(removed)) end
+  return status
+end
+
 return function(args)
   local sub = args[1] or "list"
-  if sub ~= "list" and sub ~= "build" then
+  if sub == "prune" and #args > 1 then io.stderr:write(USAGE) return 2 end
+  if sub ~= "list" and sub ~= "build" and sub ~= "prune" then
     io.stderr:write(USAGE)
     return 2
   end
@@ -33,7 +65,8 @@ return function(args)
   end
   if all and #names > 0 then io.stderr:write("demesne: images build: --all takes no NAME\n", USAGE) return 2 end
   local status = 0
-  if #names == 0 then
+  local every = #names == 0
+  if every then
     names = images.list()
     -- image folders that are not images (a bad name) are said once, as the other plugin kinds say theirs
     for _, e in ipairs(images.catalog().errors) do
@@ -46,6 +79,10 @@ return function(args)
     if not eng then
       io.stderr:write("demesne: ", err, "\n")
       status = 1
+      return
+    end
+    if sub == "prune" then
+      status = devcontainer_images(eng, true)
       return
     end
     for _, name in ipairs(names) do
@@ -71,6 +108,7 @@ return function(args)
         end
       end
     end
+    if sub == "list" and every and devcontainer_images(eng, false) ~= 0 then status = 1 end
   end)
   if not task.done then loop.run() end
   if not task.result[1] then

@@ -1051,7 +1051,8 @@ function Engine:get_archive(id, path, out_path)
   return true
 end
 
---- GET /images/{ref}/json. Returns {id, labels}, or nil, msg, "ENOENT".
+--- GET /images/{ref}/json. Returns {id, labels, env = {"K=V"…} (the image's ENV)}, or nil,
+--- msg, "ENOENT".
 ---@param ref string
 ---@return table|nil image, string|nil err, string|nil code
 function Engine:image_inspect(ref)
@@ -1059,7 +1060,8 @@ function Engine:image_inspect(ref)
   if not t then return nil, err, code end
   if type(t) ~= "table" then return nil, "inspect image: the engine answered no JSON object", "EENGINE" end
   local cfg = type(t.Config) == "table" and t.Config or {}
-  return { id = t.Id, labels = type(cfg.Labels) == "table" and cfg.Labels or {} }
+  return { id = t.Id, labels = type(cfg.Labels) == "table" and cfg.Labels or {},
+    env = type(cfg.Env) == "table" and cfg.Env or {} }
 end
 
 -- Streams the engine's JSON progress lines (build, import, pull) to on_line(text): the
@@ -1085,16 +1087,18 @@ local function progress_stream(on_line, state)
 end
 
 --- POST /build with a tar build context from disk. opts: tag, buildargs (table), network
---- (the build's network mode: "host"), dockerfile (default "Containerfile"), labels.
+--- (the build's network mode: "host", "none"), dockerfile (default "Containerfile"), labels,
+--- target (the stage to build, of a multi-stage Containerfile).
 --- on_line(text) receives the text of each progress line ("STEP 1/3: FROM …").
 ---@param context_tar string  the build context, a tar on the host
----@param opts {tag: string, buildargs: table|nil, network: string|nil, dockerfile: string|nil, labels: table|nil}
+---@param opts {tag: string, buildargs: table|nil, network: string|nil, dockerfile: string|nil, labels: table|nil, target: string|nil}
 ---@param on_line fun(text: string)|nil
 ---@return boolean|nil ok, string|nil err, string|nil code
 function Engine:build(context_tar, opts, on_line)
   local state = {}
   local q = { t = opts.tag, rm = true, forcerm = true, networkmode = opts.network,
-    dockerfile = opts.dockerfile or "Containerfile", buildargs = opts.buildargs, labels = opts.labels }
+    dockerfile = opts.dockerfile or "Containerfile", buildargs = opts.buildargs, labels = opts.labels,
+    target = opts.target }
   local res, err, code = self:call("POST", "/build", q, nil, { body_file = context_tar, timeout_ms = 0,
     headers = { ["Content-Type"] = "application/x-tar" }, on_data = progress_stream(on_line, state) })
   if not res then return nil, err, code end

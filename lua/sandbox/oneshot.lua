@@ -2,6 +2,7 @@
 -- when the call ends, or handed to a background job.
 local async = require("demesne.async")
 local channel = require("demesne.channel")
+local devcontainer = require("demesne.images.devcontainer")
 local egress = require("demesne.egress")
 local errors = require("demesne.errors")
 local images = require("demesne.images")
@@ -55,6 +56,14 @@ function oneshot.script_prepare(args, kind)
   elseif args.include_uncommitted or args.branch ~= nil then
     fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
   end
+  if args.image == devcontainer.IMAGE then
+    -- the repository's own environment (lua/images/devcontainer.lua): read and checked now
+    local ok, err = pcall(devcontainer.plan, o, args)
+    if not ok then
+      repo.cleanup(o)
+      error(err, 0)
+    end
+  end
   return o
 end
 
@@ -64,9 +73,10 @@ end
 ---@return string[]
 function oneshot.script_env(o)
   local env = spec.env(o.caller_env, default_env(o.run_id, o.egress))
-  if o.repo then
+  if o.repo or o.devcontainer then
     o.env = env
     repo.add_env(o)
+    devcontainer.add_env(o)
   end
   return env
 end
@@ -95,7 +105,7 @@ end
 ---@param labels table<string,string>|nil
 function oneshot.script_start(ctx, o, labels)
   plan_once(ctx, o)
-  local img = check(images.ensure(o.engine, o.image_arg, ctx))
+  local img = o.devcontainer and devcontainer.ensure(o.engine, o, ctx) or check(images.ensure(o.engine, o.image_arg, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
   local relay = spec.relay_args(o)

@@ -2,6 +2,7 @@
 -- unresponsive, destroy, list.
 local async = require("demesne.async")
 local channel = require("demesne.channel")
+local devcontainer = require("demesne.images.devcontainer")
 local config = require("demesne.config")
 local egress = require("demesne.egress")
 local errors = require("demesne.errors")
@@ -81,8 +82,23 @@ function persistent.create(ctx, args)
     if o.tree and not started then hooks.run_removal("removed", o, "the sandbox could not be started") end
     if not started then repo.cleanup(o) end
   end)
+  local ports = args.ports
+  if args.image == devcontainer.IMAGE then
+    -- the repository's own environment (lua/images/devcontainer.lua); its forwardPorts are previews
+    local dc = devcontainer.plan(o, args, { persistent = true })
+    if #dc.cfg.ports > 0 then
+      local have, merged = {}, {}
+      for _, p in ipairs(args.ports or {}) do have[p] = true; merged[#merged + 1] = p end
+      for _, p in ipairs(dc.cfg.ports) do
+        if not have[p] then have[p] = true; merged[#merged + 1] = p end
+      end
+      preview.check_ports(merged)
+      ports = merged
+    end
+  end
   hooks.run("plan", ctx, o, args)
-  local img = snap and { ref = snap.ref, name = snap.image or "snapshot" } or check(images.ensure(o.engine, args.image, ctx))
+  local img = snap and { ref = snap.ref, name = snap.image or "snapshot" }
+    or o.devcontainer and devcontainer.ensure(o.engine, o, ctx) or check(images.ensure(o.engine, args.image, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
   -- [channel] a control socket, except under gVisor: the host cannot connect to a socket made
@@ -126,7 +142,7 @@ function persistent.create(ctx, args)
     if conn then conn:close() else log.warning("demesne.sandbox", "sandbox %s: %s", o.run_id, tostring(cerr2)) end
   end
   -- the previews last: a listener that cannot be opened takes the sandbox down with it
-  local pok, previews = pcall(preview.open_all, o.engine, o.run_id, id, args.ports)
+  local pok, previews = pcall(preview.open_all, o.engine, o.run_id, id, ports)
   if not pok then
     hooks.run_removal("removing", o.run_id)
     o.engine:remove(id)
@@ -138,6 +154,7 @@ function persistent.create(ctx, args)
   local expires = math.floor(loop.time()) + ttl
   persistent.write_expiry(o.run_dir, expires)
   persistent.watch(o.engine, id, o.run_id, o.output_dir, o.run_dir)
+  if o.devcontainer and o.devcontainer.script then devcontainer.pending(o.run_id, o.devcontainer.script) end
   return {
     previews = previews,
     sandbox_id = o.run_id,

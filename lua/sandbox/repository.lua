@@ -3,6 +3,7 @@
 -- and on demand (sandbox_exec with `hand_back`), each time through an exec of run.sh
 -- --handback and lua/repo's hand_back. The run's repository plan lives under the state
 -- folder (repo.save / repo.load), out of the sandbox's reach.
+local devcontainer = require("demesne.images.devcontainer")
 local errors = require("demesne.errors")
 local log = require("demesne.log")
 local repo = require("demesne.repo")
@@ -15,24 +16,37 @@ local SETUP = "/bin/sh " .. repo.MOUNT .. "/run.sh --setup"
 local HANDBACK = "/bin/sh " .. repo.MOUNT .. "/run.sh --handback"
 
 --- sandbox_create: creates the sandbox (persistent.create, which plans the repository when
---- args.repository is set), then clones the repository in it. A clone that fails removes
---- the sandbox and fails the call. Returns persistent.create's result, with `repository`
---- = {branch, path, base, host_head, notes} when there is one.
+--- args.repository is set), then clones the repository in it, then runs the create
+--- commands of its devcontainer (image "devcontainer", lua/images/devcontainer.lua). A
+--- clone or a create command that fails removes the sandbox and fails the call. Returns
+--- persistent.create's result, with `repository` = {branch, path, base, host_head, notes}
+--- when there is one.
 ---@param ctx table
 ---@param args table  sandbox_create's arguments
 ---@return table
 function repository.create(ctx, args)
   local r = persistent.create(ctx, args)
   local g = repo.load(r.sandbox_id)
-  if not g then return r end
-  local ok, res = pcall(exec.exec, ctx, { sandbox_id = r.sandbox_id, command = SETUP, timeout_seconds = 600 })
-  if not ok or res.exit_code ~= 0 then
-    pcall(persistent.destroy, ctx, { sandbox_id = r.sandbox_id })
-    repo.forget(r.sandbox_id)
-    errors.raise(("repository: the clone could not be made in the sandbox: %s"):format(ok and (res.stderr or "")
-      or errors.message(res)))
+  local steps = devcontainer.pending(r.sandbox_id)
+  if g then
+    local ok, res = pcall(exec.exec, ctx, { sandbox_id = r.sandbox_id, command = SETUP, timeout_seconds = 600 })
+    if not ok or res.exit_code ~= 0 then
+      pcall(persistent.destroy, ctx, { sandbox_id = r.sandbox_id })
+      repo.forget(r.sandbox_id)
+      errors.raise(("repository: the clone could not be made in the sandbox: %s"):format(ok and (res.stderr or "")
+        or errors.message(res)))
+    end
+    r.repository = { branch = g.branch, path = g.path, base = g.base, host_head = g.host_head, notes = g.notes }
   end
-  r.repository = { branch = g.branch, path = g.path, base = g.base, host_head = g.host_head, notes = g.notes }
+  if steps then
+    local ok, res = pcall(exec.exec, ctx, { sandbox_id = r.sandbox_id, command = steps, timeout_seconds = 600 })
+    if not ok or res.exit_code ~= 0 then
+      pcall(persistent.destroy, ctx, { sandbox_id = r.sandbox_id })
+      if g then repo.forget(r.sandbox_id) end
+      errors.raise(("image: devcontainer: the create commands failed in the sandbox, which was removed: %s"):format(
+        ok and (res.stderr or "") or errors.message(res)))
+    end
+  end
   return r
 end
 

@@ -1,0 +1,208 @@
+// image: "devcontainer" (docs/how-to/use-a-devcontainer.md) on a real engine (DEMESNE_ENGINE),
+// over MCP (official SDK client): a repository whose .devcontainer builds FROM demesne's base
+// image (a file, variables, a build argument, a target stage), with containerEnv, remoteEnv
+// and create commands: the sandbox sees all of them; a folder's image-based
+// .devcontainer.json in a persistent sandbox with previews; an agent run (the real Claude
+// Code CLI, driven by the scripted vendor) in the same environment; and the refusals, each
+// naming its field. No build here reaches a network (the build's network is none).
+import { test, before, after } from "node:test";
+import assert from "node:assert/strict";
+import { execFileSync } from "node:child_process";
+import { randomBytes } from "node:crypto";
+import { mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
+import { tmpdir } from "node:os";
+import path from "node:path";
+import { BIN, connect, engineContainers, engineRequest, serverEnv } from "./helpers.mjs";
+import { startVendor } from "./scripted-vendor.mjs";
+
+const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
+const work = mkdtempSync(path.join(tmpdir(), "demesne-devcontainer-"));
+const repos = path.join(work, "repos");
+mkdirSync(repos);
+const SECRET = `sk-test-real-${randomBytes(12).toString("hex")}`;
+const LONG = { timeout: 900_000, resetTimeoutOnProgress: true, onprogress: () => {} };
+const G = ["-c", "user.name=t", "-c", "user.email=t@t", "-c", "init.defaultBranch=main"];
+const git = (cwd, ...args) => execFileSync("git", [...G, ...args], { cwd, encoding: "utf8" }).trim();
+
+let vendor;
+let conn;
+const env = () => ({
+  DEMESNE_ENGINE: ENGINE, DEMESNE_OUTPUT_ROOT: path.join(work, "out"), DEMESNE_STATE_DIR: path.join(work, "state"),
+  DEMESNE_ALLOWED_PATHS: repos, HOME: path.join(work, "home"), DEMESNE_NO_PULL: "1",
+  ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${vendor.port}`,
+  CLAUDE_CODE_OAUTH_TOKEN: "", ANTHROPIC_AUTH_TOKEN: "", CODEX_HOME: path.join(work, "no-codex-home"),
+  DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false", DEMESNE_PROGRESS_INTERVAL: "1",
+});
+
+before(async () => {
+  vendor = await startVendor({ secret: SECRET });
+  conn = await connect({ env: env(), fixtures: false });
+});
+after(async () => {
+  await conn?.client.close();
+  await vendor?.close();
+  const left = (await engineContainers(ENGINE))
+    .filter((c) => (c.Labels["io.demesne.output_dir"] || "").startsWith(work));
+  for (const c of left) await engineRequest(ENGINE, "DELETE", `/containers/${c.Id}?force=true`);
+  // the images built from this file's repositories go too (newest first: a layer before its base)
+  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.origin=devcontainer"] }));
+  const mine = ((await engineRequest(ENGINE, "GET", `/images/json?filters=${filters}`)) || [])
+    .filter((i) => (i.Labels?.["io.demesne.devcontainer.source"] || "").startsWith(work))
+    .sort((a, b) => b.Created - a.Created);
+  for (const i of mine) await engineRequest(ENGINE, "DELETE", `/images/${i.Id}?force=true`);
+  rmSync(work, { recursive: true, force: true });
+  assert.deepEqual(left.map((c) => c.Names), [], "no sandbox of this file is left on the engine");
+});
+
+function write(root, files) {
+  for (const [name, data] of Object.entries(files)) {
+    mkdirSync(path.dirname(path.join(root, name)), { recursive: true });
+    writeFileSync(path.join(root, name), data);
+  }
+}
+
+// The repository's Dockerfile: FROM demesne's base (by name), a file and variables, a build
+// argument, and a later stage that fails (the target stops before it).
+const DOCKERFILE = `FROM base AS dev
+ARG GREETING=unset
+COPY tool.txt /opt/tool.txt
+ENV DC_IMAGE_ENV=$GREETING PATH=/opt/dc/bin:$PATH
+RUN mkdir -p /opt/dc/bin && printf '#!/bin/sh\\necho dc-tool runs\\n' > /opt/dc/bin/dc-tool && chmod 755 /opt/dc/bin/dc-tool
+FROM dev AS never
+RUN echo this stage is not the target && exit 3
+`;
+
+const DEVCONTAINER = `// the team's environment
+{
+  "name": "app",
+  "build": { "dockerfile": "Dockerfile", "context": "..", "args": { "GREETING": "hello-arg" }, "target": "dev", },
+  "containerEnv": { "DC_VAR": "from-containerEnv" },
+  "remoteEnv": { "DC_REMOTE": "\${containerEnv:DC_VAR}-and-remote" }, /* resolved in the sandbox's variables */
+  "onCreateCommand": ["sh", "-c", "echo on-create > /tmp/dc-oncreate"],
+  "postCreateCommand": "echo made-by-postCreateCommand > /tmp/dc-marker && pwd > /tmp/dc-pwd",
+  "customizations": { "vscode": { "extensions": ["x.y"] } },
+}
+`;
+
+function makeRepo(name) {
+  const h = path.join(repos, name);
+  mkdirSync(h, { recursive: true });
+  git(h, "init", "-q");
+  write(h, { "tool.txt": "the repository's tool file\n", ".devcontainer/devcontainer.json": DEVCONTAINER,
+    ".devcontainer/Dockerfile": DOCKERFILE, "app.py": "def add(a, b):\n    return a - b\n" });
+  git(h, "add", ".");
+  git(h, "commit", "-qm", "app with a devcontainer");
+  return h;
+}
+
+const SEES = "cat /opt/tool.txt; echo \"$DC_VAR|$DC_REMOTE|$DC_IMAGE_ENV\"; dc-tool; cat /tmp/dc-marker /tmp/dc-oncreate "
+  + "/tmp/dc-pwd; pwd; id -u";
+
+test("a repository's Dockerfile devcontainer: the sandbox sees its file, variables and create commands", async () => {
+  const h = makeRepo("app");
+  const res = await conn.client.callTool({ name: "sandbox_script", arguments: {
+    command: SEES, image: "devcontainer", repository: h, branch: "dc",
+  } }, undefined, LONG);
+  assert.ok(!res.isError, res.content?.[0]?.text);
+  const r = res.structuredContent;
+  assert.equal(r.exit_code, 0, r.stderr);
+  assert.deepEqual(r.stdout.trim().split("\n"), [
+    "the repository's tool file", "from-containerEnv|from-containerEnv-and-remote|hello-arg", "dc-tool runs",
+    "made-by-postCreateCommand", "on-create", "/workspace/app", "/workspace/app", "0",
+  ]);
+  const log = readFileSync(path.join(r.output_dir, "devcontainer.log"), "utf8");
+  assert.match(log, /== onCreateCommand\n== postCreateCommand\n/);
+  // the image is kept by the hash of its inputs, with the repository it came from
+  const list = execFileSync(BIN, ["images", "list"], { env: serverEnv(env()), encoding: "utf8" });
+  assert.match(list, new RegExp(`demesne/devcontainer-app:[0-9a-f]{12} +from ${h}`));
+  // a second run finds the image: no build (no build progress), the same answer
+  const again = await conn.client.callTool({ name: "sandbox_script", arguments: {
+    command: "echo $DC_IMAGE_ENV", image: "devcontainer", repository: h, branch: "dc2",
+  } }, undefined, LONG);
+  assert.equal(again.structuredContent.stdout.trim(), "hello-arg");
+});
+
+test("a folder's .devcontainer.json image in a persistent sandbox: object-form commands, forwardPorts previews", async () => {
+  const d = path.join(repos, "folder");
+  write(d, { ".devcontainer.json": JSON.stringify({
+    image: "base", containerEnv: { FOLDER_VAR: "folder" }, forwardPorts: [8123],
+    postCreateCommand: { one: "echo one > /tmp/one", two: ["sh", "-c", "echo two > /tmp/two"] },
+  }) });
+  const res = await conn.client.callTool({ name: "sandbox_create", arguments: {
+    image: "devcontainer", directories: [d], ttl_seconds: 600,
+  } }, undefined, LONG);
+  assert.ok(!res.isError, res.content?.[0]?.text);
+  const sb = res.structuredContent;
+  try {
+    assert.equal(sb.image, "devcontainer");
+    assert.deepEqual(sb.previews.map((p) => p.port), [8123]);
+    const ex = await conn.client.callTool({ name: "sandbox_exec", arguments: {
+      sandbox_id: sb.sandbox_id, command: "cat /tmp/one /tmp/two; echo $FOLDER_VAR; ls /in",
+    } });
+    assert.equal(ex.structuredContent.exit_code, 0, ex.structuredContent.stderr);
+    assert.deepEqual(ex.structuredContent.stdout.trim().split("\n"), ["one", "two", "folder", "folder"]);
+  } finally {
+    await conn.client.callTool({ name: "sandbox_destroy", arguments: { sandbox_id: sb.sandbox_id } });
+  }
+});
+
+test("an agent run with the scripted vendor works inside the repository's devcontainer", async () => {
+  const h = makeRepo("agent-app");
+  const plan = vendor.plan("dc-agent", [
+    { shell: `(${SEES}) > /out/sees.txt 2>&1; sed -i 's/a - b/a + b/' app.py && git commit -qam 'fix add' && echo ok` },
+    { final: "Fixed add inside the devcontainer." },
+  ]);
+  const res = await conn.client.callTool({ name: "sandbox_agent", arguments: {
+    prompt: `PLAN:${plan} Fix add.`, model: "sonnet", image: "devcontainer", repository: h, branch: "dc-agent",
+  } }, undefined, LONG);
+  assert.ok(!res.isError, res.content?.[0]?.text);
+  const r = res.structuredContent;
+  assert.equal(r.exit_code, 0, r.stderr);
+  assert.deepEqual(readFileSync(path.join(r.output_dir, "sees.txt"), "utf8").trim().split("\n"), [
+    "the repository's tool file", "from-containerEnv|from-containerEnv-and-remote|hello-arg", "dc-tool runs",
+    "made-by-postCreateCommand", "on-create", "/workspace/agent-app", "/workspace/agent-app", "0",
+  ]);
+  assert.deepEqual(r.branch.commits.map((c) => c.subject), ["fix add"]);
+  assert.equal(git(h, "show", "demesne/dc-agent:app.py"), "def add(a, b):\n    return a + b");
+});
+
+test("what cannot work is refused, naming the field; a failing build gives its output's end", async () => {
+  const cases = {
+    features: { "ghcr.io/devcontainers/features/node:1": {} }, mounts: ["source=/,target=/host,type=bind"],
+    runArgs: ["--privileged"], privileged: true, capAdd: ["SYS_ADMIN"], securityOpt: ["seccomp=unconfined"],
+    initializeCommand: "touch /tmp/pwned-on-the-host", dockerComposeFile: "compose.yml",
+  };
+  for (const [field, value] of Object.entries(cases)) {
+    const d = path.join(repos, `refuse-${field}`);
+    write(d, { ".devcontainer/devcontainer.json": JSON.stringify({ image: "base", [field]: value }) });
+    const res = await conn.client.callTool({ name: "sandbox_script", arguments: {
+      command: "true", image: "devcontainer", directories: [d] } });
+    assert.ok(res.isError, field);
+    assert.match(res.content[0].text, new RegExp(`devcontainer\\.json: ${field}: refused: `), field);
+  }
+  const bad = async (name, files, pattern) => {
+    const d = path.join(repos, name);
+    write(d, files);
+    const res = await conn.client.callTool({ name: "sandbox_script", arguments: {
+      command: "true", image: "devcontainer", directories: [d] } }, undefined, LONG);
+    assert.ok(res.isError, name);
+    assert.match(res.content[0].text, pattern, name);
+  };
+  await bad("no-dockerfile", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}' },
+    /build\.dockerfile: \.devcontainer\/Dockerfile does not exist in the repository/);
+  await bad("dotdot", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile", "context": "../.."}}',
+    ".devcontainer/Dockerfile": "FROM base\n" }, /build\.context: \.\.\/\.\. leads out of the repository/);
+  const linked = path.join(repos, "linked");
+  write(linked, { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile", "context": "ctx"}}',
+    ".devcontainer/Dockerfile": "FROM base\n" });
+  symlinkSync(work, path.join(linked, ".devcontainer/ctx"));
+  await bad("linked", {}, /build\.context: \.devcontainer\/ctx is \(or passes through\) the symbolic link/);
+  await bad("jsonc", { ".devcontainer.json": '{ "image": "base", /* never closed' },
+    /\.devcontainer\.json is not valid JSON with comments: line 1: the comment/);
+  await bad("failing-build", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+    ".devcontainer/Dockerfile": "FROM base\nRUN echo the-build-says-why && exit 7\n" },
+  /building image devcontainer-failing-build-base failed: .*the end of its output:\n(.*\n)*.*the-build-says-why/);
+  const none = await conn.client.callTool({ name: "sandbox_script", arguments: { command: "true", image: "devcontainer" } });
+  assert.ok(none.isError);
+  assert.match(none.content[0].text, /image: devcontainer needs repository, or a directories entry holding/);
+});

@@ -1,0 +1,192 @@
+-- lua/images/devcontainer.lua: what a devcontainer.json may say, what is refused by name,
+-- and what a plan makes of a folder holding one (links and paths out of it refused). The
+-- builds themselves run on real engines in tests/integration/devcontainer.test.mjs.
+local devcontainer = require("demesne.images.devcontainer")
+local fs = require("core.fs")
+local loop = require("core.loop")
+
+local tests = {}
+
+local function refused(t, text, pat, what)
+  local ok, err = pcall(devcontainer.parse, text, ".devcontainer/devcontainer.json")
+  t:ok(not ok, (what or text) .. " is refused")
+  t:match(tostring(err), pat, what or text)
+end
+
+function tests.each_field_that_cannot_work_is_refused_by_name(t)
+  local cases = {
+    features = '{"ghcr.io/devcontainers/features/node:1": {}}', mounts = '["source=/,target=/host,type=bind"]',
+    workspaceMount = '"source=/,target=/w,type=bind"', runArgs = '["--privileged"]', privileged = "true",
+    capAdd = '["SYS_ADMIN"]', securityOpt = '["seccomp=unconfined"]', initializeCommand = '"touch /tmp/pwned"',
+    dockerComposeFile = '"compose.yml"', appPort = "[8080]",
+  }
+  for field, v in pairs(cases) do
+    refused(t, ('{ "image": "base", // a comment\n "%s": %s, }'):format(field, v),
+      "devcontainer%.json: " .. field .. ": refused: ", field)
+  end
+  refused(t, '{"image": "base", "initializeCommand": "x"}', "runs on the host")
+  refused(t, '{"build": {"dockerfile": "D", "options": ["--network=host"]}}', "build%.options: refused")
+end
+
+function tests.what_a_file_must_say(t)
+  refused(t, "{", "is not valid JSON with comments: line 1")
+  refused(t, "[1]", "must hold a JSON object")
+  refused(t, "{}", "image: the file names neither image nor build")
+  refused(t, '{"image": "base", "build": {"dockerfile": "D"}}', "give image or build, not both")
+  refused(t, '{"image": "Not A Ref"}', "image: \"Not A Ref\" is not a valid image reference")
+  refused(t, '{"build": {}}', "build%.dockerfile: is missing")
+  refused(t, '{"build": {"dockerfile": "D", "args": ["a"]}}', "build%.args: must be an object")
+  refused(t, '{"build": {"dockerfile": "D", "args": {"A": "${localEnv:HOME}"}}}', "build%.args%.A: names the host's")
+  refused(t, '{"image": "base", "containerEnv": {"DEMESNE_RUN_ID": "x"}}', "containerEnv%.DEMESNE_RUN_ID: is demesne's")
+  refused(t, '{"image": "base", "remoteEnv": {"HTTPS_PROXY": "http://evil"}}', "remoteEnv%.HTTPS_PROXY: is demesne's")
+  refused(t, '{"image": "base", "containerEnv": {"A": 1}}', "containerEnv%.A: must be a string")
+  refused(t, '{"image": "base", "remoteEnv": {"A": "${localEnv:SECRET}"}}', "remoteEnv%.A: names the host's")
+  refused(t, '{"image": "base", "postCreateCommand": 3}', "postCreateCommand: must be a string")
+  refused(t, '{"image": "base", "onCreateCommand": {"a": 1}}', "onCreateCommand%.a: must be a string")
+  refused(t, '{"image": "base", "postCreateCommand": ["echo", 1]}', "postCreateCommand%[1%]: must be a string")
+  refused(t, '{"image": "base", "forwardPorts": ["db:5432"]}', "forwardPorts%[0%]: db:5432 is not a port")
+  refused(t, '{"image": "base", "forwardPorts": [70000]}', "forwardPorts%[0%]")
+end
+
+function tests.the_fields_demesne_uses(t)
+  local c = devcontainer.parse([[{
+    "name": "app", "customizations": { "vscode": {} },
+    "build": { "dockerfile": "Dockerfile", "context": "..", "args": { "V": "1" }, "target": "dev", },
+    "containerEnv": { "A": "a" }, "remoteEnv": { "A": "over", "B": "${containerEnv:A}" },
+    "onCreateCommand": "echo one",
+    "postCreateCommand": { "x": "echo x", "y": ["echo", "y"] },
+    "postStartCommand": ["touch", "/tmp/s"],
+    "forwardPorts": [3000, "localhost:8080"], "remoteUser": "vscode",
+  }]], "f")
+  t:eq(c.build.dockerfile, "Dockerfile")
+  t:eq(c.build.context, "..")
+  t:eq(c.build.args, { V = "1" })
+  t:eq(c.build.target, "dev")
+  t:eq(c.env, { A = "over", B = "${containerEnv:A}" }, "remoteEnv over containerEnv")
+  t:eq(#c.steps, 3)
+  t:eq(c.steps[1], { field = "onCreateCommand", cmd = "echo one" })
+  t:eq(c.steps[2].field, "postCreateCommand")
+  t:eq(c.steps[2].parallel, { { name = "x", cmd = "echo x" }, { name = "y", cmd = { "echo", "y" } } })
+  t:eq(c.steps[3], { field = "postStartCommand", cmd = { "touch", "/tmp/s" } })
+  t:eq(c.ports, { 3000, 8080 })
+  t:match(c.notes[1], "remoteUser is not used")
+  local s = devcontainer.script(c.steps, "/workspace/it's")
+  t:match(s, "cd '/workspace/it'\\''s'", "the folder is quoted")
+  t:match(s, "/bin/sh %-c 'echo one' >> /out/devcontainer%.log 2>&1 < /dev/null || dc_fail 'onCreateCommand' %$%?")
+  t:match(s, "'echo' 'y' >> /out/devcontainer%.log 2>&1 < /dev/null & dc_p2=%$!")
+  t:match(s, "wait %$dc_p1 || dc_fail 'postCreateCommand%.x' %$%?")
+end
+
+function tests.a_dockerfile_that_reaches_past_the_build_is_refused(t)
+  local function bad(src, pat)
+    local ok, err = pcall(devcontainer.check_dockerfile, "D", src)
+    t:ok(not ok, src)
+    t:match(tostring(err), pat, src)
+  end
+  bad("FROM base\nADD https://example.com/x /x\n", "D line 2: ADD of a URL")
+  bad("FROM base\nADD \\\n  git@github.com:a/b.git /b\n", "D line 2: ADD of a URL or git source")
+  bad("FROM base\nRUN --network=host curl x\n", "D line 2: RUN %-%-network")
+  bad("FROM base\nrun --security=insecure id\n", "RUN %-%-network and %-%-security")
+  t:ok(pcall(devcontainer.check_dockerfile, "D", "FROM base\nADD ./local /x\nCOPY . /src\nRUN echo https://x\n"))
+end
+
+-- A scratch folder with a devcontainer; removed afterwards.
+local function with_folder(t, files, fn)
+  local dir = ("/tmp/demesne-devcontainer-test-%d-%d"):format(loop.getpid(), loop.hrtime())
+  for name, data in pairs(files) do
+    local path = dir .. "/" .. name
+    fs.mkdir_p(path:match("^(.*)/"))
+    if type(data) == "table" then assert(fs.symlink(data.link, path)) else assert(fs.write_atomic(path, data)) end
+  end
+  fs.mkdir_p(dir)
+  local ok, err = pcall(fn, dir)
+  fs.remove_tree(dir)
+  if not ok then error(err, 0) end
+  return t
+end
+
+local function plan_of(dir, extra)
+  local o = { mounts = { { host = dir, target = "/in/x", kind = "directory", field = "directories[0]" } },
+    env = { "HOME=/root", "PATH=/usr/bin" }, command = "echo hi" }
+  for k, v in pairs(extra or {}) do o[k] = v end
+  devcontainer.plan(o, { directories = { dir }, env = { PATH = "/caller" } })
+  return o
+end
+
+function tests.a_plan_reads_the_folder_and_wraps_the_command(t)
+  with_folder(t, {
+    [".devcontainer/devcontainer.json"] = '{ "build": { "dockerfile": "Dockerfile", "context": ".." },\n'
+      .. '"containerEnv": { "TOOL": "${containerWorkspaceFolder}/bin", "PATH": "/dc" }, "postCreateCommand": "touch m" }',
+    [".devcontainer/Dockerfile"] = "FROM base\nENV X=1\n",
+  }, function(dir)
+    local o = plan_of(dir)
+    t:eq(o.devcontainer.file, ".devcontainer/devcontainer.json")
+    t:eq(o.devcontainer.root, dir)
+    t:eq(o.devcontainer.cfg.build.context_rel, "")
+    t:eq(o.devcontainer.cfg.build.dockerfile_rel, ".devcontainer/Dockerfile")
+    t:eq(o.env, { "HOME=/root", "PATH=/usr/bin", "TOOL=/workspace/bin" }, "the caller's PATH wins over the file's")
+    t:eq(o.argv[1], "/bin/sh")
+    t:match(o.argv[3], "touch m.*exec \"%$@\"\n$")
+    t:eq({ o.argv[4], o.argv[5], o.argv[6], o.argv[7] }, { "devcontainer", "/bin/sh", "-c", "echo hi" })
+  end)
+  with_folder(t, { [".devcontainer.json"] = '{"image": "base"}' }, function(dir)
+    local o = plan_of(dir)
+    t:eq(o.devcontainer.file, ".devcontainer.json")
+    t:eq(o.argv, nil, "no create command: the command is left as it is")
+  end)
+end
+
+local function plan_fails(t, files, pat)
+  with_folder(t, files, function(dir)
+    local ok, err = pcall(plan_of, dir)
+    t:ok(not ok, "refused: " .. pat)
+    t:match(tostring(err), pat)
+  end)
+end
+
+function tests.a_plan_never_leaves_the_folder(t)
+  local dc = ".devcontainer/devcontainer.json"
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "../../etc/Dockerfile"}}' },
+    "build%.dockerfile: %.%./%.%./etc/Dockerfile leads out of the repository")
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "Dockerfile", "context": "../.."}}' },
+    "build%.context: %.%./%.%. leads out of the repository")
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "/etc/Dockerfile"}}' },
+    "build%.dockerfile: /etc/Dockerfile is an absolute path")
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "Dockerfile"}}' },
+    "build%.dockerfile: %.devcontainer/Dockerfile does not exist in the repository")
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "Dockerfile"}}',
+    [".devcontainer/Dockerfile"] = { link = "/etc/hostname" } },
+    "build%.dockerfile: %.devcontainer/Dockerfile is %(or passes through%) the symbolic link")
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "x/Dockerfile", "context": "x"}}', ["real/Dockerfile"] = "FROM base\n",
+    [".devcontainer/x"] = { link = "../real" } }, "passes through%) the symbolic link %.devcontainer/x")
+  plan_fails(t, { [".devcontainer/devcontainer.json"] = { link = "/etc/passwd" } }, "symbolic link")
+  plan_fails(t, { [dc] = '{"image": "base", "mounts": []}' }, "mounts: refused")
+  local ok, err = pcall(devcontainer.plan, { mounts = {}, env = {} }, {})
+  t:ok(not ok)
+  t:match(tostring(err), "image: devcontainer needs repository, or a directories entry holding")
+end
+
+function tests.prune_takes_the_older_builds_and_those_whose_folder_is_gone(t)
+  with_folder(t, { ["x"] = "" }, function(dir)
+    local function img(id, created, src, ref)
+      return { id = id, created = created, refs = { ref }, size_bytes = 1, labels = {
+        ["io.demesne.origin"] = "devcontainer", [devcontainer.SOURCE_LABEL] = src,
+        ["io.demesne.devcontainer.file"] = ".devcontainer.json", ["io.demesne.devcontainer.agent"] = "" } }
+    end
+    local asked
+    local eng = { image_list = function(_, labels)
+      asked = labels
+      return { img("old", 1, dir, "demesne/devcontainer-x:111111111111"),
+        img("new", 2, dir, "demesne/devcontainer-x:222222222222"),
+        img("base", 1, dir, "demesne/devcontainer-x-base:333333333333"),
+        img("gone", 3, dir .. "/nowhere", "demesne/devcontainer-nowhere:444444444444") }
+    end }
+    local list = assert(devcontainer.built(eng))
+    t:eq(asked, { "io.demesne.origin=devcontainer" })
+    local stale = {}
+    for _, i in ipairs(list) do stale[i.id] = i.stale end
+    t:eq(stale, { old = true, new = false, base = false, gone = true })
+  end)
+end
+
+return tests
