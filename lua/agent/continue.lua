@@ -16,9 +16,9 @@
 -- /workspace, and the continuation is a new child of the caller (it needs a `name` of its
 -- own). The host never continues a child: its workspace was its tree's.
 --
--- With the git hand-back (lua/repo): continue.INHERITED includes `repository`, `include_uncommitted` and `branch`, so a
--- continue of a run that had a repository gets the same one, and its clone is already in the
--- kept /workspace. The one place that connects the two is the repository step of
+-- With the git hand-back (lua/repo): continue.INHERITED includes `repository`,
+-- `include_uncommitted`, `branch` and `depth`, so a continue of a run that had a repository
+-- gets the same one, and its clone is already in the kept /workspace. The one place that connects the two is the repository step of
 -- agent.prepare: it passes continue.repo_opts(o) ({name, expect}) to repo.prepare, so that
 -- the continuation's hand-back (repo.hand_back at agent.finish, as for every repository
 -- run) fast-forwards the same branch `demesne/<name>` from the head the run it continues
@@ -38,7 +38,7 @@ local continue = {}
 --- The arguments a continue takes from the run it continues: given with another value they
 --- are refused, naming the field; left out they are the first run's.
 continue.INHERITED = { "model", "files", "directories", "egress", "isolation", "host_mcp", "repository",
-  "include_uncommitted", "branch" }
+  "include_uncommitted", "branch", "depth" }
 
 local LOGGER = "demesne.continue"
 local fail = errors.raise

@@ -192,15 +192,15 @@ function agent.prepare(args, tool, kind)
     -- and fast-forwards the branch from the head the run it continues handed back
     local c = continue.repo_opts(o)
     local rok, rerr = pcall(repo.prepare, o, args.repository, { include_uncommitted = args.include_uncommitted,
-      name = args.branch or c.name, expect = c.expect, context = p.context_file_name })
+      depth = args.depth, name = args.branch or c.name, expect = c.expect, context = p.context_file_name })
     if not rok then
       repo.cleanup(o)
       error(rerr, 0)
     end
     run.workdir = o.repo.path
     repo.add_env(o)
-  elseif args.include_uncommitted or args.branch ~= nil then
-    fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
+  else
+    repo.only_with(args)
   end
   o.before_create = function(plan)
     continue.started(plan) -- its place in a tree is known now: recorded for a later continue
