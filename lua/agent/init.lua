@@ -192,7 +192,8 @@ function agent.prepare(args, tool, kind)
     -- and fast-forwards the branch from the head the run it continues handed back
     local c = continue.repo_opts(o)
     local rok, rerr = pcall(repo.prepare, o, args.repository, { include_uncommitted = args.include_uncommitted,
-      depth = args.depth, name = args.branch or c.name, expect = c.expect, context = p.context_file_name })
+      depth = args.depth, name = args.branch or c.name, expect = c.expect, base = c.base, host_head = c.host_head,
+      context = p.context_file_name })
     if not rok then
       repo.cleanup(o)
       error(rerr, 0)

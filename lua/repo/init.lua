@@ -303,7 +303,8 @@ end
 --- repo.mount_of(o) (not o.mounts: a tree's children inherit those). Fails naming `field`.
 --- opts: include_uncommitted (boolean), name (the branch component after demesne/,
 --- default the run id), name_field (for messages), expect (a continue: the branch's
---- current head, which it fast-forwards), depth (commits of the host's history the clone
+--- current head, which it fast-forwards), base and host_head (a continue: the start of the
+--- run it continues, which its kept clone holds; taken when the host has them), depth (commits of the host's history the clone
 --- holds, repo.check_depth; nil: all of it; the commit of include_uncommitted comes on top).
 --- Runs inside a task.
 ---@param o table  the plan (sandbox.prepare), with run_id, mounts, env; argv or command
@@ -382,7 +383,14 @@ function repo.prepare(o, path, opts)
   local basename = info.top:match("([^/]+)$") or "repo"
   if basename:sub(1, 1) == "." then basename = "repo" end
   local inside = "/workspace/" .. basename
-  o.repo = { host = info.top, field = field, base = base, host_head = info.head, branch = branch, ref = ref,
+  -- a continue hands back against the start of the run it continues (its kept clone holds
+  -- those commits, not a HEAD the host moved to since), when the host still has them
+  local start, host_head = base, info.head
+  if opts.host_head and host_git(info.top, { "cat-file", "-e", opts.host_head .. "^{commit}" })
+    and host_git(info.top, { "cat-file", "-e", (opts.base or opts.host_head) .. "^{commit}" }) then
+    start, host_head = opts.base or opts.host_head, opts.host_head
+  end
+  o.repo = { host = info.top, field = field, base = start, host_head = host_head, branch = branch, ref = ref,
     path = inside, notes = info.notes, dir = dir, expect = opts.expect, name = name, objects = info.objects,
     depth = depth and (base ~= info.head and depth + 1 or depth) or nil }
   o.repo.context = opts.context
@@ -444,10 +452,12 @@ end
 --- <parent's path>--<name>, on branch <parent's branch>--<name> (git cannot hold a branch
 --- and branches below it under one name). It comes back to the host repository of the
 --- tree's root like any other. The host runs no git in the parent's clone (the sandbox's).
---- Fails naming `repository` when the parent has no repository.
+--- Fails naming `repository` when the parent has no repository. A continue of a child
+--- (lua/agent/continue.lua) passes the spec of the run it continues, and opts.expect and
+--- opts.base: the same clone, the same branch fast-forwarded.
 ---@param o table  the plan
 ---@param spec {parent: string, name: string}
----@param opts table|nil  context (the agent's context file name)
+---@param opts table|nil  context (the agent's context file name), expect, base
 ---@return table o.repo
 function repo.prepare_child(o, spec, opts)
   opts = opts or {}
@@ -457,16 +467,18 @@ function repo.prepare_child(o, spec, opts)
   local branch = repo.PREFIX .. name
   local ref = "refs/heads/" .. branch
   local cur = host_git(p.host, { "rev-parse", "--verify", "--quiet", ref .. "^{commit}" })
-  if cur and cur ~= "" then
+  if cur and cur ~= "" and cur ~= opts.expect then
     fail(("name: the branch %s already exists in %s and is not this run's; choose another name"):format(branch, p.host))
   end
   local dir = config.get("state_dir") .. "/repo/" .. o.run_id
   assert(fs.mkdir_p(dir .. "/in", 448))
   assert(fs.chmod(dir .. "/in", 493))
   assert(fs.write_atomic(dir .. "/in/run.sh", RUN_SH, 420))
-  o.repo = { host = p.host, field = "repository", base = p.host_head, host_head = p.host_head, branch = branch,
+  local base = p.host_head
+  if opts.base and host_git(p.host, { "cat-file", "-e", opts.base .. "^{commit}" }) then base = opts.base end
+  o.repo = { host = p.host, field = "repository", base = base, host_head = p.host_head, branch = branch,
     ref = ref, path = p.path .. "--" .. spec.name, notes = {}, dir = dir, name = name, objects = p.objects,
-    source = p.path, context = opts.context }
+    source = p.path, context = opts.context, expect = opts.expect }
   repo.save(o)
   local argv = { "/bin/sh", repo.MOUNT .. "/run.sh" }
   for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do argv[#argv + 1] = a end

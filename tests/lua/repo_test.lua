@@ -160,9 +160,14 @@ function tests.a_continue_fast_forwards_the_same_branch(t)
   local ws = sandbox_side(o, "echo 1 > one && " .. G .. " add one && " .. G .. " commit -qm one")
   local b1 = repo.hand_back(o)
   t:eq(b1.error, nil)
+  -- the host moves on meanwhile: the continue still hands back against the first run's start,
+  -- which its kept clone holds (a ^<new HEAD> the clone lacks would make no bundle)
+  local start = { base = o.repo.base, host_head = o.repo.host_head }
+  must(("cd %s && echo host > host.txt && %s add host.txt && %s commit -qm 'host moved on'"):format(h, G, G))
   local o2 = plan(d, "c2")
-  local g = repo.prepare(o2, h, { name = "cont", expect = b1.head })
+  local g = repo.prepare(o2, h, { name = "cont", expect = b1.head, base = start.base, host_head = start.host_head })
   t:eq(g.branch, "demesne/cont", "the same branch")
+  t:eq({ base = g.base, host_head = g.host_head }, start, "the first run's start, not the host's new HEAD")
   o2.output_dir = o.output_dir -- the same /out: the sandbox's side below writes its bundle there
   must(("cd %s && echo 2 > two && %s add two && %s commit -qm two && %s bundle create -q %s/%s refs/heads/%s ^%s"):format(
     ws, G, G, G, o.output_dir, repo.BUNDLE, g.branch, g.host_head))
