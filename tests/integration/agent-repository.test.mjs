@@ -10,7 +10,7 @@ import { randomBytes } from "node:crypto";
 import { mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
-import { connect, engineContainers, engineRequest, ROOT } from "./helpers.mjs";
+import { BIN, connect, engineContainers, engineRequest, ROOT, serverEnv as withServerEnv } from "./helpers.mjs";
 import { startVendor } from "./scripted-vendor.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
@@ -92,6 +92,13 @@ async function agentRun({ tag, model }) {
     assert.deepEqual(snapshot(h), before, "the host's work tree, index, HEAD and config are untouched");
     const results = JSON.parse(readFileSync(path.join(r.output_dir, "results.json"), "utf8"));
     assert.equal(results.branch.head, b.head, "results.json says the same");
+    // demesne branches: the run, its status and cost, the diffstat
+    const listed = JSON.parse(execFileSync(BIN, ["branches", h, "--json"], { env: withServerEnv(serverEnv(tag)),
+      encoding: "utf8" }));
+    assert.deepEqual(listed.branches.map((x) => [x.name, x.run_id, x.status, x.head, x.cost_usd]),
+      [[`demesne/${tag}`, r.run_id, "succeeded", b.head, r.cost_usd]]);
+    assert.ok(r.cost_usd > 0, `the scripted vendor's usage has a cost: ${r.cost_usd}`);
+    assert.deepEqual(listed.branches[0].diffstat, { files: 2, insertions: 2, deletions: 1 });
   } finally {
     await conn.client.close();
   }

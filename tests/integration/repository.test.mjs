@@ -297,10 +297,15 @@ test("a tree: three children with repository: true give three branches beside th
     directories: [path.join(ROOT, "tests/fixtures/tree")], command: [
       "set -e", "echo plan > plan.txt", "git add plan.txt", "git commit -qm 'root: plan'",
       child("a"), child("b"), child("c"),
+      // the orchestrator's own branch merges two of its children's (their clones share /workspace)
+      "git fetch -q /workspace/proj5--a HEAD && git merge -q --ff-only FETCH_HEAD",
+      "git fetch -q /workspace/proj5--b HEAD && git merge -q --no-edit -m 'root: merge b' FETCH_HEAD",
     ].join("\n") });
   assert.equal(r.exit_code, 0, r.stderr);
   assert.equal(r.branch.error, undefined, JSON.stringify(r.branch));
-  assert.deepEqual(r.branch.commits.map((x) => x.subject), ["root: plan"]);
+  assert.deepEqual(r.branch.commits.map((x) => x.subject).sort(), ["root: merge b", "root: plan", "try-a", "try-b"]);
+  assert.deepEqual(["a", "b"].map((n) => git(h, "show", `demesne/orch:${n}.txt`)), ["a", "b"], "the children's work merged");
+  assert.equal(git(h, "ls-tree", "--name-only", "demesne/orch", "c.txt"), "", "not c's");
   for (const n of ["a", "b", "c"]) {
     const out = path.join(r.output_dir, "child", n);
     const res = JSON.parse(readFileSync(path.join(r.output_dir, `${n}.json`), "utf8"));
