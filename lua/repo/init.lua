@@ -304,9 +304,9 @@ end
 --- opts: include_uncommitted (boolean), name (the branch component after demesne/,
 --- default the run id), name_field (for messages), expect (a continue: the branch's
 --- current head, which it fast-forwards), base and host_head (a continue: the start of the
---- run it continues, which its kept clone holds; taken when the host has them), depth (commits of the host's history the clone
---- holds, repo.check_depth; nil: all of it; the commit of include_uncommitted comes on top).
---- Runs inside a task.
+--- run it continues, which its kept clone holds; taken when the host has them), depth
+--- (commits of the host's history the clone holds, repo.check_depth; nil: all of it; the
+--- commit of include_uncommitted comes on top). Runs inside a task.
 ---@param o table  the plan (sandbox.prepare), with run_id, mounts, env; argv or command
 ---@param path string  the host path
 ---@param opts table|nil
