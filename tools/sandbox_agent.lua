@@ -31,6 +31,7 @@ return {
       repository = repo.params().repository,
       include_uncommitted = repo.params().include_uncommitted,
       branch = repo.params().branch,
+      depth = repo.params().depth,
       continue = { type = "string", minLength = 1, maxLength = 64, description = "The run_id of an ended "
         .. "sandbox_agent run to continue: the same provider, model and inputs, the same /workspace, and the CLI's "
         .. "own session resumed with this prompt (kept for workspace_keep_seconds after a run, default a day). "

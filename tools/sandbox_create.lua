@@ -30,6 +30,7 @@ return {
       repository = repo.params().repository,
       include_uncommitted = repo.params().include_uncommitted,
       branch = repo.params().branch,
+      depth = repo.params().depth,
       ports = { type = "array", uniqueItems = true, items = schemas.port, description = "Ports the sandbox's "
         .. "services listen on (on its 127.0.0.1) to open in a browser on this host: each gets a URL of its own on "
         .. "the host's loopback (see previews in the result), relayed without any network interface, also at "

@@ -32,6 +32,7 @@ return {
       repository = repo.params().repository,
       include_uncommitted = repo.params().include_uncommitted,
       branch = repo.params().branch,
+      depth = repo.params().depth,
     },
   },
   outputSchema = schemas.or_job(schemas.run_result({ run_id = { type = "string" }, branch = repo.SCHEMA })),

@@ -16,13 +16,14 @@
 -- /workspace, and the continuation is a new child of the caller (it needs a `name` of its
 -- own). The host never continues a child: its workspace was its tree's.
 --
--- With the git hand-back (lua/repo): continue.INHERITED includes `repository`, `include_uncommitted` and `branch`, so a
--- continue of a run that had a repository gets the same one, and its clone is already in the
--- kept /workspace. The one place that connects the two is the repository step of
+-- With the git hand-back (lua/repo): continue.INHERITED includes `repository`,
+-- `include_uncommitted`, `branch` and `depth`, so a continue of a run that had a repository
+-- gets the same one, and its clone is already in the kept /workspace. The one place that connects the two is the repository step of
 -- agent.prepare: it passes continue.repo_opts(o) ({name, expect}) to repo.prepare, so that
 -- the continuation's hand-back (repo.hand_back at agent.finish, as for every repository
 -- run) fast-forwards the same branch `demesne/<name>` from the head the run it continues
--- handed back (`expect`) instead of making a new one. continue.finished records that head
+-- handed back (`expect`) instead of making a new one, against the same start (`base`,
+-- `host_head`: the kept clone's, whatever the host's HEAD is now). continue.finished records that head
 -- (r.branch.head) and the branch's name for the next continue.
 local config = require("demesne.config")
 local errors = require("demesne.errors")
@@ -38,7 +39,7 @@ local continue = {}
 --- The arguments a continue takes from the run it continues: given with another value they
 --- are refused, naming the field; left out they are the first run's.
 continue.INHERITED = { "model", "files", "directories", "egress", "isolation", "host_mcp", "repository",
-  "include_uncommitted", "branch", "image" }
+  "include_uncommitted", "branch", "image", "depth" }
 
 local LOGGER = "demesne.continue"
 local fail = errors.raise
@@ -108,9 +109,10 @@ function continue.resolve(caller, args)
   for _, f in ipairs(continue.INHERITED) do
     local want = first[f]
     if want == json.null then want = nil end
-    -- false is the schema's default of a flag (inside a tree `repository` is one): as absent
+    -- false is the schema's default of a flag (include_uncommitted; inside a tree `repository`
+    -- is one), there whether the caller gave it or not: as absent
     local given = args[f]
-    if given == false and (want == nil or want == false) then given = nil end
+    if given == false then given = nil end
     if given ~= nil and not same(given, want) then
       fail(("%s: a continue runs with the %s of run %s (%s); leave it out"):format(f, f, id,
         want == nil and "none" or json.encode(want)))
@@ -134,15 +136,18 @@ end
 
 --- What repo.prepare takes for a continuation's repository (see the header): `name`, the
 --- branch component after demesne/ of the run it continues (the chain's first run id when
---- it recorded none), and `expect`, the head that run handed back, which the continuation's
---- hand-back fast-forwards (nil: it made none; the branch is then made). {} for a plan that
---- continues nothing.
+--- it recorded none), `expect`, the head that run handed back, which the continuation's
+--- hand-back fast-forwards (nil: it made none; the branch is then made), and `base` and
+--- `host_head`, the branch's start as that run recorded it: the kept clone holds those
+--- commits, not a HEAD the host moved to since. {} for a plan that continues nothing.
 ---@param o table  the plan (continue.plan ran)
----@return {name: string|nil, expect: string|nil}
+---@return {name: string|nil, expect: string|nil, base: string|nil, host_head: string|nil}
 function continue.repo_opts(o)
   if not o.continues then return {} end
   local prev = keep.run(o.continues)
-  return { name = prev and prev.branch_name or o.chain, expect = prev and prev.branch_head or nil }
+  if not prev then return { name = o.chain } end
+  return { name = prev.branch_name or o.chain, expect = prev.branch_head, base = prev.branch_base,
+    host_head = prev.branch_host_head }
 end
 
 --- Takes the plan's keep, the last step of agent.prepare (nothing after it fails): a
@@ -212,6 +217,9 @@ function continue.finished(o, r)
   local b = type(r.branch) == "table" and r.branch or nil
   rec.branch_name = b and type(b.branch) == "string" and b.branch:match("^demesne/(.+)$") or (prev and prev.branch_name)
   rec.branch_head = b and type(b.head) == "string" and b.head or (prev and prev.branch_head)
+  -- where the branch starts (the first run's base and host HEAD): a continue hands back against them
+  rec.branch_base = prev and prev.branch_base or (b and type(b.base) == "string" and b.base or nil)
+  rec.branch_host_head = prev and prev.branch_host_head or (b and type(b.host_head) == "string" and b.host_head or nil)
   local session = type(r.session_id) == "string" and r.session_id or nil
   if not session and prev then -- the CLI said nothing (it failed at once): the chain's session stands
     session = prev.session_id

@@ -193,15 +193,16 @@ function agent.prepare(args, tool, kind)
     -- and fast-forwards the branch from the head the run it continues handed back
     local c = continue.repo_opts(o)
     local rok, rerr = pcall(repo.prepare, o, args.repository, { include_uncommitted = args.include_uncommitted,
-      name = args.branch or c.name, expect = c.expect, context = p.context_file_name })
+      depth = args.depth, name = args.branch or c.name, expect = c.expect, base = c.base, host_head = c.host_head,
+      context = p.context_file_name })
     if not rok then
       repo.cleanup(o)
       error(rerr, 0)
     end
     run.workdir = o.repo.path
     repo.add_env(o)
-  elseif args.include_uncommitted or args.branch ~= nil then
-    fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
+  else
+    repo.only_with(args)
   end
   if args.image ~= nil then
     -- the repository's own environment with the provider's CLI added (lua/images/devcontainer.lua)

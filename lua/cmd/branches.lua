@@ -34,7 +34,7 @@ local function run_info(id)
   local ok, r = pcall(json.decode, res or "")
   if ok and type(r) == "table" then
     if type(r.status) == "string" then info.status = r.status
-    elseif math.type(r.exit_code) == "integer" then info.status = r.exit_code == 0 and "succeeded" or "failed" end
+    elseif type(r.exit_code) == "number" then info.status = r.exit_code == 0 and "succeeded" or "failed" end -- JSON numbers decode as floats
     if type(r.total_cost_usd) == "number" then info.cost_usd = r.total_cost_usd
     elseif type(r.cost_usd) == "number" then info.cost_usd = r.cost_usd end
   else

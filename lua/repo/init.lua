@@ -7,7 +7,9 @@
 -- a small script are mounted read-only at /.demesne/repo; the script clones the bundle to
 -- /workspace/<basename> on the run's branch, with no remote, runs the command there, and at
 -- the end commits what was left uncommitted and writes a bundle of the branch to
--- /out/demesne-branch.bundle.
+-- /out/demesne-branch.bundle. With a `depth` (a bundle cannot carry a shallow history) the
+-- host makes a shallow bare clone of the scratch repository instead (in/repo.git, its own
+-- config written by demesne, no remote), and the script clones that with --depth.
 --
 -- Out: the bundle is hostile. The host copies it out of the output folder confined and
 -- bounded (as sandbox_download does), checks it with `git bundle list-heads` (exactly one
@@ -19,7 +21,8 @@
 -- repository the sandbox wrote; only on the bundle FILE, from the host repository.
 --
 -- Layout: <state_dir>/repo/<run id>/scratch.git  (private scratch repository)
---         <state_dir>/repo/<run id>/in/           (mounted at /.demesne/repo: in.bundle, run.sh)
+--         <state_dir>/repo/<run id>/in/           (mounted at /.demesne/repo: in.bundle or, with a
+--                                                  depth, repo.git; run.sh, settings)
 --         <state_dir>/repo/<run id>/back.bundle   (the copy of what the sandbox handed back)
 local async = require("demesne.async")
 local config = require("demesne.config")
@@ -44,6 +47,8 @@ repo.PREFIX = "demesne/"
 local IDENTITY = { GIT_AUTHOR_NAME = "demesne", GIT_AUTHOR_EMAIL = "demesne@localhost",
   GIT_COMMITTER_NAME = "demesne", GIT_COMMITTER_EMAIL = "demesne@localhost" }
 local COMMITS_MAX = 200 -- commits listed in a result
+--- The largest `depth` taken (commits); past it, leave depth out for the whole history.
+repo.DEPTH_MAX = 1000000
 
 local function timeout_ms() return math.floor(config.get("repository_timeout_seconds") * 1000) end
 
@@ -80,6 +85,27 @@ function repo.check_name(field, name)
   return name
 end
 
+--- Checks a `depth` (the commits of history the clone holds): nil (the whole history) or an
+--- integer from 1 to repo.DEPTH_MAX. Returns it as an integer or fails naming `field`.
+---@param field string
+---@param depth any
+---@return integer|nil
+function repo.check_depth(field, depth)
+  if depth == nil then return nil end
+  if math.type(depth) == "float" and depth == math.floor(depth) and math.abs(depth) < 2 ^ 53 then
+    depth = math.tointeger(depth)
+  end
+  if math.type(depth) ~= "integer" then
+    fail(("%s: must be a whole number of commits, at least 1 (got %s)"):format(field, tostring(depth)))
+  end
+  if depth < 1 then fail(("%s: must be at least 1 commit (got %d); leave it out for the whole history"):format(field, depth)) end
+  if depth > repo.DEPTH_MAX then
+    fail(("%s: %d is more than the %d commits a depth may be; leave it out for the whole history"):format(field, depth,
+      repo.DEPTH_MAX))
+  end
+  return depth
+end
+
 -- A repository in the output root or the state folder is one a sandbox could have written
 -- (its .git/config, hooks, filters): git on the host never runs there.
 local function refuse_sandbox_written(field, path, real)
@@ -93,14 +119,17 @@ local function refuse_sandbox_written(field, path, real)
 end
 
 --- Looks at a host repository (read only): resolves `path` inside the allowed paths, finds
---- its work tree, and refuses what demesne does not take (not a repository, bare, shallow,
---- no commit yet, too large). Returns {top, common (the git folder holding objects), head,
---- symbolic (the branch HEAD is on, or nil when detached), format, notes = {string…}}.
---- Fails naming `field` and the reason.
+--- its work tree, and refuses what demesne does not take (not a repository, bare, no commit
+--- yet, too large; a shallow clone without a `depth`, or whose HEAD has fewer first-parent
+--- commits than `depth`). Returns {top, common (the git folder holding objects), head,
+--- symbolic (the branch HEAD is on, or nil when detached), format, shallow (the path of its
+--- shallow file when it is a shallow clone), notes = {string…}}. Fails naming `field` (or
+--- `depth`) and the reason.
 ---@param field string
 ---@param path string
+---@param depth integer|nil  the depth asked for (repo.check_depth), nil for the whole history
 ---@return table info
-function repo.inspect(field, path)
+function repo.inspect(field, path, depth)
   local real, err = paths.check(field, path, "directory")
   if not real then fail(err) end
   refuse_sandbox_written(field, path, real)
@@ -121,13 +150,26 @@ function repo.inspect(field, path)
   refuse_sandbox_written(field, path, top)
   local notes = {}
   if top ~= real then notes[#notes + 1] = ("%s is inside the work tree %s: the whole repository is used"):format(path, top) end
-  if host_git(top, { "rev-parse", "--is-shallow-repository" }) == "true" then
-    fail(("%s: %s is a shallow clone, whose history demesne cannot bundle; run `git fetch --unshallow` in it "
-      .. "first"):format(field, top))
-  end
   local head = host_git(top, { "rev-parse", "--verify", "--quiet", "HEAD^{commit}" })
   if not head or head == "" then
     fail(("%s: %s has no commit yet (HEAD is unborn); commit something first"):format(field, top))
+  end
+  local shallow
+  if host_git(top, { "rev-parse", "--is-shallow-repository" }) == "true" then
+    -- a shallow clone is taken with a depth its history reaches (along HEAD's first parents)
+    if not depth then
+      fail(("%s: %s is a shallow clone, whose whole history demesne cannot hand over; give a depth (commits of "
+        .. "history), or run `git fetch --unshallow` in it first"):format(field, top))
+    end
+    local have = tonumber(host_git(top, { "rev-list", "--first-parent", "--count", "--max-count=" .. tostring(depth),
+      head }) or "") or 0
+    if have < depth then
+      fail(("depth: %s is a shallow clone whose HEAD has %d commit(s) of history (first parents), fewer than the %d "
+        .. "asked for; give a depth of at most %d, or run `git fetch --unshallow` in it first"):format(top, have, depth,
+        have, have))
+    end
+    shallow = assert(host_git(top, { "rev-parse", "--path-format=absolute", "--git-path", "shallow" }))
+    notes[#notes + 1] = ("%s is a shallow clone: the clone's history is cut where it is cut there"):format(top)
   end
   local symbolic = host_git(top, { "symbolic-ref", "--quiet", "HEAD" })
   if not symbolic then notes[#notes + 1] = ("HEAD is detached at %s: the branch starts there"):format(head:sub(1, 12)) end
@@ -152,7 +194,7 @@ function repo.inspect(field, path)
     notes[#notes + 1] = ("submodules are left out (their folders are empty in the clone): %s"):format(table.concat(list, ", "))
   end
   return { top = top, common = common, objects = objects, head = head, symbolic = symbolic, format = format,
-    notes = notes }
+    shallow = shallow, notes = notes }
 end
 
 -- The script the sandbox runs (mounted at /.demesne/repo/run.sh): clone, run "$@" in the
@@ -160,12 +202,13 @@ end
 -- DEMESNE_REPO_HOST_HEAD.
 local RUN_SH = [=[#!/bin/sh
 # demesne: the run's repository (lua/repo/init.lua). `run.sh CMD…` clones the bundle, runs
-# the command in the clone, then hands the branch back as /out/demesne-branch.bundle;
+# the command in the clone (a shallow clone of repo.git with a depth), then hands the
+# branch back as /out/demesne-branch.bundle;
 # `run.sh --setup` only clones, `run.sh --handback` only hands back (a persistent sandbox).
 # The settings file is the host's (read-only here).
 . /.demesne/repo/settings
 W="$DEMESNE_REPO_PATH"; B="$DEMESNE_REPO_BRANCH"; H="$DEMESNE_REPO_HOST_HEAD"; X="${DEMESNE_REPO_CONTEXT:-}"
-S="${DEMESNE_REPO_SOURCE:-}"
+S="${DEMESNE_REPO_SOURCE:-}"; D="${DEMESNE_REPO_DEPTH:-}"
 say() { printf 'demesne: %s\n' "$*" >&2; }
 git() { command git -c core.fsmonitor=false -c core.hooksPath=/dev/null "$@"; }
 handback() {
@@ -202,6 +245,13 @@ setup() {
       say "could not clone $S"; return 125
     fi
     (cd "$W" && git rev-parse HEAD) > /out/demesne-branch.base 2>/dev/null
+  elif [ -n "$D" ]; then
+    # the host's shallow bare clone (read-only here, owned by the host's user: upload-pack
+    # is told it is safe); a bundle cannot carry a shallow history
+    R=/.demesne/repo/repo.git
+    if ! git clone -q --depth "$D" -b "$B" -u "git -c safe.directory=$R upload-pack" "file://$R" "$W" >&2; then
+      say "could not clone the repository"; return 125
+    fi
   elif ! git clone -q -b "$B" /.demesne/repo/in.bundle "$W" >&2; then say "could not clone the repository"; return 125; fi
   (cd "$W" && git remote remove origin && git config user.name "demesne agent" \
     && git config user.email agent@demesne.invalid \
@@ -221,6 +271,30 @@ handback
 exit $rc
 ]=]
 
+-- With a depth: a shallow bare clone of the scratch repository's one branch at in/repo.git
+-- (host git, the scratch repository its only source), `depth` commits deep, readable by the
+-- sandbox, with a config of demesne's own (no remote: the scratch path stays on the host),
+-- bounded by repository_max_bytes.
+local function shallow_copy(field, info, scratch, dir, branch, depth)
+  local into = dir .. "/in/repo.git"
+  local ok, err = git.ok({ "-c", "core.sharedRepository=0644", "clone", "-q", "--bare", "--template=", "--depth",
+    tostring(depth), "--single-branch", "-b", branch, "file://" .. scratch, into }, { cwd = dir, timeout_ms = timeout_ms() })
+  if not ok then fail(("%s: could not make a clone of %s %d commit(s) deep: %s"):format(field, info.top, depth, err)) end
+  local conf = info.format == "sha1" and "[core]\n\trepositoryformatversion = 0\n\tbare = true\n"
+    or ("[core]\n\trepositoryformatversion = 1\n\tbare = true\n[extensions]\n\tobjectformat = %s\n"):format(info.format)
+  assert(fs.write_atomic(into .. "/config", conf, 420))
+  local counts = scratch_git(into, { "count-objects", "-v" }) or ""
+  local kib = 0
+  for k, v in counts:gmatch("([%w-]+): (%d+)") do
+    if k == "size" or k == "size-pack" then kib = kib + tonumber(v) end
+  end
+  local max = config.get("repository_max_bytes")
+  if kib * 1024 > max then
+    fail(("%s: the clone of %s %d commit(s) deep is %d MiB, more than repository_max_bytes (%d MiB) allows"):format(field,
+      info.top, depth, kib // 1024, max // (1024 * 1024)), "EFBIG")
+  end
+end
+
 --- Plans a run on a host repository: checks it (repo.inspect), bundles HEAD (and the
 --- uncommitted work) into the plan's private scratch folder, mounts it at /.demesne/repo
 --- and wraps the plan's command so that it runs in the clone at /workspace/<basename> and
@@ -229,7 +303,10 @@ exit $rc
 --- repo.mount_of(o) (not o.mounts: a tree's children inherit those). Fails naming `field`.
 --- opts: include_uncommitted (boolean), name (the branch component after demesne/,
 --- default the run id), name_field (for messages), expect (a continue: the branch's
---- current head, which it fast-forwards). Runs inside a task.
+--- current head, which it fast-forwards), base and host_head (a continue: the start of the
+--- run it continues, which its kept clone holds; taken when the host has them), depth
+--- (commits of the host's history the clone holds, repo.check_depth; nil: all of it; the
+--- commit of include_uncommitted comes on top). Runs inside a task.
 ---@param o table  the plan (sandbox.prepare), with run_id, mounts, env; argv or command
 ---@param path string  the host path
 ---@param opts table|nil
@@ -239,7 +316,8 @@ function repo.prepare(o, path, opts)
   if type(path) == "table" then return repo.prepare_child(o, path, opts) end
   local field = opts.field or "repository"
   local name = repo.check_name(opts.name_field or "branch", opts.name or o.run_id)
-  local info = repo.inspect(field, path)
+  local depth = repo.check_depth("depth", opts.depth)
+  local info = repo.inspect(field, path, depth)
   local branch = repo.PREFIX .. name
   local ref = "refs/heads/" .. branch
   if not host_git(info.top, { "check-ref-format", ref }) then
@@ -259,6 +337,12 @@ function repo.prepare(o, path, opts)
   if not ok then fail(("%s: could not make the scratch repository: %s"):format(field, err)) end
   assert(fs.mkdir_p(scratch .. "/objects/info", 493))
   assert(fs.write_atomic(scratch .. "/objects/info/alternates", info.objects .. "\n"))
+  if info.shallow then
+    -- the host's own record of where its history is cut, so the scratch repository's walk stops there too
+    local cut = fs.read_file(info.shallow, 0, 64 * 1024 * 1024)
+    if not cut then fail(("%s: the shallow file of %s cannot be read"):format(field, info.top)) end
+    assert(fs.write_atomic(scratch .. "/shallow", cut, 420))
+  end
   local base = info.head
   if opts.include_uncommitted then
     -- the work tree's changes as one commit by demesne, its objects in the scratch repository
@@ -281,21 +365,34 @@ function repo.prepare(o, path, opts)
     end
   end
   local step, serr = scratch_git(scratch, { "update-ref", ref, base })
-  if step then step, serr = scratch_git(scratch, { "bundle", "create", "-q", dir .. "/in/in.bundle", ref }) end
   if not step then fail(("%s: could not bundle %s: %s"):format(field, info.top, tostring(serr))) end
-  local st = fs.stat(dir .. "/in/in.bundle")
-  local max = config.get("repository_max_bytes")
-  if not st or st.size > max then
-    fail(("%s: the bundle of %s is %d MiB, more than repository_max_bytes (%d MiB) allows"):format(field, info.top,
-      (st and st.size or 0) // (1024 * 1024), max // (1024 * 1024)), "EFBIG")
+  if depth then
+    shallow_copy(field, info, scratch, dir, branch, base ~= info.head and depth + 1 or depth)
+  else
+    step, serr = scratch_git(scratch, { "bundle", "create", "-q", dir .. "/in/in.bundle", ref })
+    if not step then fail(("%s: could not bundle %s: %s"):format(field, info.top, tostring(serr))) end
+    local st = fs.stat(dir .. "/in/in.bundle")
+    local max = config.get("repository_max_bytes")
+    if not st or st.size > max then
+      fail(("%s: the bundle of %s is %d MiB, more than repository_max_bytes (%d MiB) allows"):format(field, info.top,
+        (st and st.size or 0) // (1024 * 1024), max // (1024 * 1024)), "EFBIG")
+    end
+    assert(fs.chmod(dir .. "/in/in.bundle", 420)) -- 0644
   end
-  assert(fs.chmod(dir .. "/in/in.bundle", 420)) -- 0644
   assert(fs.write_atomic(dir .. "/in/run.sh", RUN_SH, 420))
   local basename = info.top:match("([^/]+)$") or "repo"
   if basename:sub(1, 1) == "." then basename = "repo" end
   local inside = "/workspace/" .. basename
-  o.repo = { host = info.top, field = field, base = base, host_head = info.head, branch = branch, ref = ref,
-    path = inside, notes = info.notes, dir = dir, expect = opts.expect, name = name, objects = info.objects }
+  -- a continue hands back against the start of the run it continues (its kept clone holds
+  -- those commits, not a HEAD the host moved to since), when the host still has them
+  local start, host_head = base, info.head
+  if opts.host_head and host_git(info.top, { "cat-file", "-e", opts.host_head .. "^{commit}" })
+    and host_git(info.top, { "cat-file", "-e", (opts.base or opts.host_head) .. "^{commit}" }) then
+    start, host_head = opts.base or opts.host_head, opts.host_head
+  end
+  o.repo = { host = info.top, field = field, base = start, host_head = host_head, branch = branch, ref = ref,
+    path = inside, notes = info.notes, dir = dir, expect = opts.expect, name = name, objects = info.objects,
+    depth = depth and (base ~= info.head and depth + 1 or depth) or nil }
   o.repo.context = opts.context
   repo.save(o)
   local argv = { "/bin/sh", repo.MOUNT .. "/run.sh" }
@@ -307,7 +404,7 @@ function repo.prepare(o, path, opts)
 end
 
 local SAVED = { "host", "field", "base", "host_head", "branch", "ref", "path", "notes", "dir", "expect", "name",
-  "objects", "context", "source" }
+  "objects", "context", "source", "depth" }
 
 --- Writes a run's repository plan where the sandbox cannot reach it (<dir>/plan.json) and
 --- the settings run.sh reads (<dir>/in/settings, mounted read-only): a persistent sandbox's
@@ -321,7 +418,8 @@ function repo.save(o)
   assert(fs.write_atomic(g.dir .. "/plan.json", json.encode(keep) .. "\n", 384)) -- 0600
   local lines = {}
   for k, v in pairs({ DEMESNE_REPO_PATH = g.path, DEMESNE_REPO_BRANCH = g.branch, DEMESNE_REPO_HOST_HEAD = g.host_head,
-    DEMESNE_REPO_BASE = g.base, DEMESNE_REPO_CONTEXT = g.context or "", DEMESNE_REPO_SOURCE = g.source or "" }) do
+    DEMESNE_REPO_BASE = g.base, DEMESNE_REPO_CONTEXT = g.context or "", DEMESNE_REPO_SOURCE = g.source or "",
+    DEMESNE_REPO_DEPTH = g.depth and tostring(math.tointeger(g.depth)) or "" }) do
     lines[#lines + 1] = k .. "=" .. util.sh_quote(v)
   end
   table.sort(lines)
@@ -354,10 +452,12 @@ end
 --- <parent's path>--<name>, on branch <parent's branch>--<name> (git cannot hold a branch
 --- and branches below it under one name). It comes back to the host repository of the
 --- tree's root like any other. The host runs no git in the parent's clone (the sandbox's).
---- Fails naming `repository` when the parent has no repository.
+--- Fails naming `repository` when the parent has no repository. A continue of a child
+--- (lua/agent/continue.lua) passes the spec of the run it continues, and opts.expect and
+--- opts.base: the same clone, the same branch fast-forwarded.
 ---@param o table  the plan
 ---@param spec {parent: string, name: string}
----@param opts table|nil  context (the agent's context file name)
+---@param opts table|nil  context (the agent's context file name), expect, base
 ---@return table o.repo
 function repo.prepare_child(o, spec, opts)
   opts = opts or {}
@@ -367,16 +467,18 @@ function repo.prepare_child(o, spec, opts)
   local branch = repo.PREFIX .. name
   local ref = "refs/heads/" .. branch
   local cur = host_git(p.host, { "rev-parse", "--verify", "--quiet", ref .. "^{commit}" })
-  if cur and cur ~= "" then
+  if cur and cur ~= "" and cur ~= opts.expect then
     fail(("name: the branch %s already exists in %s and is not this run's; choose another name"):format(branch, p.host))
   end
   local dir = config.get("state_dir") .. "/repo/" .. o.run_id
   assert(fs.mkdir_p(dir .. "/in", 448))
   assert(fs.chmod(dir .. "/in", 493))
   assert(fs.write_atomic(dir .. "/in/run.sh", RUN_SH, 420))
-  o.repo = { host = p.host, field = "repository", base = p.host_head, host_head = p.host_head, branch = branch,
+  local base = p.host_head
+  if opts.base and host_git(p.host, { "cat-file", "-e", opts.base .. "^{commit}" }) then base = opts.base end
+  o.repo = { host = p.host, field = "repository", base = base, host_head = p.host_head, branch = branch,
     ref = ref, path = p.path .. "--" .. spec.name, notes = {}, dir = dir, name = name, objects = p.objects,
-    source = p.path, context = opts.context }
+    source = p.path, context = opts.context, expect = opts.expect }
   repo.save(o)
   local argv = { "/bin/sh", repo.MOUNT .. "/run.sh" }
   for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do argv[#argv + 1] = a end
@@ -618,6 +720,14 @@ repo.SCHEMA = { type = "object", description = "repository runs: the branch deme
     error = { type = "string", description = "why nothing was taken back (the host repository is unchanged)" },
   } }
 
+--- Refuses a call that gives a parameter of repo.params() but no `repository`, naming it.
+---@param args table  the tool's arguments
+function repo.only_with(args)
+  for _, k in ipairs({ "branch", "include_uncommitted", "depth" }) do
+    if args[k] ~= nil and args[k] ~= false then fail(k .. ": only with repository") end
+  end
+end
+
 --- The input parameters every tool that takes a repository adds to its inputSchema.
 ---@return table<string, table>
 function repo.params()
@@ -630,6 +740,9 @@ function repo.params()
       .. "uncommitted changes (tracked and untracked, not ignored) go in too, as a first commit by demesne." },
     branch = { type = "string", minLength = 1, maxLength = 200, description = "With repository: the branch name after "
       .. "demesne/ (default: the run id). Refused when that branch exists." },
+    depth = { type = "integer", minimum = 1, maximum = repo.DEPTH_MAX, description = "With repository: the commits of "
+      .. "history the clone holds (a shallow clone: `git clone --depth`); left out, the whole history. The commit of "
+      .. "include_uncommitted comes on top. A shallow host repository needs a depth its HEAD's history reaches." },
   }
 end
 

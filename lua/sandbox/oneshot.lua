@@ -47,14 +47,14 @@ function oneshot.script_prepare(args, kind)
   if args.repository ~= nil then
     -- the command runs in a clone of the host repository; its branch comes back (lua/repo)
     local ok, err = pcall(repo.prepare, o, args.repository, { include_uncommitted = args.include_uncommitted,
-      name = args.branch })
+      depth = args.depth, name = args.branch })
     if not ok then
       repo.cleanup(o)
       error(err, 0)
     end
     repo.add_env(o)
-  elseif args.include_uncommitted or args.branch ~= nil then
-    fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
+  else
+    repo.only_with(args)
   end
   if args.image == devcontainer.IMAGE then
     -- the repository's own environment (lua/images/devcontainer.lua): read and checked now

@@ -68,13 +68,13 @@ function persistent.create(ctx, args)
   if args.repository ~= nil then
     -- the clone is made once the sandbox runs (lua/sandbox/repository.lua); the plan is saved
     local rok, rerr = pcall(repo.prepare, o, args.repository, { include_uncommitted = args.include_uncommitted,
-      name = args.branch })
+      depth = args.depth, name = args.branch })
     if not rok then
       repo.cleanup(o)
       error(rerr, 0)
     end
-  elseif args.include_uncommitted or args.branch ~= nil then
-    fail((args.branch ~= nil and "branch" or "include_uncommitted") .. ": only with repository")
+  else
+    repo.only_with(args)
   end
   local started = false
   -- a sandbox that never came up is no tree node either (lua/tree)

@@ -86,8 +86,8 @@ local function derive(host, kind)
     -- a child clones its parent's workspace repository; no host path, no host work tree
     s.properties.repository = { type = "boolean", default = false, description = "Clone this sandbox's own "
       .. "repository (the clone it was given) at its current commit, at <its path>--<name>; the child's branch "
-      .. "comes back to the host repository as <this branch>--<name>." }
-    s.properties.include_uncommitted, s.properties.branch = nil, nil
+      .. "comes back to the host repository as <this branch>--<name>; its history is this clone's (as deep)." }
+    s.properties.include_uncommitted, s.properties.branch, s.properties.depth = nil, nil, nil
   end
   if kind then
     s.properties.name = schema.copy(NAME_SCHEMA)

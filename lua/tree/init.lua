@@ -909,8 +909,14 @@ function tree.spawn(ctx, parent_id, kind, args, run)
   if (kind == "script" or kind == "create") and args.snapshot == nil then walls.image(sandbox.engine(), args.image) end
   local call = {}
   for k, v in pairs(args) do if k ~= "name" then call[k] = v end end
-  -- repository: true clones the parent's workspace repository (lua/repo prepare_child)
-  call.repository = call.repository == true and { parent = parent_id, name = name } or nil
+  -- repository: true clones the parent's workspace repository (lua/repo prepare_child); a
+  -- continue keeps the spec of the run it continues (continue.resolve took it from that run's
+  -- own record, not from the caller: the schema lets a caller give only a boolean)
+  if call.repository == true then
+    call.repository = { parent = parent_id, name = name }
+  elseif not (type(call.repository) == "table" and call.continue_of) then
+    call.repository = nil
+  end
   -- the name is taken from here on, even if the spawn fails
   parent.children[#parent.children + 1] = { name = name }
   save(parent)

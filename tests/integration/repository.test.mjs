@@ -142,6 +142,11 @@ test("sandbox_script with a repository: bad input is refused naming the field, t
     [{ repository: path.join(work, "state") }, /^repository: .* is not inside the allowed paths/],
     [{ repository: h, branch: "bad..name" }, /^branch: "bad\.\.name" is not a valid git ref component/],
     [{ include_uncommitted: true }, /^include_uncommitted: only with repository/],
+    [{ depth: 2 }, /^depth: only with repository/],
+    [{ repository: h, depth: 0 }, /depth: must be >= 1 \(got 0\)/],
+    [{ repository: h, depth: -1 }, /depth: must be >= 1/],
+    [{ repository: h, depth: 1.5 }, /depth: .*integer/],
+    [{ repository: h, depth: 1e12 }, /depth: must be <= 1000000/],
   ];
   for (const [args, want] of cases) {
     const res = await call("sandbox_script", { image: "base", command: "true", ...args });
@@ -158,6 +163,82 @@ test("sandbox_script with a repository: bad input is refused naming the field, t
   assert.equal(r.branch.head, undefined);
   const now = snapshot(h);
   assert.deepEqual(now, before, "no branch, nothing changed");
+});
+
+// issue 25, "with the history (configurable depth)": a shallow clone inside, the branch back
+test("sandbox_script with a repository and depth 1: one commit of history inside, its commit back on the host's HEAD",
+  async () => {
+    const h = makeRepo("proj-depth");
+    const before = snapshot(h);
+    const r = await ok("sandbox_script", { repository: h, depth: 1, branch: "shallow-1", image: "base", egress: "none",
+      command: "git rev-list --count HEAD && git rev-parse --is-shallow-repository && git log --format=%s && "
+        + "git remote -v | wc -l && echo s > s.txt && git add s.txt && git commit -qm 'in a shallow clone'" });
+    assert.equal(r.exit_code, 0, r.stderr);
+    assert.deepEqual(r.stdout.trim().split("\n"), ["1", "true", "second", "0"], "one commit of history, no remote");
+    const b = r.branch;
+    assert.equal(b.error, undefined, JSON.stringify(b));
+    assert.equal(b.base, before.head);
+    assert.deepEqual(b.commits.map((c) => c.subject), ["in a shallow clone"]);
+    assert.equal(git(h, "rev-parse", `${b.head}^`), before.head, "its parent is the host's HEAD");
+    assert.equal(git(h, "rev-list", "--count", "demesne/shallow-1"), "3", "the whole history on the host");
+    const now = snapshot(h);
+    assert.deepEqual(now.refs, [...before.refs, `refs/heads/demesne/shallow-1 ${b.head}`].sort());
+    now.refs = before.refs;
+    assert.deepEqual(now, before, "work tree, index, HEAD, config and hooks untouched");
+    // a shallow host clone: refused without a depth, taken with one its history reaches
+    const s = path.join(allowed, "proj-depth-shallow");
+    git(allowed, "clone", "-q", "--depth", "1", `file://${h}`, s);
+    const refused = await call("sandbox_script", { repository: s, image: "base", command: "true" });
+    assert.equal(refused.isError, true);
+    assert.match(refused.content[0].text, /^repository: .* is a shallow clone, .*; give a depth/);
+    const deep = await call("sandbox_script", { repository: s, depth: 2, image: "base", command: "true" });
+    assert.equal(deep.isError, true);
+    assert.match(deep.content[0].text, /^depth: .* has 1 commit\(s\) of history .*, fewer than the 2 asked for/);
+    writeFileSync(path.join(s, "dirty.txt"), "d\n");
+    const sBefore = snapshot(s);
+    const r2 = await ok("sandbox_script", { repository: s, depth: 1, include_uncommitted: true, image: "base",
+      egress: "none", command: "git rev-list --count HEAD && echo t > t.txt && git add t.txt && git commit -qm t" });
+    assert.equal(r2.stdout.trim(), "2", "its HEAD and demesne's commit of the uncommitted file on top");
+    assert.equal(r2.branch.error, undefined, JSON.stringify(r2.branch));
+    assert.equal(git(s, "rev-parse", `${r2.branch.base}^`), sBefore.head, "demesne's commit on the host's HEAD");
+    assert.deepEqual(r2.branch.commits.map((c) => c.subject), ["t"]);
+    assert.equal(git(s, "rev-parse", "--is-shallow-repository"), "true");
+    const sNow = snapshot(s);
+    sNow.refs = sBefore.refs;
+    assert.deepEqual(sNow, sBefore, "the shallow host clone untouched but for the branch");
+    // sandbox_create takes a depth too (its clone is made once it runs)
+    const c = await ok("sandbox_create", { repository: h, depth: 1, branch: "shallow-c", image: "base", egress: "none" });
+    const e = await ok("sandbox_exec", { sandbox_id: c.sandbox_id, cwd: c.repository.path,
+      command: "git rev-list --count HEAD && echo c > c.txt && git add c.txt && git commit -qm c" });
+    assert.equal(e.stdout.trim(), "1");
+    const d = await ok("sandbox_destroy", { sandbox_id: c.sandbox_id });
+    assert.equal(d.branch.error, undefined, JSON.stringify(d.branch));
+    assert.equal(git(h, "rev-parse", `${d.branch.head}^`), before.head);
+  });
+
+test("a tree child with repository: true clones its parent's shallow clone, and its branch comes back", async () => {
+  const h = makeRepo("proj-depth-tree");
+  const before = snapshot(h);
+  const child = `python3 /in/tree/mcp-client.py sandbox_script '${JSON.stringify({ name: "kid", repository: true,
+    command: "git rev-list --count HEAD > /out/count.txt && echo k > k.txt && git add k.txt && git commit -qm kid" })}'`
+    + " > /out/kid.json";
+  const r = await ok("sandbox_script", { repository: h, depth: 1, branch: "sorch", mcp: true, image: "default",
+    egress: "none", directories: [path.join(ROOT, "tests/fixtures/tree")], command: [
+      "set -e", "echo plan > plan.txt", "git add plan.txt", "git commit -qm 'root: plan'", child,
+    ].join("\n") });
+  assert.equal(r.exit_code, 0, r.stderr);
+  assert.equal(r.branch.error, undefined, JSON.stringify(r.branch));
+  const res = JSON.parse(readFileSync(path.join(r.output_dir, "kid.json"), "utf8"));
+  assert.equal(res.exit_code, 0, JSON.stringify(res));
+  assert.equal(readFileSync(path.join(r.output_dir, "child", "kid", "count.txt"), "utf8").trim(), "2",
+    "the parent's commit on its one commit of history");
+  assert.equal(res.branch.error, undefined, JSON.stringify(res.branch));
+  assert.deepEqual(res.branch.commits.map((x) => x.subject), ["kid"]);
+  assert.equal(git(h, "log", "--format=%s", "-n", "3", "demesne/sorch--kid"), "kid\nroot: plan\nsecond");
+  const now = snapshot(h);
+  assert.equal(now.refs.length, before.refs.length + 2, "the root's branch and the child's");
+  now.refs = before.refs;
+  assert.deepEqual(now, before);
 });
 
 test("sandbox_create with a repository: hand_back on demand, then at destroy the same branch moves on", async () => {
@@ -216,10 +297,15 @@ test("a tree: three children with repository: true give three branches beside th
     directories: [path.join(ROOT, "tests/fixtures/tree")], command: [
       "set -e", "echo plan > plan.txt", "git add plan.txt", "git commit -qm 'root: plan'",
       child("a"), child("b"), child("c"),
+      // the orchestrator's own branch merges two of its children's (their clones share /workspace)
+      "git fetch -q /workspace/proj5--a HEAD && git merge -q --ff-only FETCH_HEAD",
+      "git fetch -q /workspace/proj5--b HEAD && git merge -q --no-edit -m 'root: merge b' FETCH_HEAD",
     ].join("\n") });
   assert.equal(r.exit_code, 0, r.stderr);
   assert.equal(r.branch.error, undefined, JSON.stringify(r.branch));
-  assert.deepEqual(r.branch.commits.map((x) => x.subject), ["root: plan"]);
+  assert.deepEqual(r.branch.commits.map((x) => x.subject).sort(), ["root: merge b", "root: plan", "try-a", "try-b"]);
+  assert.deepEqual(["a", "b"].map((n) => git(h, "show", `demesne/orch:${n}.txt`)), ["a", "b"], "the children's work merged");
+  assert.equal(git(h, "ls-tree", "--name-only", "demesne/orch", "c.txt"), "", "not c's");
   for (const n of ["a", "b", "c"]) {
     const out = path.join(r.output_dir, "child", n);
     const res = JSON.parse(readFileSync(path.join(r.output_dir, `${n}.json`), "utf8"));

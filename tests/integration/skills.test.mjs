@@ -279,11 +279,12 @@ skillTest("demesne-bisect-hunt", async (skill) => {
   const explain = agentPlan("bisect-explain",
     "test -s /workspace/culprit.patch && grep -q fail /workspace/culprit.patch && "
     + "printf '# Why\\nvalue.txt says fail from this commit on.\\n' > /out/EXPLANATION.md");
+  const before = { head: git(repo, "rev-parse", "HEAD"), status: git(repo, "status", "--porcelain") };
   const r = await runSkill(skill, {
-    task: `Good revision ${good}, bad revision ${bad}, check command: ${check} (image default).`,
+    task: `Good revision ${good}, bad revision ${bad}, check command: ${check} (image default). Fix it too.`,
     fill: { "absolute path of the repository": repo },
     steps: [
-      sh("cp -r /in/bisect-repo /workspace/repo && git -C /workspace/repo log --oneline | wc -l"),
+      sh("git clone -q \"$DEMESNE_REPO_PATH\" /workspace/repo && git -C /workspace/repo log --oneline | wc -l"),
       spawn(skill, "sandbox_script", "probe-good", { fill: { "good revision": good, "check command": check } }),
       spawn(skill, "sandbox_script", "probe-good", { as: "probe-bad", fill: { "good revision": bad, "check command": check } }),
       wait(skill, "probe-good"),
@@ -303,9 +304,14 @@ skillTest("demesne-bisect-hunt", async (skill) => {
         + "&& cp /out/culprit.patch /workspace/culprit.patch "
         + "&& cp /out/child/probe-$(git rev-parse refs/bisect/bad | cut -c1-10)/check.log /workspace/culprit-check.log"),
       spawn(skill, "sandbox_agent", "explain", { plan: explain }),
+      // the fix: made in the orchestrator's clone, checked on a copy, committed on its branch
+      sh("cd \"$DEMESNE_REPO_PATH\" && sed -i 's/^fail/pass/' value.txt && git diff --stat"),
+      spawn(skill, "sandbox_script", "probe-fix", { fill: { "path of your clone": "/workspace/bisect-repo", "check command": check } }),
+      sh((c) => `test ${exitOf(c.last)} = 0 && git -C "$DEMESNE_REPO_PATH" commit -qam "Fix: value.txt says pass again"`),
       sh("cd /workspace/repo && b=$(git rev-parse refs/bisect/bad) && "
         + "{ echo \"first bad commit: $b $(git log -1 --format=%s $b)\"; echo; echo \"probes: $(wc -l < /out/probes.jsonl)\"; "
-        + "cat /out/probes.jsonl; echo; cat /out/child/explain/EXPLANATION.md; } > /out/BISECT.md && cp /out/child/explain/EXPLANATION.md /out/"),
+        + "cat /out/probes.jsonl; echo; cat /out/child/explain/EXPLANATION.md; echo 'fix: verified'; } > /out/BISECT.md && "
+        + "cp /out/child/explain/EXPLANATION.md /out/"),
     ],
   });
   // the output contract
@@ -321,8 +327,21 @@ skillTest("demesne-bisect-hunt", async (skill) => {
   assert.match(read(r.out, "culprit.patch"), new RegExp(`^commit ${culprit}[\\s\\S]*\\+fail 5`));
   assert.match(read(r.out, "bisect.log"), /git bisect start/);
   assert.match(read(r.out, "EXPLANATION.md"), /says fail/);
-  // the tree: two end probes in the background, one probe per bisect step, one explainer
-  const children = [["probe-good", "script", "succeeded"], ["probe-bad", "script", "failed"], ["explain", "agent", "succeeded"]];
+  // the fix came back as the orchestrator's branch in the host repository, nothing else
+  const lines = read(r.out, "BISECT.md").trim().split("\n");
+  assert.equal(lines[lines.length - 1], "fix: verified");
+  const b = r.done.branch;
+  assert.equal(b?.error, undefined, JSON.stringify(b));
+  assert.equal(b.base, bad, "from the host's HEAD, the bad revision");
+  assert.deepEqual(b.commits.map((c) => c.subject), ["Fix: value.txt says pass again"]);
+  assert.deepEqual(b.diffstat, { files: 1, insertions: 1, deletions: 1 });
+  assert.equal(git(repo, "show", `${b.branch}:value.txt`), "pass 8");
+  assert.deepEqual({ head: git(repo, "rev-parse", "HEAD"), status: git(repo, "status", "--porcelain") }, before,
+    "the host's HEAD and work tree are untouched");
+  assert.equal(read(r.out, "child/probe-fix/verdict").trim(), "0", "the fix passed the check");
+  // the tree: two end probes in the background, one probe per bisect step, one explainer, the fix's probe
+  const children = [["probe-good", "script", "succeeded"], ["probe-bad", "script", "failed"], ["explain", "agent", "succeeded"],
+    ["probe-fix", "script", "succeeded"]];
   for (const p of probes) {
     const i = shas.indexOf(p.commit);
     children.push([`probe-${p.commit.slice(0, 10)}`, "script", i < 4 ? "succeeded" : "failed"]);

@@ -72,7 +72,11 @@ end
 local function sandbox_side(o, work, bundle_args)
   local g = o.repo
   local ws = o.output_dir .. "-ws"
-  must(("%s clone -q -b %s %s/in/in.bundle %s"):format(G, g.branch, g.dir, ws))
+  if g.depth then -- run.sh's clone of the host's shallow bare clone
+    must(("%s clone -q --depth %d -b %s file://%s/in/repo.git %s"):format(G, g.depth, g.branch, g.dir, ws))
+  else
+    must(("%s clone -q -b %s %s/in/in.bundle %s"):format(G, g.branch, g.dir, ws))
+  end
   must(("cd %s && %s"):format(ws, work))
   must(("cd %s && %s bundle create -q %s/%s %s"):format(ws, G, o.output_dir, repo.BUNDLE,
     bundle_args or ("refs/heads/" .. g.branch .. " ^" .. g.host_head)))
@@ -156,9 +160,14 @@ function tests.a_continue_fast_forwards_the_same_branch(t)
   local ws = sandbox_side(o, "echo 1 > one && " .. G .. " add one && " .. G .. " commit -qm one")
   local b1 = repo.hand_back(o)
   t:eq(b1.error, nil)
+  -- the host moves on meanwhile: the continue still hands back against the first run's start,
+  -- which its kept clone holds (a ^<new HEAD> the clone lacks would make no bundle)
+  local start = { base = o.repo.base, host_head = o.repo.host_head }
+  must(("cd %s && echo host > host.txt && %s add host.txt && %s commit -qm 'host moved on'"):format(h, G, G))
   local o2 = plan(d, "c2")
-  local g = repo.prepare(o2, h, { name = "cont", expect = b1.head })
+  local g = repo.prepare(o2, h, { name = "cont", expect = b1.head, base = start.base, host_head = start.host_head })
   t:eq(g.branch, "demesne/cont", "the same branch")
+  t:eq({ base = g.base, host_head = g.host_head }, start, "the first run's start, not the host's new HEAD")
   o2.output_dir = o.output_dir -- the same /out: the sandbox's side below writes its bundle there
   must(("cd %s && echo 2 > two && %s add two && %s commit -qm two && %s bundle create -q %s/%s refs/heads/%s ^%s"):format(
     ws, G, G, G, o.output_dir, repo.BUNDLE, g.branch, g.host_head))
@@ -270,6 +279,97 @@ function tests.hostile_bundles_are_refused(t)
   teardown(d)
 end
 
+-- depth: a shallow bare clone (in/repo.git) instead of a bundle; the sandbox's shallow clone
+-- holds `depth` commits, and its branch still fetches into the host repository.
+function tests.a_depth_gives_a_shallow_clone_whose_branch_comes_back(t)
+  local d, h = setup()
+  must(("cd %s && for i in 3 4 5; do echo $i >> a.txt; %s commit -qm c$i a.txt; done && echo dirty >> a.txt"):format(h, G))
+  local before = snapshot(h)
+  local o = plan(d, "d1")
+  local g = repo.prepare(o, h, { depth = 1, name = "shallow" })
+  t:eq(g.depth, 1, "the clone's depth")
+  t:eq(fs.lstat(g.dir .. "/in/in.bundle"), nil, "no bundle: a bundle cannot carry a shallow history")
+  t:eq(must(("git --git-dir=%s/in/repo.git rev-list --count refs/heads/demesne/shallow"):format(g.dir)), "1")
+  t:eq(must(("cat %s/in/repo.git/shallow"):format(g.dir)), before.head, "cut below the host's HEAD")
+  t:eq(must(("git --git-dir=%s/in/repo.git config --list --local"):format(g.dir)),
+    "core.repositoryformatversion=0\ncore.bare=true", "demesne's own config: no remote, no path of the host's")
+  t:match(fs.read_file(g.dir .. "/in/settings"), "DEMESNE_REPO_DEPTH='1'", "run.sh is told the depth")
+  local ws = sandbox_side(o, "echo w > w.txt && " .. G .. " add w.txt && " .. G .. " commit -qm work")
+  t:eq(must(("git -C %s rev-list --count HEAD~1"):format(ws)), "1", "the sandbox's clone holds one commit of history")
+  local b = repo.hand_back(o)
+  t:eq(b.error, nil, "handed back")
+  t:eq(#b.commits, 1)
+  t:eq(b.commits[1].subject, "work")
+  t:eq(must(("git -C %s rev-parse %s^"):format(h, b.head)), before.head, "its parent is the host's HEAD")
+  t:eq(must(("git -C %s rev-list --count demesne/shallow"):format(h)), "6", "the whole history on the host")
+  local after = snapshot(h)
+  t:eq(after.refs, "refs/heads/demesne/shallow " .. b.head .. "\n" .. before.refs, "exactly one ref more")
+  after.refs = before.refs
+  t:eq(after, before, "nothing else changed")
+  repo.cleanup(o)
+  -- with include_uncommitted, demesne's commit comes on top of the depth asked for
+  local o2 = plan(d, "d2")
+  local g2 = repo.prepare(o2, h, { depth = 2, include_uncommitted = true })
+  t:eq(g2.depth, 3, "two commits of history and demesne's")
+  ws = sandbox_side(o2, "grep -q dirty a.txt && echo v > v.txt && " .. G .. " add v.txt && " .. G .. " commit -qm v")
+  t:eq(must(("git -C %s rev-list --count HEAD"):format(ws)), "4")
+  local b2 = repo.hand_back(o2)
+  t:eq(b2.error, nil)
+  t:eq(#b2.commits, 1, "the base is demesne's commit")
+  t:eq(must(("git -C %s rev-parse %s^"):format(h, b2.base)), before.head)
+  repo.cleanup(o2)
+  teardown(d)
+end
+
+-- A shallow host clone is taken with a depth its history reaches, and refused otherwise.
+function tests.a_shallow_host_clone_needs_a_depth_it_reaches(t)
+  local d, h = setup()
+  must(("cd %s && for i in 3 4; do echo $i >> a.txt; %s commit -qm c$i a.txt; done"):format(h, G))
+  local s = d .. "/allowed/shallow"
+  must(("%s clone -q --depth 2 file://%s %s"):format(G, h, s))
+  local before = snapshot(s)
+  local o = plan(d, "s1")
+  local ok, err = pcall(repo.prepare, o, s)
+  t:eq(ok, false)
+  t:match(tostring(err.message), "^repository: .* is a shallow clone, .*; give a depth", "no depth")
+  repo.cleanup(o)
+  ok, err = pcall(repo.prepare, plan(d, "s2"), s, { depth = 3 })
+  t:eq(ok, false)
+  t:match(tostring(err.message), "^depth: .* has 2 commit%(s%) of history %(first parents%), fewer than the 3 asked for; "
+    .. "give a depth of at most 2", "deeper than it holds")
+  t:eq(fs.lstat(d .. "/state/repo/s2"), nil, "nothing made")
+  local o3 = plan(d, "s3")
+  local g = repo.prepare(o3, s, { depth = 2 })
+  t:match(table.concat(g.notes, "\n"), "is a shallow clone: the clone's history is cut where it is cut there")
+  local ws = sandbox_side(o3, "echo z > z.txt && " .. G .. " add z.txt && " .. G .. " commit -qm z")
+  t:eq(must(("git -C %s rev-list --count HEAD"):format(ws)), "3")
+  local b = repo.hand_back(o3)
+  t:eq(b.error, nil, "fetched into the shallow host clone")
+  t:eq(must(("git -C %s rev-parse %s^"):format(s, b.head)), before.head)
+  local after = snapshot(s)
+  after.refs = before.refs
+  t:eq(after, before)
+  t:eq(must(("git -C %s rev-parse --is-shallow-repository"):format(s)), "true", "still as shallow as it was")
+  repo.cleanup(o3)
+  teardown(d)
+end
+
+function tests.bad_depths_are_refused_naming_depth(t)
+  local d, h = setup()
+  local before = snapshot(h)
+  for i, c in ipairs({ { 0, "^depth: must be at least 1 commit %(got 0%)" }, { -3, "^depth: must be at least 1" },
+    { 1.5, "^depth: must be a whole number of commits" }, { "2", "^depth: must be a whole number" },
+    { 10 ^ 12, "^depth: 1000000000000 is more than the 1000000 commits" } }) do
+    local o = plan(d, "bd" .. i)
+    local ok, err = pcall(repo.prepare, o, h, { depth = c[1] })
+    t:eq(ok, false, tostring(c[1]))
+    t:match(tostring(type(err) == "table" and err.message or err), c[2], tostring(c[1]))
+    t:eq(fs.lstat(d .. "/state/repo/bd" .. i), nil, "nothing made")
+  end
+  t:eq(snapshot(h), before)
+  teardown(d)
+end
+
 function tests.bad_repositories_are_refused(t)
   local d, h = setup()
   must(("%s init -q --bare %s/allowed/bare.git"):format(G, d))
@@ -286,7 +386,7 @@ function tests.bad_repositories_are_refused(t)
     { d .. "/allowed/plain", nil, "^repository: .* is not a git repository" },
     { d .. "/allowed/bare.git", nil, "^repository: .* is a bare repository" },
     { d .. "/allowed/empty", nil, "^repository: .* has no commit yet" },
-    { d .. "/allowed/shallow", nil, "^repository: .* is a shallow clone" },
+    { d .. "/allowed/shallow", nil, "^repository: .* is a shallow clone, .*; give a depth" },
     { d .. "/outside", nil, "^repository: .* is not inside the allowed paths" },
     { h, "bad..name", "^branch: \"bad..name\" is not a valid git ref component" },
     { d .. "/allowed/out-repo", nil, "^repository: .* is inside demesne's output_root" },
