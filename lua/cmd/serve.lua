@@ -104,7 +104,7 @@ return function(args, opts)
   local status
   if #addrs > 0 then
     status = http.serve({ addrs = addrs, allow_remote = allow_remote, registry = registry,
-      on_stop = on_stop, on_shutdown = on_shutdown })
+      on_stop = on_stop, on_shutdown = on_shutdown, on_listening = control.set_urls })
   else
     status = stdio.serve({ registry = registry, on_stop = on_stop, on_shutdown = on_shutdown })
   end

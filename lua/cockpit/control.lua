@@ -20,6 +20,7 @@
 -- node of this server), 409 (not possible now), 500.
 local async = require("demesne.async")
 local config = require("demesne.config")
+local ask = require("demesne.egress.ask")
 local errors = require("demesne.errors")
 local json = require("demesne.json")
 local log = require("demesne.log")
@@ -33,9 +34,6 @@ local httpd = require("core.httpd")
 local loop = require("core.loop")
 local timer = require("core.timer")
 
--- the egress `ask` verdict's pending questions (lua/egress/ask.lua), where it is built in
-local has_ask, ask = pcall(require, "demesne.egress.ask")
-if not has_ask or type(ask) ~= "table" or type(ask.pending) ~= "function" then ask = nil end
 
 local control = {}
 
@@ -63,7 +61,6 @@ local function query(target)
 end
 
 local function asks()
-  if not ask then return json.array() end
   local ok, list = pcall(ask.pending)
   if not ok or type(list) ~= "table" then return json.array() end
   local out = json.array()
@@ -165,15 +162,11 @@ local function raise_budget(conn, id, b)
 end
 
 local function answer_ask(conn, id, b)
-  if not ask or type(ask.answer) ~= "function" then
-    return refuse(conn, 404, "this server has no egress questions (no ask verdict)", "ENOENT")
-  end
   if b.decision ~= "once" and b.decision ~= "run" and b.decision ~= "deny" then
     return refuse(conn, 400, "decision: one of once, run, deny", "EINVAL")
   end
-  local ok, r, aerr = pcall(ask.answer, id, b.decision, "cockpit")
-  if not ok then return refuse(conn, 409, tostring(r), "EINVAL") end
-  if r == nil and aerr then return refuse(conn, 404, tostring(aerr), "ENOENT") end
+  local ok, aerr = ask.answer(id, b.decision, "cockpit")
+  if not ok then return refuse(conn, 404, tostring(aerr), "ENOENT") end
   answer(conn, 200, { id = id, decision = b.decision })
 end
 
@@ -296,17 +289,25 @@ function control.start(info)
       if c:is_open() and c:queued() < 65536 then c:write(": keepalive\n\n") end
     end
   end)
-  if ask and type(ask.subscribe) == "function" then
-    pcall(ask.subscribe, function() async.spawn("cockpit tick", tick) end)
-  end
+  -- a question asked or answered shows at once (fn runs on the loop and must not wait)
+  state.unsubscribe = ask.subscribe(function() async.spawn("cockpit tick", tick) end)
   log.info(LOGGER, "control socket %s", path)
   return true
+end
+
+--- Records the URLs this server listens on (an HTTP server's, once bound) in its entry.
+---@param urls string[]
+function control.set_urls(urls)
+  if not state or not state.entry then return end
+  local entry = registry.register({ transport = state.entry.transport, urls = urls, started_ms = state.entry.started_ms })
+  if entry then state.entry = entry end
 end
 
 --- Unregisters and stops serving (the socket file goes). Idempotent.
 function control.stop()
   if not state then return end
   registry.unregister()
+  if state.unsubscribe then state.unsubscribe() end
   state.tick:close()
   state.keepalive:close()
   state.http:close()

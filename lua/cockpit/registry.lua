@@ -40,14 +40,14 @@ function registry.socket_path(pid) return ("%s/%d.sock"):format(registry.dir(), 
 
 --- Registers this process: writes <pid>.json (0600) with `info` plus pid, owner, state_dir,
 --- started_ms and version. Returns the entry, or nil and why.
----@param info {transport: string, urls: string[]|nil}
+---@param info {transport: string, urls: string[]|nil, started_ms: integer|nil}
 ---@return table|nil entry, string|nil err
 function registry.register(info)
   local dir, err = registry.ensure()
   if not dir then return nil, err end
   local pid = loop.getpid()
   local e = { pid = pid, owner = sandbox.owner(), transport = info.transport, urls = json.array(info.urls or {}),
-    state_dir = config.get("state_dir"), socket = registry.socket_path(pid), started_ms = util.now_ms(),
+    state_dir = config.get("state_dir"), socket = registry.socket_path(pid), started_ms = info.started_ms or util.now_ms(),
     version = loop.version }
   local ok, werr = fs.write_atomic(("%s/%d.json"):format(dir, pid), json.encode(e) .. "\n", 384)
   if not ok then return nil, ("cannot write the control entry: %s"):format(tostring(werr)) end

@@ -173,6 +173,9 @@ function web.start(o)
       if not s or s.entry.owner ~= e.owner then
         if s and s.req then s.req:cancel() end
         watch(e)
+      elseif table.concat(s.entry.urls or {}, " ") ~= table.concat(e.urls or {}, " ") then
+        s.entry = e -- rewritten (an HTTP server's URLs, once bound)
+        broadcast()
       end
     end
     for pid, s in pairs(self.servers) do

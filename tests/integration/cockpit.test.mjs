@@ -7,12 +7,14 @@
 // lines with <script>, an SVG and an HTML file with script, egress and MCP records with
 // markup: nothing runs, no dialog opens); the page's own guards (cookie, Host, Origin, CSRF);
 // a cancel of a subtree from the page that removes its containers; a budget raised and a TTL
-// extended from the page; the CLI's ps, logs and cancel. Screenshots go to
-// build/test-output/cockpit/.
+// extended from the page; egress `ask` questions answered from the page (allow once: the
+// held curl goes through; deny: it fails), with a loopback test host named by a loopback
+// DNS server (tests/integration/egress-fixtures.mjs); the CLI's ps, logs and cancel.
+// Screenshots go to build/test-output/cockpit/.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { spawn, execFile } from "node:child_process";
-import { mkdirSync, mkdtempSync, rmSync } from "node:fs";
+import { existsSync, mkdirSync, mkdtempSync, readFileSync, rmSync, writeFileSync } from "node:fs";
 import { randomBytes } from "node:crypto";
 import { tmpdir } from "node:os";
 import path from "node:path";
@@ -20,6 +22,7 @@ import http from "node:http";
 import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StreamableHTTPClientTransport } from "@modelcontextprotocol/sdk/client/streamableHttp.js";
 import { BIN, ROOT, connect, isWarm, serverEnv } from "./helpers.mjs";
+import { dnsServer, selfSigned, testHost } from "./egress-fixtures.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const SOCKET = ENGINE.replace(/^unix:\/\//, "");
@@ -39,7 +42,15 @@ const base = (tag) => ({
 const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
 const TOKEN = randomBytes(24).toString("hex");
 
-let stdio, httpProc, httpClient, ui, uiUrl, browser, page, rootA, rootB;
+let stdio, httpProc, httpClient, ui, uiUrl, browser, page, rootA, rootB, dns, askHost;
+// the stdio server's configuration: a policy that asks about *.asked.test, a long hold (the
+// page answers), the test DNS server as the proxy's resolver
+const XDG = path.join(work, "xdg");
+mkdirSync(path.join(XDG, "demesne", "policies"), { recursive: true });
+writeFileSync(path.join(XDG, "demesne", "policies", "asktest.lua"), `
+  return { description = "cockpit ask tests", rules = {
+    { ASK, host = ".asked.test", name = "asked" }, { ALLOW, cidr = "127.0.0.7/32", name = "test-host" } } }`);
+writeFileSync(path.join(XDG, "demesne", "config.lua"), "return { ask_timeout_seconds = 300 }\n");
 const dialogs = [];
 
 async function okOn(client, name, args) {
@@ -87,7 +98,10 @@ function raw(port, { method = "GET", pathname = "/", headers = {}, body } = {}) 
 
 before(async () => {
   mkdirSync(SHOTS, { recursive: true });
-  stdio = await connect({ env: base("a"), fixtures: false });
+  dns = await dnsServer({ "asked.test": "127.0.0.7" });
+  askHost = await testHost("asked-host", "127.0.0.7", selfSigned(["asked.test"]));
+  stdio = await connect({ env: { ...base("a"), XDG_CONFIG_HOME: XDG, DEMESNE_EGRESS_RESOLVER: `127.0.0.1:${dns.port}` },
+    fixtures: false });
   // the HTTP server: port 0, the URL read from its log
   httpProc = spawn(BIN, ["serve", "--http", "127.0.0.1:0"], { env: serverEnv({ ...base("b"), DEMESNE_HTTP_TOKEN: TOKEN }),
     stdio: ["ignore", "ignore", "pipe"] });
@@ -134,6 +148,8 @@ after(async () => {
     httpProc.kill("SIGTERM");
     await gone;
   }
+  await askHost?.close();
+  await dns?.close();
   rmSync(work, { recursive: true, force: true });
 });
 
@@ -151,6 +167,8 @@ test("two servers on one page; a three-level tree appears and grows live; a line
     assert.equal(new URL(page.url()).pathname, "/", "the one-time link sets the cookie and goes to the page");
     await page.waitForSelector("[data-testid=conn]:text-is('live')");
     await page.waitForFunction(() => document.querySelectorAll("[data-testid=server]").length === 2);
+    assert.match(await page.locator("[data-testid=server][data-transport=http] h2").textContent(),
+      /\(http:\/\/127\.0\.0\.1:\d+\/mcp\)/, "the HTTP server's URL, with the port it bound");
     const transports = await page.$$eval("[data-testid=server]", (xs) => xs.map((x) => x.getAttribute("data-transport")));
     assert.deepEqual(transports.sort(), ["http", "stdio"]);
     await page.waitForSelector(`[data-testid=tree][data-root="${rootA.sandbox_id}"]`);
@@ -283,6 +301,43 @@ test("the page's guards: cookie, Host, Origin, CSRF", async () => {
   assert.equal(await containerState(leafRun), "running", "no refused action touched the run");
 });
 
+test("egress questions at the top of the page: allow once lets the held curl through, deny refuses it", LONG,
+  async () => {
+    const url = (p) => `https://asked.test${askHost.httpsPort === 443 ? "" : `:${askHost.httpsPort}`}${p}`;
+    const script = (p) => okOn(stdio.client, "sandbox_script", { image: "base", egress: "asktest",
+      command: `curl -sS -k --max-time 200 ${url(p)}; echo "rc=$?"` });
+    const asks = page.locator("[data-testid=ask]");
+    for (const [p, button] of [["/once", "ask-once"], ["/denied", "ask-deny"]]) {
+      const before = askHost.hits;
+      const call = script(p); // held until the page answers
+      await asks.first().waitFor({ timeout: 120_000 });
+      assert.equal(await asks.count(), 1, "one question");
+      assert.equal(await asks.locator("[data-testid=ask-host]").textContent(), `asked.test:${askHost.httpsPort}`);
+      assert.match(await asks.textContent(), /no host inputs/);
+      if (p === "/once") await page.screenshot({ path: path.join(SHOTS, "cockpit-ask.png"), fullPage: true });
+      assert.equal(askHost.hits, before, "nothing reached the host while the question waits");
+      await asks.locator(`[data-testid=${button}]`).click();
+      const r = await call;
+      await page.waitForFunction(() => document.querySelectorAll("[data-testid=ask]").length === 0);
+      const logPath = path.join(r.output_dir, "egress.jsonl");
+      const log = existsSync(logPath) ? readFileSync(logPath, "utf8").split("\n").filter(Boolean).map((l) => JSON.parse(l))
+        : [];
+      if (p === "/once") {
+        assert.match(r.stdout, /^asked-host GET \/once host=asked\.test/m);
+        assert.match(r.stdout, /rc=0/);
+        assert.equal(askHost.hits - before, 1);
+        assert.deepEqual(log.map((l) => [l.host, l.verdict, l.decision, l.decided_by]),
+          [["asked.test", "allow", "once", "cockpit"]], JSON.stringify(log));
+      } else {
+        assert.doesNotMatch(r.stdout, /asked-host|rc=0/);
+        assert.match(r.stderr, /403/);
+        assert.equal(askHost.hits - before, 0, "a denied request never reaches the host");
+        assert.deepEqual(log.map((l) => [l.host, l.verdict, l.decision, l.decided_by]),
+          [["asked.test", "deny", "deny", "cockpit"]], JSON.stringify(log));
+      }
+    }
+  });
+
 test("cancel of a subtree from the page removes its containers; budget and TTL from the page; CLI cancel", LONG,
   async () => {
     const mid = await nodeOf("mid").getAttribute("data-run");
@@ -302,6 +357,10 @@ test("cancel of a subtree from the page removes its containers; budget and TTL f
     }
     assert.equal(await containerState(mid), "gone");
     assert.equal(await containerState(leafRun), "gone");
+    // an ended run's output, followed: printed whole, then the command ends
+    const followed = await cli("logs", "--follow", mid);
+    assert.equal(followed.code, 0, followed.stderr);
+    assert.match(followed.stdout, /^mid started leaf job-.*\nLINE-AFTER-GO from mid\n$/);
     assert.equal(await containerState(rootA.sandbox_id), "running", "the root goes on");
     assert.equal(await nodeOf("(root)").first().getAttribute("data-status"), "running");
 

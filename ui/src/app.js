@@ -20,6 +20,8 @@ function el(tag, attrs, ...children) {
   return e;
 }
 const $ = (id) => document.getElementById(id);
+/** Replaces an element's children, leaving out the empty ones (the DOM would print "null"). */
+const put = (e, ...kids) => e.replaceChildren(...kids.flat().filter((k) => k !== null && k !== undefined && k !== false));
 const money = (x) => (typeof x === "number" ? `$${x.toFixed(4)}` : "–");
 function duration(s) {
   s = Math.max(0, Math.floor(s || 0));
@@ -72,7 +74,7 @@ function renderTotals() {
   }
   const models = Object.entries(t.models).map(([m, u]) => `${m} ${money(u)}`).join(", ") || "–";
   const trees = Object.entries(t.trees).map(([r, u]) => `${r} ${money(u)}`).join(", ") || "–";
-  $("totals").replaceChildren(
+  put($("totals"),
     el("div", {}, el("strong", {}, "spend today "), el("span", { "data-testid": "spend-today" }, money(t.today))),
     el("div", {}, el("strong", {}, "this week "), money(t.week)),
     el("div", {}, el("strong", {}, "by model (week) "), models),
@@ -98,7 +100,7 @@ function renderAsks() {
     }
   }
   $("asks").hidden = items.length === 0;
-  $("asks").replaceChildren(el("h2", {}, "Waiting for you"), ...items, $("detail").hidden ? noteView() : null);
+  put($("asks"), el("h2", {}, "Waiting for you"), ...items, $("detail").hidden ? noteView() : null);
 }
 
 // ---- trees ----------------------------------------------------------------------------
@@ -142,7 +144,7 @@ function renderTrees() {
     parts.push(box);
   }
   if (parts.length === 0) parts.push(el("p", {}, "No demesne server is running."));
-  $("trees").replaceChildren(...parts);
+  put($("trees"), ...parts);
 }
 
 // elapsed times move on their own: counted here, once a second (no request)
@@ -158,6 +160,7 @@ setInterval(() => {
 function table(rows, cols) {
   rows = list(rows);
   if (!rows.length) return el("p", {}, "none");
+  cols = cols.filter((c) => rows.some((r) => r[c] !== undefined && r[c] !== null && r[c] !== "")); // the empty ones go
   return el("table", {}, el("tr", {}, cols.map((c) => el("th", {}, c))),
     rows.map((r) => el("tr", {}, cols.map((c) => el("td", {},
       typeof r[c] === "object" && r[c] !== null ? JSON.stringify(r[c]) : r[c] ?? (c === "line" ? "" : ""))))));
@@ -176,14 +179,14 @@ function filesView(sv, id, files) {
       cells.push(el("td", {},
         el("a", { href: q("download"), download: "", "data-testid": "file-download" }, "download"), " ",
         el("button", { "data-testid": "file-show", onclick: async () => {
-          view.replaceChildren(el("span", {}, "…"));
+          put(view, el("span", {}, "…"));
           if (IMAGE.test(f.path)) {
-            view.replaceChildren(el("img", { class: "preview", src: q("image"), alt: "" }));
+            put(view, el("img", { class: "preview", src: q("image"), alt: "" }));
             return;
           }
           const res = await fetch(q("text"), { credentials: "same-origin" });
           const v = await res.json().catch(() => ({}));
-          view.replaceChildren(res.ok ? el("pre", { "data-testid": "file-text" }, v.text, v.truncated ? "\n…" : "")
+          put(view, res.ok ? el("pre", { "data-testid": "file-text" }, v.text, v.truncated ? "\n…" : "")
             : el("p", { class: "error" }, v?.error?.message || `HTTP ${res.status}`));
         } }, "show")));
     } else cells.push(el("td", {}));
@@ -235,14 +238,14 @@ async function showDetail(keepTail) {
   if (seq !== detailSeq) return;
   const box = $("detail");
   box.hidden = false;
-  if (!res.ok) { box.replaceChildren(el("p", { class: "error" }, d?.error?.message || `HTTP ${res.status}`)); return; }
+  if (!res.ok) { put(box, el("p", { class: "error" }, d?.error?.message || `HTTP ${res.status}`)); return; }
   let pre = keepTail ? box.querySelector("[data-testid=transcript]") : null;
   if (!pre) {
     pre = el("pre", { "data-testid": "transcript" });
     follow(sv, id, pre);
   }
   const lim = d.limits || {};
-  box.replaceChildren(
+  put(box,
     el("h2", { "data-testid": "detail-title" }, `${d.name || "(root)"} · ${d.run_id}`),
     el("p", {}, `${d.kind} · ${d.image || "?"} · ${d.isolation} · egress ${d.egress} · `,
       el("span", { "data-testid": "detail-status" }, d.status), d.reason ? ` (${d.reason})` : "",
@@ -255,8 +258,9 @@ async function showDetail(keepTail) {
     el("h3", {}, d.kind === "agent" || d.kind === "research" ? "Transcript" : "Output"), pre,
     el("h3", {}, "stderr"), el("pre", { "data-testid": "stderr" }, d.stderr || ""),
     el("h3", {}, "Files in /out"), filesView(sv, id, d.files),
-    el("h3", {}, "Egress"), table(d.egress_log, ["ts", "host", "port", "decision", "reason", "line"]),
-    el("h3", {}, "Host MCP calls"), table(d.mcp_log, ["ts", "server", "tool", "ok", "line"]),
+    el("h3", {}, "Egress"), table(d.egress_log, ["time", "method", "host", "port", "verdict", "rule", "decision", "decided_by",
+      "status", "error", "line"]),
+    el("h3", {}, "Host MCP calls"), table(d.mcp_log, ["time", "server", "tool", "ok", "duration_ms", "error", "arguments", "line"]),
     el("h3", {}, "Children"), table(d.children_nodes, ["name", "run_id", "kind", "status"]),
     d.branch ? el("div", {}, el("h3", {}, "Branch"), el("pre", { "data-testid": "branch" },
       JSON.stringify(d.branch, null, 2))) : null);
