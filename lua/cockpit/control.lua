@@ -170,6 +170,16 @@ local function answer_ask(conn, id, b)
   answer(conn, 200, { id = id, decision = b.decision })
 end
 
+-- What the event stream watches: a digest of the trees and the pending questions.
+local function digest()
+  local ok, trees = pcall(view.trees)
+  if not ok then return state.digest end
+  for _, t in ipairs(trees) do
+    for _, n in ipairs(t.nodes) do n.elapsed_seconds = nil end -- it moves on its own: the page counts it
+  end
+  return json.encode({ trees, asks() })
+end
+
 local function route(conn, req)
   local path = req.target:match("^[^?#]*")
   local m = req.method
@@ -181,6 +191,7 @@ local function route(conn, req)
   if m == "GET" and path == "/v1/asks" then return answer(conn, 200, { asks = asks() }) end
   if m == "GET" and path == "/v1/events" then
     if not conn:start(200, SSE) then return end
+    if next(state.streams) == nil then state.digest = digest() end -- the first watcher: from now on
     state.streams[conn] = true
     conn:write(("event: changed\ndata: {\"seq\":%d}\n\n"):format(state.seq))
     return
@@ -231,17 +242,8 @@ local function on_request(conn, req)
   end)
 end
 
--- What the event stream watches: a digest of the trees and the pending questions.
-local function digest()
-  local ok, trees = pcall(view.trees)
-  if not ok then return state.digest end
-  for _, t in ipairs(trees) do
-    for _, n in ipairs(t.nodes) do n.elapsed_seconds = nil end -- it moves on its own: the page counts it
-  end
-  return json.encode({ trees, asks() })
-end
-
 local function tick()
+  if not state or next(state.streams) == nil then return end -- nobody watches: nothing is read
   local d = digest()
   if d == state.digest then return end
   state.digest = d
@@ -280,7 +282,6 @@ function control.start(info)
     log.warning(LOGGER, "%s: demesne ps and demesne ui will not see this server", rerr)
   end
   state.entry = entry
-  state.digest = digest()
   state.tick = timer.new()
   state.tick:start(TICK_MS, TICK_MS, function() async.spawn("cockpit tick", tick) end)
   state.keepalive = timer.new()

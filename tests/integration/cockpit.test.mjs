@@ -3,7 +3,9 @@
 // /usr/bin/chromium): two servers of one user, a stdio one (the SDK client) and an HTTP one,
 // registered in one control folder; a script tree of three levels (root -> mid -> leaf,
 // tests/fixtures/cockpit) that appears on the page while it grows; a line of mid's output
-// that streams in once the host says go; the XSS matrix (a file named <img onerror>, output
+// that streams in once the host says go; a Claude Code agent run (the scripted vendor,
+// tests/integration/scripted-vendor.mjs) whose stream-json transcript streams in rendered,
+// markup and all as text; the XSS matrix (a file named <img onerror>, output
 // lines with <script>, an SVG and an HTML file with script, egress and MCP records with
 // markup: nothing runs, no dialog opens); the page's own guards (cookie, Host, Origin, CSRF);
 // a cancel of a subtree from the page that removes its containers; a budget raised and a TTL
@@ -23,6 +25,7 @@ import { Client } from "@modelcontextprotocol/sdk/client/index.js";
 import { StreamableHTTPClientTransport } from "@modelcontextprotocol/sdk/client/streamableHttp.js";
 import { BIN, ROOT, connect, isWarm, serverEnv } from "./helpers.mjs";
 import { dnsServer, selfSigned, testHost } from "./egress-fixtures.mjs";
+import { startVendor } from "./scripted-vendor.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const SOCKET = ENGINE.replace(/^unix:\/\//, "");
@@ -42,7 +45,8 @@ const base = (tag) => ({
 const LONG = { timeout: 600_000, resetTimeoutOnProgress: true, onprogress: () => {} };
 const TOKEN = randomBytes(24).toString("hex");
 
-let stdio, httpProc, httpClient, ui, uiUrl, browser, page, rootA, rootB, dns, askHost;
+let stdio, httpProc, httpClient, ui, uiUrl, browser, page, rootA, rootB, dns, askHost, vendor;
+const SECRET = `sk-test-real-${randomBytes(12).toString("hex")}`;
 // the stdio server's configuration: a policy that asks about *.asked.test, a long hold (the
 // page answers), the test DNS server as the proxy's resolver
 const XDG = path.join(work, "xdg");
@@ -100,8 +104,10 @@ before(async () => {
   mkdirSync(SHOTS, { recursive: true });
   dns = await dnsServer({ "asked.test": "127.0.0.7" });
   askHost = await testHost("asked-host", "127.0.0.7", selfSigned(["asked.test"]));
-  stdio = await connect({ env: { ...base("a"), XDG_CONFIG_HOME: XDG, DEMESNE_EGRESS_RESOLVER: `127.0.0.1:${dns.port}` },
-    fixtures: false });
+  vendor = await startVendor({ secret: SECRET }); // the model of the agent run (Claude Code's API, scripted)
+  stdio = await connect({ env: { ...base("a"), XDG_CONFIG_HOME: XDG, DEMESNE_EGRESS_RESOLVER: `127.0.0.1:${dns.port}`,
+    ANTHROPIC_API_KEY: SECRET, DEMESNE_CLAUDE_CODE_UPSTREAM: `http://127.0.0.1:${vendor.port}`,
+    DEMESNE_CODEX_ENABLED: "false", DEMESNE_OPENAI_COMPATIBLE_ENABLED: "false" }, fixtures: false });
   // the HTTP server: port 0, the URL read from its log
   httpProc = spawn(BIN, ["serve", "--http", "127.0.0.1:0"], { env: serverEnv({ ...base("b"), DEMESNE_HTTP_TOKEN: TOKEN }),
     stdio: ["ignore", "ignore", "pipe"] });
@@ -149,6 +155,7 @@ after(async () => {
     await gone;
   }
   await askHost?.close();
+  await vendor?.close();
   await dns?.close();
   rmSync(work, { recursive: true, force: true });
 });
@@ -263,6 +270,31 @@ test("the XSS matrix: nothing a sandbox wrote runs in the page", LONG, async () 
   assert.deepEqual(dialogs, [], "no dialog opened");
 });
 
+test("an agent's transcript (Claude Code stream-json) streams in rendered, its markup as text", LONG, async () => {
+  await page.evaluate(() => { window.__pwned = undefined; });
+  const id = vendor.plan(`cockpit-${randomBytes(3).toString("hex")}`, [
+    { shell: "echo 'AGENT-SHELL <script>window.__pwned=1</script>'" },
+    { final: "AGENT-FINAL <img src=x onerror=window.__pwned=1>" }]);
+  const job = await okOn(stdio.client, "sandbox_agent", { prompt: `PLAN:${id} say it`, model: "sonnet",
+    background: true, timeout_seconds: 240 });
+  const tree = page.locator(`[data-testid=tree][data-root="${job.run_id}"]`);
+  await tree.waitFor({ timeout: 60_000 });
+  await tree.locator("[data-testid=node]").click();
+  const line = (text) => page.locator("[data-testid=transcript-line]", { hasText: text });
+  await line("AGENT-FINAL").first().waitFor({ timeout: 240_000 });
+  const lines = await page.locator("[data-testid=transcript-line]").allTextContents();
+  assert.ok(lines.includes("assistant: AGENT-FINAL <img src=x onerror=window.__pwned=1>"), lines.join("\n"));
+  assert.ok(lines.some((l) => /^tool result: AGENT-SHELL <script>window.__pwned=1<\/script>/.test(l)), lines.join("\n"));
+  assert.ok(lines.some((l) => /^tool Bash: /.test(l)), "the tool call, rendered");
+  assert.match(await page.locator("[data-testid=prompt]").textContent(), new RegExp(`^PLAN:${id} say it`));
+  await tree.locator("[data-testid=node][data-status=succeeded]").waitFor({ timeout: 120_000 });
+  assert.equal(await tree.locator("[data-testid=node] .meta").textContent().then((t) => /^agent · agent-claude_code/.test(t)),
+    true, "kind and image");
+  await page.screenshot({ path: path.join(SHOTS, "cockpit-agent.png"), fullPage: true });
+  assert.equal(await page.evaluate(() => window.__pwned), undefined, "no payload ran");
+  assert.deepEqual(dialogs, []);
+});
+
 test("the page's guards: cookie, Host, Origin, CSRF", async () => {
   const port = Number(new URL(uiUrl).port);
   const cookie = (await page.context().cookies()).find((c) => c.name === "demesne_ui");
@@ -362,7 +394,8 @@ test("cancel of a subtree from the page removes its containers; budget and TTL f
     assert.equal(followed.code, 0, followed.stderr);
     assert.match(followed.stdout, /^mid started leaf job-.*\nLINE-AFTER-GO from mid\n$/);
     assert.equal(await containerState(rootA.sandbox_id), "running", "the root goes on");
-    assert.equal(await nodeOf("(root)").first().getAttribute("data-status"), "running");
+    assert.equal(await page.locator(`[data-testid=tree][data-root="${rootA.sandbox_id}"] > li > [data-testid=node]`)
+      .getAttribute("data-status"), "running");
 
     // the HTTP server's tree: its budget raised, its sandbox's TTL extended, from the page
     const treeB = page.locator(`[data-testid=tree][data-root="${rootB.sandbox_id}"]`);
