@@ -311,7 +311,8 @@ function view.log(n, stream, from, max)
 end
 
 --- A node's detail: its summary, prompt, stderr tail, egress and host MCP records, /out
---- files, children, branch. nil and why for a node of no tree of this server.
+--- files, children, branch, and while it runs its port previews and the command that opens a
+--- terminal in it. nil and why for a node of no tree of this server.
 ---@param id string
 ---@return table|nil detail, string|nil err
 function view.detail(id)
@@ -344,6 +345,10 @@ function view.detail(id)
     if ok and type(sb) == "table" then d.expires_at = sb.expires_at end
   end
   d.ttl_max = config.get("ttl_max")
+  if n.active then
+    d.previews = sandbox.previews(n.run_id) -- this server's port previews of it: [{port, url}]
+    d.attach = ("demesne attach %s"):format(n.run_id)
+  end
   return d
 end
 

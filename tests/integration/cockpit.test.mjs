@@ -404,6 +404,9 @@ test("cancel of a subtree from the page removes its containers; budget and TTL f
     await page.locator("[data-testid=budget-usd]").fill("7.5");
     await page.locator("[data-testid=raise-budget]").click();
     await treeB.locator("[data-testid=node]", { hasText: "budget left $7.5000" }).waitFor({ timeout: 30_000 });
+    assert.equal(await page.locator(`[data-testid=server][data-transport=http] [data-testid=burn]`).getAttribute("max"),
+      "7.5", "the burn-down bar follows the budget");
+    assert.equal(await page.locator("[data-testid=attach]").textContent(), `demesne attach ${rootB.sandbox_id}`);
     const expiry = async () => (await okOn(httpClient, "sandbox_list", {})).sandboxes
       .find((x) => x.sandbox_id === rootB.sandbox_id).expires_at;
     const before = await expiry();

@@ -139,6 +139,11 @@ function renderTrees() {
       }
       const draw = (x) => el("li", {}, nodeRow(s, x.n, now),
         x.kids.length ? el("ul", { class: "tree" }, x.kids.map(draw)) : null);
+      if (root && typeof t.budget_usd === "number" && t.budget_usd > 0) {
+        // the tree's budget burn-down
+        box.append(el("div", { class: "burn" }, el("progress", { max: String(t.budget_usd), value: String(t.spent_usd || 0),
+          "data-testid": "burn" }), ` ${money(t.spent_usd || 0)} of ${money(t.budget_usd)} spent`));
+      }
       if (root) box.append(el("ul", { class: "tree top", "data-testid": "tree", "data-root": t.run_id }, draw(root)));
     }
     parts.push(box);
@@ -254,6 +259,10 @@ async function showDetail(keepTail) {
       lim.memory_mb ? ` · limits ${lim.memory_mb} MB, ${lim.cpus} CPU, ${lim.pids} pids` : "",
       d.expires_at ? ` · expires ${new Date(d.expires_at * 1000).toLocaleString()}` : ""),
     actionsView(sv, d),
+    d.attach ? el("p", {}, "terminal: ", el("code", { "data-testid": "attach" }, d.attach)) : null,
+    list(d.previews).length ? el("p", {}, "previews: ", list(d.previews).map((p) =>
+      /^https?:\/\/127\.0\.0\.1:\d+\//.test(p.url)
+        ? el("a", { href: p.url, target: "_blank", rel: "noopener noreferrer" }, `port ${p.port} `) : null)) : null,
     el("h3", {}, "Prompt"), el("pre", { "data-testid": "prompt" }, d.prompt || ""),
     el("h3", {}, d.kind === "agent" || d.kind === "research" ? "Transcript" : "Output"), pre,
     el("h3", {}, "stderr"), el("pre", { "data-testid": "stderr" }, d.stderr || ""),
