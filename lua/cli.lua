@@ -1,5 +1,5 @@
 -- The command line: demesne [serve] | tools | check-config | doctor | images | policy | skills | reap | branches |
--- attach |
+-- attach | ps | logs | cancel | ui |
 -- test | --help |
 -- --version
 local loop = require("core.loop")
@@ -39,6 +39,13 @@ Commands:
   attach ID           an interactive shell in a running sandbox (ID: sandbox_id, run_id or
                       job_id); Ctrl-] detaches, the sandbox keeps running
   attach --follow ID  show a background run's transcript or stdout as it grows
+  ps [--json]         every tree of every running demesne server of this user
+  logs ID [--stream S] [--follow]
+                      a tree node's transcript, stdout or stderr (S); --follow as it grows
+  cancel ID [--subtree]
+                      end a tree node (--subtree: with its running children)
+  ui [--port N] [--no-open]
+                      the cockpit: a local web page of every tree, live, with their actions
   test DIR...         run the Lua tests in DIR inside this binary
   --help              show this help
   --version           print the version

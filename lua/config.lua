@@ -256,6 +256,17 @@ local SPEC = {
   enforce_limits = { env = "DEMESNE_ENFORCE_LIMITS", default = true, bool = true,
     doc = "refuse to start sandboxes on an engine that would not enforce their memory, process and CPU limits "
       .. "(rootless Podman on cgroup v1); false starts them without limits, with a warning" },
+  control_dir = { env = "DEMESNE_CONTROL_DIR",
+    default = function()
+      local rt = os.getenv("XDG_RUNTIME_DIR")
+      if rt and rt ~= "" then return rt .. "/demesne" end
+      return xdg("XDG_STATE_HOME", ".local/state") .. "/demesne/control"
+    end,
+    doc = "the private folder (0700) where every running `demesne serve` of this user registers itself (a "
+      .. "<pid>.json entry and its control socket <pid>.sock) for `demesne ps`, `logs`, `cancel` and `ui`" },
+  ui_dir = { env = "DEMESNE_UI_DIR",
+    doc = "the built cockpit page (index.html, app.js, app.css) that `demesne ui` serves; unset: <bindir>/ui "
+      .. "(the build tree) or <bindir>/../share/demesne/ui (installed)" },
   userns = { env = "DEMESNE_USERNS", default = true, bool = true,
     doc = "run sandboxes in a user namespace where the engine supports it, so that uid 0 inside is an "
       .. "unprivileged uid on the host (rootful Podman: an automatic range; Docker: when userns-remap is on)" },

@@ -5,6 +5,7 @@
 -- DEMESNE_LOG_LEVEL). `--fixtures DIR` also loads the tool files in DIR (test fixtures).
 local async = require("demesne.async")
 local config = require("demesne.config")
+local control = require("demesne.cockpit.control")
 local jobs = require("demesne.jobs")
 local hostmcp = require("demesne.hostmcp")
 local log = require("demesne.log")
@@ -98,13 +99,16 @@ return function(args, opts)
   if not ok then log.error("demesne.tree", "the in-sandbox MCP endpoint cannot start: %s", tostring(eerr)) end
   tree.start()
   local function on_stop(timeout_ms) endpoint.stop(timeout_ms) end
+  -- the control socket: demesne ps, logs, cancel and ui find this server there
+  control.start({ transport = #addrs > 0 and "http" or "stdio", urls = addrs })
   local status
   if #addrs > 0 then
     status = http.serve({ addrs = addrs, allow_remote = allow_remote, registry = registry,
-      on_stop = on_stop, on_shutdown = on_shutdown })
+      on_stop = on_stop, on_shutdown = on_shutdown, on_listening = control.set_urls })
   else
     status = stdio.serve({ registry = registry, on_stop = on_stop, on_shutdown = on_shutdown })
   end
+  control.stop()
   tree.stop_service()
   jobs.stop()
   -- no host MCP server outlives the server

@@ -726,8 +726,9 @@ end
 --- SIGTERM or SIGHUP (stdin is not read: it may be /dev/null). Returns the exit status.
 --- `opts.on_stop(timeout_ms)` (optional) runs in the shutdown task beside the server's own stop.
 --- `opts.on_shutdown` (optional) runs inside the shutdown task once the sessions have
---- stopped, before the loop stops.
----@param opts {addrs: string[], allow_remote: boolean|nil, fixtures: string|nil, registry: ToolRegistry|nil, on_stop: fun(timeout_ms: integer)|nil, on_shutdown: function|nil}
+--- stopped, before the loop stops. `opts.on_listening(urls)` (optional) is called once the
+--- listeners are bound, with their URLs (the ports port 0 picked).
+---@param opts {addrs: string[], allow_remote: boolean|nil, fixtures: string|nil, registry: ToolRegistry|nil, on_stop: fun(timeout_ms: integer)|nil, on_shutdown: function|nil, on_listening: fun(urls: string[])|nil}
 ---@return integer
 function http.serve(opts)
   local limits = stdio.limits()
@@ -741,6 +742,7 @@ function http.serve(opts)
   for _, u in ipairs(handle.urls) do
     log.notice(LOGGER, "demesne %s serving MCP over HTTP on %s", loop.version, u)
   end
+  if opts.on_listening then opts.on_listening(handle.urls) end
   log.notice(LOGGER, "bearer token: %s (send Authorization: Bearer <token>)",
     handle.token_origin == "$DEMESNE_HTTP_TOKEN" and "from $DEMESNE_HTTP_TOKEN" or ("in " .. handle.token_origin))
   local unwatch

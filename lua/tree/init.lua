@@ -303,6 +303,7 @@ local function new_node(o, kind)
     run_id = o.run_id, kind = kind, tool = o.tool, status = "running", active = true, owner = sandbox.owner(),
     started_ms = now_ms(), output_dir = o.output_dir, run_dir = o.run_dir,
     egress = o.egress and o.egress.name or "none", children = json.array(), inputs = json.array(), cost_usd = 0,
+    image = type(o.image_arg) == "string" and o.image_arg or nil,
   }
 end
 
@@ -400,6 +401,9 @@ function tree.plan(ctx, o, args)
     end
   end
   n.host_mcp = host_set
+  -- what the cockpit shows: the image the call named, else the default (an agent's: its provider's)
+  n.image = n.image or (type(args) == "table" and type(args.image) == "string" and args.image or nil)
+    or config.get("default_image")
   n.walls = n.walls or walls.of_plan(o)
   store.put(n)
   m(n.run_id)

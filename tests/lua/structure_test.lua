@@ -19,6 +19,8 @@ local LAYERS = {
   ["demesne.boot"] = 6, ["demesne.cli"] = 6, ["demesne.cmd"] = 6, ["demesne.doctor"] = 6, ["demesne.testing"] = 6,
   -- 5: the MCP session and its transports
   ["demesne.mcp"] = 5, ["demesne.hostmcp"] = 5,
+  -- the cockpit: the control plane of a server and its clients, beside the transports
+  ["demesne.cockpit"] = 5,
   -- 4: tools (loader, API, shared schemas)
   ["demesne.tools"] = 4, ["demesne.schemas"] = 4,
   -- the orchestration skills, checked against the live tools (host and in-sandbox)

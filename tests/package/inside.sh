@@ -51,7 +51,7 @@ test -f /tmp/agent-skills/demesne-bisect-hunt/SKILL.md && echo "linked file read
 echo "== files"
 for f in /usr/bin/demesne /usr/libexec/demesne/demesne-init /usr/share/man/man1/demesne.1.gz \
 	/usr/share/doc/demesne/README.md /usr/share/doc/demesne/copyright \
-	/usr/share/doc/demesne/reference/cli.md; do
+	/usr/share/doc/demesne/reference/cli.md /usr/share/demesne/ui/index.html /usr/share/demesne/ui/app.js; do
 	[ -f "$f" ] && echo "$f $(stat -c %a "$f")"
 done
 [ -e /usr/bin/demesne-init ] && echo "/usr/bin/demesne-init (must not exist)"
