@@ -1,7 +1,7 @@
 local async = require("demesne.async")
 local fs = require("core.fs")
 local loop = require("core.loop")
-local process = require("core.process")
+local proc = require("demesne.proc")
 
 local tests = {}
 
@@ -87,25 +87,11 @@ function tests.main_drives_the_loop_until_its_task_ends(t)
   os.remove(d)
   assert(fs.mkdir_p(d, 448))
   assert(fs.write_atomic(d .. "/main_test.lua", MAIN_FIXTURE))
-  local out = {}
-  local status = async.await(function(cb)
-    local waiting, st = 2, nil
-    local proc, pipes = process.spawn({ file = loop.exepath(), args = { "test", d }, stdout = true }, function(s)
-      st = s
-      waiting = waiting - 1
-      if waiting == 0 then cb(st) end
-    end)
-    if not proc then cb(127) return end
-    pipes.stdout:read_start(function(data)
-      if data then out[#out + 1] = data return end
-      pipes.stdout:close()
-      waiting = waiting - 1
-      if waiting == 0 then cb(st) end
-    end)
-  end)
+  local r = assert(proc.run({ file = loop.exepath(), args = { "test", d }, timeout_ms = 120000, max_out = 1024 * 1024,
+    err_max = 4000 }))
   fs.remove_tree(d)
-  t:eq(status, 0, table.concat(out))
-  t:match(table.concat(out), "1 passed, 0 failed")
+  t:eq(r.status, 0, r.out .. r.err)
+  t:match(r.out, "1 passed, 0 failed")
 end
 
 return tests
