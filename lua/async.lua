@@ -5,6 +5,7 @@
 -- operation belongs to its task: async.cancel(task) cancels the operation and raises
 -- async.CANCELLED inside the task, so the error unwinds the task's stack and every
 -- `<close>` handler runs (and may itself await, e.g. to remove a container).
+local loop = require("core.loop")
 local timer = require("core.timer")
 
 local async = {}
@@ -61,6 +62,27 @@ function async.spawn(name, fn, ...)
   end)
   step(task)
   return task
+end
+
+--- Runs `fn(...)` in a new task and drives the event loop until that task ends: the one
+--- way a command (lua/cmd/*.lua) that is not a server runs its work. Called outside any
+--- task, from the command's entry function; the loop is stopped as soon as the task ends,
+--- even if other handles (a removal after the answer, a timer) are still open.
+--- Returns the task's pcall-style results: true and fn's results, or false and the error
+--- (a table error as raised, another with its traceback); false and a message when the
+--- loop ran out of work before the task ended.
+---@param name string  the task's name, shown in logs
+---@param fn function
+---@param ... any  fn's arguments
+---@return boolean ok, any ...
+function async.main(name, fn, ...)
+  local task = async.spawn(name, fn, ...)
+  if not task.done then
+    task:on_done(function() loop.stop() end)
+    loop.run()
+  end
+  if not task.done then return false, "the event loop ran out of work before " .. name .. " ended" end
+  return table.unpack(task.result, 1, task.result.n)
 end
 
 --- The running task, or nil outside a task.

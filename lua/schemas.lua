@@ -308,4 +308,38 @@ function schemas.agent_result()
   }, required = json.array({ "exit_code", "answer", "stderr", "output_dir", "run_id", "cost_usd", "usage" }) }
 end
 
+--- The descriptor of a tool that changes the state of one persistent sandbox named by its
+--- `sandbox_id` (sandbox_pause, sandbox_resume, sandbox_destroy). Its input is that one
+--- parameter; its result is what `d.call(ctx, args)` returns, {sandbox_id, status, …}, its
+--- outputSchema those two (status one of `d.statuses`) plus `d.properties`, and its text
+--- "<status>: <sandbox_id>", followed by a line of `d.text(result)` when that gives one.
+--- Its annotations: not read-only, idempotent, closed world, destructive when `d.destructive`.
+---@param d { name: string, title: string, description: string, statuses: string[], properties?: table<string, table>, destructive?: boolean, call: fun(ctx: table, args: table): table, text?: fun(r: table): string|nil }
+---@return table descriptor  a tool descriptor (lua/tools/init.lua)
+function schemas.sandbox_state_tool(d)
+  local properties = { sandbox_id = { type = "string" }, status = { type = "string", enum = d.statuses } }
+  for k, v in pairs(d.properties or {}) do properties[k] = v end
+  return {
+    name = d.name,
+    title = d.title,
+    description = d.description,
+    inputSchema = {
+      type = "object",
+      additionalProperties = false,
+      required = { "sandbox_id" },
+      properties = { sandbox_id = schemas.sandbox_id },
+    },
+    outputSchema = { type = "object", required = json.array({ "sandbox_id", "status" }), properties = properties },
+    annotations = { readOnlyHint = false, destructiveHint = d.destructive == true, idempotentHint = true,
+      openWorldHint = false },
+    run = function(ctx, args)
+      local r = d.call(ctx, args)
+      local text = ("%s: %s"):format(r.status, r.sandbox_id)
+      local more = d.text and d.text(r)
+      if more then text = text .. "\n" .. more end
+      return r, text
+    end,
+  }
+end
+
 return schemas

@@ -138,7 +138,9 @@ static int l_spawn(lua_State *L) {
   free(args);
   free(env);
   if (r) {
-    free(p->h);
+    /* a handle uv_spawn refused is still in the loop's list: it must be closed, not freed */
+    dm_handle_count(1);
+    uv_close((uv_handle_t *)p->h, on_close);
     p->h = NULL;
     for (int i = 0; i < 3; i++)
       if (pipes[i]) uv_close((uv_handle_t *)pipes[i], on_close);

@@ -218,11 +218,6 @@ pid_t stat_ppid_parse(const char *buf);
 /// returns signal_from_name of the rest (-1 when unknown).
 int cancel_record_parse(char *buf);
 
-/// Sends sig to every descendant of this process (found through /proc parent links), except
-/// `spare` (0 = none). Returns how many were signalled, -1 on error. Reaches processes that
-/// left the command's process group with setsid().
-int signal_descendants(int sig, pid_t spare);
-
 /// Writes the usage text to fd (1 or 2).
 void init_usage(int fd);
 
@@ -284,6 +279,12 @@ bool group_exists(pid_t pgid);
 
 /// Sends sig to process group pgid (> 1, else EINVAL). Returns 0 or -1 (errno set).
 int group_signal(pid_t pgid, int sig);
+
+/// Sends sig to every descendant of this process (found through /proc parent links), except
+/// `spare` (0 = none; the descendants of `spare` are still signalled). Returns how many were
+/// signalled, -1 on error. Reaches processes that left the command's process group with
+/// setsid(). Used by serve (not PID 1 of a namespace) and by run (the command's leftovers).
+int signal_descendants(int sig, pid_t spare);
 
 /// Makes fds 0, 1 and 2 valid (opens /dev/null on closed ones) so later opens never land there.
 void ensure_std_fds(void);

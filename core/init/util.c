@@ -2,6 +2,7 @@
 // (The parsers are in parse.c.)
 #include "init.h"
 
+#include <ctype.h>
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -284,6 +285,90 @@ int group_signal(pid_t pgid, int sig)
 		return -1;
 	}
 	return kill(-pgid, sig);
+}
+
+struct proc {
+	pid_t pid, ppid;
+	bool mine;
+};
+
+// Parent pid of pid from /proc/<pid>/stat, or -1.
+static pid_t read_ppid(pid_t pid)
+{
+	char path[64], buf[512];
+	snprintf(path, sizeof path, "/proc/%d", (int)pid);
+	if (read_small(path, "stat", buf, sizeof buf) < 0)
+		return -1;
+	return stat_ppid_parse(buf);
+}
+
+int signal_descendants(int sig, pid_t spare)
+{
+	DIR *d = opendir("/proc");
+	if (d == NULL) {
+		diag("/proc: %s", strerror(errno));
+		return -1;
+	}
+	struct proc *v = NULL;
+	size_t n = 0, cap = 0;
+	int rc = 0;
+	for (;;) {
+		errno = 0; // readdir reports errors only through errno
+		struct dirent *e = readdir(d);
+		if (e == NULL) {
+			if (errno != 0)
+				rc = -1;
+			break;
+		}
+		if (!isdigit((unsigned char)e->d_name[0]))
+			continue;
+		pid_t pid = (pid_t)atoi(e->d_name);
+		pid_t ppid = read_ppid(pid);
+		if (ppid < 0)
+			continue; // exited meanwhile
+		if (n == cap) {
+			size_t ncap = cap ? cap * 2 : 256;
+			struct proc *nv = realloc(v, ncap * sizeof *nv);
+			if (nv == NULL) {
+				rc = -1;
+				break;
+			}
+			v = nv;
+			cap = ncap;
+		}
+		v[n++] = (struct proc){ pid, ppid, false };
+	}
+	int saved = errno;
+	(void)closedir(d);
+	if (rc < 0) {
+		diag("listing /proc: %s", strerror(saved ? saved : ENOMEM));
+		free(v);
+		return -1;
+	}
+	// Mark the closure of "parent is us or marked". Passes repeat until nothing changes;
+	// process trees are shallow, so this stays cheap.
+	pid_t self = getpid();
+	for (bool changed = true; changed;) {
+		changed = false;
+		for (size_t i = 0; i < n; i++) {
+			if (v[i].mine)
+				continue;
+			bool mine = v[i].ppid == self;
+			for (size_t j = 0; j < n && !mine; j++)
+				mine = v[j].mine && v[j].pid == v[i].ppid;
+			if (mine) {
+				v[i].mine = changed = true;
+				if (v[i].pid == spare)
+					continue;
+				if (kill(v[i].pid, sig) == 0)
+					rc++;
+				else if (errno != ESRCH)
+					diag("kill %d: %s", (int)v[i].pid, strerror(errno));
+			}
+		}
+	}
+	free(v);
+	return rc;
 }
 
 void ensure_std_fds(void)

@@ -16,7 +16,6 @@ local errors = require("demesne.errors")
 local fs = require("core.fs")
 local jobs = require("demesne.jobs")
 local json = require("demesne.json")
-local loop = require("core.loop")
 local paths = require("demesne.paths")
 local spec = require("demesne.sandbox.spec")
 local stream = require("core.stream")
@@ -244,15 +243,11 @@ return function(args)
     return 2
   end
   local status
-  local task = async.spawn("attach", function()
+  local ok, err = async.main("attach", function()
     if mode == "follow" then status = follow(id) else status = attach(id, cwd) end
   end)
-  if not task.done then
-    task:on_done(function() loop.stop() end)
-    loop.run()
-  end
-  if not task.result[1] then
-    io.stderr:write("demesne attach: ", terminal.neutralise(errors.message(task.result[2]), true), "\n")
+  if not ok then
+    io.stderr:write("demesne attach: ", terminal.neutralise(errors.message(err), true), "\n")
     return 1
   end
   return status or 1

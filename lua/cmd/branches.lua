@@ -8,7 +8,6 @@ local async = require("demesne.async")
 local config = require("demesne.config")
 local fs = require("core.fs")
 local json = require("demesne.json")
-local loop = require("core.loop")
 local git = require("demesne.repo.git")
 
 local USAGE = "usage: demesne branches [REPO] [--delete NAME]... [--prune] [--json]\n"
@@ -95,7 +94,7 @@ return function(args)
     i = i + 1
   end
   local status = 0
-  local task = async.spawn("branches", function()
+  local ok, terr = async.main("branches", function()
     local top, err = git.ok({ "rev-parse", "--show-toplevel" }, { cwd = repo_path or "." })
     if not top then
       io.stderr:write(("demesne branches: %s is not a git work tree: %s\n"):format(repo_path or ".", tostring(err)))
@@ -132,12 +131,8 @@ return function(args)
         d.insertions or 0, d.deletions or 0, r.merged and "  merged" or ""))
     end
   end)
-  if not task.done then
-    task:on_done(function() loop.stop() end)
-    loop.run()
-  end
-  if not task.result[1] then
-    io.stderr:write("demesne branches: ", tostring(task.result[2]), "\n")
+  if not ok then
+    io.stderr:write("demesne branches: ", tostring(terr), "\n")
     return 1
   end
   return status

@@ -7,7 +7,6 @@ local engines = require("demesne.engines")
 local http = require("demesne.mcp.http")
 local hostmcp = require("demesne.hostmcp")
 local pool = require("demesne.pool")
-local loop = require("core.loop")
 
 -- The warm pool: its settings in one line, then each warm sandbox on the engine.
 local function show_pool()
@@ -21,18 +20,14 @@ local function show_pool()
       table.concat(config.get("pool_images") or {}, ",")))
   end
   local rows, err
-  local task = async.spawn("check-config pool", function()
+  local _, terr = async.main("check-config pool", function()
     local eng, eerr = engines.get()
     if not eng then err = eerr return end
     local r, e, code = async.timeout(10000, pool.on_engine, eng) -- an engine that hangs must not hang us
     rows, err = r, (code == "ETIMEDOUT" and "the engine did not answer within 10 s" or e)
   end)
-  if not task.done then
-    task:on_done(function() loop.stop() end)
-    loop.run()
-  end
   if not rows then
-    io.stdout:write(("%-20s = %s\n"):format("warm sandboxes", "unknown (" .. tostring(err or task.result[2]) .. ")"))
+    io.stdout:write(("%-20s = %s\n"):format("warm sandboxes", "unknown (" .. tostring(err or terr) .. ")"))
     return
   end
   io.stdout:write(("%-20s = %d on the engine\n"):format("warm sandboxes", #rows))
@@ -46,12 +41,7 @@ end
 -- The host MCP servers that will be offered to agent sandboxes (server, origin, transport,
 -- allowed tools) and the entries refused. Returns true when config.lua has an error there.
 local function host_mcp_section()
-  local t = async.spawn("check-config: host MCP", hostmcp.describe)
-  if not t.done then
-    t:on_done(function() loop.stop() end)
-    loop.run()
-  end
-  local ok, rows, problems = table.unpack(t.result, 1, 3)
+  local ok, rows, problems = async.main("check-config: host MCP", hostmcp.describe)
   if not ok then
     io.stderr:write("demesne: host MCP servers: ", tostring(rows), "\n")
     return true

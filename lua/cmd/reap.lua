@@ -10,7 +10,6 @@ local async = require("demesne.async")
 local config = require("demesne.config")
 local fs = require("core.fs")
 local log = require("demesne.log")
-local loop = require("core.loop")
 local sandbox = require("demesne.sandbox")
 local stream = require("core.stream")
 local util = require("demesne.util")
@@ -49,7 +48,7 @@ return function(args)
     return 2
   end
   local n, err
-  local task = async.spawn("reap", function()
+  local ok, terr = async.main("reap", function()
     if owner_label then
       log_to_file()
       -- stdin that is no pipe: nothing but the owner's process tells us the server ended
@@ -61,11 +60,7 @@ return function(args)
       n, err = async.timeout(PASS_MS, sandbox.reap)
     end
   end)
-  if not task.done then
-    task:on_done(function() loop.stop() end)
-    loop.run()
-  end
-  if not task.result[1] then err = tostring(task.result[2]) end
+  if not ok then err = tostring(terr) end
   if not n then
     log.error("demesne.reaper", "%s", tostring(err))
     return 1

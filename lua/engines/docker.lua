@@ -885,44 +885,40 @@ function Engine:exec_stream(id, argv, on_out)
   return h
 end
 
+-- POST /containers/{id}/pause or /unpause (`pause` true or false). A container already
+-- in the state asked for is success: the engine says "already paused" / "not paused", or
+-- (Podman, 500 "container state improper") an unpause finds it not paused on inspect.
+local function set_paused(self, id, pause)
+  local verb = pause and "pause" or "unpause"
+  local res, err, code = self:call("POST", "/containers/" .. seg(id) .. "/" .. verb)
+  if not res then return nil, err, code end
+  if res.status < 300 then return true end
+  local _, msg, ecode = engine_error(res, verb .. " container")
+  local m = tostring(msg)
+  if m:find(pause and "already paused" or "not paused", 1, true) then return true end
+  -- Docker 409 "is not running", Podman 500 "container state improper"
+  if ecode == "EENGINE" and m:find("state improper", 1, true) then
+    if not pause then
+      local info = self:inspect(id)
+      if info and not info.paused then return true end
+    end
+    ecode = "ECONFLICT"
+  end
+  return nil, msg, ecode
+end
+
 --- POST /containers/{id}/pause: freezes every process of a running container (the cgroup
 --- freezer; under gVisor, runsc pause). A paused container lists as state "running" with
 --- paused = true. Pausing a paused one is success.
 ---@param id string
 ---@return boolean|nil ok, string|nil err, string|nil code  ECONFLICT: not running
-function Engine:pause(id)
-  local res, err, code = self:call("POST", "/containers/" .. seg(id) .. "/pause")
-  if not res then return nil, err, code end
-  if res.status >= 300 then
-    local _, msg, ecode = engine_error(res, "pause container")
-    if tostring(msg):find("already paused", 1, true) then return true end
-    -- Docker 409 "is not running", Podman 500 "container state improper"
-    if ecode == "EENGINE" and tostring(msg):find("state improper", 1, true) then ecode = "ECONFLICT" end
-    return nil, msg, ecode
-  end
-  return true
-end
+function Engine:pause(id) return set_paused(self, id, true) end
 
 --- POST /containers/{id}/unpause: thaws a paused container. Unpausing one that is not
 --- paused is success.
 ---@param id string
----@return boolean|nil ok, string|nil err, string|nil code
-function Engine:unpause(id)
-  local res, err, code = self:call("POST", "/containers/" .. seg(id) .. "/unpause")
-  if not res then return nil, err, code end
-  if res.status >= 300 then
-    local _, msg, ecode = engine_error(res, "unpause container")
-    local m = tostring(msg)
-    if m:find("not paused", 1, true) or m:find("is not paused", 1, true) then return true end
-    if ecode == "EENGINE" and m:find("state improper", 1, true) then
-      local info = self:inspect(id)
-      if info and not info.paused then return true end
-      ecode = "ECONFLICT"
-    end
-    return nil, msg, ecode
-  end
-  return true
-end
+---@return boolean|nil ok, string|nil err, string|nil code  ECONFLICT: not running
+function Engine:unpause(id) return set_paused(self, id, false) end
 
 --- GET /containers/{id}/json?size=true: the bytes the container has written to its own
 --- root filesystem layer (SizeRw; tmpfs and bind mounts are not in it).

@@ -20,12 +20,10 @@
 -- A malformed entry is refused with a message naming the file, the server and the field;
 -- the others still load.
 local config = require("demesne.config")
-local async = require("demesne.async")
 local json = require("demesne.json")
+local proc = require("demesne.proc")
 local fs = require("core.fs")
 local loop = require("core.loop")
-local process = require("core.process")
-local timer = require("core.timer")
 
 local M = {}
 
@@ -517,56 +515,16 @@ print(json.dumps({"mcp_servers": doc.get("mcp_servers", {})}, default=str))
 ---@param path string
 ---@return table|nil servers, string|nil err
 function M.read_codex_toml(path)
-  local parts, len, over = {}, 0, false
-  local err_tail = ""
-  local env = { "PATH=" .. (os.getenv("PATH") or "/usr/bin:/bin"), "LC_ALL=C.UTF-8" }
-  local status, sig
-  local r = table.pack(async.await(function(cb)
-    local waiting, outs = 2, 0
-    local proc, pipes_or_err, code = process.spawn({ file = "python3", args = { "-I", "-c", TOML_HELPER, path },
-      env = env, stdout = true, stderr = true }, function(st, sg)
-      status, sig = st, sg
-      waiting = waiting - 1
-      if waiting == 0 then cb(true) end
-    end)
-    if not proc then
-      cb(nil, ("python3 (3.11 or later, for tomllib) is needed to read %s: %s"):format(path, tostring(pipes_or_err)), code)
-      return
-    end
-    local t = timer.after(HELPER_TIMEOUT_MS, function() proc:kill("KILL") end)
-    local function closed()
-      outs = outs + 1
-      if outs == 2 then
-        t:close()
-        waiting = waiting - 1
-        if waiting == 0 then cb(true) end
-      end
-    end
-    pipes_or_err.stdout:read_start(function(data)
-      if data then
-        len = len + #data
-        if len > MAX_HELPER_OUTPUT then
-          if not over then over = true; proc:kill("KILL") end
-        else
-          parts[#parts + 1] = data
-        end
-      else
-        pipes_or_err.stdout:close()
-        closed()
-      end
-    end)
-    pipes_or_err.stderr:read_start(function(data)
-      if data then err_tail = (err_tail .. data):sub(-500) else pipes_or_err.stderr:close(); closed() end
-    end)
-    return function() t:close(); proc:kill("KILL") end
-  end))
-  if not r[1] then return nil, r[2] end
-  if over then return nil, ("%s: the TOML reader wrote more than %d bytes"):format(path, MAX_HELPER_OUTPUT) end
-  if status ~= 0 or sig ~= 0 then
-    return nil, ("%s: the TOML reader (python3) failed (status %s, signal %s): %s"):format(path, tostring(status),
-      tostring(sig), (err_tail:gsub("%s+", " ")))
+  local r, err = proc.run({ file = "python3", args = { "-I", "-c", TOML_HELPER, path },
+    env = { "PATH=" .. (os.getenv("PATH") or "/usr/bin:/bin"), "LC_ALL=C.UTF-8" },
+    timeout_ms = HELPER_TIMEOUT_MS, max_out = MAX_HELPER_OUTPUT, err_max = 500 })
+  if not r then return nil, ("python3 (3.11 or later, for tomllib) is needed to read %s: %s"):format(path, err) end
+  if r.over then return nil, ("%s: the TOML reader wrote more than %d bytes"):format(path, MAX_HELPER_OUTPUT) end
+  if r.status ~= 0 or r.signal ~= 0 then
+    return nil, ("%s: the TOML reader (python3) failed (status %s, signal %s): %s"):format(path, tostring(r.status),
+      tostring(r.signal), (r.err:gsub("%s+", " ")))
   end
-  local doc = json.decode(table.concat(parts))
+  local doc = json.decode(r.out)
   if type(doc) ~= "table" then return nil, path .. ": the TOML reader's output is not JSON" end
   if doc.error then return nil, ("%s: %s"):format(path, tostring(doc.error)) end
   if type(doc.mcp_servers) ~= "table" then return nil, path .. ": mcp_servers must be a table" end

@@ -4,9 +4,7 @@
 -- fsmonitor, external diff and textconv drivers, automatic gc), a timeout, and bounded
 -- output. The repositories it runs in are the user's own (trusted) and demesne's private
 -- scratch repositories under the state folder; never one a sandbox wrote (lua/repo/init.lua).
-local async = require("demesne.async")
-local process = require("core.process")
-local timer = require("core.timer")
+local proc = require("demesne.proc")
 
 local git = {}
 
@@ -57,65 +55,22 @@ function git.run(args, opts)
   for _, c in ipairs(git.SAFE) do argv[#argv + 1] = "-c"; argv[#argv + 1] = c end
   for _, a in ipairs(args) do argv[#argv + 1] = a end
   local max_out = opts.max_out or OUT_MAX
-  local parts, len, over, timed_out = {}, 0, false, false
-  local err_tail = ""
-  local status, sig
-  local ok, e, code = async.await(function(cb)
-    local waiting, outs = 2, 0
-    local file, pargs = "git", argv
-    if opts.stdin then
-      file, pargs = "/bin/sh", { "-c", 'o=$1; f=$2; shift 2; tail -c +"$o" -- "$f" | git "$@"', "sh",
-        tostring(math.floor(opts.stdin.offset or 0) + 1), opts.stdin.path }
-      for _, a in ipairs(argv) do pargs[#pargs + 1] = a end
-    end
-    local proc, pipes, perr = process.spawn({ file = file, args = pargs, env = environment(opts.env), cwd = opts.cwd,
-      stdout = true, stderr = true, detached = true }, function(st, sg)
-      status, sig = st, sg
-      waiting = waiting - 1
-      if waiting == 0 then cb(true) end
-    end)
-    if not proc then
-      cb(nil, "git cannot be run on the host: " .. tostring(pipes), perr)
-      return
-    end
-    local t = timer.after(opts.timeout_ms or 120000, function()
-      timed_out = true
-      proc:kill("KILL", true)
-    end)
-    local function closed()
-      outs = outs + 1
-      if outs == 2 then
-        t:close()
-        waiting = waiting - 1
-        if waiting == 0 then cb(true) end
-      end
-    end
-    pipes.stdout:read_start(function(data)
-      if data then
-        len = len + #data
-        if len > max_out then
-          if not over then over = true; proc:kill("KILL", true) end
-        else
-          parts[#parts + 1] = data
-        end
-      else
-        pipes.stdout:close()
-        closed()
-      end
-    end)
-    pipes.stderr:read_start(function(data)
-      if data then err_tail = (err_tail .. data):sub(-ERR_MAX) else pipes.stderr:close(); closed() end
-    end)
-    return function() t:close(); proc:kill("KILL", true) end
-  end)
-  if not ok then return nil, e, code end
+  local file, pargs = "git", argv
+  if opts.stdin then
+    file, pargs = "/bin/sh", { "-c", 'o=$1; f=$2; shift 2; tail -c +"$o" -- "$f" | git "$@"', "sh",
+      tostring(math.floor(opts.stdin.offset or 0) + 1), opts.stdin.path }
+    for _, a in ipairs(argv) do pargs[#pargs + 1] = a end
+  end
+  local r, e, code = proc.run({ file = file, args = pargs, env = environment(opts.env), cwd = opts.cwd, detached = true,
+    timeout_ms = opts.timeout_ms or 120000, max_out = max_out, err_max = ERR_MAX })
+  if not r then return nil, "git cannot be run on the host: " .. e, code end
   local what = "git " .. tostring(args[1])
-  if timed_out then
+  if r.timed_out then
     return nil, ("%s did not finish within %d s"):format(what, (opts.timeout_ms or 120000) // 1000), "ETIMEDOUT"
   end
-  if over then return nil, ("%s wrote more than %d bytes"):format(what, max_out), "EFBIG" end
-  if sig ~= 0 then return nil, ("%s was killed by signal %d"):format(what, sig), "EINTR" end
-  return { status = status, out = table.concat(parts), err = err_tail }
+  if r.over then return nil, ("%s wrote more than %d bytes"):format(what, max_out), "EFBIG" end
+  if r.signal ~= 0 then return nil, ("%s was killed by signal %d"):format(what, r.signal), "EINTR" end
+  return { status = r.status, out = r.out, err = r.err }
 end
 
 --- As git.run, but a non-zero exit status is a failure too: returns the trimmed stdout, or

@@ -12,7 +12,7 @@ return {
   ["demesne.schemas"] = { "string_list", "files", "directories", "image", "env", "egress", "timeout_seconds",
     "limits", "sandbox_id", "run_result", "run_text", "background", "or_job", "job_id", "job_status",
     "job_properties", "status_result", "status_text", "agent_task", "agent_result", "AGENT_RUN_NOTE", "budget_usd",
-    "tree", "mcp", "isolation", "host_mcp", "port", "previews" },
+    "tree", "mcp", "isolation", "host_mcp", "port", "previews", "sandbox_state_tool" },
   ["demesne.paths"] = { "check", "describe_roots" },
   ["demesne.progress"] = { "heartbeat" },
   ["demesne.config"] = { "get" },

@@ -17,12 +17,12 @@
 // again; and no container left behind.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
-import http from "node:http";
 import { randomBytes } from "node:crypto";
 import { existsSync, mkdtempSync, readFileSync, rmSync } from "node:fs";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { connect, engineContainers, engineRequest, isWarm } from "./helpers.mjs";
+import { jobOf, startVendor, stillRunning } from "./scripted-vendor.mjs";
 
 const ENGINE = process.env.DEMESNE_ENGINE || "unix:///run/podman/podman.sock";
 const work = mkdtempSync(path.join(tmpdir(), "demesne-agent-tree-"));
@@ -32,214 +32,17 @@ const sleep = (ms) => new Promise((r) => setTimeout(r, ms));
 const read = (...p) => readFileSync(path.join(...p), "utf8");
 const readJson = (...p) => JSON.parse(read(...p));
 
-// ---- plans: what the scripted model does for each agent ---------------------------------
-// A plan is a list of steps: {tool, args(ctx)} calls a demesne tool, {shell} runs a shell
-// command with the CLI's own shell tool, {final} ends the turn. A step with `again(text)`
-// is repeated while that holds for its result (a wait that answered `running`). ctx.result(i)
-// is the text of step i's last result.
+// ---- the scripted vendor (scripted-vendor.mjs): what the model does for each agent --------
 
-const plans = new Map(); // id -> {steps, tokens, served: [usage], results: [{text, error}], offered}
-
-function plan(id, steps, tokens) {
-  plans.set(id, { steps, tokens, served: [], results: [], offered: null });
-  return id;
-}
-
-const JOB = /job-[0-9]{8}T[0-9]{6}Z-[0-9a-f]+/;
-const jobOf = (text) => (text || "").match(JOB)?.[0] || "no-job-id-in-the-result";
-const TERMINAL = /"status":\s*"(succeeded|failed|cancelled|lost)"|status: (succeeded|failed|cancelled|lost)/;
-const stillRunning = (text) => !TERMINAL.test(text || "");
-
-// The step to take after `results` (texts of the tool results so far, in order).
-function nextStep(p, results) {
-  let i = 0;
-  const last = [];
-  let repeats = 0;
-  for (const r of results) {
-    last[i] = r;
-    const s = p.steps[i];
-    if (s?.again && s.again(r) && repeats < 30) { repeats++; continue; }
-    repeats = 0;
-    i++;
-  }
-  const ctx = { result: (k) => last[k] };
-  const s = p.steps[i] || { final: "done" };
-  return { index: i, step: s, args: s.args ? s.args(ctx) : undefined };
-}
-
-// The usage billed for step `i` of a plan: its tokens plus the step number, so each
-// response of each node is distinct.
-function usageOf(p, i) {
-  return { input: p.tokens.input + i, output: p.tokens.output + i, cache_read: p.tokens.cache_read + i };
-}
-
-// The demesne tool `want` among those the CLI offered (Codex: a namespace; Claude Code: a prefix).
-function toolName(tools, want) {
-  for (const t of tools || []) {
-    if (t?.type === "namespace" && /demesne/.test(t.name) && (t.tools || []).some((x) => x.name === want)) {
-      return { name: want, namespace: t.name };
-    }
-  }
-  const name = (tools || []).map((t) => t?.name).find((n) => typeof n === "string" && n === `mcp__demesne__${want}`);
-  return name ? { name } : null;
-}
-const offeredNames = (tools) => (tools || []).flatMap((t) => (t?.type === "namespace"
-  ? (t.tools || []).map((x) => `${t.name}:${x.name}`) : [t?.name]));
-
-const textOf = (x) => (typeof x === "string" ? x : Array.isArray(x)
-  ? x.map((b) => (typeof b?.text === "string" ? b.text : JSON.stringify(b))).join("\n") : JSON.stringify(x));
-
-// The plan a request belongs to: the first PLAN:<id> in its history (its own prompt comes
-// before any child prompt it wrote into a tool call).
-function planOf(history) {
-  const m = JSON.stringify(history).match(/PLAN:([a-z0-9-]+)/);
-  return m && plans.has(m[1]) ? plans.get(m[1]) : null;
-}
-
-// ---- the scripted vendor ------------------------------------------------------------------
-
-let vendor, vendorPort;
-const unplanned = []; // requests that named no plan (side calls)
-
-function anthropic(res, body) {
-  const msgs = body.messages || [];
-  const side = Array.isArray(body.tools) && body.tools.length === 0;
-  const p = side ? null : planOf(msgs);
-  const model = body.model || "claude-sonnet-5";
-  let blocks, stop, usage = { input: 1, output: 1, cache_read: 0 };
-  if (!p) {
-    unplanned.push(model);
-    blocks = [{ type: "text", text: "ok" }]; stop = "end_turn";
-  } else {
-    const results = [];
-    for (const m of msgs) {
-      if (m.role !== "user" || !Array.isArray(m.content)) continue;
-      for (const b of m.content) if (b.type === "tool_result") results.push(textOf(b.content));
-    }
-    p.results = results;
-    p.offered = offeredNames(body.tools);
-    const { index, step, args } = nextStep(p, results);
-    usage = usageOf(p, p.served.length);
-    p.served.push({ ...usage, model, step: index });
-    if (step.tool) {
-      const t = toolName(body.tools, step.tool);
-      blocks = [{ type: "tool_use", id: "toolu_" + randomBytes(6).toString("hex"), name: t?.name || `missing__${step.tool}`,
-        input: args }];
-      stop = "tool_use";
-    } else if (step.shell) {
-      blocks = [{ type: "tool_use", id: "toolu_" + randomBytes(6).toString("hex"), name: "Bash",
-        input: { command: step.shell, description: "step" } }];
-      stop = "tool_use";
-    } else {
-      blocks = [{ type: "text", text: step.final }]; stop = "end_turn";
-    }
-  }
-  const id = "msg_" + randomBytes(6).toString("hex");
-  const u = { input_tokens: usage.input, output_tokens: 1, cache_read_input_tokens: usage.cache_read,
-    cache_creation_input_tokens: 0 };
-  if (!body.stream) {
-    res.writeHead(200, { "content-type": "application/json" });
-    res.end(JSON.stringify({ id, type: "message", role: "assistant", model, content: blocks, stop_reason: stop,
-      usage: { ...u, output_tokens: usage.output } }));
-    return;
-  }
-  const events = [{ type: "message_start", message: { id, type: "message", role: "assistant", content: [], model,
-    stop_reason: null, usage: u } }];
-  blocks.forEach((b, index) => {
-    if (b.type === "text") {
-      events.push({ type: "content_block_start", index, content_block: { type: "text", text: "" } });
-      events.push({ type: "content_block_delta", index, delta: { type: "text_delta", text: b.text } });
-    } else {
-      events.push({ type: "content_block_start", index, content_block: { type: "tool_use", id: b.id, name: b.name, input: {} } });
-      events.push({ type: "content_block_delta", index, delta: { type: "input_json_delta", partial_json: JSON.stringify(b.input) } });
-    }
-    events.push({ type: "content_block_stop", index });
-  });
-  events.push({ type: "message_delta", delta: { stop_reason: stop, stop_sequence: null }, usage: { output_tokens: usage.output } });
-  events.push({ type: "message_stop" });
-  res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
-  for (const ev of events) res.write(`event: ${ev.type}\ndata: ${JSON.stringify(ev)}\n\n`);
-  res.end();
-}
-
-// Codex offers tools at the top level (`tools`, MCP servers as a namespace) or, for models
-// it runs in code mode (gpt-5.6-*), in an `additional_tools` input item whose `exec` tool
-// runs JavaScript with every nested tool on `tools` (MCP ones deferred: listed in ALL_TOOLS
-// only). The model then calls demesne as a real one would: a custom_tool_call of `exec`.
-function codexTools(body) {
-  const extra = (body.input || []).filter((i) => i?.type === "additional_tools").flatMap((i) => i.tools || []);
-  return [...(body.tools || []), ...extra];
-}
-const codeMode = (tools) => tools.some((t) => t?.type === "namespace" && (t.tools || []).some((x) => x.name === "exec"
-  && x.type === "custom"));
-
-function openai(res, body) {
-  const input = body.input || [];
-  const p = planOf(input.filter((i) => i?.type !== "additional_tools"));
-  const model = body.model;
-  let item, usage = { input: 1, output: 1, cache_read: 0 };
-  const callId = () => "call_" + randomBytes(6).toString("hex");
-  if (!p) {
-    unplanned.push(model);
-  } else {
-    const tools = codexTools(body);
-    const results = input.filter((i) => typeof i?.type === "string" && i.type.endsWith("_output") && i.call_id)
-      .map((i) => textOf(i.output));
-    p.results = results;
-    p.offered = offeredNames(tools);
-    const { index, step, args } = nextStep(p, results);
-    usage = usageOf(p, p.served.length);
-    p.served.push({ ...usage, model, step: index });
-    if (step.tool && codeMode(tools)) {
-      p.codeMode = true;
-      item = { type: "custom_tool_call", id: "ctc_" + randomBytes(6).toString("hex"), call_id: callId(), name: "exec",
-        input: `// @exec: {"yield_time_ms": 300000}\nconst r = await tools.mcp__demesne__${step.tool}(${JSON.stringify(args)});\n`
-          + "text(JSON.stringify(r));\n" };
-    } else if (step.tool) {
-      const t = toolName(tools, step.tool) || { name: `missing__${step.tool}` };
-      item = { type: "function_call", id: "fc_" + randomBytes(6).toString("hex"), call_id: callId(), name: t.name,
-        ...(t.namespace ? { namespace: t.namespace } : {}), arguments: JSON.stringify(args) };
-    } else if (step.shell) {
-      item = { type: "function_call", id: "fc_" + randomBytes(6).toString("hex"), call_id: callId(), name: "exec_command",
-        arguments: JSON.stringify({ cmd: step.shell }) };
-    } else {
-      item = { type: "message", role: "assistant", id: "msg_" + randomBytes(6).toString("hex"),
-        content: [{ type: "output_text", text: step.final }] };
-    }
-  }
-  if (!item) item = { type: "message", role: "assistant", id: "msg_x", content: [{ type: "output_text", text: "ok" }] };
-  const id = "resp_" + randomBytes(6).toString("hex");
-  res.writeHead(200, { "content-type": "text/event-stream", "cache-control": "no-cache" });
-  for (const ev of [
-    { type: "response.created", response: { id, model } },
-    { type: "response.output_item.done", output_index: 0, item },
-    { type: "response.completed", response: { id, model, output: [item], usage: {
-      input_tokens: usage.input + usage.cache_read, input_tokens_details: { cached_tokens: usage.cache_read },
-      output_tokens: usage.output, output_tokens_details: { reasoning_tokens: 0 },
-      total_tokens: usage.input + usage.cache_read + usage.output } } },
-  ]) res.write(`data: ${JSON.stringify(ev)}\n\n`);
-  res.end();
-}
+let vendor, vendorPort, plans, plan;
 
 before(async () => {
-  vendor = http.createServer((req, res) => {
-    const chunks = [];
-    req.on("data", (c) => chunks.push(c));
-    req.on("end", () => {
-      if (req.method !== "POST") { res.writeHead(404); res.end(); return; }
-      const auth = req.headers["x-api-key"] || req.headers.authorization || "";
-      if (!auth.includes(SECRET)) { res.writeHead(401); res.end(); return; }
-      let body = {};
-      try { body = JSON.parse(Buffer.concat(chunks).toString("utf8") || "{}"); } catch { /* empty */ }
-      if (req.url.startsWith("/openai/")) openai(res, body); else anthropic(res, body);
-    });
-  });
-  await new Promise((r) => vendor.listen(0, "127.0.0.1", r));
-  vendorPort = vendor.address().port;
+  vendor = await startVendor({ secret: SECRET });
+  ({ port: vendorPort, plans, plan } = vendor);
 });
 
 after(async () => {
-  await new Promise((r) => vendor.close(r));
+  await vendor.close();
   const left = await containersUnder(work);
   for (const c of left) await engine("DELETE", `/containers/${c.Id}?force=true`);
   if (!process.env.DEMESNE_TEST_KEEP) rmSync(work, { recursive: true, force: true });
@@ -285,7 +88,7 @@ async function call(conn, name, args) {
 function billed(...ids) {
   const t = { input: 0, output: 0, cache_read: 0, requests: 0 };
   for (const id of ids) {
-    for (const u of plans.get(id).served) {
+    for (const u of plans.get(id).responses) {
       t.input += u.input; t.output += u.output; t.cache_read += u.cache_read; t.requests++;
     }
   }
@@ -329,8 +132,8 @@ async function runTree(conn, { tag, model, childModel, tokens, price }) {
   const o = plans.get(orch);
   // Claude Code offers mcp__demesne__<tool>; Codex in code mode nests them in `exec` (tools.mcp__demesne__<tool>)
   assert.ok(o.codeMode || o.offered.some((n) => /^mcp__demesne(__|:)sandbox_agent$/.test(n)), `offered: ${o.offered}`);
-  assert.equal(o.served.length, 6, `one request per step: ${JSON.stringify(o.served)}`);
-  assert.equal(plans.get(helper).served.length, 3);
+  assert.equal(o.served, 6, `one request per step: ${JSON.stringify(o.responses)}`);
+  assert.equal(plans.get(helper).served, 3);
   for (const r of [...o.results, ...plans.get(helper).results]) {
     assert.doesNotMatch(r, /requires approval|user cancelled|not allowed/i, r.slice(0, 2000));
   }
@@ -381,7 +184,7 @@ async function runTree(conn, { tag, model, childModel, tokens, price }) {
 }
 
 // USD of a plan's responses at a price table (USD per million tokens)
-const priceOf = (rates) => (id) => plans.get(id).served.reduce((s, u) => {
+const priceOf = (rates) => (id) => plans.get(id).responses.reduce((s, u) => {
   const r = rates(u.model);
   return s + (u.input * r.input + u.output * r.output + u.cache_read * r.cache_read) / 1e6;
 }, 0);
@@ -579,8 +382,8 @@ test("a server killed with SIGKILL mid-tree: the next server takes the tree up a
     // there are counted (a response cut off by the kill is billed by the vendor but never
     // counted: that is not what this test is about): kill the server now
     const counted = (f) => (existsSync(f) ? read(f).split("\n").filter((l) => l.includes('"verdict":"forward"')).length : 0);
-    await until("the orchestrator waiting", async () => plans.get(orch).served.length >= 3
-      && plans.get(helper).served.length >= 1 && counted(path.join(started.output_dir, "usage.jsonl")) >= 3
+    await until("the orchestrator waiting", async () => plans.get(orch).served >= 3
+      && plans.get(helper).served >= 1 && counted(path.join(started.output_dir, "usage.jsonl")) >= 3
       && counted(path.join(started.output_dir, "child/helper/usage.jsonl")) >= 1, 180_000);
     process.kill(a.transport.pid, "SIGKILL");
     await a.client.close().catch(() => {});

@@ -16,7 +16,9 @@
 // `continue`): each user message that follows a final answer in the history counts as one
 // result, NEW_TURN, so the step after a {final} is taken in the next turn.
 // Each request is answered with the step the results so far lead to, so the vendor keeps no
-// state between requests beyond the plan; every step taken is recorded in plan.taken.
+// state between requests beyond the plan; every step taken is recorded in plan.taken, and
+// every response the plan was billed for in plan.responses ({model, step, input, output,
+// cache_read}; plan.served counts them).
 import http from "node:http";
 import { randomBytes } from "node:crypto";
 
@@ -51,13 +53,15 @@ export async function startVendor({ secret, intercept }) {
   const served = [];
 
   /**
-   * Adds a plan and returns its id. tokens: {input, output} billed per response (plus the step
-   * number); opts.turns: the plan spans several turns (see NEW_TURN).
+   * Adds a plan and returns its id. tokens: {input, output, cache_read?} billed per response
+   * (each plus the number of the response, so no two responses of a plan bill alike; no
+   * cache_read: none billed); opts.turns: the plan spans several turns (see NEW_TURN).
    */
   function plan(id, steps, tokens = { input: 100, output: 10 }, opts = {}) {
     const byId = new Map();
     steps.forEach((s, i) => { if (s.id) byId.set(s.id, i); });
-    plans.set(id, { id, steps, byId, tokens, turns: !!opts.turns, served: 0, taken: [], results: [], offered: null });
+    plans.set(id, { id, steps, byId, tokens, turns: !!opts.turns, served: 0, responses: [], taken: [], results: [],
+      offered: null });
     return id;
   }
 
@@ -112,7 +116,10 @@ export async function startVendor({ secret, intercept }) {
     }
     p.taken.push(step);
     const n = p.served++;
-    return { step, usage: { input: p.tokens.input + n, output: p.tokens.output + n } };
+    const usage = { input: p.tokens.input + n, output: p.tokens.output + n,
+      cache_read: p.tokens.cache_read === undefined ? 0 : p.tokens.cache_read + n };
+    p.responses.push({ ...usage, model: body.model, step: step.index });
+    return { step, usage };
   }
 
   function toolName(tools, want, server = "demesne") {
@@ -132,7 +139,7 @@ export async function startVendor({ secret, intercept }) {
     const side = Array.isArray(body.tools) && body.tools.length === 0;
     const p = side ? null : planOf(msgs);
     const model = body.model || "claude-sonnet-5";
-    let blocks = [{ type: "text", text: "ok" }], stop = "end_turn", usage = { input: 1, output: 1 };
+    let blocks = [{ type: "text", text: "ok" }], stop = "end_turn", usage = { input: 1, output: 1, cache_read: 0 };
     if (p) {
       const results = [];
       let ended = false; // the last assistant message was a final answer (no tool call)
@@ -162,7 +169,8 @@ export async function startVendor({ secret, intercept }) {
       }
     }
     const id = "msg_" + randomBytes(6).toString("hex");
-    const u = { input_tokens: usage.input, output_tokens: 1, cache_read_input_tokens: 0, cache_creation_input_tokens: 0 };
+    const u = { input_tokens: usage.input, output_tokens: 1, cache_read_input_tokens: usage.cache_read,
+      cache_creation_input_tokens: 0 };
     served.push({ model, input: usage.input, output: usage.output });
     if (!body.stream) {
       res.writeHead(200, { "content-type": "application/json" });
@@ -204,7 +212,7 @@ export async function startVendor({ secret, intercept }) {
     const p = planOf(input.filter((i) => i?.type !== "additional_tools"));
     const model = body.model;
     let item = { type: "message", role: "assistant", id: "msg_x", content: [{ type: "output_text", text: "ok" }] };
-    let usage = { input: 1, output: 1 };
+    let usage = { input: 1, output: 1, cache_read: 0 };
     const callId = () => "call_" + randomBytes(6).toString("hex");
     if (p) {
       const tools = codexTools(body);
@@ -220,6 +228,7 @@ export async function startVendor({ secret, intercept }) {
       usage = t.usage;
       const { step } = t;
       if (step.tool && codeMode(tools)) {
+        p.codeMode = true;
         item = { type: "custom_tool_call", id: "ctc_" + randomBytes(6).toString("hex"), call_id: callId(), name: "exec",
           input: `// @exec: {"yield_time_ms": 300000}\nconst want = ${JSON.stringify(`mcp__${step.server}__${step.tool}`)}.replace(/[^A-Za-z0-9_]/g, "_");\n`
             + "const name = [...Object.keys(tools), ...ALL_TOOLS.map((t) => t.name)].find((n) => n.replace(/[^A-Za-z0-9_]/g, \"_\") === want) || want;\n"
@@ -244,9 +253,9 @@ export async function startVendor({ secret, intercept }) {
       { type: "response.created", response: { id, model } },
       { type: "response.output_item.done", output_index: 0, item },
       { type: "response.completed", response: { id, model, output: [item], usage: {
-        input_tokens: usage.input, input_tokens_details: { cached_tokens: 0 },
+        input_tokens: usage.input + usage.cache_read, input_tokens_details: { cached_tokens: usage.cache_read },
         output_tokens: usage.output, output_tokens_details: { reasoning_tokens: 0 },
-        total_tokens: usage.input + usage.output } } },
+        total_tokens: usage.input + usage.cache_read + usage.output } } },
     ]) res.write(`data: ${JSON.stringify(ev)}\n\n`);
     res.end();
   }

@@ -1,5 +1,7 @@
 local async = require("demesne.async")
+local fs = require("core.fs")
 local loop = require("core.loop")
+local proc = require("demesne.proc")
 
 local tests = {}
 
@@ -55,6 +57,41 @@ function tests.errors_carry_traceback(t)
   t:eq(ok, false)
   t:match(err, "boom")
   t:match(err, "traceback")
+end
+
+-- async.main runs the loop itself, so it is called where a command calls it: outside any
+-- task. The check is a test file run by a child `demesne test` whose top level (which the
+-- runner loads outside a task) calls it, with a 20 s timer open that would keep a plain
+-- loop.run going until it fired: the loop stops when the task ends (the timer has not
+-- fired), and the results come back pcall-style.
+local MAIN_FIXTURE = [[
+local async = require("demesne.async")
+local timer = require("core.timer")
+local fired = false
+local held = timer.after(20000, function() fired = true end)
+local r1 = table.pack(async.main("fixture", function(x) async.sleep(1) return x, "two" end, "one"))
+local r2 = table.pack(async.main("fixture error", function() error({ code = "EX" }) end))
+local fired_before_return = fired
+held:close()
+return {
+  results = function(t)
+    t:eq({ r1.n, r1[1], r1[2], r1[3] }, { 3, true, "one", "two" }, "true and fn's results")
+    t:eq({ r2[1], type(r2[2]) == "table" and r2[2].code }, { false, "EX" }, "false and the error raised")
+    t:eq(fired_before_return, false, "the loop stopped when the task ended, not when the timer fired")
+  end,
+}
+]]
+
+function tests.main_drives_the_loop_until_its_task_ends(t)
+  local d = os.tmpname()
+  os.remove(d)
+  assert(fs.mkdir_p(d, 448))
+  assert(fs.write_atomic(d .. "/main_test.lua", MAIN_FIXTURE))
+  local r = assert(proc.run({ file = loop.exepath(), args = { "test", d }, timeout_ms = 120000, max_out = 1024 * 1024,
+    err_max = 4000 }))
+  fs.remove_tree(d)
+  t:eq(r.status, 0, r.out .. r.err)
+  t:match(r.out, "1 passed, 0 failed")
 end
 
 return tests

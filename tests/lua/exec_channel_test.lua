@@ -4,59 +4,25 @@
 -- once; a sandbox without the socket still works through the exec API; one destroyed
 -- meanwhile is reported as before.
 local async = require("demesne.async")
-local config = require("demesne.config")
-local engines = require("demesne.engines")
 local sandbox = require("demesne.sandbox")
-local teardown = require("demesne.teardown")
 local fs = require("core.fs")
-local loop = require("core.loop")
 
-local here = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "."
-local FAKE = here .. "/../fixtures/engines/fake.lua"
-local IMAGE = "fake/base:1"
+local scratch = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/world.lua")
+local IMAGE = scratch.IMAGE
 
 local tests = {}
 
-local VARS = { "XDG_CONFIG_HOME", "DEMESNE_ENGINE_ADAPTER", "DEMESNE_ENGINE", "DEMESNE_STATE_DIR",
-  "DEMESNE_OUTPUT_ROOT", "DEMESNE_ALLOWED_PATHS", "DEMESNE_INIT" }
-
 -- A scratch world on the fake engine that counts the engine calls made (w.calls[method]).
 local function world()
-  local d = os.tmpname()
-  os.remove(d)
-  assert(fs.mkdir_p(d .. "/config/demesne/engines", 493))
-  assert(fs.write_atomic(d .. "/config/demesne/engines/fake.lua", assert(fs.read_file(FAKE))))
-  assert(fs.write_atomic(d .. "/demesne-init", "not run: the fake engine models it"))
-  local env = { XDG_CONFIG_HOME = d .. "/config", DEMESNE_ENGINE_ADAPTER = "fake", DEMESNE_ENGINE = "",
-    DEMESNE_STATE_DIR = d .. "/state", DEMESNE_OUTPUT_ROOT = d .. "/out", DEMESNE_ALLOWED_PATHS = d,
-    DEMESNE_INIT = d .. "/demesne-init" }
-  local saved = {}
-  for _, k in ipairs(VARS) do
-    saved[k] = os.getenv(k)
-    loop.setenv(k, env[k])
-  end
-  config.load()
-  local eng = assert(engines.get())
-  local w = { dir = d, eng = eng, calls = {} }
+  local w = scratch.new()
+  w.calls = {}
   for _, m in ipairs({ "exec", "list", "inspect" }) do
-    local inner = eng[m]
-    eng[m] = function(self, ...)
+    w:wrap(m, function(inner, eng, ...)
       w.calls[m] = (w.calls[m] or 0) + 1
-      return inner(self, ...)
-    end
+      return inner(eng, ...)
+    end)
   end
-  return setmetatable(w, { __close = function()
-    assert(teardown.wait(5000), "the removals finished")
-    for _, m in ipairs({ "exec", "list", "inspect" }) do eng[m] = nil end
-    for _, c in ipairs(eng:list({ "io.demesne.managed=1" })) do
-      local rid = c.labels["io.demesne.run_id"]
-      if rid then require("demesne.egress").stop(rid) end
-    end
-    eng:reset()
-    for _, k in ipairs(VARS) do loop.setenv(k, saved[k]) end
-    config.load()
-    fs.remove_tree(d)
-  end })
+  return w
 end
 
 function tests.execs_go_over_the_control_socket_and_back_to_back_ones_ask_the_engine_once(t)

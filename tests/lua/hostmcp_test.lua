@@ -6,6 +6,7 @@
 local async = require("demesne.async")
 local config = require("demesne.config")
 local json = require("demesne.json")
+local programs = require("demesne.proc")
 local hostmcp = require("demesne.hostmcp")
 local proxy = require("demesne.hostmcp.proxy")
 local demesne_tools = require("demesne.tools")
@@ -350,23 +351,10 @@ end
 
 -- Runs a program to its end (inside a task); returns its exit status and stdout.
 local function capture(file, args, env)
-  local parts = {}
-  local status = async.await(function(cb)
-    local waiting, st = 2, nil
-    local proc, pipes = process.spawn({ file = file, args = args, env = env, stdout = true }, function(s)
-      st = s
-      waiting = waiting - 1
-      if waiting == 0 then cb(st) end
-    end)
-    if not proc then cb(127) return end
-    pipes.stdout:read_start(function(data)
-      if data then parts[#parts + 1] = data return end
-      pipes.stdout:close()
-      waiting = waiting - 1
-      if waiting == 0 then cb(st) end
-    end)
-  end)
-  return status, table.concat(parts)
+  local r = programs.run({ file = file, args = args, env = env, timeout_ms = 300000, max_out = 16 * 1024 * 1024,
+    err_max = 0 })
+  if not r then return 127, "" end
+  return r.status, r.out
 end
 
 -- The import fixtures: a ~/.claude.json and a Codex config.toml as the clients write them.

@@ -4,65 +4,33 @@
 -- call that finds none ready makes a fresh one. The same properties are checked on the
 -- real engines by tests/integration/pool.test.mjs.
 local async = require("demesne.async")
-local config = require("demesne.config")
-local engines = require("demesne.engines")
 local pool = require("demesne.pool")
 local sandbox = require("demesne.sandbox")
 local teardown = require("demesne.teardown")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
-local here = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "."
-local FAKE = here .. "/../fixtures/engines/fake.lua"
-local IMAGE = "fake/base:1"
+local scratch = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/world.lua")
+local IMAGE = scratch.IMAGE
 local MiB = 1024 * 1024
 
 local tests = {}
 
-local VARS = { "XDG_CONFIG_HOME", "DEMESNE_ENGINE_ADAPTER", "DEMESNE_ENGINE", "DEMESNE_STATE_DIR",
-  "DEMESNE_OUTPUT_ROOT", "DEMESNE_ALLOWED_PATHS", "DEMESNE_INIT", "DEMESNE_POOL_SIZE", "DEMESNE_POOL_IMAGES",
-  "DEMESNE_POOL_MAX", "DEMESNE_POOL_IDLE_SECONDS", "DEMESNE_MEMORY_MB_MAX" }
-
 -- A scratch world on the fake engine with the pool started (pool_images = the fake image);
 -- closing it stops the pool, waits for the removals and restores everything.
 local function world(extra_env)
-  local d = os.tmpname()
-  os.remove(d)
-  assert(fs.mkdir_p(d .. "/config/demesne/engines", 493))
-  assert(fs.mkdir_p(d .. "/host", 493))
-  assert(fs.write_atomic(d .. "/config/demesne/engines/fake.lua", assert(fs.read_file(FAKE))))
-  assert(fs.write_atomic(d .. "/demesne-init", "not run: the fake engine models it"))
-  local env = { XDG_CONFIG_HOME = d .. "/config", DEMESNE_ENGINE_ADAPTER = "fake", DEMESNE_ENGINE = "",
-    DEMESNE_STATE_DIR = d .. "/state", DEMESNE_OUTPUT_ROOT = d .. "/out", DEMESNE_ALLOWED_PATHS = d .. "/host",
-    DEMESNE_INIT = d .. "/demesne-init", DEMESNE_POOL_SIZE = "2", DEMESNE_POOL_IMAGES = IMAGE }
+  local env = { DEMESNE_POOL_SIZE = "2", DEMESNE_POOL_IMAGES = IMAGE }
   for k, v in pairs(extra_env or {}) do env[k] = v end
-  local saved = {}
-  for _, k in ipairs(VARS) do
-    saved[k] = os.getenv(k)
-    loop.setenv(k, env[k])
-  end
-  config.load()
-  local eng = assert(engines.get())
-  local w = { dir = d, eng = eng, specs = {} }
-  local create = eng.create
-  eng.create = function(self, s)
-    w.specs[#w.specs + 1] = s
-    return create(self, s)
-  end
-  pool.start()
-  return setmetatable(w, { __close = function()
-    pool.stop()
-    assert(teardown.wait(5000), "the removals finished")
-    eng.create = nil
-    for _, c in ipairs(eng:list({ "io.demesne.managed=1" })) do
-      local rid = c.labels["io.demesne.run_id"]
-      if rid then require("demesne.egress").stop(rid) end
-    end
-    eng:reset()
-    for _, k in ipairs(VARS) do loop.setenv(k, saved[k]) end
-    config.load()
-    fs.remove_tree(d)
-  end })
+  return scratch.new({
+    vars = { "DEMESNE_POOL_SIZE", "DEMESNE_POOL_IMAGES", "DEMESNE_POOL_MAX", "DEMESNE_POOL_IDLE_SECONDS",
+      "DEMESNE_MEMORY_MB_MAX" },
+    env = env,
+    on_open = function(w)
+      w:record_creates()
+      pool.start()
+    end,
+    on_close = function() pool.stop() end,
+  })
 end
 
 -- Waits (at most 5 s) until the kind of `image` holds `n` warm sandboxes; returns their run ids.

@@ -6,78 +6,33 @@
 -- paths and config here are the real modules.
 local async = require("demesne.async")
 local config = require("demesne.config")
-local engines = require("demesne.engines")
 local sandbox = require("demesne.sandbox")
 local json = require("demesne.json")
 local teardown = require("demesne.teardown")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
-local here = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "."
-local FAKE = here .. "/../fixtures/engines/fake.lua"
-local IMAGE = "fake/base:1"
+local scratch = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/world.lua")
+local IMAGE = scratch.IMAGE
+local by_target = scratch.by_target
 local MiB = 1024 * 1024
 
 local tests = {}
 
-local VARS = { "XDG_CONFIG_HOME", "DEMESNE_ENGINE_ADAPTER", "DEMESNE_ENGINE", "DEMESNE_STATE_DIR",
-  "DEMESNE_OUTPUT_ROOT", "DEMESNE_ALLOWED_PATHS", "DEMESNE_INIT", "DEMESNE_MEMORY_MB_MAX", "DEMESNE_ISOLATION",
-  "DEMESNE_USERNS", "DEMESNE_FORK_MAX_COUNT" }
-
--- A scratch world: config, state and output folders, an allowed host folder, the fake
--- engine as the runtime's adapter, and every create() it receives. Closing it removes what
--- is left (containers, proxies, folders) and restores the environment.
+-- A scratch world (tests/lua/world.lua): config, state and output folders, an allowed host
+-- folder, the fake engine as the runtime's adapter, and every create() it receives.
 local function world(extra_env)
-  local d = os.tmpname()
-  os.remove(d)
-  assert(fs.mkdir_p(d .. "/config/demesne/engines", 493))
-  assert(fs.mkdir_p(d .. "/host", 493))
-  assert(fs.write_atomic(d .. "/config/demesne/engines/fake.lua", assert(fs.read_file(FAKE))))
-  assert(fs.write_atomic(d .. "/demesne-init", "not run: the fake engine models it"))
-  local saved = {}
-  local env = { XDG_CONFIG_HOME = d .. "/config", DEMESNE_ENGINE_ADAPTER = "fake", DEMESNE_ENGINE = "",
-    DEMESNE_STATE_DIR = d .. "/state", DEMESNE_OUTPUT_ROOT = d .. "/out", DEMESNE_ALLOWED_PATHS = d .. "/host",
-    DEMESNE_INIT = d .. "/demesne-init" }
-  for k, v in pairs(extra_env or {}) do env[k] = v end
-  for _, k in ipairs(VARS) do
-    saved[k] = os.getenv(k)
-    loop.setenv(k, env[k])
-  end
-  config.load()
-  local eng = assert(engines.get())
-  assert(eng.name == "fake", "the fake engine is the runtime's adapter")
-  local w = { dir = d, eng = eng, specs = {}, caps = eng.capabilities }
-  local create = eng.create
-  eng.create = function(self, s)
-    w.specs[#w.specs + 1] = s
-    return create(self, s)
-  end
-  return setmetatable(w, { __close = function()
-    assert(teardown.wait(5000), "the removals after the answers finished")
-    eng.create = nil -- the method again
-    eng.capabilities = w.caps
-    for _, c in ipairs(eng:list({ "io.demesne.managed=1" })) do
-      local rid = c.labels["io.demesne.run_id"]
-      if rid then require("demesne.egress").stop(rid) end
-    end
-    sandbox.unwatch_all() -- the output quota's watches of what a test left running
-    eng:reset()
-    for _, k in ipairs(VARS) do loop.setenv(k, saved[k]) end
-    config.load()
-    fs.remove_tree(d)
-  end })
+  return scratch.new({
+    vars = { "DEMESNE_MEMORY_MB_MAX", "DEMESNE_ISOLATION", "DEMESNE_USERNS", "DEMESNE_FORK_MAX_COUNT" },
+    env = extra_env,
+    on_open = function(w) w:record_creates() end,
+  })
 end
 
 local function failure(fn, ...)
   local ok, e = pcall(fn, ...)
   assert(not ok, "expected a failure")
   return type(e) == "table" and e.message or tostring(e), type(e) == "table" and e.code or nil
-end
-
-local function by_target(mounts)
-  local out = {}
-  for _, m in ipairs(mounts) do out[m.target] = m end
-  return out
 end
 
 function tests.a_one_shot_run_gives_exit_code_and_output_and_leaves_no_container(t)

@@ -39,7 +39,7 @@ local LAYERS = {
   ["demesne.repo"] = 2,
   -- 1: the base library over the core.* bindings
   ["demesne.async"] = 1, ["demesne.config"] = 1, ["demesne.errors"] = 1, ["demesne.json"] = 1, ["demesne.log"] = 1,
-  ["demesne.util"] = 1, ["demesne.paths"] = 1, ["demesne.output"] = 1, ["demesne.progress"] = 1,
+  ["demesne.util"] = 1, ["demesne.proc"] = 1, ["demesne.paths"] = 1, ["demesne.output"] = 1, ["demesne.progress"] = 1,
   ["demesne.plugins"] = 1, ["demesne.runtime"] = 1, ["demesne.terminal"] = 1, ["demesne.oauth"] = 1, ["demesne.jsonschema"] = 1,
 }
 

@@ -6,7 +6,6 @@
 -- (tests/integration/tree.test.mjs drives the real one over MCP on real engines).
 local async = require("demesne.async")
 local config = require("demesne.config")
-local engines = require("demesne.engines")
 local jobs = require("demesne.jobs")
 local sandbox = require("demesne.sandbox")
 local tree = require("demesne.tree")
@@ -16,72 +15,41 @@ local tools = require("demesne.tools")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
-local here = debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or "."
-local FAKE = here .. "/../fixtures/engines/fake.lua"
-local IMAGE = "fake/base:1"
+local scratch = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/world.lua")
+local IMAGE = scratch.IMAGE
+local by_target = scratch.by_target
 
 local tests = {}
 
-local VARS = { "XDG_CONFIG_HOME", "DEMESNE_ENGINE_ADAPTER", "DEMESNE_ENGINE", "DEMESNE_STATE_DIR",
-  "DEMESNE_OUTPUT_ROOT", "DEMESNE_ALLOWED_PATHS", "DEMESNE_INIT", "DEMESNE_TREE_BUDGET_USD_MAX",
-  "DEMESNE_TREE_WAIT_SECONDS", "DEMESNE_CHILD_IMAGES" }
-
--- A scratch world on the fake engine, with a stub endpoint (opened and closed runs).
+-- A scratch world on the fake engine (tests/lua/world.lua), with a stub endpoint (opened
+-- and closed runs) and the create() specs by container name.
 local function world(extra_env)
-  local d = os.tmpname()
-  os.remove(d)
-  assert(fs.mkdir_p(d .. "/config/demesne/engines", 493))
-  assert(fs.mkdir_p(d .. "/host/data", 493))
-  assert(fs.write_atomic(d .. "/host/data/in.txt", "input\n"))
-  assert(fs.write_atomic(d .. "/config/demesne/engines/fake.lua", assert(fs.read_file(FAKE))))
-  assert(fs.write_atomic(d .. "/demesne-init", "not run: the fake engine models it"))
-  local saved = {}
-  local env = { XDG_CONFIG_HOME = d .. "/config", DEMESNE_ENGINE_ADAPTER = "fake", DEMESNE_ENGINE = "",
-    DEMESNE_STATE_DIR = d .. "/state", DEMESNE_OUTPUT_ROOT = d .. "/out", DEMESNE_ALLOWED_PATHS = d .. "/host",
-    DEMESNE_INIT = d .. "/demesne-init", DEMESNE_CHILD_IMAGES = IMAGE } -- the fake's image, named from inside
+  local env = { DEMESNE_CHILD_IMAGES = IMAGE } -- the fake's image, named from inside
   for k, v in pairs(extra_env or {}) do env[k] = v end
-  for _, k in ipairs(VARS) do
-    saved[k] = os.getenv(k)
-    loop.setenv(k, env[k])
-  end
-  config.load()
-  tree.reset()
-  local eng = assert(engines.get())
-  local w = { dir = d, eng = eng, specs = {}, opened = {}, closed = {} }
-  local create = eng.create
-  eng.create = function(self, s)
-    w.specs[s.name] = s
-    return create(self, s)
-  end
-  tree.set_endpoint({
-    open = function(n) w.opened[n.run_id] = n.endpoint.token return true end,
-    close = function(id) w.closed[id] = true end,
+  return scratch.new({
+    vars = { "DEMESNE_TREE_BUDGET_USD_MAX", "DEMESNE_TREE_WAIT_SECONDS", "DEMESNE_CHILD_IMAGES" },
+    env = env,
+    files = { ["host/data/in.txt"] = "input\n" },
+    on_open = function(w)
+      tree.reset()
+      w.opened, w.closed = {}, {}
+      w:record_creates(true)
+      tree.set_endpoint({
+        open = function(n) w.opened[n.run_id] = n.endpoint.token return true end,
+        close = function(id) w.closed[id] = true end,
+      })
+    end,
+    on_close = function()
+      tree.set_endpoint(nil)
+      tree.reset()
+    end,
   })
-  return setmetatable(w, { __close = function()
-    eng.create = nil
-    for _, c in ipairs(eng:list({ "io.demesne.managed=1" })) do
-      local rid = c.labels["io.demesne.run_id"]
-      if rid then require("demesne.egress").stop(rid) end
-    end
-    eng:reset()
-    tree.set_endpoint(nil)
-    tree.reset()
-    for _, k in ipairs(VARS) do loop.setenv(k, saved[k]) end
-    config.load()
-    fs.remove_tree(d)
-  end })
 end
 
 local function failure(fn, ...)
   local ok, e = pcall(fn, ...)
   assert(not ok, "expected a failure")
   return type(e) == "table" and e.message or tostring(e)
-end
-
-local function by_target(mounts)
-  local out = {}
-  for _, m in ipairs(mounts) do out[m.target] = m end
-  return out
 end
 
 -- A root: a persistent sandbox with the endpoint (sandbox_create, mcp = true).
