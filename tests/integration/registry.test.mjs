@@ -51,14 +51,17 @@ function engine(method, p, { headers = {}, body } = {}) {
 }
 const q = encodeURIComponent;
 
+// GET with our login: 200 only from our own registry (another run's, on a port we also
+// tried, has another password and answers 401)
 function get(url) {
   return new Promise((resolve) => {
-    https.get(url, { ca: readFileSync(path.join(CERTS, "ca.crt")) }, (res) => { res.resume(); resolve(res.statusCode); })
-      .on("error", () => resolve(0));
+    https.get(url, { ca: readFileSync(path.join(CERTS, "ca.crt")),
+      headers: { Authorization: "Basic " + Buffer.from(`${USER}:${PASSWORD}`).toString("base64") } },
+    (res) => { res.resume(); resolve(res.statusCode); }).on("error", () => resolve(0));
   });
 }
 
-// Starts the registry on the first free port of PORTS; resolves once /v2/ answers 401.
+// Starts the registry on the first free port of PORTS; resolves once /v2/ lets our login in.
 async function startRegistry() {
   const htpasswd = spawnSync(htpasswdBin, ["-Bbn", USER, PASSWORD]);
   assert.equal(htpasswd.status, 0, htpasswd.stderr.toString());
@@ -87,7 +90,7 @@ auth:
     proc.on("exit", () => { exited = true; });
     proc.stderr.resume();
     for (let i = 0; i < 200 && !exited; i++) {
-      if (await get(`https://127.0.0.1:${p}/v2/`) === 401) return { proc, port: p };
+      if (await get(`https://127.0.0.1:${p}/v2/`) === 200) return { proc, port: p };
       await new Promise((r) => setTimeout(r, 50));
     }
     proc.kill("SIGKILL");
