@@ -2,8 +2,11 @@
 // built FROM base is current; once its Containerfile changes it is reported outdated (by
 // the hash of its inputs, naming the tag it was built as), `images build` says so before it
 // builds it, and `--refresh` builds it again without the cache. The package check (newer
-// Debian and npm packages, in a sandbox with the package-managers egress) needs the
-// package registries, which tests do not reach: `--no-packages` skips it here.
+// Debian and npm packages, in a sandbox of the image with the package-managers egress)
+// would ask the package registries, which tests do not reach; so its test image swaps
+// Debian's sources for a local flat repository (file:, inside the image) that offers a
+// newer bash: apt in the sandbox reads only that, and nothing leaves the machine. npm's
+// half (`npm outdated -g`) is not run by these tests (it needs registry.npmjs.org).
 import { test, after } from "node:test";
 import assert from "node:assert/strict";
 import { spawnSync } from "node:child_process";
@@ -19,9 +22,16 @@ const SOCKET = ENGINE.replace(/^unix:\/\//, "");
 const work = mkdtempSync(path.join(tmpdir(), "demesne-fresh-"));
 const xdg = path.join(work, "config");
 const NAME = `fresh-${randomBytes(4).toString("hex")}`;
+const PKGS = `pkgs-${randomBytes(4).toString("hex")}`;
 const dir = path.join(xdg, "demesne", "images", NAME);
 mkdirSync(dir, { recursive: true });
 writeFileSync(path.join(dir, "Containerfile"), "FROM base\nRUN echo one > /one\n");
+mkdirSync(path.join(xdg, "demesne", "images", PKGS), { recursive: true });
+writeFileSync(path.join(xdg, "demesne", "images", PKGS, "Containerfile"), `FROM base
+RUN rm -f /etc/apt/sources.list /etc/apt/sources.list.d/* && mkdir -p /srv/repo \\
+ && printf 'Package: bash\\nVersion: 99.0-1\\nArchitecture: amd64\\nMaintainer: t <t@example.invalid>\\nInstalled-Size: 1\\nFilename: ./bash_99.0-1_amd64.deb\\nSize: 1\\nSHA256: ${"0".repeat(64)}\\nDescription: a newer bash\\n\\n' > /srv/repo/Packages \\
+ && echo 'deb [trusted=yes] file:/srv/repo ./' > /etc/apt/sources.list
+`);
 const env = serverEnv({
   DEMESNE_ENGINE: ENGINE, XDG_CONFIG_HOME: xdg, DEMESNE_STATE_DIR: path.join(work, "state"),
   DEMESNE_OUTPUT_ROOT: path.join(work, "out"), DEMESNE_NO_PULL: "1",
@@ -42,13 +52,15 @@ function engine(method, p) {
     req.end();
   });
 }
-async function builtIds() {
-  const f = encodeURIComponent(JSON.stringify({ label: [`io.demesne.image=${NAME}`] }));
+async function builtIds(name) {
+  const f = encodeURIComponent(JSON.stringify({ label: [`io.demesne.image=${name}`] }));
   return JSON.parse((await engine("GET", `/images/json?all=true&filters=${f}`)).body).map((i) => i.Id);
 }
 
 after(async () => {
-  for (const id of await builtIds()) await engine("DELETE", `/images/${id}?force=true`);
+  for (const name of [NAME, PKGS]) {
+    for (const id of await builtIds(name)) await engine("DELETE", `/images/${id}?force=true`);
+  }
   rmSync(work, { recursive: true, force: true });
 });
 
@@ -86,4 +98,15 @@ test("an image whose inputs changed is reported outdated, and --refresh rebuilds
   assert.match(r.stdout, new RegExp(`^${NAME} +${second} \\([0-9.]+ s\\), rebuilt without the cache$`, "m"));
   const afterInspect = (await engine("GET", `/images/${encodeURIComponent(second)}/json`)).body;
   assert.notEqual(JSON.parse(afterInspect).Id, JSON.parse(before).Id, "the tag names a new image");
+});
+
+test("an image with a newer Debian package on offer is reported outdated, from a sandbox of it", async () => {
+  let r = demesne("build", PKGS);
+  assert.equal(r.status, 0, r.stderr);
+  r = demesne("outdated", PKGS);
+  assert.equal(r.status, 1, r.stdout + r.stderr);
+  assert.match(r.stdout, new RegExp(`^${PKGS} +demesne/${PKGS}:[0-9a-f]{12} +current inputs$`, "m"));
+  assert.match(r.stdout, /^ {4}deb bash 5\.\S+ -> 99\.0-1$/m);
+  assert.match(r.stdout, new RegExp(`^ {4}outdated: 1 Debian and 0 npm packages have newer versions \\(\`demesne images build --refresh ${PKGS}\`\\)$`, "m"));
+  assert.doesNotMatch(r.stdout, /not checked/);
 });
