@@ -393,7 +393,10 @@ function images.pull(eng, ref, ctx)
   local conf, cerr = registries.config()
   if not conf then return nil, "image: " .. cerr, "EINVAL" end
   local k = eng.socket .. "|" .. ref
-  while pulling[k] do pulling[k].wait() end
+  if pulling[k] then
+    while pulling[k] do pulling[k].wait() end
+    if eng:image_inspect(ref) then return true end -- the pull this one joined brought it
+  end
   local ev = async.event()
   pulling[k] = ev
   local _ <close> = util.closer(function() pulling[k] = nil; ev.set() end)
