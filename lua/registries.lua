@@ -122,13 +122,14 @@ local function from_helper(name, server)
   local ok, terr, tcode = async.timeout(timeout_ms, function()
     return async.await(function(cb)
       local status, eof = nil, false
-      local proc, pipes, serr = process.spawn({ file = file, args = { "get" }, stdin = true, stdout = true }, function(c)
+      -- the server goes to the helper's stdin through sh's own pipe (printf), as an argument:
+      -- never part of the command text; demesne holds only the helper's stdout
+      local proc, pipes, serr = process.spawn({ file = "/bin/sh", stdout = true, detached = true,
+        args = { "-c", 'printf %s "$2" | exec "$1" get', "sh", file, server } }, function(c)
         status = c
         if eof then cb(status) end
       end)
       if not proc then cb(nil, serr, "ENOEXEC") return end
-      local stdin = pipes.stdin
-      if not stdin:write(server, function() stdin:close() end) then stdin:close() end
       pipes.stdout:read_start(function(chunk)
         if not chunk then
           if eof then return end
@@ -138,10 +139,10 @@ local function from_helper(name, server)
           return
         end
         size = size + #chunk
-        if size > registries.MAX_HELPER_BYTES then too_long = true; proc:kill("KILL") return end
+        if size > registries.MAX_HELPER_BYTES then too_long = true; proc:kill("KILL", true) return end
         out[#out + 1] = chunk
       end)
-      return function() proc:kill("KILL") end -- its stdout ends with it, and is closed then
+      return function() proc:kill("KILL", true) end -- the whole group; its stdout ends with it, and is closed then
     end)
   end)
   if ok == nil then
@@ -149,6 +150,9 @@ local function from_helper(name, server)
     return nil, ("%s could not be run: %s"):format(file, tostring(terr))
   end
   if too_long then return nil, ("%s answered more than %d bytes"):format(file, registries.MAX_HELPER_BYTES) end
+  if ok == 126 or ok == 127 then -- sh's own: the helper is not on PATH, or not executable
+    return nil, ("%s could not be run: no such program on PATH, or not executable"):format(file)
+  end
   if ok ~= 0 then return nil, ("%s found no credentials (exit %s)"):format(file, tostring(ok)), "ENOENT" end
   local t = json.decode(table.concat(out))
   if type(t) ~= "table" or type(t.Secret) ~= "string" or t.Secret == "" then
