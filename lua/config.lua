@@ -239,6 +239,18 @@ local SPEC = {
   tree_wait_seconds = { env = "DEMESNE_TREE_WAIT_SECONDS", default = 240, number = true,
     doc = "longest a call from inside a sandbox blocks on sandbox_wait or on a free slot (then it returns running "
       .. "or is refused), so that no MCP client timeout is hit" },
+  image_pull = { env = "DEMESNE_IMAGE_PULL", default = true, bool = true,
+    doc = "pull an image reference the engine does not hold when a call or a user image's FROM names it (with the "
+      .. "host's registry credentials); false: only images already in the engine" },
+  image_pull_timeout_seconds = { default = 600, number = true,
+    doc = "longest one image pull (from a registry or one of its mirrors) may take" },
+  registry_helper_timeout_seconds = { default = 10, number = true,
+    doc = "longest a registry credential helper (docker-credential-<name> get) may take to answer" },
+  image_outdated_timeout_seconds = { default = 300, number = true,
+    doc = "longest `demesne images outdated` spends checking one image for newer packages" },
+  agent_cli_max_age_days = { env = "DEMESNE_AGENT_CLI_MAX_AGE_DAYS", default = 30, number = true, zero = true,
+    doc = "`demesne doctor` warns when the Claude Code or Codex CLI installed in an agent image is older than this "
+      .. "many days; 0: never" },
   child_images = { env = "DEMESNE_CHILD_IMAGES", default = {}, list = true, sep = ",",
     doc = "images of the engine's store (references) that a sandbox may name for its children, besides demesne's "
       .. "built-in and user images (','-separated); any other engine image is refused from inside a sandbox" },
