@@ -198,8 +198,8 @@ function runs.list(trees)
   for _, name in ipairs(fs.readdir(runs.dir()) or {}) do
     local id = type(name) == "string" and name:match("^([%w][%w%-]*)%.json$")
     local rec = id and not seen[id] and read_record(runs.dir() .. "/" .. name)
-    if rec and rec.run_id == id and rec.owner == sandbox.owner() and now - num(rec.finished_ms) < runs.KEEP_MS
-      and not rec.job_id then
+    -- (a job's run whose job record was pruned already, jobs_keep_seconds, too)
+    if rec and rec.run_id == id and rec.owner == sandbox.owner() and now - num(rec.finished_ms) < runs.KEEP_MS then
       add(id, nil, rec, nil)
     end
   end
