@@ -11,7 +11,10 @@
 // a cancel of a subtree from the page that removes its containers; a budget raised and a TTL
 // extended from the page; egress `ask` questions answered from the page (allow once: the
 // held curl goes through; deny: it fails), with a loopback test host named by a loopback
-// DNS server (tests/integration/egress-fixtures.mjs); the CLI's ps, logs and cancel.
+// DNS server (tests/integration/egress-fixtures.mjs); the CLI's ps, logs and cancel;
+// sandboxes that are no tree node (a foreground sandbox_script run, background jobs, a
+// persistent sandbox) on the page and in ps, with the memory a job's shell holds (20 MB,
+// the engine's stats), cancelled, killed and destroyed from the page and the CLI.
 // Screenshots go to build/test-output/cockpit/.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
@@ -438,6 +441,30 @@ test("sandboxes that are no tree node: a background job, a persistent sandbox an
   assert.equal(await containerState(job.run_id), "gone");
   const gone = await okOn(stdio.client, "sandbox_status", { job_id: job.job_id });
   assert.equal(gone.status, "cancelled");
+
+  // a foreground run a call waits for: found by the CLI, killed by `demesne cancel`; the call answers
+  const call = stdio.client.callTool({ name: "sandbox_script", arguments: { image: "base", egress: "none",
+    command: "echo FG-LONG; sleep 600" } }, undefined, LONG);
+  let fgLong;
+  while (!fgLong) {
+    const js = await cli("ps", "--json");
+    assert.equal(js.code, 0, js.stderr);
+    fgLong = JSON.parse(js.stdout).servers.flatMap((x) => x.trees).flatMap((t) => t.nodes)
+      .find((n) => n.standalone && n.kind === "script" && n.active && !n.job_id && n.status === "running");
+    if (!fgLong) await new Promise((r) => setTimeout(r, 300));
+  }
+  assert.equal(fgLong.tool, "sandbox_script");
+  assert.equal(await containerState(fgLong.run_id), "running");
+  const killed = await cli("cancel", fgLong.run_id);
+  assert.equal(killed.code, 0, killed.stderr);
+  assert.match(killed.stdout, new RegExp(`^${fgLong.run_id}: killed$`, "m"));
+  const answered = await call;
+  assert.ok(answered.isError || answered.structuredContent?.exit_code === 137,
+    `the call ends: ${JSON.stringify(answered.structuredContent ?? answered.content)}`);
+  await runOf(fgLong.run_id).waitFor({ timeout: 60_000 });
+  await page.waitForFunction((id) => document.querySelector(`[data-testid=run][data-root="${id}"] [data-testid=node]`)
+    ?.getAttribute("data-status") !== "running", fgLong.run_id, { timeout: 60_000 });
+  assert.equal(await containerState(fgLong.run_id), "gone");
 
   await runOf(sb.sandbox_id).click();
   await page.locator("[data-testid=detail-title]", { hasText: sb.sandbox_id }).waitFor();
