@@ -647,6 +647,39 @@ function Engine:kill(id, signal)
   return true
 end
 
+--- Neutral resource use from a Docker stats body (GET /containers/{id}/stats): memory in
+--- use as `docker stats` counts it (usage less the page cache the kernel can drop:
+--- inactive_file on cgroup v2, total_inactive_file on v1), the memory limit, processes and
+--- CPU time. Fields the engine does not report are nil.
+---@param t table
+---@return {memory_bytes: integer|nil, memory_limit_bytes: integer|nil, pids: integer|nil, cpu_ns: integer|nil}
+function docker.stats_info(t)
+  local function int(x) return type(x) == "number" and x >= 0 and math.tointeger(math.floor(x)) or nil end
+  local m = type(t.memory_stats) == "table" and t.memory_stats or {}
+  local st = type(m.stats) == "table" and m.stats or {}
+  local used = int(m.usage)
+  local cache = int(st.inactive_file) or int(st.total_inactive_file)
+  if used and cache and cache <= used then used = used - cache end
+  local cpu = type(t.cpu_stats) == "table" and type(t.cpu_stats.cpu_usage) == "table" and t.cpu_stats.cpu_usage or {}
+  local limit = int(m.limit)
+  return { memory_bytes = used, memory_limit_bytes = limit and limit > 0 and limit or nil,
+    pids = int(type(t.pids_stats) == "table" and t.pids_stats.current or nil), cpu_ns = int(cpu.total_usage) }
+end
+
+--- GET /containers/{id}/stats?stream=false&one-shot=true: one sample of a container's
+--- resource use (docker.stats_info), at once (one-shot: no wait for a second CPU sample;
+--- Docker 20.10+ and Podman 3.2+ honour it). A container that is not running reports no
+--- memory (memory_bytes 0 or nil, as the engine says). ENOENT when there is no such container.
+---@param id string
+---@return {memory_bytes: integer|nil, memory_limit_bytes: integer|nil, pids: integer|nil, cpu_ns: integer|nil}|nil stats, string|nil err, string|nil code
+function Engine:stats(id)
+  local t, err, code = ok_json(self, "GET", "/containers/" .. seg(id) .. "/stats",
+    { stream = false, ["one-shot"] = true }, nil, "container stats", { timeout_ms = 10000 })
+  if not t then return nil, err, code end
+  if type(t) ~= "table" then return nil, "container stats: the engine answered no JSON object", "EENGINE" end
+  return docker.stats_info(t)
+end
+
 --- DELETE /containers/{id}?force=true&v=true. A container that is already gone is success
 --- with the second value "gone".
 ---@param id string
