@@ -186,6 +186,12 @@ local SPEC = {
   twine_official_formats = { env = "DEMESNE_TWINE_OFFICIAL_FORMATS", default = true, bool = true,
     doc = "when the twine image is built, also fetch the official Harlowe and SugarCube story formats "
       .. "(from the Twine repository on GitHub; skipped when unreachable)" },
+  mcp_max_line_bytes = { env = "DEMESNE_MCP_MAX_LINE_BYTES", default = 16 * 1024 * 1024, number = true,
+    doc = "longest incoming JSON-RPC line on stdio (a longer one is discarded with an error)" },
+  mcp_max_message_bytes = { env = "DEMESNE_MCP_MAX_MESSAGE_BYTES", default = 4 * 1024 * 1024, number = true,
+    doc = "largest outgoing MCP message (stdio and HTTP)" },
+  mcp_shutdown_timeout_ms = { env = "DEMESNE_MCP_SHUTDOWN_TIMEOUT_MS", default = 20000, number = true,
+    doc = "milliseconds a server's graceful stop waits for cancelled calls to clean up" },
   http_max_body_bytes = { env = "DEMESNE_HTTP_MAX_BODY_BYTES", default = 4 * 1024 * 1024, number = true,
     doc = "largest request body `serve --http` accepts (413 above, refused before it is read)" },
   http_max_sessions = { env = "DEMESNE_HTTP_MAX_SESSIONS", default = 1000, number = true,
