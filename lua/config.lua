@@ -207,6 +207,12 @@ local SPEC = {
   http_head_timeout_seconds = { env = "DEMESNE_HTTP_HEAD_TIMEOUT_SECONDS", default = 5, number = true,
     doc = "a new connection to `serve --http` or to a sandbox's MCP endpoint must send its first request head "
       .. "whole within this, else it is closed (an authenticated connection may then idle 120 s between requests)" },
+  http_sse_replay_events = { env = "DEMESNE_HTTP_SSE_REPLAY_EVENTS", default = 128, number = true, zero = true,
+    doc = "events each SSE stream of a request keeps for a client that resumes it (GET with Last-Event-ID), the "
+      .. "oldest dropped past it (the answer is always the newest); 0 = no event ids, streams are not resumable" },
+  http_sse_replay_seconds = { env = "DEMESNE_HTTP_SSE_REPLAY_SECONDS", default = 300, number = true,
+    doc = "how long a request's SSE stream whose connection dropped is kept for its client to resume, from the "
+      .. "drop (or from its answer, when that came while no client was connected); then it and its answer go" },
   endpoint_max_connections = { env = "DEMESNE_ENDPOINT_MAX_CONNECTIONS", default = 32, number = true,
     doc = "connections one sandbox's MCP endpoint (127.0.0.1:3130 inside it) serves at once once they presented "
       .. "its token (503 past it); its own, so no sandbox takes another's" },

@@ -202,6 +202,9 @@ end
 ---@field owns_work boolean|nil  it started a job or made a sandbox: never evicted
 ---@field get_conn userdata|nil  its GET stream's connection
 ---@field srv table          its McpServer
+---@field streams table<integer, RequestChannel>  its resumable request streams by number
+---@field nstreams integer   the last stream number given
+---@field ended boolean|nil  it is out of the server's table
 local Session = {}
 Session.__index = Session
 
@@ -212,8 +215,8 @@ Session.__index = Session
 ---@param opts table
 ---@return HttpSession
 function Session.new(listener, route, opts)
-  local self = setmetatable({ id = util.random_hex(16), listener = listener, path = route.path, seen = loop.now() },
-    Session)
+  local self = setmetatable({ id = util.random_hex(16), listener = listener, path = route.path, seen = loop.now(),
+    streams = {}, nstreams = 0 }, Session)
   opts.transport = self:standing_transport()
   self.srv = server.new(opts)
   return self
@@ -237,6 +240,51 @@ function Session:standing_transport()
     terminate = function() if self.get_conn then self.get_conn:finish() end end,
     backlog = function() return self.get_conn and self.get_conn:queued() or 0 end,
   }
+end
+
+--- Registers a resumable request stream; returns its number (the first part of its event ids).
+---@param ch RequestChannel
+---@return integer n
+function Session:add_stream(ch)
+  self.nstreams = self.nstreams + 1
+  self.streams[self.nstreams] = ch
+  return self.nstreams
+end
+
+--- The resumable stream a Last-Event-ID names ("<stream>-<seq>"), and the sequence number
+--- of that event; nil when the session keeps no such stream.
+---@param last_event_id string
+---@return RequestChannel|nil ch, integer|nil seq
+function Session:stream_of(last_event_id)
+  local n, seq = last_event_id:match("^(%d+)%-(%d+)$")
+  local ch = n and self.streams[tonumber(n)]
+  if not ch or not ch.replay then return nil end
+  return ch, math.tointeger(tonumber(seq))
+end
+
+--- Whether its client takes a priming event (an SSE event with an id and empty data):
+--- 2025-11-25 and later (older clients parse the empty data as a message and fail).
+---@return boolean
+function Session:primes() return (self.srv.session.protocol_version or "") >= "2025-11-25" end
+
+--- True until it ends.
+---@return boolean
+function Session:live() return not self.ended end
+
+--- Ends its part: no stream is kept for a resume any more.
+function Session:close_streams()
+  self.ended = true
+  for _, ch in pairs(self.streams) do ch:expire() end
+  self.streams = {}
+end
+
+--- Ends the streams kept for a resume longer than `keep_ms` with no client back.
+---@param now integer  loop.now()
+---@param keep_ms integer
+function Session:expire_streams(now, keep_ms)
+  for _, ch in pairs(self.streams) do
+    if ch.replay and ch.replay.since and now - ch.replay.since >= keep_ms then ch:expire() end
+  end
 end
 
 --- Notes a request of it (it is not idle).
@@ -266,19 +314,25 @@ end
 -- RequestChannel
 
 ---@class RequestChannel: McpTransport
----@field conn userdata        the connection the request came on
+---@field conn userdata|nil    the connection its messages go on: the POST's, a resuming GET's, or
+---   nil while a resumable stream waits for its client to come back
 ---@field session HttpSession|nil  its session (nil for a 2026-07-28 request)
 ---@field headers table|nil    extra headers of the answer (Mcp-Session-Id of an initialize)
 ---@field sse_ok boolean|nil   the client accepts an event stream
 ---@field sse boolean|nil      the event stream is open
----@field done boolean|nil     the answer was sent
----@field gone boolean|nil     the connection closed first
+---@field done boolean|nil     the answer was sent (or kept for a resume)
+---@field gone boolean|nil     the connection closed first and the stream is not kept
+---@field replay {n: integer, seq: integer, events: {seq: integer, text: string}[], since: integer|nil}|nil
+---   a resumable stream (a session's, http_sse_replay_events > 0): its number in the session,
+---   the last event's sequence number, the events kept for a resume, and since when (loop.now())
+---   it waits for one (nil while a connection is attached)
 local RequestChannel = {}
 RequestChannel.__index = RequestChannel
 
 --- The channel that answers one POSTed request on `conn`, registered in `owner`'s tables
 --- (owner.channels[conn], owner.streams[conn] while its stream is open). `opts.on_done()` is
---- called once it ends (answered or gone), `opts.on_gone()` when the connection closes first.
+--- called once it ends (answered or gone), `opts.on_gone()` when the connection closes first
+--- and the stream is not kept for a resume.
 ---@param owner table  the HttpServer
 ---@param conn userdata
 ---@param opts {modern: boolean|nil, session: HttpSession|nil, headers: table|nil, sse_ok: boolean|nil, on_done: function|nil, on_gone: function|nil}
@@ -291,16 +345,42 @@ function RequestChannel.new(owner, conn, opts)
   return self
 end
 
+--- True while a connection is attached and open.
+---@return boolean
+function RequestChannel:attached() return self.conn ~= nil and self.conn:is_open() end
+
+--- Takes the channel off its connection's entries in the owner's tables.
+function RequestChannel:unhook()
+  local owner, conn = self.owner, self.conn
+  if not conn then return end
+  if owner.channels[conn] == self then owner.channels[conn] = nil end
+  owner.streams[conn] = nil
+end
+
 --- It ended (answered or gone): out of the owner's tables, then opts.on_done().
 function RequestChannel:finish()
   self.done = true
-  local owner, conn = self.owner, self.conn
-  if owner.channels[conn] == self then owner.channels[conn] = nil end
-  owner.streams[conn] = nil
+  self:unhook()
   if self.on_done then self.on_done() end
 end
 
---- Opens the event stream (once), with what was buffered for it.
+--- One SSE event of `line`: with an id ("<stream>-<seq>") and kept for a resume on a
+--- resumable stream (the oldest dropped past http_sse_replay_events).
+---@param line string
+---@return string text
+function RequestChannel:event(line)
+  local r = self.replay
+  if not r then return sse_event(line) end
+  r.seq = r.seq + 1
+  local text = ("id: %d-%d\n"):format(r.n, r.seq) .. sse_event(line)
+  r.events[#r.events + 1] = { seq = r.seq, text = text }
+  if #r.events > self.owner.replay_events then table.remove(r.events, 1) end
+  return text
+end
+
+--- Opens the event stream (once), with what was buffered for it. A session's stream is
+--- resumable: its events carry ids, and a client that negotiated 2025-11-25 or later first
+--- gets a priming event (an id, empty data) so it can resume even before the first message.
 function RequestChannel:start_sse()
   if self.sse or self.done or self.gone then return end
   local h = {}
@@ -309,12 +389,16 @@ function RequestChannel:start_sse()
   if not self.conn:start(200, h) then self.gone = true return end
   self.sse = true
   self.owner.streams[self.conn] = true
-  for _, l in ipairs(self.buffer) do self.conn:write(sse_event(l)) end
+  if self.session and self.owner.replay_events > 0 then
+    self.replay = { n = self.session:add_stream(self), seq = 0, events = {} }
+    if self.session:primes() then self.conn:write(("id: %d-0\ndata: \n\n"):format(self.replay.n)) end
+  end
+  for _, l in ipairs(self.buffer) do self.conn:write(self:event(l)) end
   self.buffer = {}
 end
 
---- Sends the answer: on the stream when one is open (or messages wait for one), else as
---- JSON (a 2026-07-28 error with its HTTP status). Ends the channel.
+-- The answer: on the stream when one is open (or messages wait for one), else as JSON.
+-- On a resumable stream with no connection it is kept for the client's resume.
 ---@param line string  the encoded response
 ---@return boolean ok
 function RequestChannel:answer(line)
@@ -322,8 +406,14 @@ function RequestChannel:answer(line)
   if self.session then self.session:note_answer(line) end
   if self.sse or (#self.buffer > 0 and self.sse_ok) then
     self:start_sse()
-    conn:write(sse_event(line))
-    conn:finish()
+    local text = self:event(line)
+    if self:attached() then
+      conn:write(text)
+      conn:finish()
+      self:forget()
+    elseif self.replay then
+      self.replay.since = loop.now() -- kept http_sse_replay_seconds for a resume
+    end
   else
     local h = { ["Content-Type"] = JSON_TYPE }
     if self.headers and line:find('"result":', 1, true) then for k, v in pairs(self.headers) do h[k] = v end end
@@ -334,8 +424,9 @@ function RequestChannel:answer(line)
 end
 
 --- McpTransport write: the response ends the channel; progress, logs and requests to the
---- client go on its stream (buffered, up to 64, until it opens), or on the session's GET
---- stream when the client takes JSON only.
+--- client go on its stream (buffered, up to 64, until it opens; kept for a resume while
+--- a resumable stream has no connection), or on the session's GET stream when the client
+--- takes JSON only.
 ---@param line string
 ---@param kind "response"|"notification"|"request"
 ---@return boolean|nil ok, string|nil err
@@ -343,8 +434,12 @@ function RequestChannel:write(line, kind)
   if self:is_closing() then return nil, "the request's stream is closed" end
   if kind == "response" then return self:answer(line) end
   if self.sse then
+    if not self:attached() then
+      self:event(line)
+      return true
+    end
     if kind ~= "request" and self.conn:queued() > NOTIFY_HIGH then return nil, "the client is not reading its stream" end
-    return self.conn:write(sse_event(line))
+    return self.conn:write(self:event(line))
   end
   if self.sse_ok then
     if #self.buffer >= 64 then return nil, "too many messages before the stream opened" end
@@ -356,21 +451,28 @@ function RequestChannel:write(line, kind)
   return nil, "the client accepts no event stream"
 end
 
---- McpTransport is_closing: answered, or its connection closed.
+--- McpTransport is_closing: answered, or its connection closed (and the stream is not kept
+--- for a resume).
 ---@return boolean
-function RequestChannel:is_closing() return self.done or self.gone or not self.conn:is_open() end
+function RequestChannel:is_closing()
+  return self.done or self.gone or not (self:attached() or self.replay ~= nil)
+end
 
---- McpTransport terminate: cuts the connection unless answered.
-function RequestChannel:terminate() if not self.done then self.conn:close() end end
+--- McpTransport terminate: cuts the connection unless answered; the stream is not kept.
+function RequestChannel:terminate()
+  if self.done then return end
+  if self.conn then self.conn:close() end
+  self:expire()
+end
 
 --- McpTransport backlog: bytes queued on the connection.
 ---@return integer
-function RequestChannel:backlog() return self.conn:queued() end
+function RequestChannel:backlog() return self:attached() and self.conn:queued() or 0 end
 
 --- McpTransport drain: waits (inside a task) until the connection holds NOTIFY_HIGH or less.
 function RequestChannel:drain()
   local conn = self.conn
-  while conn:is_open() and conn:queued() > NOTIFY_HIGH do
+  while conn and conn:is_open() and conn:queued() > NOTIFY_HIGH do
     local ok = async.await(function(cb)
       if not conn:drain(cb) then cb(true) end
     end)
@@ -378,11 +480,65 @@ function RequestChannel:drain()
   end
 end
 
---- The connection closed before the answer was sent.
+--- The connection closed before the answer was sent. A resumable stream of a live session
+--- is kept (http_sse_replay_seconds) for its client's GET with Last-Event-ID; any other ends.
 function RequestChannel:lost()
+  if self.replay and not self.done and not self.owner.stopping and self.session:live() then
+    self:unhook()
+    self.conn = nil
+    self.replay.since = loop.now()
+    return
+  end
   self.gone = true
+  self:forget()
   self:finish()
   if self.on_gone then self.on_gone() end
+end
+
+--- Resumes the stream on `conn` (a GET with Last-Event-ID naming event `after` of it): the
+--- events after it that are kept, then what comes next; the answer, once sent, ends it. A
+--- connection still attached is cut (the client has given up on it).
+---@param conn userdata
+---@param after integer  the sequence number of the last event the client got
+---@return boolean ok  false when the connection could not start
+function RequestChannel:resume(conn, after)
+  if self.conn and self.conn ~= conn then
+    local old = self.conn
+    self:unhook()
+    if old:is_open() then old:close() end
+  end
+  self.conn = nil
+  if not conn:start(200, SSE_HEADERS) then return false end
+  for _, e in ipairs(self.replay.events) do
+    if e.seq > after then conn:write(e.text) end
+  end
+  if self.done then
+    conn:finish()
+    self:forget()
+    return true
+  end
+  self.conn = conn
+  self.replay.since = nil
+  self.owner.channels[conn] = self
+  self.owner.streams[conn] = true
+  return true
+end
+
+--- No resume of it any more: out of its session's streams, its events let go.
+function RequestChannel:forget()
+  if not self.replay then return end
+  if self.session then self.session.streams[self.replay.n] = nil end
+  self.replay = nil
+end
+
+--- Ends a stream kept for a resume that did not come (or whose session ended): its events
+--- are let go, and a request still in progress on it writes into nothing.
+function RequestChannel:expire()
+  self:forget()
+  if not self.done then
+    self.gone = true
+    self:finish()
+  end
 end
 
 --------------------------------------------------------------------------------------------
@@ -429,6 +585,8 @@ function HttpServer.new(o)
     per_listener = math.max(1, math.floor(o.max_sessions_per_listener or config.get("endpoint_max_sessions"))),
     max_message_bytes = o.max_message_bytes or math.floor(config.get("mcp_max_message_bytes")),
     shutdown_timeout_ms = o.shutdown_timeout_ms or math.floor(config.get("mcp_shutdown_timeout_ms")),
+    replay_events = math.floor(config.get("http_sse_replay_events")),
+    replay_ms = math.floor(config.get("http_sse_replay_seconds") * 1000),
     sessions = {},         -- id -> HttpSession
     nsessions = 0,
     nshared = 0,           -- of them, those of "host" listeners (http_max_sessions; a relay listener has its own)
@@ -503,6 +661,9 @@ function HttpServer:listen()
     for c in pairs(self.streams) do
       if c:is_open() and c:queued() < NOTIFY_HIGH then c:write(": keepalive\n\n") end
     end
+    -- and streams kept for a resume go once they waited http_sse_replay_seconds
+    local now = loop.now()
+    for _, sess in pairs(self.sessions) do sess:expire_streams(now, self.replay_ms) end
   end)
   return true
 end
@@ -549,8 +710,7 @@ function HttpServer:make_room(listener)
   end
   if not victim then return false end
   log.notice(LOGGER, "session %s idle for %d s: ended to make room", victim.id, (now - victim.seen) // 1000)
-  self.sessions[victim.id] = nil
-  self:count(victim, -1)
+  self:remove_session(victim)
   victim.srv:close()
   return true
 end
@@ -568,11 +728,18 @@ function HttpServer:new_session(listener, route)
   return sess
 end
 
+--- Takes a session out of the table; no stream of it is kept for a resume any more.
+---@param sess HttpSession
+function HttpServer:remove_session(sess)
+  self.sessions[sess.id] = nil
+  self:count(sess, -1)
+  sess:close_streams()
+end
+
 --- Forgets a session that never initialized (its initialize failed).
 ---@param sess HttpSession
 function HttpServer:drop_session(sess)
-  self.sessions[sess.id] = nil
-  self:count(sess, -1)
+  self:remove_session(sess)
   sess.srv:close()
 end
 
@@ -582,8 +749,7 @@ end
 ---@param why string  for the log
 function HttpServer:end_session(sess, why)
   if self.sessions[sess.id] ~= sess then return end
-  self.sessions[sess.id] = nil
-  self:count(sess, -1)
+  self:remove_session(sess)
   log.info(LOGGER, "session %s ended (%s)", sess.id, why)
   local c = sess.get_conn
   sess.get_conn = nil
@@ -830,6 +996,8 @@ function HttpServer:get(conn, req, route)
   if not sse_ok then return reply(conn, 406, server.INVALID_REQUEST, "Accept must list text/event-stream") end
   local sess = self:session_of(conn, req, route)
   if not sess then return end
+  local last = req.headers["last-event-id"]
+  if last then return self:resume(conn, sess, last) end
   if sess:stream_open() then
     return reply(conn, 409, server.INVALID_REQUEST, "this session's GET stream is already open")
   end
@@ -840,6 +1008,23 @@ function HttpServer:get(conn, req, route)
     if sess.get_conn == conn then sess.get_conn = nil end
     self.streams[conn] = nil
   end }
+end
+
+--- GET with Last-Event-ID: resumes the request stream that event belongs to (its events
+--- after it, then the rest of the stream up to the answer), or 400 when the session keeps
+--- no such stream (its answer was delivered, it waited longer than http_sse_replay_seconds,
+--- or the id is not one of this session's).
+---@param conn userdata
+---@param sess HttpSession
+---@param last string  the Last-Event-ID header
+function HttpServer:resume(conn, sess, last)
+  local ch, seq = sess:stream_of(last)
+  if not ch then
+    return reply(conn, 400, server.INVALID_REQUEST, ("Last-Event-ID %q names no stream this session keeps: its "
+      .. "answer was delivered, or it waited for a resume longer than http_sse_replay_seconds"):format(last:sub(1, 64)))
+  end
+  log.debug(LOGGER, "session %s resumes stream %s after event %d", sess.id, ch.replay.n, seq)
+  ch:resume(conn, seq)
 end
 
 --- DELETE: ends a session.
