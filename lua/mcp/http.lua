@@ -19,7 +19,10 @@
 --     responses get 202; a request is answered as JSON when its answer is ready at once,
 --     else as an SSE stream that carries its progress and log notifications and ends with
 --     the answer. GET opens the session's stream for messages that relate to no request
---     (job ends); DELETE ends the session. A disconnect is not a cancellation. An
+--     (job ends); DELETE ends the session. A disconnect is not a cancellation, and a
+--     request's stream is resumable: its events carry ids (<stream>-<n>; a 2025-11-25
+--     client first gets a priming event), and when its connection drops it is kept
+--     (http_sse_replay_events, http_sse_replay_seconds) for a GET with Last-Event-ID. An
 --     MCP-Protocol-Version we do not speak is 400 with a plain JSON-RPC error, so a client
 --     probing for 2026-07-28 with a legacy request falls back correctly.
 --   * 2026-07-28: a POST whose request carries _meta io.modelcontextprotocol/protocolVersion
