@@ -400,8 +400,8 @@ function RequestChannel:start_sse()
   self.buffer = {}
 end
 
--- The answer: on the stream when one is open (or messages wait for one), else as JSON.
--- On a resumable stream with no connection it is kept for the client's resume.
+--- The answer: on the stream when one is open (or messages wait for one), else as JSON.
+--- On a resumable stream with no connection it is kept for the client's resume.
 ---@param line string  the encoded response
 ---@return boolean ok
 function RequestChannel:answer(line)
@@ -434,7 +434,7 @@ end
 ---@param kind "response"|"notification"|"request"
 ---@return boolean|nil ok, string|nil err
 function RequestChannel:write(line, kind)
-  if self:is_closing() then return nil, "the request's stream is closed" end
+  if self:closed() then return nil, "the request's stream is closed" end
   if kind == "response" then return self:answer(line) end
   if self.sse then
     if not self:attached() then
@@ -454,12 +454,18 @@ function RequestChannel:write(line, kind)
   return nil, "the client accepts no event stream"
 end
 
---- McpTransport is_closing: answered, or its connection closed (and the stream is not kept
---- for a resume).
+--- Whether nothing more can be written: answered, or its connection closed and the stream
+--- is not kept for a resume.
 ---@return boolean
-function RequestChannel:is_closing()
+function RequestChannel:closed()
   return self.done or self.gone or not (self:attached() or self.replay ~= nil)
 end
+
+--- McpTransport is_closing: nothing reaches its client now (closed, or a resumable stream
+--- waiting for its client to come back, which still keeps what is written), so the session
+--- sends its requests to the client on another stream.
+---@return boolean
+function RequestChannel:is_closing() return self:closed() or not self:attached() end
 
 --- McpTransport terminate: cuts the connection unless answered; the stream is not kept.
 function RequestChannel:terminate()
@@ -511,6 +517,7 @@ function RequestChannel:resume(conn, after)
     if old:is_open() then old:close() end
   end
   self.conn = nil
+  self.replay.since = self.replay.since or loop.now()
   if not conn:start(200, SSE_HEADERS) then return false end
   for _, e in ipairs(self.replay.events) do
     if e.seq > after then conn:write(e.text) end
