@@ -186,6 +186,12 @@ local SPEC = {
   twine_official_formats = { env = "DEMESNE_TWINE_OFFICIAL_FORMATS", default = true, bool = true,
     doc = "when the twine image is built, also fetch the official Harlowe and SugarCube story formats "
       .. "(from the Twine repository on GitHub; skipped when unreachable)" },
+  mcp_max_line_bytes = { env = "DEMESNE_MCP_MAX_LINE_BYTES", default = 16 * 1024 * 1024, number = true,
+    doc = "longest incoming JSON-RPC line on stdio (a longer one is discarded with an error)" },
+  mcp_max_message_bytes = { env = "DEMESNE_MCP_MAX_MESSAGE_BYTES", default = 4 * 1024 * 1024, number = true,
+    doc = "largest outgoing MCP message (stdio and HTTP)" },
+  mcp_shutdown_timeout_ms = { env = "DEMESNE_MCP_SHUTDOWN_TIMEOUT_MS", default = 20000, number = true,
+    doc = "milliseconds a server's graceful stop waits for cancelled calls to clean up" },
   http_max_body_bytes = { env = "DEMESNE_HTTP_MAX_BODY_BYTES", default = 4 * 1024 * 1024, number = true,
     doc = "largest request body `serve --http` accepts (413 above, refused before it is read)" },
   http_max_sessions = { env = "DEMESNE_HTTP_MAX_SESSIONS", default = 1000, number = true,
@@ -201,6 +207,12 @@ local SPEC = {
   http_head_timeout_seconds = { env = "DEMESNE_HTTP_HEAD_TIMEOUT_SECONDS", default = 5, number = true,
     doc = "a new connection to `serve --http` or to a sandbox's MCP endpoint must send its first request head "
       .. "whole within this, else it is closed (an authenticated connection may then idle 120 s between requests)" },
+  http_sse_replay_events = { env = "DEMESNE_HTTP_SSE_REPLAY_EVENTS", default = 128, number = true, zero = true,
+    doc = "events each SSE stream of a request keeps for a client that resumes it (GET with Last-Event-ID), the "
+      .. "oldest dropped past it (the answer is always the newest); 0 = no event ids, streams are not resumable" },
+  http_sse_replay_seconds = { env = "DEMESNE_HTTP_SSE_REPLAY_SECONDS", default = 300, number = true,
+    doc = "how long a request's SSE stream whose connection dropped is kept for its client to resume, from the "
+      .. "drop (or from its answer, when that came while no client was connected); then it and its answer go" },
   endpoint_max_connections = { env = "DEMESNE_ENDPOINT_MAX_CONNECTIONS", default = 32, number = true,
     doc = "connections one sandbox's MCP endpoint (127.0.0.1:3130 inside it) serves at once once they presented "
       .. "its token (503 past it); its own, so no sandbox takes another's" },
