@@ -280,6 +280,19 @@ local SPEC = {
   enforce_limits = { env = "DEMESNE_ENFORCE_LIMITS", default = true, bool = true,
     doc = "refuse to start sandboxes on an engine that would not enforce their memory, process and CPU limits "
       .. "(rootless Podman on cgroup v1); false starts them without limits, with a warning" },
+  protected_paths = { env = "DEMESNE_PROTECTED_PATHS", list = true, absolute = true,
+    default = function()
+      local h = home()
+      local codex = os.getenv("CODEX_HOME")
+      local list = { h .. "/.claude", h .. "/.claude.json", (codex and codex ~= "" and codex or h .. "/.codex"),
+        h .. "/.docker/config.json", xdg("XDG_CONFIG_HOME", ".config") .. "/containers/auth.json" }
+      local rt = os.getenv("XDG_RUNTIME_DIR")
+      if rt and rt ~= "" then list[#list + 1] = rt .. "/containers/auth.json" end
+      return list
+    end,
+    doc = "host paths no input (files, directories) may be or contain, beside demesne's own folders "
+      .. "(state_dir, control_dir, output_root, the configuration folder): the agent CLIs' and the engines' "
+      .. "credential files by default; ':'-separated" },
   control_dir = { env = "DEMESNE_CONTROL_DIR",
     default = function()
       local rt = os.getenv("XDG_RUNTIME_DIR")

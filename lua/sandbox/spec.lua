@@ -305,6 +305,52 @@ local function components(p)
   return out
 end
 
+-- `path` resolved as far as it exists (its existing ancestor's realpath, then the rest as
+-- written): a folder made later (a control folder, a credential file) is still matched.
+local function resolved(path)
+  local rest = {}
+  local p = path
+  while p and p ~= "" and p ~= "/" do
+    local real = fs.realpath(p)
+    if real then
+      for i = #rest, 1, -1 do real = (real == "/" and "" or real) .. "/" .. rest[i] end
+      return real
+    end
+    rest[#rest + 1] = p:match("([^/]+)/*$")
+    p = p:match("^(.*)/[^/]+/*$")
+  end
+  return path
+end
+
+--- Refuses an input that is, contains or lies inside what no sandbox may see: demesne's own
+--- folders (a state folder holds job records and relay sockets, the control folder every
+--- server's control socket — a sandbox with it could answer its own egress questions —, the
+--- output root every other sandbox's /out, the configuration folder its settings) and the
+--- credential files of config protected_paths. Fails naming `field`.
+---@param field string
+---@param host string  the input's resolved host path
+local function check_not_holding(field, host)
+  local own = { { "state_dir", "demesne's state folder" }, { "control_dir", "demesne's control folder" },
+    { "output_root", "demesne's output root" } }
+  local list = {}
+  for _, x in ipairs(own) do list[#list + 1] = { path = config.get(x[1]), what = x[2], key = x[1] } end
+  list[#list + 1] = { path = config.dir(), what = "demesne's configuration folder" }
+  for _, p in ipairs(config.get("protected_paths") or {}) do
+    list[#list + 1] = { path = p, what = "a protected path (config protected_paths)", key = "protected_paths" }
+  end
+  for _, x in ipairs(list) do
+    local p = type(x.path) == "string" and x.path ~= "" and resolved(x.path) or nil
+    if p and paths.within(p, host) then
+      fail(("%s: %s holds %s (%s), which no sandbox may see; mount a folder that does not contain it"):format(
+        field, host, x.what, p))
+    end
+    -- inside the state folder and the output root: spec.check_inputs_reach's own rules
+    if p and x.key ~= "state_dir" and x.key ~= "output_root" and paths.within(host, p) then
+      fail(("%s: %s is inside %s (%s), which no sandbox may see"):format(field, host, x.what, p))
+    end
+  end
+end
+
 --- Refuses host inputs that a live sandbox could change before the engine mounts them.
 --- paths.inputs resolves every link once; the engine resolves the path again when it starts
 --- the container, and follows any link it then finds. Below a folder a sandbox can write
@@ -322,6 +368,7 @@ function spec.check_inputs_reach(eng, mounts)
   local out_root = fs.realpath(config.get("output_root"))
   for _, m in ipairs(mounts or {}) do
     local field = m.field or "input"
+    check_not_holding(field, m.host)
     if state and paths.within(m.host, state) then
       fail(("%s: %s is inside demesne's state folder (%s), which sandboxes write (their run folders and relay "
         .. "sockets); it cannot be mounted"):format(field, m.host, state))

@@ -1094,6 +1094,9 @@ local function resume_node(n)
     end
     return
   elseif not info then
+    -- not on this server's engine: a live server of the same state folder may run it on
+    -- another engine (or another socket), and it is that server's to settle
+    if n.owner ~= sandbox.owner() and sandbox.owner_alive(n.owner) then return end
     return ended(n, "the sandbox was removed while no server watched it")
   end
   if alive and n.endpoint and (n.owner ~= sandbox.owner()) and not sandbox.owner_alive(n.owner) then

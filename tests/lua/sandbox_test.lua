@@ -149,6 +149,41 @@ function tests.host_inputs_are_mounted_read_only_under_in(t)
   t:eq(#w.specs, 1, "nothing was created for it")
 end
 
+function tests.an_input_holding_demesnes_folders_or_credentials_is_refused(t)
+  -- the allowed root is the whole scratch folder, which holds the state folder, the output
+  -- root, the configuration folder and (below) a control folder and a credential file
+  local w <close> = scratch.new({ vars = { "DEMESNE_CONTROL_DIR", "DEMESNE_PROTECTED_PATHS" },
+    env = { DEMESNE_ALLOWED_PATHS = "/" }, on_open = function(x) x:record_creates() end })
+  local d = w.dir
+  assert(fs.mkdir_p(d .. "/home/me/.codex", 448))
+  assert(fs.write_atomic(d .. "/home/me/.codex/auth.json", "{}"))
+  assert(fs.mkdir_p(d .. "/home/me/work", 493))
+  assert(fs.mkdir_p(d .. "/run/u", 448))
+  loop.setenv("DEMESNE_CONTROL_DIR", d .. "/run/u/demesne") -- not made yet: still matched
+  loop.setenv("DEMESNE_PROTECTED_PATHS", d .. "/home/me/.codex")
+  config.load()
+  local cases = {
+    { d, "holds demesne's state folder" },
+    { d .. "/run", "holds demesne's control folder %(" .. d:gsub("%p", "%%%0") .. "/run/u/demesne%)" },
+    { d .. "/home", "holds a protected path %(config protected_paths%)" },
+    { d .. "/home/me/.codex", "holds a protected path" },
+    { d .. "/config", "holds demesne's configuration folder" },
+  }
+  for i, c in ipairs(cases) do
+    local msg = failure(sandbox.run_script, nil, { image = IMAGE, directories = { c[1] }, command = "true" })
+    t:match(msg, "^directories%[0%]: " .. c[1]:gsub("%p", "%%%0") .. " " .. c[2], "case " .. i)
+  end
+  local msg = failure(sandbox.run_script, nil, { image = IMAGE, files = { d .. "/home/me/.codex/auth.json" },
+    command = "true" })
+  t:match(msg, "^files%[0%]: .* is inside a protected path", "a credential file itself")
+  assert(fs.mkdir_p(d .. "/out", 493))
+  msg = failure(sandbox.run_script, nil, { image = IMAGE, directories = { d .. "/out" }, command = "true" })
+  t:match(msg, "holds demesne's output root", "the output root itself")
+  t:eq(#w.specs, 0, "nothing was created")
+  local r = sandbox.run_script(nil, { image = IMAGE, directories = { d .. "/home/me/work" }, command = "true" })
+  t:eq(r.exit_code, 0, "a folder beside them is mounted")
+end
+
 function tests.open_egress_gets_a_bridge_network_and_no_host_inputs(t)
   local w <close> = world()
   local r = sandbox.run_script(nil, { image = IMAGE, egress = "open", command = "cat /proc/net/dev" })

@@ -11,6 +11,8 @@ local sandbox = require("demesne.sandbox")
 local tree = require("demesne.tree")
 local hostmcp = require("demesne.hostmcp")
 local child = require("demesne.tree.child")
+local store = require("demesne.tree.store")
+local egress = require("demesne.egress")
 local tools = require("demesne.tools")
 local fs = require("core.fs")
 local loop = require("core.loop")
@@ -129,6 +131,30 @@ function tests.a_root_gets_its_endpoint_workspace_and_read_only_child_folder(t)
   t:eq({ n.active, n.status }, { false, "destroyed" })
   t:ok(w.closed[r.sandbox_id], "endpoint closed")
   t:eq(fs.lstat(n.workspace), nil, "workspace removed")
+end
+
+function tests.a_live_servers_sandbox_missing_from_this_engine_is_left_to_it(t)
+  local w <close> = world()
+  local r = root(w)
+  local n = tree.get(r.sandbox_id)
+  -- another server of the same state folder (another host: alive, as far as this one can
+  -- tell) runs it on an engine this one does not see
+  n.owner = "elsewhere.example/4242/1"
+  store.save(n)
+  assert(w.eng:remove("demesne-" .. r.sandbox_id))
+  tree.reset()
+  tree.resume()
+  n = tree.get(r.sandbox_id)
+  t:eq({ n.active, n.status }, { true, "running" }, "left to its live server")
+  -- a server of this host that is gone: the node ends
+  n.owner = loop.hostname() .. "/999999999/1"
+  store.save(n)
+  tree.reset()
+  tree.resume()
+  n = tree.get(r.sandbox_id)
+  t:eq(n.active, false, "ended once its server is gone")
+  t:match(n.reason or "", "removed while no server watched it")
+  egress.stop(r.sandbox_id) -- its proxy, which the world's close finds by its container (gone here)
 end
 
 function tests.a_sandbox_without_mcp_is_no_tree_node(t)
