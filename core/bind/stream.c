@@ -587,14 +587,7 @@ static const luaL_Reg funcs[] = {
 };
 
 int luaopen_core_stream(lua_State *L) {
-  luaL_newmetatable(L, STREAM_MT);
-  luaL_newlib(L, methods);
-  lua_setfield(L, -2, "__index");
-  lua_pushcfunction(L, l_close);
-  lua_setfield(L, -2, "__gc");
-  lua_pushcfunction(L, l_close);
-  lua_setfield(L, -2, "__close");
-  lua_pop(L, 1);
+  dm_metatable(L, STREAM_MT, methods, l_close, l_close);
   luaL_newlib(L, funcs);
   return 1;
 }
