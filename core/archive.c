@@ -1,4 +1,4 @@
-/* Tar pack / extract / list with libarchive. See archive.h for the contract.
+/* Tar pack / extract / list with libarchive. See tar.h for the contract.
  *
  * Both directions work on descriptors, never on paths below the folder they were given:
  * pack walks its sources with openat(O_NOFOLLOW) and opens a file only after checking
@@ -9,8 +9,8 @@
  * layers: checks on every header (names, types, link targets, sizes, depth), and a
  * post-pass that resolves every extracted symlink the way the kernel would.
  */
-#define DM_ARCHIVE_LIBARCHIVE
-#include <archive.h> /* this engine's header, then libarchive's (see archive.h) */
+#include "tar.h"
+#include <archive.h>
 #include <archive_entry.h>
 #include <dirent.h>
 #include <errno.h>

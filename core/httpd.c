@@ -11,6 +11,7 @@
  * its writes are flushed.
  */
 #include "httpd.h"
+#include "relay.h"
 #include <llhttp.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -38,7 +39,8 @@ typedef struct listener {
   int is_unix, open;
   int removed;                        /* dm_httpd_unlisten: freed once its handle, connections and relays are gone */
   size_t nconns;                      /* connections of this listener now (handed relays included) */
-  size_t nrelays;                     /* relay connections waiting for their handed socket (RELAY_PENDING_MAX) */
+  dm_relay *relay;                    /* a relay listener's connections waiting for their hand-over */
+  int relay_closing;                  /* dm_relay_close called: relay is freed from the loop */
   size_t max_conns;                   /* 0: no cap of its own */
   size_t ncapped;                     /* its connections counted against the caps (all, or the authenticated ones) */
   size_t max_preauth;                 /* 0: no pre-authentication queue (counted at accept) */
@@ -123,8 +125,7 @@ struct dm_httpd {
   size_t nshared; /* counted connections of listeners with no cap of their own (max_conns) */
   int closing;
   int open_listeners;
-  struct relay *relays; /* relay connections waiting for their handed socket */
-  uv_timer_t closer;    /* closed last, so on_closed always comes from the loop */
+  uv_timer_t closer; /* closed last, so on_closed always comes from the loop */
 };
 
 typedef struct {
@@ -137,7 +138,6 @@ typedef struct {
 static llhttp_settings_t settings;
 static int settings_ready;
 
-struct relay;
 static void listener_release(listener *l);
 static void conn_close(dm_httpd_conn *c, const char *why);
 static void process_held(dm_httpd_conn *c);
@@ -1124,8 +1124,6 @@ static void start_reading(dm_httpd_conn *c) {
 /* ------------------------------------------------------------------------------------ */
 /* Listeners                                                                              */
 
-/* Accepts a connection from `from` (a listening socket, or a relay pipe holding a handed
- * TCP socket) as a new HTTP connection of listener l. */
 /* A new connection of listener l: its handle initialised (TCP or a unix pipe), not yet
  * opened; linked and counted. NULL when out of memory. */
 static dm_httpd_conn *conn_new(listener *l, int tcp) {
@@ -1208,6 +1206,9 @@ static void conn_begin(dm_httpd_conn *c) {
   start_reading(c);
 }
 
+static void free_handle(uv_handle_t *h) { free(h); }
+
+/* Accepts a connection from the listening socket `from` as a new HTTP connection of l. */
 static void accept_conn(listener *l, uv_stream_t *from, int tcp) {
   dm_httpd_conn *c = conn_new(l, tcp);
   if (!c) return;
@@ -1219,27 +1220,6 @@ static void accept_conn(listener *l, uv_stream_t *from, int tcp) {
   conn_begin(c);
 }
 
-/* Relay copy mode: the relay's unix connection itself carries the client's bytes. It
- * becomes a connection of the listener through a duplicate of its descriptor (the relay's
- * own handle is closed as usual). */
-static void adopt_relay_conn(listener *l, uv_stream_t *relay) {
-  uv_os_fd_t fd;
-  if (uv_fileno((uv_handle_t *)relay, &fd) != 0) return;
-  int dup_fd = fcntl(fd, F_DUPFD_CLOEXEC, 0);
-  if (dup_fd < 0) return;
-  dm_httpd_conn *c = conn_new(l, 0);
-  if (!c) {
-    close(dup_fd);
-    return;
-  }
-  if (uv_pipe_open(&c->h.pipe, dup_fd) != 0) {
-    close(dup_fd);
-    conn_close(c, NULL);
-    return;
-  }
-  conn_begin(c);
-}
-
 static void on_connection(uv_stream_t *server, int status) {
   listener *l = server->data;
   if (status < 0 || l->s->closing || l->removed) return;
@@ -1247,96 +1227,53 @@ static void on_connection(uv_stream_t *server, int status) {
 }
 
 /* Relay listeners: demesne-init's relay in a sandbox connects to the unix socket and hands
- * over the TCP socket it accepted (SCM_RIGHTS, with one byte), then hangs up. The handed
- * socket becomes an HTTP connection of the listener, so its identity is the socket it came
- * through, never anything the client says. Where a socket cannot be passed (gVisor) the
- * relay sends the byte '\0' with no socket and copies the client's bytes over the unix
- * connection, which then becomes the HTTP connection (copy mode). A sandbox can also connect to the socket itself
- * and send nothing: at most RELAY_PENDING_MAX connections per listener wait (each holds a
- * descriptor); past it the oldest that has sent nothing is closed, so a burst of them cannot
- * push out a hand-over whose byte is already waiting to be read; when every waiting one has
- * sent its byte (they are read in this turn of the loop) the new one is kept. */
-#define RELAY_PENDING_MAX 16
+ * over the TCP socket it accepted, or copies the client's bytes over the unix connection
+ * where a socket cannot be passed (gVisor): core/relay.c reads the hand-over and bounds the
+ * connections that wait for one. The handed socket (or the copying unix connection) becomes
+ * an HTTP connection of the listener, so its identity is the socket it came through, never
+ * anything the client says. A client on the unix socket itself is refused. */
+static void on_handover(void *ud, dm_relay_kind kind, uv_pipe_t *from) {
+  listener *l = ud;
+  if (l->s->closing || l->removed) return;
+  dm_httpd_conn *c = conn_new(l, kind == DM_RELAY_SOCKET);
+  if (!c) return;
+  if (dm_relay_take(from, kind, (uv_stream_t *)&c->h) != 0) {
+    conn_close(c, NULL);
+    return;
+  }
+  if (kind == DM_RELAY_SOCKET) uv_tcp_nodelay(&c->h.tcp, 1);
+  conn_begin(c);
+}
 
-struct relay {
-  uv_pipe_t pipe; /* first member: the close callback frees the struct */
-  listener *l;
-  struct relay *prev, *next;
-};
+static void on_relay_connection(uv_stream_t *server, int status) {
+  listener *l = server->data;
+  if (status < 0) return; /* EMFILE/ENFILE: libuv has accepted and closed what was pending */
+  if (l->s->closing || l->removed || !l->relay) {
+    /* take it anyway: libuv accepts no other until it is taken */
+    uv_pipe_t *drop = malloc(sizeof *drop);
+    if (!drop) return;
+    uv_pipe_init(l->s->loop, drop, 0);
+    uv_accept(server, (uv_stream_t *)drop);
+    uv_close((uv_handle_t *)drop, free_handle);
+    return;
+  }
+  dm_relay_accept(l->relay, server);
+}
 
-static void relay_closed(uv_handle_t *h) {
-  struct relay *r = (struct relay *)h;
-  listener *l = r->l;
+static void relay_closed(void *ud) {
+  listener *l = ud;
   dm_httpd *s = l->s;
-  if (r->prev) r->prev->next = r->next;
-  else s->relays = r->next;
-  if (r->next) r->next->prev = r->prev;
-  free(r);
-  l->nrelays--;
+  l->relay = NULL;
   s->open_listeners--;
   listener_release(l);
   maybe_free_server(s);
 }
 
-static void relay_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
-  static char byte;
-  (void)h;
-  (void)suggested;
-  *buf = uv_buf_init(&byte, 1); /* one byte: what follows a copy marker is the client's */
-}
-
-static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
-  struct relay *r = (struct relay *)st;
-  if (n == 0) return;
-  uv_read_stop(st);
-  int open = n > 0 && !r->l->s->closing && !r->l->removed;
-  if (open && uv_pipe_pending_count(&r->pipe) > 0 && uv_pipe_pending_type(&r->pipe) == UV_TCP) accept_conn(r->l, st, 1);
-  else if (open && n == 1 && buf->base[0] == '\0' && uv_pipe_pending_count(&r->pipe) == 0) adopt_relay_conn(r->l, st);
-  if (!uv_is_closing((uv_handle_t *)st)) uv_close((uv_handle_t *)st, relay_closed);
-}
-
-/* 1 when a waiting relay connection has nothing to read (or has hung up). */
-static int relay_silent(struct relay *r) {
-  uv_os_fd_t fd;
-  if (uv_fileno((uv_handle_t *)&r->pipe, &fd) != 0) return 1;
-  char b;
-  return recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT) <= 0;
-}
-
-/* When the listener's waiting relay connections but r are RELAY_PENDING_MAX or more, closes
- * the oldest silent one; when none is silent they are all read in this turn of the loop, and
- * r is kept beside them. */
-static void relay_make_room(listener *l, struct relay *r) {
-  size_t live = 0;
-  for (struct relay *p = l->s->relays; p; p = p->next)
-    if (p->l == l && p != r && !uv_is_closing((uv_handle_t *)&p->pipe)) live++;
-  if (live < RELAY_PENDING_MAX) return;
-  struct relay *victim = NULL;
-  for (struct relay *p = l->s->relays; p; p = p->next) /* newest first: the last found is the oldest */
-    if (p->l == l && p != r && !uv_is_closing((uv_handle_t *)&p->pipe) && relay_silent(p)) victim = p;
-  if (victim) uv_close((uv_handle_t *)&victim->pipe, relay_closed);
-}
-
-static void on_relay_connection(uv_stream_t *server, int status) {
-  listener *l = server->data;
-  dm_httpd *s = l->s;
-  if (status < 0 || s->closing || l->removed) return;
-  struct relay *r = calloc(1, sizeof *r);
-  if (!r) return;
-  r->l = l;
-  l->nrelays++;
-  uv_pipe_init(s->loop, &r->pipe, 1);
-  s->open_listeners++;
-  r->next = s->relays;
-  if (s->relays) s->relays->prev = r;
-  s->relays = r;
-  /* every path takes the connection: libuv accepts no other until it is taken */
-  if (uv_accept(server, (uv_stream_t *)&r->pipe) != 0 ||
-      uv_read_start((uv_stream_t *)&r->pipe, relay_alloc, relay_read) != 0) {
-    uv_close((uv_handle_t *)&r->pipe, relay_closed);
-    return;
-  }
-  relay_make_room(l, r);
+/* Closes the listener's waiting relay connections (once). */
+static void relay_stop(listener *l) {
+  if (!l->relay || l->relay_closing) return;
+  l->relay_closing = 1;
+  dm_relay_close(l->relay, relay_closed, l);
 }
 
 static listener *listener_new(dm_httpd *s, const dm_httpd_listen_opts *o) {
@@ -1397,7 +1334,7 @@ int dm_httpd_listen_tcp(dm_httpd *s, const char *ip, int port, const dm_httpd_li
   return 0;
 }
 
-static int listen_unix_with(dm_httpd *s, const char *path, const dm_httpd_listen_opts *o, uv_connection_cb cb) {
+static int listen_unix_with(dm_httpd *s, const char *path, const dm_httpd_listen_opts *o, int relay) {
   if (strlen(path) > 107) return UV_ENAMETOOLONG;
   struct stat st;
   if (lstat(path, &st) == 0) {
@@ -1413,11 +1350,14 @@ static int listen_unix_with(dm_httpd *s, const char *path, const dm_httpd_listen
   mode_t old = umask(0177);
   int r = uv_pipe_bind(&l->h.pipe, path);
   umask(old);
-  if (!r) r = uv_listen((uv_stream_t *)&l->h.pipe, 511, cb);
+  if (!r && relay && !(l->relay = dm_relay_new(s->loop, on_handover, l))) r = UV_ENOMEM;
+  if (!r) r = uv_listen((uv_stream_t *)&l->h.pipe, 511, relay ? on_relay_connection : on_connection);
   if (r) {
+    if (l->relay) dm_relay_close(l->relay, NULL, NULL); /* nothing waits in it yet */
     uv_close((uv_handle_t *)&l->h.pipe, listener_free_cb);
     return r;
   }
+  if (l->relay) s->open_listeners++; /* its set closes from the loop: relay_closed */
   if (lstat(path, &st) == 0) {
     l->dev = st.st_dev;
     l->ino = st.st_ino;
@@ -1430,17 +1370,17 @@ static int listen_unix_with(dm_httpd *s, const char *path, const dm_httpd_listen
 }
 
 int dm_httpd_listen_unix(dm_httpd *s, const char *path, const dm_httpd_listen_opts *o) {
-  return listen_unix_with(s, path, o, on_connection);
+  return listen_unix_with(s, path, o, 0);
 }
 
 int dm_httpd_listen_relay(dm_httpd *s, const char *path, const dm_httpd_listen_opts *o) {
-  return listen_unix_with(s, path, o, on_relay_connection);
+  return listen_unix_with(s, path, o, 1);
 }
 
 /* An unlistened listener leaves the server's list and is freed once its handle is closed
  * and no connection or relay hand-over refers to it any more. */
 static void listener_release(listener *l) {
-  if (!l->removed || l->open || l->nconns || l->nrelays) return;
+  if (!l->removed || l->open || l->nconns || l->relay) return;
   dm_httpd *s = l->s;
   for (listener **p = &s->listeners; *p; p = &(*p)->next) {
     if (*p == l) {
@@ -1477,8 +1417,7 @@ int dm_httpd_unlisten(dm_httpd *s, const char *tag) {
       next = c->next;
       if (c->l == l) conn_close(c, "listener closed");
     }
-    for (struct relay *r = s->relays; r; r = r->next)
-      if (r->l == l && !uv_is_closing((uv_handle_t *)&r->pipe)) uv_close((uv_handle_t *)&r->pipe, relay_closed);
+    relay_stop(l);
   }
   return n;
 }
@@ -1529,8 +1468,7 @@ void dm_httpd_close(dm_httpd *s) {
     next = c->next;
     conn_close(c, "server closing");
   }
-  for (struct relay *r = s->relays; r; r = r->next)
-    if (!uv_is_closing((uv_handle_t *)&r->pipe)) uv_close((uv_handle_t *)&r->pipe, relay_closed);
+  for (listener *l = s->listeners; l; l = l->next) relay_stop(l);
   /* on_closed comes from the loop, after this handle's close callback at the latest */
   s->open_listeners++;
   uv_close((uv_handle_t *)&s->closer, listener_closed);

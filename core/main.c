@@ -2,6 +2,7 @@
  * DEMESNE_SOURCE_DIR is set, otherwise the copy embedded in the binary) with the command
  * line, and exits with the status it returns. */
 #include "runtime.h"
+#include "bind/bind.h"
 #include "embedded.h"
 #include <locale.h>
 #include <signal.h>
@@ -62,6 +63,7 @@ int main(int argc, char **argv) {
   if (!setlocale(LC_CTYPE, "C.UTF-8")) setlocale(LC_CTYPE, "");
   if (dm_runtime_init(LUA_MEM_CAP) != 0) return 70;
   lua_State *L = dm_rt.L;
+  dm_open_bindings(L); /* the composition root: the runtime knows no binding */
   int status = 70;
   lua_pushcfunction(L, traceback);
   if (load_boot(L) != LUA_OK) {

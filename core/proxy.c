@@ -21,6 +21,7 @@
  * The parsing (hosts, addresses, the request head) is in proxy_parse.c.
  */
 #include "proxy.h"
+#include "relay.h"
 #include "dns.h"
 #include <arpa/inet.h>
 #include <netdb.h>
@@ -978,21 +979,25 @@ static void head_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
 
 static void head_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf);
 
-/* The relay in the sandbox hands over the accepted TCP socket (SCM_RIGHTS, with one byte)
- * and hangs up: from then on the proxy talks to the sandbox's socket itself, and no byte
- * is copied by the relay. Where sockets cannot be passed (gVisor) the relay sends the byte
- * '\0' and then copies the client's bytes over this connection (relay_copy_marker). A
- * connection that starts with anything else is the client itself. */
-static int take_handed_socket(dm_proxy_conn *c) {
+/* The relay in the sandbox hands over the accepted TCP socket and hangs up: from then on
+ * the proxy talks to the sandbox's socket itself, and no byte is copied by the relay
+ * (core/relay.c reads the hand-over). Where sockets cannot be passed (gVisor) the relay
+ * sends the byte '\0' and then copies the client's bytes over this connection. A
+ * connection that starts with anything else is the client itself. Returns 1 when a socket
+ * was taken (the byte that carried it is no part of any request), 0 when the connection's
+ * bytes are the client's (*marker: the first is the copy marker), -1 to hang up. */
+static int take_handover(dm_proxy_conn *c, ssize_t n, const char *first, int *marker) {
   uv_pipe_t *pipe = (uv_pipe_t *)c->client;
-  if (c->handed || uv_pipe_pending_count(pipe) == 0) return 0;
-  if (uv_pipe_pending_type(pipe) != UV_TCP) return -1;
+  dm_relay_kind kind = dm_relay_classify(pipe, n, first);
+  *marker = kind == DM_RELAY_COPY;
+  if (kind == DM_RELAY_COPY || kind == DM_RELAY_DIRECT) return 0;
+  if (kind != DM_RELAY_SOCKET) return -1;
   uv_tcp_t *tcp = malloc(sizeof *tcp);
   if (!tcp) return -1;
   uv_tcp_init(c->p->loop, tcp);
   tcp->data = c;
   c->open_handles++;
-  if (uv_accept((uv_stream_t *)pipe, (uv_stream_t *)tcp) != 0) {
+  if (dm_relay_take(pipe, kind, (uv_stream_t *)tcp) != 0) {
     uv_close((uv_handle_t *)tcp, heap_handle_closed);
     return -1;
   }
@@ -1012,15 +1017,14 @@ static void head_read(uv_stream_t *s, ssize_t n, const uv_buf_t *buf) {
     return;
   }
   if (!c->handed && c->head.len == 0) {
-    int t = take_handed_socket(c);
+    int marker = 0, t = take_handover(c, n, buf->base, &marker);
     if (t < 0) {
       conn_close(c, NULL, NULL);
       return;
     }
     if (t > 0) return; /* the byte that carried the socket is not part of any request */
-    if (buf->base[0] == '\0') {
-      /* the relay copies the client's bytes over this connection: drop its marker byte (no
-       * request head starts with NUL, so a client that connects itself is never cut) */
+    if (marker) {
+      /* the relay copies the client's bytes over this connection: drop its marker byte */
       c->handed = 1;
       memmove(buf->base, buf->base + 1, (size_t)n - 1);
       if (--n == 0) return;

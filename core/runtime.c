@@ -40,7 +40,6 @@ int dm_runtime_init(size_t mem_cap) {
   }
   lua_atpanic(L, dm_panic);
   luaL_openlibs(L);
-  dm_open_bindings(L);
   dm_rt.L = L;
   return 0;
 }
@@ -93,13 +92,26 @@ static int traceback(lua_State *L) {
   return 1;
 }
 
+static dm_error_sink error_sink;
+static void *error_sink_ud;
+
+void dm_set_error_sink(dm_error_sink sink, void *ud) {
+  error_sink = sink;
+  error_sink_ud = ud;
+}
+
+void dm_error_to_stderr(const char *traceback) { fprintf(stderr, "demesne: callback error: %s\n", traceback); }
+
 int dm_call(lua_State *L, int nargs) {
   int base = lua_gettop(L) - nargs; /* function index */
   lua_pushcfunction(L, traceback);
   lua_insert(L, base);
   int rc = lua_pcall(L, nargs, 0, base);
   if (rc != LUA_OK) {
-    fprintf(stderr, "demesne: callback error: %s\n", lua_tostring(L, -1));
+    const char *tb = lua_tostring(L, -1);
+    if (!tb) tb = "(error object is not a string)";
+    if (error_sink) error_sink(error_sink_ud, L, tb);
+    else dm_error_to_stderr(tb);
     lua_pop(L, 1);
   }
   lua_remove(L, base);

@@ -28,8 +28,8 @@ typedef struct dm_runtime {
 /// The process-wide runtime (one loop, one state).
 extern dm_runtime dm_rt;
 
-/// Creates the loop and the Lua state with the standard libraries and every core.* binding
-/// in package.preload. `mem_cap` is the Lua allocation cap in bytes (0 = unlimited).
+/// Creates the loop and the Lua state with the standard libraries (the composition root,
+/// core/main.c, then registers the core.* bindings: dm_open_bindings in bind/bind.h). `mem_cap` is the Lua allocation cap in bytes (0 = unlimited).
 /// Returns 0 or -1 (message on stderr).
 int dm_runtime_init(size_t mem_cap);
 
@@ -47,9 +47,21 @@ void dm_unref(lua_State *L, int *ref);
 void dm_push_ref(lua_State *L, int ref);
 
 /// The funnel: calls the function below `nargs` arguments on the stack in protected mode
-/// with a traceback. On error it logs "demesne: callback error: <traceback>" to stderr and
-/// returns -1; it never exits the process. Results are discarded. Returns 0 on success.
+/// with a traceback. On error it hands the traceback to the error sink (dm_set_error_sink)
+/// and returns -1; it never exits the process. Results are discarded. Returns 0 on success.
 int dm_call(lua_State *L, int nargs);
+
+/// Where dm_call reports an error a callback raised: sink(ud, L, traceback), called on
+/// the loop with the traceback text (valid only during the call). It must not raise. The
+/// default (sink NULL) writes "demesne: callback error: <traceback>" to stderr;
+/// core.loop.on_callback_error points it at demesne's log.
+typedef void (*dm_error_sink)(void *ud, lua_State *L, const char *traceback);
+
+/// Replaces the error sink (NULL: the default, stderr).
+void dm_set_error_sink(dm_error_sink sink, void *ud);
+
+/// What the default sink does: "demesne: callback error: <traceback>" on stderr.
+void dm_error_to_stderr(const char *traceback);
 
 /// Counts a handle opened (+1) or closed (-1) by a binding; Lua sees the total in core.stats().
 void dm_handle_count(int delta);
@@ -59,8 +71,5 @@ int dm_fail(lua_State *L, const char *msg, const char *code);
 
 /// dm_fail for a libuv error number: message "<what>: <uv_strerror>", code uv_err_name.
 int dm_fail_uv(lua_State *L, const char *what, int err);
-
-/// Registers every core.* module in package.preload (core/bind/registry.c).
-void dm_open_bindings(lua_State *L);
 
 #endif

@@ -3,6 +3,7 @@
 -- test | --help |
 -- --version
 local loop = require("core.loop")
+local log = require("demesne.log")
 
 local cli = {}
 
@@ -97,6 +98,9 @@ function cli.main(argv)
     return 2
   end
   table.remove(rest, 1)
+  -- an error a loop callback raises (core/runtime.c dm_call) is a record of demesne's log,
+  -- with its level, time and sinks, instead of a bare line on stderr
+  loop.on_callback_error(function(traceback) log.log("error", "demesne.core", "callback error: " .. traceback) end)
   return fn(rest, opts) or 0
 end
 

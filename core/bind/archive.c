@@ -4,7 +4,7 @@
  * through trees a sandbox can write. */
 #include "runtime.h"
 #include "bind/bind.h"
-#include "archive.h"
+#include "tar.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <stdlib.h>

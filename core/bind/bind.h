@@ -6,6 +6,11 @@
 #include <uv.h>
 #include "work.h"
 
+/// Registers every core.* module in package.preload (core/bind/registry.c). The
+/// composition root (core/main.c, and embedders such as the fuzz driver) calls it once
+/// after dm_runtime_init.
+void dm_open_bindings(lua_State *L);
+
 int luaopen_core_loop(lua_State *L);
 int luaopen_core_timer(lua_State *L);
 int luaopen_core_signal(lua_State *L);
@@ -56,6 +61,13 @@ int dm_lwork_start(lua_State *L, dm_lwork *lw, int cb);
 /// non-negative integer" when it is a negative integer, and Lua's own error when it is not
 /// an integer. Shared by the bindings that take an options table (httpd, proxy).
 lua_Integer dm_opt_count(lua_State *L, int t, const char *k, lua_Integer def);
+
+/// Makes the metatable `name` of a binding's userdata (in the registry, where
+/// luaL_checkudata finds it): __index a table of `methods` (NULL: none), __gc `gc` and
+/// __close `close` (NULL: not set; a handle that owns a resource sets both, so a
+/// `local x <close>` releases it at the end of its scope and the collector at the latest),
+/// and __tostring "<name>: 0x<address>". Leaves the stack as it was.
+void dm_metatable(lua_State *L, const char *name, const luaL_Reg *methods, lua_CFunction gc, lua_CFunction close);
 
 /// The descriptor of the open `core.fs.file` at `idx` (raises when it is not one or closed).
 int dm_fs_check_file(lua_State *L, int idx);

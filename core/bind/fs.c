@@ -844,26 +844,9 @@ static const luaL_Reg funcs[] = {
 };
 
 int luaopen_core_fs(lua_State *L) {
-  luaL_newmetatable(L, FILE_MT);
-  luaL_newlib(L, file_methods);
-  lua_setfield(L, -2, "__index");
-  lua_pushcfunction(L, l_file_close);
-  lua_setfield(L, -2, "__gc");
-  lua_pushcfunction(L, l_file_close);
-  lua_setfield(L, -2, "__close");
-  lua_pop(L, 1);
-  luaL_newmetatable(L, DIR_MT);
-  luaL_newlib(L, dir_methods);
-  lua_setfield(L, -2, "__index");
-  lua_pushcfunction(L, l_dir_close);
-  lua_setfield(L, -2, "__gc");
-  lua_pushcfunction(L, l_dir_close);
-  lua_setfield(L, -2, "__close");
-  lua_pop(L, 1);
-  luaL_newmetatable(L, WORK_MT);
-  luaL_newlib(L, work_methods);
-  lua_setfield(L, -2, "__index");
-  lua_pop(L, 1);
+  dm_metatable(L, FILE_MT, file_methods, l_file_close, l_file_close);
+  dm_metatable(L, DIR_MT, dir_methods, l_dir_close, l_dir_close);
+  dm_metatable(L, WORK_MT, work_methods, NULL, NULL);
   luaL_newlib(L, funcs);
   return 1;
 }

@@ -315,14 +315,7 @@ static const luaL_Reg funcs[] = {{"request", l_request}, {NULL, NULL}};
 /// table {request}. The engine (libcurl multi on dm_rt.loop) is created on first use and
 /// freed when the state closes.
 int luaopen_core_http(lua_State *L) {
-  luaL_newmetatable(L, REQ_MT);
-  luaL_newlib(L, methods);
-  lua_setfield(L, -2, "__index");
-  lua_pushcfunction(L, l_gc);
-  lua_setfield(L, -2, "__gc");
-  lua_pushcfunction(L, l_cancel);
-  lua_setfield(L, -2, "__close");
-  lua_pop(L, 1);
+  dm_metatable(L, REQ_MT, methods, l_gc, l_cancel);
   luaL_newlib(L, funcs);
   return 1;
 }

@@ -630,22 +630,9 @@ static const luaL_Reg conn_methods[] = {
 static const luaL_Reg funcs[] = {{"new", l_new}, {"pool", l_pool}, {"token_equal", l_token_equal}, {NULL, NULL}};
 
 int luaopen_core_httpd(lua_State *L) {
-  luaL_newmetatable(L, SERVER_MT);
-  luaL_newlib(L, server_methods);
-  lua_setfield(L, -2, "__index");
-  lua_pushcfunction(L, l_server_close);
-  lua_setfield(L, -2, "__gc");
-  lua_pushcfunction(L, l_server_close);
-  lua_setfield(L, -2, "__close");
-  lua_pop(L, 1);
-  luaL_newmetatable(L, CONN_MT);
-  luaL_newlib(L, conn_methods);
-  lua_setfield(L, -2, "__index");
-  lua_pop(L, 1);
-  luaL_newmetatable(L, POOL_MT);
-  luaL_newlib(L, pool_methods);
-  lua_setfield(L, -2, "__index");
-  lua_pop(L, 1);
+  dm_metatable(L, SERVER_MT, server_methods, l_server_close, l_server_close);
+  dm_metatable(L, CONN_MT, conn_methods, NULL, NULL);
+  dm_metatable(L, POOL_MT, pool_methods, NULL, NULL);
   luaL_newlib(L, funcs);
   return 1;
 }

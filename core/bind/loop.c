@@ -126,11 +126,66 @@ static int l_hostname(lua_State *L) {
   return 1;
 }
 
+/* The Lua function errors raised by callbacks go to (core.loop.on_callback_error). */
+static int sink_ref = LUA_NOREF;
+static int in_sink;
+
+static void lua_sink(void *ud, lua_State *L, const char *traceback) {
+  (void)ud;
+  if (in_sink || sink_ref == LUA_NOREF) { /* an error the sink itself raised */
+    dm_error_to_stderr(traceback);
+    return;
+  }
+  in_sink = 1;
+  dm_push_ref(L, sink_ref);
+  lua_pushstring(L, traceback);
+  if (lua_pcall(L, 1, 0, 0) != LUA_OK) {
+    dm_error_to_stderr(traceback);
+    dm_error_to_stderr(lua_tostring(L, -1) ? lua_tostring(L, -1) : "(the error sink failed)");
+    lua_pop(L, 1);
+  }
+  in_sink = 0;
+}
+
+/// core.loop.on_callback_error(fn | nil) -> previous fn | nil. Where an error raised by a
+/// loop callback is reported: fn(traceback) (a string: the message and its traceback),
+/// called from the loop; nil restores the default ("demesne: callback error: <traceback>"
+/// on stderr). An error fn raises goes to stderr with the original one.
+static int l_on_callback_error(lua_State *L) {
+  if (!lua_isnil(L, 1)) luaL_checktype(L, 1, LUA_TFUNCTION);
+  lua_settop(L, 1);
+  if (sink_ref != LUA_NOREF) {
+    dm_push_ref(L, sink_ref);
+    luaL_unref(L, LUA_REGISTRYINDEX, sink_ref); /* process-wide: not counted in core.loop.stats */
+  } else {
+    lua_pushnil(L);
+  }
+  sink_ref = LUA_NOREF;
+  dm_set_error_sink(NULL, NULL);
+  if (!lua_isnil(L, 1)) {
+    lua_pushvalue(L, 1);
+    sink_ref = luaL_ref(L, LUA_REGISTRYINDEX);
+    dm_set_error_sink(lua_sink, NULL);
+  }
+  return 1;
+}
+
 static const luaL_Reg funcs[] = {
-  {"run", l_run},           {"stop", l_stop},       {"now", l_now},           {"hrtime", l_hrtime},
-  {"time", l_time},         {"stats", l_stats},     {"embedded", l_embedded}, {"exepath", l_exepath},
-  {"getpid", l_getpid},     {"environ", l_environ}, {"setenv", l_setenv},     {"random", l_random},
-  {"hostname", l_hostname}, {NULL, NULL},
+  {"run", l_run},
+  {"stop", l_stop},
+  {"now", l_now},
+  {"hrtime", l_hrtime},
+  {"time", l_time},
+  {"stats", l_stats},
+  {"embedded", l_embedded},
+  {"exepath", l_exepath},
+  {"getpid", l_getpid},
+  {"environ", l_environ},
+  {"setenv", l_setenv},
+  {"random", l_random},
+  {"hostname", l_hostname},
+  {"on_callback_error", l_on_callback_error},
+  {NULL, NULL},
 };
 
 int luaopen_core_loop(lua_State *L) {

@@ -213,6 +213,15 @@ static int l_gc(lua_State *L) {
   return 0;
 }
 
+/* __close: a process is not left behind by the scope that held it. SIGKILL to the child
+ * when it has not exited (not its group: that is kill(sig, true)); its exit callback still
+ * runs once it is reaped. */
+static int l_close(lua_State *L) {
+  dm_proc *p = check_proc(L, 1);
+  if (!p->exited && p->h) uv_kill(p->pid, SIGKILL);
+  return 0;
+}
+
 static const luaL_Reg methods[] = {
   {"pid", l_pid},
   {"kill", l_kill},
@@ -225,12 +234,7 @@ int luaopen_core_process(lua_State *L) {
   /* child pipes are core.stream userdata: make sure that metatable exists */
   luaL_requiref(L, "core.stream", luaopen_core_stream, 0);
   lua_pop(L, 1);
-  luaL_newmetatable(L, PROC_MT);
-  luaL_newlib(L, methods);
-  lua_setfield(L, -2, "__index");
-  lua_pushcfunction(L, l_gc);
-  lua_setfield(L, -2, "__gc");
-  lua_pop(L, 1);
+  dm_metatable(L, PROC_MT, methods, l_gc, l_close);
   luaL_newlib(L, funcs);
   return 1;
 }

@@ -435,18 +435,8 @@ static const luaL_Reg funcs[] = {
 };
 
 int luaopen_core_proxy(lua_State *L) {
-  luaL_newmetatable(L, LISTENER_MT);
-  luaL_newlib(L, listener_methods);
-  lua_setfield(L, -2, "__index");
-  lua_pushcfunction(L, l_listener_close);
-  lua_setfield(L, -2, "__gc");
-  lua_pushcfunction(L, l_listener_close);
-  lua_setfield(L, -2, "__close");
-  lua_pop(L, 1);
-  luaL_newmetatable(L, CONN_MT);
-  luaL_newlib(L, conn_methods);
-  lua_setfield(L, -2, "__index");
-  lua_pop(L, 1);
+  dm_metatable(L, LISTENER_MT, listener_methods, l_listener_close, l_listener_close);
+  dm_metatable(L, CONN_MT, conn_methods, NULL, NULL);
   lua_pushinteger(L, DM_PROXY_PORT);
   luaL_newlib(L, funcs);
   lua_insert(L, -2);

@@ -29,3 +29,28 @@ lua_Integer dm_opt_count(lua_State *L, int t, const char *k, lua_Integer def) {
   if (v < 0) luaL_error(L, "%s must be a non-negative integer", k);
   return v;
 }
+
+static int tostring(lua_State *L) {
+  const char *name = luaL_getmetafield(L, 1, "__name") == LUA_TSTRING ? lua_tostring(L, -1) : luaL_typename(L, 1);
+  lua_pushfstring(L, "%s: %p", name, lua_topointer(L, 1));
+  return 1;
+}
+
+void dm_metatable(lua_State *L, const char *name, const luaL_Reg *methods, lua_CFunction gc, lua_CFunction close) {
+  luaL_newmetatable(L, name);
+  if (methods) {
+    lua_newtable(L);
+    luaL_setfuncs(L, methods, 0);
+    lua_setfield(L, -2, "__index");
+  }
+  const char *keys[] = {"__gc", "__close"};
+  lua_CFunction fns[] = {gc, close};
+  for (int i = 0; i < 2; i++) {
+    if (!fns[i]) continue;
+    lua_pushcfunction(L, fns[i]);
+    lua_setfield(L, -2, keys[i]);
+  }
+  lua_pushcfunction(L, tostring);
+  lua_setfield(L, -2, "__tostring");
+  lua_pop(L, 1);
+}

@@ -78,12 +78,7 @@ static const luaL_Reg methods[] = {{"close", l_close}, {NULL, NULL}};
 static const luaL_Reg funcs[] = {{"watch", l_watch}, {NULL, NULL}};
 
 int luaopen_core_signal(lua_State *L) {
-  luaL_newmetatable(L, SIGNAL_MT);
-  luaL_newlib(L, methods);
-  lua_setfield(L, -2, "__index");
-  lua_pushcfunction(L, l_close);
-  lua_setfield(L, -2, "__gc");
-  lua_pop(L, 1);
+  dm_metatable(L, SIGNAL_MT, methods, l_close, l_close);
   luaL_newlib(L, funcs);
   return 1;
 }

@@ -1,6 +1,7 @@
 /* core.stream: byte streams on the loop — pipes (stdio, child processes, unix sockets) and TCP. */
 #include "runtime.h"
 #include "bind/bind.h"
+#include "relay.h"
 #include <errno.h>
 #include <fcntl.h>
 #include <stdio.h>
@@ -12,12 +13,12 @@
 #define STREAM_MT "core.stream"
 
 struct dm_stream {
-  uv_stream_t *h;    /* heap: freed by the close callback */
-  int read_ref;      /* read callback while reading */
-  int self_ref;      /* keeps the userdata alive while reading or with writes pending */
-  int pending;       /* writes + shutdown + connect in flight */
-  int server_ref;    /* listen callback */
-  int relay_pending; /* relay listeners: connections that have not handed their socket over yet */
+  uv_stream_t *h;  /* heap: freed by the close callback */
+  int read_ref;    /* read callback while reading */
+  int self_ref;    /* keeps the userdata alive while reading or with writes pending */
+  int pending;     /* writes + shutdown + connect in flight */
+  int server_ref;  /* listen callback */
+  dm_relay *relay; /* relay listeners: connections that have not handed over yet */
 };
 
 typedef struct {
@@ -56,11 +57,13 @@ dm_stream *dm_stream_push(lua_State *L, uv_stream_t *h) {
   s->h = h;
   s->read_ref = s->self_ref = s->server_ref = LUA_NOREF;
   s->pending = 0;
-  s->relay_pending = 0;
+  s->relay = NULL;
   h->data = s;
   luaL_setmetatable(L, STREAM_MT);
   return s;
 }
+
+static void stream_close(lua_State *L, dm_stream *s);
 
 static dm_stream *check_stream(lua_State *L, int idx) {
   dm_stream *s = luaL_checkudata(L, idx, STREAM_MT);
@@ -247,18 +250,24 @@ static int l_shutdown(lua_State *L) {
 /// stream:close() -> nil. Closes the stream; pending read callbacks are dropped, pending
 /// write callbacks get an ECANCELED failure. Idempotent. Also __gc and __close.
 static int l_close(lua_State *L) {
-  dm_stream *s = luaL_checkudata(L, 1, STREAM_MT);
+  stream_close(L, luaL_checkudata(L, 1, STREAM_MT));
+  return 0;
+}
+
+/* What stream:close() does, on a stream anywhere on the stack. */
+static void stream_close(lua_State *L, dm_stream *s) {
   if (s->h) {
     s->h->data = NULL;
     if (!uv_is_closing((uv_handle_t *)s->h)) uv_close((uv_handle_t *)s->h, on_close);
     s->h = NULL;
   }
+  if (s->relay) dm_relay_close(s->relay, NULL, NULL); /* no hand-over is delivered after this */
+  s->relay = NULL;
   lua_State *Lr = dm_rt.L ? L : NULL;
   dm_unref(Lr, &s->read_ref);
   dm_unref(Lr, &s->server_ref);
   /* self_ref goes when the last pending request completes (their callbacks still run) */
   if (s->pending == 0) dm_unref(Lr, &s->self_ref);
-  return 0;
 }
 
 /// stream:fileno() -> integer | nil, msg, code
@@ -454,16 +463,17 @@ static void on_connection(uv_stream_t *server, int status) {
 
 /* Binds and listens on a unix socket at arg 1 (replacing an old socket file), with arg 2
  * as the Lua callback and `cb` as the libuv connection callback. Pushes the server. */
-static int listen_unix_with(lua_State *L, uv_connection_cb cb) {
+static int listen_unix_with(lua_State *L, uv_connection_cb cb, dm_relay_cb relay) {
   const char *path = luaL_checkstring(L, 1);
   luaL_checktype(L, 2, LUA_TFUNCTION);
   unlink(path);
   uv_pipe_t *p = dm_pipe_new();
   dm_stream *s = dm_stream_push(L, (uv_stream_t *)p);
   int r = uv_pipe_bind(p, path);
+  if (!r && relay && !(s->relay = dm_relay_new(dm_rt.loop, relay, s))) r = UV_ENOMEM;
   if (!r) r = uv_listen((uv_stream_t *)p, 128, cb);
   if (r) {
-    l_close(L);
+    stream_close(L, s);
     return dm_fail_uv(L, "listen", r);
   }
   lua_pushvalue(L, 2);
@@ -475,7 +485,7 @@ static int listen_unix_with(lua_State *L, uv_connection_cb cb) {
 /// core.stream.listen_unix(path, callback) -> server | nil, msg, code.
 /// Binds a unix socket at `path` (an existing socket file is replaced) and calls
 /// callback(client_stream) for each connection until server:close().
-static int l_listen_unix(lua_State *L) { return listen_unix_with(L, on_connection); }
+static int l_listen_unix(lua_State *L) { return listen_unix_with(L, on_connection, NULL); }
 
 /// core.stream.listen_tcp(ip, port, callback) -> server, bound_port | nil, msg, code.
 /// port 0 picks a free port. callback(client_stream) per connection.
@@ -510,97 +520,46 @@ static int l_listen_tcp(lua_State *L) {
 }
 
 /* Relay listeners: demesne-init's relay in a sandbox connects to a unix socket and hands
- * over the TCP socket it accepted (SCM_RIGHTS, with the byte 'F'), then hangs up. Where
- * sockets cannot be passed (gVisor) it sends the byte '\0' with no socket and then copies
- * the client's bytes over the unix connection, which is then the client itself. A sandbox
- * can also connect to the socket itself and send nothing: at most RELAY_PENDING_MAX such
- * connections per listener are kept (each holds a descriptor), later ones are closed at
- * once. */
-#define RELAY_PENDING_MAX 16
-
-typedef struct {
-  uv_pipe_t pipe; /* first member: the close callback frees the struct */
-  int cb_ref;
-  int srv_ref; /* the listener's userdata: keeps its relay_pending count alive */
-  dm_stream *srv;
-} relay_conn;
-
-static void relay_alloc(uv_handle_t *h, size_t suggested, uv_buf_t *buf) {
-  static char byte;
-  (void)h;
-  (void)suggested;
-  *buf = uv_buf_init(&byte, 1); /* one byte: what follows a copy marker is the client's */
-}
-
-static void relay_read(uv_stream_t *st, ssize_t n, const uv_buf_t *buf) {
-  relay_conn *rc = (relay_conn *)st;
+ * over the TCP socket it accepted, or copies the client's bytes over the unix connection
+ * where a socket cannot be passed (gVisor); core/relay.c reads the hand-over and bounds the
+ * connections that wait for one (DM_RELAY_PENDING_MAX). A client on the socket itself is
+ * refused. */
+static void on_handover(void *ud, dm_relay_kind kind, uv_pipe_t *from) {
+  dm_stream *s = ud;
   lua_State *L = dm_rt.L;
-  if (n == 0) return;
-  uv_read_stop(st);
-  uv_pipe_t *pipe = &rc->pipe;
-  int cb = rc->cb_ref;
-  rc->cb_ref = LUA_NOREF;
-  if (rc->srv) {
-    rc->srv->relay_pending--;
-    rc->srv = NULL;
-    dm_unref(L, &rc->srv_ref);
+  if (!L || s->server_ref == LUA_NOREF) return;
+  uv_stream_t *h;
+  if (kind == DM_RELAY_SOCKET) {
+    h = malloc(sizeof(uv_tcp_t));
+    if (h) uv_tcp_init(dm_rt.loop, (uv_tcp_t *)h);
+  } else {
+    h = malloc(sizeof(uv_pipe_t));
+    if (h) uv_pipe_init(dm_rt.loop, (uv_pipe_t *)h, 0);
   }
-  if (n > 0 && L && cb != LUA_NOREF && uv_pipe_pending_count(pipe) > 0 && uv_pipe_pending_type(pipe) == UV_TCP) {
-    uv_tcp_t *tcp = malloc(sizeof *tcp);
-    if (tcp) {
-      uv_tcp_init(dm_rt.loop, tcp);
-      dm_handle_count(1);
-      if (uv_accept(st, (uv_stream_t *)tcp) == 0) {
-        dm_push_ref(L, cb);
-        dm_unref(L, &cb);
-        dm_stream_push(L, (uv_stream_t *)tcp);
-        dm_call(L, 1);
-      } else {
-        uv_close((uv_handle_t *)tcp, on_close);
-      }
-    }
-  } else if (n == 1 && L && cb != LUA_NOREF && buf->base[0] == '\0' && uv_pipe_pending_count(pipe) == 0) {
-    /* copy mode: the unix connection is the client; the stream now owns the handle */
-    dm_push_ref(L, cb);
-    dm_unref(L, &cb);
-    dm_stream_push(L, st);
-    dm_call(L, 1);
+  if (!h) return;
+  dm_handle_count(1);
+  if (dm_relay_take(from, kind, h) != 0) {
+    uv_close((uv_handle_t *)h, on_close);
     return;
   }
-  if (L) dm_unref(L, &cb);
-  if (!uv_is_closing((uv_handle_t *)st)) uv_close((uv_handle_t *)st, on_close);
+  dm_push_ref(L, s->server_ref);
+  dm_stream_push(L, h);
+  dm_call(L, 1);
 }
 
 static void on_relay_connection(uv_stream_t *server, int status) {
   dm_stream *s = server->data;
-  lua_State *L = dm_rt.L;
   /* EMFILE/ENFILE: libuv has accepted and closed what was pending and keeps listening */
   if (status < 0) return;
-  relay_conn *rc = malloc(sizeof *rc);
-  if (!rc) return; /* the connection stays with libuv, which stops accepting until the next uv_accept */
-  uv_pipe_init(dm_rt.loop, &rc->pipe, 1);
-  dm_handle_count(1);
-  rc->cb_ref = rc->srv_ref = LUA_NOREF;
-  rc->srv = NULL;
-  /* every path takes the connection: libuv accepts no other until it is taken */
-  if (uv_accept(server, (uv_stream_t *)&rc->pipe) != 0 || !L || !s || s->server_ref == LUA_NOREF ||
-      s->self_ref == LUA_NOREF || s->relay_pending >= RELAY_PENDING_MAX) {
-    uv_close((uv_handle_t *)&rc->pipe, on_close);
+  if (s && s->relay) {
+    dm_relay_accept(s->relay, server);
     return;
   }
-  dm_push_ref(L, s->self_ref);
-  rc->srv_ref = dm_ref(L);
-  rc->srv = s;
-  s->relay_pending++;
-  dm_push_ref(L, s->server_ref);
-  rc->cb_ref = dm_ref(L);
-  if (uv_read_start((uv_stream_t *)&rc->pipe, relay_alloc, relay_read) != 0) {
-    dm_unref(L, &rc->cb_ref);
-    s->relay_pending--;
-    rc->srv = NULL;
-    dm_unref(L, &rc->srv_ref);
-    uv_close((uv_handle_t *)&rc->pipe, on_close);
-  }
+  /* every path takes the connection: libuv accepts no other until it is taken */
+  uv_pipe_t *drop = dm_pipe_new();
+  if (!drop) return;
+  uv_accept(server, (uv_stream_t *)drop);
+  uv_close((uv_handle_t *)drop, on_close);
 }
 
 /// core.stream.listen_relay(path, callback) -> server | nil, msg, code.
@@ -608,7 +567,7 @@ static void on_relay_connection(uv_stream_t *server, int status) {
 /// socket (SCM_RIGHTS) and hangs up; callback(tcp_stream) gets the handed socket. A
 /// connection that starts with the byte '\0' and no socket (the relay copies, under
 /// gVisor) is itself the client: callback(stream) gets it. Other connections are closed.
-static int l_listen_relay(lua_State *L) { return listen_unix_with(L, on_relay_connection); }
+static int l_listen_relay(lua_State *L) { return listen_unix_with(L, on_relay_connection, on_handover); }
 
 static const luaL_Reg methods[] = {
   {"read_start", l_read_start}, {"read_stop", l_read_stop},
@@ -628,14 +587,7 @@ static const luaL_Reg funcs[] = {
 };
 
 int luaopen_core_stream(lua_State *L) {
-  luaL_newmetatable(L, STREAM_MT);
-  luaL_newlib(L, methods);
-  lua_setfield(L, -2, "__index");
-  lua_pushcfunction(L, l_close);
-  lua_setfield(L, -2, "__gc");
-  lua_pushcfunction(L, l_close);
-  lua_setfield(L, -2, "__close");
-  lua_pop(L, 1);
+  dm_metatable(L, STREAM_MT, methods, l_close, l_close);
   luaL_newlib(L, funcs);
   return 1;
 }

@@ -136,14 +136,7 @@ static const luaL_Reg methods[] = {
 static const luaL_Reg funcs[] = {{"new", l_new}, {"after", l_after}, {NULL, NULL}};
 
 int luaopen_core_timer(lua_State *L) {
-  luaL_newmetatable(L, TIMER_MT);
-  luaL_newlib(L, methods);
-  lua_setfield(L, -2, "__index");
-  lua_pushcfunction(L, l_close);
-  lua_setfield(L, -2, "__gc");
-  lua_pushcfunction(L, l_close);
-  lua_setfield(L, -2, "__close");
-  lua_pop(L, 1);
+  dm_metatable(L, TIMER_MT, methods, l_close, l_close);
   luaL_newlib(L, funcs);
   return 1;
 }

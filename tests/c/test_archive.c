@@ -1,7 +1,7 @@
 /* core/archive.c: extract path checks against hostile tars built here with libarchive,
  * limits, list, and pack -> extract round trips with sha256-identical contents. */
-#define DM_ARCHIVE_LIBARCHIVE
-#include <archive.h> /* core/archive.h, then libarchive's */
+#include "tar.h"
+#include <archive.h>
 #include <archive_entry.h>
 #include <errno.h>
 #include <fcntl.h>

@@ -2,8 +2,8 @@
  * removal, and the attacks a sandbox can mount on a tree the host works in: a thread that
  * swaps folders for symlinks to a canary folder while the host removes, writes or
  * extracts. The canary must never change. */
-#define DM_ARCHIVE_LIBARCHIVE
-#include <archive.h> /* core/archive.h, then libarchive's */
+#include "tar.h"
+#include <archive.h>
 #include <archive_entry.h>
 #include "confine.h"
 #include <dirent.h>

@@ -12,7 +12,7 @@
  * The work folder is under /dev/shm when it can be (extraction writes a lot), else $TMPDIR;
  * it is removed at exit. */
 #include "fuzz.h"
-#include "archive.h"
+#include "tar.h"
 #include <dirent.h>
 #include <errno.h>
 #include <fcntl.h>

@@ -283,6 +283,15 @@ function T.relay_copy_marker(t)
   t:eq({ called, table.concat(got) }, { 1, "hello" }, "one callback, the marker byte dropped")
   t:eq(talk("hello"), "", "listen_relay: bytes without the marker or a socket are refused")
   t:eq(called, 1, "no callback for them")
+
+  -- connections that hand nothing over are bounded (core/relay.c, DM_RELAY_PENDING_MAX 16):
+  -- past the bound the oldest silent one gives way, so a hand-over is still served
+  local silent = {}
+  for i = 1, 20 do silent[i] = assert(async.wrap(stream.connect_unix)(path)) end
+  async.sleep(10)
+  t:eq(talk("\0hello"), "world", "a hand-over beside 20 silent connections is served")
+  t:eq(called, 2, "its callback ran")
+  for _, c in ipairs(silent) do c:close() end
   server:close()
 end
 

@@ -27,6 +27,7 @@
 
 #include "embedded.h"
 #include "runtime.h"
+#include "bind/bind.h"
 #include <ftw.h>
 #include <locale.h>
 #include <signal.h>
@@ -172,6 +173,7 @@ int LLVMFuzzerInitialize(int *argc, char ***argv) {
 
   if (dm_runtime_init(LUA_MEM_CAP) != 0) exit(1);
   lua_State *L = dm_rt.L;
+  dm_open_bindings(L); /* the composition root: the runtime knows no binding */
   lua_pushcfunction(L, traceback);
   if (load_boot(L) != LUA_OK) fail("lua/boot.lua", L);
   if (lua_pcall(L, 0, 0, -2) != LUA_OK) fail("lua/boot.lua", L);

@@ -1,9 +1,6 @@
-/* This header shares its name with libarchive's <archive.h>, and core/ is on the include
- * path, so <archive.h> finds this file first. A file that needs libarchive itself defines
- * DM_ARCHIVE_LIBARCHIVE before `#include <archive.h>`: the real header then follows. */
-#if defined(DM_ARCHIVE_LIBARCHIVE) && !defined(ARCHIVE_H_INCLUDED)
-#include_next <archive.h>
-#endif
+/* Named tar.h, not archive.h: core/ is on the include path, so a header of that name
+ * would shadow libarchive's <archive.h>. The engine is core/archive.c, the binding
+ * core/bind/archive.c (core.archive). */
 #ifndef DEMESNE_ARCHIVE_H
 #define DEMESNE_ARCHIVE_H
 /*
