@@ -300,7 +300,8 @@ end
 --- Checks a devcontainer's Dockerfile for what would reach past the build's sandbox: an
 --- ADD of a URL or a git source (the engine fetches it on the host, outside any egress
 --- policy), RUN --network or --security (BuildKit flags that give a step the host's
---- network or privileges). Fails naming the line.
+--- network or privileges), RUN --mount of any type (a mount reaches host paths outside
+--- the context). Fails naming the line.
 ---@param where string  the Dockerfile's path, for messages
 ---@param src string
 function devcontainer.check_dockerfile(where, src)
@@ -315,6 +316,13 @@ function devcontainer.check_dockerfile(where, src)
     if word == "RUN" and (rest:find("%-%-network") or rest:find("%-%-security")) then
       fail(("image: devcontainer: %s line %d: RUN --network and --security are refused: a build step gets no more "
         .. "than the build's own settings"):format(where, ins.line))
+    end
+    -- Any type: a cache mount's id is a host path on Podman 4.3 (CVE-2024-9675, `id=../..`
+    -- reads and writes any host path as root), a bind or secret mount reaches past the context.
+    if word == "RUN" and rest:lower():find("%-%-mount") then
+      fail(("image: devcontainer: %s line %d: RUN --mount is refused (any type): a mount can reach host paths "
+        .. "outside the build context (a cache mount's id does on Podman 4.3, CVE-2024-9675); copy what the step "
+        .. "needs from the context instead"):format(where, ins.line))
     end
   end
 end

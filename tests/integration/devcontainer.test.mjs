@@ -197,6 +197,10 @@ test("what cannot work is refused, naming the field; a failing build gives its o
     ".devcontainer/Dockerfile": "FROM base\n" });
   symlinkSync(work, path.join(linked, ".devcontainer/ctx"));
   await bad("linked", {}, /build\.context: \.devcontainer\/ctx is \(or passes through\) the symbolic link/);
+  // CVE-2024-9675: on Podman 4.3 a cache mount's id out of the cache folder is any host path
+  await bad("cache-mount", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+    ".devcontainer/Dockerfile": "FROM base\nRUN --mount=type=cache,target=/h,id=../../../../../../tmp/x ls /h\n" },
+  /Dockerfile line 2: RUN --mount is refused \(any type\)/);
   await bad("jsonc", { ".devcontainer.json": '{ "image": "base", /* never closed' },
     /\.devcontainer\.json is not valid JSON with comments: line 1: the comment/);
   await bad("failing-build", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',

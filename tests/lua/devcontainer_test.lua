@@ -87,6 +87,10 @@ function tests.a_dockerfile_that_reaches_past_the_build_is_refused(t)
   bad("FROM base\nADD \\\n  git@github.com:a/b.git /b\n", "D line 2: ADD of a URL or git source")
   bad("FROM base\nRUN --network=host curl x\n", "D line 2: RUN %-%-network")
   bad("FROM base\nrun --security=insecure id\n", "RUN %-%-network and %-%-security")
+  -- CVE-2024-9675: a cache id out of the cache folder is a host path on Podman 4.3
+  bad("FROM base\nRUN --mount=type=cache,target=/h,id=../../../../../../tmp/x cat /h/y\n", "D line 2: RUN %-%-mount is refused")
+  bad("FROM base\nENV A=1\nRUN --mount=type=bind,source=/,target=/h true\n", "D line 3: RUN %-%-mount is refused %(any type%)")
+  bad("FROM base\nRUN echo a && \\\n  --MOUNT=type=secret,id=x true\n", "D line 2: RUN %-%-mount")
   t:ok(pcall(devcontainer.check_dockerfile, "D", "FROM base\nADD ./local /x\nCOPY . /src\nRUN echo https://x\n"))
 end
 
