@@ -127,6 +127,10 @@ function devcontainer.parse(text, where)
         if type(k) ~= "string" or not k:match("^[%a_][%w_]*$") then
           field_fail(where, "build.args", ("%q is not a build argument name"):format(tostring(k)))
         end
+        if k:upper():sub(1, 9) == "BUILDKIT_" then
+          field_fail(where, "build.args." .. k, "refused: a BUILDKIT_* argument sets the builder itself "
+            .. "(BUILDKIT_SYNTAX makes it pull and run a parser image)")
+        end
         out.build.args[k] = str(v, "build.args." .. k)
       end
     end
@@ -285,33 +289,81 @@ local function read_context(where, root, rel, out, total, prefix)
   return out
 end
 
--- Joins the continuation lines of a Dockerfile: {line = first line number, text}.
-local function instructions(src)
+-- The parser directives a devcontainer's Dockerfile may carry: `escape` (honoured below)
+-- and `check` (build checks: they change no step). `syntax` is refused: BuildKit would
+-- pull the image it names and run it as the Dockerfile's parser.
+local DIRECTIVES = { escape = true, check = true }
+
+-- Splits a Dockerfile into its instructions as the engine's parser does:
+-- {line = first line number, text}. The leading parser directives are read (an unknown one
+-- and `syntax` are refused, `# escape=` sets the line-continuation character); a line
+-- ending in the escape character goes on with the next (joined with no space, as the
+-- engine joins them), and comment and empty lines inside a continued instruction are
+-- skipped, as the engine skips them.
+local function instructions(where, src)
   local out, cur, n = {}, nil, 0
+  local esc, directives = "\\", true
+  src = src:gsub("^\239\187\191", "")
   for line in (src .. "\n"):gmatch("([^\n]*)\n") do
     n = n + 1
-    if cur then cur.text = cur.text .. " " .. line else cur = { line = n, text = line } end
-    if line:match("\\%s*$") then cur.text = cur.text:gsub("\\%s*$", "") else out[#out + 1] = cur cur = nil end
+    line = line:gsub("\r$", "")
+    local comment = line:find("^%s*#") ~= nil
+    if directives then
+      local key, value = line:match("^%s*#%s*(%a%w*)%s*=%s*(.-)%s*$")
+      if key then
+        key = key:lower()
+        if not DIRECTIVES[key] then
+          fail(("image: devcontainer: %s line %d: the parser directive # %s= is refused: %s"):format(where, n, key,
+            key == "syntax" and "it makes the engine pull the image it names and run it as the Dockerfile's parser"
+            or "demesne reads only # escape= and # check= (the engine may honour one it does not know)"))
+        end
+        if key == "escape" then
+          if value ~= "\\" and value ~= "`" then
+            fail(("image: devcontainer: %s line %d: # escape=%s: the escape character is \\ or `"):format(where, n, value))
+          end
+          esc = value
+        end
+      else
+        directives = false
+      end
+    end
+    if comment and line:lower():find("^%s*#%s*syntax%s*=") then
+      fail(("image: devcontainer: %s line %d: a # syntax= line is refused: it makes BuildKit pull the image it "
+        .. "names and run it as the Dockerfile's parser"):format(where, n))
+    end
+    if not comment and line:find("%S") then
+      local text, more = line:gsub("%" .. esc .. "%s*$", "")
+      if cur then cur.text = cur.text .. text else cur = { line = n, text = text } end
+      if more == 0 then
+        out[#out + 1] = cur
+        cur = nil
+      end
+    end
   end
   if cur then out[#out + 1] = cur end
   return out
 end
 
 --- Checks a devcontainer's Dockerfile for what would reach past the build's sandbox: an
---- ADD of a URL or a git source (the engine fetches it on the host, outside any egress
---- policy), RUN --network or --security (BuildKit flags that give a step the host's
+--- ADD of a URL, a git source or a $variable (the engine fetches a URL on the host,
+--- outside any egress policy), ONBUILD (it would run in demesne's layer), a parser
+--- directive other than escape and check (syntax pulls a parser image), RUN --network or --security (BuildKit flags that give a step the host's
 --- network or privileges), RUN --mount of any type (a mount reaches host paths outside
 --- the context). Fails naming the line.
 ---@param where string  the Dockerfile's path, for messages
 ---@param src string
 function devcontainer.check_dockerfile(where, src)
-  for _, ins in ipairs(instructions(src)) do
+  for _, ins in ipairs(instructions(where, src)) do
     local word, rest = ins.text:match("^%s*(%a+)%s+(.*)$")
     word = word and word:upper()
-    if word == "ADD" and (rest:find("%a[%w+.-]*://") or rest:find("git@", 1, true)) then
-      fail(("image: devcontainer: %s line %d: ADD of a URL or git source is refused: the engine would fetch it "
-        .. "on the host, outside the sandbox's egress (download it in a RUN step of a build with network, or put "
-        .. "the file in the repository)"):format(where, ins.line))
+    if word == "ONBUILD" then
+      fail(("image: devcontainer: %s line %d: ONBUILD is refused: its instruction would run when demesne builds "
+        .. "its own layer on the image, outside these checks"):format(where, ins.line))
+    end
+    if word == "ADD" and (rest:find("%a[%w+.-]*://") or rest:find("git@", 1, true) or rest:find("$", 1, true)) then
+      fail(("image: devcontainer: %s line %d: ADD of a URL or git source (or of a $variable, which may hold one) "
+        .. "is refused: the engine would fetch it on the host, outside the sandbox's egress (download it in a RUN "
+        .. "step of a build with network, or put the file in the repository and COPY it)"):format(where, ins.line))
     end
     if word == "RUN" and (rest:find("%-%-network") or rest:find("%-%-security")) then
       fail(("image: devcontainer: %s line %d: RUN --network and --security are refused: a build step gets no more "
@@ -566,6 +618,13 @@ local function ensure_base(eng, dc, ctx)
       end
       tags[ref] = img.ref
     end
+    -- an image the engine has that carries ONBUILD triggers would run them in this build
+    local present = not tags[ref] and not stages[ref] and not ref:find("$", 1, true)
+      and eng:image_inspect(ref, { onbuild = true })
+    if present and #(present.onbuild or {}) > 0 then
+      fail(("image: devcontainer: %s line %d: FROM %s: the image carries ONBUILD triggers, refused: they would run "
+        .. "in this build, outside the Dockerfile's checks"):format(b.dockerfile_rel, from.line, ref))
+    end
     if from.stage then stages[from.stage] = true end
   end
   local dockerfile = images.rewrite_from(b.dockerfile_text, tags)
@@ -602,8 +661,13 @@ end
 function devcontainer.ensure(eng, o, ctx)
   local dc = o.devcontainer
   local base = ensure_base(eng, dc, ctx)
-  local info = eng:image_inspect(base)
+  local info = eng:image_inspect(base, { onbuild = true })
   if not info then fail(("image: devcontainer: %s: the image %s is not in the engine"):format(dc.file, base)) end
+  if #(info.onbuild or {}) > 0 then -- a user adapter may not report them
+    fail(("image: devcontainer: %s: the image %s carries ONBUILD triggers (%s), refused: they would run when "
+      .. "demesne builds its own layer on it, outside the Dockerfile's checks"):format(dc.file,
+      dc.cfg.image or "the Dockerfile builds", (table.concat(info.onbuild, "; "):sub(1, 200))))
+  end
   local buildargs = { BASE = base }
   local key = { "devcontainer-layer", base, tostring(info.id) }
   if dc.agent then

@@ -8,6 +8,7 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
+import http from "node:http";
 import { randomBytes } from "node:crypto";
 import { mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -53,6 +54,37 @@ after(async () => {
   rmSync(work, { recursive: true, force: true });
   assert.deepEqual(left.map((c) => c.Names), [], "no sandbox of this file is left on the engine");
 });
+
+// Builds `dockerfile` into `tag` on the engine itself (POST /build, as `docker build` does),
+// for an image demesne did not make. Resolves to the build's output text.
+const DOCKER_FORMAT = encodeURIComponent("application/vnd.docker.distribution.manifest.v2+json");
+function engineBuild(tag, dockerfile) {
+  const dir = mkdtempSync(path.join(work, "ctx-"));
+  writeFileSync(path.join(dir, "Dockerfile"), dockerfile);
+  const tar = execFileSync("tar", ["-cf", "-", "-C", dir, "Dockerfile"]);
+  return new Promise((resolve, reject) => {
+    const req = http.request({ socketPath: ENGINE.replace(/^unix:\/\//, ""), method: "POST",
+      // Podman keeps ONBUILD only in the Docker image format (outputformat; Docker ignores it)
+      path: `/build?t=${encodeURIComponent(tag)}&dockerfile=Dockerfile&rm=true&outputformat=${DOCKER_FORMAT}`,
+      headers: { "Content-Type": "application/x-tar", "Content-Length": tar.length } }, (res) => {
+      let out = "";
+      res.on("data", (d) => (out += d));
+      res.on("end", () => resolve(out));
+    });
+    req.on("error", reject);
+    req.end(tar);
+  });
+}
+
+// The tag of demesne's base image (the newest the engine has).
+async function baseTag() {
+  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.image=base"] }));
+  const list = ((await engineRequest(ENGINE, "GET", `/images/json?filters=${filters}`)) || [])
+    .filter((i) => (i.RepoTags || []).some((t) => /(^|\/)demesne\/base:/.test(t)))
+    .sort((a, b) => b.Created - a.Created);
+  assert.ok(list.length > 0, "demesne's base image is in the engine");
+  return list[0].RepoTags.find((t) => /(^|\/)demesne\/base:/.test(t));
+}
 
 function write(root, files) {
   for (const [name, data] of Object.entries(files)) {
@@ -201,11 +233,36 @@ test("what cannot work is refused, naming the field; a failing build gives its o
   await bad("cache-mount", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
     ".devcontainer/Dockerfile": "FROM base\nRUN --mount=type=cache,target=/h,id=../../../../../../tmp/x ls /h\n" },
   /Dockerfile line 2: RUN --mount is refused \(any type\)/);
+  // the Dockerfile is read as the engine reads it: a `# escape=` backtick continues a line
+  await bad("escape", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+    ".devcontainer/Dockerfile": "# escape=`\nFROM base\nADD `\n  http://127.0.0.1:9/x /x\n" },
+  /Dockerfile line 3: ADD of a URL or git source/);
+  await bad("onbuild", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+    ".devcontainer/Dockerfile": "FROM base\nONBUILD ADD http://127.0.0.1:9/x /x\n" },
+  /Dockerfile line 2: ONBUILD is refused/);
+  await bad("syntax", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+    ".devcontainer/Dockerfile": "# syntax=docker.io/docker/dockerfile:1\nFROM base\n" },
+  /Dockerfile line 1: the parser directive # syntax= is refused/);
   await bad("jsonc", { ".devcontainer.json": '{ "image": "base", /* never closed' },
     /\.devcontainer\.json is not valid JSON with comments: line 1: the comment/);
   await bad("failing-build", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
     ".devcontainer/Dockerfile": "FROM base\nRUN echo the-build-says-why && exit 7\n" },
   /building image devcontainer-failing-build-base failed: .*the end of its output:\n(.*\n)*.*the-build-says-why/);
+  // an image whose config carries ONBUILD triggers (made here, on the engine, not by demesne)
+  const trig = `demesne-test/onbuild-${randomBytes(4).toString("hex")}:1`;
+  const out = await engineBuild(trig, `FROM ${await baseTag()}\nONBUILD RUN echo the-trigger-ran\n`);
+  try {
+    // (Podman's inspect leaves OnBuild out, and runs the trigger all the same: its history shows it)
+    const hist = await engineRequest(ENGINE, "GET", `/images/${encodeURIComponent(trig)}/history`);
+    assert.match(hist?.[0]?.CreatedBy || "", /ONBUILD RUN echo the-trigger-ran/, out);
+    await bad("onbuild-image", { ".devcontainer.json": JSON.stringify({ image: trig }) },
+      /\.devcontainer\.json: the image demesne-test\/onbuild-\w+:1 carries ONBUILD triggers \(RUN echo the-trigger-ran\), refused/);
+    await bad("onbuild-from", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+      ".devcontainer/Dockerfile": `FROM ${trig}\nENV A=1\n` },
+    /Dockerfile line 1: FROM demesne-test\/onbuild-\w+:1: the image carries ONBUILD triggers, refused/);
+  } finally {
+    await engineRequest(ENGINE, "DELETE", `/images/${encodeURIComponent(trig)}?force=true`);
+  }
   const none = await conn.client.callTool({ name: "sandbox_script", arguments: { command: "true", image: "devcontainer" } });
   assert.ok(none.isError);
   assert.match(none.content[0].text, /image: devcontainer needs repository, or a directories entry holding/);

@@ -91,7 +91,39 @@ function tests.a_dockerfile_that_reaches_past_the_build_is_refused(t)
   bad("FROM base\nRUN --mount=type=cache,target=/h,id=../../../../../../tmp/x cat /h/y\n", "D line 2: RUN %-%-mount is refused")
   bad("FROM base\nENV A=1\nRUN --mount=type=bind,source=/,target=/h true\n", "D line 3: RUN %-%-mount is refused %(any type%)")
   bad("FROM base\nRUN echo a && \\\n  --MOUNT=type=secret,id=x true\n", "D line 2: RUN %-%-mount")
+  bad("FROM base\nARG U\nADD $U /x\n", "D line 3: ADD of a URL or git source %(or of a %$variable")
   t:ok(pcall(devcontainer.check_dockerfile, "D", "FROM base\nADD ./local /x\nCOPY . /src\nRUN echo https://x\n"))
+end
+
+function tests.the_dockerfile_is_read_as_the_engine_reads_it(t)
+  local function bad(src, pat)
+    local ok, err = pcall(devcontainer.check_dockerfile, "D", src)
+    t:ok(not ok, src)
+    t:match(tostring(err), pat, src)
+  end
+  -- the escape directive: a backtick continues the line, and the next line is joined with no space
+  bad("# escape=`\nFROM base\nADD `\n  https://example.com/x /x\n", "D line 3: ADD of a URL")
+  bad("#  ESCAPE = `\nFROM base\nRUN --mo`\nunt=type=cache,target=/h,id=../../x true\n", "D line 3: RUN %-%-mount")
+  bad("\239\187\191# escape=`\r\nFROM base\r\nRUN true `\r\n  --network=host x\r\n", "D line 3: RUN %-%-network")
+  -- with `, a trailing \ continues nothing: the next line is an instruction of its own
+  bad("# escape=`\nFROM base\nRUN echo \\\nADD http://x /x\n", "D line 4: ADD of a URL")
+  -- a comment or an empty line inside a continued instruction is skipped, as the engine skips it
+  bad("FROM base\nRUN \\\n# a comment\n\n  --mount=type=bind,source=/,target=/h true\n", "D line 2: RUN %-%-mount")
+  bad("FROM base\nADD ht\\\ntps://example.com/x /x\n", "D line 2: ADD of a URL")
+  bad("# escape=x\nFROM base\n", "D line 1: # escape=x: the escape character is")
+  bad("# syntax=docker.io/evil/frontend\nFROM base\n", "D line 1: the parser directive # syntax= is refused: it makes")
+  bad("# escape=`\n#Syntax = evil\nFROM base\n", "D line 2: the parser directive # syntax= is refused")
+  bad("# shiny=1\nFROM base\n", "D line 1: the parser directive # shiny= is refused")
+  bad("FROM base\n# syntax=evil/frontend\n", "D line 2: a # syntax= line is refused")
+  bad("FROM base\nONBUILD ADD http://example.com/x /x\n", "D line 2: ONBUILD is refused")
+  bad("FROM base\nonbuild RUN true\n", "D line 2: ONBUILD is refused")
+  bad("FROM base\nON\\\nBUILD RUN true\n", "D line 2: ONBUILD is refused")
+  -- a directive is read only at the top: after a comment (or anything) the line is a comment
+  t:ok(pcall(devcontainer.check_dockerfile, "D", "# the app\n# escape=`\nFROM base\nRUN echo `\nCOPY . /x\n"))
+  t:ok(pcall(devcontainer.check_dockerfile, "D", "# check=skip=all\n# escape=\\\nFROM base\nRUN echo a \\\n  b\n"))
+  local ok, err = pcall(devcontainer.parse, '{"build": {"dockerfile": "D", "args": {"BUILDKIT_SYNTAX": "evil/x"}}}', "f")
+  t:ok(not ok)
+  t:match(tostring(err), "f: build%.args%.BUILDKIT_SYNTAX: refused: a BUILDKIT_%* argument")
 end
 
 -- A scratch folder with a devcontainer; removed afterwards.
