@@ -215,12 +215,19 @@ function devcontainer.parse(text, where)
 end
 
 -- A path of the devcontainer file (relative to the folder `root`, "/"-separated) joined
--- with `p` (relative to the file's folder `base`), normalised. Fails when it is absolute or
--- leaves the folder.
+-- with `p` (relative to the file's folder `base`), normalised. Fails when it is absolute,
+-- leaves the folder, or has a `.git` part (the repository's git folder holds its config,
+-- with any credentials in its remote URLs: it never goes into an image).
 local function join(where, field, base, p)
   if p:sub(1, 1) == "/" then
     field_fail(where, field, ("%s is an absolute path: it must be relative to the devcontainer file, inside the "
       .. "repository"):format(p))
+  end
+  for c in p:gmatch("[^/]+") do
+    if c:lower() == ".git" then
+      field_fail(where, field, ("%s goes through .git, refused: the git folder (its config may hold credentials) "
+        .. "never goes into a build"):format(p))
+    end
   end
   local parts = {}
   for c in (base .. "/" .. p):gmatch("[^/]+") do
@@ -255,35 +262,45 @@ local function walk_to(where, field, root, rel, kind)
   return st
 end
 
--- Reads the folder `rel` under `root` into a build context list {name, data, mode}, sorted:
--- regular files and folders only (a link, FIFO, socket or device is refused by name); a
--- .git folder is left out; at most images.USER_MAX_FILES files and USER_MAX_BYTES bytes.
+--- Reads the folder `rel` under `root` into a build context list {name, data, mode}, sorted:
+--- regular files and folders only (a link, FIFO, socket or device is refused by name); a
+--- .git folder or file (a worktree's or submodule's) is left out at any depth; at most
+--- images.USER_MAX_FILES files and USER_MAX_BYTES bytes. Fails naming build.context.
+---@param where string  the devcontainer file, for messages
+---@param root string  the repository (or folder)
+---@param rel string  the folder, relative to root ("" for root itself)
+---@param out table|nil  the list so far (recursion)
+---@param total {bytes: integer}|nil  the bytes so far (recursion)
+---@param prefix string|nil  the names' prefix in the context (recursion)
+---@return {name: string, data: string, mode: integer}[]
 local function read_context(where, root, rel, out, total, prefix)
   out, total, prefix = out or {}, total or { bytes = 0 }, prefix or ""
   local dir = rel == "" and root or (root .. "/" .. rel)
   local names, err = fs.readdir(dir)
   if not names then field_fail(where, "build.context", ("%s cannot be read: %s"):format(rel, tostring(err))) end
   for _, n in ipairs(names) do
-    local r = rel == "" and n or (rel .. "/" .. n)
-    local st = fs.lstat(root .. "/" .. r)
-    if st and st.type == "directory" then
-      if n ~= ".git" then read_context(where, root, r, out, total, prefix .. n .. "/") end
-    elseif st and st.type == "file" then
-      if #out >= images.USER_MAX_FILES then
-        field_fail(where, "build.context", ("holds more than %d files"):format(images.USER_MAX_FILES))
+    if n:lower() ~= ".git" then -- a .git folder or file is left out, whatever it is
+      local r = rel == "" and n or (rel .. "/" .. n)
+      local st = fs.lstat(root .. "/" .. r)
+      if st and st.type == "directory" then
+        read_context(where, root, r, out, total, prefix .. n .. "/")
+      elseif st and st.type == "file" then
+        if #out >= images.USER_MAX_FILES then
+          field_fail(where, "build.context", ("holds more than %d files"):format(images.USER_MAX_FILES))
+        end
+        total.bytes = total.bytes + st.size
+        if total.bytes > images.USER_MAX_BYTES then
+          field_fail(where, "build.context", ("its files add up to more than %d MiB"):format(images.USER_MAX_BYTES // 1048576))
+        end
+        local f, ferr = fs.open_beneath(root, r)
+        local data = f and f:read(st.size + 1)
+        if f then f:close() end
+        if not data then field_fail(where, "build.context", ("%s cannot be read: %s"):format(r, tostring(ferr))) end
+        out[#out + 1] = { name = prefix .. n, data = data, mode = st.mode & 511 }
+      else
+        field_fail(where, "build.context", ("%s is a %s: a build context may hold only files and folders (a link is "
+          .. "not followed)"):format(r, st and (st.type == "link" and "symbolic link" or st.type) or "missing file"))
       end
-      total.bytes = total.bytes + st.size
-      if total.bytes > images.USER_MAX_BYTES then
-        field_fail(where, "build.context", ("its files add up to more than %d MiB"):format(images.USER_MAX_BYTES // 1048576))
-      end
-      local f, ferr = fs.open_beneath(root, r)
-      local data = f and f:read(st.size + 1)
-      if f then f:close() end
-      if not data then field_fail(where, "build.context", ("%s cannot be read: %s"):format(r, tostring(ferr))) end
-      out[#out + 1] = { name = prefix .. n, data = data, mode = st.mode & 511 }
-    else
-      field_fail(where, "build.context", ("%s is a %s: a build context may hold only files and folders (a link is "
-        .. "not followed)"):format(r, st and (st.type == "link" and "symbolic link" or st.type) or "missing file"))
     end
   end
   return out
@@ -343,6 +360,9 @@ local function instructions(where, src)
   if cur then out[#out + 1] = cur end
   return out
 end
+
+--- The build context list of the folder `rel` under `root` (for tests: read_context).
+devcontainer._read_context = read_context
 
 --- Checks a devcontainer's Dockerfile for what would reach past the build's sandbox: an
 --- ADD of a URL, a git source or a $variable (the engine fetches a URL on the host,

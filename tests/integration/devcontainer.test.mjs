@@ -224,6 +224,12 @@ test("what cannot work is refused, naming the field; a failing build gives its o
     /build\.dockerfile: \.devcontainer\/Dockerfile does not exist in the repository/);
   await bad("dotdot", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile", "context": "../.."}}',
     ".devcontainer/Dockerfile": "FROM base\n" }, /build\.context: \.\.\/\.\. leads out of the repository/);
+  // the git folder (its config may hold credential URLs) never goes into a build
+  await bad("dotgit", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile", "context": "../.git"}}',
+    ".devcontainer/Dockerfile": "FROM base\nCOPY config /leaked\n", ".git/config": "[remote]\n url = https://u:t@x/r\n" },
+  /build\.context: \.\.\/\.git goes through \.git, refused/);
+  await bad("dotgit-dockerfile", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "../.git/Dockerfile"}}',
+    ".git/Dockerfile": "FROM base\n" }, /build\.dockerfile: \.\.\/\.git\/Dockerfile goes through \.git, refused/);
   const linked = path.join(repos, "linked");
   write(linked, { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile", "context": "ctx"}}',
     ".devcontainer/Dockerfile": "FROM base\n" });

@@ -195,11 +195,28 @@ function tests.a_plan_never_leaves_the_folder(t)
     "build%.dockerfile: %.devcontainer/Dockerfile is %(or passes through%) the symbolic link")
   plan_fails(t, { [dc] = '{"build": {"dockerfile": "x/Dockerfile", "context": "x"}}', ["real/Dockerfile"] = "FROM base\n",
     [".devcontainer/x"] = { link = "../real" } }, "passes through%) the symbolic link %.devcontainer/x")
-  plan_fails(t, { [".devcontainer/devcontainer.json"] = { link = "/etc/passwd" } }, "symbolic link")
+  -- the git folder (its config holds the remotes' URLs, credentials and all) never goes into a build
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "Dockerfile", "context": "../.git"}}', [".git/config"] = "x",
+    [".devcontainer/Dockerfile"] = "FROM base\n" }, "build%.context: %.%./%.git goes through %.git, refused")
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "../.git/Dockerfile", "context": ".."}}',
+    [".git/Dockerfile"] = "FROM base\n" }, "build%.dockerfile: %.%./%.git/Dockerfile goes through %.git, refused")
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "Dockerfile", "context": "../sub/.GIT/.."}}',
+    ["sub/.GIT/x"] = "", [".devcontainer/Dockerfile"] = "FROM base\n" }, "build%.context: .* goes through %.git")
   plan_fails(t, { [dc] = '{"image": "base", "mounts": []}' }, "mounts: refused")
   local ok, err = pcall(devcontainer.plan, { mounts = {}, env = {} }, {})
   t:ok(not ok)
   t:match(tostring(err), "image: devcontainer needs repository, or a directories entry holding")
+end
+
+function tests.a_build_context_never_holds_a_git_folder_or_file(t)
+  with_folder(t, { [".git/config"] = "[remote] url = https://user:token@example.com/r", ["app.txt"] = "a",
+    ["sub/.git"] = "gitdir: ../.git/modules/sub", ["sub/code.txt"] = "c", ["a/b/.git/HEAD"] = "ref",
+    ["a/b/keep.txt"] = "k" }, function(dir)
+    local names = {}
+    for _, f in ipairs(devcontainer._read_context("f", dir, "")) do names[#names + 1] = f.name end
+    table.sort(names)
+    t:eq(names, { "a/b/keep.txt", "app.txt", "sub/code.txt" })
+  end)
 end
 
 function tests.prune_takes_the_older_builds_and_those_whose_folder_is_gone(t)
