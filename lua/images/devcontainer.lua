@@ -13,14 +13,20 @@
 -- says is the repository's: it names no host path outside that folder (a link, an
 -- absolute path or a `..` out of it is refused), runs nothing on the host, widens no
 -- privilege of the sandbox (the fields that would are refused by name), and its build gets
--- no network (devcontainer_build_network) and no URL the engine would fetch on the host.
+-- no network (devcontainer_build_network; on an engine that ignores a build's "none",
+-- probed by build_network_isolated, RUN is refused unless it says "host") and no URL the
+-- engine would fetch on the host.
+local async = require("demesne.async")
 local config = require("demesne.config")
 local errors = require("demesne.errors")
 local fs = require("core.fs")
 local images = require("demesne.images")
 local jsonc = require("demesne.images.jsonc")
 local log = require("demesne.log")
+local loop = require("core.loop")
 local paths = require("demesne.paths")
+local stream = require("core.stream")
+local util = require("demesne.util")
 
 local devcontainer = {}
 
@@ -370,9 +376,12 @@ devcontainer._read_context = read_context
 --- directive other than escape and check (syntax pulls a parser image), RUN --network or --security (BuildKit flags that give a step the host's
 --- network or privileges), RUN --mount of any type (a mount reaches host paths outside
 --- the context). Fails naming the line.
+--- Returns the line of its first RUN instruction (nil when it has none).
 ---@param where string  the Dockerfile's path, for messages
 ---@param src string
+---@return integer|nil first_run
 function devcontainer.check_dockerfile(where, src)
+  local first_run
   for _, ins in ipairs(instructions(where, src)) do
     local word, rest = ins.text:match("^%s*(%a+)%s+(.*)$")
     word = word and word:upper()
@@ -396,7 +405,9 @@ function devcontainer.check_dockerfile(where, src)
         .. "outside the build context (a cache mount's id does on Podman 4.3, CVE-2024-9675); copy what the step "
         .. "needs from the context instead"):format(where, ins.line))
     end
+    if word == "RUN" then first_run = first_run or ins.line end
   end
+  return first_run
 end
 
 --- The shell script that runs the create steps (devcontainer.parse's steps) in `workdir`,
@@ -515,7 +526,7 @@ function devcontainer.plan(o, args, opts)
     b.dockerfile_text = df and df:read(st.size + 1)
     if df then df:close() end
     if not b.dockerfile_text then field_fail(where, "build.dockerfile", b.dockerfile_rel .. " cannot be read") end
-    devcontainer.check_dockerfile(b.dockerfile_rel, b.dockerfile_text)
+    b.first_run = devcontainer.check_dockerfile(b.dockerfile_rel, b.dockerfile_text)
   end
   local workdir = o.repo and o.repo.path or "/workspace"
   for k, v in pairs(cfg.env) do
@@ -613,6 +624,79 @@ local function slug(root)
   return "devcontainer-" .. s:sub(1, 40)
 end
 
+-- What the build-network probe found, by engine socket: {isolated, reason}; and the probes
+-- running (socket -> event), which a second caller joins.
+local isolation, probing = {}, {}
+
+-- The probe's Containerfile: a step that fails (saying why, on a "demesne-probe:" line)
+-- when it reaches the listener on the host's 127.0.0.1:`port`, or sees a network interface
+-- other than lo; `nonce` keeps the engine from taking the step from its cache.
+local function probe_files(port, nonce)
+  local run = table.concat({
+    ("RUN if command -v bash >/dev/null && bash -c 'exec 3<>/dev/tcp/127.0.0.1/%d' 2>/dev/null; then"):format(port),
+    ("echo 'demesne-probe: a build step reached a listener on the host'\\''s 127.0.0.1:%d'; exit 4; fi;"):format(port),
+    "ifs=''; while IFS=: read -r n rest; do n=$(echo $n); case \"$n\" in *'|'*|lo|'') ;; *) ifs=\"$ifs $n\";; esac;"
+      .. " done < /proc/net/dev;",
+    "if [ -n \"$ifs\" ]; then echo \"demesne-probe: a build step sees the network interfaces$ifs\"; exit 3; fi;",
+    "command -v bash >/dev/null || { echo 'demesne-probe: the base image has no bash to try a connection'; exit 5; };",
+    "echo demesne-probe: isolated " .. nonce,
+  }, " ")
+  return { { name = "Containerfile", data = "ARG BASE\nFROM ${BASE}\n" .. run .. "\n", mode = 420 } }
+end
+
+--- Whether the engine keeps a build step off the network when a build asks for none
+--- (networkmode=none): Docker does; Podman 4.3 ignores it and runs the steps in the
+--- host's network. The probe, once per engine (its socket) per server, the answer cached:
+--- demesne listens on the host's 127.0.0.1 (a random port) and builds, FROM demesne's base
+--- image with network none, one step that fails if it sees a network interface other than
+--- lo or reaches that listener; the probe image is removed. The engine isolates builds only
+--- when the step ran and saw neither; a probe that cannot tell (no base image, a build that
+--- fails for another reason) counts as no isolation. Returns isolated, and the reason when
+--- not (for messages: "a build step reached a listener on the host's 127.0.0.1:N").
+---@param eng table  the engine adapter
+---@param ctx ToolContext|nil  build progress
+---@return boolean isolated, string|nil reason
+function devcontainer.build_network_isolated(eng, ctx)
+  local key = eng.socket or tostring(eng)
+  while probing[key] do probing[key].wait() end
+  if isolation[key] then return isolation[key].isolated, isolation[key].reason end
+  local ev = async.event()
+  probing[key] = ev
+  local _ <close> = util.closer(function() probing[key] = nil; ev.set() end)
+  local reached = false
+  local listener, port = stream.listen_tcp("127.0.0.1", 0, function(c)
+    reached = true
+    c:close()
+  end)
+  local isolated, reason = false, nil
+  if not listener then
+    reason = "the probe could not listen on the host's 127.0.0.1: " .. tostring(port)
+  else
+    local base, berr = images.ensure(eng, "base", ctx)
+    if not base then
+      reason = "the probe found no base image to build from: " .. tostring(berr)
+    else
+      local nonce = loop.random(8):gsub(".", function(c) return ("%02x"):format(c:byte()) end)
+      local tag = "demesne/devcontainer-network-probe:" .. nonce:sub(1, 12)
+      local ok, err = images.build_context(eng, { name = "devcontainer-network-probe", tag = tag,
+        files = probe_files(port, nonce), buildargs = { BASE = base.ref }, network = "none",
+        labels = { ["io.demesne.image"] = "devcontainer-network-probe" } }, ctx)
+      if ok then eng:image_remove(tag) end
+      isolated = ok ~= nil and not reached
+      if not isolated then
+        reason = reached and ("a build step reached a listener on the host's 127.0.0.1:%d"):format(port)
+          or tostring(err):match("demesne%-probe: ([^\n]+)")
+          or ("the probe could not tell (its build failed: %s)"):format((tostring(err):match("^[^\n]*")))
+      end
+    end
+    listener:close()
+  end
+  isolation[key] = { isolated = isolated, reason = reason }
+  log.info("demesne.images", "engine %s: build steps %s", key, isolated and "get no network when a build asks for none"
+    or ("are not kept off the network: " .. reason))
+  return isolated, reason
+end
+
 -- The image of the devcontainer itself (before demesne's layer): its tag.
 local function ensure_base(eng, dc, ctx)
   local cfg = dc.cfg
@@ -661,8 +745,19 @@ local function ensure_base(eng, dc, ctx)
   out[#out + 1] = { name = DOCKERFILE, data = dockerfile, mode = 420 }
   local name = slug(dc.root) .. "-base"
   local tag = images.tag_of(name, key)
+  local network = config.get("devcontainer_build_network")
+  if network ~= "host" and b.first_run and not eng:image_inspect(tag) then
+    local isolated, why = devcontainer.build_network_isolated(eng, ctx)
+    if not isolated then
+      fail(("image: devcontainer: %s (%s line %d): RUN is refused: the engine (%s at %s) does not keep a build "
+        .. "step off the network (%s), so the Dockerfile's RUN steps would have the host's network, its loopback "
+        .. "services included. Set devcontainer_build_network = \"host\" (DEMESNE_DEVCONTAINER_BUILD_NETWORK=host) "
+        .. "to build it with the host's network anyway (a repository you trust), or build without RUN"):format(
+        dc.file, b.dockerfile_rel, b.first_run, eng.kind or "the engine", eng.socket or "?", why))
+    end
+  end
   local ref, err = images.build_context(eng, { name = name, tag = tag, files = out, buildargs = b.args,
-    dockerfile = DOCKERFILE, target = b.target, network = config.get("devcontainer_build_network"),
+    dockerfile = DOCKERFILE, target = b.target, network = network,
     labels = { ["io.demesne.image"] = devcontainer.IMAGE, ["io.demesne.origin"] = devcontainer.ORIGIN,
       [devcontainer.SOURCE_LABEL] = dc.root, ["io.demesne.devcontainer.file"] = dc.file } }, ctx)
   if not ref then fail(("image: devcontainer: %s (%s): %s"):format(dc.file, b.dockerfile_rel, err)) end
