@@ -19,8 +19,11 @@ Commands:
   doctor              check the engine, images, config, folders and demesne-init; say how to fix each problem
   images list [NAME...]
                       list the images (built-in and your own) and whether each is built
-  images build [--all | NAME...]
-                      build images ahead of use (all when no NAME is given)
+  images build [--refresh] [--all | NAME...]
+                      build images ahead of use (all when no NAME is given); --refresh
+                      builds them again without the cache
+  images outdated [--no-packages] [NAME...]
+                      which built images are outdated: changed inputs, newer packages
   policy list         list the egress policies and where each came from
   providers           list the agent providers, their models, and whether each can run
   policy test NAME HOST[:PORT]

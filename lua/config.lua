@@ -187,6 +187,12 @@ local SPEC = {
   twine_official_formats = { env = "DEMESNE_TWINE_OFFICIAL_FORMATS", default = true, bool = true,
     doc = "when the twine image is built, also fetch the official Harlowe and SugarCube story formats "
       .. "(from the Twine repository on GitHub; skipped when unreachable)" },
+  mcp_max_line_bytes = { env = "DEMESNE_MCP_MAX_LINE_BYTES", default = 16 * 1024 * 1024, number = true,
+    doc = "longest incoming JSON-RPC line on stdio (a longer one is discarded with an error)" },
+  mcp_max_message_bytes = { env = "DEMESNE_MCP_MAX_MESSAGE_BYTES", default = 4 * 1024 * 1024, number = true,
+    doc = "largest outgoing MCP message (stdio and HTTP)" },
+  mcp_shutdown_timeout_ms = { env = "DEMESNE_MCP_SHUTDOWN_TIMEOUT_MS", default = 20000, number = true,
+    doc = "milliseconds a server's graceful stop waits for cancelled calls to clean up" },
   http_max_body_bytes = { env = "DEMESNE_HTTP_MAX_BODY_BYTES", default = 4 * 1024 * 1024, number = true,
     doc = "largest request body `serve --http` accepts (413 above, refused before it is read)" },
   http_max_sessions = { env = "DEMESNE_HTTP_MAX_SESSIONS", default = 1000, number = true,
@@ -202,6 +208,12 @@ local SPEC = {
   http_head_timeout_seconds = { env = "DEMESNE_HTTP_HEAD_TIMEOUT_SECONDS", default = 5, number = true,
     doc = "a new connection to `serve --http` or to a sandbox's MCP endpoint must send its first request head "
       .. "whole within this, else it is closed (an authenticated connection may then idle 120 s between requests)" },
+  http_sse_replay_events = { env = "DEMESNE_HTTP_SSE_REPLAY_EVENTS", default = 128, number = true, zero = true,
+    doc = "events each SSE stream of a request keeps for a client that resumes it (GET with Last-Event-ID), the "
+      .. "oldest dropped past it (the answer is always the newest); 0 = no event ids, streams are not resumable" },
+  http_sse_replay_seconds = { env = "DEMESNE_HTTP_SSE_REPLAY_SECONDS", default = 300, number = true,
+    doc = "how long a request's SSE stream whose connection dropped is kept for its client to resume, from the "
+      .. "drop (or from its answer, when that came while no client was connected); then it and its answer go" },
   endpoint_max_connections = { env = "DEMESNE_ENDPOINT_MAX_CONNECTIONS", default = 32, number = true,
     doc = "connections one sandbox's MCP endpoint (127.0.0.1:3130 inside it) serves at once once they presented "
       .. "its token (503 past it); its own, so no sandbox takes another's" },
@@ -240,6 +252,18 @@ local SPEC = {
   tree_wait_seconds = { env = "DEMESNE_TREE_WAIT_SECONDS", default = 240, number = true,
     doc = "longest a call from inside a sandbox blocks on sandbox_wait or on a free slot (then it returns running "
       .. "or is refused), so that no MCP client timeout is hit" },
+  image_pull = { env = "DEMESNE_IMAGE_PULL", default = true, bool = true,
+    doc = "pull an image reference the engine does not hold when a call or a user image's FROM names it (with the "
+      .. "host's registry credentials); false: only images already in the engine" },
+  image_pull_timeout_seconds = { default = 600, number = true,
+    doc = "longest one image pull (from a registry or one of its mirrors) may take" },
+  registry_helper_timeout_seconds = { default = 10, number = true,
+    doc = "longest a registry credential helper (docker-credential-<name> get) may take to answer" },
+  image_outdated_timeout_seconds = { default = 300, number = true,
+    doc = "longest `demesne images outdated` spends checking one image for newer packages" },
+  agent_cli_max_age_days = { env = "DEMESNE_AGENT_CLI_MAX_AGE_DAYS", default = 30, number = true, zero = true,
+    doc = "`demesne doctor` warns when the Claude Code or Codex CLI installed in an agent image is older than this "
+      .. "many days; 0: never" },
   child_images = { env = "DEMESNE_CHILD_IMAGES", default = {}, list = true, sep = ",",
     doc = "images of the engine's store (references) that a sandbox may name for its children, besides demesne's "
       .. "built-in and user images (','-separated); any other engine image is refused from inside a sandbox" },

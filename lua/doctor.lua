@@ -298,11 +298,58 @@ local function check_limits(ctx)
     .. "allows"):format(f.limits.detail))
 end
 
+-- The agent images and the CLI each installs (the build argument that pins its version).
+local AGENT_CLIS = {
+  { image = "agent-claude_code", cli = "Claude Code", arg = "CLAUDE_CODE_VERSION", package = "@anthropic-ai/claude-code" },
+  { image = "agent-codex", cli = "Codex", arg = "CODEX_VERSION", package = "@openai/codex" },
+}
+
+-- The version an agent image's Containerfile pins (ARG NAME=version), or nil.
+local function pinned_version(image, arg)
+  local src = images.containerfile(image)
+  return src and src:match("\n%s*ARG%s+" .. arg .. "=(%S+)") or nil
+end
+
+-- How old the agent CLIs in the built agent images are (since their image was built, which
+-- is when the CLI was installed), against agent_cli_max_age_days.
+local function check_agent_clis(ctx)
+  if not ctx.engine then return { skip = "needs an engine" } end
+  local max_days = config.get("agent_cli_max_age_days") or 0
+  local seen, old = {}, {}
+  for _, a in ipairs(AGENT_CLIS) do
+    local tag = images.status(ctx.engine, a.image)
+    local info = tag and ctx.engine:image_inspect(tag)
+    if info and info.created then
+      local age = os.time() - info.created
+      local days = math.floor(age / 86400)
+      local version = pinned_version(a.image, a.arg)
+      local what = ("%s%s in %s, installed %d day%s ago"):format(a.cli, version and (" " .. version) or "", a.image,
+        days, days == 1 and "" or "s")
+      seen[#seen + 1] = what
+      if max_days > 0 and age > max_days * 86400 then old[#old + 1] = { a = a, what = what } end
+    end
+  end
+  if #seen == 0 then return ok("no agent image is built") end
+  if #old == 0 then
+    return ok(table.concat(seen, "; ") .. (max_days > 0 and (" (within agent_cli_max_age_days = %g)"):format(max_days)
+      or " (agent_cli_max_age_days = 0: not checked)"))
+  end
+  local whats, fixes = {}, {}
+  for _, o in ipairs(old) do
+    whats[#whats + 1] = o.what
+    fixes[#fixes + 1] = ("a user image %s (FROM %s, then RUN npm install -g %s@<newer version>) or a newer demesne, "
+      .. "then `demesne images build %s`"):format(o.a.image, o.a.image, o.a.package, o.a.image)
+  end
+  return fail(("%s: older than agent_cli_max_age_days = %g (the CLIs release weekly)"):format(
+    table.concat(whats, "; "), max_days), table.concat(fixes, "; ") .. " (see docs/reference/images.md)")
+end
+
 --- The checks, in the order they run and print: {name = string, run = function(ctx) -> result}.
 --- Add a check by adding an entry; see the top of this file for the result shapes.
 doctor.CHECKS = {
   { name = "engine", run = check_engine },
   { name = "images", run = check_images },
+  { name = "agent-clis", run = check_agent_clis },
   { name = "config", run = check_config },
   { name = "folders", run = check_folders },
   { name = "demesne-init", run = check_init },

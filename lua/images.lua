@@ -15,6 +15,7 @@ local text = require("core.text")
 local fs = require("core.fs")
 local process = require("core.process")
 local plugins = require("demesne.plugins")
+local registries = require("demesne.registries")
 local util = require("demesne.util")
 
 local images = {}
@@ -289,7 +290,9 @@ local function ensure_rootfs(eng, ctx, dry)
   if eng:image_inspect(REGISTRY_BASE) then return REGISTRY_BASE end
   if dry then return nil, "not built" end
   progress(ctx, "pulling " .. REGISTRY_BASE)
-  if os.getenv("DEMESNE_NO_PULL") ~= "1" and eng:pull(REGISTRY_BASE, 30000) then return REGISTRY_BASE end
+  if os.getenv("DEMESNE_NO_PULL") ~= "1" and config.get("image_pull") and eng:pull(REGISTRY_BASE, 30000) then
+    return REGISTRY_BASE
+  end
   progress(ctx, "no registry reachable: building a Debian root filesystem with mmdebstrap")
   local tar = tmp_path(".rootfs.tar")
   local _ <close> = util.closer(function() os.remove(tar) end)
@@ -326,19 +329,158 @@ local function host_ca_certs()
   return table.concat(parts, "\n")
 end
 
--- Builds `plan` (tag, files, buildargs, labels) unless it is present; joins a build of the
--- same tag that is already running. Returns the tag, or nil and a message.
+--- Whether demesne may pull from `registry` (host[:port]): image_pull is on, and with
+--- DEMESNE_NO_PULL=1 (tests, machines without a registry) only a registry config.lua's
+--- `registries` names. Returns true, or false and why.
+---@param registry string
+---@return boolean ok, string|nil why
+function images.pull_allowed(registry)
+  if not config.get("image_pull") then return false, "image_pull is false" end
+  if os.getenv("DEMESNE_NO_PULL") == "1" and not registries.conf(registry) then
+    return false, ("DEMESNE_NO_PULL=1 and config.lua's registries does not name %s"):format(registry)
+  end
+  return true
+end
+
+local pulling = {} -- "<engine socket>|<ref>" -> event, while a pull runs
+
+-- One pull of `ref` (from `registry`, with the host's credentials for it). Returns true, or
+-- nil, a message that names the registry (scrubbed of the credential) and the code.
+local function pull_one(eng, ref, registry, ctx)
+  local cred, cerr = registries.credentials(ref)
+  if cerr then return nil, ("image: %s: %s"):format(ref, cerr), "EACCES" end
+  progress(ctx, ("pulling %s from %s%s"):format(ref, registry, cred and " with the host's credentials" or ""))
+  local timeout_ms = math.floor((config.get("image_pull_timeout_seconds") or 600) * 1000)
+  local ok, err, code = eng:pull(ref, timeout_ms, nil, { auth = cred })
+  if ok then return true end
+  err = registries.scrub(err, { cred })
+  if code == "EACCES" then
+    if cred then
+      return nil, ("image: registry %s refused the credentials for %s (from %s): %s. Log in again (`podman login "
+        .. "%s` or `docker login %s`)"):format(registry, ref, cred.source, err, registry, registry), code
+    end
+    local files = {}
+    for _, f in ipairs(registries.auth_files()) do files[#files + 1] = f.path end
+    return nil, ("image: registry %s wants credentials for %s and the host has none for it (looked in %s): %s. "
+      .. "Log in with `podman login %s` or `docker login %s`"):format(registry, ref, table.concat(files, ", "), err,
+      registry, registry), code
+  end
+  local none = ""
+  if not cred then
+    local files = {}
+    for _, f in ipairs(registries.auth_files()) do files[#files + 1] = f.path end
+    none = (" (no credentials were sent: the host has none for %s in %s)"):format(registry, table.concat(files, ", "))
+  end
+  return nil, ("image: pulling %s from registry %s failed: %s%s"):format(ref, registry, err, none), code or "EPULL"
+end
+
+--- Pulls an image reference into the engine with the host's own registry credentials
+--- (lua/registries.lua), trying the registry's mirrors of config.lua first (a mirror's
+--- image is then tagged as `ref`). Credentials go to the engine for the pull only. A pull
+--- of the same reference that is already running is joined. Returns true, or nil, a
+--- message naming the registry, and a code ("EACCES": credentials refused or missing;
+--- "EPULL"; "EPOLICY": pulls are off for that registry).
+---@param eng table  an engine adapter
+---@param ref string  an image reference (images.check_reference accepts it)
+---@param ctx ToolContext|nil  gets progress
+---@return boolean|nil ok, string|nil err, string|nil code
+function images.pull(eng, ref, ctx)
+  local registry, path, suffix = registries.split(ref)
+  local allowed, why = images.pull_allowed(registry)
+  if not allowed then
+    return nil, ("image: %q is not in the engine, and it is not pulled from %s: %s"):format(ref, registry, why), "EPOLICY"
+  end
+  local conf, cerr = registries.config()
+  if not conf then return nil, "image: " .. cerr, "EINVAL" end
+  local k = eng.socket .. "|" .. ref
+  if pulling[k] then
+    while pulling[k] do pulling[k].wait() end
+    if eng:image_inspect(ref) then return true end -- the pull this one joined brought it
+  end
+  local ev = async.event()
+  pulling[k] = ev
+  local _ <close> = util.closer(function() pulling[k] = nil; ev.set() end)
+  local errs = {}
+  for _, mirror in ipairs(conf[registry] and conf[registry].mirrors or {}) do
+    if type(eng.tag) ~= "function" then
+      errs[#errs + 1] = ("mirror %s: this engine adapter cannot tag images"):format(mirror)
+      break
+    end
+    local mref = mirror .. "/" .. path .. suffix
+    local ok, merr = pull_one(eng, mref, (mirror:match("^[^/]+")), ctx)
+    if ok then
+      local tok, terr = eng:tag(mref, ref)
+      if tok then return true end
+      errs[#errs + 1] = ("mirror %s: %s"):format(mirror, terr)
+    else
+      errs[#errs + 1] = ("mirror %s: %s"):format(mirror, merr)
+    end
+  end
+  local ok, err, code = pull_one(eng, ref, registry, ctx)
+  if ok then return true end
+  if #errs > 0 then err = err .. " (after its mirrors: " .. table.concat(errs, "; ") .. ")" end
+  return nil, err, code
+end
+
+-- The image references the FROM lines of a Containerfile name outside demesne (no build
+-- stage, no variable, not scratch), each once, in order.
+local function external_froms(src)
+  local out, seen, stages = {}, {}, {}
+  for _, f in ipairs(images.parse_from(src)) do
+    local r = f.ref
+    if not stages[r] and not seen[r] and r ~= "scratch" and not r:find("$", 1, true) and images.check_reference(r) then
+      seen[r] = true
+      out[#out + 1] = r
+    end
+    if f.stage then stages[f.stage] = true end
+  end
+  return out
+end
+--- The same, for tests: the image references a Containerfile's FROM lines name outside demesne.
+---@param src string
+---@return string[]
+images._external_froms = function(src) return external_froms(src) end
+
+-- Before a build: every FROM image of the plan's Containerfile that is not in the engine is
+-- pulled (with the host's credentials; with `refresh`, pulled again when its registry may be
+-- asked). Returns the credentials of those registries (server -> credential, for the
+-- build's X-Registry-Config), or nil and a message.
+local function prepare_froms(eng, plan, ctx)
+  local name = plan.dockerfile or "Containerfile"
+  local src
+  for _, f in ipairs(plan.files) do if f.name == name then src = f.data end end
+  local auth, used = {}, {}
+  for _, ref in ipairs(external_froms(src or "")) do
+    local present = eng:image_inspect(ref)
+    local registry = registries.split(ref)
+    if not present or (plan.refresh and images.pull_allowed(registry)) then
+      local ok, err = images.pull(eng, ref, ctx)
+      if not ok then return nil, ("image %s: FROM %s: %s"):format(plan.name, ref, err) end
+    end
+    if not used[registry] then
+      used[registry] = true
+      local cred = registries.credentials(ref)
+      if cred then auth[cred.server] = cred end
+    end
+  end
+  return auth
+end
+
+-- Builds `plan` (tag, files, buildargs, labels; refresh: build again without the engine's
+-- cache, and pull its FROM images again, even when the tag is present) unless it is
+-- present; joins a build of the same tag that is already running. Returns the tag, or nil
+-- and a message (with `dry`: nil, "not built" and the tag it would be built as).
 local function build(eng, plan, ctx, dry)
   local name, tag = plan.name, plan.tag
   local k = eng.socket .. "|" .. tag
-  if known[k] then return tag end
+  if known[k] and not plan.refresh then return tag end
   while building[k] do building[k].wait() end
-  if known[k] then return tag end
-  if eng:image_inspect(tag) then
+  if known[k] and not plan.refresh then return tag end
+  if not plan.refresh and eng:image_inspect(tag) then
     known[k] = true
     return tag
   end
-  if dry then return nil, "not built" end
+  if dry then return nil, "not built", tag end
   -- The build runs in a task of its own: a caller that is cancelled stops waiting, but
   -- the engine's build goes on, and the next caller joins it instead of starting another.
   local ev = async.event()
@@ -355,10 +497,13 @@ local function build(eng, plan, ctx, dry)
     local _t <close> = util.closer(function() os.remove(tar) end)
     local ok, perr = archive.pack(tar, files)
     if not ok then result.err = "packing the build context failed: " .. tostring(perr) return end
+    local auth, aerr = prepare_froms(eng, plan, ctx)
+    if not auth then result.err = aerr return end
     local last, tail, notes = "", {}, {}
     local berr
     ok, berr = eng:build(tar, { tag = tag, buildargs = plan.buildargs, network = plan.network or "host",
-      labels = plan.labels, dockerfile = plan.dockerfile, target = plan.target },
+      labels = plan.labels, dockerfile = plan.dockerfile, target = plan.target, registry_auth = auth,
+      no_cache = plan.refresh or nil },
       function(chunk)
         for l in chunk:gmatch("[^\r\n]+") do
           if l:match("%S") then
@@ -377,11 +522,13 @@ local function build(eng, plan, ctx, dry)
         end
       end)
     if not ok then
+      local creds = {}
+      for _, c in pairs(auth) do creds[#creds + 1] = c end
       if plan.tail then -- the end of the build's output, for a build the user wrote (lua/images/devcontainer.lua)
-        result.err = ("building image %s failed: %s; the end of its output:\n%s"):format(name,
-          (tostring(berr):gsub("%s+$", "")), table.concat(tail, "\n"))
+        result.err = registries.scrub(("building image %s failed: %s; the end of its output:\n%s"):format(name,
+          (tostring(berr):gsub("%s+$", "")), table.concat(tail, "\n")), creds)
       else
-        result.err = ("building image %s failed: %s (last output: %s)"):format(name, berr, last)
+        result.err = registries.scrub(("building image %s failed: %s (last output: %s)"):format(name, berr, last), creds)
       end
       return
     end
@@ -412,6 +559,12 @@ local ensure_named
 -- The tag of a content key: demesne/<name>:<12 hex digits>.
 local function tag_of(name, key)
   return ("demesne/%s:%s"):format(name, text.hash(table.concat(key, "\0")):sub(1, 12))
+end
+
+-- Whether this resolution rebuilds `name` without the cache: it is the image asked for
+-- (not a parent on the way) and the caller asked for a refresh (images.rebuild).
+local function refreshing(visiting, name)
+  return visiting.refresh == name and #visiting == 1 or nil
 end
 
 -- A built-in image: its parent first, then its own context (plus the user folders it takes).
@@ -447,7 +600,7 @@ local function ensure_builtin(eng, name, ctx, dry, visiting)
   if name == "twine" then -- images/twine/install-storyformats.sh
     buildargs.TWINE_FETCH_OFFICIAL = config.get("twine_official_formats") and "1" or "0"
   end
-  return build(eng, { name = name, tag = tag, files = files, buildargs = buildargs,
+  return build(eng, { name = name, tag = tag, files = files, buildargs = buildargs, refresh = refreshing(visiting, name),
     labels = { ["io.demesne.image"] = name, ["io.demesne.origin"] = "built-in" } }, ctx, dry)
 end
 
@@ -494,7 +647,7 @@ local function ensure_user(eng, name, dir, ctx, dry, visiting)
   end
   local tag = tag_of(name, key)
   buildargs.DEMESNE_TAG = tag
-  return build(eng, { name = name, tag = tag, files = out, buildargs = buildargs,
+  return build(eng, { name = name, tag = tag, files = out, buildargs = buildargs, refresh = refreshing(visiting, name),
     labels = { ["io.demesne.image"] = name, ["io.demesne.origin"] = "user" } }, ctx, dry)
 end
 
@@ -510,17 +663,70 @@ function ensure_named(eng, name, ctx, dry, visiting, builtin_only)
   end
   visiting[id] = true
   visiting[#visiting + 1] = name
-  local tag, err
+  local tag, err, want
   if dir then
-    tag, err = ensure_user(eng, name, dir, ctx, dry, visiting)
+    tag, err, want = ensure_user(eng, name, dir, ctx, dry, visiting)
   elseif images.BUILTIN[name] then
-    tag, err = ensure_builtin(eng, name, ctx, dry, visiting)
+    tag, err, want = ensure_builtin(eng, name, ctx, dry, visiting)
   else
     err = ("no image %q"):format(name)
   end
   visiting[id] = nil
   visiting[#visiting] = nil
+  return tag, err, want
+end
+
+--- Builds demesne image `name` again even when its tag is present: without the engine's
+--- cache, so that its package steps fetch what is newest, and with its FROM images pulled
+--- again where they come from a registry (`demesne images build --refresh`). Its parents
+--- are only built when missing. Returns the tag, or nil and a message.
+---@param eng table
+---@param name string
+---@param ctx ToolContext|nil
+---@return string|nil tag, string|nil err
+function images.rebuild(eng, name, ctx)
+  if not images.origin(name) then return nil, ("no image %q"):format(tostring(name)) end
+  local tag, err = ensure_named(eng, name, ctx, false, { refresh = name })
+  if tag then
+    resolved[eng] = resolved[eng] or {}
+    resolved[eng][name] = nil
+  end
   return tag, err
+end
+
+--- Whether demesne image `name` is built from its current inputs (lua/images.lua's content
+--- hash of its build context and its parents' tags). Returns
+---   {state = "current", tag}                     built from what it is made of now
+---   {state = "changed", tag, built = {ref…}}     built, but from other inputs: `built` are
+---                                                the engine's older images of that name
+---   {state = "not built", tag|nil, why}          nothing of that name in the engine (tag nil
+---                                                when a parent is not built either)
+--- or nil and a message (no such image, an image folder that cannot be read).
+---@param eng table
+---@param name string
+---@return table|nil report, string|nil err
+function images.freshness(eng, name)
+  if not images.origin(name) then return nil, ("no image %q"):format(tostring(name)) end
+  local tag, err, want = ensure_named(eng, name, nil, true)
+  if tag then return { state = "current", tag = tag } end
+  if err ~= "not built" then
+    -- a parent not built yet, or the folder cannot be read: nothing to compare against
+    if not err:find("not built", 1, true) then return nil, err end
+  end
+  local built = {}
+  if type(eng.image_list) == "function" then
+    for _, img in ipairs(eng:image_list({ "io.demesne.image=" .. name }) or {}) do
+      for _, r in ipairs(img.refs or {}) do
+        local bare = r:gsub("^docker%.io/", ""):gsub("^localhost/", "")
+        if bare:match("^demesne/" .. name:gsub("%p", "%%%0") .. ":%x+$") and bare ~= want then
+          built[#built + 1] = bare
+        end
+      end
+    end
+  end
+  table.sort(built)
+  if #built > 0 then return { state = "changed", tag = want, built = built } end
+  return { state = "not built", tag = want, why = err }
 end
 
 --------------------------------------------------------------------------------------------
@@ -649,8 +855,14 @@ function images.ensure(eng, name, ctx)
     return nil, ("image: %q is not a valid image reference: it %s"):format(tostring(shown), why)
   end
   if eng:image_inspect(name) then return { name = name, ref = name } end
-  return nil, ("image: %q is neither a built-in or user image (%s) nor an image present in the engine"):format(name,
-    table.concat(images.list(), ", "))
+  if not config.get("image_pull") then
+    return nil, ("image: %q is neither a built-in or user image (%s) nor an image present in the engine (image_pull "
+      .. "is false, so it is not pulled)"):format(name, table.concat(images.list(), ", "))
+  end
+  local pulled, perr = images.pull(eng, name, ctx)
+  if pulled then return { name = name, ref = name } end
+  return nil, ("image: %q is neither a built-in or user image (%s) nor an image present in the engine, and pulling it "
+    .. "failed: %s"):format(name, table.concat(images.list(), ", "), (perr:gsub("^image: ", "")))
 end
 
 --- Builds a prepared context unless its tag is present (for lua/images/devcontainer.lua),
@@ -753,6 +965,16 @@ function images.readiness(eng, name)
       sources), "add a Debian mirror to " .. sources .. " (see sources.list(5)), then `demesne images build`"
   end
   return { state = "buildable", from = "mmdebstrap", mmdebstrap = mm, sources = sources }
+end
+
+--- The Containerfile of demesne image `name`: the user's (when a user image of that name
+--- exists) or the built-in's, or nil.
+---@param name string
+---@return string|nil
+function images.containerfile(name)
+  local origin, dir = images.origin(name)
+  if origin == "user" then return fs.read_file(dir .. "/Containerfile") end
+  if origin == "built-in" then return runtime.source("images/" .. name .. "/Containerfile") end
 end
 
 --- The notes recorded on a built image (see images.status), or nil.

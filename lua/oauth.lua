@@ -7,33 +7,15 @@ local fs = require("core.fs")
 local http = require("core.http")
 local loop = require("core.loop")
 local json = require("demesne.json")
+local util = require("demesne.util")
 
 local oauth = {}
 
-local B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-local B64_INDEX = {}
-for i = 1, #B64 do B64_INDEX[B64:byte(i)] = i - 1 end
-
---- Decodes base64url (RFC 4648 §5; the standard alphabet and padding are accepted too).
---- Returns the bytes, or nil when `s` holds other characters.
+--- Decodes base64url (RFC 4648 §5; the standard alphabet and padding are accepted too):
+--- util.base64_decode. Returns the bytes, or nil when `s` holds other characters.
 ---@param s string
 ---@return string|nil
-function oauth.base64url_decode(s)
-  if type(s) ~= "string" then return nil end
-  s = s:gsub("=+$", ""):gsub("%-", "+"):gsub("_", "/")
-  local out, bits, nbits = {}, 0, 0
-  for i = 1, #s do
-    local v = B64_INDEX[s:byte(i)]
-    if not v then return nil end
-    bits = (bits << 6) | v
-    nbits = nbits + 6
-    if nbits >= 8 then
-      nbits = nbits - 8
-      out[#out + 1] = string.char((bits >> nbits) & 0xff)
-    end
-  end
-  return table.concat(out)
-end
+function oauth.base64url_decode(s) return util.base64_decode(s) end
 
 --- The claims of a JWT (its middle part, decoded), or nil when `token` is not a JWT.
 ---@param token string

@@ -30,7 +30,8 @@ schemas.image = { type = "string", description =
   .. "browser: headless Chromium + Playwright + React, `render-png`; media: ffmpeg, ImageMagick, vips, sox; "
   .. "webgamedev: Phaser 4 + Vite template in /opt/game-template, `playtest-game`; twine: extwee, "
   .. "`twine-compile`, `playtest-story`), a user image from $XDG_CONFIG_HOME/demesne/images/, or the "
-  .. "reference of an image present in the engine. Each works with no network once built. Default: default. "
+  .. "reference of an image (pulled with the host's registry credentials when the engine lacks it). Each works "
+  .. "with no network once built. Default: default. "
   .. "\"devcontainer\": the environment the repository (or a directories entry) declares in "
   .. ".devcontainer/devcontainer.json, built on first use." }
 

@@ -79,6 +79,32 @@ function util.base64(bytes)
   return table.concat(out)
 end
 
+local B64_INDEX = {}
+for i = 1, #B64 do B64_INDEX[B64:byte(i)] = i - 1 end
+B64_INDEX[("-"):byte()], B64_INDEX[("_"):byte()] = 62, 63 -- base64url (RFC 4648 §5)
+
+--- Decodes base64 (RFC 4648 §4) or base64url (§5), padded or not: the one decoder (JWT
+--- claims, the =?base64?…?= values of MCP headers). Returns the bytes, or nil when `s`
+--- holds other characters.
+---@param s string
+---@return string|nil
+function util.base64_decode(s)
+  if type(s) ~= "string" then return nil end
+  s = s:gsub("=+$", "")
+  local out, bits, nbits = {}, 0, 0
+  for i = 1, #s do
+    local v = B64_INDEX[s:byte(i)]
+    if not v then return nil end
+    bits = ((bits << 6) | v) & 0xffffff
+    nbits = nbits + 6
+    if nbits >= 8 then
+      nbits = nbits - 8
+      out[#out + 1] = string.char((bits >> nbits) & 0xff)
+    end
+  end
+  return table.concat(out)
+end
+
 --- A to-be-closed value that calls `fn(err)` when it goes out of scope (on return, error
 --- or cancellation): `local _ <close> = util.closer(function() … end)`.
 ---@param fn fun(err: any)

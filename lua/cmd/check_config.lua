@@ -7,6 +7,7 @@ local engines = require("demesne.engines")
 local http = require("demesne.mcp.http")
 local hostmcp = require("demesne.hostmcp")
 local pool = require("demesne.pool")
+local registries = require("demesne.registries")
 
 -- The warm pool: its settings in one line, then each warm sandbox on the engine.
 local function show_pool()
@@ -36,6 +37,30 @@ local function show_pool()
       tostring(r.image), tostring(r.egress),
       r.claimed and "claimed by a call" or r.starting and "starting" or "waiting", tostring(r.owner)))
   end
+end
+
+-- The registries of config.lua (mirrors, credentials on or off) and the credentials files
+-- looked in (never a credential). Returns the section's error, if any.
+local function registries_section()
+  io.stdout:write("\nregistries (pulls of image references and FROM lines; image_pull = ",
+    tostring(config.get("image_pull")), ")\n")
+  local conf, err = registries.config()
+  if not conf then
+    io.stdout:write("  refused: ", err, "\n")
+    return err
+  end
+  local names = {}
+  for k in pairs(conf) do names[#names + 1] = k end
+  table.sort(names)
+  if #names == 0 then io.stdout:write("  none configured (every registry is pulled from directly)\n") end
+  for _, n in ipairs(names) do
+    local e = conf[n]
+    io.stdout:write(("  %s  mirrors: %s  credentials: %s\n"):format(n,
+      #e.mirrors > 0 and table.concat(e.mirrors, ", ") or "none", e.credentials and "the host's" or "none"))
+  end
+  local files = {}
+  for _, f in ipairs(registries.auth_files()) do files[#files + 1] = f.path end
+  io.stdout:write("  credentials looked for in: ", table.concat(files, ", "), "\n")
 end
 
 -- The host MCP servers that will be offered to agent sandboxes (server, origin, transport,
@@ -97,6 +122,7 @@ return function()
       sock and "discovered" or ("tried " .. table.concat(tried or {}, ", "))))
   end
   show_pool()
+  err = err or registries_section()
   if host_mcp_section() then err = err or "host_mcp has refused entries (see above)" end
   if err then
     io.stderr:write("demesne: config error: ", err, "\n")

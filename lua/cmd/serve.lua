@@ -94,8 +94,7 @@ return function(args, opts)
   end)
   local registry = tools.load({ fixtures = opts.fixtures })
   -- nested sandboxes: the in-sandbox MCP endpoint, and the trees a previous server left
-  local limits = stdio.limits()
-  local ok, eerr = endpoint.start(registry, limits)
+  local ok, eerr = endpoint.start(registry)
   if not ok then log.error("demesne.tree", "the in-sandbox MCP endpoint cannot start: %s", tostring(eerr)) end
   tree.start()
   local function on_stop(timeout_ms) endpoint.stop(timeout_ms) end

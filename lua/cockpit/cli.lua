@@ -44,7 +44,11 @@ local function cell(s, w)
   return s .. (" "):rep(w - #s)
 end
 
---- `demesne ps [--json]`: every tree of every server, one row per node, indented by depth.
+local function mb(bytes) return bytes and ("%.1fM"):format(bytes / 1048576) or "-" end
+
+--- `demesne ps [--json]`: every tree of every server, one row per node, indented by depth,
+--- and every sandbox that is no tree node (a plain sandbox_script run or background job, a
+--- persistent sandbox), with the memory each running one uses and its memory limit.
 ---@param args string[]
 ---@return integer status
 function cli.ps(args)
@@ -67,7 +71,7 @@ function cli.ps(args)
       return 0
     end
     local cols = { { "SERVER", 14 }, { "RUN", 26 }, { "NAME", 22 }, { "KIND", 8 }, { "IMAGE", 12 }, { "ISOLATION", 9 },
-      { "EGRESS", 16 }, { "STATUS", 10 }, { "ELAPSED", 8 }, { "COST", 10 }, { "BUDGET LEFT", 11 } }
+      { "EGRESS", 16 }, { "STATUS", 10 }, { "ELAPSED", 8 }, { "MEMORY", 13 }, { "COST", 10 }, { "BUDGET LEFT", 11 } }
     local head = {}
     for _, c in ipairs(cols) do head[#head + 1] = cell(c[1], c[2]) end
     out(table.concat(head, " "):gsub("%s+$", "") .. "\n")
@@ -76,16 +80,19 @@ function cli.ps(args)
       local srv = ("%s/%s"):format(tostring(s.server.transport), tostring(math.tointeger(s.server.pid) or s.server.pid))
       for _, t in ipairs(s.trees or {}) do
         for _, n in ipairs(t.nodes or {}) do
-          local name = (" "):rep(2 * (n.depth or 0)) .. (n.name or (n.depth == 0 and "(root)" or "-"))
+          local name = (" "):rep(2 * (n.depth or 0)) .. (n.name or n.standalone and (n.kind == "create"
+            and "(persistent)" or n.job_id or "(" .. tostring(n.tool) .. ")") or (n.depth == 0 and "(root)" or "-"))
+          local lim = type(n.limits) == "table" and tonumber(n.limits.memory_mb)
+          local memory = ("%s/%s"):format(mb(tonumber(n.memory_used_bytes)), lim and (math.floor(lim) .. "M") or "-")
           local row = { cell(srv, 14), cell(n.run_id, 26), cell(name, 22), cell(n.kind, 8), cell(n.image, 12),
             cell(n.isolation, 9), cell(n.egress, 16), cell(n.status, 10), cell(duration(n.elapsed_seconds), 8),
-            cell(money(n.total_cost_usd), 10), cell(n.budget_left_usd and money(n.budget_left_usd) or "-", 11) }
+            cell(memory, 13), cell(money(n.total_cost_usd), 10), cell(n.budget_left_usd and money(n.budget_left_usd) or "-", 11) }
           out(table.concat(row, " "):gsub("%s+$", "") .. "\n")
           rows = rows + 1
         end
       end
     end
-    if rows == 0 then out(("(no trees in the %d running server(s))\n"):format(#all)) end
+    if rows == 0 then out(("(no trees or sandboxes in the %d running server(s))\n"):format(#all)) end
     return 0
   end)
 end

@@ -62,7 +62,8 @@ function client.find(id)
     local status, d = client.call(e, "GET", "/v1/nodes/" .. id, nil, 30000)
     if status == 200 and type(d) == "table" then return e, d end
   end
-  errors.raise(("ID: no run %s in the trees of the %d running demesne server(s) of this user"):format(id, #servers),
+  errors.raise(("ID: no run %s (tree node, job or sandbox) in the %d running demesne server(s) of this user"):format(id,
+    #servers),
     "ENOENT")
 end
 

@@ -9,7 +9,10 @@
 --   GET  /v1/nodes/ID                 view.detail(ID)
 --   GET  /v1/nodes/ID/log?stream=S&from=N   view.log: {lines, next, eof}
 --   GET  /v1/nodes/ID/file?path=REL   the bytes of a file in the node's /out (application/octet-stream)
---   POST /v1/nodes/ID/cancel          {subtree = bool}: ends the run (and, with subtree, its running children)
+--   POST /v1/nodes/ID/cancel          {subtree = bool}: ends the run (and, with subtree, its running children);
+--                                      a sandbox that is no tree node (ID: its run id or job id): a background
+--                                      job is cancelled (lua/jobs), a persistent sandbox destroyed, a
+--                                      foreground run's container killed (its call answers exit code 137)
 --   POST /v1/nodes/ID/ttl             {seconds}: a persistent sandbox's expiry moves that much later
 --   POST /v1/trees/ID/budget          {budget_usd}: the tree's budget, raised
 --   GET  /v1/asks, POST /v1/asks/ID   {decision = once|run|deny}: pending egress questions (demesne.egress.ask)
@@ -24,7 +27,9 @@ local ask = require("demesne.egress.ask")
 local errors = require("demesne.errors")
 local json = require("demesne.json")
 local log = require("demesne.log")
+local jobs = require("demesne.jobs")
 local registry = require("demesne.cockpit.registry")
+local runs = require("demesne.cockpit.runs")
 local sandbox = require("demesne.sandbox")
 local store = require("demesne.tree.store")
 local tree = require("demesne.tree")
@@ -88,12 +93,36 @@ local function body_of(req)
   return b
 end
 
+-- Ends a sandbox that is no tree node (runs.list's entry r).
+local function cancel_run(conn, id, r)
+  if not r.active then return refuse(conn, 409, ("run %s has ended (%s)"):format(id, tostring(r.status)), "EALREADY") end
+  local status
+  if r.job_id then
+    log.notice(LOGGER, "%s: job %s cancelled from the cockpit", r.run_id, r.job_id)
+    local rec = jobs.cancel(r.job_id, CANCEL_REASON)
+    status = rec and rec.status or "cancelled"
+  elseif r.kind == "create" then
+    log.notice(LOGGER, "%s: persistent sandbox destroyed from the cockpit", r.run_id)
+    status = sandbox.destroy(nil, { sandbox_id = r.run_id }).status
+  else
+    log.notice(LOGGER, "%s: killed from the cockpit", r.run_id)
+    local eng = sandbox.engine()
+    local ok, kerr = (eng.kill and eng.kill or eng.remove)(eng, r.container, "KILL")
+    if not ok then return refuse(conn, 500, ("run %s: %s"):format(r.run_id, tostring(kerr)), "EENGINE") end
+    status = "killed"
+  end
+  runs.changed()
+  answer(conn, 200, { run_id = r.run_id, job_id = r.job_id, status = status, active = false })
+end
+
 local function cancel(conn, id, b)
-  local n, err = own_node(id)
-  if not n then return refuse(conn, 404, err, "ENOENT") end
   if b.subtree ~= nil and type(b.subtree) ~= "boolean" then
     return refuse(conn, 400, "subtree: true or false", "EINVAL")
   end
+  local v = view.node(id)
+  if v and v.standalone then return cancel_run(conn, id, v) end
+  local n, err = own_node(id)
+  if not n then return refuse(conn, 404, err, "ENOENT") end
   if not n.active then return refuse(conn, 409, ("run %s has ended (%s)"):format(id, tostring(n.status)), "EALREADY") end
   local running = 0
   for _, c in ipairs(n.children or {}) do
@@ -112,7 +141,11 @@ end
 
 local function extend(conn, id, b)
   local n, err = own_node(id)
-  if not n then return refuse(conn, 404, err, "ENOENT") end
+  if not n then
+    local v = view.node(id)
+    if not (v and v.standalone) then return refuse(conn, 404, err, "ENOENT") end
+    n = v -- a persistent sandbox that is no tree node (kind "create")
+  end
   local secs = type(b.seconds) == "number" and math.tointeger(b.seconds) or nil -- (JSON numbers decode as floats)
   if not secs or secs <= 0 then
     return refuse(conn, 400, "seconds: a whole number of seconds above 0", "EINVAL")
@@ -175,7 +208,11 @@ local function digest()
   local ok, trees = pcall(view.trees)
   if not ok then return state.digest end
   for _, t in ipairs(trees) do
-    for _, n in ipairs(t.nodes) do n.elapsed_seconds = nil end -- it moves on its own: the page counts it
+    for _, n in ipairs(t.nodes) do
+      n.elapsed_seconds = nil -- it moves on its own: the page counts it
+      -- the memory used moves all the time: a change of a whole MiB is one worth an event
+      n.memory_used_bytes = n.memory_used_bytes and n.memory_used_bytes // 1048576
+    end
   end
   return json.encode({ trees, asks() })
 end
@@ -277,6 +314,7 @@ function control.start(info)
     state = nil
     return false
   end
+  pcall(runs.prune)
   local entry, rerr = registry.register(info)
   if not entry then
     log.warning(LOGGER, "%s: demesne ps and demesne ui will not see this server", rerr)

@@ -8,6 +8,7 @@ local jobs = require("demesne.jobs")
 local json = require("demesne.json")
 local output = require("demesne.output")
 local pool = require("demesne.pool")
+local runs = require("demesne.cockpit.runs")
 local sandbox = require("demesne.sandbox")
 local store = require("demesne.tree.store")
 local terminal = require("demesne.terminal")
@@ -24,7 +25,7 @@ local FILES_MAX = 500          -- /out entries listed
 local FILES_DEPTH = 6
 local FILE_MAX = 16 * 1024 * 1024 -- a /out file served at most this long
 local DAY_MS = 86400 * 1000
-local KEEP_MS = 7 * DAY_MS     -- ended trees are shown this long after they ended
+local KEEP_MS = runs.KEEP_MS   -- ended trees (and runs: lua/cockpit/runs.lua) are shown this long
 
 local function num(x) return tonumber(x) or 0 end
 
@@ -118,12 +119,34 @@ function view.trees()
         cost_usd = costs[r.run_id] or 0, budget_usd = r.budget_usd, spent_usd = num(r.spent_usd), nodes = nodes }
     end
   end
+  -- the sandboxes that are no tree node: each listed as a tree of one node (standalone = true)
+  local nodes_of = {}
+  for id in pairs(recs) do nodes_of[id] = true end
+  for _, r in ipairs(runs.list(nodes_of)) do
+    out[#out + 1] = { run_id = r.run_id, status = r.status, started_ms = r.started_ms, finished_ms = r.finished_ms,
+      cost_usd = 0, spent_usd = 0, standalone = true, nodes = json.array({ r }) }
+  end
   table.sort(out, function(a, b) return num(a.started_ms) > num(b.started_ms) end)
+  -- the memory each running sandbox uses now (memory_used_bytes; eng:stats, sampled every few seconds)
+  local running, ids, want = runs.running(), {}, {}
+  for _, t in ipairs(out) do
+    for _, n in ipairs(t.nodes) do
+      local c = n.active and running[n.run_id]
+      if c and c.state == "running" then
+        ids[#ids + 1] = c.id
+        want[n] = c.id
+      end
+    end
+  end
+  local used = #ids > 0 and runs.memory(ids) or {}
+  for n, cid in pairs(want) do n.memory_used_bytes = used[cid] end
   return out
 end
 
 --- The totals of this server: spend today and in the last 7 days per model and per tree
---- (a node's spend counts on the day it started), sandboxes running, warm, memory reserved.
+--- (a node's spend counts on the day it started), sandboxes running, warm, memory reserved
+--- (memory_mb: the running sandboxes' limits) and used (memory_used_bytes: what they use now,
+--- as the engine measures it).
 ---@param trees table[]|nil  view.trees(), when the caller has it
 ---@return table
 function view.totals(trees)
@@ -132,13 +155,14 @@ function view.totals(trees)
   local now = util.now_ms()
   local day0 = now - now % DAY_MS
   local t = { today = { usd = 0, models = {}, trees = {} }, week = { usd = 0, models = {}, trees = {} },
-    running = 0, memory_mb = 0, warm = 0 }
+    running = 0, memory_mb = 0, memory_used_bytes = 0, warm = 0 }
   for _, tr in ipairs(trees) do
     for _, s in ipairs(tr.nodes) do
       local n = recs[s.run_id] or {}
       if s.active then
         t.running = t.running + 1
         t.memory_mb = t.memory_mb + num(s.limits.memory_mb)
+        t.memory_used_bytes = t.memory_used_bytes + num(s.memory_used_bytes)
       end
       local models = type(n.usage) == "table" and type(n.usage.models) == "table" and n.usage.models or {}
       for _, span in ipairs({ { t.today, day0 }, { t.week, now - 7 * DAY_MS } }) do
@@ -166,7 +190,12 @@ function view.node(id)
   end
   local s = fs.read_file(store.record_path(id), 0, RECORD_MAX)
   local n = s and json.decode(s)
-  if type(n) ~= "table" or n.run_id ~= id then return nil, ("no tree node %s here"):format(id) end
+  if type(n) ~= "table" or n.run_id ~= id then
+    -- a sandbox that is no tree node (lua/cockpit/runs.lua), by run id or job id
+    local r = runs.find(id, records())
+    if r then return r end
+    return nil, ("no run %s here (no tree node, job or sandbox of this server)"):format(id)
+  end
   if not mine(n) then return nil, ("node %s belongs to another server"):format(id) end
   return n
 end
@@ -318,6 +347,7 @@ end
 function view.detail(id)
   local n, err = view.node(id)
   if not n then return nil, err end
+  if n.standalone then return view.run_detail(n) end
   local recs = records()
   local root = recs[n.root] or n
   local costs = subtree_costs(recs, n)
@@ -348,6 +378,34 @@ function view.detail(id)
   if n.active then
     d.previews = sandbox.previews(n.run_id) -- this server's port previews of it: [{port, url}]
     d.attach = ("demesne attach %s"):format(n.run_id)
+  end
+  return d
+end
+
+--- The detail of a sandbox that is no tree node (runs.list's entry `r`): r's fields plus
+--- its command, stdout and stderr tails, egress and host MCP records, /out files, and while
+--- it runs the memory it uses, its port previews and the command that opens a terminal in it.
+---@param r table
+---@return table detail
+function view.run_detail(r)
+  local d = {}
+  for k, v in pairs(r) do d[k] = v end
+  local rec = job_of(r)
+  local kept = fs.read_file(runs.dir() .. "/" .. r.run_id .. ".json", 0, RECORD_MAX)
+  kept = kept and json.decode(kept)
+  local command = rec and rec.command or type(kept) == "table" and kept.command or nil
+  d.prompt = type(command) == "string" and terminal.neutralise(command) or ""
+  d.stderr = terminal.neutralise(output.tail(r.output_dir, "stderr.log", TAIL_MAX) or "")
+  d.stdout = terminal.neutralise(output.tail(r.output_dir, log_rel(r, rec, "stdout"), TAIL_MAX) or "")
+  d.egress_log = records_of(r.output_dir, "egress.jsonl")
+  d.mcp_log = records_of(r.output_dir, "mcp.jsonl")
+  d.files = r.output_dir and view.files(r) or json.array()
+  d.children_nodes = json.array()
+  d.ttl_max = config.get("ttl_max")
+  if r.active and r.container then
+    d.memory_used_bytes = runs.memory({ r.container })[r.container]
+    d.previews = sandbox.previews(r.run_id)
+    d.attach = ("demesne attach %s"):format(r.run_id)
   end
   return d
 end

@@ -647,6 +647,39 @@ function Engine:kill(id, signal)
   return true
 end
 
+--- Neutral resource use from a Docker stats body (GET /containers/{id}/stats): memory in
+--- use as `docker stats` counts it (usage less the page cache the kernel can drop:
+--- inactive_file on cgroup v2, total_inactive_file on v1), the memory limit, processes and
+--- CPU time. Fields the engine does not report are nil.
+---@param t table
+---@return {memory_bytes: integer|nil, memory_limit_bytes: integer|nil, pids: integer|nil, cpu_ns: integer|nil}
+function docker.stats_info(t)
+  local function int(x) return type(x) == "number" and x >= 0 and math.tointeger(math.floor(x)) or nil end
+  local m = type(t.memory_stats) == "table" and t.memory_stats or {}
+  local st = type(m.stats) == "table" and m.stats or {}
+  local used = int(m.usage)
+  local cache = int(st.inactive_file) or int(st.total_inactive_file)
+  if used and cache and cache <= used then used = used - cache end
+  local cpu = type(t.cpu_stats) == "table" and type(t.cpu_stats.cpu_usage) == "table" and t.cpu_stats.cpu_usage or {}
+  local limit = int(m.limit)
+  return { memory_bytes = used, memory_limit_bytes = limit and limit > 0 and limit or nil,
+    pids = int(type(t.pids_stats) == "table" and t.pids_stats.current or nil), cpu_ns = int(cpu.total_usage) }
+end
+
+--- GET /containers/{id}/stats?stream=false&one-shot=true: one sample of a container's
+--- resource use (docker.stats_info), at once (one-shot: no wait for a second CPU sample;
+--- Docker 20.10+ and Podman 3.2+ honour it). A container that is not running reports no
+--- memory (memory_bytes 0 or nil, as the engine says). ENOENT when there is no such container.
+---@param id string
+---@return {memory_bytes: integer|nil, memory_limit_bytes: integer|nil, pids: integer|nil, cpu_ns: integer|nil}|nil stats, string|nil err, string|nil code
+function Engine:stats(id)
+  local t, err, code = ok_json(self, "GET", "/containers/" .. seg(id) .. "/stats",
+    { stream = false, ["one-shot"] = true }, nil, "container stats", { timeout_ms = 10000 })
+  if not t then return nil, err, code end
+  if type(t) ~= "table" then return nil, "container stats: the engine answered no JSON object", "EENGINE" end
+  return docker.stats_info(t)
+end
+
 --- DELETE /containers/{id}?force=true&v=true. A container that is already gone is success
 --- with the second value "gone".
 ---@param id string
@@ -1047,9 +1080,32 @@ function Engine:get_archive(id, path, out_path)
   return true
 end
 
---- GET /images/{ref}/json. Returns {id, labels, env = {"K=V"…} (the image's ENV), onbuild =
---- {string} (its ONBUILD triggers, which a build FROM it runs; empty when none)}, or nil,
---- msg, "ENOENT". Podman leaves the triggers out of its inspect answer (even of an image
+--- Seconds since the epoch of an RFC 3339 time ("2026-12-01T21:43:33.123456789Z",
+--- "…+01:00"), or nil when it is not one.
+---@param s any
+---@return integer|nil
+function docker.rfc3339(s)
+  if type(s) ~= "string" then return nil end
+  local y, mo, d, h, mi, sec, rest = s:match("^(%d%d%d%d)%-(%d%d)%-(%d%d)[Tt ](%d%d):(%d%d):(%d%d)%.?%d*(.*)$")
+  if not y then return nil end
+  y, mo, d = tonumber(y), tonumber(mo), tonumber(d)
+  -- days from 1970-01-01 to y-mo-d (the proleptic Gregorian calendar, H. Hinnant's days_from_civil)
+  local yy = mo <= 2 and y - 1 or y
+  local era = (yy >= 0 and yy or yy - 399) // 400
+  local yoe = yy - era * 400
+  local doy = (153 * (mo + (mo > 2 and -3 or 9)) + 2) // 5 + d - 1
+  local doe = yoe * 365 + yoe // 4 - yoe // 100 + doy
+  local days = era * 146097 + doe - 719468
+  local off = 0
+  local sign, oh, om = rest:match("^([+-])(%d%d):?(%d%d)$")
+  if sign then off = (tonumber(oh) * 3600 + tonumber(om) * 60) * (sign == "+" and 1 or -1)
+  elseif rest ~= "Z" and rest ~= "z" and rest ~= "" then return nil end
+  return days * 86400 + tonumber(h) * 3600 + tonumber(mi) * 60 + tonumber(sec) - off
+end
+
+--- GET /images/{ref}/json. Returns {id, labels, env = {"K=V"…} (the image's ENV), created
+--- (epoch seconds, or nil when the engine gives no time), onbuild = {string} (its ONBUILD
+--- triggers, which a build FROM it runs; empty when none)}, or nil, msg, "ENOENT". Podman leaves the triggers out of its inspect answer (even of an image
 --- in the Docker format, which keeps them and runs them): with opts.onbuild, on an engine
 --- other than Docker, `onbuild` is also read from the image's history (GET
 --- /images/{ref}/history, its "#(nop) ONBUILD …" steps), which may name triggers a child
@@ -1074,7 +1130,7 @@ function Engine:image_inspect(ref, opts)
     end
   end
   return { id = t.Id, labels = type(cfg.Labels) == "table" and cfg.Labels or {},
-    env = type(cfg.Env) == "table" and cfg.Env or {}, onbuild = onbuild }
+    env = type(cfg.Env) == "table" and cfg.Env or {}, created = docker.rfc3339(t.Created), onbuild = onbuild }
 end
 
 -- Streams the engine's JSON progress lines (build, import, pull) to on_line(text): the
@@ -1091,6 +1147,8 @@ local function progress_stream(on_line, state)
       local t = json.decode(line)
       if type(t) == "table" then
         if t.error or t.errorDetail then state.error = t.error or (t.errorDetail and t.errorDetail.message) end
+        -- an error status's body ({"message": …}) arrives here too when it is streamed
+        if type(t.message) == "string" and not t.stream and not t.status then state.message = t.message end
         local text = t.stream or t.status
         if on_line and type(text) == "string" then on_line(text) end
       end
@@ -1099,21 +1157,64 @@ local function progress_stream(on_line, state)
   end
 end
 
+-- base64url with padding (RFC 4648 §5), the encoding of X-Registry-Auth and X-Registry-Config.
+local B64URL = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789-_"
+local function base64url(bytes)
+  local out = {}
+  for i = 1, #bytes, 3 do
+    local a, b, c = bytes:byte(i, i + 2)
+    local n = (a << 16) | ((b or 0) << 8) | (c or 0)
+    for k = 0, 3 do
+      local v = (n >> (18 - 6 * k)) & 63
+      out[#out + 1] = ((k == 2 and not b) or (k == 3 and not c)) and "=" or B64URL:sub(v + 1, v + 1)
+    end
+  end
+  return table.concat(out)
+end
+
+-- One registry credential (the neutral {username, password} or {identity_token}, with
+-- server) as Docker's AuthConfig.
+local function auth_config(cred)
+  if cred.identity_token then return { identitytoken = cred.identity_token, serveraddress = cred.server } end
+  return { username = cred.username or "", password = cred.password or "", serveraddress = cred.server }
+end
+
+--- The X-Registry-Auth header value of one credential: base64url of a JSON AuthConfig.
+---@param cred {username: string|nil, password: string|nil, identity_token: string|nil, server: string}
+---@return string
+function docker.registry_auth(cred) return base64url(json.encode(auth_config(cred))) end
+
+--- The X-Registry-Config header value of a build: base64url of a JSON map server -> AuthConfig.
+---@param creds table<string, table>  server -> credential (as docker.registry_auth takes)
+---@return string
+function docker.registry_config(creds)
+  local m = {}
+  for server, cred in pairs(creds) do m[server] = auth_config(cred) end
+  return base64url(json.encode(m))
+end
+
 --- POST /build with a tar build context from disk. opts: tag, buildargs (table), network
 --- (the build's network mode: "host", "none"), dockerfile (default "Containerfile"), labels,
---- target (the stage to build, of a multi-stage Containerfile).
+--- target (the stage to build, of a multi-stage Containerfile), registry_auth (server ->
+--- credential {username, password} or {identity_token}: the registries its FROM lines pull
+--- from; sent as X-Registry-Config, for this build only), no_cache (true: no step is taken
+--- from the engine's cache).
 --- on_line(text) receives the text of each progress line ("STEP 1/3: FROM …").
 ---@param context_tar string  the build context, a tar on the host
----@param opts {tag: string, buildargs: table|nil, network: string|nil, dockerfile: string|nil, labels: table|nil, target: string|nil}
+---@param opts {tag: string, buildargs: table|nil, network: string|nil, dockerfile: string|nil, labels: table|nil, target: string|nil, registry_auth: table|nil, no_cache: boolean|nil}
 ---@param on_line fun(text: string)|nil
 ---@return boolean|nil ok, string|nil err, string|nil code
 function Engine:build(context_tar, opts, on_line)
   local state = {}
   local q = { t = opts.tag, rm = true, forcerm = true, networkmode = opts.network,
     dockerfile = opts.dockerfile or "Containerfile", buildargs = opts.buildargs, labels = opts.labels,
-    target = opts.target }
+    target = opts.target, nocache = opts.no_cache or nil }
+  local headers = { ["Content-Type"] = "application/x-tar" }
+  if opts.registry_auth and next(opts.registry_auth) then
+    headers["X-Registry-Config"] = docker.registry_config(opts.registry_auth)
+  end
   local res, err, code = self:call("POST", "/build", q, nil, { body_file = context_tar, timeout_ms = 0,
-    headers = { ["Content-Type"] = "application/x-tar" }, on_data = progress_stream(on_line, state) })
+    headers = headers, on_data = progress_stream(on_line, state) })
   if not res then return nil, err, code end
   if res.status >= 300 then return nil, "image build failed: HTTP " .. res.status, "EBUILD" end
   if state.error then return nil, "image build failed: " .. state.error, "EBUILD" end
@@ -1141,18 +1242,53 @@ function Engine:import(tar_path, repo, tag, on_line)
   return true
 end
 
---- POST /images/create?fromImage=: pulls from a registry. Returns true or nil, msg, code.
----@param ref string
+--- POST /images/create?fromImage=: pulls from a registry. opts.auth: a credential
+--- ({username, password} or {identity_token}, with server) sent as X-Registry-Auth for this
+--- pull only. Returns true or nil, msg, code ("EPULL"; "EACCES" when the registry refused
+--- or wanted credentials).
+---@param ref string  name[:tag] or name@digest
 ---@param timeout_ms integer|nil
 ---@param on_line fun(text: string)|nil
+---@param opts {auth: table|nil}|nil
 ---@return boolean|nil ok, string|nil err, string|nil code
-function Engine:pull(ref, timeout_ms, on_line)
+function Engine:pull(ref, timeout_ms, on_line, opts)
   local state = {}
-  local name, tag = ref:match("^(.-):([^:/]+)$")
+  local name, tag = ref:match("^(.-)@(.+)$")
+  if not name then name, tag = ref:match("^(.-):([^:/]+)$") end
+  local headers = {}
+  if opts and opts.auth then headers["X-Registry-Auth"] = docker.registry_auth(opts.auth) end
   local res, err, code = self:call("POST", "/images/create", { fromImage = name or ref, tag = tag or "latest" }, nil,
-    { timeout_ms = timeout_ms or 60000, on_data = progress_stream(on_line, state) })
+    { timeout_ms = timeout_ms or 60000, on_data = progress_stream(on_line, state), headers = headers })
   if not res then return nil, err, code end
-  if res.status >= 300 or state.error then return nil, "pull failed: " .. tostring(state.error or res.status), "EPULL" end
+  if res.status >= 300 and not state.error then
+    if state.message then
+      state.error = state.message
+    else
+      local _, emsg = engine_error(res, "pull")
+      state.error = (emsg:gsub("^pull: ", ""))
+    end
+  end
+  if res.status >= 300 or state.error then
+    local msg = tostring(state.error or res.status)
+    local l = msg:lower()
+    local denied = res.status == 401 or res.status == 403 or l:find("unauthorized", 1, true)
+      or l:find("authentication required", 1, true) or l:find("no basic auth credentials", 1, true)
+      or l:find("denied", 1, true) or l:find("invalid username/password", 1, true)
+    return nil, "pull failed: " .. msg, denied and "EACCES" or "EPULL"
+  end
+  return true
+end
+
+--- POST /images/{src}/tag?repo=&tag=: gives an image another name (what a mirror served,
+--- the name of the reference asked for). Returns true or nil, msg, code.
+---@param src string  an image reference or id
+---@param ref string  the new name, repo[:tag]
+---@return boolean|nil ok, string|nil err, string|nil code
+function Engine:tag(src, ref)
+  local repo, tag = ref:match("^(.-):([^:/]+)$")
+  local ok, err, code = ok_json(self, "POST", "/images/" .. seg(src) .. "/tag", { repo = repo or ref,
+    tag = tag or "latest" }, nil, "tag image")
+  if not ok then return nil, err, code end
   return true
 end
 

@@ -19,7 +19,10 @@
 --     responses get 202; a request is answered as JSON when its answer is ready at once,
 --     else as an SSE stream that carries its progress and log notifications and ends with
 --     the answer. GET opens the session's stream for messages that relate to no request
---     (job ends); DELETE ends the session. A disconnect is not a cancellation. An
+--     (job ends); DELETE ends the session. A disconnect is not a cancellation, and a
+--     request's stream is resumable: its events carry ids (<stream>-<n>; a 2025-11-25
+--     client first gets a priming event), and when its connection drops it is kept
+--     (http_sse_replay_events, http_sse_replay_seconds) for a GET with Last-Event-ID. An
 --     MCP-Protocol-Version we do not speak is 400 with a plain JSON-RPC error, so a client
 --     probing for 2026-07-28 with a legacy request falls back correctly.
 --   * 2026-07-28: a POST whose request carries _meta io.modelcontextprotocol/protocolVersion
@@ -40,7 +43,6 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local server = require("demesne.mcp.server")
 local mcp_transport = require("demesne.mcp.transport")
-local stdio = require("demesne.mcp.stdio")
 local util = require("demesne.util")
 local tools = require("demesne.tools")
 local fs = require("core.fs")
@@ -165,15 +167,21 @@ local function accepts(req)
     a:find("text/event-stream", 1, true) ~= nil
 end
 
---------------------------------------------------------------------------------------------
--- The HTTP server
+-- The HTTP server: three small classes, in the style of Neovim's vim.lsp.rpc.Client.
+--
+--   HttpServer      the listeners, the routes, keep-alive comments, graceful stop; it owns the
+--                   tables of sessions, of connections with a request in progress and of open streams
+--   Session         one 2025-revision session: its id, its GET stream (the standing transport
+--                   for messages that relate to no request), whether it owns work, eviction
+--   RequestChannel  the McpTransport of one POSTed request: a JSON answer, or an SSE stream
+--                   (messages buffered until it opens), back-pressure and drain
 
 ---@class HttpServeOptions
 ---@field addrs string[]             listen addresses (http.parse_addr); may be empty (relay listeners only)
 ---@field allow_remote boolean|nil   allow non-loopback TCP addresses
 ---@field registry ToolRegistry
----@field max_message_bytes integer|nil
----@field shutdown_timeout_ms integer|nil
+---@field max_message_bytes integer|nil  default: config mcp_max_message_bytes
+---@field shutdown_timeout_ms integer|nil  default: config mcp_shutdown_timeout_ms
 ---@field session_options (fun(listener: string): table|nil)|nil  extra ServerOptions for the sessions
 ---   and 2026-07-28 requests of a listener (the in-sandbox endpoint: no host log records, a scope)
 ---@field max_sessions_per_listener integer|nil  sessions one relay listener may hold, apart from the
@@ -186,13 +194,372 @@ end
 ---@field registry ToolRegistry   the tools served at the path (may carry list_changed)
 ---@field options table|nil       extra ServerOptions for its sessions (instructions, …)
 
---- Creates the MCP HTTP server and starts listening. Returns a handle
---- {urls, token_origin, stop = fn(timeout_ms) (inside a task), sessions = fn() -> integer,
---- listen_relay = fn(path, lopts) -> true | nil, err, unlisten = fn(tag) -> integer},
---- or nil and why (a bad address, a non-loopback address without allow_remote, a port in use).
----@param o HttpServeOptions
----@return table|nil handle, string|nil err
-function http.start(o)
+--------------------------------------------------------------------------------------------
+-- Session
+
+---@class HttpSession
+---@field id string          Mcp-Session-Id (32 hex digits)
+---@field listener string    the listener that opened it ("host" or a relay's tag)
+---@field path string        the route that opened it
+---@field seen integer       loop.now() (ms) of its last request
+---@field owns_work boolean|nil  it started a job or made a sandbox: never evicted
+---@field get_conn userdata|nil  its GET stream's connection
+---@field srv table          its McpServer
+---@field streams table<integer, RequestChannel>  its resumable request streams by number
+---@field nstreams integer   the last stream number given
+---@field ended boolean|nil  it is out of the server's table
+local Session = {}
+Session.__index = Session
+
+--- A new session of `listener` on `route`; `opts` are its ServerOptions but the transport
+--- (the session's own GET stream).
+---@param listener string
+---@param route table
+---@param opts table
+---@return HttpSession
+function Session.new(listener, route, opts)
+  local self = setmetatable({ id = util.random_hex(16), listener = listener, path = route.path, seen = loop.now(),
+    streams = {}, nstreams = 0 }, Session)
+  opts.transport = self:standing_transport()
+  self.srv = server.new(opts)
+  return self
+end
+
+--- True while its GET stream is open.
+---@return boolean
+function Session:stream_open() return self.get_conn ~= nil and self.get_conn:is_open() end
+
+--- The McpTransport of messages that relate to no request: its GET stream, when open.
+---@return McpTransport
+function Session:standing_transport()
+  return {
+    write = function(_, line)
+      local c = self.get_conn
+      if not c or not c:is_open() then return nil, "no GET stream is open" end
+      if c:queued() > NOTIFY_HIGH then return nil, "the client is not reading its GET stream" end
+      return c:write(sse_event(line))
+    end,
+    is_closing = function() return not self:stream_open() end,
+    terminate = function() if self.get_conn then self.get_conn:finish() end end,
+    backlog = function() return self.get_conn and self.get_conn:queued() or 0 end,
+  }
+end
+
+--- Registers a resumable request stream; returns its number (the first part of its event ids).
+---@param ch RequestChannel
+---@return integer n
+function Session:add_stream(ch)
+  self.nstreams = self.nstreams + 1
+  self.streams[self.nstreams] = ch
+  return self.nstreams
+end
+
+--- The resumable stream a Last-Event-ID names ("<stream>-<seq>"), and the sequence number
+--- of that event; nil when the session keeps no such stream.
+---@param last_event_id string
+---@return RequestChannel|nil ch, integer|nil seq
+function Session:stream_of(last_event_id)
+  local n, seq = last_event_id:match("^(%d+)%-(%d+)$")
+  local ch = n and self.streams[tonumber(n)]
+  if not ch or not ch.replay then return nil end
+  return ch, math.tointeger(tonumber(seq))
+end
+
+--- Whether its client takes a priming event (an SSE event with an id and empty data):
+--- 2025-11-25 and later (older clients parse the empty data as a message and fail).
+---@return boolean
+function Session:primes() return (self.srv.session.protocol_version or "") >= "2025-11-25" end
+
+--- True until it ends.
+---@return boolean
+function Session:live() return not self.ended end
+
+--- Ends its part: no stream is kept for a resume any more.
+function Session:close_streams()
+  self.ended = true
+  for _, ch in pairs(self.streams) do ch:expire() end
+  self.streams = {}
+end
+
+--- Ends the streams kept for a resume longer than `keep_ms` with no client back.
+---@param now integer  loop.now()
+---@param keep_ms integer
+function Session:expire_streams(now, keep_ms)
+  for _, ch in pairs(self.streams) do
+    if ch.replay and ch.replay.since and now - ch.replay.since >= keep_ms then ch:expire() end
+  end
+end
+
+--- Notes a request of it (it is not idle).
+function Session:touch() self.seen = loop.now() end
+
+--- Notes an answer sent to it: a session that started a job or made a sandbox is never
+--- evicted (its client may come back for them; clients do not re-initialize after a 404).
+---@param line string  the encoded response
+function Session:note_answer(line)
+  if line:find('"job_id":"', 1, true) or line:find('"sandbox_id":"', 1, true) then self.owns_work = true end
+end
+
+--- Whether it may end to make room for a new session of `listener`: nothing in progress
+--- and no open stream; of a relay listener's own sessions any such one (what a sandbox
+--- started belongs to its run, and short-lived clients often never DELETE theirs), of the
+--- host's one that owns no work and was idle IDLE_EVICT_MS.
+---@param listener string
+---@param now integer  loop.now()
+---@return boolean
+function Session:evictable(listener, now)
+  if self.srv:pending() ~= 0 or self:stream_open() then return false end
+  if listener ~= "host" then return self.listener == listener end
+  return self.listener == "host" and not self.owns_work and now - self.seen >= IDLE_EVICT_MS
+end
+
+--------------------------------------------------------------------------------------------
+-- RequestChannel
+
+---@class RequestChannel: McpTransport
+---@field conn userdata|nil    the connection its messages go on: the POST's, a resuming GET's, or
+---   nil while a resumable stream waits for its client to come back
+---@field session HttpSession|nil  its session (nil for a 2026-07-28 request)
+---@field headers table|nil    extra headers of the answer (Mcp-Session-Id of an initialize)
+---@field sse_ok boolean|nil   the client accepts an event stream
+---@field sse boolean|nil      the event stream is open
+---@field done boolean|nil     the answer was sent (or kept for a resume)
+---@field gone boolean|nil     the connection closed first and the stream is not kept
+---@field replay {n: integer, seq: integer, events: {seq: integer, text: string}[], since: integer|nil}|nil
+---   a resumable stream (a session's, http_sse_replay_events > 0): its number in the session,
+---   the last event's sequence number, the events kept for a resume, and since when (loop.now())
+---   it waits for one (nil while a connection is attached)
+local RequestChannel = {}
+RequestChannel.__index = RequestChannel
+
+--- The channel that answers one POSTed request on `conn`, registered in `owner`'s tables
+--- (owner.channels[conn], owner.streams[conn] while its stream is open). `opts.on_done()` is
+--- called once it ends (answered or gone), `opts.on_gone()` when the connection closes first
+--- and the stream is not kept for a resume.
+---@param owner table  the HttpServer
+---@param conn userdata
+---@param opts {modern: boolean|nil, session: HttpSession|nil, headers: table|nil, sse_ok: boolean|nil, on_done: function|nil, on_gone: function|nil}
+---@return RequestChannel
+function RequestChannel.new(owner, conn, opts)
+  local self = setmetatable({ owner = owner, conn = conn, modern = opts.modern, listener = conn:listener(),
+    session = opts.session, headers = opts.headers, sse_ok = opts.sse_ok, buffer = {},
+    on_done = opts.on_done, on_gone = opts.on_gone }, RequestChannel)
+  owner.channels[conn] = self
+  return self
+end
+
+--- True while a connection is attached and open.
+---@return boolean
+function RequestChannel:attached() return self.conn ~= nil and self.conn:is_open() end
+
+--- Takes the channel off its connection's entries in the owner's tables.
+function RequestChannel:unhook()
+  local owner, conn = self.owner, self.conn
+  if not conn then return end
+  if owner.channels[conn] == self then owner.channels[conn] = nil end
+  owner.streams[conn] = nil
+end
+
+--- It ended (answered or gone): out of the owner's tables, then opts.on_done().
+function RequestChannel:finish()
+  self.done = true
+  self:unhook()
+  if self.on_done then self.on_done() end
+end
+
+--- One SSE event of `line`: with an id ("<stream>-<seq>") and kept for a resume on a
+--- resumable stream (the oldest dropped past http_sse_replay_events).
+---@param line string
+---@return string text
+function RequestChannel:event(line)
+  local r = self.replay
+  if not r then return sse_event(line) end
+  r.seq = r.seq + 1
+  local text = ("id: %d-%d\n"):format(r.n, r.seq) .. sse_event(line)
+  r.events[#r.events + 1] = { seq = r.seq, text = text }
+  if #r.events > self.owner.replay_events then table.remove(r.events, 1) end
+  return text
+end
+
+--- Opens the event stream (once), with what was buffered for it. A session's stream is
+--- resumable: its events carry ids, and a client that negotiated 2025-11-25 or later first
+--- gets a priming event (an id, empty data) so it can resume even before the first message.
+function RequestChannel:start_sse()
+  if self.sse or self.done or self.gone then return end
+  local h = {}
+  for k, v in pairs(SSE_HEADERS) do h[k] = v end
+  for k, v in pairs(self.headers or {}) do h[k] = v end
+  if not self.conn:start(200, h) then self.gone = true return end
+  self.sse = true
+  self.owner.streams[self.conn] = true
+  if self.session and self.owner.replay_events > 0 then
+    self.replay = { n = self.session:add_stream(self), seq = 0, events = {} }
+    if self.session:primes() then self.conn:write(("id: %d-0\ndata: \n\n"):format(self.replay.n)) end
+  end
+  for _, l in ipairs(self.buffer) do self.conn:write(self:event(l)) end
+  self.buffer = {}
+end
+
+--- The answer: on the stream when one is open (or messages wait for one), else as JSON.
+--- On a resumable stream with no connection it is kept for the client's resume.
+---@param line string  the encoded response
+---@return boolean ok
+function RequestChannel:answer(line)
+  local conn = self.conn
+  if self.session then self.session:note_answer(line) end
+  if self.sse or (#self.buffer > 0 and self.sse_ok) then
+    self:start_sse()
+    local text = self:event(line)
+    if self:attached() then
+      conn:write(text)
+      conn:finish()
+      self:forget()
+    elseif self.replay then
+      self.replay.since = loop.now() -- kept http_sse_replay_seconds for a resume
+    end
+  else
+    local h = { ["Content-Type"] = JSON_TYPE }
+    if self.headers and line:find('"result":', 1, true) then for k, v in pairs(self.headers) do h[k] = v end end
+    conn:respond(self.modern and modern_status(line) or 200, h, line)
+  end
+  self:finish()
+  return true
+end
+
+--- McpTransport write: the response ends the channel; progress, logs and requests to the
+--- client go on its stream (buffered, up to 64, until it opens; kept for a resume while
+--- a resumable stream has no connection), or on the session's GET stream when the client
+--- takes JSON only.
+---@param line string
+---@param kind "response"|"notification"|"request"
+---@return boolean|nil ok, string|nil err
+function RequestChannel:write(line, kind)
+  if self:closed() then return nil, "the request's stream is closed" end
+  if kind == "response" then return self:answer(line) end
+  if self.sse then
+    if not self:attached() then
+      self:event(line)
+      return true
+    end
+    if kind ~= "request" and self.conn:queued() > NOTIFY_HIGH then return nil, "the client is not reading its stream" end
+    return self.conn:write(self:event(line))
+  end
+  if self.sse_ok then
+    if #self.buffer >= 64 then return nil, "too many messages before the stream opened" end
+    self.buffer[#self.buffer + 1] = line
+    return true
+  end
+  -- a JSON answer carries nothing else: related messages go on the session's stream
+  if self.session then return self.session.srv.transport:write(line, kind) end
+  return nil, "the client accepts no event stream"
+end
+
+--- Whether nothing more can be written: answered, or its connection closed and the stream
+--- is not kept for a resume.
+---@return boolean
+function RequestChannel:closed()
+  return self.done or self.gone or not (self:attached() or self.replay ~= nil)
+end
+
+--- McpTransport is_closing: nothing reaches its client now (closed, or a resumable stream
+--- waiting for its client to come back, which still keeps what is written), so the session
+--- sends its requests to the client on another stream.
+---@return boolean
+function RequestChannel:is_closing() return self:closed() or not self:attached() end
+
+--- McpTransport terminate: cuts the connection unless answered; the stream is not kept.
+function RequestChannel:terminate()
+  if self.done then return end
+  if self.conn then self.conn:close() end
+  self:expire()
+end
+
+--- McpTransport backlog: bytes queued on the connection.
+---@return integer
+function RequestChannel:backlog() return self:attached() and self.conn:queued() or 0 end
+
+--- McpTransport drain: waits (inside a task) until the connection holds NOTIFY_HIGH or less.
+function RequestChannel:drain()
+  local conn = self.conn
+  while conn and conn:is_open() and conn:queued() > NOTIFY_HIGH do
+    local ok = async.await(function(cb)
+      if not conn:drain(cb) then cb(true) end
+    end)
+    if not ok then return end
+  end
+end
+
+--- The connection closed before the answer was sent. A resumable stream of a live session
+--- is kept (http_sse_replay_seconds) for its client's GET with Last-Event-ID; any other ends.
+function RequestChannel:lost()
+  if self.replay and not self.done and not self.owner.stopping and self.session:live() then
+    self:unhook()
+    self.conn = nil
+    self.replay.since = loop.now()
+    return
+  end
+  self.gone = true
+  self:forget()
+  self:finish()
+  if self.on_gone then self.on_gone() end
+end
+
+--- Resumes the stream on `conn` (a GET with Last-Event-ID naming event `after` of it): the
+--- events after it that are kept, then what comes next; the answer, once sent, ends it. A
+--- connection still attached is cut (the client has given up on it).
+---@param conn userdata
+---@param after integer  the sequence number of the last event the client got
+---@return boolean ok  false when the connection could not start
+function RequestChannel:resume(conn, after)
+  if self.conn and self.conn ~= conn then
+    local old = self.conn
+    self:unhook()
+    if old:is_open() then old:close() end
+  end
+  self.conn = nil
+  self.replay.since = self.replay.since or loop.now()
+  if not conn:start(200, SSE_HEADERS) then return false end
+  for _, e in ipairs(self.replay.events) do
+    if e.seq > after then conn:write(e.text) end
+  end
+  if self.done then
+    conn:finish()
+    self:forget()
+    return true
+  end
+  self.conn = conn
+  self.replay.since = nil
+  self.owner.channels[conn] = self
+  self.owner.streams[conn] = true
+  return true
+end
+
+--- No resume of it any more: out of its session's streams, its events let go.
+function RequestChannel:forget()
+  if not self.replay then return end
+  if self.session then self.session.streams[self.replay.n] = nil end
+  self.replay = nil
+end
+
+--- Ends a stream kept for a resume that did not come (or whose session ended): its events
+--- are let go, and a request still in progress on it writes into nothing.
+function RequestChannel:expire()
+  self:forget()
+  if not self.done then
+    self.gone = true
+    self:finish()
+  end
+end
+
+--------------------------------------------------------------------------------------------
+-- HttpServer
+
+---@class HttpServer
+local HttpServer = {}
+HttpServer.__index = HttpServer
+
+-- The listen addresses of `o`, checked, or nil and why.
+local function checked_addrs(o)
   local addrs = {}
   for _, a in ipairs(o.addrs) do
     local addr, err = http.parse_addr(a)
@@ -204,410 +571,46 @@ function http.start(o)
     end
     addrs[#addrs + 1] = addr
   end
+  return addrs
+end
+
+--- A server for options `o` (not listening yet), or nil and why.
+---@param o HttpServeOptions
+---@return HttpServer|nil, string|nil err
+function HttpServer.new(o)
+  local addrs, err = checked_addrs(o)
+  if not addrs then return nil, err end
   local token, origin
   if #addrs > 0 then
     token, origin = http.token(true)
     if not token then return nil, origin end
   end
-  local max_sessions = math.floor(config.get("http_max_sessions"))
-  local per_listener = math.max(1, math.floor(o.max_sessions_per_listener or config.get("endpoint_max_sessions")))
-  local function server_opts(listener, base)
-    local extra = o.session_options and o.session_options(listener)
-    for k, v in pairs(extra or {}) do base[k] = v end
-    return base
-  end
-  local self = {
-    sessions = {},         -- id -> session
+  local self = setmetatable({
+    o = o,
+    addrs = addrs,
+    token = token,
+    token_origin = origin,
+    root = { path = ENDPOINT, registry = o.registry },
+    max_sessions = math.floor(config.get("http_max_sessions")),
+    per_listener = math.max(1, math.floor(o.max_sessions_per_listener or config.get("endpoint_max_sessions"))),
+    max_message_bytes = o.max_message_bytes or math.floor(config.get("mcp_max_message_bytes")),
+    shutdown_timeout_ms = o.shutdown_timeout_ms or math.floor(config.get("mcp_shutdown_timeout_ms")),
+    replay_events = math.floor(config.get("http_sse_replay_events")),
+    replay_ms = math.floor(config.get("http_sse_replay_seconds") * 1000),
+    sessions = {},         -- id -> HttpSession
     nsessions = 0,
     nshared = 0,           -- of them, those of "host" listeners (http_max_sessions; a relay listener has its own)
-    channels = {},         -- conn -> the channel answering its current request
+    channels = {},         -- conn -> the RequestChannel answering its current request, or its GET stream
     streams = {},          -- conn -> true: open SSE streams (keep-alive comments)
     modern = {},           -- per-request 2026-07-28 sessions in progress -> true
     stopping = false,
     urls = {},
-    token_origin = origin,
-  }
+  }, HttpServer)
+  return self
+end
 
-  local function session_transport(sess)
-    -- messages that relate to no request: the session's GET stream, when open
-    return {
-      write = function(_, line)
-        local c = sess.get_conn
-        if not c or not c:is_open() then return nil, "no GET stream is open" end
-        if c:queued() > NOTIFY_HIGH then return nil, "the client is not reading its GET stream" end
-        return c:write(sse_event(line))
-      end,
-      is_closing = function() return not (sess.get_conn and sess.get_conn:is_open()) end,
-      terminate = function() if sess.get_conn then sess.get_conn:finish() end end,
-      backlog = function() return sess.get_conn and sess.get_conn:queued() or 0 end,
-    }
-  end
-
-  local root = { path = ENDPOINT, registry = o.registry }
-
-  local function route_opts(listener, route, base)
-    server_opts(listener, base)
-    for k, v in pairs(route.options or {}) do base[k] = v end
-    return base
-  end
-
-  -- Counts a session in or out of the tables (its listener's share: host ones in nshared).
-  local function count(sess, d)
-    self.nsessions = self.nsessions + d
-    if sess.listener == "host" then self.nshared = self.nshared + d end
-  end
-
-  local function new_session(listener, route)
-    -- the host's sessions share http_max_sessions; a relay listener (one sandbox) holds at
-    -- most per_listener sessions of its own, so no sandbox and no host client crowds out another
-    local mine = 0
-    if listener ~= "host" then
-      for _, s in pairs(self.sessions) do if s.listener == listener then mine = mine + 1 end end
-    end
-    local full
-    if listener == "host" then full = self.nshared >= max_sessions else full = mine >= per_listener end
-    if full then
-      -- room: the longest-idle session with nothing in progress and no open stream goes.
-      -- Of a relay listener's own sessions any such one may go: what a sandbox started
-      -- belongs to its run, not to a session, and short-lived clients (a script per call)
-      -- often never DELETE theirs
-      local own = listener ~= "host"
-      local victim
-      for _, s in pairs(self.sessions) do
-        if s.srv:pending() == 0 and not (s.get_conn and s.get_conn:is_open())
-          and (own and s.listener == listener
-            or not own and s.listener == "host" and not s.owns_work and loop.now() - s.seen >= IDLE_EVICT_MS)
-          and (not victim or s.seen < victim.seen) then
-          victim = s
-        end
-      end
-      if not victim then return nil end
-      log.notice(LOGGER, "session %s idle for %d s: ended to make room", victim.id, (loop.now() - victim.seen) // 1000)
-      self.sessions[victim.id] = nil
-      count(victim, -1)
-      victim.srv:close()
-    end
-    local sess = { id = util.random_hex(16), listener = listener, path = route.path, seen = loop.now() }
-    sess.srv = server.new(route_opts(listener, route, { transport = session_transport(sess), registry = route.registry,
-      max_message_bytes = o.max_message_bytes, listener = listener }))
-    self.sessions[sess.id] = sess
-    count(sess, 1)
-    return sess
-  end
-
-  local function end_session(sess, why)
-    if self.sessions[sess.id] ~= sess then return end
-    self.sessions[sess.id] = nil
-    count(sess, -1)
-    log.info(LOGGER, "session %s ended (%s)", sess.id, why)
-    local c = sess.get_conn
-    sess.get_conn = nil
-    if c then
-      self.streams[c] = nil
-      self.channels[c] = nil
-      if c:is_open() then c:finish() end
-    end
-    async.spawn("end session", function() sess.srv:shutdown(o.shutdown_timeout_ms or 20000) end)
-  end
-
-  -- The channel (McpTransport) that answers one POSTed request on its connection.
-  local function channel(conn, opts)
-    local ch = { modern = opts.modern, listener = conn:listener(), buffer = {} }
-    self.channels[conn] = ch
-    local function done()
-      ch.done = true
-      if self.channels[conn] == ch then self.channels[conn] = nil end
-      self.streams[conn] = nil
-      if opts.on_done then opts.on_done() end
-    end
-    function ch.start_sse()
-      if ch.sse or ch.done or ch.gone then return end
-      local h = {}
-      for k, v in pairs(SSE_HEADERS) do h[k] = v end
-      if ch.headers then for k, v in pairs(ch.headers) do h[k] = v end end
-      if not conn:start(200, h) then ch.gone = true return end
-      ch.sse = true
-      self.streams[conn] = true
-      for _, l in ipairs(ch.buffer) do conn:write(sse_event(l)) end
-      ch.buffer = {}
-    end
-    function ch.write(_, line, kind)
-      if ch.done or ch.gone or not conn:is_open() then return nil, "the request's stream is closed" end
-      if kind == "response" and opts.session and (line:find('"job_id":"', 1, true) or line:find('"sandbox_id":"', 1, true)) then
-        -- a session that started a job or made a sandbox is never evicted (its client may come
-        -- back for them; clients do not re-initialize after a 404)
-        opts.session.owns_work = true
-      end
-      if kind == "response" then
-        if ch.sse then
-          conn:write(sse_event(line))
-          conn:finish()
-        elseif #ch.buffer > 0 and ch.sse_ok then
-          ch.start_sse()
-          conn:write(sse_event(line))
-          conn:finish()
-        else
-          local h = { ["Content-Type"] = JSON_TYPE }
-          if ch.headers and line:find('"result":', 1, true) then for k, v in pairs(ch.headers) do h[k] = v end end
-          conn:respond(ch.modern and modern_status(line) or 200, h, line)
-        end
-        done()
-        return true
-      end
-      if ch.sse then
-        if kind ~= "request" and conn:queued() > NOTIFY_HIGH then return nil, "the client is not reading its stream" end
-        return conn:write(sse_event(line))
-      end
-      if ch.sse_ok then
-        if #ch.buffer >= 64 then return nil, "too many messages before the stream opened" end
-        ch.buffer[#ch.buffer + 1] = line
-        return true
-      end
-      -- a JSON answer carries nothing else: related messages go on the session's stream
-      if opts.session then return opts.session.srv.transport:write(line, kind) end
-      return nil, "the client accepts no event stream"
-    end
-    function ch.is_closing() return ch.done or ch.gone or not conn:is_open() end
-    function ch.terminate() if not ch.done then conn:close() end end
-    function ch.backlog() return conn:queued() end
-    function ch.drain()
-      while conn:is_open() and conn:queued() > NOTIFY_HIGH do
-        local ok = async.await(function(cb)
-          if not conn:drain(cb) then cb(true) end
-        end)
-        if not ok then return end
-      end
-    end
-    ch.on_gone = function()
-      ch.gone = true
-      done()
-      if opts.on_gone then opts.on_gone() end
-    end
-    return ch
-  end
-
-  local function header_mismatch(conn, id, message)
-    conn:respond(400, { ["Content-Type"] = JSON_TYPE }, error_body(id, server.HEADER_MISMATCH, "Header mismatch: " .. message))
-  end
-
-  -- Decodes "=?base64?…?=" (Mcp-Name, Mcp-Param-*); other values are returned as they are.
-  local function header_value(v)
-    local b64 = v and v:match("^=%?base64%?(.*)%?=$")
-    if not b64 then return v end
-    local map = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
-    local bits, out = "", {}
-    for c in b64:gsub("=", ""):gmatch(".") do
-      local i = map:find(c, 1, true)
-      if not i then return nil end
-      local n = i - 1
-      for k = 5, 0, -1 do bits = bits .. ((n >> k) & 1) end
-      while #bits >= 8 do
-        out[#out + 1] = string.char(tonumber(bits:sub(1, 8), 2))
-        bits = bits:sub(9)
-      end
-    end
-    return table.concat(out)
-  end
-
-  -- 2026-07-28: the headers must mirror the body.
-  local function check_modern_headers(conn, req, msg, pv)
-    local id = msg.id
-    local meta = type(msg.params) == "table" and type(msg.params._meta) == "table" and msg.params._meta or {}
-    local body_v = meta[server.META.PROTOCOL_VERSION]
-    if not pv then header_mismatch(conn, id, "the MCP-Protocol-Version header is required") return false end
-    if body_v ~= nil and body_v ~= pv then
-      header_mismatch(conn, id, ("MCP-Protocol-Version header %q does not match params._meta %s %q"):format(pv,
-        server.META.PROTOCOL_VERSION, tostring(body_v)))
-      return false
-    end
-    if msg.method == nil then return true end
-    local m = req.headers["mcp-method"]
-    if m == nil then header_mismatch(conn, id, "the Mcp-Method header is required") return false end
-    if m ~= msg.method then
-      header_mismatch(conn, id, ("Mcp-Method header %q does not match the body's method %q"):format(m, msg.method))
-      return false
-    end
-    local name_field = (msg.method == "tools/call" or msg.method == "prompts/get") and "name"
-      or (msg.method == "resources/read") and "uri" or nil
-    if name_field and msg.id ~= nil then
-      local want = type(msg.params) == "table" and msg.params[name_field]
-      local got = header_value(req.headers["mcp-name"])
-      if got == nil then header_mismatch(conn, id, "the Mcp-Name header is required for " .. msg.method) return false end
-      if type(want) == "string" and got ~= want then
-        header_mismatch(conn, id, ("Mcp-Name header %q does not match params.%s %q"):format(got, name_field, want))
-        return false
-      end
-    end
-    return true
-  end
-
-  local function post(conn, req, route)
-    local ctype = (req.headers["content-type"] or ""):lower()
-    if not ctype:find("application/json", 1, true) then
-      return reply(conn, 415, server.INVALID_REQUEST, "Content-Type must be application/json")
-    end
-    local json_ok, sse_ok = accepts(req)
-    if not json_ok and not sse_ok then
-      return reply(conn, 406, server.INVALID_REQUEST, "Accept must list application/json and text/event-stream")
-    end
-    local body = req.body
-    local msg, err = json.decode(body)
-    if msg == nil and err ~= nil then return reply(conn, 400, server.PARSE_ERROR, "Parse error: " .. err) end
-    if type(msg) ~= "table" or body:match("^%s*%[") then
-      return reply(conn, 400, server.INVALID_REQUEST, "Invalid Request: the body must be one JSON-RPC message (an object)")
-    end
-    local pv = req.headers["mcp-protocol-version"]
-    local is_request = msg.method ~= nil and msg.id ~= nil and msg.id ~= json.null
-    -- 2026-07-28: a modern envelope, or the modern version in the header
-    if server.is_modern_request(msg) or server.is_modern(pv) then
-      msg.id = server.exact_id(msg.id, body, "id")
-      if not check_modern_headers(conn, req, msg, pv) then return end
-      if not is_request then
-        conn:respond(202, {}, "")
-        return
-      end
-      local srv = server.new(route_opts(conn:listener(), route, { transport = mcp_transport.null(),
-        registry = route.registry, forward_logs = false, max_message_bytes = o.max_message_bytes,
-        listener = conn:listener() }))
-      self.modern[srv] = true
-      local ch
-      ch = channel(conn, {
-        modern = true,
-        on_done = function() self.modern[srv] = nil end,
-        -- closing the stream is cancellation in 2026-07-28
-        on_gone = function() srv:cancel(msg.id, "the client closed the stream") end,
-      })
-      ch.sse_ok = sse_ok
-      srv:receive_message(msg, body, ch)
-      if not ch.done and sse_ok then ch.start_sse() end
-      return
-    end
-    -- 2025-11-25 and 2025-06-18 (2025-03-26, the first Streamable HTTP revision, is served as
-    -- the session negotiated: its header is accepted, as the SDKs do)
-    if pv and not server.is_supported(pv) and pv ~= "2025-03-26" then
-      return reply(conn, 400, server.INVALID_REQUEST, ("Unsupported MCP-Protocol-Version: %s (supported: %s)"):format(
-        pv, table.concat(server.SUPPORTED_VERSIONS, ", ")))
-    end
-    local sid = req.headers["mcp-session-id"]
-    local sess = sid and self.sessions[sid]
-    if sess and (sess.listener ~= conn:listener() or sess.path ~= route.path) then sess = nil end
-    local headers
-    if not sess then
-      if msg.method == "initialize" and is_request and not sid then
-        sess = new_session(conn:listener(), route)
-        if not sess then
-          return reply(conn, 503, server.INVALID_REQUEST, conn:listener() == "host"
-            and "too many sessions: end one (DELETE) or raise http_max_sessions"
-            or ("too many sessions on this endpoint (its ceiling of %d, endpoint_max_sessions in the demesne "
-              .. "configuration): end one (DELETE)"):format(per_listener))
-        end
-        headers = { ["Mcp-Session-Id"] = sess.id }
-      elseif sid then
-        return reply(conn, 404, -32001, "Session not found: it ended or never existed; send initialize again")
-      else
-        return reply(conn, 400, server.INVALID_REQUEST, "Bad Request: the Mcp-Session-Id header is required "
-          .. "(initialize first)")
-      end
-    end
-    sess.seen = loop.now()
-    if not is_request then
-      sess.srv:receive_message(msg, body, nil)
-      conn:respond(202, {}, "")
-      return
-    end
-    local ch = channel(conn, { session = sess })
-    ch.headers = headers
-    ch.sse_ok = sse_ok
-    sess.srv:receive_message(msg, body, ch)
-    if headers and (not ch.done or not sess.srv.session.initialized) then
-      -- an initialize that failed leaves no session behind
-      if ch.done then
-        self.sessions[sess.id] = nil
-        count(sess, -1)
-        sess.srv:close()
-        return
-      end
-    end
-    if not ch.done and sse_ok then ch.start_sse() end
-  end
-
-  local function session_of(conn, req, route)
-    local sid = req.headers["mcp-session-id"]
-    if not sid then
-      reply(conn, 400, server.INVALID_REQUEST, "Bad Request: the Mcp-Session-Id header is required")
-      return nil
-    end
-    local sess = self.sessions[sid]
-    if not sess or sess.listener ~= conn:listener() or sess.path ~= route.path then
-      reply(conn, 404, -32001, "Session not found: it ended or never existed")
-      return nil
-    end
-    sess.seen = loop.now()
-    return sess
-  end
-
-  local function get(conn, req, route)
-    local pv = req.headers["mcp-protocol-version"]
-    if server.is_modern(pv) then
-      return reply(conn, 405, server.INVALID_REQUEST, "revision 2026-07-28 has no GET stream: use subscriptions/listen",
-        { Allow = "POST" })
-    end
-    local _, sse_ok = accepts(req)
-    if not sse_ok then return reply(conn, 406, server.INVALID_REQUEST, "Accept must list text/event-stream") end
-    local sess = session_of(conn, req, route)
-    if not sess then return end
-    if sess.get_conn and sess.get_conn:is_open() then
-      return reply(conn, 409, server.INVALID_REQUEST, "this session's GET stream is already open")
-    end
-    if not conn:start(200, SSE_HEADERS) then return end
-    sess.get_conn = conn
-    self.streams[conn] = true
-    self.channels[conn] = { get_of = sess, on_gone = function()
-      if sess.get_conn == conn then sess.get_conn = nil end
-      self.streams[conn] = nil
-    end }
-  end
-
-  local function delete(conn, req, route)
-    local pv = req.headers["mcp-protocol-version"]
-    if server.is_modern(pv) then
-      return reply(conn, 405, server.INVALID_REQUEST, "revision 2026-07-28 has no sessions", { Allow = "POST" })
-    end
-    local sess = session_of(conn, req, route)
-    if not sess then return end
-    end_session(sess, "DELETE")
-    conn:respond(200, {}, "")
-  end
-
-  local function on_request(conn, req)
-    local path = req.target:match("^[^?#]*")
-    local route = path == ENDPOINT and root or nil
-    if not route and o.routes then
-      local r = o.routes(path, conn:listener())
-      if r then route = { path = path, registry = r.registry, options = r.options } end
-    end
-    if not route then
-      return reply(conn, 404, server.INVALID_REQUEST, ("Not Found: the MCP endpoint is %s"):format(ENDPOINT))
-    end
-    if self.stopping then
-      return reply(conn, 503, server.INTERNAL_ERROR, "the server is shutting down")
-    end
-    if req.method == "POST" then return post(conn, req, route) end
-    if req.method == "GET" then return get(conn, req, route) end
-    if req.method == "DELETE" then return delete(conn, req, route) end
-    reply(conn, 405, server.INVALID_REQUEST, "Method Not Allowed: use POST, GET or DELETE", { Allow = "GET, POST, DELETE" })
-  end
-
-  local function on_close(conn, why)
-    local ch = self.channels[conn]
-    self.channels[conn] = nil
-    self.streams[conn] = nil
-    if ch and ch.on_gone then
-      if why then log.debug(LOGGER, "a connection closed with its answer pending (%s)", why) end
-      ch.on_gone()
-    end
-  end
-
+--- Opens core.httpd with the configured connection caps; its callbacks are on_request and on_close.
+function HttpServer:open_httpd()
   self.http = httpd.new({
     max_body = math.floor(config.get("http_max_body_bytes")),
     max_output = MAX_OUTPUT,
@@ -619,107 +622,530 @@ function http.start(o)
     error_body = '{"jsonrpc":"2.0","id":null,"error":{"code":-32600,"message":"%s"}}',
     error_type = JSON_TYPE,
   }, function(conn, req)
-    local ok, err = xpcall(on_request, debug.traceback, conn, req)
+    local ok, err = xpcall(self.on_request, debug.traceback, self, conn, req)
     if not ok then
       log.error(LOGGER, "request failed: %s", tostring(err))
       if conn:is_open() then pcall(reply, conn, 500, server.INTERNAL_ERROR, "Internal error") end
     end
-  end, on_close)
+  end, function(conn, why) self:on_close(conn, why) end)
+end
 
-  for _, addr in ipairs(addrs) do
-    local lopts = { tag = "host", token = token, hosts = LOOPBACK_HOSTS }
-    if addr.kind == "tcp" and not addr.loopback then
-      lopts.hosts = { "localhost", "127.0.0.1", "[::1]", addr.v6 and ("[" .. addr.ip .. "]") or addr.ip }
-    end
-    local ok, err, code
-    if addr.kind == "unix" then
-      ok, err, code = self.http:listen_unix(addr.path, lopts)
-      if ok then self.urls[#self.urls + 1] = "unix:" .. addr.path .. " (endpoint " .. ENDPOINT .. ")" end
-    else
-      lopts.ipv6_only = addr.v6
-      ok, err, code = self.http:listen_tcp(addr.ip, addr.port, lopts)
-      if ok then
-        self.urls[#self.urls + 1] = ("http://%s:%d%s"):format(addr.v6 and ("[" .. addr.ip .. "]") or addr.ip, ok, ENDPOINT)
-      end
-    end
-    if not ok then
-      self.http:close()
-      return nil, ("--http %s: %s%s"):format(addr.text, tostring(err), code == "EADDRINUSE" and " (the port is taken)" or "")
+--- Listens on one address; its URL goes in self.urls. Returns true, or nil and why.
+---@param addr table  http.parse_addr's
+---@return boolean|nil ok, string|nil err
+function HttpServer:listen_addr(addr)
+  local lopts = { tag = "host", token = self.token, hosts = LOOPBACK_HOSTS }
+  if addr.kind == "tcp" and not addr.loopback then
+    lopts.hosts = { "localhost", "127.0.0.1", "[::1]", addr.v6 and ("[" .. addr.ip .. "]") or addr.ip }
+  end
+  local ok, err, code
+  if addr.kind == "unix" then
+    ok, err, code = self.http:listen_unix(addr.path, lopts)
+    if ok then self.urls[#self.urls + 1] = "unix:" .. addr.path .. " (endpoint " .. ENDPOINT .. ")" end
+  else
+    lopts.ipv6_only = addr.v6
+    ok, err, code = self.http:listen_tcp(addr.ip, addr.port, lopts)
+    if ok then
+      self.urls[#self.urls + 1] = ("http://%s:%d%s"):format(addr.v6 and ("[" .. addr.ip .. "]") or addr.ip, ok, ENDPOINT)
     end
   end
+  if ok then return true end
+  return nil, ("--http %s: %s%s"):format(addr.text, tostring(err), code == "EADDRINUSE" and " (the port is taken)" or "")
+end
 
+--- Opens core.httpd, listens on every address and starts the keep-alive timer. Returns
+--- true, or nil and why (every listener closed again).
+---@return boolean|nil ok, string|nil err
+function HttpServer:listen()
+  self:open_httpd()
+  for _, addr in ipairs(self.addrs) do
+    local ok, err = self:listen_addr(addr)
+    if not ok then
+      self.http:close()
+      return nil, err
+    end
+  end
   -- keep-alive comments on open streams (proxies and NATs drop silent connections)
   self.keepalive = timer.new()
   self.keepalive:start(KEEPALIVE_MS, KEEPALIVE_MS, function()
     for c in pairs(self.streams) do
       if c:is_open() and c:queued() < NOTIFY_HIGH then c:write(": keepalive\n\n") end
     end
+    -- and streams kept for a resume go once they waited http_sse_replay_seconds
+    local now = loop.now()
+    for _, sess in pairs(self.sessions) do sess:expire_streams(now, self.replay_ms) end
   end)
+  return true
+end
 
-  local handle = { urls = self.urls, token_origin = origin }
-  function handle.sessions() return self.nsessions end
-  --- Listens on a unix socket for demesne-init's relay (core.httpd listen_relay): the
-  --- listener's `tag` names the caller of every request that arrives on it (never "host"),
-  --- `token` is required on each, Host must be loopback, at most `max_conns` (default
-  --- endpoint_max_connections) connections that presented the token are open on it at once
-  --- and at most `max_preauth` (default endpoint_max_preauth_connections) that have not yet
-  --- (the oldest closed past it); both its own, apart from every other listener's.
-  ---@param path string
-  ---@param lopts {tag: string, token: string|nil, max_conns: integer|nil, max_preauth: integer|nil}
-  ---@return boolean|nil ok, string|nil err, string|nil code
-  function handle.listen_relay(path, lopts)
-    assert(type(lopts.tag) == "string" and lopts.tag ~= "host", "listen_relay: a tag other than host")
-    if self.stopping then return nil, "the server is shutting down" end
-    local ok, err, code = self.http:listen_relay(path, { tag = lopts.tag, token = lopts.token, hosts = LOOPBACK_HOSTS,
-      max_conns = math.max(1, math.floor(lopts.max_conns or config.get("endpoint_max_connections"))),
-      max_preauth = math.max(1, math.floor(lopts.max_preauth or config.get("endpoint_max_preauth_connections"))) })
-    if not ok then return nil, ("listen on %s: %s"):format(path, tostring(err)), code end
-    return true
+--- ServerOptions for a session or request of `listener` on `route`: `base`, with the
+--- listener's (session_options) and the route's added.
+---@param listener string
+---@param route table
+---@param base table
+---@return table base
+function HttpServer:server_options(listener, route, base)
+  local extra = self.o.session_options and self.o.session_options(listener)
+  for k, v in pairs(extra or {}) do base[k] = v end
+  for k, v in pairs(route.options or {}) do base[k] = v end
+  return base
+end
+
+--- Counts a session in or out of the tables (its listener's share: host ones in nshared).
+---@param sess HttpSession
+---@param d integer  1 or -1
+function HttpServer:count(sess, d)
+  self.nsessions = self.nsessions + d
+  if sess.listener == "host" then self.nshared = self.nshared + d end
+end
+
+--- Whether a new session of `listener` fits: the host's sessions share http_max_sessions; a
+--- relay listener (one sandbox) holds at most per_listener of its own, so no sandbox and no
+--- host client crowds out another. When full, the longest-idle evictable session goes.
+---@param listener string
+---@return boolean
+function HttpServer:make_room(listener)
+  local full
+  if listener == "host" then
+    full = self.nshared >= self.max_sessions
+  else
+    local mine = 0
+    for _, s in pairs(self.sessions) do if s.listener == listener then mine = mine + 1 end end
+    full = mine >= self.per_listener
   end
-  --- Stops the listeners tagged `tag`: their connections are cut (a 2026-07-28 request in
-  --- progress on one is cancelled) and their sessions end (their requests in progress are
-  --- cancelled). Returns how many listeners stopped.
-  function handle.unlisten(tag)
-    local n = self.http:unlisten(tag)
-    for _, sess in pairs(self.sessions) do
-      if sess.listener == tag then end_session(sess, "its listener closed") end
+  if not full then return true end
+  local now, victim = loop.now(), nil
+  for _, s in pairs(self.sessions) do
+    if s:evictable(listener, now) and (not victim or s.seen < victim.seen) then victim = s end
+  end
+  if not victim then return false end
+  log.notice(LOGGER, "session %s idle for %d s: ended to make room", victim.id, (now - victim.seen) // 1000)
+  self:remove_session(victim)
+  victim.srv:close()
+  return true
+end
+
+--- A new session of `listener` on `route`, or nil when there is no room.
+---@param listener string
+---@param route table
+---@return HttpSession|nil
+function HttpServer:new_session(listener, route)
+  if not self:make_room(listener) then return nil end
+  local sess = Session.new(listener, route, self:server_options(listener, route, { registry = route.registry,
+    max_message_bytes = self.max_message_bytes, listener = listener }))
+  self.sessions[sess.id] = sess
+  self:count(sess, 1)
+  return sess
+end
+
+--- Takes a session out of the table; no stream of it is kept for a resume any more.
+---@param sess HttpSession
+function HttpServer:remove_session(sess)
+  self.sessions[sess.id] = nil
+  self:count(sess, -1)
+  sess:close_streams()
+end
+
+--- Forgets a session that never initialized (its initialize failed).
+---@param sess HttpSession
+function HttpServer:drop_session(sess)
+  self:remove_session(sess)
+  sess.srv:close()
+end
+
+--- Ends a session: out of the table, its GET stream finished, its requests in progress
+--- cancelled (in a task, bounded by shutdown_timeout_ms).
+---@param sess HttpSession
+---@param why string  for the log
+function HttpServer:end_session(sess, why)
+  if self.sessions[sess.id] ~= sess then return end
+  self:remove_session(sess)
+  log.info(LOGGER, "session %s ended (%s)", sess.id, why)
+  local c = sess.get_conn
+  sess.get_conn = nil
+  if c then
+    self.streams[c] = nil
+    self.channels[c] = nil
+    if c:is_open() then c:finish() end
+  end
+  async.spawn("end session", function() sess.srv:shutdown(self.shutdown_timeout_ms) end)
+end
+
+--- The route of a request's path (/mcp, or one of o.routes), or nil.
+---@param conn userdata
+---@param req table
+---@return table|nil route
+function HttpServer:route_of(conn, req)
+  local path = req.target:match("^[^?#]*")
+  if path == ENDPOINT then return self.root end
+  local r = self.o.routes and self.o.routes(path, conn:listener())
+  if r then return { path = path, registry = r.registry, options = r.options } end
+  return nil
+end
+
+--- core.httpd's request callback: one request that passed the checks in C.
+---@param conn userdata
+---@param req {method: string, target: string, headers: table<string, string>, body: string}
+function HttpServer:on_request(conn, req)
+  local route = self:route_of(conn, req)
+  if not route then
+    return reply(conn, 404, server.INVALID_REQUEST, ("Not Found: the MCP endpoint is %s"):format(ENDPOINT))
+  end
+  if self.stopping then
+    return reply(conn, 503, server.INTERNAL_ERROR, "the server is shutting down")
+  end
+  if req.method == "POST" then return self:post(conn, req, route) end
+  if req.method == "GET" then return self:get(conn, req, route) end
+  if req.method == "DELETE" then return self:delete(conn, req, route) end
+  reply(conn, 405, server.INVALID_REQUEST, "Method Not Allowed: use POST, GET or DELETE", { Allow = "GET, POST, DELETE" })
+end
+
+--- core.httpd's close callback: a request in progress on `conn` lost its connection.
+---@param conn userdata
+---@param why string|nil
+function HttpServer:on_close(conn, why)
+  local ch = self.channels[conn]
+  self.channels[conn] = nil
+  self.streams[conn] = nil
+  if ch then
+    if why then log.debug(LOGGER, "a connection closed with its answer pending (%s)", why) end
+    ch:lost()
+  end
+end
+
+local function header_mismatch(conn, id, message)
+  conn:respond(400, { ["Content-Type"] = JSON_TYPE }, error_body(id, server.HEADER_MISMATCH, "Header mismatch: " .. message))
+end
+
+-- Decodes "=?base64?…?=" (Mcp-Name, Mcp-Param-*); other values are returned as they are.
+local function header_value(v)
+  local b64 = v and v:match("^=%?base64%?(.*)%?=$")
+  if not b64 then return v end
+  return util.base64_decode(b64)
+end
+
+-- 2026-07-28: Mcp-Name must mirror the body's name or uri. Returns true, or false (answered).
+local function check_name_header(conn, req, msg)
+  local name_field = (msg.method == "tools/call" or msg.method == "prompts/get") and "name"
+    or (msg.method == "resources/read") and "uri" or nil
+  if not name_field or msg.id == nil then return true end
+  local want = type(msg.params) == "table" and msg.params[name_field]
+  local got = header_value(req.headers["mcp-name"])
+  if got == nil then header_mismatch(conn, msg.id, "the Mcp-Name header is required for " .. msg.method) return false end
+  if type(want) == "string" and got ~= want then
+    header_mismatch(conn, msg.id, ("Mcp-Name header %q does not match params.%s %q"):format(got, name_field, want))
+    return false
+  end
+  return true
+end
+
+-- 2026-07-28: the headers must mirror the body. Returns true, or false (answered).
+local function check_modern_headers(conn, req, msg, pv)
+  local id = msg.id
+  local meta = type(msg.params) == "table" and type(msg.params._meta) == "table" and msg.params._meta or {}
+  local body_v = meta[server.META.PROTOCOL_VERSION]
+  if not pv then header_mismatch(conn, id, "the MCP-Protocol-Version header is required") return false end
+  if body_v ~= nil and body_v ~= pv then
+    header_mismatch(conn, id, ("MCP-Protocol-Version header %q does not match params._meta %s %q"):format(pv,
+      server.META.PROTOCOL_VERSION, tostring(body_v)))
+    return false
+  end
+  if msg.method == nil then return true end
+  local m = req.headers["mcp-method"]
+  if m == nil then header_mismatch(conn, id, "the Mcp-Method header is required") return false end
+  if m ~= msg.method then
+    header_mismatch(conn, id, ("Mcp-Method header %q does not match the body's method %q"):format(m, msg.method))
+    return false
+  end
+  return check_name_header(conn, req, msg)
+end
+
+-- The one JSON-RPC message of a POST body, or nil (answered with 400).
+local function post_message(conn, body)
+  local msg, err = json.decode(body)
+  if msg == nil and err ~= nil then return reply(conn, 400, server.PARSE_ERROR, "Parse error: " .. err) end
+  if type(msg) ~= "table" or body:match("^%s*%[") then
+    return reply(conn, 400, server.INVALID_REQUEST, "Invalid Request: the body must be one JSON-RPC message (an object)")
+  end
+  return msg
+end
+
+--- POST: one JSON-RPC message, of a session (2025 revisions) or on its own (2026-07-28).
+---@param conn userdata
+---@param req table
+---@param route table
+function HttpServer:post(conn, req, route)
+  local ctype = (req.headers["content-type"] or ""):lower()
+  if not ctype:find("application/json", 1, true) then
+    return reply(conn, 415, server.INVALID_REQUEST, "Content-Type must be application/json")
+  end
+  local json_ok, sse_ok = accepts(req)
+  if not json_ok and not sse_ok then
+    return reply(conn, 406, server.INVALID_REQUEST, "Accept must list application/json and text/event-stream")
+  end
+  local msg = post_message(conn, req.body)
+  if not msg then return end
+  local pv = req.headers["mcp-protocol-version"]
+  -- 2026-07-28: a modern envelope, or the modern version in the header
+  if server.is_modern_request(msg) or server.is_modern(pv) then return self:post_modern(conn, req, route, msg, sse_ok) end
+  -- 2025-11-25 and 2025-06-18 (2025-03-26, the first Streamable HTTP revision, is served as
+  -- the session negotiated: its header is accepted, as the SDKs do)
+  if pv and not server.is_supported(pv) and pv ~= "2025-03-26" then
+    return reply(conn, 400, server.INVALID_REQUEST, ("Unsupported MCP-Protocol-Version: %s (supported: %s)"):format(
+      pv, table.concat(server.SUPPORTED_VERSIONS, ", ")))
+  end
+  return self:post_session(conn, req, route, msg, sse_ok)
+end
+
+local function is_request(msg) return msg.method ~= nil and msg.id ~= nil and msg.id ~= json.null end
+
+--- A 2026-07-28 POST: served on its own, with no session; closing its stream cancels it.
+---@param conn userdata
+---@param req table
+---@param route table
+---@param msg table  the decoded message
+---@param sse_ok boolean  the client accepts an event stream
+function HttpServer:post_modern(conn, req, route, msg, sse_ok)
+  local pv = req.headers["mcp-protocol-version"]
+  msg.id = server.exact_id(msg.id, req.body, "id")
+  if not check_modern_headers(conn, req, msg, pv) then return end
+  if not is_request(msg) then return conn:respond(202, {}, "") end
+  local srv = server.new(self:server_options(conn:listener(), route, { transport = mcp_transport.null(),
+    registry = route.registry, forward_logs = false, max_message_bytes = self.max_message_bytes,
+    listener = conn:listener() }))
+  self.modern[srv] = true
+  local ch = RequestChannel.new(self, conn, {
+    modern = true,
+    sse_ok = sse_ok,
+    on_done = function() self.modern[srv] = nil end,
+    -- closing the stream is cancellation in 2026-07-28
+    on_gone = function() srv:cancel(msg.id, "the client closed the stream") end,
+  })
+  srv:receive_message(msg, req.body, ch)
+  if not ch.done and sse_ok then ch:start_sse() end
+end
+
+--- The session a 2025-revision POST names, a new one for an initialize, or nil (answered).
+---@param conn userdata
+---@param req table
+---@param route table
+---@param msg table
+---@return HttpSession|nil sess, boolean|nil new  true for a new session
+function HttpServer:session_for_post(conn, req, route, msg)
+  local sid = req.headers["mcp-session-id"]
+  local sess = sid and self.sessions[sid]
+  if sess and (sess.listener ~= conn:listener() or sess.path ~= route.path) then sess = nil end
+  if sess then return sess, false end
+  if msg.method == "initialize" and is_request(msg) and not sid then
+    sess = self:new_session(conn:listener(), route)
+    if sess then return sess, true end
+    return reply(conn, 503, server.INVALID_REQUEST, conn:listener() == "host"
+      and "too many sessions: end one (DELETE) or raise http_max_sessions"
+      or ("too many sessions on this endpoint (its ceiling of %d, endpoint_max_sessions in the demesne "
+        .. "configuration): end one (DELETE)"):format(self.per_listener))
+  elseif sid then
+    return reply(conn, 404, -32001, "Session not found: it ended or never existed; send initialize again")
+  end
+  return reply(conn, 400, server.INVALID_REQUEST, "Bad Request: the Mcp-Session-Id header is required "
+    .. "(initialize first)")
+end
+
+--- A 2025-revision POST: a message of a session (initialize opens one).
+---@param conn userdata
+---@param req table
+---@param route table
+---@param msg table  the decoded message
+---@param sse_ok boolean  the client accepts an event stream
+function HttpServer:post_session(conn, req, route, msg, sse_ok)
+  local sess, new = self:session_for_post(conn, req, route, msg)
+  if not sess then return end
+  sess:touch()
+  if not is_request(msg) then
+    sess.srv:receive_message(msg, req.body, nil)
+    return conn:respond(202, {}, "")
+  end
+  local ch = RequestChannel.new(self, conn, { session = sess, sse_ok = sse_ok,
+    headers = new and { ["Mcp-Session-Id"] = sess.id } or nil })
+  sess.srv:receive_message(msg, req.body, ch)
+  -- an initialize that failed leaves no session behind
+  if new and ch.done and not sess.srv.session.initialized then return self:drop_session(sess) end
+  if not ch.done and sse_ok then ch:start_sse() end
+end
+
+--- The session a GET or DELETE names, or nil (answered with 400 or 404).
+---@param conn userdata
+---@param req table
+---@param route table
+---@return HttpSession|nil
+function HttpServer:session_of(conn, req, route)
+  local sid = req.headers["mcp-session-id"]
+  if not sid then
+    reply(conn, 400, server.INVALID_REQUEST, "Bad Request: the Mcp-Session-Id header is required")
+    return nil
+  end
+  local sess = self.sessions[sid]
+  if not sess or sess.listener ~= conn:listener() or sess.path ~= route.path then
+    reply(conn, 404, -32001, "Session not found: it ended or never existed")
+    return nil
+  end
+  sess:touch()
+  return sess
+end
+
+--- GET: opens a session's stream for messages that relate to no request.
+---@param conn userdata
+---@param req table
+---@param route table
+function HttpServer:get(conn, req, route)
+  local pv = req.headers["mcp-protocol-version"]
+  if server.is_modern(pv) then
+    return reply(conn, 405, server.INVALID_REQUEST, "revision 2026-07-28 has no GET stream: use subscriptions/listen",
+      { Allow = "POST" })
+  end
+  local _, sse_ok = accepts(req)
+  if not sse_ok then return reply(conn, 406, server.INVALID_REQUEST, "Accept must list text/event-stream") end
+  local sess = self:session_of(conn, req, route)
+  if not sess then return end
+  local last = req.headers["last-event-id"]
+  if last then return self:resume(conn, sess, last) end
+  if sess:stream_open() then
+    return reply(conn, 409, server.INVALID_REQUEST, "this session's GET stream is already open")
+  end
+  if not conn:start(200, SSE_HEADERS) then return end
+  sess.get_conn = conn
+  self.streams[conn] = true
+  self.channels[conn] = { lost = function()
+    if sess.get_conn == conn then sess.get_conn = nil end
+    self.streams[conn] = nil
+  end }
+end
+
+--- GET with Last-Event-ID: resumes the request stream that event belongs to (its events
+--- after it, then the rest of the stream up to the answer), or 400 when the session keeps
+--- no such stream (its answer was delivered, it waited longer than http_sse_replay_seconds,
+--- or the id is not one of this session's).
+---@param conn userdata
+---@param sess HttpSession
+---@param last string  the Last-Event-ID header
+function HttpServer:resume(conn, sess, last)
+  local ch, seq = sess:stream_of(last)
+  if not ch then
+    return reply(conn, 400, server.INVALID_REQUEST, ("Last-Event-ID %q names no stream this session keeps: its "
+      .. "answer was delivered, or it waited for a resume longer than http_sse_replay_seconds"):format(last:sub(1, 64)))
+  end
+  log.debug(LOGGER, "session %s resumes stream %s after event %d", sess.id, ch.replay.n, seq)
+  ch:resume(conn, seq)
+end
+
+--- DELETE: ends a session.
+---@param conn userdata
+---@param req table
+---@param route table
+function HttpServer:delete(conn, req, route)
+  local pv = req.headers["mcp-protocol-version"]
+  if server.is_modern(pv) then
+    return reply(conn, 405, server.INVALID_REQUEST, "revision 2026-07-28 has no sessions", { Allow = "POST" })
+  end
+  local sess = self:session_of(conn, req, route)
+  if not sess then return end
+  self:end_session(sess, "DELETE")
+  conn:respond(200, {}, "")
+end
+
+--- Listens on a unix socket for demesne-init's relay (core.httpd listen_relay): the
+--- listener's `tag` names the caller of every request that arrives on it (never "host"),
+--- `token` is required on each, Host must be loopback, at most `max_conns` (default
+--- endpoint_max_connections) connections that presented the token are open on it at once
+--- and at most `max_preauth` (default endpoint_max_preauth_connections) that have not yet
+--- (the oldest closed past it); both its own, apart from every other listener's.
+---@param path string
+---@param lopts {tag: string, token: string|nil, max_conns: integer|nil, max_preauth: integer|nil}
+---@return boolean|nil ok, string|nil err, string|nil code
+function HttpServer:listen_relay(path, lopts)
+  assert(type(lopts.tag) == "string" and lopts.tag ~= "host", "listen_relay: a tag other than host")
+  if self.stopping then return nil, "the server is shutting down" end
+  local ok, err, code = self.http:listen_relay(path, { tag = lopts.tag, token = lopts.token, hosts = LOOPBACK_HOSTS,
+    max_conns = math.max(1, math.floor(lopts.max_conns or config.get("endpoint_max_connections"))),
+    max_preauth = math.max(1, math.floor(lopts.max_preauth or config.get("endpoint_max_preauth_connections"))) })
+  if not ok then return nil, ("listen on %s: %s"):format(path, tostring(err)), code end
+  return true
+end
+
+--- Stops the listeners tagged `tag`: their connections are cut (a 2026-07-28 request in
+--- progress on one is cancelled) and their sessions end (their requests in progress are
+--- cancelled). Returns how many listeners stopped.
+---@param tag string
+---@return integer
+function HttpServer:unlisten(tag)
+  local n = self.http:unlisten(tag)
+  for _, sess in pairs(self.sessions) do
+    if sess.listener == tag then self:end_session(sess, "its listener closed") end
+  end
+  return n
+end
+
+--- Sends a notification (method, params) on the standing stream of every initialized
+--- session with its GET stream open for which `which(listener, path)` is true
+--- (notifications/tools/list_changed to the sessions of one route); the others miss it.
+--- Returns how many sessions it was sent to.
+---@param which fun(listener: string, path: string): boolean
+---@param method string
+---@param params table|nil
+---@return integer
+function HttpServer:notify(which, method, params)
+  local n = 0
+  for _, sess in pairs(self.sessions) do
+    if sess.srv.session.initialized and sess:stream_open() and which(sess.listener, sess.path) then
+      if sess.srv:notify(method, params) then n = n + 1 end
     end
-    return n
   end
-  function handle.connections() return self.http:connections() end
-  --- Sends a notification (method, params) on the standing stream of every initialized
-  --- session with its GET stream open for which `which(listener, path)` is true
-  --- (notifications/tools/list_changed to the sessions of one route); the others miss it. Returns
-  --- how many sessions it was sent to.
-  function handle.notify(which, method, params)
-    local n = 0
-    for _, sess in pairs(self.sessions) do
-      if sess.srv.session.initialized and sess.get_conn and sess.get_conn:is_open()
-        and which(sess.listener, sess.path) then
-        if sess.srv:notify(method, params) then n = n + 1 end
-      end
-    end
-    return n
+  return n
+end
+
+--- Stops (inside a task): new requests get 503, every session and request in progress is
+--- stopped (subscriptions get their completion result, other requests are cancelled and
+--- their cleanup awaited, up to timeout_ms), then every connection is closed.
+---@param timeout_ms integer|nil  default: shutdown_timeout_ms
+function HttpServer:stop(timeout_ms)
+  if self.stopping then return end
+  self.stopping = true
+  timeout_ms = timeout_ms or self.shutdown_timeout_ms
+  self.keepalive:close()
+  local tasks = {}
+  local function stop(srv)
+    tasks[#tasks + 1] = async.spawn("stop session", function() return srv:shutdown(timeout_ms) end)
   end
-  --- Stops (inside a task): new requests get 503, every session and request in progress is
-  --- stopped (subscriptions get their completion result, other requests are cancelled and
-  --- their cleanup awaited, up to timeout_ms), then every connection is closed.
-  function handle.stop(timeout_ms)
-    if self.stopping then return end
-    self.stopping = true
-    self.keepalive:close()
-    local tasks = {}
-    local function stop(srv)
-      tasks[#tasks + 1] = async.spawn("stop session", function() return srv:shutdown(timeout_ms) end)
-    end
-    for _, sess in pairs(self.sessions) do stop(sess.srv) end
-    for srv in pairs(self.modern) do stop(srv) end
-    for _, t in ipairs(tasks) do t:wait() end
-    local closed = async.event()
-    self.http:close(function() closed.set() end)
-    closed.wait()
-  end
-  return handle
+  for _, sess in pairs(self.sessions) do stop(sess.srv) end
+  for srv in pairs(self.modern) do stop(srv) end
+  for _, t in ipairs(tasks) do t:wait() end
+  local closed = async.event()
+  self.http:close(function() closed.set() end)
+  closed.wait()
+end
+
+--- Creates the MCP HTTP server and starts listening. Returns a handle
+--- {urls, token_origin, stop = fn(timeout_ms) (inside a task), sessions = fn() -> integer,
+--- connections = fn() -> integer, notify = fn(which, method, params) -> integer,
+--- listen_relay = fn(path, lopts) -> true | nil, err, unlisten = fn(tag) -> integer}
+--- (HttpServer's methods), or nil and why (a bad address, a non-loopback address without
+--- allow_remote, a port in use).
+---@param o HttpServeOptions
+---@return table|nil handle, string|nil err
+function http.start(o)
+  local self, err = HttpServer.new(o)
+  if not self then return nil, err end
+  local ok, lerr = self:listen()
+  if not ok then return nil, lerr end
+  return {
+    urls = self.urls,
+    token_origin = self.token_origin,
+    sessions = function() return self.nsessions end,
+    connections = function() return self.http:connections() end,
+    listen_relay = function(path, lopts) return self:listen_relay(path, lopts) end,
+    unlisten = function(tag) return self:unlisten(tag) end,
+    notify = function(which, method, params) return self:notify(which, method, params) end,
+    stop = function(timeout_ms) return self:stop(timeout_ms) end,
+  }
 end
 
 --- Runs `demesne serve --http`: the MCP server on the given addresses until SIGINT,
@@ -731,7 +1157,7 @@ end
 ---@param opts {addrs: string[], allow_remote: boolean|nil, fixtures: string|nil, registry: ToolRegistry|nil, on_stop: fun(timeout_ms: integer)|nil, on_shutdown: function|nil, on_listening: fun(urls: string[])|nil}
 ---@return integer
 function http.serve(opts)
-  local limits = stdio.limits()
+  local limits = mcp_transport.limits()
   local registry = opts.registry or tools.load({ fixtures = opts.fixtures })
   local handle, err = http.start({ addrs = opts.addrs, allow_remote = opts.allow_remote, registry = registry,
     max_message_bytes = limits.max_message_bytes, shutdown_timeout_ms = limits.shutdown_timeout_ms })
@@ -749,17 +1175,7 @@ function http.serve(opts)
   unwatch = mcp_transport.watch_signals(function(name)
     log.info(LOGGER, "shutting down (SIG%s), %d session(s)", name, handle.sessions())
     async.spawn("http shutdown", function()
-      local other = opts.on_stop and async.spawn("stop", opts.on_stop, limits.shutdown_timeout_ms)
-      local ok, e = pcall(handle.stop, limits.shutdown_timeout_ms)
-      if not ok then log.error(LOGGER, "shutdown: %s", tostring(e)) end
-      if other then
-        local sok, serr = other:wait()
-        if not sok then log.error(LOGGER, "shutdown: %s", tostring(serr)) end
-      end
-      if opts.on_shutdown then -- the caller's own cleanup (warm sandboxes, removals after answers)
-        ok, e = pcall(opts.on_shutdown)
-        if not ok then log.error(LOGGER, "shutdown: %s", tostring(e)) end
-      end
+      mcp_transport.graceful_stop(LOGGER, handle.stop, opts, limits.shutdown_timeout_ms)
       if unwatch then unwatch() end
       loop.stop()
     end)

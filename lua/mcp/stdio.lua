@@ -9,7 +9,6 @@
 -- do not cut the cleanup short (Claude Code sends SIGINT then SIGTERM 100 ms later; Codex
 -- SIGTERM to the process group); only SIGKILL does, and the next start reaps what that leaves.
 local async = require("demesne.async")
-local config = require("demesne.config")
 local log = require("demesne.log")
 local tools = require("demesne.tools")
 local framing = require("demesne.mcp.framing")
@@ -24,35 +23,6 @@ local stdio = {}
 local LOGGER = "demesne.mcp"
 local DRAIN_LOW = 256 * 1024           -- a waiting writer resumes when the queue is this small
 local PAUSE_INPUT_BYTES = 16 * 1024 * 1024 -- stdin is not read while this much output is queued
-
-stdio.DEFAULT_MAX_LINE_BYTES = 16 * 1024 * 1024
-stdio.DEFAULT_SHUTDOWN_TIMEOUT_MS = 20000
-
--- Reads a positive integer setting: environment variable, then the config file, then default.
-local function setting(env, name, default)
-  local v = os.getenv(env)
-  if v == nil or v == "" then
-    local ok, cv = pcall(config.get, name)
-    if ok then v = cv end
-  end
-  v = tonumber(v)
-  if v and v > 0 then return math.floor(v) end
-  return default
-end
-
---- The limits in force: max_line_bytes ($DEMESNE_MCP_MAX_LINE_BYTES or config
---- mcp_max_line_bytes, default 16 MiB), max_message_bytes ($DEMESNE_MCP_MAX_MESSAGE_BYTES or
---- mcp_max_message_bytes, default 4 MiB), shutdown_timeout_ms ($DEMESNE_MCP_SHUTDOWN_TIMEOUT_MS
---- or mcp_shutdown_timeout_ms, default 20000).
----@return {max_line_bytes: integer, max_message_bytes: integer, shutdown_timeout_ms: integer}
-function stdio.limits()
-  return {
-    max_line_bytes = setting("DEMESNE_MCP_MAX_LINE_BYTES", "mcp_max_line_bytes", stdio.DEFAULT_MAX_LINE_BYTES),
-    max_message_bytes = setting("DEMESNE_MCP_MAX_MESSAGE_BYTES", "mcp_max_message_bytes", server.DEFAULT_MAX_MESSAGE_BYTES),
-    shutdown_timeout_ms = setting("DEMESNE_MCP_SHUTDOWN_TIMEOUT_MS", "mcp_shutdown_timeout_ms",
-      stdio.DEFAULT_SHUTDOWN_TIMEOUT_MS),
-  }
-end
 
 -- The output side, an McpTransport: a libuv stream when fd 1 is a pipe, socket or
 -- terminal, else blocking writes (a regular file). on_broken() is called once when the
@@ -215,7 +185,7 @@ function stdio.serve(opts)
     for i = 1, parts.n do parts[i] = tostring(parts[i]) end
     io.stderr:write(table.concat(parts, "\t", 1, parts.n), "\n")
   end
-  local limits = stdio.limits()
+  local limits = mcp_transport.limits()
   local registry = opts.registry or tools.load({ fixtures = opts.fixtures })
   local status = 0
   local shutting_down = false
@@ -247,17 +217,7 @@ function stdio.serve(opts)
     log.info(LOGGER, "shutting down (%s), %d request(s) in progress", reason, srv:pending())
     if input then input.stop() end
     async.spawn("mcp shutdown", function()
-      local other = opts.on_stop and async.spawn("stop", opts.on_stop, limits.shutdown_timeout_ms)
-      local ok, err = pcall(srv.shutdown, srv, limits.shutdown_timeout_ms)
-      if not ok then log.error(LOGGER, "shutdown: %s", tostring(err)) end
-      if other then
-        local sok, serr = other:wait()
-        if not sok then log.error(LOGGER, "shutdown: %s", tostring(serr)) end
-      end
-      if opts.on_shutdown then -- the caller's own cleanup (warm sandboxes, removals after answers)
-        ok, err = pcall(opts.on_shutdown)
-        if not ok then log.error(LOGGER, "shutdown: %s", tostring(err)) end
-      end
+      mcp_transport.graceful_stop(LOGGER, function(ms) srv:shutdown(ms) end, opts, limits.shutdown_timeout_ms)
       pcall(out.flush, 2000)
       close_all()
       loop.stop()

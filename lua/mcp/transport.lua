@@ -18,6 +18,8 @@
 ---@field drain (fun(self: McpTransport))|nil           waits (inside a task) until the backlog is small
 ---@field modern boolean|nil   set by the HTTP transport when the request named revision 2026-07-28 in its headers
 ---@field listener string|nil  the listener the request arrived on (HTTP), for the session's tools
+local async = require("demesne.async")
+local config = require("demesne.config")
 local log = require("demesne.log")
 local signal = require("core.signal")
 
@@ -48,6 +50,41 @@ function transport.null()
     is_closing = function() return false end,
     terminate = function() end,
   }
+end
+
+--- The limits every transport serves under, from the configuration: max_line_bytes
+--- (mcp_max_line_bytes, stdio's longest line), max_message_bytes (mcp_max_message_bytes, the
+--- largest outgoing message) and shutdown_timeout_ms (mcp_shutdown_timeout_ms).
+---@return {max_line_bytes: integer, max_message_bytes: integer, shutdown_timeout_ms: integer}
+function transport.limits()
+  return {
+    max_line_bytes = math.floor(config.get("mcp_max_line_bytes")),
+    max_message_bytes = math.floor(config.get("mcp_max_message_bytes")),
+    shutdown_timeout_ms = math.floor(config.get("mcp_shutdown_timeout_ms")),
+  }
+end
+
+--- The one graceful-stop sequence of a server (stdio and HTTP), inside a task: the caller's
+--- `on_stop(timeout_ms)` runs in its own task beside `stop(timeout_ms)`, the server's own
+--- (requests in progress cancelled and their cleanup awaited); once both ended,
+--- `on_shutdown()` (the caller's cleanup: warm sandboxes, removals after answers). An error
+--- in one step is logged under `logger` and the next steps still run.
+---@param logger string
+---@param stop fun(timeout_ms: integer)
+---@param opts {on_stop: fun(timeout_ms: integer)|nil, on_shutdown: function|nil}
+---@param timeout_ms integer
+function transport.graceful_stop(logger, stop, opts, timeout_ms)
+  local other = opts.on_stop and async.spawn("stop", opts.on_stop, timeout_ms)
+  local ok, err = pcall(stop, timeout_ms)
+  if not ok then log.error(logger, "shutdown: %s", tostring(err)) end
+  if other then
+    local sok, serr = other:wait()
+    if not sok then log.error(logger, "shutdown: %s", tostring(serr)) end
+  end
+  if opts.on_shutdown then
+    ok, err = pcall(opts.on_shutdown)
+    if not ok then log.error(logger, "shutdown: %s", tostring(err)) end
+  end
 end
 
 --- Watches SIGINT, SIGTERM and SIGHUP for a server: the first one calls

@@ -3,7 +3,8 @@
 --   plan(ctx, o, args)  before a sandbox is made (script_start, create): may change the plan
 --                       (output_dir, mounts, workspace, extra_relay, env; sets o.tree, o.endpoint)
 --   removing(run_id)    a persistent sandbox is about to be destroyed
---   removed(o, why)     a sandbox's container is gone (script_remove of a plan with o.tree,
+--   removed(o, why)     a sandbox's container is gone (script_remove of a planned one-shot:
+--                       o.tree for a tree node, o.exit_code once its result was read;
 --                       destroy, the reaper: o = {run_id})
 local async = require("demesne.async")
 local errors = require("demesne.errors")

@@ -56,7 +56,7 @@ export(files, "oom_note gvisor_kill_note check_status read_status collect remove
 export(oneshot, "script_prepare script_env script_start script_send script_remove script_wait script_result run_script")
 export(oneshot, "script_teardown script_exec use_pool watch_quota quota_outcome script_stop_gently")
 export(persistent, "create write_expiry expiry_file lookup state_of check_alive stop_unresponsive destroy list expose expose_run")
-export(persistent, "watch unwatch unwatch_all watched stopped_reason")
+export(persistent, "watch unwatch unwatch_all watched stopped_reason expiry_of")
 --- The port previews this server holds for the sandbox `run_id`: [{port, url}] (lua/sandbox/preview.lua).
 sandbox.previews = preview.list
 export(exec, "exec_prepare exec_run exec_kill exec_result exec")

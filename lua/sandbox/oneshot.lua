@@ -105,6 +105,7 @@ end
 ---@param labels table<string,string>|nil
 function oneshot.script_start(ctx, o, labels)
   plan_once(ctx, o)
+  o.started_ms = o.started_ms or util.now_ms()
   local img = o.devcontainer and devcontainer.ensure(o.engine, o, ctx) or check(images.ensure(o.engine, o.image_arg, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
@@ -186,9 +187,10 @@ end
 function oneshot.script_remove(o)
   -- the proxy stops after the container, and waits for its connections: egress.jsonl is complete
   local _eg <close> = o.egress_handle
-  -- a tree node's children end once it has (lua/tree), whatever the way out
+  -- a tree node's children end once it has (lua/tree), whatever the way out; the cockpit
+  -- keeps what a run was once it has gone (lua/cockpit/runs.lua): every planned run's removal
   local _tree <close> = util.closer(function()
-    if o.tree and not o.tree_removed then
+    if (o.tree or o.planned) and not o.tree_removed then
       o.tree_removed = true
       hooks.run_removal("removed", o)
     end
@@ -289,6 +291,7 @@ function oneshot.script_result(o, code, err, duration_ms)
   local exit_code = st and st.exit_code or code
   if exit_code == nil and q then exit_code = 137 end -- killed, as a timeout's SIGKILL
   if exit_code == nil then fail("sandbox run failed: " .. tostring(err)) end
+  o.exit_code, o.timed_out = exit_code, timed_out and true or false -- (for the removed hooks)
   return {
     reason = q and q.reason,
     output_quota = q and q.output_quota,
@@ -333,6 +336,7 @@ function oneshot.run_script(ctx, args)
     oneshot.script_teardown(o, o.repo and function() repo.cleanup(o) end)
   end)
   plan_once(ctx, o)
+  o.started_ms = util.now_ms()
   quota.check_reserve() -- also before a warm sandbox (made earlier) is claimed
   -- [pool] a warm sandbox of the same kind when there is one (lua/pool.lua), else a new one
   if not (warm_pool and warm_pool.claim(ctx, o)) then

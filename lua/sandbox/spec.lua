@@ -173,6 +173,8 @@ local function container_spec(o)
     [LABEL .. "image"] = o.image_name,
     [LABEL .. "egress"] = o.egress and o.egress.name or "none",
     [LABEL .. "memory_mb"] = tostring(math.floor(lim.memory_mb)),
+    [LABEL .. "cpus"] = tostring(lim.cpus), -- (with memory_mb: what the cockpit shows of its limits)
+    [LABEL .. "pids"] = tostring(math.floor(lim.pids)),
     -- open egress is a property of the policy, kept here as it was at create
     [LABEL .. "egress_unrestricted"] = o.egress and o.egress.unrestricted and "1" or "0",
     [LABEL .. "isolation"] = o.isolation or "container",

@@ -11,7 +11,10 @@
 // a cancel of a subtree from the page that removes its containers; a budget raised and a TTL
 // extended from the page; egress `ask` questions answered from the page (allow once: the
 // held curl goes through; deny: it fails), with a loopback test host named by a loopback
-// DNS server (tests/integration/egress-fixtures.mjs); the CLI's ps, logs and cancel.
+// DNS server (tests/integration/egress-fixtures.mjs); the CLI's ps, logs and cancel;
+// sandboxes that are no tree node (a foreground sandbox_script run, background jobs, a
+// persistent sandbox) on the page and in ps, with the memory a job's shell holds (20 MB,
+// the engine's stats), cancelled, killed and destroyed from the page and the CLI.
 // Screenshots go to build/test-output/cockpit/.
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
@@ -56,6 +59,7 @@ writeFileSync(path.join(XDG, "demesne", "policies", "asktest.lua"), `
     { ASK, host = ".asked.test", name = "asked" }, { ALLOW, cidr = "127.0.0.7/32", name = "test-host" } } }`);
 writeFileSync(path.join(XDG, "demesne", "config.lua"), "return { ask_timeout_seconds = 300 }\n");
 const dialogs = [];
+const leftover = { jobs: [], sandboxes: [] }; // a failed test's background jobs and sandboxes (after() ends them)
 
 async function okOn(client, name, args) {
   const res = await client.callTool({ name, arguments: args }, undefined, LONG);
@@ -144,6 +148,12 @@ before(async () => {
 after(async () => {
   await browser?.close();
   ui?.kill("SIGTERM");
+  for (const id of leftover.jobs) {
+    await stdio?.client.callTool({ name: "sandbox_cancel", arguments: { job_id: id } }).catch(() => {});
+  }
+  for (const id of leftover.sandboxes) {
+    await stdio?.client.callTool({ name: "sandbox_destroy", arguments: { sandbox_id: id } }).catch(() => {});
+  }
   for (const [c, r] of [[stdio?.client, rootA], [httpClient, rootB]]) {
     if (c && r) await c.callTool({ name: "sandbox_destroy", arguments: { sandbox_id: r.sandbox_id } }).catch(() => {});
   }
@@ -213,7 +223,7 @@ test("two servers on one page; a three-level tree appears and grows live; a line
     assert.match(logs.stdout, /^LINE-AFTER-GO from mid$/m);
     const unknown = await cli("logs", "no-such-run");
     assert.equal(unknown.code, 1);
-    assert.match(unknown.stderr, /no run no-such-run in the trees of the 2 running demesne server\(s\)/);
+    assert.match(unknown.stderr, /no run no-such-run \(tree node, job or sandbox\) in the 2 running demesne server\(s\)/);
   });
 
 test("the XSS matrix: nothing a sandbox wrote runs in the page", LONG, async () => {
@@ -369,6 +379,108 @@ test("egress questions at the top of the page: allow once lets the held curl thr
       }
     }
   });
+
+test("sandboxes that are no tree node: a background job, a persistent sandbox and a foreground run on the page and in "
+  + "ps, with the memory they use; cancel and destroy from the page, cancel by job id from the CLI", LONG, async () => {
+  // a foreground run that has ended: kept, with its exit code
+  const fg = await okOn(stdio.client, "sandbox_script", { command: "echo FG-RAN", image: "base", egress: "none" });
+  assert.equal(fg.exit_code, 0);
+  // a background job whose shell holds 20 MB in a variable, and a persistent sandbox
+  const job = await okOn(stdio.client, "sandbox_script", { background: true, image: "base", egress: "none",
+    limits: { memory_mb: 512 },
+    timeout_seconds: 900, command: "x=$(head -c 20000000 /dev/zero | tr '\\0' a); echo JOB-HOLDS; sleep 600" });
+  const job2 = await okOn(stdio.client, "sandbox_script", { background: true, image: "base", egress: "none",
+    command: "echo JOB2; sleep 600" });
+  const sb = await okOn(stdio.client, "sandbox_create", { image: "base", egress: "none", limits: { memory_mb: 384 } });
+  leftover.jobs.push(job.job_id, job2.job_id);
+  leftover.sandboxes.push(sb.sandbox_id);
+  for (const r of [job.run_id, job2.run_id, sb.sandbox_id]) assert.equal(await containerState(r), "running");
+  const runOf = (id) => page.locator(`[data-testid=run][data-root="${id}"] [data-testid=node]`);
+  for (const id of [fg.run_id, job.run_id, job2.run_id, sb.sandbox_id]) await runOf(id).waitFor({ timeout: 60_000 });
+  assert.equal(await runOf(fg.run_id).getAttribute("data-status"), "succeeded");
+  assert.equal(await runOf(job.run_id).getAttribute("data-status"), "running");
+  assert.equal(await runOf(sb.sandbox_id).getAttribute("data-status"), "running");
+  assert.match(await runOf(job.run_id).textContent(), new RegExp(`sandbox_script \\(${job.job_id}\\).*script · base · `
+    + "(container|gvisor) · egress none · .*512 MB \\d+(\\.\\d+)? CPU \\d+ pids"));
+  assert.match(await runOf(sb.sandbox_id).textContent(), /persistent sandbox.*create · base · .*384 MB.* · expires /);
+  // memory used: the job's shell holds its 20 MB (the engine's stats, not its limit)
+  await page.waitForFunction((id) => {
+    const m = document.querySelector(`[data-testid=run][data-root="${id}"] [data-testid=node-memory]`);
+    return m && parseFloat(m.textContent) >= 15;
+  }, job.run_id, { timeout: 60_000 });
+  const used = parseFloat(await runOf(job.run_id).locator("[data-testid=node-memory]").textContent());
+  assert.ok(used >= 15 && used < 512, `the job uses about 20 MB: ${used} MB`);
+  const total = parseFloat(await page.locator("[data-testid=memory-used]").textContent());
+  assert.ok(total >= used, `the totals' memory used (${total} MB) counts the job's (${used} MB)`);
+  assert.match(await page.locator("[data-testid=memory-reserved]").textContent(), /^\d+ MB$/);
+  await page.screenshot({ path: path.join(SHOTS, "cockpit-runs.png"), fullPage: true });
+
+  // the CLI: the same rows; logs and cancel by job id
+  const ps = await cli("ps");
+  assert.equal(ps.code, 0, ps.stderr);
+  assert.match(ps.stdout, new RegExp(`^stdio/\\d+ +${job.run_id} +job-.* script +base .* running .* \\d+\\.\\dM/512M`, "m"));
+  assert.match(ps.stdout, new RegExp(`^stdio/\\d+ +${sb.sandbox_id} +\\(persistent\\) +create +base .* running `, "m"));
+  assert.match(ps.stdout, new RegExp(`^stdio/\\d+ +${fg.run_id} +\\(sandbox_script\\) +script +base .* succeeded `, "m"));
+  const logs = await cli("logs", job.job_id);
+  assert.equal(logs.code, 0, logs.stderr);
+  assert.match(logs.stdout, /^JOB-HOLDS$/m);
+  const c2 = await cli("cancel", job2.job_id);
+  assert.equal(c2.code, 0, c2.stderr);
+  assert.match(c2.stdout, new RegExp(`^${job2.job_id}: cancelled$`, "m"));
+  assert.equal(await containerState(job2.run_id), "gone");
+
+  // the page: the job's detail (its command, its output), cancelled; the sandbox's TTL, then destroyed
+  await runOf(job.run_id).click();
+  await page.locator("[data-testid=detail-title]", { hasText: job.run_id }).waitFor();
+  assert.match(await page.locator("[data-testid=prompt]").textContent(), /echo JOB-HOLDS/);
+  await page.locator("[data-testid=transcript-line]", { hasText: "JOB-HOLDS" }).waitFor({ timeout: 30_000 });
+  assert.equal(await page.locator("[data-testid=cancel-subtree]").count(), 0, "no subtree to a run of its own");
+  await page.locator("[data-testid=cancel-node]").click();
+  await page.waitForFunction((id) => document.querySelector(`[data-testid=run][data-root="${id}"] [data-testid=node]`)
+    ?.getAttribute("data-status") === "cancelled", job.run_id, { timeout: 120_000 });
+  assert.equal(await containerState(job.run_id), "gone");
+  const gone = await okOn(stdio.client, "sandbox_status", { job_id: job.job_id });
+  assert.equal(gone.status, "cancelled");
+
+  // a foreground run a call waits for: found by the CLI, killed by `demesne cancel`; the call answers
+  const call = stdio.client.callTool({ name: "sandbox_script", arguments: { image: "base", egress: "none",
+    command: "echo FG-LONG; sleep 600" } }, undefined, LONG);
+  let fgLong;
+  while (!fgLong) {
+    const js = await cli("ps", "--json");
+    assert.equal(js.code, 0, js.stderr);
+    fgLong = JSON.parse(js.stdout).servers.flatMap((x) => x.trees).flatMap((t) => t.nodes)
+      .find((n) => n.standalone && n.kind === "script" && n.active && !n.job_id && n.status === "running");
+    if (!fgLong) await new Promise((r) => setTimeout(r, 300));
+  }
+  assert.equal(fgLong.tool, "sandbox_script");
+  assert.equal(await containerState(fgLong.run_id), "running");
+  const killed = await cli("cancel", fgLong.run_id);
+  assert.equal(killed.code, 0, killed.stderr);
+  assert.match(killed.stdout, new RegExp(`^${fgLong.run_id}: killed$`, "m"));
+  const answered = await call;
+  assert.ok(answered.isError || answered.structuredContent?.exit_code === 137,
+    `the call ends: ${JSON.stringify(answered.structuredContent ?? answered.content)}`);
+  await runOf(fgLong.run_id).waitFor({ timeout: 60_000 });
+  await page.waitForFunction((id) => document.querySelector(`[data-testid=run][data-root="${id}"] [data-testid=node]`)
+    ?.getAttribute("data-status") !== "running", fgLong.run_id, { timeout: 60_000 });
+  assert.equal(await containerState(fgLong.run_id), "gone");
+
+  await runOf(sb.sandbox_id).click();
+  await page.locator("[data-testid=detail-title]", { hasText: sb.sandbox_id }).waitFor();
+  const expiry = async () => (await okOn(stdio.client, "sandbox_list", {})).sandboxes
+    .find((x) => x.sandbox_id === sb.sandbox_id).expires_at;
+  const before = await expiry();
+  await page.locator("[data-testid=ttl-seconds]").fill("1200");
+  await page.locator("[data-testid=extend-ttl]").click();
+  await page.locator("[data-testid=action-note]", { hasText: /^extend TTL: (?!…)/ }).waitFor();
+  assert.equal(await page.locator("[data-testid=action-note]").textContent(), "extend TTL: done");
+  assert.ok(Date.parse(await expiry()) >= Date.parse(before) + 1200_000 - 1000, "expires_at moved by 1200 s");
+  assert.equal(await page.locator("[data-testid=cancel-node]").textContent(), "destroy");
+  await page.locator("[data-testid=cancel-node]").click();
+  await page.locator(`[data-testid=run][data-root="${sb.sandbox_id}"]`).waitFor({ state: "detached", timeout: 60_000 });
+  assert.equal(await containerState(sb.sandbox_id), "gone");
+});
 
 test("cancel of a subtree from the page removes its containers; budget and TTL from the page; CLI cancel", LONG,
   async () => {

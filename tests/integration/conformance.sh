@@ -30,8 +30,9 @@ CONFORMANCE_2025=0.1.16
 CONFORMANCE_2026=0.2.0-alpha.12
 NODE22_VERSION=22.23.3
 # Pending (not in the active suite) but applicable: run them too. server-sse-polling is not
-# run: demesne's streams are not resumable (SEP-1699 resumption is optional, and 2026-07-28
-# removes it).
+# run: it checks a server that closes its stream mid-call by itself (SEP-1699 polling), which
+# demesne never does, so against demesne it has 0 checks. demesne's resumption of a stream
+# whose connection dropped (Last-Event-ID) is tested in http.test.mjs.
 EXTRA_2025="json-schema-2020-12"
 
 say() { printf 'conformance: %s\n' "$*" >&2; }

@@ -1,7 +1,8 @@
 // MCP over Streamable HTTP (`demesne serve --http`) against a real container engine, with
 // the official clients: the SDK v1 StreamableHTTPClientTransport (2025-11-25, sessions, GET
 // stream) and the SDK v2 @modelcontextprotocol/client (2026-07-28, stateless, stream close =
-// cancellation, subscriptions/listen). Then what a bad or slow client sends, and the server
+// cancellation, subscriptions/listen); a request stream cut mid-call and resumed with
+// Last-Event-ID, raw and by the SDK v1 client. Then what a bad or slow client sends, and the server
 // under many sessions. The engine comes from DEMESNE_ENGINE (tests/run runs this file once
 // per engine).
 import { test, describe, before, after } from "node:test";
@@ -232,6 +233,128 @@ describe("SDK v2 client (2026-07-28, stateless)", () => {
     const status = JSON.parse(read.contents[0].text);
     assert.deepEqual([status.job_id, status.status, status.exit_code], [id, "failed", 4]);
     await sub.close();
+  });
+});
+
+// Server-sent events of a response body as {id, data}, the priming event's empty data included.
+function sseEvents(text) {
+  const out = [];
+  for (const block of text.split("\n\n")) {
+    const ev = { id: undefined, data: undefined };
+    for (const line of block.split("\n")) {
+      if (line.startsWith("id: ")) ev.id = line.slice(4);
+      else if (line.startsWith("data:")) ev.data = line.slice(line.startsWith("data: ") ? 6 : 5);
+    }
+    if (ev.data !== undefined) out.push(ev);
+  }
+  return out;
+}
+
+// A loopback TCP relay to the server that cuts, once, the connection carrying a tools/call
+// once the server has sent an event id on it (the call then runs on, unseen). Every
+// other connection, the client's resume among them, passes through.
+function cuttingRelay(target) {
+  const state = { cut: 0 };
+  const relay = net.createServer((client) => {
+    const upstream = net.connect(target.port, target.hostname);
+    let armed = false;
+    client.on("data", (d) => {
+      if (state.cut === 0 && d.toString().includes('"method":"tools/call"')) armed = true;
+      upstream.write(d);
+    });
+    upstream.on("data", (d) => {
+      client.write(d);
+      if (armed && /\nid: \d+-\d+\n/.test("\n" + d.toString())) {
+        // the client has its response head and the event id: cut once it has read them
+        armed = false;
+        state.cut++;
+        setTimeout(() => { client.destroy(); upstream.destroy(); }, 200);
+      }
+    });
+    const end = () => { client.destroy(); upstream.destroy(); };
+    client.on("error", end);
+    upstream.on("error", end);
+    client.on("close", end);
+    upstream.on("close", end);
+  });
+  return new Promise((resolve) => relay.listen(0, "127.0.0.1", () => {
+    state.url = `http://127.0.0.1:${relay.address().port}/mcp`;
+    state.close = () => new Promise((r) => relay.close(r));
+    resolve(state);
+  }));
+}
+
+describe("resumable request streams (Last-Event-ID)", () => {
+  test("a raw client whose connection drops mid-call resumes with Last-Event-ID and gets the answer once", LONG, async () => {
+    const u = new URL(srv.url);
+    const init = await raw(srv, { body: initialize(1) });
+    const sid = init.headers["mcp-session-id"];
+    assert.match(sid, /^[0-9a-f]{32}$/);
+    const headers = { "Mcp-Session-Id": sid, "MCP-Protocol-Version": "2025-11-25" };
+    assert.equal((await raw(srv, { body: { jsonrpc: "2.0", method: "notifications/initialized" }, headers })).status, 202);
+    // the call: read its stream up to the priming event, then cut the connection
+    const first = await new Promise((resolve, reject) => {
+      const req = http.request({ host: u.hostname, port: u.port, path: "/mcp", method: "POST", headers: {
+        "Content-Type": "application/json", Accept: "application/json, text/event-stream",
+        Authorization: `Bearer ${srv.token}`, ...headers } }, (res) => {
+        let text = "";
+        res.on("data", (c) => {
+          text += c;
+          const ev = sseEvents(text).find((e) => e.id !== undefined);
+          if (ev) { req.destroy(); resolve({ status: res.statusCode, type: res.headers["content-type"], ev }); }
+        });
+        res.on("end", () => reject(new Error(`the stream ended without an event id: ${text}`)));
+      });
+      req.on("error", () => {});
+      req.end(JSON.stringify({ jsonrpc: "2.0", id: 2, method: "tools/call",
+        params: { name: "sandbox_script", arguments: { command: "sleep 3; echo done", image: "base" } } }));
+    });
+    assert.equal(first.status, 200);
+    assert.match(first.type, /text\/event-stream/);
+    assert.match(first.ev.id, /^\d+-0$/, "the priming event comes first");
+    assert.equal(first.ev.data, "", "the priming event has empty data");
+    // the resume: the rest of the stream, ending with the answer
+    const resumed = await raw(srv, { method: "GET", headers: { ...headers, Accept: "text/event-stream",
+      "Last-Event-ID": first.ev.id } });
+    assert.equal(resumed.status, 200, resumed.text);
+    const events = sseEvents(resumed.text).filter((e) => e.data !== "");
+    const answers = events.map((e) => JSON.parse(e.data)).filter((m) => m.id === 2);
+    assert.equal(answers.length, 1, `one answer: ${resumed.text}`);
+    assert.equal(answers[0].result.structuredContent.exit_code, 0);
+    assert.equal(answers[0].result.structuredContent.stdout, "done\n");
+    const stream = first.ev.id.split("-")[0];
+    for (const e of events) assert.equal(e.id.split("-")[0], stream, `every event of the stream ${stream}: ${e.id}`);
+    // delivered once: the stream is no longer kept
+    const again = await raw(srv, { method: "GET", headers: { ...headers, Accept: "text/event-stream",
+      "Last-Event-ID": first.ev.id } });
+    assert.equal(again.status, 400);
+    assert.match(JSON.parse(again.text).error.message, /names no stream this session keeps/);
+    await raw(srv, { method: "DELETE", headers });
+  });
+
+  test("the SDK v1 client resumes a call whose connection is cut and gets its answer once", LONG, async () => {
+    const relay = await cuttingRelay(new URL(srv.url));
+    const transport = new TransportV1(new URL(relay.url), { requestInit: { headers: { Authorization: `Bearer ${srv.token}` } },
+      reconnectionOptions: { initialReconnectionDelay: 100, maxReconnectionDelay: 1000, reconnectionDelayGrowFactor: 1.5,
+        maxRetries: 2 } });
+    const client = new ClientV1({ name: "demesne-http-resume", version: "1.0.0" });
+    const errors = [];
+    await client.connect(transport);
+    transport.onerror = (e) => errors.push(String(e?.message ?? e));
+    const tokens = [];
+    try {
+      const r = await client.callTool({ name: "sandbox_script", arguments: { command: "sleep 3; echo done", image: "base" } },
+        undefined, { ...LONG, resumptionToken: undefined, onresumptiontoken: (t) => tokens.push(t) });
+      assert.equal(relay.cut, 1, "the call's connection was cut once");
+      assert.ok(!r.isError, r.content?.[0]?.text);
+      assert.equal(r.structuredContent.exit_code, 0);
+      assert.equal(r.structuredContent.stdout, "done\n");
+      assert.ok(tokens.length >= 2, `event ids before and after the cut: ${tokens}`);
+      assert.deepEqual(errors.filter((e) => !/SSE stream disconnected/.test(e)), [], "no other transport error (no second answer)");
+    } finally {
+      await client.close();
+      await relay.close();
+    }
   });
 });
 

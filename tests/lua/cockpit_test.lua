@@ -8,11 +8,15 @@ local config = require("demesne.config")
 local control = require("demesne.cockpit.control")
 local json = require("demesne.json")
 local registry = require("demesne.cockpit.registry")
+local runs = require("demesne.cockpit.runs")
 local sandbox = require("demesne.sandbox")
 local store = require("demesne.tree.store")
+local teardown_ = require("demesne.teardown")
 local view = require("demesne.cockpit.view")
 local fs = require("core.fs")
 local loop = require("core.loop")
+
+local scratch = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]*$") or ".") .. "/world.lua")
 
 local tests = {}
 
@@ -152,6 +156,54 @@ function tests.paths_in_out_are_checked_and_logs_come_in_whole_lines(t)
     t:eq(types["transcript.jsonl"], "file")
   end)
   teardown(d)
+  if not ok then error(err, 0) end
+end
+
+-- Sandboxes that are no tree node, on the fake engine (tests/lua/world.lua): a foreground
+-- run that ended, a persistent sandbox that runs; their limits, the memory used (eng:stats),
+-- detail, and destroy through the control API.
+function tests.sandboxes_that_are_no_tree_node_are_listed_with_the_memory_they_use(t)
+  local w <close> = scratch.new({ vars = { "DEMESNE_CONTROL_DIR" } })
+  loop.setenv("DEMESNE_CONTROL_DIR", w.dir .. "/ctl")
+  config.load()
+  local ok, err = pcall(function()
+    local r = sandbox.run_script(nil, { command = "echo hi; exit 3", image = scratch.IMAGE, limits = { memory_mb = 300 } })
+    t:ok(teardown_.wait(5000), "the container went")
+    local c = sandbox.create(nil, { image = scratch.IMAGE, limits = { memory_mb = 256, cpus = 1, pids = 64 } })
+    runs.changed()
+    local trees = view.trees()
+    local by = {}
+    for _, tr in ipairs(trees) do
+      t:eq(tr.standalone, true, "no tree here: each run is listed as a tree of one node")
+      by[tr.run_id] = tr.nodes[1]
+    end
+    local fg, sb = by[r.run_id], by[c.sandbox_id]
+    t:ok(fg, "the ended foreground run is listed")
+    t:eq({ fg.kind, fg.tool, fg.status, fg.exit_code, fg.active, fg.limits.memory_mb, fg.image },
+      { "script", "sandbox_script", "failed", 3, false, 300, scratch.IMAGE }, "the foreground run, as it ended")
+    t:ok(sb, "the persistent sandbox is listed")
+    t:eq({ sb.kind, sb.status, sb.active, sb.limits.memory_mb, sb.limits.cpus, sb.limits.pids, sb.egress },
+      { "create", "running", true, 256, 1, 64, "package-managers" }, "the persistent sandbox, running, with its limits")
+    t:ok(math.type(sb.expires_at) == "integer" and sb.expires_at > loop.time(), "its expiry")
+    t:eq(sb.memory_used_bytes, 1024 * 1024, "the memory it uses (the fake's eng:stats)")
+    t:eq(fg.memory_used_bytes, nil, "an ended run uses none")
+    local tot = view.totals(trees)
+    t:eq({ tot.running, tot.memory_mb, tot.memory_used_bytes }, { 1, 256, 1024 * 1024 }, "totals: reserved and used")
+    local d = assert(view.detail(r.run_id))
+    t:eq({ d.prompt, d.stdout }, { "echo hi; exit 3", "hi\n" }, "the foreground run's command and output")
+    -- a sandbox cannot make itself a run of this server: only what the server recorded counts
+    assert(fs.write_atomic(r.output_dir .. "/20260101T000000Z-ffff0009.json", json.encode({ run_id = "x" }), 420))
+    t:eq(view.node("20260101T000000Z-ffff0009"), nil, "no such run")
+    -- destroyed through the control API
+    t:ok(control.start({ transport = "stdio" }), "the control socket")
+    local e = registry.list()[1]
+    local status, body = client.call(e, "POST", "/v1/nodes/" .. c.sandbox_id .. "/cancel", {})
+    t:eq({ status, body.status }, { 200, "destroyed" }, "destroyed")
+    t:eq(#w.eng:list({ "io.demesne.managed=1", "io.demesne.run_id=" .. c.sandbox_id }), 0, "its container is gone")
+    status = client.call(e, "POST", "/v1/nodes/" .. r.run_id .. "/cancel", {})
+    t:eq(status, 409, "an ended run cannot be cancelled")
+  end)
+  control.stop()
   if not ok then error(err, 0) end
 end
 

@@ -42,7 +42,7 @@ end
 function tests.every_check_runs_in_order(t)
   with_env({}, function()
     local _, names = by_name(doctor.run())
-    t:eq(names, { "engine", "images", "config", "folders", "demesne-init", "gvisor", "userns", "limits" })
+    t:eq(names, { "engine", "images", "agent-clis", "config", "folders", "demesne-init", "gvisor", "userns", "limits" })
   end)
 end
 
@@ -55,6 +55,7 @@ function tests.a_missing_engine_socket_is_named_with_its_fix(t)
     t:match(r.engine.fix, "correct the setting", "engine fix")
     t:eq(r.images.skip, "needs an engine", "images are not judged without an engine")
     t:eq(r.images.ok, false)
+    t:eq(r["agent-clis"].skip, "needs an engine")
   end)
 end
 

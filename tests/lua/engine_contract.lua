@@ -146,6 +146,24 @@ return function(fixture)
     t:eq(ids({ "io.demesne.contract=" .. w.tag, "io.demesne.x=3" }), {}, "no match")
   end
 
+  function tests.stats_report_the_memory_a_running_container_uses(t)
+    local w <close> = world(fixture)
+    local big = 8 * MiB
+    assert(fs.write_atomic(w.dir .. "/out/big", ("x"):rep(big), 420))
+    local id = w.run()
+    local before = t:ok(w.eng:stats(id), "stats")
+    t:eq(math.type(before.memory_bytes), "integer", "memory_bytes: an integer")
+    t:ok(before.memory_bytes > 0, ("a running container uses some memory (%s bytes)"):format(before.memory_bytes))
+    t:eq(w.sh(id, "cat /out/big > /tmp/big"), 0, "8 MiB into its tmpfs (memory)")
+    local after = t:ok(w.eng:stats(id), "stats again")
+    t:ok(after.memory_bytes >= before.memory_bytes + big // 2,
+      ("its tmpfs counts: %d bytes before, %d after"):format(before.memory_bytes, after.memory_bytes))
+    t:ok(after.memory_bytes <= 256 * MiB, "within its limit")
+    local none, msg, code = w.eng:stats("demesne-contract-none-" .. w.tag)
+    t:eq({ none, code }, { nil, "ENOENT" }, "stats of no container")
+    t:eq(type(msg), "string", "a message")
+  end
+
   function tests.a_taken_name_is_ECONFLICT(t)
     local w <close> = world(fixture)
     local _, s = w.create()

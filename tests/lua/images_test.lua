@@ -201,4 +201,99 @@ function tests.twine_takes_the_users_story_formats_and_keeps_its_notes(t)
   end)
 end
 
+-- images.pull: DEMESNE_NO_PULL lets only config.lua's registries through; mirrors are tried
+-- first and what one served is tagged as the reference; a refusal names the registry and
+-- the credentials' file, never the password. A user image's registry FROM is pulled before
+-- its build, and the build gets that registry's credentials.
+function tests.pulls_go_through_mirrors_with_the_hosts_credentials(t)
+  with_config(function(dir)
+    local root = dir:match("^(.*)/config/demesne/images$")
+    write(root .. "/auth.json", '{"auths": {"127.0.0.1:5000": {"auth": "dXNlcjpzM2NyM3QtcHc="}}}') -- user:s3cr3t-pw
+    write(root .. "/config/demesne/config.lua",
+      'return { registries = { ["127.0.0.1:5000"] = { mirrors = { "127.0.0.1:5001/m" } } } }')
+    loop.setenv("REGISTRY_AUTH_FILE", root .. "/auth.json")
+    loop.setenv("DEMESNE_NO_PULL", "1")
+    config.load()
+    local ok, err = pcall(function()
+      local eng = engine()
+      eng.pulls, eng.tags = {}, {}
+      function eng.pull(self, ref, _, _, o)
+        self.pulls[#self.pulls + 1] = { ref = ref, user = o.auth and o.auth.username, server = o.auth and o.auth.server }
+        if ref:find("^127%.0%.0%.1:5001/") and not self.mirror_ok then
+          return nil, "pull failed: manifest unknown", "EPULL"
+        end
+        if self.refuse then return nil, "pull failed: unauthorized: bad password s3cr3t-pw", "EACCES" end
+        self.present[ref] = true
+        return true
+      end
+      function eng.tag(self, src, ref) self.tags[#self.tags + 1] = { src, ref }; self.present[ref] = true return true end
+
+      local _, perr, code = images.pull(eng, "docker.io/library/alpine:3")
+      t:eq(code, "EPOLICY")
+      t:match(perr, "not pulled from docker.io: DEMESNE_NO_PULL=1 and config.lua's registries does not name docker.io")
+      t:eq(#eng.pulls, 0, "nothing asked of the engine")
+
+      t:eq(images.pull(eng, "127.0.0.1:5000/team/x:1"), true)
+      t:eq(eng.pulls, { { ref = "127.0.0.1:5001/m/team/x:1" }, { ref = "127.0.0.1:5000/team/x:1", user = "user",
+        server = "127.0.0.1:5000" } }, "the mirror first (no credentials for it), then the registry with them")
+      eng.mirror_ok, eng.pulls = true, {}
+      t:eq(images.pull(eng, "127.0.0.1:5000/team/y:2"), true)
+      t:eq(eng.tags, { { "127.0.0.1:5001/m/team/y:2", "127.0.0.1:5000/team/y:2" } }, "what the mirror served is named")
+      t:eq(#eng.pulls, 1)
+
+      eng.mirror_ok, eng.refuse = false, true
+      local _, rerr, rcode = images.pull(eng, "127.0.0.1:5000/team/z:3")
+      t:eq(rcode, "EACCES")
+      t:match(rerr, "^image: registry 127%.0%.0%.1:5000 refused the credentials for 127%.0%.0%.1:5000/team/z:3 %(from "
+        .. root:gsub("%p", "%%%0") .. "/auth%.json%)")
+      t:ok(not rerr:find("s3cr3t-pw", 1, true), "the password is scrubbed from the engine's message: " .. rerr)
+
+      eng.refuse, eng.pulls = false, {}
+      eng.builds = {}
+      write(dir .. "/frommine/Containerfile", "FROM 127.0.0.1:5000/team/base:7 AS b\nFROM b\nRUN true\n")
+      local builds = {}
+      local build0 = eng.build
+      function eng.build(self, tar, o, on_line)
+        builds[#builds + 1] = o.registry_auth
+        return build0(self, tar, o, on_line)
+      end
+      local img, berr = images.ensure(eng, "frommine")
+      t:eq(berr, nil)
+      t:ok(img and img.ref:match("^demesne/frommine:"), "built")
+      t:eq(eng.pulls[#eng.pulls].ref, "127.0.0.1:5000/team/base:7", "the FROM image was pulled before the build")
+      local auth = builds[#builds]["127.0.0.1:5000"]
+      t:eq({ auth.username, auth.password }, { "user", "s3cr3t-pw" }, "the build has the FROM registry's credentials")
+      t:eq(images._external_froms("FROM ${BASE}\nFROM scratch\nFROM a:1 AS x\nFROM x\nFROM a:1\n"), { "a:1" })
+    end)
+    loop.setenv("REGISTRY_AUTH_FILE", nil)
+    loop.setenv("DEMESNE_NO_PULL", nil)
+    if not ok then error(err, 0) end
+  end)
+end
+
+-- images.freshness: current, changed (older builds of that name in the engine), not built.
+function tests.freshness_compares_the_tag_of_the_current_inputs(t)
+  with_config(function(dir)
+    write(dir .. "/fr/Containerfile", "FROM base\nRUN echo 1\n")
+    local eng = engine()
+    eng.listed = {}
+    function eng.image_list(self, labels)
+      t:eq(labels, { "io.demesne.image=fr" })
+      return self.listed
+    end
+    local f = images.freshness(eng, "fr")
+    t:eq(f.state, "not built")
+    t:eq(f.tag, nil, "base is not built either: no tag to name")
+    local tag1 = assert(images.ensure(eng, "fr")).ref
+    t:eq(images.freshness(eng, "fr"), { state = "current", tag = tag1 })
+    eng.listed = { { refs = { "docker.io/" .. tag1 } } }
+    write(dir .. "/fr/Containerfile", "FROM base\nRUN echo 2\n")
+    f = images.freshness(eng, "fr")
+    t:eq(f.state, "changed")
+    t:eq(f.built, { tag1 })
+    t:ok(f.tag ~= tag1 and f.tag:match("^demesne/fr:%x+$"), "the tag it would be built as")
+    t:eq(select(2, images.freshness(eng, "nosuch")), 'no image "nosuch"')
+  end)
+end
+
 return tests

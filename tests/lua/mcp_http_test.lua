@@ -136,6 +136,82 @@ function tests.sessions_capped_v6_listener_and_clean_stop(t)
   end)
 end
 
+-- Resumption (Last-Event-ID): a stream whose connection is cut while its tool runs is kept;
+-- its answer, sent while no client is connected, comes on the resuming GET with only the
+-- last http_sse_replay_events events, once; a second resume gets 400.
+function tests.a_cut_stream_resumes_with_its_last_events_and_the_answer_once(t)
+  local d <close> = tmpdir()
+  local release = async.event()
+  local reg = registry()
+  reg:add({ name = "slow", description = "ten progress notifications, then waits for the test",
+    inputSchema = { type = "object" },
+    run = function(ctx)
+      for i = 1, 10 do ctx.progress(i, 10) end
+      release.wait()
+      return { text = "done" }
+    end })
+  local token = "lua-test-token-0123456789"
+  with_env({ DEMESNE_STATE_DIR = d.path .. "/state", DEMESNE_HTTP_TOKEN = token,
+    DEMESNE_HTTP_SSE_REPLAY_EVENTS = "3" }, function()
+    local h = assert(http.start({ addrs = { "127.0.0.1:0" }, registry = reg }))
+    local url = h.urls[1]
+    local init = post(url, token, { jsonrpc = "2.0", id = 1, method = "initialize",
+      params = { protocolVersion = "2025-11-25", capabilities = {}, clientInfo = { name = "lua", version = "1" } } })
+    local sh = { ["Mcp-Session-Id"] = init.headers["mcp-session-id"], ["MCP-Protocol-Version"] = "2025-11-25" }
+    post(url, token, { jsonrpc = "2.0", method = "notifications/initialized" }, sh)
+    -- the call on a raw connection, closed once the client has read its 10th event
+    local port = math.tointeger(tonumber(url:match(":(%d+)/")))
+    local body = json.encode({ jsonrpc = "2.0", id = 2, method = "tools/call",
+      params = { name = "slow", arguments = {}, _meta = { progressToken = "p" } } })
+    local head = ("POST /mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+      .. "Accept: application/json, text/event-stream\r\nAuthorization: Bearer %s\r\nMcp-Session-Id: %s\r\n"
+      .. "MCP-Protocol-Version: 2025-11-25\r\nContent-Length: %d\r\n\r\n"):format(token, sh["Mcp-Session-Id"], #body)
+    local seen, got = async.event(), {}
+    assert(cstream.connect_tcp("127.0.0.1", port, function(c, msg)
+      if not c then seen.set(msg) return end
+      c:read_start(function(data)
+        if data then got[#got + 1] = data end
+        if not data or table.concat(got):find("\nid: 1%-10\n") then
+          c:close()
+          seen.set(data and "cut" or "closed")
+        end
+      end)
+      c:write(head .. body)
+    end))
+    t:eq(async.timeout(5000, seen.wait), "cut", "the stream carried 10 events with ids")
+    local text = table.concat(got)
+    t:ok(text:find("\nid: 1%-0\ndata: \n\n") ~= nil and text:find("id: 1-0", 1, true) < text:find("id: 1-1\n", 1, true),
+      "a priming event first")
+    -- the server notices the close (no request is in progress on any connection after it)
+    for _ = 1, 200 do
+      if h.connections() == 0 then break end
+      async.sleep(10)
+    end
+    release.set() -- the answer comes while no client is connected
+    async.sleep(20)
+    local get = { Accept = "text/event-stream", Authorization = "Bearer " .. token, ["Last-Event-ID"] = "1-0" }
+    for k, v in pairs(sh) do get[k] = v end
+    local r = assert(request({ url = url, method = "GET", headers = get }))
+    t:eq(r.status, 200, r.body)
+    local ids, answers = {}, 0
+    for block in r.body:gmatch("(.-)\n\n") do
+      ids[#ids + 1] = block:match("^id: (%S+)")
+      local m = json.decode(block:match("data: (.*)$") or "null")
+      if type(m) == "table" and m.id == 2 then
+        answers = answers + 1
+        t:eq(m.result.structuredContent.text, "done")
+      end
+    end
+    t:eq(ids, { "1-9", "1-10", "1-11" }, "the last 3 events: two progress notifications and the answer")
+    t:eq(answers, 1, "the answer, once")
+    local again = assert(request({ url = url, method = "GET", headers = get }))
+    t:eq(again.status, 400, "delivered: the stream is no longer kept")
+    t:match(json.decode(again.body).error.message, "names no stream this session keeps")
+    h.stop(2000)
+    t:eq(h.connections(), 0)
+  end)
+end
+
 -- Routes (the in-sandbox endpoint's /mcp/host/<server>): a path other than /mcp is served
 -- only when `routes` gives it a registry; its sessions belong to it; a registry with
 -- list_changed announces it, and handle.notify reaches the route's open GET streams only.

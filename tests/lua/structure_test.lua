@@ -37,6 +37,8 @@ local LAYERS = {
   ["demesne.engines"] = 2,
   -- git on the host (lua/repo): a repository in, a branch out; below sandboxes and jobs
   ["demesne.repo"] = 2,
+  -- image registries: the host's credentials for them and their config.lua section; below images
+  ["demesne.registries"] = 2,
   -- 1: the base library over the core.* bindings
   ["demesne.async"] = 1, ["demesne.config"] = 1, ["demesne.errors"] = 1, ["demesne.json"] = 1, ["demesne.log"] = 1,
   ["demesne.util"] = 1, ["demesne.proc"] = 1, ["demesne.paths"] = 1, ["demesne.output"] = 1, ["demesne.progress"] = 1,

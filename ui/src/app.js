@@ -61,7 +61,7 @@ function report(what, p) {
 // ---- totals and questions -------------------------------------------------------------
 
 function renderTotals() {
-  const t = { today: 0, week: 0, running: 0, warm: 0, memory: 0, models: {}, trees: {} };
+  const t = { today: 0, week: 0, running: 0, warm: 0, memory: 0, used: 0, models: {}, trees: {} };
   for (const s of state.servers) {
     const x = s.data?.totals || {};
     t.today += x.today?.usd || 0;
@@ -69,6 +69,7 @@ function renderTotals() {
     t.running += x.running || 0;
     t.warm += x.warm || 0;
     t.memory += x.memory_mb || 0;
+    t.used += x.memory_used_bytes || 0;
     for (const [m, u] of Object.entries(x.week?.models || {})) t.models[m] = (t.models[m] || 0) + u;
     for (const [r, u] of Object.entries(x.week?.trees || {})) t.trees[r] = (t.trees[r] || 0) + u;
   }
@@ -80,7 +81,8 @@ function renderTotals() {
     el("div", {}, el("strong", {}, "by model (week) "), models),
     el("div", {}, el("strong", {}, "by tree (week) "), trees),
     el("div", {}, el("strong", {}, "sandboxes running "), el("span", { "data-testid": "running" }, t.running),
-      " · warm ", t.warm, " · memory reserved ", `${t.memory} MB`),
+      " · warm ", t.warm, " · memory used ", el("span", { "data-testid": "memory-used" }, mib(t.used)),
+      " · reserved ", el("span", { "data-testid": "memory-reserved" }, `${t.memory} MB`)),
     el("div", {}, el("strong", {}, "servers "), el("span", { "data-testid": "server-count" }, state.servers.length)));
 }
 
@@ -105,19 +107,32 @@ function renderAsks() {
 
 // ---- trees ----------------------------------------------------------------------------
 
+// bytes as MB (the unit the limits are in), one decimal
+function mib(b) { return `${(Number(b || 0) / 1048576).toFixed(1)} MB`; }
+
+// a sandbox that is no tree node is named by its tool (and background job)
+function nameOf(n) {
+  if (n.name) return n.name;
+  if (n.standalone) return n.kind === "create" ? "persistent sandbox" : `${n.tool}${n.job_id ? ` (${n.job_id})` : ""}`;
+  return "(root)";
+}
+
 function nodeRow(s, n, now) {
   const elapsed = n.status === "running" ? (now - n.started_ms) / 1000 : n.elapsed_seconds;
   const lim = n.limits || {};
   const row = el("div", { class: `node${selected && selected.id === n.run_id && selected.server === s.pid ? " selected" : ""}`,
     "data-testid": "node", "data-run": n.run_id, "data-status": n.status,
     onclick: () => select(s.pid, n.run_id) },
-  el("span", { class: "name", "data-testid": "node-name" }, n.name || "(root)"),
+  el("span", { class: "name", "data-testid": "node-name" }, nameOf(n)),
   el("span", { class: `status-${n.status}`, "data-testid": "node-status" }, n.status),
   el("span", { class: "meta" }, `${n.kind} · ${n.image || "?"} · ${n.isolation} · egress ${n.egress} · `,
     el("span", { class: "elapsed", "data-started": n.status === "running" ? n.started_ms : "" }, duration(elapsed)),
     ` · ${money(n.total_cost_usd)}`,
     n.budget_usd !== undefined && n.budget_usd !== null ? ` · budget left ${money(n.budget_left_usd)}` : "",
-    lim.memory_mb ? ` · ${lim.memory_mb} MB ${lim.cpus ?? "?"} CPU ${lim.pids ?? "?"} pids` : ""));
+    typeof n.memory_used_bytes === "number"
+      ? el("span", {}, " · uses ", el("span", { "data-testid": "node-memory" }, mib(n.memory_used_bytes))) : "",
+    lim.memory_mb ? ` · ${lim.memory_mb} MB ${lim.cpus ?? "?"} CPU ${lim.pids ?? "?"} pids` : "",
+    n.expires_at ? ` · expires ${new Date(n.expires_at * 1000).toLocaleTimeString()}` : ""));
   return row;
 }
 
@@ -144,7 +159,8 @@ function renderTrees() {
         box.append(el("div", { class: "burn" }, el("progress", { max: String(t.budget_usd), value: String(t.spent_usd || 0),
           "data-testid": "burn" }), ` ${money(t.spent_usd || 0)} of ${money(t.budget_usd)} spent`));
       }
-      if (root) box.append(el("ul", { class: "tree top", "data-testid": "tree", "data-root": t.run_id }, draw(root)));
+      if (root) box.append(el("ul", { class: "tree top", "data-testid": t.standalone ? "run" : "tree",
+        "data-root": t.run_id }, draw(root)));
     }
     parts.push(box);
   }
@@ -207,8 +223,10 @@ function actionsView(sv, d) {
     value: String(((d.budget_usd || 0) + 1).toFixed(2)), "data-testid": "budget-usd" });
   return el("div", { class: "actions" },
     el("button", { "data-testid": "cancel-node", disabled: !d.active || null,
-      onclick: () => report("cancel", action({ server: sv, action: "cancel", id: d.run_id })) }, "cancel"),
-    el("button", { "data-testid": "cancel-subtree", disabled: !d.active || null,
+      onclick: () => report(d.standalone && d.kind === "create" ? "destroy" : "cancel",
+        action({ server: sv, action: "cancel", id: d.run_id })) },
+    d.standalone && d.kind === "create" ? "destroy" : "cancel"),
+    d.standalone ? null : el("button", { "data-testid": "cancel-subtree", disabled: !d.active || null,
       onclick: () => report("cancel subtree",
         action({ server: sv, action: "cancel", id: d.run_id, subtree: true })) },
     "cancel subtree"),
@@ -216,7 +234,7 @@ function actionsView(sv, d) {
       onclick: () => report("extend TTL",
         action({ server: sv, action: "ttl", id: d.run_id, seconds: Number(seconds.value) })) },
     "extend TTL")) : null,
-    el("span", {}, budget, el("button", { "data-testid": "raise-budget",
+    d.standalone ? null : el("span", {}, budget, el("button", { "data-testid": "raise-budget",
       onclick: () => report("raise budget",
         action({ server: sv, action: "budget", id: d.root, budget_usd: Number(budget.value) })) },
     "raise tree budget")),
@@ -245,17 +263,21 @@ async function showDetail(keepTail) {
   box.hidden = false;
   if (!res.ok) { put(box, el("p", { class: "error" }, d?.error?.message || `HTTP ${res.status}`)); return; }
   let pre = keepTail ? box.querySelector("[data-testid=transcript]") : null;
+  // (only this node's: a refresh that overtook the click's own fetch finds the last node's)
+  if (pre && pre.getAttribute("data-of") !== `${sv}/${id}`) pre = null;
   if (!pre) {
-    pre = el("pre", { "data-testid": "transcript" });
+    pre = el("pre", { "data-testid": "transcript", "data-of": `${sv}/${id}` });
     follow(sv, id, pre);
   }
   const lim = d.limits || {};
   put(box,
-    el("h2", { "data-testid": "detail-title" }, `${d.name || "(root)"} · ${d.run_id}`),
+    el("h2", { "data-testid": "detail-title" }, `${nameOf(d)} · ${d.run_id}`),
     el("p", {}, `${d.kind} · ${d.image || "?"} · ${d.isolation} · egress ${d.egress} · `,
       el("span", { "data-testid": "detail-status" }, d.status), d.reason ? ` (${d.reason})` : "",
       ` · cost ${money(d.cost_usd)} (subtree ${money(d.total_cost_usd)})`,
       d.budget_usd ? ` · budget ${money(d.budget_usd)}, left ${money(d.budget_left_usd)}` : "",
+      typeof d.memory_used_bytes === "number"
+        ? el("span", {}, " · uses ", el("span", { "data-testid": "detail-memory" }, mib(d.memory_used_bytes))) : "",
       lim.memory_mb ? ` · limits ${lim.memory_mb} MB, ${lim.cpus} CPU, ${lim.pids} pids` : "",
       d.expires_at ? ` · expires ${new Date(d.expires_at * 1000).toLocaleString()}` : ""),
     actionsView(sv, d),
