@@ -697,6 +697,25 @@ function devcontainer.build_network_isolated(eng, ctx)
   return isolated, reason
 end
 
+-- The image a FROM word names, its variables resolved as the engine resolves them: the
+-- ARG defaults above the first FROM, under the devcontainer's build.args ($NAME, ${NAME},
+-- ${NAME:-word}). Nil when a variable is left (one without a value, or a form not known).
+local function from_image(ref, b)
+  if not ref:find("$", 1, true) then return ref end
+  local vars = {}
+  for line in (b.dockerfile_text .. "\n"):gmatch("([^\n]*)\n") do
+    if line:match("^%s*[Ff][Rr][Oo][Mm]%s") then break end
+    local name, rest = line:match("^%s*[Aa][Rr][Gg]%s+([%a_][%w_]*)(.*)$")
+    if name then vars[name] = rest:match("^=(%S*)") end
+  end
+  for k, v in pairs(b.args) do vars[k] = v end
+  local out = ref:gsub("%${([%a_][%w_]*):%-([^}]*)}", function(n, word)
+    return (vars[n] and vars[n] ~= "") and vars[n] or word
+  end):gsub("%${([%a_][%w_]*)}", function(n) return vars[n] end):gsub("%$([%a_][%w_]*)", function(n) return vars[n] end)
+  if out:find("$", 1, true) or out == "" then return nil end
+  return out
+end
+
 -- The image of the devcontainer itself (before demesne's layer): its tag.
 local function ensure_base(eng, dc, ctx)
   local cfg = dc.cfg
@@ -722,12 +741,26 @@ local function ensure_base(eng, dc, ctx)
       end
       tags[ref] = img.ref
     end
-    -- an image the engine has that carries ONBUILD triggers would run them in this build
-    local present = not tags[ref] and not stages[ref] and not ref:find("$", 1, true)
-      and eng:image_inspect(ref, { onbuild = true })
-    if present and #(present.onbuild or {}) > 0 then
-      fail(("image: devcontainer: %s line %d: FROM %s: the image carries ONBUILD triggers, refused: they would run "
-        .. "in this build, outside the Dockerfile's checks"):format(b.dockerfile_rel, from.line, ref))
+    -- an image that carries ONBUILD triggers would run them in this build, outside the
+    -- checks: every FROM image is in the engine (pulled first if need be) and checked
+    if not tags[ref] and not stages[ref] and ref ~= "scratch" then
+      local named = from_image(ref, b)
+      if not named then
+        fail(("image: devcontainer: %s line %d: FROM %s: refused: demesne cannot tell which image it names (a "
+          .. "variable it cannot resolve from the ARG defaults and build.args), and so cannot check it for ONBUILD "
+          .. "triggers"):format(b.dockerfile_rel, from.line, ref))
+      end
+      local present = not stages[named] and eng:image_inspect(named, { onbuild = true })
+      if not present and not stages[named] and not images.origin(named) then
+        local ok, perr = images.pull(eng, named, ctx)
+        if not ok then fail(("image: devcontainer: %s line %d: FROM %s: %s"):format(b.dockerfile_rel, from.line, ref, perr)) end
+        present = eng:image_inspect(named, { onbuild = true })
+      end
+      if present and #(present.onbuild or {}) > 0 then
+        fail(("image: devcontainer: %s line %d: FROM %s: the image carries ONBUILD triggers (%s), refused: they "
+          .. "would run in this build, outside the Dockerfile's checks"):format(b.dockerfile_rel, from.line, ref,
+          (table.concat(present.onbuild, "; "):sub(1, 200))))
+      end
     end
     if from.stage then stages[from.stage] = true end
   end

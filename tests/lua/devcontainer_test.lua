@@ -219,6 +219,32 @@ function tests.a_build_context_never_holds_a_git_folder_or_file(t)
   end)
 end
 
+function tests.a_from_image_with_onbuild_triggers_is_refused_before_the_build(t)
+  -- an engine that has one image, with a trigger; it is asked nothing else (no build, no pull)
+  local asked = {}
+  local eng = { socket = "/fake", image_inspect = function(_, ref, opts)
+    asked[#asked + 1] = ref
+    if ref == "docker.io/evil/img:7" then
+      local trigger = "RUN --mount=type=cache,id=../..,target=/h x"
+      return { id = "x", labels = {}, env = {}, onbuild = opts and opts.onbuild and { trigger } or {} }
+    end
+  end }
+  local function ensure_fails(df, args, pat)
+    with_folder(t, { [".devcontainer/devcontainer.json"] = ('{"build": {"dockerfile": "Dockerfile", "args": %s}}'):format(args),
+      [".devcontainer/Dockerfile"] = df }, function(dir)
+      local o = plan_of(dir)
+      local ok, err = pcall(devcontainer.ensure, eng, o)
+      t:ok(not ok, df)
+      t:match(tostring(err), pat, df)
+    end)
+  end
+  -- the variables are resolved as the engine resolves them: ARG defaults under build.args
+  ensure_fails("ARG REG\nARG TAG=1\nFROM ${REG:-docker.io}/evil/$NAME:${TAG}\nENV A=1\n", '{"NAME": "img", "TAG": "7"}',
+    "Dockerfile line 3: FROM %${REG:%-docker%.io}/evil/%$NAME:%${TAG}: the image carries ONBUILD triggers %(RUN %-%-mount")
+  t:eq(asked[#asked], "docker.io/evil/img:7")
+  ensure_fails("FROM docker.io/evil/img:$UNSET\n", "{}", "FROM docker%.io/evil/img:%$UNSET: refused: demesne cannot tell")
+end
+
 function tests.prune_takes_the_older_builds_and_those_whose_folder_is_gone(t)
   with_folder(t, { ["x"] = "" }, function(dir)
     local function img(id, created, src, ref)
