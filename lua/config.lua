@@ -71,8 +71,9 @@ local SPEC = {
   init_path = { env = "DEMESNE_INIT", doc = "demesne-init binary mounted into sandboxes; default: beside the demesne binary" },
   default_image = { env = "DEMESNE_DEFAULT_IMAGE", default = "default", doc = "image used when a call names none" },
   devcontainer_build_network = { env = "DEMESNE_DEVCONTAINER_BUILD_NETWORK", default = "none", choices = { "none", "host" },
-    doc = "the network of a repository's devcontainer build (image: devcontainer): none, or the host's (its "
-      .. "Dockerfile's RUN steps then reach what the host reaches)" },
+    doc = "the network of a repository's devcontainer build (image: devcontainer): none, or the host's (the "
+      .. "build's commands then have the host's network); under none, an engine that does not keep a build step off "
+      .. "the network (probed once per engine) refuses a Dockerfile with RUN" },
   timeout_default = { default = 3600, number = true, doc = "seconds a command may run when the call sets no timeout" },
   timeout_max = { env = "DEMESNE_TIMEOUT_MAX", default = 48 * 3600, number = true, doc = "ceiling for timeout_seconds" },
   ttl_default = { default = 48 * 3600, number = true, doc = "seconds a persistent sandbox lives without use" },

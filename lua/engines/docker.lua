@@ -1104,16 +1104,33 @@ function docker.rfc3339(s)
 end
 
 --- GET /images/{ref}/json. Returns {id, labels, env = {"K=V"…} (the image's ENV), created
---- (epoch seconds, or nil when the engine gives no time)}, or nil, msg, "ENOENT".
+--- (epoch seconds, or nil when the engine gives no time), onbuild = {string} (its ONBUILD
+--- triggers, which a build FROM it runs; empty when none)}, or nil, msg, "ENOENT". Podman leaves the triggers out of its inspect answer (even of an image
+--- in the Docker format, which keeps them and runs them): with opts.onbuild, on an engine
+--- other than Docker, `onbuild` is also read from the image's history (GET
+--- /images/{ref}/history, its "#(nop) ONBUILD …" steps), which may name triggers a child
+--- image already consumed — it errs towards reporting them.
 ---@param ref string
+---@param opts {onbuild: boolean|nil}|nil
 ---@return table|nil image, string|nil err, string|nil code
-function Engine:image_inspect(ref)
+function Engine:image_inspect(ref, opts)
   local t, err, code = ok_json(self, "GET", "/images/" .. seg(ref) .. "/json", nil, nil, "inspect image")
   if not t then return nil, err, code end
   if type(t) ~= "table" then return nil, "inspect image: the engine answered no JSON object", "EENGINE" end
   local cfg = type(t.Config) == "table" and t.Config or {}
+  local onbuild = {}
+  for _, v in ipairs(type(cfg.OnBuild) == "table" and cfg.OnBuild or {}) do onbuild[#onbuild + 1] = tostring(v) end
+  if opts and opts.onbuild and #onbuild == 0 and self.kind ~= "docker" then
+    local h, herr, hcode = ok_json(self, "GET", "/images/" .. seg(ref) .. "/history", nil, nil, "image history")
+    if not h then return nil, herr, hcode end
+    for _, step in ipairs(type(h) == "table" and h or {}) do
+      local by = type(step) == "table" and tostring(step.CreatedBy or "") or ""
+      local trigger = by:match("#%(nop%)%s+ONBUILD%s+(.*)$")
+      if trigger then onbuild[#onbuild + 1] = trigger end
+    end
+  end
   return { id = t.Id, labels = type(cfg.Labels) == "table" and cfg.Labels or {},
-    env = type(cfg.Env) == "table" and cfg.Env or {}, created = docker.rfc3339(t.Created) }
+    env = type(cfg.Env) == "table" and cfg.Env or {}, created = docker.rfc3339(t.Created), onbuild = onbuild }
 end
 
 -- Streams the engine's JSON progress lines (build, import, pull) to on_line(text): the

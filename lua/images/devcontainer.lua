@@ -13,14 +13,20 @@
 -- says is the repository's: it names no host path outside that folder (a link, an
 -- absolute path or a `..` out of it is refused), runs nothing on the host, widens no
 -- privilege of the sandbox (the fields that would are refused by name), and its build gets
--- no network (devcontainer_build_network) and no URL the engine would fetch on the host.
+-- no network (devcontainer_build_network; on an engine that ignores a build's "none",
+-- probed by build_network_isolated, RUN is refused unless it says "host") and no URL the
+-- engine would fetch on the host.
+local async = require("demesne.async")
 local config = require("demesne.config")
 local errors = require("demesne.errors")
 local fs = require("core.fs")
 local images = require("demesne.images")
 local jsonc = require("demesne.images.jsonc")
 local log = require("demesne.log")
+local loop = require("core.loop")
 local paths = require("demesne.paths")
+local stream = require("core.stream")
+local util = require("demesne.util")
 
 local devcontainer = {}
 
@@ -127,6 +133,10 @@ function devcontainer.parse(text, where)
         if type(k) ~= "string" or not k:match("^[%a_][%w_]*$") then
           field_fail(where, "build.args", ("%q is not a build argument name"):format(tostring(k)))
         end
+        if k:upper():sub(1, 9) == "BUILDKIT_" then
+          field_fail(where, "build.args." .. k, "refused: a BUILDKIT_* argument sets the builder itself "
+            .. "(BUILDKIT_SYNTAX makes it pull and run a parser image)")
+        end
         out.build.args[k] = str(v, "build.args." .. k)
       end
     end
@@ -211,12 +221,19 @@ function devcontainer.parse(text, where)
 end
 
 -- A path of the devcontainer file (relative to the folder `root`, "/"-separated) joined
--- with `p` (relative to the file's folder `base`), normalised. Fails when it is absolute or
--- leaves the folder.
+-- with `p` (relative to the file's folder `base`), normalised. Fails when it is absolute,
+-- leaves the folder, or has a `.git` part (the repository's git folder holds its config,
+-- with any credentials in its remote URLs: it never goes into an image).
 local function join(where, field, base, p)
   if p:sub(1, 1) == "/" then
     field_fail(where, field, ("%s is an absolute path: it must be relative to the devcontainer file, inside the "
       .. "repository"):format(p))
+  end
+  for c in p:gmatch("[^/]+") do
+    if c:lower() == ".git" then
+      field_fail(where, field, ("%s goes through .git, refused: the git folder (its config may hold credentials) "
+        .. "never goes into a build"):format(p))
+    end
   end
   local parts = {}
   for c in (base .. "/" .. p):gmatch("[^/]+") do
@@ -251,72 +268,146 @@ local function walk_to(where, field, root, rel, kind)
   return st
 end
 
--- Reads the folder `rel` under `root` into a build context list {name, data, mode}, sorted:
--- regular files and folders only (a link, FIFO, socket or device is refused by name); a
--- .git folder is left out; at most images.USER_MAX_FILES files and USER_MAX_BYTES bytes.
+--- Reads the folder `rel` under `root` into a build context list {name, data, mode}, sorted:
+--- regular files and folders only (a link, FIFO, socket or device is refused by name); a
+--- .git folder or file (a worktree's or submodule's) is left out at any depth; at most
+--- images.USER_MAX_FILES files and USER_MAX_BYTES bytes. Fails naming build.context.
+---@param where string  the devcontainer file, for messages
+---@param root string  the repository (or folder)
+---@param rel string  the folder, relative to root ("" for root itself)
+---@param out table|nil  the list so far (recursion)
+---@param total {bytes: integer}|nil  the bytes so far (recursion)
+---@param prefix string|nil  the names' prefix in the context (recursion)
+---@return {name: string, data: string, mode: integer}[]
 local function read_context(where, root, rel, out, total, prefix)
   out, total, prefix = out or {}, total or { bytes = 0 }, prefix or ""
   local dir = rel == "" and root or (root .. "/" .. rel)
   local names, err = fs.readdir(dir)
   if not names then field_fail(where, "build.context", ("%s cannot be read: %s"):format(rel, tostring(err))) end
   for _, n in ipairs(names) do
-    local r = rel == "" and n or (rel .. "/" .. n)
-    local st = fs.lstat(root .. "/" .. r)
-    if st and st.type == "directory" then
-      if n ~= ".git" then read_context(where, root, r, out, total, prefix .. n .. "/") end
-    elseif st and st.type == "file" then
-      if #out >= images.USER_MAX_FILES then
-        field_fail(where, "build.context", ("holds more than %d files"):format(images.USER_MAX_FILES))
+    if n:lower() ~= ".git" then -- a .git folder or file is left out, whatever it is
+      local r = rel == "" and n or (rel .. "/" .. n)
+      local st = fs.lstat(root .. "/" .. r)
+      if st and st.type == "directory" then
+        read_context(where, root, r, out, total, prefix .. n .. "/")
+      elseif st and st.type == "file" then
+        if #out >= images.USER_MAX_FILES then
+          field_fail(where, "build.context", ("holds more than %d files"):format(images.USER_MAX_FILES))
+        end
+        total.bytes = total.bytes + st.size
+        if total.bytes > images.USER_MAX_BYTES then
+          field_fail(where, "build.context", ("its files add up to more than %d MiB"):format(images.USER_MAX_BYTES // 1048576))
+        end
+        local f, ferr = fs.open_beneath(root, r)
+        local data = f and f:read(st.size + 1)
+        if f then f:close() end
+        if not data then field_fail(where, "build.context", ("%s cannot be read: %s"):format(r, tostring(ferr))) end
+        out[#out + 1] = { name = prefix .. n, data = data, mode = st.mode & 511 }
+      else
+        field_fail(where, "build.context", ("%s is a %s: a build context may hold only files and folders (a link is "
+          .. "not followed)"):format(r, st and (st.type == "link" and "symbolic link" or st.type) or "missing file"))
       end
-      total.bytes = total.bytes + st.size
-      if total.bytes > images.USER_MAX_BYTES then
-        field_fail(where, "build.context", ("its files add up to more than %d MiB"):format(images.USER_MAX_BYTES // 1048576))
-      end
-      local f, ferr = fs.open_beneath(root, r)
-      local data = f and f:read(st.size + 1)
-      if f then f:close() end
-      if not data then field_fail(where, "build.context", ("%s cannot be read: %s"):format(r, tostring(ferr))) end
-      out[#out + 1] = { name = prefix .. n, data = data, mode = st.mode & 511 }
-    else
-      field_fail(where, "build.context", ("%s is a %s: a build context may hold only files and folders (a link is "
-        .. "not followed)"):format(r, st and (st.type == "link" and "symbolic link" or st.type) or "missing file"))
     end
   end
   return out
 end
 
--- Joins the continuation lines of a Dockerfile: {line = first line number, text}.
-local function instructions(src)
+-- The parser directives a devcontainer's Dockerfile may carry: `escape` (honoured below)
+-- and `check` (build checks: they change no step). `syntax` is refused: BuildKit would
+-- pull the image it names and run it as the Dockerfile's parser.
+local DIRECTIVES = { escape = true, check = true }
+
+-- Splits a Dockerfile into its instructions as the engine's parser does:
+-- {line = first line number, text}. The leading parser directives are read (an unknown one
+-- and `syntax` are refused, `# escape=` sets the line-continuation character); a line
+-- ending in the escape character goes on with the next (joined with no space, as the
+-- engine joins them), and comment and empty lines inside a continued instruction are
+-- skipped, as the engine skips them.
+local function instructions(where, src)
   local out, cur, n = {}, nil, 0
+  local esc, directives = "\\", true
+  src = src:gsub("^\239\187\191", "")
   for line in (src .. "\n"):gmatch("([^\n]*)\n") do
     n = n + 1
-    if cur then cur.text = cur.text .. " " .. line else cur = { line = n, text = line } end
-    if line:match("\\%s*$") then cur.text = cur.text:gsub("\\%s*$", "") else out[#out + 1] = cur cur = nil end
+    line = line:gsub("\r$", "")
+    local comment = line:find("^%s*#") ~= nil
+    if directives then
+      local key, value = line:match("^%s*#%s*(%a%w*)%s*=%s*(.-)%s*$")
+      if key then
+        key = key:lower()
+        if not DIRECTIVES[key] then
+          fail(("image: devcontainer: %s line %d: the parser directive # %s= is refused: %s"):format(where, n, key,
+            key == "syntax" and "it makes the engine pull the image it names and run it as the Dockerfile's parser"
+            or "demesne reads only # escape= and # check= (the engine may honour one it does not know)"))
+        end
+        if key == "escape" then
+          if value ~= "\\" and value ~= "`" then
+            fail(("image: devcontainer: %s line %d: # escape=%s: the escape character is \\ or `"):format(where, n, value))
+          end
+          esc = value
+        end
+      else
+        directives = false
+      end
+    end
+    if comment and line:lower():find("^%s*#%s*syntax%s*=") then
+      fail(("image: devcontainer: %s line %d: a # syntax= line is refused: it makes BuildKit pull the image it "
+        .. "names and run it as the Dockerfile's parser"):format(where, n))
+    end
+    if not comment and line:find("%S") then
+      local text, more = line:gsub("%" .. esc .. "%s*$", "")
+      if cur then cur.text = cur.text .. text else cur = { line = n, text = text } end
+      if more == 0 then
+        out[#out + 1] = cur
+        cur = nil
+      end
+    end
   end
   if cur then out[#out + 1] = cur end
   return out
 end
 
+--- The build context list of the folder `rel` under `root` (for tests: read_context).
+devcontainer._read_context = read_context
+
 --- Checks a devcontainer's Dockerfile for what would reach past the build's sandbox: an
---- ADD of a URL or a git source (the engine fetches it on the host, outside any egress
---- policy), RUN --network or --security (BuildKit flags that give a step the host's
---- network or privileges). Fails naming the line.
+--- ADD of a URL, a git source or a $variable (the engine fetches a URL on the host,
+--- outside any egress policy), ONBUILD (it would run in demesne's layer), a parser
+--- directive other than escape and check (syntax pulls a parser image), RUN --network or --security (BuildKit flags that give a step the host's
+--- network or privileges), RUN --mount of any type (a mount reaches host paths outside
+--- the context). Fails naming the line.
+--- Returns the line of its first RUN instruction (nil when it has none).
 ---@param where string  the Dockerfile's path, for messages
 ---@param src string
+---@return integer|nil first_run
 function devcontainer.check_dockerfile(where, src)
-  for _, ins in ipairs(instructions(src)) do
+  local first_run
+  for _, ins in ipairs(instructions(where, src)) do
     local word, rest = ins.text:match("^%s*(%a+)%s+(.*)$")
     word = word and word:upper()
-    if word == "ADD" and (rest:find("%a[%w+.-]*://") or rest:find("git@", 1, true)) then
-      fail(("image: devcontainer: %s line %d: ADD of a URL or git source is refused: the engine would fetch it "
-        .. "on the host, outside the sandbox's egress (download it in a RUN step of a build with network, or put "
-        .. "the file in the repository)"):format(where, ins.line))
+    if word == "ONBUILD" then
+      fail(("image: devcontainer: %s line %d: ONBUILD is refused: its instruction would run when demesne builds "
+        .. "its own layer on the image, outside these checks"):format(where, ins.line))
+    end
+    if word == "ADD" and (rest:find("%a[%w+.-]*://") or rest:find("git@", 1, true) or rest:find("$", 1, true)) then
+      fail(("image: devcontainer: %s line %d: ADD of a URL or git source (or of a $variable, which may hold one) "
+        .. "is refused: the engine would fetch it on the host, outside the sandbox's egress (download it in a RUN "
+        .. "step of a build with network, or put the file in the repository and COPY it)"):format(where, ins.line))
     end
     if word == "RUN" and (rest:find("%-%-network") or rest:find("%-%-security")) then
       fail(("image: devcontainer: %s line %d: RUN --network and --security are refused: a build step gets no more "
         .. "than the build's own settings"):format(where, ins.line))
     end
+    -- Any type: a cache mount's id is a host path on Podman 4.3 (CVE-2024-9675, `id=../..`
+    -- reads and writes any host path as root), a bind or secret mount reaches past the context.
+    if word == "RUN" and rest:lower():find("%-%-mount") then
+      fail(("image: devcontainer: %s line %d: RUN --mount is refused (any type): a mount can reach host paths "
+        .. "outside the build context (a cache mount's id does on Podman 4.3, CVE-2024-9675); copy what the step "
+        .. "needs from the context instead"):format(where, ins.line))
+    end
+    if word == "RUN" then first_run = first_run or ins.line end
   end
+  return first_run
 end
 
 --- The shell script that runs the create steps (devcontainer.parse's steps) in `workdir`,
@@ -435,7 +526,7 @@ function devcontainer.plan(o, args, opts)
     b.dockerfile_text = df and df:read(st.size + 1)
     if df then df:close() end
     if not b.dockerfile_text then field_fail(where, "build.dockerfile", b.dockerfile_rel .. " cannot be read") end
-    devcontainer.check_dockerfile(b.dockerfile_rel, b.dockerfile_text)
+    b.first_run = devcontainer.check_dockerfile(b.dockerfile_rel, b.dockerfile_text)
   end
   local workdir = o.repo and o.repo.path or "/workspace"
   for k, v in pairs(cfg.env) do
@@ -533,6 +624,98 @@ local function slug(root)
   return "devcontainer-" .. s:sub(1, 40)
 end
 
+-- What the build-network probe found, by engine socket: {isolated, reason}; and the probes
+-- running (socket -> event), which a second caller joins.
+local isolation, probing = {}, {}
+
+-- The probe's Containerfile: a step that fails (saying why, on a "demesne-probe:" line)
+-- when it reaches the listener on the host's 127.0.0.1:`port`, or sees a network interface
+-- other than lo; `nonce` keeps the engine from taking the step from its cache.
+local function probe_files(port, nonce)
+  local run = table.concat({
+    ("RUN if command -v bash >/dev/null && bash -c 'exec 3<>/dev/tcp/127.0.0.1/%d' 2>/dev/null; then"):format(port),
+    ("echo 'demesne-probe: a build step reached a listener on the host'\\''s 127.0.0.1:%d'; exit 4; fi;"):format(port),
+    "ifs=''; while IFS=: read -r n rest; do n=$(echo $n); case \"$n\" in *'|'*|lo|'') ;; *) ifs=\"$ifs $n\";; esac;"
+      .. " done < /proc/net/dev;",
+    "if [ -n \"$ifs\" ]; then echo \"demesne-probe: a build step sees the network interfaces$ifs\"; exit 3; fi;",
+    "command -v bash >/dev/null || { echo 'demesne-probe: the base image has no bash to try a connection'; exit 5; };",
+    "echo demesne-probe: isolated " .. nonce,
+  }, " ")
+  return { { name = "Containerfile", data = "ARG BASE\nFROM ${BASE}\n" .. run .. "\n", mode = 420 } }
+end
+
+--- Whether the engine keeps a build step off the network when a build asks for none
+--- (networkmode=none): Docker does; Podman 4.3 ignores it and runs the steps in the
+--- host's network. The probe, once per engine (its socket) per server, the answer cached:
+--- demesne listens on the host's 127.0.0.1 (a random port) and builds, FROM demesne's base
+--- image with network none, one step that fails if it sees a network interface other than
+--- lo or reaches that listener; the probe image is removed. The engine isolates builds only
+--- when the step ran and saw neither; a probe that cannot tell (no base image, a build that
+--- fails for another reason) counts as no isolation. Returns isolated, and the reason when
+--- not (for messages: "a build step reached a listener on the host's 127.0.0.1:N").
+---@param eng table  the engine adapter
+---@param ctx ToolContext|nil  build progress
+---@return boolean isolated, string|nil reason
+function devcontainer.build_network_isolated(eng, ctx)
+  local key = eng.socket or tostring(eng)
+  while probing[key] do probing[key].wait() end
+  if isolation[key] then return isolation[key].isolated, isolation[key].reason end
+  local ev = async.event()
+  probing[key] = ev
+  local _ <close> = util.closer(function() probing[key] = nil; ev.set() end)
+  local reached = false
+  local listener, port = stream.listen_tcp("127.0.0.1", 0, function(c)
+    reached = true
+    c:close()
+  end)
+  local isolated, reason = false, nil
+  if not listener then
+    reason = "the probe could not listen on the host's 127.0.0.1: " .. tostring(port)
+  else
+    local base, berr = images.ensure(eng, "base", ctx)
+    if not base then
+      reason = "the probe found no base image to build from: " .. tostring(berr)
+    else
+      local nonce = loop.random(8):gsub(".", function(c) return ("%02x"):format(c:byte()) end)
+      local tag = "demesne/devcontainer-network-probe:" .. nonce:sub(1, 12)
+      local ok, err = images.build_context(eng, { name = "devcontainer-network-probe", tag = tag,
+        files = probe_files(port, nonce), buildargs = { BASE = base.ref }, network = "none",
+        labels = { ["io.demesne.image"] = "devcontainer-network-probe" } }, ctx)
+      if ok then eng:image_remove(tag) end
+      isolated = ok ~= nil and not reached
+      if not isolated then
+        reason = reached and ("a build step reached a listener on the host's 127.0.0.1:%d"):format(port)
+          or tostring(err):match("demesne%-probe: ([^\n]+)")
+          or ("the probe could not tell (its build failed: %s)"):format((tostring(err):match("^[^\n]*")))
+      end
+    end
+    listener:close()
+  end
+  isolation[key] = { isolated = isolated, reason = reason }
+  log.info("demesne.images", "engine %s: build steps %s", key, isolated and "get no network when a build asks for none"
+    or ("are not kept off the network: " .. reason))
+  return isolated, reason
+end
+
+-- The image a FROM word names, its variables resolved as the engine resolves them: the
+-- ARG defaults above the first FROM, under the devcontainer's build.args ($NAME, ${NAME},
+-- ${NAME:-word}). Nil when a variable is left (one without a value, or a form not known).
+local function from_image(ref, b)
+  if not ref:find("$", 1, true) then return ref end
+  local vars = {}
+  for line in (b.dockerfile_text .. "\n"):gmatch("([^\n]*)\n") do
+    if line:match("^%s*[Ff][Rr][Oo][Mm]%s") then break end
+    local name, rest = line:match("^%s*[Aa][Rr][Gg]%s+([%a_][%w_]*)(.*)$")
+    if name then vars[name] = rest:match("^=(%S*)") end
+  end
+  for k, v in pairs(b.args) do vars[k] = v end
+  local out = ref:gsub("%${([%a_][%w_]*):%-([^}]*)}", function(n, word)
+    return (vars[n] and vars[n] ~= "") and vars[n] or word
+  end):gsub("%${([%a_][%w_]*)}", function(n) return vars[n] end):gsub("%$([%a_][%w_]*)", function(n) return vars[n] end)
+  if out:find("$", 1, true) or out == "" then return nil end
+  return out
+end
+
 -- The image of the devcontainer itself (before demesne's layer): its tag.
 local function ensure_base(eng, dc, ctx)
   local cfg = dc.cfg
@@ -558,6 +741,27 @@ local function ensure_base(eng, dc, ctx)
       end
       tags[ref] = img.ref
     end
+    -- an image that carries ONBUILD triggers would run them in this build, outside the
+    -- checks: every FROM image is in the engine (pulled first if need be) and checked
+    if not tags[ref] and not stages[ref] and ref ~= "scratch" then
+      local named = from_image(ref, b)
+      if not named then
+        fail(("image: devcontainer: %s line %d: FROM %s: refused: demesne cannot tell which image it names (a "
+          .. "variable it cannot resolve from the ARG defaults and build.args), and so cannot check it for ONBUILD "
+          .. "triggers"):format(b.dockerfile_rel, from.line, ref))
+      end
+      local present = not stages[named] and eng:image_inspect(named, { onbuild = true })
+      if not present and not stages[named] and not images.origin(named) then
+        local ok, perr = images.pull(eng, named, ctx)
+        if not ok then fail(("image: devcontainer: %s line %d: FROM %s: %s"):format(b.dockerfile_rel, from.line, ref, perr)) end
+        present = eng:image_inspect(named, { onbuild = true })
+      end
+      if present and #(present.onbuild or {}) > 0 then
+        fail(("image: devcontainer: %s line %d: FROM %s: the image carries ONBUILD triggers (%s), refused: they "
+          .. "would run in this build, outside the Dockerfile's checks"):format(b.dockerfile_rel, from.line, ref,
+          (table.concat(present.onbuild, "; "):sub(1, 200))))
+      end
+    end
     if from.stage then stages[from.stage] = true end
   end
   local dockerfile = images.rewrite_from(b.dockerfile_text, tags)
@@ -574,8 +778,19 @@ local function ensure_base(eng, dc, ctx)
   out[#out + 1] = { name = DOCKERFILE, data = dockerfile, mode = 420 }
   local name = slug(dc.root) .. "-base"
   local tag = images.tag_of(name, key)
+  local network = config.get("devcontainer_build_network")
+  if network ~= "host" and b.first_run and not eng:image_inspect(tag) then
+    local isolated, why = devcontainer.build_network_isolated(eng, ctx)
+    if not isolated then
+      fail(("image: devcontainer: %s (%s line %d): RUN is refused: the engine (%s at %s) does not keep a build "
+        .. "step off the network (%s), so the Dockerfile's RUN steps would have the host's network, its loopback "
+        .. "services included. Set devcontainer_build_network = \"host\" (DEMESNE_DEVCONTAINER_BUILD_NETWORK=host) "
+        .. "to build it with the host's network anyway (a repository you trust), or build without RUN"):format(
+        dc.file, b.dockerfile_rel, b.first_run, eng.kind or "the engine", eng.socket or "?", why))
+    end
+  end
   local ref, err = images.build_context(eng, { name = name, tag = tag, files = out, buildargs = b.args,
-    dockerfile = DOCKERFILE, target = b.target, network = config.get("devcontainer_build_network"),
+    dockerfile = DOCKERFILE, target = b.target, network = network,
     labels = { ["io.demesne.image"] = devcontainer.IMAGE, ["io.demesne.origin"] = devcontainer.ORIGIN,
       [devcontainer.SOURCE_LABEL] = dc.root, ["io.demesne.devcontainer.file"] = dc.file } }, ctx)
   if not ref then fail(("image: devcontainer: %s (%s): %s"):format(dc.file, b.dockerfile_rel, err)) end
@@ -594,8 +809,13 @@ end
 function devcontainer.ensure(eng, o, ctx)
   local dc = o.devcontainer
   local base = ensure_base(eng, dc, ctx)
-  local info = eng:image_inspect(base)
+  local info = eng:image_inspect(base, { onbuild = true })
   if not info then fail(("image: devcontainer: %s: the image %s is not in the engine"):format(dc.file, base)) end
+  if #(info.onbuild or {}) > 0 then -- a user adapter may not report them
+    fail(("image: devcontainer: %s: the image %s carries ONBUILD triggers (%s), refused: they would run when "
+      .. "demesne builds its own layer on it, outside the Dockerfile's checks"):format(dc.file,
+      dc.cfg.image or "the Dockerfile builds", (table.concat(info.onbuild, "; "):sub(1, 200))))
+  end
   local buildargs = { BASE = base }
   local key = { "devcontainer-layer", base, tostring(info.id) }
   if dc.agent then

@@ -8,8 +8,10 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { execFileSync } from "node:child_process";
+import http from "node:http";
 import { randomBytes } from "node:crypto";
-import { mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
+import { chmodSync, mkdirSync, mkdtempSync, readFileSync, rmSync, symlinkSync, writeFileSync } from "node:fs";
+import net from "node:net";
 import { tmpdir } from "node:os";
 import path from "node:path";
 import { BIN, connect, engineContainers, engineRequest, serverEnv } from "./helpers.mjs";
@@ -54,6 +56,37 @@ after(async () => {
   assert.deepEqual(left.map((c) => c.Names), [], "no sandbox of this file is left on the engine");
 });
 
+// Builds `dockerfile` into `tag` on the engine itself (POST /build, as `docker build` does),
+// for an image demesne did not make. Resolves to the build's output text.
+const DOCKER_FORMAT = encodeURIComponent("application/vnd.docker.distribution.manifest.v2+json");
+function engineBuild(tag, dockerfile) {
+  const dir = mkdtempSync(path.join(work, "ctx-"));
+  writeFileSync(path.join(dir, "Dockerfile"), dockerfile);
+  const tar = execFileSync("tar", ["-cf", "-", "-C", dir, "Dockerfile"]);
+  return new Promise((resolve, reject) => {
+    const req = http.request({ socketPath: ENGINE.replace(/^unix:\/\//, ""), method: "POST",
+      // Podman keeps ONBUILD only in the Docker image format (outputformat; Docker ignores it)
+      path: `/build?t=${encodeURIComponent(tag)}&dockerfile=Dockerfile&rm=true&outputformat=${DOCKER_FORMAT}`,
+      headers: { "Content-Type": "application/x-tar", "Content-Length": tar.length } }, (res) => {
+      let out = "";
+      res.on("data", (d) => (out += d));
+      res.on("end", () => resolve(out));
+    });
+    req.on("error", reject);
+    req.end(tar);
+  });
+}
+
+// The tag of demesne's base image (the newest the engine has).
+async function baseTag() {
+  const filters = encodeURIComponent(JSON.stringify({ label: ["io.demesne.image=base"] }));
+  const list = ((await engineRequest(ENGINE, "GET", `/images/json?filters=${filters}`)) || [])
+    .filter((i) => (i.RepoTags || []).some((t) => /(^|\/)demesne\/base:/.test(t)))
+    .sort((a, b) => b.Created - a.Created);
+  assert.ok(list.length > 0, "demesne's base image is in the engine");
+  return list[0].RepoTags.find((t) => /(^|\/)demesne\/base:/.test(t));
+}
+
 function write(root, files) {
   for (const [name, data] of Object.entries(files)) {
     mkdirSync(path.dirname(path.join(root, name)), { recursive: true });
@@ -61,15 +94,16 @@ function write(root, files) {
   }
 }
 
-// The repository's Dockerfile: FROM demesne's base (by name), a file and variables, a build
-// argument, and a later stage that fails (the target stops before it).
+// The repository's Dockerfile: FROM demesne's base (by name), files and variables, a build
+// argument, and a later stage that fails (the target stops before it). No RUN: an engine
+// that does not keep a build step off the network refuses RUN (the build-network test).
 const DOCKERFILE = `FROM base AS dev
 ARG GREETING=unset
 COPY tool.txt /opt/tool.txt
+COPY dc-tool /opt/dc/bin/dc-tool
 ENV DC_IMAGE_ENV=$GREETING PATH=/opt/dc/bin:$PATH
-RUN mkdir -p /opt/dc/bin && printf '#!/bin/sh\\necho dc-tool runs\\n' > /opt/dc/bin/dc-tool && chmod 755 /opt/dc/bin/dc-tool
 FROM dev AS never
-RUN echo this stage is not the target && exit 3
+COPY this-stage-is-not-the-target /never
 `;
 
 const DEVCONTAINER = `// the team's environment
@@ -89,7 +123,9 @@ function makeRepo(name) {
   mkdirSync(h, { recursive: true });
   git(h, "init", "-q");
   write(h, { "tool.txt": "the repository's tool file\n", ".devcontainer/devcontainer.json": DEVCONTAINER,
-    ".devcontainer/Dockerfile": DOCKERFILE, "app.py": "def add(a, b):\n    return a - b\n" });
+    ".devcontainer/Dockerfile": DOCKERFILE, "app.py": "def add(a, b):\n    return a - b\n",
+    "dc-tool": "#!/bin/sh\necho dc-tool runs\n" });
+  chmodSync(path.join(h, "dc-tool"), 0o755);
   git(h, "add", ".");
   git(h, "commit", "-qm", "app with a devcontainer");
   return h;
@@ -166,7 +202,7 @@ test("an agent run with the scripted vendor works inside the repository's devcon
   assert.equal(git(h, "show", "demesne/dc-agent:app.py"), "def add(a, b):\n    return a + b");
 });
 
-test("what cannot work is refused, naming the field; a failing build gives its output's end", async () => {
+test("what cannot work is refused, naming the field", async () => {
   const cases = {
     features: { "ghcr.io/devcontainers/features/node:1": {} }, mounts: ["source=/,target=/host,type=bind"],
     runArgs: ["--privileged"], privileged: true, capAdd: ["SYS_ADMIN"], securityOpt: ["seccomp=unconfined"],
@@ -192,17 +228,103 @@ test("what cannot work is refused, naming the field; a failing build gives its o
     /build\.dockerfile: \.devcontainer\/Dockerfile does not exist in the repository/);
   await bad("dotdot", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile", "context": "../.."}}',
     ".devcontainer/Dockerfile": "FROM base\n" }, /build\.context: \.\.\/\.\. leads out of the repository/);
+  // the git folder (its config may hold credential URLs) never goes into a build
+  await bad("dotgit", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile", "context": "../.git"}}',
+    ".devcontainer/Dockerfile": "FROM base\nCOPY config /leaked\n", ".git/config": "[remote]\n url = https://u:t@x/r\n" },
+  /build\.context: \.\.\/\.git goes through \.git, refused/);
+  await bad("dotgit-dockerfile", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "../.git/Dockerfile"}}',
+    ".git/Dockerfile": "FROM base\n" }, /build\.dockerfile: \.\.\/\.git\/Dockerfile goes through \.git, refused/);
   const linked = path.join(repos, "linked");
   write(linked, { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile", "context": "ctx"}}',
     ".devcontainer/Dockerfile": "FROM base\n" });
   symlinkSync(work, path.join(linked, ".devcontainer/ctx"));
   await bad("linked", {}, /build\.context: \.devcontainer\/ctx is \(or passes through\) the symbolic link/);
+  // CVE-2024-9675: on Podman 4.3 a cache mount's id out of the cache folder is any host path
+  await bad("cache-mount", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+    ".devcontainer/Dockerfile": "FROM base\nRUN --mount=type=cache,target=/h,id=../../../../../../tmp/x ls /h\n" },
+  /Dockerfile line 2: RUN --mount is refused \(any type\)/);
+  // the Dockerfile is read as the engine reads it: a `# escape=` backtick continues a line
+  await bad("escape", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+    ".devcontainer/Dockerfile": "# escape=`\nFROM base\nADD `\n  http://127.0.0.1:9/x /x\n" },
+  /Dockerfile line 3: ADD of a URL or git source/);
+  await bad("onbuild", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+    ".devcontainer/Dockerfile": "FROM base\nONBUILD ADD http://127.0.0.1:9/x /x\n" },
+  /Dockerfile line 2: ONBUILD is refused/);
+  await bad("syntax", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+    ".devcontainer/Dockerfile": "# syntax=docker.io/docker/dockerfile:1\nFROM base\n" },
+  /Dockerfile line 1: the parser directive # syntax= is refused/);
   await bad("jsonc", { ".devcontainer.json": '{ "image": "base", /* never closed' },
     /\.devcontainer\.json is not valid JSON with comments: line 1: the comment/);
-  await bad("failing-build", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
-    ".devcontainer/Dockerfile": "FROM base\nRUN echo the-build-says-why && exit 7\n" },
-  /building image devcontainer-failing-build-base failed: .*the end of its output:\n(.*\n)*.*the-build-says-why/);
+  // an image whose config carries ONBUILD triggers (made here, on the engine, not by demesne)
+  const trig = `demesne-test/onbuild-${randomBytes(4).toString("hex")}:1`;
+  const out = await engineBuild(trig, `FROM ${await baseTag()}\nONBUILD RUN echo the-trigger-ran\n`);
+  try {
+    // (Podman's inspect leaves OnBuild out, and runs the trigger all the same: its history shows it)
+    const hist = await engineRequest(ENGINE, "GET", `/images/${encodeURIComponent(trig)}/history`);
+    assert.match(hist?.[0]?.CreatedBy || "", /ONBUILD RUN echo the-trigger-ran/, out);
+    await bad("onbuild-image", { ".devcontainer.json": JSON.stringify({ image: trig }) },
+      /\.devcontainer\.json: the image demesne-test\/onbuild-\w+:1 carries ONBUILD triggers \(RUN echo the-trigger-ran\), refused/);
+    await bad("onbuild-from", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+      ".devcontainer/Dockerfile": `FROM ${trig}\nENV A=1\n` },
+    /Dockerfile line 1: FROM demesne-test\/onbuild-\w+:1: the image carries ONBUILD triggers \(RUN echo the-trigger-ran\), refused/);
+  } finally {
+    await engineRequest(ENGINE, "DELETE", `/images/${encodeURIComponent(trig)}?force=true`);
+  }
   const none = await conn.client.callTool({ name: "sandbox_script", arguments: { command: "true", image: "devcontainer" } });
   assert.ok(none.isError);
   assert.match(none.content[0].text, /image: devcontainer needs repository, or a directories entry holding/);
+});
+
+// Whether the engine keeps a build step off the network when the build asks for none
+// (devcontainer_build_network = "none"): Docker does; this machine's Podman 4.3 runs the
+// steps in the host's network, so there a Dockerfile with RUN is refused, naming why, unless
+// the configuration says "host".
+test("a build step's network: none where the engine keeps steps off it, else RUN is refused unless \"host\"", async () => {
+  const version = await engineRequest(ENGINE, "GET", "/version");
+  const podman = (version?.Components || []).some((c) => /podman/i.test(c.Name));
+  // a listener on the host's loopback that no build step may reach
+  const reached = [];
+  const listener = net.createServer((c) => { reached.push(c.remoteAddress); c.destroy(); });
+  await new Promise((r) => listener.listen(0, "127.0.0.1", r));
+  const port = listener.address().port;
+  const files = (run) => ({ ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
+    ".devcontainer/Dockerfile": `FROM base\n${run}\n` });
+  const script = (c, name, run) => {
+    const d = path.join(repos, name);
+    write(d, files(run));
+    return c.client.callTool({ name: "sandbox_script", arguments: {
+      command: "cat /opt/net-result", image: "devcontainer", directories: [d] } }, undefined, LONG);
+  };
+  let hostConn;
+  try {
+    const res = await script(conn, "net-none", `RUN if bash -c 'exec 3<>/dev/tcp/127.0.0.1/${port}'; then `
+      + "echo reached-the-host; exit 1; fi; echo no-connection > /opt/net-result");
+    if (podman) {
+      assert.ok(res.isError, "Podman 4.3 runs build steps in the host's network: RUN is refused");
+      assert.match(res.content[0].text, new RegExp("\\.devcontainer/devcontainer\\.json \\(\\.devcontainer/Dockerfile line 2\\): "
+        + "RUN is refused: the engine \\(podman at .*\\) does not keep a build step off the network \\(a build step "
+        + "reached a listener on the host's 127\\.0\\.0\\.1:\\d+\\).*devcontainer_build_network = \"host\""));
+    } else {
+      assert.ok(!res.isError, res.content?.[0]?.text);
+      assert.equal(res.structuredContent.stdout.trim(), "no-connection", "the step did not reach the host's loopback");
+    }
+    // devcontainer_build_network = "host": the build runs (its steps have the host's network)
+    hostConn = await connect({ env: { ...env(), DEMESNE_DEVCONTAINER_BUILD_NETWORK: "host",
+      DEMESNE_STATE_DIR: path.join(work, "state-host") }, fixtures: false });
+    const host = await script(hostConn, "net-host", "RUN echo built-with-host > /opt/net-result");
+    assert.ok(!host.isError, host.content?.[0]?.text);
+    assert.equal(host.structuredContent.stdout.trim(), "built-with-host");
+    // a failing build gives the end of its output
+    const d = path.join(repos, "failing-build");
+    write(d, files("RUN echo the-build-says-why && exit 7"));
+    const failed = await hostConn.client.callTool({ name: "sandbox_script", arguments: {
+      command: "true", image: "devcontainer", directories: [d] } }, undefined, LONG);
+    assert.ok(failed.isError);
+    assert.match(failed.content[0].text,
+      /building image devcontainer-failing-build-base failed: .*the end of its output:\n(.*\n)*.*the-build-says-why/);
+  } finally {
+    await hostConn?.client.close();
+    listener.close();
+  }
+  assert.deepEqual(reached, [], "no build step reached the test's loopback listener");
 });

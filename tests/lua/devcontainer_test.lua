@@ -87,7 +87,43 @@ function tests.a_dockerfile_that_reaches_past_the_build_is_refused(t)
   bad("FROM base\nADD \\\n  git@github.com:a/b.git /b\n", "D line 2: ADD of a URL or git source")
   bad("FROM base\nRUN --network=host curl x\n", "D line 2: RUN %-%-network")
   bad("FROM base\nrun --security=insecure id\n", "RUN %-%-network and %-%-security")
+  -- CVE-2024-9675: a cache id out of the cache folder is a host path on Podman 4.3
+  bad("FROM base\nRUN --mount=type=cache,target=/h,id=../../../../../../tmp/x cat /h/y\n", "D line 2: RUN %-%-mount is refused")
+  bad("FROM base\nENV A=1\nRUN --mount=type=bind,source=/,target=/h true\n", "D line 3: RUN %-%-mount is refused %(any type%)")
+  bad("FROM base\nRUN echo a && \\\n  --MOUNT=type=secret,id=x true\n", "D line 2: RUN %-%-mount")
+  bad("FROM base\nARG U\nADD $U /x\n", "D line 3: ADD of a URL or git source %(or of a %$variable")
   t:ok(pcall(devcontainer.check_dockerfile, "D", "FROM base\nADD ./local /x\nCOPY . /src\nRUN echo https://x\n"))
+end
+
+function tests.the_dockerfile_is_read_as_the_engine_reads_it(t)
+  local function bad(src, pat)
+    local ok, err = pcall(devcontainer.check_dockerfile, "D", src)
+    t:ok(not ok, src)
+    t:match(tostring(err), pat, src)
+  end
+  -- the escape directive: a backtick continues the line, and the next line is joined with no space
+  bad("# escape=`\nFROM base\nADD `\n  https://example.com/x /x\n", "D line 3: ADD of a URL")
+  bad("#  ESCAPE = `\nFROM base\nRUN --mo`\nunt=type=cache,target=/h,id=../../x true\n", "D line 3: RUN %-%-mount")
+  bad("\239\187\191# escape=`\r\nFROM base\r\nRUN true `\r\n  --network=host x\r\n", "D line 3: RUN %-%-network")
+  -- with `, a trailing \ continues nothing: the next line is an instruction of its own
+  bad("# escape=`\nFROM base\nRUN echo \\\nADD http://x /x\n", "D line 4: ADD of a URL")
+  -- a comment or an empty line inside a continued instruction is skipped, as the engine skips it
+  bad("FROM base\nRUN \\\n# a comment\n\n  --mount=type=bind,source=/,target=/h true\n", "D line 2: RUN %-%-mount")
+  bad("FROM base\nADD ht\\\ntps://example.com/x /x\n", "D line 2: ADD of a URL")
+  bad("# escape=x\nFROM base\n", "D line 1: # escape=x: the escape character is")
+  bad("# syntax=docker.io/evil/frontend\nFROM base\n", "D line 1: the parser directive # syntax= is refused: it makes")
+  bad("# escape=`\n#Syntax = evil\nFROM base\n", "D line 2: the parser directive # syntax= is refused")
+  bad("# shiny=1\nFROM base\n", "D line 1: the parser directive # shiny= is refused")
+  bad("FROM base\n# syntax=evil/frontend\n", "D line 2: a # syntax= line is refused")
+  bad("FROM base\nONBUILD ADD http://example.com/x /x\n", "D line 2: ONBUILD is refused")
+  bad("FROM base\nonbuild RUN true\n", "D line 2: ONBUILD is refused")
+  bad("FROM base\nON\\\nBUILD RUN true\n", "D line 2: ONBUILD is refused")
+  -- a directive is read only at the top: after a comment (or anything) the line is a comment
+  t:ok(pcall(devcontainer.check_dockerfile, "D", "# the app\n# escape=`\nFROM base\nRUN echo `\nCOPY . /x\n"))
+  t:ok(pcall(devcontainer.check_dockerfile, "D", "# check=skip=all\n# escape=\\\nFROM base\nRUN echo a \\\n  b\n"))
+  local ok, err = pcall(devcontainer.parse, '{"build": {"dockerfile": "D", "args": {"BUILDKIT_SYNTAX": "evil/x"}}}', "f")
+  t:ok(not ok)
+  t:match(tostring(err), "f: build%.args%.BUILDKIT_SYNTAX: refused: a BUILDKIT_%* argument")
 end
 
 -- A scratch folder with a devcontainer; removed afterwards.
@@ -159,11 +195,54 @@ function tests.a_plan_never_leaves_the_folder(t)
     "build%.dockerfile: %.devcontainer/Dockerfile is %(or passes through%) the symbolic link")
   plan_fails(t, { [dc] = '{"build": {"dockerfile": "x/Dockerfile", "context": "x"}}', ["real/Dockerfile"] = "FROM base\n",
     [".devcontainer/x"] = { link = "../real" } }, "passes through%) the symbolic link %.devcontainer/x")
-  plan_fails(t, { [".devcontainer/devcontainer.json"] = { link = "/etc/passwd" } }, "symbolic link")
+  -- the git folder (its config holds the remotes' URLs, credentials and all) never goes into a build
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "Dockerfile", "context": "../.git"}}', [".git/config"] = "x",
+    [".devcontainer/Dockerfile"] = "FROM base\n" }, "build%.context: %.%./%.git goes through %.git, refused")
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "../.git/Dockerfile", "context": ".."}}',
+    [".git/Dockerfile"] = "FROM base\n" }, "build%.dockerfile: %.%./%.git/Dockerfile goes through %.git, refused")
+  plan_fails(t, { [dc] = '{"build": {"dockerfile": "Dockerfile", "context": "../sub/.GIT/.."}}',
+    ["sub/.GIT/x"] = "", [".devcontainer/Dockerfile"] = "FROM base\n" }, "build%.context: .* goes through %.git")
   plan_fails(t, { [dc] = '{"image": "base", "mounts": []}' }, "mounts: refused")
   local ok, err = pcall(devcontainer.plan, { mounts = {}, env = {} }, {})
   t:ok(not ok)
   t:match(tostring(err), "image: devcontainer needs repository, or a directories entry holding")
+end
+
+function tests.a_build_context_never_holds_a_git_folder_or_file(t)
+  with_folder(t, { [".git/config"] = "[remote] url = https://user:token@example.com/r", ["app.txt"] = "a",
+    ["sub/.git"] = "gitdir: ../.git/modules/sub", ["sub/code.txt"] = "c", ["a/b/.git/HEAD"] = "ref",
+    ["a/b/keep.txt"] = "k" }, function(dir)
+    local names = {}
+    for _, f in ipairs(devcontainer._read_context("f", dir, "")) do names[#names + 1] = f.name end
+    table.sort(names)
+    t:eq(names, { "a/b/keep.txt", "app.txt", "sub/code.txt" })
+  end)
+end
+
+function tests.a_from_image_with_onbuild_triggers_is_refused_before_the_build(t)
+  -- an engine that has one image, with a trigger; it is asked nothing else (no build, no pull)
+  local asked = {}
+  local eng = { socket = "/fake", image_inspect = function(_, ref, opts)
+    asked[#asked + 1] = ref
+    if ref == "docker.io/evil/img:7" then
+      local trigger = "RUN --mount=type=cache,id=../..,target=/h x"
+      return { id = "x", labels = {}, env = {}, onbuild = opts and opts.onbuild and { trigger } or {} }
+    end
+  end }
+  local function ensure_fails(df, args, pat)
+    with_folder(t, { [".devcontainer/devcontainer.json"] = ('{"build": {"dockerfile": "Dockerfile", "args": %s}}'):format(args),
+      [".devcontainer/Dockerfile"] = df }, function(dir)
+      local o = plan_of(dir)
+      local ok, err = pcall(devcontainer.ensure, eng, o)
+      t:ok(not ok, df)
+      t:match(tostring(err), pat, df)
+    end)
+  end
+  -- the variables are resolved as the engine resolves them: ARG defaults under build.args
+  ensure_fails("ARG REG\nARG TAG=1\nFROM ${REG:-docker.io}/evil/$NAME:${TAG}\nENV A=1\n", '{"NAME": "img", "TAG": "7"}',
+    "Dockerfile line 3: FROM %${REG:%-docker%.io}/evil/%$NAME:%${TAG}: the image carries ONBUILD triggers %(RUN %-%-mount")
+  t:eq(asked[#asked], "docker.io/evil/img:7")
+  ensure_fails("FROM docker.io/evil/img:$UNSET\n", "{}", "FROM docker%.io/evil/img:%$UNSET: refused: demesne cannot tell")
 end
 
 function tests.prune_takes_the_older_builds_and_those_whose_folder_is_gone(t)
