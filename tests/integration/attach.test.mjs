@@ -44,7 +44,13 @@ before(async () => {
   });
   conn = await connect({ env, fixtures: false });
 });
-after(async () => { await conn?.client.close(); await vendor?.close(); });
+// every driver started, so that a failed test cannot leave one waiting for its next step
+// (its stdin open), which would keep this file from ever ending
+const drivers = [];
+after(async () => {
+  for (const d of drivers) { d.stdin.end(); if (d.exitCode === null) d.kill("SIGKILL"); }
+  await conn?.client.close(); await vendor?.close();
+});
 
 async function call(name, args) {
   const r = await conn.client.callTool({ name, arguments: args }, undefined, { timeout: 300_000 });
@@ -55,6 +61,7 @@ async function call(name, args) {
 /** `demesne attach ARGS` on a pseudo-terminal of 24x80; request(obj) sends one step. */
 function attach(...args) {
   const child = spawn("python3", [DRIVE, BIN, "attach", ...args], { env: { ...serverEnv(env), TERM: "xterm" } });
+  drivers.push(child);
   const lines = createInterface({ input: child.stdout });
   const waiting = [];
   lines.on("line", (l) => waiting.shift()?.(JSON.parse(l)));
