@@ -578,6 +578,46 @@ static int l_dir_read(lua_State *L) {
   return 1;
 }
 
+/// dir:list([rel], max) -> {name...}, more | nil, msg, code. The names in the folder `rel`
+/// ("" or none: the held folder itself), at most `max` of them, in the order the file system
+/// gives (sort them yourself); `more` is true when the folder holds more. Confined like
+/// dir:open (no link followed on the way, the folder itself not a link); reads at most
+/// `max` + 1 entries, so a folder of a million names costs no more than one of `max`.
+static int l_dir_list(lua_State *L) {
+  dm_dir *d = check_dir(L, 1);
+  int top = lua_gettop(L);
+  const char *rel = top >= 3 ? luaL_optstring(L, 2, "") : "";
+  lua_Integer max = luaL_checkinteger(L, top >= 3 ? 3 : 2);
+  luaL_argcheck(L, max >= 0 && max <= 1000000, top >= 3 ? 3 : 2, "max must be 0 to 1000000");
+  int fd = dm_cf_open_dir(d->fd, rel);
+  if (fd < 0) return fail_at(L, "list", d, rel, errno);
+  DIR *dir = fdopendir(fd);
+  if (!dir) {
+    int e = errno;
+    close(fd);
+    return fail_at(L, "list", d, rel, e);
+  }
+  lua_createtable(L, max < 64 ? (int)max : 64, 0);
+  lua_Integer n = 0;
+  int more = 0;
+  struct dirent *de;
+  errno = 0;
+  while ((de = readdir(dir)) != NULL) {
+    if (!strcmp(de->d_name, ".") || !strcmp(de->d_name, "..")) continue;
+    if (n >= max) {
+      more = 1;
+      break;
+    }
+    lua_pushstring(L, de->d_name);
+    lua_rawseti(L, -2, ++n);
+  }
+  int e = errno;
+  closedir(dir);
+  if (!de && e) return fail_at(L, "list", d, rel, e);
+  lua_pushboolean(L, more);
+  return 2;
+}
+
 /// dir:stat([rel]) -> {type, size, mode, mtime, uid} | nil, msg, code. Follows nothing: a
 /// symlink at the end is described itself (type "link"); "" or none is the folder itself.
 static int l_dir_stat(lua_State *L) {
@@ -818,13 +858,21 @@ static int l_dir_close(lua_State *L) {
 }
 
 static const luaL_Reg dir_methods[] = {
-  {"opendir", l_dir_opendir}, {"open", l_dir_open},
-  {"read", l_dir_read},       {"stat", l_dir_stat},
-  {"mkdir", l_dir_mkdir},     {"unlink", l_dir_unlink},
-  {"rename", l_dir_rename},   {"write_atomic", l_dir_write_atomic},
-  {"chmod", l_dir_chmod},     {"remove_tree", l_dir_remove_tree},
-  {"usage", l_dir_usage},     {"statvfs", l_dir_statvfs},
-  {"close", l_dir_close},     {NULL, NULL},
+  {"opendir", l_dir_opendir},
+  {"open", l_dir_open},
+  {"read", l_dir_read},
+  {"stat", l_dir_stat},
+  {"list", l_dir_list},
+  {"mkdir", l_dir_mkdir},
+  {"unlink", l_dir_unlink},
+  {"rename", l_dir_rename},
+  {"write_atomic", l_dir_write_atomic},
+  {"chmod", l_dir_chmod},
+  {"remove_tree", l_dir_remove_tree},
+  {"usage", l_dir_usage},
+  {"statvfs", l_dir_statvfs},
+  {"close", l_dir_close},
+  {NULL, NULL},
 };
 static const luaL_Reg work_methods[] = {{"cancel", l_work_cancel}, {NULL, NULL}};
 

@@ -231,7 +231,8 @@ local function records_of(dir, rel)
 end
 
 --- The files of a node's /out, breadth first, at most FILES_MAX: {path, type ("file",
---- "directory", "link", "other"), size}. Links are listed, never followed.
+--- "directory", "link", "other"), size}. Links are listed, never followed; each folder is
+--- read through the held output folder (core.fs dir:list), at most the entries still to list.
 ---@param n TreeNode
 ---@return table[]
 function view.files(n)
@@ -241,7 +242,9 @@ function view.files(n)
   local queue = { { rel = "", depth = 0 } }
   while #queue > 0 and #out < FILES_MAX do
     local q = table.remove(queue, 1)
-    local names = fs.readdir(n.output_dir .. (q.rel ~= "" and ("/" .. q.rel) or "")) or {}
+    -- through the held folder (no link followed) and bounded: a folder of a million names
+    -- costs no more than the entries still to list
+    local names = root:list(q.rel, FILES_MAX - #out) or {}
     table.sort(names)
     for _, name in ipairs(names) do
       if #out >= FILES_MAX then break end

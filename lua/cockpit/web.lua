@@ -5,9 +5,12 @@
 --
 --   * who: a one-time login link (/login?t=<launch token>, printed by `demesne ui`) sets a
 --     session cookie (HttpOnly, SameSite=Strict); every other request must carry it (401).
---   * where from: Host must be exactly 127.0.0.1:<port> (421; DNS rebinding), a present
---     Origin exactly http://127.0.0.1:<port> (403), and Sec-Fetch-Site, when sent, same-origin
---     (or none for a navigation to the page itself).
+--   * where from: Host must be exactly localhost:<port> (421; DNS rebinding), a present
+--     Origin exactly http://localhost:<port> (403), and Sec-Fetch-Site, when sent, same-origin
+--     (or none for a navigation to the page itself). The page is named localhost, not
+--     127.0.0.1, because browsers keep cookies per host name, not per port: the port
+--     previews (lua/sandbox/preview.lua) are served on http://127.0.0.1:<port>, and a cookie of
+--     127.0.0.1 would be sent to every sandbox whose preview the person opens.
 --   * actions: POST /api/action only, with Content-Type application/json, an Origin, and the
 --     session's CSRF token in X-Demesne-CSRF (403 otherwise).
 --   * what runs: a strict Content-Security-Policy (scripts from this origin only, no inline
@@ -190,7 +193,7 @@ function web.start(o)
   -- Checks every request: Host, Origin, Sec-Fetch-Site. Returns true or answers it.
   local function where_from(conn, req, navigation)
     local h = req.headers
-    if h["host"] ~= ("127.0.0.1:%d"):format(port) then
+    if h["host"] ~= ("localhost:%d"):format(port) then
       fail(conn, 421, "the Host header names another server (DNS rebinding protection)")
       return false
     end
@@ -374,13 +377,13 @@ function web.start(o)
     self.streams[conn] = nil
     self.tails[conn] = nil
   end)
-  local bound, err = self.http:listen_tcp("127.0.0.1", o.port or 0, { tag = "ui", hosts = { "127.0.0.1" } })
+  local bound, err = self.http:listen_tcp("127.0.0.1", o.port or 0, { tag = "ui", hosts = { "localhost" } })
   if not bound then
     self.http:close()
-    return nil, ("cannot listen on 127.0.0.1: %s"):format(tostring(err))
+    return nil, ("cannot listen on 127.0.0.1:%d: %s"):format(o.port or 0, tostring(err))
   end
   port = bound
-  origin = ("http://127.0.0.1:%d"):format(port)
+  origin = ("http://localhost:%d"):format(port)
   scan()
   self.scan = timer.new()
   self.scan:start(SCAN_MS, SCAN_MS, function() async.spawn("cockpit scan", scan) end)

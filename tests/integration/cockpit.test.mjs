@@ -132,7 +132,7 @@ before(async () => {
     let out = "";
     ui.stdout.on("data", (c) => {
       out += c;
-      const m = out.match(/(http:\/\/127\.0\.0\.1:\d+\/login\?t=[0-9a-f]+)/);
+      const m = out.match(/(http:\/\/localhost:\d+\/login\?t=[0-9a-f]+)/);
       if (m) resolve(m[1]);
     });
     ui.on("exit", () => reject(new Error(`demesne ui exited:\n${out}`)));
@@ -311,7 +311,10 @@ test("the page's guards: cookie, Host, Origin, CSRF", async () => {
   assert.ok(cookie, "the session cookie");
   assert.equal(cookie.httpOnly, true);
   assert.equal(cookie.sameSite, "Strict");
-  const host = `127.0.0.1:${port}`;
+  // the page is named localhost: a cookie of 127.0.0.1 would go to every port preview
+  // (http://127.0.0.1:<port>, a sandbox's server) the person opens
+  assert.equal(cookie.domain, "localhost", "the cookie is localhost's, not the previews' 127.0.0.1");
+  const host = `localhost:${port}`;
   const auth = `demesne_ui=${cookie.value}`;
   assert.equal((await raw(port, { pathname: "/api/state", headers: { Host: host } })).status, 401, "no cookie");
   assert.equal((await raw(port, { pathname: "/api/state", headers: { Host: host, Cookie: "demesne_ui=wrong" } })).status,
@@ -320,12 +323,12 @@ test("the page's guards: cookie, Host, Origin, CSRF", async () => {
     headers: { Host: host } })).status, 403, "the one-time link works once");
   assert.equal((await raw(port, { pathname: "/api/state", headers: { Host: `evil.example:${port}`, Cookie: auth } }))
     .status, 421, "DNS rebinding: another Host");
-  assert.equal((await raw(port, { pathname: "/api/state", headers: { Host: `localhost:${port}`, Cookie: auth } }))
-    .status, 421);
+  assert.equal((await raw(port, { pathname: "/api/state", headers: { Host: `127.0.0.1:${port}`, Cookie: auth } }))
+    .status, 421, "the previews' host name is not the page's");
   assert.equal((await raw(port, { pathname: "/api/state", headers: { Host: host, Cookie: auth,
     Origin: "http://evil.example" } })).status, 403);
   assert.equal((await raw(port, { pathname: "/api/state", headers: { Host: host, Cookie: auth,
-    Origin: `http://127.0.0.1:${port + 1}` } })).status, 403, "another port is another origin");
+    Origin: `http://localhost:${port + 1}` } })).status, 403, "another port is another origin");
   const ok = await raw(port, { pathname: "/", headers: { Host: host, Cookie: auth } });
   assert.equal(ok.status, 200);
   assert.match(ok.headers["content-security-policy"], /script-src 'self';/);

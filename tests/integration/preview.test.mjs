@@ -233,7 +233,10 @@ test("a web server and a WebSocket echo in a sandbox at egress none, through the
     const c9 = await login(ex.url);
     res = await fetch(ex.url.split("?")[0], { headers: { cookie: c9 } });
     assert.equal(res.status, 502);
-    assert.match(await res.text(), /port 9 in the sandbox: connect: nothing accepts connections on 127\.0\.0\.1:9/);
+    // demesne-init's own word for it; Podman 4.3 can lose an exec's output when the exec ends
+    // at once, and then its attach error is what there is to say (a race of the engine's, seen
+    // once in a CI run): either way the port is named and nothing was served
+    assert.match(await res.text(), /^port 9 in the sandbox: (connect: nothing accepts connections on 127\.0\.0\.1:9|Error: read unixpacket .*connection reset by peer)/);
 
     // failures: already exposed, above previews_max (3 here), out of range
     assert.match(await err("sandbox_expose", { sandbox_id: sb.sandbox_id, port: 8000 }),

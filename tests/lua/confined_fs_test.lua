@@ -85,6 +85,30 @@ function tests.a_held_folder_never_follows_or_opens_what_the_sandbox_planted(t)
   t:eq(select(3, fs.open_beneath(s.tree, "fifo")), "EINVAL")
 end
 
+function tests.list_reads_a_held_folder_bounded_and_never_through_a_link(t)
+  local s <close> = scratch()
+  assert(fs.mkdir_p(s.tree .. "/many", 493))
+  for i = 1, 50 do assert(fs.write_atomic(("%s/many/f%02d"):format(s.tree, i), "")) end
+  assert(fs.symlink(s.path .. "/canary", s.tree .. "/to-canary"))
+  assert(fs.symlink(s.path .. "/canary", s.tree .. "/many/link"))
+  local d <close> = assert(fs.opendir(s.tree))
+  local names, more = d:list("many", 10)
+  t:eq({ #names, more }, { 10, true }, "at most max names, and word of more")
+  names, more = d:list("many", 100)
+  t:eq({ #names, more }, { 51, false }, "all of them (the link listed as a name)")
+  local top = d:list(100)
+  table.sort(top)
+  t:eq(top, { "many", "to-canary" }, "the held folder itself")
+  local none, err, code = d:list("to-canary", 10)
+  t:eq(none, nil, "a link to a folder is not listed")
+  t:ok(code == "ELOOP" or code == "ENOTDIR", tostring(err))
+  local below, _, bcode = d:list("many/link", 10)
+  t:eq(below, nil, "nor a link below")
+  t:ok(bcode == "ELOOP" or bcode == "ENOTDIR", tostring(bcode))
+  t:eq((d:list("../canary", 10)), nil, "nor a path out")
+  t:ok(canary_intact(s), "the canary is untouched")
+end
+
 function tests.remove_tree_runs_off_the_loop_and_never_follows_a_link(t)
   local s <close> = scratch()
   -- 3000 levels, with links to the canary on the way
