@@ -720,9 +720,7 @@ end
 local function ensure_base(eng, dc, ctx)
   local cfg = dc.cfg
   if cfg.image then
-    if not images.origin(cfg.image) and not eng:image_inspect(cfg.image) and os.getenv("DEMESNE_NO_PULL") ~= "1" then
-      eng:pull(cfg.image, 600000)
-    end
+    -- a reference the engine lacks is pulled there, with the host's registry credentials
     local img, err = images.ensure(eng, cfg.image, ctx)
     if not img then fail(("image: devcontainer: %s: image: %s"):format(dc.file, err)) end
     return img.ref
