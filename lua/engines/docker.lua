@@ -734,6 +734,20 @@ function Engine:list(labels)
   return out
 end
 
+-- POST /containers/{id}/exec with `body` (an ExecConfig). Returns the answer ({Id}), or nil,
+-- msg, code: ECONFLICT when the container does not run (Docker answers 409, Podman 4 a 500
+-- "container state improper").
+local function create_exec(self, id, body)
+  local t, err, code = ok_json(self, "POST", "/containers/" .. seg(id) .. "/exec", nil, body, "create exec")
+  if not t and code == "EENGINE" then
+    local info = self:inspect(id)
+    if info and info.state ~= "running" then
+      return nil, ("create exec: container %s is not running"):format(id), "ECONFLICT"
+    end
+  end
+  return t, err, code
+end
+
 --- Runs argv in a running container through the exec API and waits for it to end.
 --- opts: env (list "K=V"), workdir, user, timeout_ms (the host-side deadline for the whole
 --- run, from the exec's start; 0 or nil: none). Output is discarded (demesne-init writes it
@@ -746,20 +760,11 @@ end
 ---@return integer|nil code, string|nil err, string|nil ecode
 function Engine:exec(id, argv, opts)
   opts = opts or {}
-  local t, err, code = ok_json(self, "POST", "/containers/" .. seg(id) .. "/exec", nil, {
+  local t, err, code = create_exec(self, id, {
     Cmd = argv, Env = opts.env, WorkingDir = opts.workdir, User = opts.user,
     AttachStdout = true, AttachStderr = true, AttachStdin = false, Tty = false,
-  }, "create exec")
-  if not t then
-    -- a stopped container: Docker answers 409, Podman 4 500 ("container state improper")
-    if code == "EENGINE" then
-      local info = self:inspect(id)
-      if info and info.state ~= "running" then
-        return nil, ("create exec: container %s is not running"):format(id), "ECONFLICT"
-      end
-    end
-    return nil, err, code
-  end
+  })
+  if not t then return nil, err, code end
   local exec_id = t.Id
   local res
   local deadline = opts.timeout_ms and opts.timeout_ms > 0 and math.floor(opts.timeout_ms) or 0
@@ -843,18 +848,10 @@ end
 ---@param on_out fun(data: string|nil, stderr: string|nil)
 ---@return ExecStream|nil handle, string|nil err, string|nil code
 function Engine:exec_stream(id, argv, on_out)
-  local t, err, code = ok_json(self, "POST", "/containers/" .. seg(id) .. "/exec", nil, {
+  local t, err, code = create_exec(self, id, {
     Cmd = argv, AttachStdin = true, AttachStdout = true, AttachStderr = true, Tty = false,
-  }, "create exec")
-  if not t then
-    if code == "EENGINE" then
-      local info = self:inspect(id)
-      if info and info.state ~= "running" then
-        return nil, ("create exec: container %s is not running"):format(id), "ECONFLICT"
-      end
-    end
-    return nil, err, code
-  end
+  })
+  if not t then return nil, err, code end
   local s, cerr, ccode = async.await(function(cb)
     local ok, e, c = stream.connect_unix(self.socket, cb)
     if not ok then cb(nil, e, c) end

@@ -295,6 +295,18 @@ local function shallow_copy(field, info, scratch, dir, branch, depth)
   end
 end
 
+-- Saves a plan's repository (repo.save) and wraps its command so that it runs in the clone
+-- (/.demesne/repo/run.sh CMD…, from /workspace), with the repository's variables. Returns o.repo.
+local function wrap(o)
+  repo.save(o)
+  local argv = { "/bin/sh", repo.MOUNT .. "/run.sh" }
+  for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do argv[#argv + 1] = a end
+  o.argv = argv
+  o.cwd = "/workspace"
+  repo.add_env(o)
+  return o.repo
+end
+
 --- Plans a run on a host repository: checks it (repo.inspect), bundles HEAD (and the
 --- uncommitted work) into the plan's private scratch folder, mounts it at /.demesne/repo
 --- and wraps the plan's command so that it runs in the clone at /workspace/<basename> and
@@ -394,13 +406,7 @@ function repo.prepare(o, path, opts)
     path = inside, notes = info.notes, dir = dir, expect = opts.expect, name = name, objects = info.objects,
     depth = depth and (base ~= info.head and depth + 1 or depth) or nil }
   o.repo.context = opts.context
-  repo.save(o)
-  local argv = { "/bin/sh", repo.MOUNT .. "/run.sh" }
-  for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do argv[#argv + 1] = a end
-  o.argv = argv
-  o.cwd = "/workspace"
-  repo.add_env(o)
-  return o.repo
+  return wrap(o)
 end
 
 local SAVED = { "host", "field", "base", "host_head", "branch", "ref", "path", "notes", "dir", "expect", "name",
@@ -479,13 +485,7 @@ function repo.prepare_child(o, spec, opts)
   o.repo = { host = p.host, field = "repository", base = base, host_head = p.host_head, branch = branch,
     ref = ref, path = p.path .. "--" .. spec.name, notes = {}, dir = dir, name = name, objects = p.objects,
     source = p.path, context = opts.context, expect = opts.expect }
-  repo.save(o)
-  local argv = { "/bin/sh", repo.MOUNT .. "/run.sh" }
-  for _, a in ipairs(o.argv or { "/bin/sh", "-c", o.command }) do argv[#argv + 1] = a end
-  o.argv = argv
-  o.cwd = "/workspace"
-  repo.add_env(o)
-  return o.repo
+  return wrap(o)
 end
 
 --- The read-only mount of a plan's repository folder (run.sh, settings, the bundle) at
