@@ -185,7 +185,9 @@ test("the host's own proxy: allowed requests go through HTTPS_PROXY/HTTP_PROXY, 
       ["GET", `http://${Ahttp()}/via-plain`, true],
       ["CONNECT", `a.b.allowed.test:${hostA.httpsPort}`, true]]);
     assert.equal(up.seen[1].sandboxAuth, "1", "the sandbox's own headers are forwarded");
-    const log = egressLog(r);
+    // a record is written when its connection ends (the plain GET's may come after the next
+    // curl's refusal), so in the order the requests began (`time`; the curls run one by one)
+    const log = egressLog(r).sort((a, b) => Date.parse(a.time) - Date.parse(b.time));
     assert.deepEqual(log.map((l) => [l.method, l.host, l.verdict, l.via ?? null]), [
       ["CONNECT", "allowed.test", "allow", `http://…@127.0.0.1:${up.port}`],
       ["GET", "allowed.test", "allow", `http://…@127.0.0.1:${up.port}`],
