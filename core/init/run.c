@@ -43,6 +43,8 @@ struct run {
 	int wstatus;
 	int fail_stage, fail_errno; // fail_stage 0: the child reported no failure
 	bool timed_out, cancelled;
+	uint32_t host_line;   // the last four bytes of the host's current line (run_read_host)
+	int host_len;         // its length so far, at most 5
 	long long oom_before; // the sandbox cgroup's OOM-kill count at the start; -1: unknown
 	enum phase phase;
 	int64_t start_real, start_mono, end_real, end_mono;
@@ -307,8 +309,41 @@ static int run_wakeup(const struct run *r, int64_t now)
 	return at - now > INT_MAX ? INT_MAX : (int)(at - now);
 }
 
+// The host's "kill" line on the control connection (docs/reference/demesne-init.md,
+// "Control socket"): SIGKILL to the whole command at once, without the engine's kill (the
+// output quota's stop, lua/sandbox/oneshot.lua). Bytes are read without waiting; any other
+// line the host sends is ignored. Returns false once the host hung up (or the socket
+// failed): the connection is no longer watched.
+static bool run_read_host(struct run *r, int fd)
+{
+	unsigned char b[64];
+	for (;;) {
+		ssize_t n = recv(fd, b, sizeof b, MSG_DONTWAIT);
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+			return true;
+		if (n <= 0)
+			return false;
+		for (ssize_t i = 0; i < n; i++) {
+			// the current line's last four bytes and its length (up to 5: "longer")
+			if (b[i] == '\n') {
+				if (r->host_len == 4 &&
+				    r->host_line == ((uint32_t)'k' << 24 | (uint32_t)'i' << 16 | 'l' << 8 | 'l'))
+					run_stop(r, SIGKILL);
+				r->host_line = 0;
+				r->host_len = 0;
+			} else {
+				r->host_line = r->host_line << 8 | b[i];
+				r->host_len += r->host_len < 5;
+			}
+		}
+	}
+}
+
 static void run_loop(struct run *r, int sfd)
 {
+	int host = notify_fd; // the control connection's host, watched for "kill"
 	for (;;) {
 		if (!r->child_done) {
 			(void)reap_children(r->child, &r->wstatus, &r->child_done);
@@ -325,8 +360,11 @@ static void run_loop(struct run *r, int sfd)
 		run_deadlines(r, now);
 		if (run_done(r, now))
 			return;
-		struct pollfd pfd[2] = { { .fd = sfd, .events = POLLIN }, { .fd = r->ep, .events = POLLIN } };
-		int n = poll(pfd, r->ep >= 0 ? 2 : 1, run_wakeup(r, now));
+		// (poll ignores an entry whose fd is negative)
+		struct pollfd pfd[3] = { { .fd = sfd, .events = POLLIN },
+					 { .fd = r->ep, .events = POLLIN },
+					 { .fd = host, .events = POLLIN } };
+		int n = poll(pfd, 3, run_wakeup(r, now));
 		if (n < 0) {
 			if (errno != EINTR) {
 				diag("run: poll: %s", strerror(errno));
@@ -338,6 +376,8 @@ static void run_loop(struct run *r, int sfd)
 			run_read_signals(r, sfd);
 		if (r->ep >= 0 && pfd[1].revents)
 			run_read_reports(r);
+		if (host >= 0 && pfd[2].revents && !run_read_host(r, host))
+			host = -1;
 	}
 }
 

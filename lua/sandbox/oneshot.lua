@@ -221,6 +221,9 @@ function oneshot.watch_quota(o)
   if o.quota_watch or not (o.id and o.output_dir) or o.removed then return end
   local eng, id = o.engine, o.id
   o.quota_watch = quota.watch(o.output_dir, o.run_id or o.name, function()
+    -- demesne-init kills the command at once (a loaded engine's kill can take a second, while
+    -- a writer fills the page cache at gigabytes a second); the engine's kill makes sure
+    if o.conn then o.conn:kill() end
     local ok, err = (eng.kill and eng.kill or eng.remove)(eng, id, "KILL")
     if not ok then log.warning("demesne.sandbox", "%s: kill: %s", tostring(o.name or id), tostring(err)) end
   end)

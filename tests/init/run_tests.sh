@@ -293,7 +293,7 @@ fi
 # ctl SOCKET OP ARGS... [--env=K=V]...: sends one request, prints every reply line (and
 # "refused" when the connection is closed without one). `ctl SOCKET raw HEX` sends bytes.
 cat >"$T/ctl.py" <<'PY'
-import socket, struct, sys
+import os, socket, struct, sys, time
 path, op, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
 env = [a[6:] for a in rest if a.startswith("--env=")]
 args = [a for a in rest if not a.startswith("--env=")]
@@ -310,7 +310,14 @@ try:
 except OSError:
     pass
 data = b""
+# CTL_THEN: bytes sent once "started" arrives, each "|" a pause between two sends
+then = os.environ.get("CTL_THEN", "").encode().decode("unicode_escape").encode()
 while True:
+    if then and b"started" in data:
+        for i, part in enumerate(then.split(b"|")):
+            if i: time.sleep(0.2)
+            s.sendall(part)
+        then = b""
     try:
         d = s.recv(4096)
     except OSError:
@@ -359,6 +366,13 @@ out=$(ctl "$C/w.sock" run --id main --dir "$C/w" --stdout "$C/w.out" --env=X=1 -
 wait "$WP"; rc=$?
 check "wait: runs the one command it is sent, exits with its code" eq "$(echo $out | sed 's/started [0-9]*/started/')/$rc/$(cat "$C/w.out")" "ok started exit 5/5/x=1"
 check "  and its socket is gone: nobody can send a second one" sh -c '[ ! -e "$1" ]' _ "$C/w.sock"
+"$BIN" wait --control "$C/wk.sock" 2>"$C/wk.err" &
+WP=$!; STRAYS="$STRAYS $WP"
+wait_sock "$C/wk.sock"
+out=$(CTL_THEN='xkill\nkil|l\n' timeout 30 python3 "$T/ctl.py" "$C/wk.sock" run --id wk --dir "$C/wk" -- sh -c 'sleep 600 & wait')
+wait "$WP"; rc=$?
+check "wait: the host's \"kill\" line (after another line, split over two writes) SIGKILLs the command" \
+	eq "$(echo $out | sed 's/started [0-9]*/started/')/$rc/$(field "$C/wk/status.json" signal)" "ok started exit 137/137/9"
 "$BIN" wait --control "$C/w2.sock" 2>/dev/null &
 WP=$!; STRAYS="$STRAYS $WP"
 wait_sock "$C/w2.sock"

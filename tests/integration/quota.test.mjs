@@ -18,9 +18,9 @@ const work = mkdtempSync(path.join(tmpdir(), "demesne-quota-"));
 const MB = 1000 * 1000;
 const QUOTA = 50 * MB;
 // The overshoot docs/reference/configuration.md states ("the output quota"): what a writer
-// at full speed writes while the watcher notices (10 ms) and the engine kills (up to about
-// a second): at most this past the quota; under gVisor, whose own page cache holds writes
-// the host sees later, more.
+// at full speed writes while the watcher notices (10 ms) and the sandbox is killed
+// (demesne-init at once, or the engine, up to a second or more when loaded): at most this
+// past the quota; under gVisor, whose own page cache holds writes the host sees later, more.
 const OVERSHOOT = (process.env.DEMESNE_TEST_ISOLATION === "gvisor" ? 1536 : 1024) * 1024 * 1024;
 const env = {
   DEMESNE_ENGINE: ENGINE,
