@@ -257,14 +257,26 @@ function snapshot.prune(eng, spare)
   local ok, list = pcall(snapshots.list, eng, nil)
   if not ok then return 0 end
   local now, keep, cap = loop.time(), config.get("snapshot_keep_seconds"), config.get("snapshot_max_count")
-  local n = 0
-  for i, s in ipairs(list) do
-    if s.snapshot_id ~= spare and (s.created + keep < now or i > cap) then
-      local removed = eng:image_remove(s.ref)
-      if removed then
-        n = n + 1
-        log.info("demesne.reaper", "removed snapshot %s (%s)", s.snapshot_id,
-          s.created + keep < now and "past snapshot_keep_seconds" or "past snapshot_max_count")
+  -- the spared one counts first, as the newest, wherever the list (ordered by the commit's
+  -- second) puts it: two snapshots of one second are in either order
+  local kept, n = 0, 0
+  for _, s in ipairs(list) do
+    if s.snapshot_id == spare then kept = kept + 1 end
+  end
+  for _, s in ipairs(list) do
+    if s.snapshot_id ~= spare then
+      local expired = s.created + keep < now
+      if expired or kept >= cap then
+        local removed = eng:image_remove(s.ref)
+        if removed then
+          n = n + 1
+          log.info("demesne.reaper", "removed snapshot %s (%s)", s.snapshot_id,
+            expired and "past snapshot_keep_seconds" or "past snapshot_max_count")
+        else
+          kept = kept + 1 -- a sandbox still runs from it: it stays, and counts
+        end
+      else
+        kept = kept + 1
       end
     end
   end
