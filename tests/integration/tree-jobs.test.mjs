@@ -144,7 +144,8 @@ test("a script node's final usage.json holds the host's numbers, not what the sa
 test("a research child's /out counts against its root's output quota while it runs", async () => {
   const MB = 1024 * 1024;
   vendor.plan("fill", [
-    { shell: "head -c 80000000 /dev/zero > /out/data && echo wrote; sleep 30" },
+    // 30 MB: under the quota on its own (its own watch does not stop it), over it with the root's 30 MB
+    { shell: "head -c 30000000 /dev/zero > /out/data && echo wrote; sleep 30" },
     { final: "filled" },
   ], { input: 10, output: 5 });
   const c = await connect({ fixtures: false, env: {
@@ -157,7 +158,7 @@ test("a research child's /out counts against its root's output quota while it ru
   try {
     const spawn = JSON.stringify({ name: "filler", prompt: "Fill /out. PLAN:fill", model: "sonnet", timeout_seconds: 120 });
     const res = await c.client.callTool({ name: "sandbox_script", arguments: { ...INPUTS, mcp: true, timeout_seconds: 150,
-      command: `python3 /in/tree/mcp-client.py sandbox_research '${spawn}' > /out/filler.json; echo child-done; sleep 60` } },
+      command: `head -c 30000000 /dev/zero > /out/mine && python3 /in/tree/mcp-client.py sandbox_research '${spawn}' > /out/filler.json; echo child-done; sleep 60` } },
     undefined, LONG);
     assert.ok(!res.isError, res.content?.[0]?.text);
     const root = res.structuredContent;
