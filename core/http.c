@@ -675,6 +675,7 @@ dm_http_req *dm_http_start(dm_http *h, const dm_http_opts *o, const dm_http_hand
   SET(CURLOPT_OPENSOCKETFUNCTION, open_socket_cb);
   SET(CURLOPT_OPENSOCKETDATA, r);
   if (o->unix_socket) SET(CURLOPT_UNIX_SOCKET_PATH, o->unix_socket);
+  if (o->ca_file) SET(CURLOPT_CAINFO, o->ca_file);
   if (o->timeout_ms > 0) SET(CURLOPT_TIMEOUT_MS, o->timeout_ms);
   if (o->connect_timeout_ms > 0) SET(CURLOPT_CONNECTTIMEOUT_MS, o->connect_timeout_ms);
 

@@ -53,6 +53,8 @@ typedef struct dm_http_opts {
   long timeout_ms;         ///< total time limit, 0 = none
   long connect_timeout_ms; ///< connect phase limit, 0 = curl's default (300 s)
   uint64_t max_body_bytes; ///< response body cap in bytes, 0 = none ("E2BIG")
+  const char *ca_file;     ///< PEM certificate authorities that verify the server (https),
+                           ///< in place of the system's (CURLOPT_CAINFO), or NULL
 } dm_http_opts;
 
 /// Request callbacks; `ud` is the pointer given to dm_http_start().

@@ -242,6 +242,7 @@ static int l_request(lua_State *L) {
   o.body = opt_string(L, "body", &o.body_len);
   o.body_file = opt_string(L, "body_file", NULL);
   o.output_file = opt_string(L, "output_file", NULL);
+  o.ca_file = opt_string(L, "ca_file", NULL);
   luaL_argcheck(L, !(o.body && o.body_file), 1, "fields 'body' and 'body_file' exclude each other");
   int data_idx = opt_field(L, "on_data", LUA_TFUNCTION, "a function") ? lua_gettop(L) : 0;
   int head_idx = opt_field(L, "on_headers", LUA_TFUNCTION, "a function") ? lua_gettop(L) : 0;

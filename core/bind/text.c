@@ -1,4 +1,5 @@
 /* core.text: byte-level text helpers that would be slow in Lua. */
+#include <openssl/evp.h>
 #include "runtime.h"
 #include "bind/bind.h"
 #include <stdio.h>
@@ -134,6 +135,21 @@ static int l_last_lines(lua_State *L) {
     }
   }
   lua_pushinteger(L, (lua_Integer)pos + 1);
+  return 1;
+}
+
+/// core.text.sha256(s) -> string: the SHA-256 digest of `s` (FIPS 180-4, by OpenSSL's
+/// libcrypto), 64 lower-case hex digits: an OCI content digest without its "sha256:".
+static int l_sha256(lua_State *L) {
+  size_t n;
+  const char *s = luaL_checklstring(L, 1, &n);
+  unsigned char md[EVP_MAX_MD_SIZE];
+  unsigned int len = 0;
+  if (EVP_Digest(s, n, md, &len, EVP_sha256(), NULL) != 1 || len != 32)
+    return luaL_error(L, "sha256: libcrypto failed");
+  char out[65];
+  for (unsigned int i = 0; i < len; i++) snprintf(out + 2 * i, 3, "%02x", md[i]);
+  lua_pushlstring(L, out, 64);
   return 1;
 }
 
@@ -293,6 +309,7 @@ static int l_json_raw(lua_State *L) {
 
 static const luaL_Reg funcs[] = {
   {"hash", l_hash},
+  {"sha256", l_sha256},
   {"json_raw", l_json_raw},
   {"utf8_clean", l_utf8_clean},
   {"utf8_floor", l_utf8_floor},
