@@ -101,6 +101,11 @@ function schemas.run_result(extra)
       .. "sandbox stopped, output_max_bytes, and which limit it passed",
       properties = { written_bytes = { type = "integer" }, max_bytes = { type = "integer" },
         detail = { type = "string" } } },
+    devcontainer = { type = "object", description = "with image \"devcontainer\": the folder and file it came from, "
+      .. "the image built, its forwardPorts, the create steps run, the features installed (in order) and notes",
+      properties = { source = { type = "string" }, file = { type = "string" }, image = { type = "string" },
+        ports = { type = "array", items = { type = "integer" } }, steps = { type = "array", items = { type = "string" } },
+        features = { type = "array", items = { type = "string" } }, notes = { type = "array", items = { type = "string" } } } },
   }
   for k, v in pairs(extra or {}) do props[k] = v end
   return { type = "object", properties = props,

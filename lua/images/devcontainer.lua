@@ -19,8 +19,10 @@
 local async = require("demesne.async")
 local config = require("demesne.config")
 local errors = require("demesne.errors")
+local features = require("demesne.images.features")
 local fs = require("core.fs")
 local images = require("demesne.images")
+local json = require("demesne.json")
 local jsonc = require("demesne.images.jsonc")
 local log = require("demesne.log")
 local loop = require("core.loop")
@@ -45,8 +47,6 @@ devcontainer.LOG = "/out/devcontainer.log"
 
 --- Fields that cannot work in a sandbox, each with the reason it is refused.
 devcontainer.REFUSED = {
-  features = "features are fetched from OCI registries, which demesne does not do for a devcontainer; install what "
-    .. "they add in the Dockerfile instead",
   mounts = "a mount would bring host paths into the sandbox; demesne mounts only /in, /out and /workspace",
   workspaceMount = "a mount would bring host paths into the sandbox; the repository comes in as a clone",
   runArgs = "engine command-line arguments would go around demesne's sandbox settings",
@@ -86,7 +86,8 @@ end
 --- {image = ref | nil, build = {dockerfile, context, args, target} | nil (paths relative to
 --- the file's folder, as written), env = {name = value} (containerEnv, then remoteEnv over
 --- it), steps = {{field, cmd}} (cmd: a string, an argv list, or {name = string|argv}),
---- ports = {integer}, notes = {string}}. Fails naming the field and the reason.
+--- ports = {integer}, features = (features.parse's list) | nil, notes = {string}}. Fails
+--- naming the field and the reason.
 ---@param text string
 ---@param where string
 ---@return table
@@ -212,6 +213,14 @@ function devcontainer.parse(text, where)
       out.ports[#out.ports + 1] = n
     end
   end
+  if cfg.features ~= nil then
+    out.features = features.parse(cfg.features, where)
+    if #out.features == 0 then out.features = nil end
+  end
+  if cfg.overrideFeatureInstallOrder ~= nil then
+    out.notes[#out.notes + 1] = "overrideFeatureInstallOrder is not used: features install in the order their "
+      .. "dependsOn and installsAfter give, else by id"
+  end
   for _, k in ipairs({ "remoteUser", "containerUser" }) do
     if cfg[k] ~= nil then
       out.notes[#out.notes + 1] = k .. " is not used: a sandbox runs as root, as demesne's own images do"
@@ -278,33 +287,34 @@ end
 ---@param out table|nil  the list so far (recursion)
 ---@param total {bytes: integer}|nil  the bytes so far (recursion)
 ---@param prefix string|nil  the names' prefix in the context (recursion)
+---@param field string|nil  the field messages name (default "build.context")
 ---@return {name: string, data: string, mode: integer}[]
-local function read_context(where, root, rel, out, total, prefix)
-  out, total, prefix = out or {}, total or { bytes = 0 }, prefix or ""
+local function read_context(where, root, rel, out, total, prefix, field)
+  out, total, prefix, field = out or {}, total or { bytes = 0 }, prefix or "", field or "build.context"
   local dir = rel == "" and root or (root .. "/" .. rel)
   local names, err = fs.readdir(dir)
-  if not names then field_fail(where, "build.context", ("%s cannot be read: %s"):format(rel, tostring(err))) end
+  if not names then field_fail(where, field, ("%s cannot be read: %s"):format(rel, tostring(err))) end
   for _, n in ipairs(names) do
     if n:lower() ~= ".git" then -- a .git folder or file is left out, whatever it is
       local r = rel == "" and n or (rel .. "/" .. n)
       local st = fs.lstat(root .. "/" .. r)
       if st and st.type == "directory" then
-        read_context(where, root, r, out, total, prefix .. n .. "/")
+        read_context(where, root, r, out, total, prefix .. n .. "/", field)
       elseif st and st.type == "file" then
         if #out >= images.USER_MAX_FILES then
-          field_fail(where, "build.context", ("holds more than %d files"):format(images.USER_MAX_FILES))
+          field_fail(where, field, ("holds more than %d files"):format(images.USER_MAX_FILES))
         end
         total.bytes = total.bytes + st.size
         if total.bytes > images.USER_MAX_BYTES then
-          field_fail(where, "build.context", ("its files add up to more than %d MiB"):format(images.USER_MAX_BYTES // 1048576))
+          field_fail(where, field, ("its files add up to more than %d MiB"):format(images.USER_MAX_BYTES // 1048576))
         end
         local f, ferr = fs.open_beneath(root, r)
         local data = f and f:read(st.size + 1)
         if f then f:close() end
-        if not data then field_fail(where, "build.context", ("%s cannot be read: %s"):format(r, tostring(ferr))) end
+        if not data then field_fail(where, field, ("%s cannot be read: %s"):format(r, tostring(ferr))) end
         out[#out + 1] = { name = prefix .. n, data = data, mode = st.mode & 511 }
       else
-        field_fail(where, "build.context", ("%s is a %s: a build context may hold only files and folders (a link is "
+        field_fail(where, field, ("%s is a %s: a build context may hold only files and folders (a link is "
           .. "not followed)"):format(r, st and (st.type == "link" and "symbolic link" or st.type) or "missing file"))
       end
     end
@@ -528,6 +538,12 @@ function devcontainer.plan(o, args, opts)
     if not b.dockerfile_text then field_fail(where, "build.dockerfile", b.dockerfile_rel .. " cannot be read") end
     b.first_run = devcontainer.check_dockerfile(b.dockerfile_rel, b.dockerfile_text)
   end
+  for _, ft in ipairs(cfg.features or {}) do
+    if ft.kind == "local" then
+      ft.rel = join(where, "features." .. ft.id, base, ft.id)
+      walk_to(where, "features." .. ft.id, root, ft.rel, "directory")
+    end
+  end
   local workdir = o.repo and o.repo.path or "/workspace"
   for k, v in pairs(cfg.env) do
     cfg.env[k] = v:gsub("%${containerWorkspaceFolder}", workdir)
@@ -716,8 +732,22 @@ local function from_image(ref, b)
   return out
 end
 
--- The image of the devcontainer itself (before demesne's layer): its tag.
-local function ensure_base(eng, dc, ctx)
+-- Refuses a build with RUN steps (the Dockerfile's line `line` of `file`, or the features)
+-- when devcontainer_build_network is "none" and the engine does not keep steps off the network.
+local function check_run_network(eng, dc, ctx, what)
+  if config.get("devcontainer_build_network") == "host" then return end
+  local isolated, why = devcontainer.build_network_isolated(eng, ctx)
+  if not isolated then
+    fail(("image: devcontainer: %s (%s): RUN is refused: the engine (%s at %s) does not keep a build "
+      .. "step off the network (%s), so the Dockerfile's RUN steps would have the host's network, its loopback "
+      .. "services included. Set devcontainer_build_network = \"host\" (DEMESNE_DEVCONTAINER_BUILD_NETWORK=host) "
+      .. "to build it with the host's network anyway (a repository you trust), or build without RUN"):format(
+      dc.file, what, eng.kind or "the engine", eng.socket or "?", why))
+  end
+end
+
+-- The image of the devcontainer itself (before its features and demesne's layer): its tag.
+local function ensure_own(eng, dc, ctx)
   local cfg = dc.cfg
   if cfg.image then
     -- a reference the engine lacks is pulled there, with the host's registry credentials
@@ -777,21 +807,59 @@ local function ensure_base(eng, dc, ctx)
   local name = slug(dc.root) .. "-base"
   local tag = images.tag_of(name, key)
   local network = config.get("devcontainer_build_network")
-  if network ~= "host" and b.first_run and not eng:image_inspect(tag) then
-    local isolated, why = devcontainer.build_network_isolated(eng, ctx)
-    if not isolated then
-      fail(("image: devcontainer: %s (%s line %d): RUN is refused: the engine (%s at %s) does not keep a build "
-        .. "step off the network (%s), so the Dockerfile's RUN steps would have the host's network, its loopback "
-        .. "services included. Set devcontainer_build_network = \"host\" (DEMESNE_DEVCONTAINER_BUILD_NETWORK=host) "
-        .. "to build it with the host's network anyway (a repository you trust), or build without RUN"):format(
-        dc.file, b.dockerfile_rel, b.first_run, eng.kind or "the engine", eng.socket or "?", why))
-    end
+  if b.first_run and not eng:image_inspect(tag) then
+    check_run_network(eng, dc, ctx, ("%s line %d"):format(b.dockerfile_rel, b.first_run))
   end
   local ref, err = images.build_context(eng, { name = name, tag = tag, files = out, buildargs = b.args,
     dockerfile = DOCKERFILE, target = b.target, network = network,
     labels = { ["io.demesne.image"] = devcontainer.IMAGE, ["io.demesne.origin"] = devcontainer.ORIGIN,
       [devcontainer.SOURCE_LABEL] = dc.root, ["io.demesne.devcontainer.file"] = dc.file } }, ctx)
   if not ref then fail(("image: devcontainer: %s (%s): %s"):format(dc.file, b.dockerfile_rel, err)) end
+  return ref
+end
+
+-- The files of each feature (features.parse's list): a local one's folder in the
+-- repository, an OCI one pulled into the host's private folder (and removed from there
+-- once read); each described (features.describe), then put in install order.
+local function read_features(dc)
+  local where, list = dc.file, {}
+  for _, ft in ipairs(dc.cfg.features) do
+    local files
+    if ft.kind == "local" then
+      files = read_context(where, dc.root, ft.rel, nil, nil, nil, "features." .. ft.id)
+    else
+      local dir, dpath = features.private_dir()
+      local _d <close> = dir
+      local name = util.random_hex(8)
+      local _rm <close> = util.closer(function() fs.remove_tree(dpath .. "/" .. name) end)
+      ft.digest = features.pull(where, ft.id, dir, name)
+      files = read_context(where, dpath, name, nil, nil, nil, "features." .. ft.id)
+    end
+    list[#list + 1] = features.describe(where, ft, files)
+  end
+  return features.order(where, list)
+end
+
+-- The devcontainer's image with its features installed (or the image itself without any).
+local function ensure_base(eng, dc, ctx)
+  local own = ensure_own(eng, dc, ctx)
+  if not dc.cfg.features then return own end
+  local ordered = read_features(dc)
+  local files = features.context(ordered)
+  local info = eng:image_inspect(own)
+  local key = { "devcontainer-features", own, tostring(info and info.id) }
+  for _, f in ipairs(files) do key[#key + 1] = f.name .. "\0" .. f.mode .. "\0" .. f.data end
+  local name = slug(dc.root) .. "-features"
+  local tag = images.tag_of(name, key)
+  if not eng:image_inspect(tag) then check_run_network(eng, dc, ctx, "features") end
+  local ids = {}
+  for _, d in ipairs(ordered) do ids[#ids + 1] = d.id end
+  dc.features = ids
+  local ref, err = images.build_context(eng, { name = name, tag = tag, files = files, buildargs = { BASE = own },
+    network = config.get("devcontainer_build_network"),
+    labels = { ["io.demesne.image"] = devcontainer.IMAGE, ["io.demesne.origin"] = devcontainer.ORIGIN,
+      [devcontainer.SOURCE_LABEL] = dc.root, ["io.demesne.devcontainer.file"] = dc.file } }, ctx)
+  if not ref then fail(("image: devcontainer: %s: features: %s"):format(dc.file, err)) end
   return ref
 end
 
@@ -846,7 +914,8 @@ function devcontainer.ensure(eng, o, ctx)
   return { name = devcontainer.IMAGE, ref = ref }
 end
 
---- The result's `devcontainer` field: {source, file, image, ports, steps, notes}.
+--- The result's `devcontainer` field: {source, file, image, ports, steps, features (the
+--- ids installed, in order), notes}.
 ---@param o table  a plan with o.devcontainer (and o.image_ref once made)
 ---@return table|nil
 function devcontainer.summary(o)
@@ -854,8 +923,13 @@ function devcontainer.summary(o)
   if not dc then return nil end
   local steps = {}
   for _, s in ipairs(dc.cfg.steps) do steps[#steps + 1] = s.field end
-  return { source = dc.root, file = dc.file, image = o.image_ref, ports = dc.cfg.ports, steps = steps,
-    notes = dc.cfg.notes }
+  local function list(t)
+    local out = json.array()
+    for i, v in ipairs(t or {}) do out[i] = v end
+    return out
+  end
+  return { source = dc.root, file = dc.file, image = o.image_ref, ports = list(dc.cfg.ports), steps = list(steps),
+    features = list(dc.features), notes = list(dc.cfg.notes) }
 end
 
 --- Keeps a persistent sandbox's create script until its creation (lua/sandbox/repository.lua)

@@ -285,7 +285,8 @@ end
 ---@param err string|nil
 ---@param duration_ms integer
 ---@return table result  exit_code, stdout, stderr, output_dir, run_id, duration_ms, timed_out, truncated, and
----  reason = "output quota exceeded" with output_quota {written_bytes, max_bytes, detail} when the quota stopped it
+---  reason = "output quota exceeded" with output_quota {written_bytes, max_bytes, detail} when the quota stopped it,
+---  devcontainer (devcontainer.summary) for a run in the repository's devcontainer
 function oneshot.script_result(o, code, err, duration_ms)
   local st = read_status(o.run_dir, o.exec_id)
   local q = oneshot.quota_outcome(o)
@@ -307,6 +308,7 @@ function oneshot.script_result(o, code, err, duration_ms)
     timed_out = timed_out and true or false,
     truncated = truncated,
     oom_killed = files.oom_note(st, o.limits and o.limits.memory_mb) or files.gvisor_kill_note(o, st, code),
+    devcontainer = devcontainer.summary(o),
   }
 end
 

@@ -204,17 +204,20 @@ test("an agent run with the scripted vendor works inside the repository's devcon
 
 test("what cannot work is refused, naming the field", async () => {
   const cases = {
-    features: { "ghcr.io/devcontainers/features/node:1": {} }, mounts: ["source=/,target=/host,type=bind"],
+    "features.ghcr.io/devcontainers/features/node:1": { "ghcr.io/devcontainers/features/node:1": {} },
+    mounts: ["source=/,target=/host,type=bind"],
     runArgs: ["--privileged"], privileged: true, capAdd: ["SYS_ADMIN"], securityOpt: ["seccomp=unconfined"],
     initializeCommand: "touch /tmp/pwned-on-the-host", dockerComposeFile: "compose.yml",
   };
   for (const [field, value] of Object.entries(cases)) {
-    const d = path.join(repos, `refuse-${field}`);
-    write(d, { ".devcontainer/devcontainer.json": JSON.stringify({ image: "base", [field]: value }) });
+    // (a feature from a registry config.lua does not name: refused naming the feature)
+    const key = field.startsWith("features.") ? "features" : field;
+    const d = path.join(repos, `refuse-${key}`);
+    write(d, { ".devcontainer/devcontainer.json": JSON.stringify({ image: "base", [key]: value }) });
     const res = await conn.client.callTool({ name: "sandbox_script", arguments: {
       command: "true", image: "devcontainer", directories: [d] } });
     assert.ok(res.isError, field);
-    assert.match(res.content[0].text, new RegExp(`devcontainer\\.json: ${field}: refused: `), field);
+    assert.match(res.content[0].text, new RegExp(`devcontainer\\.json: ${field.replace(/[.]/g, "\\.")}: refused: `), field);
   }
   const bad = async (name, files, pattern) => {
     const d = path.join(repos, name);

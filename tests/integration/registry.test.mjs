@@ -10,7 +10,7 @@
 import { test, before, after } from "node:test";
 import assert from "node:assert/strict";
 import { spawn, spawnSync } from "node:child_process";
-import { randomBytes } from "node:crypto";
+import { createHash, randomBytes } from "node:crypto";
 import { mkdtempSync, mkdirSync, writeFileSync, readFileSync, readdirSync, lstatSync, existsSync, rmSync,
   chmodSync } from "node:fs";
 import { tmpdir } from "node:os";
@@ -261,8 +261,99 @@ test("a wrong password is refused with an error that names the registry and hold
     }
   });
 
+// An HTTPS request to the test registry with our login: {status, headers, body}.
+function registryRequest(method, p, { headers = {}, body } = {}) {
+  return new Promise((resolve, reject) => {
+    const req = https.request(p.startsWith("https://") ? p : `https://127.0.0.1:${port}${p}`, { method,
+      ca: readFileSync(path.join(CERTS, "ca.crt")), headers: { ...headers,
+        Authorization: "Basic " + Buffer.from(`${USER}:${PASSWORD}`).toString("base64") } }, (res) => {
+      const chunks = [];
+      res.on("data", (d) => chunks.push(d));
+      res.on("end", () => resolve({ status: res.statusCode, headers: res.headers, body: Buffer.concat(chunks) }));
+    });
+    req.on("error", reject);
+    req.end(body);
+  });
+}
+
+// Pushes a Dev Container Feature (an OCI artifact: config application/vnd.devcontainers,
+// one layer application/vnd.devcontainers.layer.v1+tar, as `devcontainer features publish`
+// makes it) of the folder `dir` to repo:tag in the test registry, with the OCI distribution API.
+async function pushFeature(dir, repo, tag) {
+  const blob = async (data) => {
+    const digest = "sha256:" + createHash("sha256").update(data).digest("hex");
+    const up = await registryRequest("POST", `/v2/${repo}/blobs/uploads/`);
+    assert.equal(up.status, 202, `upload start: ${up.status} ${up.body}`);
+    const loc = new URL(up.headers.location, `https://127.0.0.1:${port}`);
+    loc.searchParams.set("digest", digest);
+    const put = await registryRequest("PUT", loc.toString(), { body: data,
+      headers: { "Content-Type": "application/octet-stream", "Content-Length": data.length } });
+    assert.equal(put.status, 201, `blob put: ${put.status} ${put.body}`);
+    return { digest, size: data.length };
+  };
+  // entries named ./x, as the devcontainer CLI packs them
+  const tar = spawnSync("tar", ["-cf", "-", "--owner=0", "--group=0", "-C", dir, "."]);
+  assert.equal(tar.status, 0, tar.stderr.toString());
+  const config = await blob(Buffer.from("{}"));
+  const layer = await blob(tar.stdout);
+  const manifest = Buffer.from(JSON.stringify({ schemaVersion: 2, mediaType: "application/vnd.oci.image.manifest.v1+json",
+    config: { mediaType: "application/vnd.devcontainers", ...config },
+    layers: [{ mediaType: "application/vnd.devcontainers.layer.v1+tar", ...layer,
+      annotations: { "org.opencontainers.image.title": "devcontainer-feature-hello.tgz" } }] }));
+  const m = await registryRequest("PUT", `/v2/${repo}/manifests/${tag}`, { body: manifest,
+    headers: { "Content-Type": "application/vnd.oci.image.manifest.v1+json", "Content-Length": manifest.length } });
+  assert.equal(m.status, 201, `manifest put: ${m.status} ${m.body}`);
+}
+
+test("a devcontainer's features: one from the private registry (with the host's login), one from the repository",
+  { skip: SKIP }, async () => {
+    const feature = path.join(work, "feature-src");
+    mkdirSync(feature, { recursive: true });
+    writeFileSync(path.join(feature, "devcontainer-feature.json"), JSON.stringify({ id: "hello", version: "1.0.0",
+      options: { greeting: { type: "string", default: "hello" }, loud: { type: "boolean", default: false } },
+      containerEnv: { HELLO_FEATURE: "installed", PATH: "/opt/hello/bin:${PATH}" } }));
+    writeFileSync(path.join(feature, "install.sh"), "#!/bin/sh\nset -e\nmkdir -p /opt/hello/bin\n"
+      + "echo \"$GREETING from the feature (loud=$LOUD, user=$_REMOTE_USER)\" > /usr/local/share/hello-feature\n"
+      + "printf '#!/bin/sh\\necho hello-tool\\n' > /opt/hello/bin/hello-tool && chmod +x /opt/hello/bin/hello-tool\n");
+    const fref = `127.0.0.1:${port}/dmtest/features/hello:${RUN}`;
+    await pushFeature(feature, "dmtest/features/hello", RUN);
+    const repo = path.join(work, "feature-repo");
+    const dc = path.join(repo, ".devcontainer");
+    mkdirSync(path.join(dc, "local-feature"), { recursive: true });
+    writeFileSync(path.join(dc, "devcontainer.json"), JSON.stringify({ image: "base",
+      features: { [fref]: { greeting: "hi" }, "./local-feature": {} } }));
+    writeFileSync(path.join(dc, "local-feature", "devcontainer-feature.json"), JSON.stringify({ id: "local-feature",
+      installsAfter: [fref.replace(/:[^:]*$/, "")] }));
+    writeFileSync(path.join(dc, "local-feature", "install.sh"),
+      "#!/bin/sh\ncat /usr/local/share/hello-feature > /usr/local/share/local-feature\n");
+    const authFile = JSON.stringify({ auths: { [`127.0.0.1:${port}`]: {
+      auth: Buffer.from(`${USER}:${PASSWORD}`).toString("base64") } } });
+    const version = JSON.parse((await engine("GET", "/version")).body);
+    const podman = (version?.Components || []).some((c) => /podman/i.test(c.Name));
+    const s = await server("feature", { files: { "auth.json": authFile },
+      // Podman 4.3 runs build steps in the host's network whatever a build asks (devcontainer.test.mjs)
+      extraEnv: { REGISTRY_AUTH_FILE: path.join(work, "feature", "auth.json"), DEMESNE_ALLOWED_PATHS: repo,
+        ...(podman ? { DEMESNE_DEVCONTAINER_BUILD_NETWORK: "host" } : {}) } });
+    roots.push(s.root);
+    try {
+      const r = await call(s.conn, "sandbox_script", { image: "devcontainer", directories: [repo], egress: "none",
+        command: "cat /usr/local/share/hello-feature /usr/local/share/local-feature; echo \"$HELLO_FEATURE\"; hello-tool" });
+      assert.ok(!r.isError, r.content?.[0]?.text);
+      assert.equal(r.structuredContent.exit_code, 0, r.structuredContent.stderr);
+      assert.equal(r.structuredContent.stdout, "hi from the feature (loud=false, user=root)\n".repeat(2)
+        + "installed\nhello-tool\n", "the option over its default, the local feature after the registry's, "
+        + "the feature's containerEnv and PATH");
+      assert.deepEqual(r.structuredContent.devcontainer.features, [fref, "./local-feature"], "installsAfter decides the order");
+      // the pulled tar is not left in the state folder
+      assert.deepEqual(readdirSync(path.join(s.root, "state", "features")), [], "nothing left of the pull");
+    } finally {
+      await s.conn.client.close();
+      logs.push(["feature server log", s.conn.stderr()]);
+    }
+  });
+
 test("no credential byte in any container, server log, job record or output of the runs", { skip: SKIP }, async () => {
-  assert.equal(roots.length, 2, "both runs above ran");
+  assert.equal(roots.length, 3, "the three runs above ran");
   for (const [where, text] of logs) {
     assert.match(text, /pulling 127\.0\.0\.1/, `${where} shows the pull`);
     assertNoSecret(where, text);

@@ -1,7 +1,9 @@
 -- lua/images/devcontainer.lua: what a devcontainer.json may say, what is refused by name,
 -- and what a plan makes of a folder holding one (links and paths out of it refused). The
 -- builds themselves run on real engines in tests/integration/devcontainer.test.mjs.
+local config = require("demesne.config")
 local devcontainer = require("demesne.images.devcontainer")
+local features = require("demesne.images.features")
 local fs = require("core.fs")
 local loop = require("core.loop")
 
@@ -15,7 +17,7 @@ end
 
 function tests.each_field_that_cannot_work_is_refused_by_name(t)
   local cases = {
-    features = '{"ghcr.io/devcontainers/features/node:1": {}}', mounts = '["source=/,target=/host,type=bind"]',
+    mounts = '["source=/,target=/host,type=bind"]',
     workspaceMount = '"source=/,target=/w,type=bind"', runArgs = '["--privileged"]', privileged = "true",
     capAdd = '["SYS_ADMIN"]', securityOpt = '["seccomp=unconfined"]', initializeCommand = '"touch /tmp/pwned"',
     dockerComposeFile = '"compose.yml"', appPort = "[8080]",
@@ -26,6 +28,84 @@ function tests.each_field_that_cannot_work_is_refused_by_name(t)
   end
   refused(t, '{"image": "base", "initializeCommand": "x"}', "runs on the host")
   refused(t, '{"build": {"dockerfile": "D", "options": ["--network=host"]}}', "build%.options: refused")
+end
+
+function tests.features_come_from_the_repository_or_a_configured_registry(t)
+  -- not configured: ghcr.io, a tarball URL; and options that are no strings
+  refused(t, '{"image": "base", "features": {"ghcr.io/devcontainers/features/node:1": {}}}',
+    "features%.ghcr%.io/devcontainers/features/node:1: refused: it comes from the registry ghcr%.io, which config%.lua's "
+    .. "registries does not name")
+  refused(t, '{"image": "base", "features": {"https://example.test/f.tgz": {}}}', "features%.https://example%.test/f%.tgz: "
+    .. "refused: a feature from a URL")
+  refused(t, '{"image": "base", "features": ["./a"]}', "features: must be an object")
+  refused(t, '{"image": "base", "features": {"./a": {"v": {"x": 1}}}}', "features%.%./a%.v: must be a string or a boolean")
+  refused(t, '{"image": "base", "features": {"./a": {"v": "a\\nb"}}}', "features%.%./a%.v: holds a line break")
+  -- a registry config.lua names (a scratch XDG_CONFIG_HOME, restored after)
+  local dir = ("/tmp/demesne-devcontainer-test-%d-%d"):format(loop.getpid(), loop.hrtime())
+  assert(fs.mkdir_p(dir .. "/demesne"))
+  assert(fs.write_atomic(dir .. "/demesne/config.lua", 'return { registries = { ["127.0.0.1:5043"] = {} } }'))
+  local saved = os.getenv("XDG_CONFIG_HOME")
+  loop.setenv("XDG_CONFIG_HOME", dir)
+  config.load()
+  local okp, c = pcall(devcontainer.parse, '{"image": "base", "features": {"127.0.0.1:5043/team/f/hello:1": "2.0", '
+    .. '"./local": {"flag": true, "n": 3}}}', "f")
+  loop.setenv("XDG_CONFIG_HOME", saved or nil)
+  config.load()
+  fs.remove_tree(dir)
+  if not okp then error(c, 0) end
+  t:eq(#c.features, 2)
+  t:eq(c.features[1].id, "./local")
+  t:eq(c.features[1].kind, "local")
+  t:eq(c.features[1].options, { flag = "true", n = "3" })
+  t:eq(c.features[2].kind, "oci")
+  t:eq(c.features[2].options, { version = "2.0" }, "a string is the version option")
+end
+
+function tests.a_feature_is_described_ordered_and_installed_as_the_spec_says(t)
+  t:eq(features.option_var("install-tools.now"), "INSTALL_TOOLS_NOW")
+  t:eq(features.option_var("2fast"), "_FAST")
+  local function files(meta)
+    return { { name = "devcontainer-feature.json", data = meta, mode = 420 },
+      { name = "install.sh", data = "#!/bin/sh\n", mode = 493 } }
+  end
+  local f = { id = "./a", options = { greeting = "it's here" } }
+  local d = features.describe("f", f, files([[{"id": "a", "options": {"greeting": {"type": "string", "default": "hi"},
+    "loud": {"type": "boolean", "default": false}}, "containerEnv": {"A_HOME": "/opt/a", "PATH": "/opt/a/bin:${PATH}"},
+    "installsAfter": ["./b"]}]]))
+  local env = d.files[#d.files]
+  t:eq(env.name, "devcontainer-features.env")
+  t:match(env.data, "GREETING='it'\\''s here'\n", "the given value over the default, shell-quoted")
+  t:match(env.data, "LOUD='false'\n", "a default the file gives")
+  t:match(env.data, "_REMOTE_USER='root'\n")
+  t:eq(d.env, { A_HOME = "/opt/a", PATH = "/opt/a/bin:${PATH}" })
+  local b = features.describe("f", { id = "./b", options = {} }, files('{"id": "b"}'))
+  local ordered = features.order("f", { d, b })
+  t:eq(ordered[1].id, "./b", "installsAfter puts ./b first")
+  local ctx = features.context(ordered)
+  local cf = ctx[#ctx].data
+  t:match(cf, "^ARG BASE\nFROM %${BASE}\nUSER root\n")
+  t:match(cf, "COPY features/02/ /tmp/dev%-container%-features/02/\nENV A_HOME=\"/opt/a\"\nENV PATH=\"/opt/a/bin:%${PATH}\"\n"
+    .. "RUN cd /tmp/dev%-container%-features/02 && chmod %-R 0755 %. && set %-a && %. %./devcontainer%-features%.env && "
+    .. "set %+a && %./install%.sh\n")
+  t:match(cf, "RUN rm %-rf /tmp/dev%-container%-features\n$")
+  t:eq(ctx[1].name, "features/01/devcontainer-feature.json")
+  -- refusals
+  for field, v in pairs({ privileged = "true", capAdd = '["SYS_ADMIN"]', securityOpt = '["seccomp=unconfined"]',
+    mounts = '[{"source": "/", "target": "/h", "type": "bind"}]', entrypoint = '"/usr/local/bin/start"' }) do
+    local ok, err = pcall(features.describe, "f", { id = "./x", options = {} }, files(('{"id": "x", "%s": %s}'):format(field, v)))
+    t:ok(not ok, field .. " is refused")
+    t:match(tostring(err), "features%.%./x: devcontainer%-feature%.json: " .. field .. ": refused: ", field)
+  end
+  local ok, err = pcall(features.describe, "f", { id = "./x", options = {} }, { { name = "install.sh", data = "", mode = 493 } })
+  t:ok(not ok)
+  t:match(tostring(err), "features%.%./x: holds no devcontainer%-feature%.json")
+  ok, err = pcall(features.describe, "f", { id = "./x", options = {} }, files('{"containerEnv": {"HTTPS_PROXY": "x"}}'))
+  t:ok(not ok)
+  t:match(tostring(err), "containerEnv%.HTTPS_PROXY is demesne's to set")
+  local dep = features.describe("f", { id = "./c", options = {} }, files('{"dependsOn": {"127.0.0.1:5043/x/y:1": {}}}'))
+  ok, err = pcall(features.order, "f", { dep })
+  t:ok(not ok)
+  t:match(tostring(err), "features%.%./c: dependsOn 127%.0%.0%.1:5043/x/y:1, which the devcontainer's features do not name")
 end
 
 function tests.what_a_file_must_say(t)

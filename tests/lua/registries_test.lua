@@ -3,6 +3,8 @@
 -- programs (shell scripts on PATH that speak the docker-credential protocol).
 local registries = require("demesne.registries")
 local docker = require("demesne.engines.docker")
+local oci = require("demesne.images.oci")
+local text = require("core.text")
 local async = require("demesne.async")
 local config = require("demesne.config")
 local json = require("demesne.json")
@@ -189,6 +191,22 @@ function tests.the_engine_headers_carry_the_credential(t)
   t:eq(json.decode(oauth.base64url_decode(c)), { ["127.0.0.1:5000"] = { identitytoken = "tok",
     serveraddress = "127.0.0.1:5000" } })
   t:eq(registries.scrub("bad password p>?~ for u", { { password = "p>?~" } }), "bad password *** for u")
+end
+
+-- The OCI client's pieces that need no registry (tests/integration/registry.test.mjs pulls
+-- a feature from a real one): a Bearer challenge as ghcr.io and Docker Hub send it, the
+-- session a reference makes, and the digest function blobs are checked with.
+function tests.an_oci_pull_reads_the_challenge_and_the_reference(t)
+  t:eq(oci.parse_challenge('Bearer realm="https://ghcr.io/token",service="ghcr.io",scope="repository:a/b:pull"'),
+    { realm = "https://ghcr.io/token", service = "ghcr.io", scope = "repository:a/b:pull" })
+  t:eq(oci.parse_challenge('Basic realm="x"'), nil, "no Bearer")
+  t:eq(oci.parse_challenge('Bearer service="x"'), nil, "no realm")
+  local s = oci.session("127.0.0.1:5043/team/features/go:1")
+  t:eq({ s.registry, s.path, s.reference }, { "127.0.0.1:5043", "team/features/go", "1" })
+  s = oci.session("127.0.0.1:5043/team/go@sha256:" .. ("a"):rep(64))
+  t:eq(s.reference, "sha256:" .. ("a"):rep(64))
+  t:eq(text.sha256("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad", "FIPS 180-2's example")
+  t:eq(text.sha256(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855")
 end
 
 return tests
