@@ -305,7 +305,7 @@ async function pushFeature(dir, repo, tag) {
   assert.equal(m.status, 201, `manifest put: ${m.status} ${m.body}`);
 }
 
-test("a devcontainer's features: one from the private registry (with the host's login), one from the repository",
+test("a devcontainer of the private registry's image, with features: one from that registry (the host's login), one from the repository",
   { skip: SKIP }, async () => {
     const feature = path.join(work, "feature-src");
     mkdirSync(feature, { recursive: true });
@@ -320,7 +320,9 @@ test("a devcontainer's features: one from the private registry (with the host's 
     const repo = path.join(work, "feature-repo");
     const dc = path.join(repo, ".devcontainer");
     mkdirSync(path.join(dc, "local-feature"), { recursive: true });
-    writeFileSync(path.join(dc, "devcontainer.json"), JSON.stringify({ image: "base",
+    // the devcontainer's image is the private registry's too: pulled with the same login
+    await untag(ref);
+    writeFileSync(path.join(dc, "devcontainer.json"), JSON.stringify({ image: ref,
       features: { [fref]: { greeting: "hi" }, "./local-feature": {} } }));
     writeFileSync(path.join(dc, "local-feature", "devcontainer-feature.json"), JSON.stringify({ id: "local-feature",
       installsAfter: [fref.replace(/:[^:]*$/, "")] }));
