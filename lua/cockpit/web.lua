@@ -7,10 +7,10 @@
 --     session cookie (HttpOnly, SameSite=Strict); every other request must carry it (401).
 --   * where from: Host must be exactly localhost:<port> (421; DNS rebinding), a present
 --     Origin exactly http://localhost:<port> (403), and Sec-Fetch-Site, when sent, same-origin
---     (or none for a navigation to the page itself). The page is named localhost, not
---     127.0.0.1, because browsers keep cookies per host name, not per port: the port
---     previews (lua/sandbox/preview.lua) are served on http://127.0.0.1:<port>, and a cookie of
---     127.0.0.1 would be sent to every sandbox whose preview the person opens.
+--     (or none for a navigation to the page itself). The page is named localhost, a host no
+--     port preview has (lua/sandbox/preview.lua serves each on a 127.A.B.C of its own),
+--     because browsers keep cookies per host name, not per port: a cookie of a preview's
+--     host would be sent to that preview's sandbox.
 --   * actions: POST /api/action only, with Content-Type application/json, an Origin, and the
 --     session's CSRF token in X-Demesne-CSRF (403 otherwise).
 --   * what runs: a strict Content-Security-Policy (scripts from this origin only, no inline

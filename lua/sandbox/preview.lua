@@ -1,7 +1,8 @@
 -- Port previews (sandbox_create's `ports`, sandbox_expose): a listener on the host's
--- loopback per previewed port, http://127.0.0.1:<host port>/, each its own origin. A
+-- loopback per previewed port, http://127.A.B.C:<host port>/, each on a loopback address of
+-- its own (preview.address: each its own origin and its own cookie jar). A
 -- connection is let through when its first request head (parsed by core.httphead, llhttp)
--- names a loopback Host with that port, comes from no other origin, and carries the
+-- names that address and port as its Host, comes from no other origin, and carries the
 -- preview's secret: ?demesne_preview=<token> (answered with a cookie for that port and a
 -- redirect to the clean URL) or that cookie. Its bytes are then carried both ways, as they
 -- are (HTTP, keep-alive, WebSocket upgrades), to `demesne-init connect 127.0.0.1:<port>`
@@ -78,17 +79,33 @@ local function split_token(target)
   return path, token
 end
 
+--- A loopback address for a new preview: 127.A.B.C with A in 2-254 and B, C in 1-254,
+--- at random and none a listening preview has (127.0.0.0/16, where 127.0.0.1, a resolver's
+--- 127.0.0.53 and Debian's 127.0.1.1 live, is left alone). Linux routes all of 127.0.0.0/8
+--- to lo, and browsers treat it as loopback.
+---@return string
+function preview.address()
+  local used = {}
+  for _, mine in pairs(by_sandbox) do
+    for _, e in pairs(mine) do used[e.addr or ""] = true end
+  end
+  while true do
+    local r = loop.random(3)
+    local a = ("127.%d.%d.%d"):format(2 + r:byte(1) % 253, 1 + r:byte(2) % 254, 1 + r:byte(3) % 254)
+    if not used[a] then return a end
+  end
+end
+
 --- Why a first request head is refused, or nil when it may pass; `redirect` when it carried
 --- the right token in its URL (the answer sets the cookie).
 ---@param e table  the preview's entry
 ---@param head table  core.httphead.parse's result
 ---@return integer|nil status, string|nil why, string|nil redirect
 function preview.judge(e, head)
-  local hostport = tostring(e.host_port)
+  local want = ("%s:%s"):format(e.addr or "127.0.0.1", tostring(e.host_port))
   local host = (header(head, "host") or ""):lower()
-  if host ~= "127.0.0.1:" .. hostport and host ~= "localhost:" .. hostport then
-    return 421, ("this preview answers only to Host 127.0.0.1:%s or localhost:%s, not %q"):format(hostport,
-      hostport, host)
+  if host ~= want then
+    return 421, ("this preview answers only to Host %s, not %q"):format(want, host)
   end
   local origin = header(head, "origin")
   if origin and origin:lower() ~= "http://" .. host then
@@ -272,14 +289,22 @@ function preview.open(eng, sandbox_id, container, port, field)
   e.open_exec = function(on_out)
     return eng:exec_stream(container, { INIT, "connect", "127.0.0.1:" .. port }, on_out)
   end
-  local l, hp = stream.listen_tcp("127.0.0.1", 0, function(c) accept(e, c) end)
+  -- an address of its own in 127.0.0.0/8: a browser keeps cookies by host, not by port, so
+  -- on a shared 127.0.0.1 every preview's cookie (its secret) would go to every other
+  -- preview's sandbox along with its requests
+  local l, hp, addr
+  for _ = 1, 8 do
+    addr = preview.address()
+    l, hp = stream.listen_tcp(addr, 0, function(c) accept(e, c) end)
+    if l then break end
+  end
   if not l then fail(("%s: cannot listen on the host's loopback: %s"):format(field, tostring(hp))) end
-  e.listener, e.host_port = l, hp
+  e.listener, e.host_port, e.addr = l, hp, addr
   e.cookie = "demesne_preview_" .. hp
-  e.url = ("http://127.0.0.1:%d/?%s=%s"):format(hp, PARAM, e.token)
+  e.url = ("http://%s:%d/?%s=%s"):format(addr, hp, PARAM, e.token)
   mine[port] = e
   by_sandbox[sandbox_id] = mine
-  log.info(LOGGER, "sandbox %s: port %d previewed at http://127.0.0.1:%d/", sandbox_id, port, hp)
+  log.info(LOGGER, "sandbox %s: port %d previewed at http://%s:%d/", sandbox_id, port, addr, hp)
   return { port = port, url = e.url }
 end
 

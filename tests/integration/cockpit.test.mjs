@@ -313,7 +313,7 @@ test("the page's guards: cookie, Host, Origin, CSRF", async () => {
   assert.equal(cookie.sameSite, "Strict");
   // the page is named localhost: a cookie of 127.0.0.1 would go to every port preview
   // (http://127.0.0.1:<port>, a sandbox's server) the person opens
-  assert.equal(cookie.domain, "localhost", "the cookie is localhost's, not the previews' 127.0.0.1");
+  assert.equal(cookie.domain, "localhost", "the cookie is localhost's, a host no preview has");
   const host = `localhost:${port}`;
   const auth = `demesne_ui=${cookie.value}`;
   assert.equal((await raw(port, { pathname: "/api/state", headers: { Host: host } })).status, 401, "no cookie");

@@ -46,9 +46,9 @@ async function err(name, args) {
 
 // One raw HTTP/1.1 exchange over node:net (fetch() cannot send another Host): the whole
 // answer as text, once the server has closed or `until` matches.
-function raw(port, text, until) {
+function raw(url, text, until) {
   return new Promise((resolve, reject) => {
-    const s = net.connect(port, "127.0.0.1");
+    const s = net.connect(hostPort(url), new URL(url).hostname);
     let got = "";
     s.on("data", (d) => {
       got += d.toString("latin1");
@@ -61,6 +61,7 @@ function raw(port, text, until) {
 }
 
 const hostPort = (url) => Number(new URL(url).port);
+const hostOf = (url) => new URL(url).host; // "127.A.B.C:port": a preview's own loopback address
 
 // Opens the preview's URL as a browser would: 303 with the cookie, to the clean URL.
 async function login(url) {
@@ -87,10 +88,10 @@ async function ready(base, cookie) {
 
 // A WebSocket client over node:net (node 20 has none built in): handshake, one text frame
 // sent (masked, as clients must), one text frame read back.
-function wsEcho(port, cookie, message, { origin } = {}) {
+function wsEcho(url, cookie, message, { origin } = {}) {
   return new Promise((resolve, reject) => {
     const key = randomBytes(16).toString("base64");
-    const s = net.connect(port, "127.0.0.1");
+    const s = net.connect(hostPort(url), new URL(url).hostname);
     let buf = Buffer.alloc(0);
     let upgraded = false;
     s.on("error", reject);
@@ -119,7 +120,7 @@ function wsEcho(port, cookie, message, { origin } = {}) {
         resolve({ upgraded, text });
       }
     });
-    s.write(`GET /chat HTTP/1.1\r\nHost: 127.0.0.1:${port}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n`
+    s.write(`GET /chat HTTP/1.1\r\nHost: ${hostOf(url)}\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n`
       + `Sec-WebSocket-Key: ${key}\r\nSec-WebSocket-Version: 13\r\nCookie: ${cookie}\r\n`
       + (origin ? `Origin: ${origin}\r\n` : "") + "\r\n");
   });
@@ -165,8 +166,9 @@ test("a web server and a WebSocket echo in a sandbox at egress none, through the
   const sb = await ok("sandbox_create", { egress: "none", ports: [8000, 8001] });
   assert.deepEqual(sb.previews.map((p) => p.port), [8000, 8001]);
   const [web, ws] = sb.previews;
-  assert.match(web.url, /^http:\/\/127\.0\.0\.1:\d+\/\?demesne_preview=[0-9a-f]{48}$/);
-  assert.notEqual(hostPort(web.url), hostPort(ws.url), "one host port, so one origin, per preview");
+  assert.match(web.url, /^http:\/\/127\.\d+\.\d+\.\d+:\d+\/\?demesne_preview=[0-9a-f]{48}$/);
+  assert.notEqual(new URL(web.url).hostname, new URL(ws.url).hostname,
+    "a loopback address per preview: its own origin and its own cookies (a browser keeps cookies by host, not port)");
   try {
     const r = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, timeout_seconds: 30, command:
       "mkdir -p /tmp/site && echo '<h1>hello from the sandbox</h1>' > /tmp/site/index.html && "
@@ -193,33 +195,38 @@ test("a web server and a WebSocket echo in a sandbox at egress none, through the
 
     // another Host (DNS rebinding) or another page's origin: refused before the sandbox sees it
     const hp = hostPort(web.url);
-    let answer = await raw(hp, `GET / HTTP/1.1\r\nHost: evil.example:${hp}\r\nCookie: ${cookie}\r\n\r\n`);
+    const addr = new URL(web.url).hostname;
+    let answer = await raw(web.url, `GET / HTTP/1.1\r\nHost: evil.example:${hp}\r\nCookie: ${cookie}\r\n\r\n`);
     assert.match(answer, /^HTTP\/1\.1 421/);
-    assert.match(answer, /answers only to Host 127\.0\.0\.1/);
-    answer = await raw(hp, `GET / HTTP/1.1\r\nHost: 127.0.0.1:${hp + 1}\r\nCookie: ${cookie}\r\n\r\n`);
+    assert.match(answer, new RegExp(`answers only to Host ${addr.replace(/[.]/g, "\\.")}:${hp}`));
+    answer = await raw(web.url, `GET / HTTP/1.1\r\nHost: ${addr}:${hp + 1}\r\nCookie: ${cookie}\r\n\r\n`);
     assert.match(answer, /^HTTP\/1\.1 421/);
-    answer = await raw(hp, `GET / HTTP/1.1\r\nHost: localhost:${hp}\r\nOrigin: http://127.0.0.1:${hostPort(ws.url)}\r\n`
+    // 127.0.0.1 and localhost are other hosts (the cookies of what else runs there would come along)
+    for (const other of [`127.0.0.1:${hp}`, `localhost:${hp}`]) {
+      answer = await raw(web.url, `GET / HTTP/1.1\r\nHost: ${other}\r\nCookie: ${cookie}\r\n\r\n`);
+      assert.match(answer, /^HTTP\/1\.1 421/, other);
+    }
+    answer = await raw(web.url, `GET / HTTP/1.1\r\nHost: ${addr}:${hp}\r\nOrigin: http://${hostOf(ws.url)}\r\n`
       + `Cookie: ${cookie}\r\n\r\n`);
     assert.match(answer, /^HTTP\/1\.1 403/);
     assert.match(answer, /another origin/);
-    answer = await raw(hp, "NOT HTTP\r\n\r\n");
+    answer = await raw(web.url, "NOT HTTP\r\n\r\n");
     assert.match(answer, /^HTTP\/1\.1 400/);
-    // the right Host by its other loopback name passes (keep-alive: the request is carried as is)
-    answer = await raw(hp, `GET / HTTP/1.1\r\nHost: localhost:${hp}\r\nCookie: ${cookie}\r\nConnection: close\r\n\r\n`);
+    // the right Host passes (keep-alive: the request is carried as is)
+    answer = await raw(web.url, `GET / HTTP/1.1\r\nHost: ${addr}:${hp}\r\nCookie: ${cookie}\r\nConnection: close\r\n\r\n`);
     assert.match(answer, /^HTTP\/1\.0 200/);
     assert.match(answer, /hello from the sandbox/);
 
     // WebSocket: the upgrade passes, frames go both ways
-    const wsPort = hostPort(ws.url);
     let echo;
     for (let i = 0; i < 100; i++) {
-      echo = await wsEcho(wsPort, wsCookie, "ping over the preview");
+      echo = await wsEcho(ws.url, wsCookie, "ping over the preview");
       if (echo.upgraded || !/^HTTP\/1\.1 502/.test(echo.head)) break;
       await new Promise((r) => setTimeout(r, 200));
     }
     assert.equal(echo.upgraded, true, `no upgrade: ${echo.head}`);
     assert.equal(echo.text, "echo: ping over the preview");
-    const foreign = await wsEcho(wsPort, wsCookie, "x", { origin: "http://evil.example" });
+    const foreign = await wsEcho(ws.url, wsCookie, "x", { origin: "http://evil.example" });
     assert.equal(foreign.upgraded, false);
     assert.match(foreign.head, /^HTTP\/1\.1 403/);
 
@@ -240,7 +247,7 @@ test("a web server and a WebSocket echo in a sandbox at egress none, through the
 
     // failures: already exposed, above previews_max (3 here), out of range
     assert.match(await err("sandbox_expose", { sandbox_id: sb.sandbox_id, port: 8000 }),
-      /^port: port 8000 of sandbox \S+ is exposed already, at http:\/\/127\.0\.0\.1:/);
+      /^port: port 8000 of sandbox \S+ is exposed already, at http:\/\/127\.\d+\.\d+\.\d+:/);
     assert.match(await err("sandbox_expose", { sandbox_id: sb.sandbox_id, port: 8002 }),
       /^port: sandbox \S+ has 3 previews, the most previews_max allows/);
     for (const port of [0, 65536]) {
@@ -255,6 +262,64 @@ test("a web server and a WebSocket echo in a sandbox at egress none, through the
   }
   assert.match(await err("sandbox_expose", { sandbox_id: sb.sandbox_id, port: 8000 }),
     /^sandbox_id: no sandbox \S+ \(it was destroyed or has expired\)/);
+});
+
+// A server that answers each request with the Cookie header it got (Python's standard library).
+const COOKIE_ECHO = String.raw`
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    def do_GET(self):
+        body = ("cookies: " + (self.headers.get("Cookie") or "")).encode()
+        self.send_response(200); self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+`;
+
+test("in Chromium, a preview's sandbox never gets another preview's cookie (the other's secret)", async () => {
+  const { chromium } = await import("playwright-core");
+  // two sandboxes, one of them hostile: it logs every Cookie header its preview is sent
+  const a = await ok("sandbox_create", { egress: "none", ports: [8000] });
+  const b = await ok("sandbox_create", { egress: "none", ports: [8000] });
+  let browser;
+  try {
+    for (const sb of [a, b]) {
+      await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command:
+        `cat > /tmp/echo.py <<'EOF'\n${COOKIE_ECHO}\nEOF\n(python3 /tmp/echo.py 8000 >/tmp/echo.log 2>&1 &); true` });
+    }
+    browser = await chromium.launch({ executablePath: "/usr/bin/chromium", args: ["--headless", "--no-sandbox",
+      "--disable-gpu", "--disable-background-networking", "--disable-component-update", "--disable-sync",
+      "--no-first-run"] });
+    const ctx = await browser.newContext();
+    const pg = await ctx.newPage();
+    const open = async (url) => {
+      let res;
+      for (let i = 0; i < 100; i++) {
+        res = await pg.goto(url);
+        if (res.status() !== 502) break;
+        await new Promise((r) => setTimeout(r, 200));
+      }
+      assert.equal(res.status(), 200, url);
+      return pg.textContent("body");
+    };
+    const [ua, ub] = [a.previews[0].url, b.previews[0].url];
+    await open(ua);
+    const seenByB = await open(ub);
+    const seenByA = await open(ua.split("?")[0]);
+    const tokenA = new URL(ua).searchParams.get("demesne_preview");
+    const tokenB = new URL(ub).searchParams.get("demesne_preview");
+    assert.match(seenByB, new RegExp(`demesne_preview_${hostPort(ub)}=${tokenB}`), "B's own cookie opened B");
+    assert.ok(!seenByB.includes(tokenA), `sandbox B was sent A's secret: ${seenByB}`);
+    assert.match(seenByA, new RegExp(`demesne_preview_${hostPort(ua)}=${tokenA}`));
+    assert.ok(!seenByA.includes(tokenB), `sandbox A was sent B's secret: ${seenByA}`);
+    // and the browser holds each cookie for its own preview's host only
+    const jar = await ctx.cookies();
+    assert.deepEqual(jar.map((c) => c.domain).sort(), [new URL(ua).hostname, new URL(ub).hostname].sort());
+  } finally {
+    await browser?.close();
+    await ok("sandbox_destroy", { sandbox_id: a.sandbox_id });
+    await ok("sandbox_destroy", { sandbox_id: b.sandbox_id });
+  }
 });
 
 test("bad ports in sandbox_create are refused before anything is made", async () => {
@@ -283,7 +348,7 @@ test("from inside a tree: a sandbox exposes a port of its own, not of one outsid
     assert.match(r.stdout, /other=2/);
     assert.match(r.stderr, new RegExp(`sandbox_id: no sandbox ${other.sandbox_id} \\(it was destroyed or has expired\\)`));
     const url = r.stdout.split("\n")[0];
-    assert.match(url, /^http:\/\/127\.0\.0\.1:\d+\/\?demesne_preview=[0-9a-f]{48}$/);
+    assert.match(url, /^http:\/\/127\.\d+\.\d+\.\d+:\d+\/\?demesne_preview=[0-9a-f]{48}$/);
     // the host's caller sees it (sandbox_list), and it works from the host
     const mine = (await ok("sandbox_list", {})).sandboxes.find((s) => s.sandbox_id === sb.sandbox_id);
     assert.deepEqual(mine.previews, [{ port: 8000, url }]);

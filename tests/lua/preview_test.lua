@@ -35,38 +35,53 @@ function tests.parse_says_incomplete_or_malformed(t)
   t:eq({ msg, c }, { "the request has more than 128 headers", "EPROTO" })
 end
 
-local E = { host_port = 4100, token = ("ab"):rep(24), cookie = "demesne_preview_4100" }
+local E = { addr = "127.9.8.7", host_port = 4100, token = ("ab"):rep(24), cookie = "demesne_preview_4100" }
 
 local function judge(lines)
   return preview.judge(E, assert(httphead.parse(table.concat(lines, "\r\n") .. "\r\n\r\n")))
 end
 
 function tests.judge_wants_the_secret_in_the_url_or_the_cookie(t)
-  local status, why, redirect = judge({ "GET /x?a=1&demesne_preview=" .. E.token .. "&b=2 HTTP/1.1", "Host: 127.0.0.1:4100" })
+  local status, why, redirect = judge({ "GET /x?a=1&demesne_preview=" .. E.token .. "&b=2 HTTP/1.1", "Host: 127.9.8.7:4100" })
   t:eq({ status, why, redirect }, { nil, nil, "/x?a=1&b=2" }, "the right token: a redirect to the URL without it")
-  t:eq({ judge({ "GET /?demesne_preview=" .. E.token .. " HTTP/1.1", "Host: localhost:4100" }) }, { nil, nil, "/" })
-  status = judge({ "GET /?demesne_preview=" .. ("00"):rep(24) .. " HTTP/1.1", "Host: 127.0.0.1:4100" })
+  status = judge({ "GET /?demesne_preview=" .. ("00"):rep(24) .. " HTTP/1.1", "Host: 127.9.8.7:4100" })
   t:eq(status, 403)
-  t:eq({ judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Cookie: a=1; demesne_preview_4100=" .. E.token }) }, {})
-  status, why = judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Cookie: demesne_preview_4101=" .. E.token })
+  t:eq({ judge({ "GET / HTTP/1.1", "Host: 127.9.8.7:4100", "Cookie: a=1; demesne_preview_4100=" .. E.token }) }, {})
+  status, why = judge({ "GET / HTTP/1.1", "Host: 127.9.8.7:4100", "Cookie: demesne_preview_4101=" .. E.token })
   t:eq(status, 403, "another preview's cookie name")
   t:match(why, "needs its secret")
-  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100" }), 403)
+  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.9.8.7:4100" }), 403)
 end
 
 function tests.judge_refuses_other_hosts_and_origins(t)
   local ck = "Cookie: demesne_preview_4100=" .. E.token
-  for _, host in ipairs({ "evil.example:4100", "127.0.0.1:4101", "127.0.0.1", "127.0.0.2:4100", "" }) do
+  -- (127.0.0.1 and localhost too: another preview's cookies would come along from there)
+  for _, host in ipairs({ "evil.example:4100", "127.9.8.7:4101", "127.9.8.7", "127.0.0.1:4100", "localhost:4100",
+    "127.9.8.8:4100", "" }) do
     t:eq(judge({ "GET / HTTP/1.1", "Host: " .. host, ck }), 421, host)
   end
   t:eq(judge({ "GET / HTTP/1.1", ck }), 421, "no Host at all")
-  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Origin: http://127.0.0.1:4101", ck }), 403)
-  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Origin: null", ck }), 403)
-  t:eq({ judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Origin: http://127.0.0.1:4100", ck }) }, {})
-  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Sec-Fetch-Site: same-site", "Sec-Fetch-Mode: cors", ck }),
+  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.9.8.7:4100", "Origin: http://127.9.8.7:4101", ck }), 403)
+  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.9.8.7:4100", "Origin: null", ck }), 403)
+  t:eq({ judge({ "GET / HTTP/1.1", "Host: 127.9.8.7:4100", "Origin: http://127.9.8.7:4100", ck }) }, {})
+  t:eq(judge({ "GET / HTTP/1.1", "Host: 127.9.8.7:4100", "Sec-Fetch-Site: same-site", "Sec-Fetch-Mode: cors", ck }),
     403, "a request another preview's page made")
-  t:eq({ judge({ "GET / HTTP/1.1", "Host: 127.0.0.1:4100", "Sec-Fetch-Site: cross-site", "Sec-Fetch-Mode: navigate",
+  t:eq({ judge({ "GET / HTTP/1.1", "Host: 127.9.8.7:4100", "Sec-Fetch-Site: cross-site", "Sec-Fetch-Mode: navigate",
     ck }) }, {}, "a navigation from elsewhere is opening the preview")
+end
+
+function tests.each_preview_gets_a_loopback_address_of_its_own(t)
+  local seen = {}
+  for _ = 1, 50 do
+    local a = preview.address()
+    local x, y, z = a:match("^127%.(%d+)%.(%d+)%.(%d+)$")
+    x, y, z = tonumber(x), tonumber(y), tonumber(z)
+    t:ok(x and x >= 2 and x <= 254 and y >= 1 and y <= 254 and z >= 1 and z <= 254, a .. " is in 127.2-254.1-254.1-254")
+    seen[a] = true
+  end
+  local n = 0
+  for _ in pairs(seen) do n = n + 1 end
+  t:ok(n > 40, ("50 draws gave %d addresses"):format(n))
 end
 
 return tests
