@@ -30,6 +30,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/resource.h>
+#include <sys/socket.h>
 #include <sys/stat.h>
 #include <sys/un.h>
 #include <errno.h>
@@ -98,8 +99,9 @@ struct dm_proxy_conn {
   char *via_auth; /* Proxy-Authorization to send, or NULL (heap) */
   char *via_buf;  /* the upstream proxy's answer to CONNECT so far (heap) */
   size_t via_len;
-  size_t fds;  /* descriptors counted against the ceilings (fds_take) */
-  int refused; /* over a ceiling: answered 503 once its head is in, never judged */
+  size_t fds;          /* descriptors counted against the ceilings (fds_take) */
+  int refused;         /* over a ceiling: answered 503 once its head is in, never judged */
+  uint64_t hold_until; /* dm_proxy_hold: the loop time (ms) the hold ends, 0 when not held */
 };
 
 struct dm_proxy {
@@ -362,8 +364,33 @@ static void reply(dm_proxy_conn *c, int status, const char *reason) {
   if (write_copy(c, c->client, msg, (size_t)n, 1) != 0) conn_close(c, NULL, NULL);
 }
 
+/* How often a held connection's client is looked at (ms): one that hung up ends its hold. */
+#define HOLD_PEEK_MS 250
+
+/* Whether the client of a connection waiting for its verdict has hung up: a peek at its
+ * socket reads end of file (or an error). Bytes waiting (a request body) mean it has not. */
+static int client_gone(dm_proxy_conn *c) {
+  uv_os_fd_t fd;
+  if (uv_fileno((uv_handle_t *)c->client, &fd) != 0) return 0;
+  char b;
+  ssize_t r = recv(fd, &b, 1, MSG_PEEK | MSG_DONTWAIT);
+  return r == 0 || (r < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+}
+
 static void on_timeout(uv_timer_t *t) {
   dm_proxy_conn *c = t->data;
+  if (c->state == C_VERDICT && c->hold_until) {
+    uint64_t now = uv_now(c->p->loop);
+    if (client_gone(c)) {
+      conn_close(c, "ECONNRESET", "the client hung up while its connection was held for a verdict");
+      return;
+    }
+    if (now < c->hold_until) {
+      uint64_t left = c->hold_until - now;
+      uv_timer_start(&c->timer, on_timeout, left < HOLD_PEEK_MS ? left : HOLD_PEEK_MS, 0);
+      return;
+    }
+  }
   switch (c->state) {
   case C_HEAD:
     if (c->refused) reply(c, 503, c->error);
@@ -954,7 +981,8 @@ void dm_proxy_allow_via(dm_proxy_conn *c, const char *host, int port, const char
 
 void dm_proxy_hold(dm_proxy_conn *c, unsigned ms) {
   if (!c || c->state != C_VERDICT) return;
-  uv_timer_start(&c->timer, on_timeout, ms, 0);
+  c->hold_until = uv_now(c->p->loop) + ms;
+  uv_timer_start(&c->timer, on_timeout, ms < HOLD_PEEK_MS ? ms : HOLD_PEEK_MS, 0);
 }
 
 void dm_proxy_deny(dm_proxy_conn *c, const char *reason) {

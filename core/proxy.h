@@ -250,8 +250,10 @@ void dm_proxy_allow_via(dm_proxy_conn *c, const char *host, int port, const char
 /// Holds a connection waiting for its verdict for `ms` more milliseconds (from now) instead
 /// of what is left of head_timeout_ms: the owner is asking someone (the `ask` verdict). When
 /// the time runs out the connection is denied ("no verdict in time", ETIMEDOUT). Its read
-/// side stays stopped meanwhile; nothing is read from the sandbox until the verdict.
-/// Ignored unless the connection is waiting for its verdict.
+/// side stays stopped meanwhile; nothing is read from the sandbox until the verdict. Its
+/// socket is peeked at every 250 ms: a client that hung up ends the connection at once
+/// (ECONNRESET, "the client hung up while its connection was held for a verdict"), and
+/// on_done tells the owner. Ignored unless the connection is waiting for its verdict.
 void dm_proxy_hold(dm_proxy_conn *c, unsigned ms);
 
 /// The verdict "deny": answers 403 with `reason` (copied; may be NULL) and closes.

@@ -127,6 +127,19 @@ test("nobody answers: the connection is denied after ask_timeout_seconds, decide
     [["asked.test", "deny", "deny", "timeout"]], JSON.stringify(log));
 });
 
+test("a held connection whose client gives up ends at once and leaves its question, not at the timeout", async () => {
+  asked.length = 0;
+  answer = () => new Promise(() => {}); // nobody answers; the client hangs up first
+  const r = await script(`curl -sS -k --max-time 1 ${url("asked.test", "/gave-up")}; echo "rc=$?"; sleep 2; echo done`);
+  assert.match(r.stdout, /rc=28/, "curl gave up (its --max-time)");
+  assert.equal(asked.length, 1, "the client was asked");
+  const log = egressLog(r);
+  assert.equal(log.length, 1, JSON.stringify(log));
+  assert.equal(log[0].verdict, "deny");
+  assert.equal(log[0].decided_by, undefined, "nobody decided: not the timeout, not the client");
+  assert.equal(log[0].error, "the client hung up while its connection was held for a verdict", JSON.stringify(log[0]));
+});
+
 test("allow for this run: a second connection to the same name and port goes through without a second question", async () => {
   asked.length = 0;
   answer = () => ({ action: "accept", content: { decision: "run" } });
