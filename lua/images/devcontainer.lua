@@ -81,6 +81,125 @@ local function field_fail(where, field, why)
   fail(("image: devcontainer: %s: %s: %s"):format(where, field, why))
 end
 
+-- A string field's value: non-empty, naming nothing of the host's (${localEnv…}).
+local function str(where, v, field)
+  if type(v) ~= "string" or v == "" then field_fail(where, field, "must be a non-empty string") end
+  if v:find("${localEnv:", 1, true) or v:find("${localWorkspaceFolder", 1, true) then
+    field_fail(where, field, "names the host's environment or folders (${localEnv…}/${localWorkspaceFolder…}), "
+      .. "which a sandbox never sees")
+  end
+  return v
+end
+
+-- `build`: {dockerfile, context, args, target}, checked into out.build (and out.notes).
+local function parse_build(where, b, out)
+  if type(b) ~= "table" then field_fail(where, "build", "must be an object") end
+  for k in pairs(b) do
+    if not BUILD_FIELDS[k] then
+      field_fail(where, "build." .. tostring(k), k == "options" and "refused: engine build options would go around "
+        .. "demesne's build settings" or "is not a build field demesne knows (dockerfile, context, args, target)")
+    end
+  end
+  if b.dockerfile == nil then field_fail(where, "build.dockerfile", "is missing (the Dockerfile to build)") end
+  out.build = { dockerfile = str(where, b.dockerfile, "build.dockerfile"), context = b.context ~= nil
+    and str(where, b.context, "build.context") or ".", args = {} }
+  if b.target ~= nil then out.build.target = str(where, b.target, "build.target") end
+  if b.args ~= nil then
+    if type(b.args) ~= "table" or b.args[1] ~= nil then field_fail(where, "build.args", "must be an object") end
+    for k, v in pairs(b.args) do
+      if type(k) ~= "string" or not k:match("^[%a_][%w_]*$") then
+        field_fail(where, "build.args", ("%q is not a build argument name"):format(tostring(k)))
+      end
+      if k:upper():sub(1, 9) == "BUILDKIT_" then
+        field_fail(where, "build.args." .. k, "refused: a BUILDKIT_* argument sets the builder itself "
+          .. "(BUILDKIT_SYNTAX makes it pull and run a parser image)")
+      end
+      out.build.args[k] = str(where, v, "build.args." .. k)
+    end
+  end
+  if b.cacheFrom ~= nil then out.notes[#out.notes + 1] = "build.cacheFrom is not used: the engine's own cache is" end
+end
+
+-- containerEnv, then remoteEnv over it, into out.env.
+local function parse_env(where, cfg, out)
+  for _, f in ipairs({ "containerEnv", "remoteEnv" }) do
+    local env = cfg[f]
+    if env ~= nil then
+      if type(env) ~= "table" or env[1] ~= nil then field_fail(where, f, "must be an object of strings") end
+      local keys = {}
+      for k in pairs(env) do keys[#keys + 1] = k end
+      table.sort(keys)
+      for _, k in ipairs(keys) do
+        local v = env[k]
+        if type(k) ~= "string" or not k:match("^[%a_][%w_]*$") then
+          field_fail(where, f, ("%q is not a variable name"):format(tostring(k)))
+        end
+        if reserved_var(k) then
+          field_fail(where, f .. "." .. k, "is demesne's to set (DEMESNE_* and the proxy variables of the egress)")
+        end
+        if v ~= nil and type(v) ~= "string" then field_fail(where, f .. "." .. k, "must be a string") end
+        if v ~= nil then
+          if v:find("${localEnv:", 1, true) or v:find("${localWorkspaceFolder", 1, true) then str(where, v, f .. "." .. k) end
+          out.env[k] = v
+        end
+      end
+    end
+  end
+end
+
+-- A command's argv form: a non-empty list of strings.
+local function argv_of(where, list, field)
+  if #list == 0 then field_fail(where, field, "an empty command") end
+  for i, a in ipairs(list) do
+    if type(a) ~= "string" then field_fail(where, ("%s[%d]"):format(field, i - 1), "must be a string") end
+  end
+  local n = 0
+  for _ in pairs(list) do n = n + 1 end
+  if n ~= #list then field_fail(where, field, "must be a list of strings") end
+  return list
+end
+
+-- The create commands (devcontainer.STEPS), in order, into out.steps.
+local function parse_steps(where, cfg, out)
+  for _, f in ipairs(devcontainer.STEPS) do
+    local c = cfg[f]
+    if c ~= nil then
+      if type(c) == "string" then
+        if c:find("%S") then out.steps[#out.steps + 1] = { field = f, cmd = c } end
+      elseif type(c) == "table" and c[1] ~= nil then
+        out.steps[#out.steps + 1] = { field = f, cmd = argv_of(where, c, f) }
+      elseif type(c) == "table" then
+        local par, keys = {}, {}
+        for k in pairs(c) do keys[#keys + 1] = k end
+        table.sort(keys)
+        for _, k in ipairs(keys) do
+          local v = c[k]
+          if type(v) == "string" then par[#par + 1] = { name = k, cmd = v }
+          elseif type(v) == "table" then par[#par + 1] = { name = k, cmd = argv_of(where, v, f .. "." .. k) }
+          else field_fail(where, f .. "." .. k, "must be a string or a list of strings") end
+        end
+        if #par > 0 then out.steps[#out.steps + 1] = { field = f, parallel = par } end
+      else
+        field_fail(where, f, "must be a string, a list of strings or an object of them")
+      end
+    end
+  end
+end
+
+-- forwardPorts into out.ports.
+local function parse_ports(where, ports, out)
+  if type(ports) ~= "table" then field_fail(where, "forwardPorts", "must be a list") end
+  for i, p in ipairs(ports) do
+    local n = math.tointeger(p) or (type(p) == "string" and math.tointeger(tonumber(p:match("^localhost:(%d+)$")
+      or p:match("^127%.0%.0%.1:(%d+)$") or "")))
+    if not n or n < 1 or n > 65535 then
+      field_fail(where, ("forwardPorts[%d]"):format(i - 1), ("%s is not a port of the sandbox (1-65535, or "
+        .. "\"localhost:N\"); a sandbox forwards only its own ports"):format(tostring(p)))
+    end
+    out.ports[#out.ports + 1] = n
+  end
+end
+
 --- Reads the JSON-with-comments text of a devcontainer.json and checks it. `where` names
 --- the file in messages. Returns the plan's part that needs no engine:
 --- {image = ref | nil, build = {dockerfile, context, args, target} | nil (paths relative to
@@ -102,117 +221,19 @@ function devcontainer.parse(text, where)
     if devcontainer.REFUSED[k] then field_fail(where, k, "refused: " .. devcontainer.REFUSED[k]) end
   end
   local out = { env = {}, steps = {}, ports = {}, notes = {} }
-  local function str(v, field)
-    if type(v) ~= "string" or v == "" then field_fail(where, field, "must be a non-empty string") end
-    if v:find("${localEnv:", 1, true) or v:find("${localWorkspaceFolder", 1, true) then
-      field_fail(where, field, "names the host's environment or folders (${localEnv…}/${localWorkspaceFolder…}), "
-        .. "which a sandbox never sees")
-    end
-    return v
-  end
   if cfg.image ~= nil and cfg.build ~= nil then field_fail(where, "image", "give image or build, not both") end
   if cfg.image ~= nil then
-    out.image = str(cfg.image, "image")
+    out.image = str(where, cfg.image, "image")
     local ok, why = images.check_reference(out.image)
     if not ok then field_fail(where, "image", ("%q is not a valid image reference: it %s"):format(out.image, why)) end
   elseif cfg.build ~= nil then
-    local b = cfg.build
-    if type(b) ~= "table" then field_fail(where, "build", "must be an object") end
-    for k in pairs(b) do
-      if not BUILD_FIELDS[k] then
-        field_fail(where, "build." .. tostring(k), k == "options" and "refused: engine build options would go around "
-          .. "demesne's build settings" or "is not a build field demesne knows (dockerfile, context, args, target)")
-      end
-    end
-    if b.dockerfile == nil then field_fail(where, "build.dockerfile", "is missing (the Dockerfile to build)") end
-    out.build = { dockerfile = str(b.dockerfile, "build.dockerfile"), context = b.context ~= nil
-      and str(b.context, "build.context") or ".", args = {} }
-    if b.target ~= nil then out.build.target = str(b.target, "build.target") end
-    if b.args ~= nil then
-      if type(b.args) ~= "table" or b.args[1] ~= nil then field_fail(where, "build.args", "must be an object") end
-      for k, v in pairs(b.args) do
-        if type(k) ~= "string" or not k:match("^[%a_][%w_]*$") then
-          field_fail(where, "build.args", ("%q is not a build argument name"):format(tostring(k)))
-        end
-        if k:upper():sub(1, 9) == "BUILDKIT_" then
-          field_fail(where, "build.args." .. k, "refused: a BUILDKIT_* argument sets the builder itself "
-            .. "(BUILDKIT_SYNTAX makes it pull and run a parser image)")
-        end
-        out.build.args[k] = str(v, "build.args." .. k)
-      end
-    end
-    if b.cacheFrom ~= nil then out.notes[#out.notes + 1] = "build.cacheFrom is not used: the engine's own cache is" end
+    parse_build(where, cfg.build, out)
   else
     field_fail(where, "image", "the file names neither image nor build (a Dockerfile); one of them is needed")
   end
-  for _, f in ipairs({ "containerEnv", "remoteEnv" }) do
-    local env = cfg[f]
-    if env ~= nil then
-      if type(env) ~= "table" or env[1] ~= nil then field_fail(where, f, "must be an object of strings") end
-      local keys = {}
-      for k in pairs(env) do keys[#keys + 1] = k end
-      table.sort(keys)
-      for _, k in ipairs(keys) do
-        local v = env[k]
-        if type(k) ~= "string" or not k:match("^[%a_][%w_]*$") then
-          field_fail(where, f, ("%q is not a variable name"):format(tostring(k)))
-        end
-        if reserved_var(k) then
-          field_fail(where, f .. "." .. k, "is demesne's to set (DEMESNE_* and the proxy variables of the egress)")
-        end
-        if v ~= nil and type(v) ~= "string" then field_fail(where, f .. "." .. k, "must be a string") end
-        if v ~= nil then
-          if v:find("${localEnv:", 1, true) or v:find("${localWorkspaceFolder", 1, true) then str(v, f .. "." .. k) end
-          out.env[k] = v
-        end
-      end
-    end
-  end
-  for _, f in ipairs(devcontainer.STEPS) do
-    local c = cfg[f]
-    local function argv(list, field)
-      if #list == 0 then field_fail(where, field, "an empty command") end
-      for i, a in ipairs(list) do
-        if type(a) ~= "string" then field_fail(where, ("%s[%d]"):format(field, i - 1), "must be a string") end
-      end
-      local n = 0
-      for _ in pairs(list) do n = n + 1 end
-      if n ~= #list then field_fail(where, field, "must be a list of strings") end
-      return list
-    end
-    if c ~= nil then
-      if type(c) == "string" then
-        if c:find("%S") then out.steps[#out.steps + 1] = { field = f, cmd = c } end
-      elseif type(c) == "table" and c[1] ~= nil then
-        out.steps[#out.steps + 1] = { field = f, cmd = argv(c, f) }
-      elseif type(c) == "table" then
-        local par, keys = {}, {}
-        for k in pairs(c) do keys[#keys + 1] = k end
-        table.sort(keys)
-        for _, k in ipairs(keys) do
-          local v = c[k]
-          if type(v) == "string" then par[#par + 1] = { name = k, cmd = v }
-          elseif type(v) == "table" then par[#par + 1] = { name = k, cmd = argv(v, f .. "." .. k) }
-          else field_fail(where, f .. "." .. k, "must be a string or a list of strings") end
-        end
-        if #par > 0 then out.steps[#out.steps + 1] = { field = f, parallel = par } end
-      else
-        field_fail(where, f, "must be a string, a list of strings or an object of them")
-      end
-    end
-  end
-  if cfg.forwardPorts ~= nil then
-    if type(cfg.forwardPorts) ~= "table" then field_fail(where, "forwardPorts", "must be a list") end
-    for i, p in ipairs(cfg.forwardPorts) do
-      local n = math.tointeger(p) or (type(p) == "string" and math.tointeger(tonumber(p:match("^localhost:(%d+)$")
-        or p:match("^127%.0%.0%.1:(%d+)$") or "")))
-      if not n or n < 1 or n > 65535 then
-        field_fail(where, ("forwardPorts[%d]"):format(i - 1), ("%s is not a port of the sandbox (1-65535, or "
-          .. "\"localhost:N\"); a sandbox forwards only its own ports"):format(tostring(p)))
-      end
-      out.ports[#out.ports + 1] = n
-    end
-  end
+  parse_env(where, cfg, out)
+  parse_steps(where, cfg, out)
+  if cfg.forwardPorts ~= nil then parse_ports(where, cfg.forwardPorts, out) end
   if cfg.features ~= nil then
     out.features = features.parse(cfg.features, where)
     if #out.features == 0 then out.features = nil end
