@@ -488,6 +488,169 @@ end
 
 local function header_token(v) return tostring(v):lower():match("^%s*([^;%s]+)") end
 
+-- The Streamable HTTP transport of one client session (client.http): the session id and
+-- protocol version the server gave, the requests in flight, the GET stream.
+local HttpTransport = {}
+HttpTransport.__index = HttpTransport
+
+--- The headers of one request: the caller's, Accept, and the session's id and version.
+---@param accept string
+---@return table
+function HttpTransport:headers(accept)
+  local h = {}
+  for k, v in pairs(self.opts.headers or {}) do h[k] = v end
+  h["Accept"] = accept
+  if accept ~= "text/event-stream" then h["Content-Type"] = "application/json" end
+  if self.session_id then h["Mcp-Session-Id"] = self.session_id end
+  if self.version then h["MCP-Protocol-Version"] = self.version end
+  return h
+end
+
+--- One JSON-RPC message from the server, to the session.
+---@param text string
+function HttpTransport:deliver(text)
+  local msg = json.decode_arrays(text)
+  if msg ~= nil then self.session:receive(msg) end
+end
+
+--- Starts one HTTP request whose answer may be JSON or SSE; the messages it carries go to
+--- the session. done(ok, err, code, status, body_snippet) once. Returns the request, or
+--- nil, message, code.
+---@param method string
+---@param body string|nil
+---@param accept string
+---@param on_head fun(status: integer, headers: table)|nil
+---@param done fun(ok: boolean, err: string|nil, code: string|nil, status: integer|nil, snippet: string|nil)
+---@return userdata|nil req, string|nil err, string|nil code
+function HttpTransport:exchange(method, body, accept, on_head, done)
+  local req
+  local status, kind
+  local parse, json_parts, json_len = nil, {}, 0
+  local failed
+  local max = self.max
+  local function fail(msg, code)
+    failed = failed or { msg, code }
+    if req then req:cancel() end
+  end
+  local r, err, code = http.request({
+    url = self.opts.url, method = method, body = body, headers = self:headers(accept),
+    connect_timeout_ms = self.opts.connect_timeout_ms or 10000,
+    on_headers = function(st, hdrs)
+      status = st
+      kind = header_token(hdrs["content-type"] or "")
+      if on_head then on_head(st, hdrs) end
+      if kind == "text/event-stream" and st >= 200 and st < 300 then
+        parse = sse_parser(max, function(text) self:deliver(text) end)
+      end
+    end,
+    on_data = function(chunk)
+      if parse then
+        if not parse(chunk) then fail(("a server-sent event over %d bytes"):format(max), "E2BIG") end
+      else
+        json_len = json_len + #chunk
+        if json_len > max then fail(("an answer over %d bytes"):format(max), "E2BIG") return end
+        json_parts[#json_parts + 1] = chunk
+      end
+    end,
+  }, function(res, rerr, rcode)
+    self.inflight[req] = nil
+    if failed then return done(false, failed[1], failed[2], status) end
+    if not res then return done(false, rerr, rcode, status) end
+    local text = table.concat(json_parts)
+    if res.status >= 200 and res.status < 300 and kind == "application/json" and text ~= "" then
+      self:deliver(text)
+    end
+    done(res.status >= 200 and res.status < 300, nil, nil, res.status, text:sub(1, 300))
+  end)
+  if not r then return nil, err, code end
+  req = r
+  self.inflight[r] = true
+  return r
+end
+
+--- How a POST's answer ended, for the request `id` waiting on it (nil: a notification or
+--- a response, nothing waits): an answer already delivered, a stream ended without one, a
+--- session the server no longer knows, an HTTP error or a transport failure.
+---@param id any
+---@param ok boolean
+---@param ferr string|nil
+---@param fcode string|nil
+---@param status integer|nil
+---@param snippet string|nil
+function HttpTransport:post_done(id, ok, ferr, fcode, status, snippet)
+  local sess = self.session
+  if id then self.by_id[id] = nil end
+  if id == nil then return end -- a notification or a response: 202 expected, nothing waits
+  if sess.pending[id] == nil then return end -- answered on this stream (or abandoned)
+  if ok then
+    sess:fail(id, ("%s: the server ended its answer stream without answering"):format(sess.name), "ECONNRESET")
+  elseif (status == 404 or status == 400) and self.session_id then
+    -- the spec: a 404 to a request carrying a session id means the session is gone and
+    -- the client starts a new one; the SDK's servers answer an unknown session with
+    -- 400 ("No valid session ID provided"), after a restart for instance
+    sess:fail_all(("%s: the server no longer knows the session (HTTP %d)"):format(sess.name, status), "ESESSION")
+  elseif status then
+    sess:fail(id, ("%s: HTTP %d from the server%s"):format(sess.name, status,
+      (snippet and snippet ~= "") and (": " .. snippet:gsub("%s+", " ")) or ""), status == 401 and "EACCES" or "EPROTO")
+  else
+    sess:fail(id, ("%s: %s"):format(sess.name, tostring(ferr)), fcode)
+  end
+end
+
+--- Sends one message (a POST); `id` when it is a request that waits for its answer.
+---@param line string
+---@param id any
+---@return boolean|nil ok, string|nil err, string|nil code
+function HttpTransport:send(line, id)
+  if self.closing then return nil, "the connection is closed", "ECONNRESET" end
+  local is_init = id ~= nil and line:find('"method":"initialize"', 1, true) ~= nil
+  local r, err, code = self:exchange("POST", line, "application/json, text/event-stream", function(_, hdrs)
+    if is_init and hdrs["mcp-session-id"] then self.session_id = hdrs["mcp-session-id"] end
+  end, function(...) self:post_done(id, ...) end)
+  if not r then return nil, err, code end
+  if id then self.by_id[id] = r end
+  return true
+end
+
+--- Gives up on the request `id`: its POST is cancelled.
+---@param id any
+function HttpTransport:abort(id)
+  local r = self.by_id[id]
+  self.by_id[id] = nil
+  if r then r:cancel() end
+end
+
+--- The GET stream for messages that relate to no request (tools/list_changed). A server
+--- may answer 405; then there is no stream and session.no_stream tells the caller to list
+--- again rather than trust a cached listing.
+function HttpTransport:after_initialized()
+  if self.closing then return end
+  local sess = self.session
+  sess.no_stream = false
+  local r = self:exchange("GET", nil, "text/event-stream", function(st)
+    if st < 200 or st >= 300 then sess.no_stream = true end
+  end, function()
+    self.listen_req = nil
+    sess.no_stream = true
+  end)
+  if not r then sess.no_stream = true end
+  self.listen_req = r
+end
+
+--- Ends every request and the GET stream; in a task, DELETEs the session (the spec: a
+--- client that no longer needs it SHOULD). Idempotent.
+function HttpTransport:close()
+  if self.closing then return end
+  self.closing = true
+  for r in pairs(self.inflight) do r:cancel() end
+  if self.listen_req then self.listen_req:cancel(); self.listen_req = nil end
+  if self.session_id and async.current() then
+    local del = async.wrap(http.request)
+    del({ url = self.opts.url, method = "DELETE", headers = self:headers("application/json, text/event-stream"),
+      timeout_ms = 2000, connect_timeout_ms = 2000 })
+  end
+end
+
 --- Connects to a Streamable HTTP MCP server (nothing is sent until initialize).
 --- opts: url (http:// or https://), headers ({name = value}: sent on every request, e.g.
 --- Authorization), name, max_message_bytes, on_notification(method, params),
@@ -495,142 +658,17 @@ local function header_token(v) return tostring(v):lower():match("^%s*([^;%s]+)")
 ---@param opts table
 ---@return McpClientSession
 function client.http(opts)
-  local transport = {}
+  local t = setmetatable({ opts = opts, inflight = {}, by_id = {}, closing = false }, HttpTransport)
+  -- the session calls its transport's functions with a dot
+  local transport = {
+    send = function(line, id) return t:send(line, id) end,
+    abort = function(id) return t:abort(id) end,
+    negotiated = function(v) t.version = v end,
+    after_initialized = function() return t:after_initialized() end,
+    close = function() return t:close() end,
+  }
   local self = new_session(opts, transport)
-  local session_id, version
-  local inflight = {} -- request handle -> true; by id for aborts
-  local by_id = {}
-  local listen_req
-  local closing = false
-  local max = self.max_message_bytes
-
-  local function headers(accept)
-    local h = {}
-    for k, v in pairs(opts.headers or {}) do h[k] = v end
-    h["Accept"] = accept
-    if accept ~= "text/event-stream" then h["Content-Type"] = "application/json" end
-    if session_id then h["Mcp-Session-Id"] = session_id end
-    if version then h["MCP-Protocol-Version"] = version end
-    return h
-  end
-
-  local function deliver(text)
-    local msg = json.decode_arrays(text)
-    if msg ~= nil then self:receive(msg) end
-  end
-
-  -- Starts one HTTP request whose answer may be JSON or SSE; the messages it carries go to
-  -- the session. done(ok, err, code, status, body_snippet) once.
-  local function exchange(method, body, accept, on_head, done)
-    local req
-    local status, kind
-    local parse, json_parts, json_len = nil, {}, 0
-    local failed
-    local function fail(msg, code)
-      failed = failed or { msg, code }
-      if req then req:cancel() end
-    end
-    local r, err, code = http.request({
-      url = opts.url, method = method, body = body, headers = headers(accept),
-      connect_timeout_ms = opts.connect_timeout_ms or 10000,
-      on_headers = function(st, hdrs)
-        status = st
-        kind = header_token(hdrs["content-type"] or "")
-        if on_head then on_head(st, hdrs) end
-        if kind == "text/event-stream" and st >= 200 and st < 300 then
-          parse = sse_parser(max, deliver)
-        end
-      end,
-      on_data = function(chunk)
-        if parse then
-          if not parse(chunk) then fail(("a server-sent event over %d bytes"):format(max), "E2BIG") end
-        else
-          json_len = json_len + #chunk
-          if json_len > max then fail(("an answer over %d bytes"):format(max), "E2BIG") return end
-          json_parts[#json_parts + 1] = chunk
-        end
-      end,
-    }, function(res, rerr, rcode)
-      inflight[req] = nil
-      if failed then return done(false, failed[1], failed[2], status) end
-      if not res then return done(false, rerr, rcode, status) end
-      local text = table.concat(json_parts)
-      if res.status >= 200 and res.status < 300 and kind == "application/json" and text ~= "" then
-        deliver(text)
-      end
-      done(res.status >= 200 and res.status < 300, nil, nil, res.status, text:sub(1, 300))
-    end)
-    if not r then return nil, err, code end
-    req = r
-    inflight[r] = true
-    return r
-  end
-
-  function transport.send(line, id)
-    if closing then return nil, "the connection is closed", "ECONNRESET" end
-    local is_init = id ~= nil and line:find('"method":"initialize"', 1, true) ~= nil
-    local r, err, code = exchange("POST", line, "application/json, text/event-stream", function(_, hdrs)
-      if is_init and hdrs["mcp-session-id"] then session_id = hdrs["mcp-session-id"] end
-    end, function(ok, ferr, fcode, status, snippet)
-      if id then by_id[id] = nil end
-      if id == nil then return end -- a notification or a response: 202 expected, nothing waits
-      if self.pending[id] == nil then return end -- answered on this stream (or abandoned)
-      if ok then
-        self:fail(id, ("%s: the server ended its answer stream without answering"):format(self.name), "ECONNRESET")
-      elseif (status == 404 or status == 400) and session_id then
-        -- the spec: a 404 to a request carrying a session id means the session is gone and
-        -- the client starts a new one; the SDK's servers answer an unknown session with
-        -- 400 ("No valid session ID provided"), after a restart for instance
-        self:fail_all(("%s: the server no longer knows the session (HTTP %d)"):format(self.name, status), "ESESSION")
-      elseif status then
-        self:fail(id, ("%s: HTTP %d from the server%s"):format(self.name, status,
-          (snippet and snippet ~= "") and (": " .. snippet:gsub("%s+", " ")) or ""), status == 401 and "EACCES" or "EPROTO")
-      else
-        self:fail(id, ("%s: %s"):format(self.name, tostring(ferr)), fcode)
-      end
-    end)
-    if not r then return nil, err, code end
-    if id then by_id[id] = r end
-    return true
-  end
-
-  function transport.abort(id)
-    local r = by_id[id]
-    by_id[id] = nil
-    if r then r:cancel() end
-  end
-
-  function transport.negotiated(v) version = v end
-
-  -- The GET stream for messages that relate to no request (tools/list_changed). A server
-  -- may answer 405; then there is no stream and self.no_stream tells the caller to list
-  -- again rather than trust a cached listing.
-  function transport.after_initialized()
-    if closing then return end
-    self.no_stream = false
-    local r = exchange("GET", nil, "text/event-stream", function(st)
-      if st < 200 or st >= 300 then self.no_stream = true end
-    end, function()
-      listen_req = nil
-      self.no_stream = true
-    end)
-    if not r then self.no_stream = true end
-    listen_req = r
-  end
-
-  function transport.close()
-    if closing then return end
-    closing = true
-    for r in pairs(inflight) do r:cancel() end
-    if listen_req then listen_req:cancel(); listen_req = nil end
-    if session_id and async.current() then
-      -- the spec: a client that no longer needs the session SHOULD send DELETE
-      local del = async.wrap(http.request)
-      del({ url = opts.url, method = "DELETE", headers = headers("application/json, text/event-stream"),
-        timeout_ms = 2000, connect_timeout_ms = 2000 })
-    end
-  end
-
+  t.session, t.max = self, self.max_message_bytes
   self.no_stream = true
   return self
 end
