@@ -634,8 +634,10 @@ local AGENT_LAYERS = {
   },
 }
 
--- The demesne layer's Containerfile (and the start script of an agent CLI).
-local function layer_files(agent)
+-- The demesne layer's Containerfile (and the start script of an agent CLI, and the
+-- image's PATH kept for login shells: Debian's /etc/profile sets PATH anew, so `bash -lc`,
+-- which Codex runs its commands with, would lose what the devcontainer's ENV put there).
+local function layer_files(agent, image_path)
   local lines = { "ARG BASE" }
   local files = {}
   local spec = agent and AGENT_LAYERS[agent]
@@ -649,6 +651,11 @@ local function layer_files(agent)
     for _, c in ipairs(spec.copy) do lines[#lines + 1] = ("COPY --from=agent %s %s"):format(c[1], c[2]) end
     lines[#lines + 1] = ("COPY demesne-%s /usr/local/bin/%s"):format(spec.cli, spec.cli)
     files[#files + 1] = { name = "demesne-" .. spec.cli, data = spec.start, mode = 493 }
+  end
+  if image_path and not image_path:find("[%z\n]") then
+    lines[#lines + 1] = "COPY demesne-path.sh /etc/profile.d/zz-demesne-devcontainer-path.sh"
+    files[#files + 1] = { name = "demesne-path.sh", mode = 420, data = "# demesne: the image's own PATH (its ENV), "
+      .. "which /etc/profile sets anew for a login shell\nexport PATH=" .. util.sh_quote(image_path) .. "\n" }
   end
   files[#files + 1] = { name = "Containerfile", data = table.concat(lines, "\n") .. "\n", mode = 420 }
   return files
@@ -915,7 +922,9 @@ function devcontainer.ensure(eng, o, ctx)
     buildargs.AGENT = a.ref
     key[#key + 1] = a.ref
   end
-  local files = layer_files(dc.agent)
+  local image_path
+  for _, kv in ipairs(info.env or {}) do image_path = kv:match("^PATH=(.*)$") or image_path end
+  local files = layer_files(dc.agent, image_path)
   for _, f in ipairs(files) do key[#key + 1] = f.name .. "\0" .. f.data end
   local name = slug(dc.root) .. (dc.agent and ("-" .. dc.agent) or "")
   local tag = images.tag_of(name, key)

@@ -202,6 +202,33 @@ test("an agent run with the scripted vendor works inside the repository's devcon
   assert.equal(git(h, "show", "demesne/dc-agent:app.py"), "def add(a, b):\n    return a + b");
 });
 
+test("a Codex agent run with the scripted vendor works inside the repository's devcontainer too", async () => {
+  const h = makeRepo("codex-app");
+  const plan = vendor.plan("dc-codex", [
+    { shell: `(${SEES}) > /out/sees.txt 2>&1; command -v node > /out/node.txt || echo none > /out/node.txt; echo ok` },
+    { final: "Looked around inside the devcontainer." },
+  ]);
+  const c = await connect({ fixtures: false, env: { ...env(), DEMESNE_STATE_DIR: path.join(work, "state-codex"),
+    OPENAI_API_KEY: SECRET, DEMESNE_CODEX_UPSTREAM: `http://127.0.0.1:${vendor.port}/openai/v1`,
+    DEMESNE_CLAUDE_CODE_ENABLED: "false", ANTHROPIC_API_KEY: "" } });
+  try {
+    const res = await c.client.callTool({ name: "sandbox_agent", arguments: {
+      prompt: `PLAN:${plan} Look around.`, model: "gpt-5.6-sol", image: "devcontainer", repository: h,
+    } }, undefined, LONG);
+    assert.ok(!res.isError, res.content?.[0]?.text);
+    const r = res.structuredContent;
+    assert.equal(r.exit_code, 0, r.stderr);
+    assert.equal(r.answer, "Looked around inside the devcontainer.");
+    assert.deepEqual(readFileSync(path.join(r.output_dir, "sees.txt"), "utf8").trim().split("\n"), [
+      "the repository's tool file", "from-containerEnv|from-containerEnv-and-remote|hello-arg", "dc-tool runs",
+      "made-by-postCreateCommand", "on-create", "/workspace/codex-app", "/workspace/codex-app", "0",
+    ]);
+    assert.equal(r.devcontainer?.file ?? ".devcontainer/devcontainer.json", ".devcontainer/devcontainer.json");
+  } finally {
+    await c.client.close();
+  }
+});
+
 test("what cannot work is refused, naming the field", async () => {
   const cases = {
     "features.ghcr.io/devcontainers/features/node:1": { "ghcr.io/devcontainers/features/node:1": {} },
