@@ -1013,7 +1013,13 @@ end
 ---@param labels string[]
 ---@return table[]|nil images, string|nil err, string|nil code
 function Engine:image_list(labels)
-  local t, err, code = ok_json(self, "GET", "/images/json", { filters = { label = labels } }, nil, "list images")
+  local t, err, code
+  -- Podman 4.3 fails the whole list ("reading image …: image not known") when an image goes
+  -- while it lists (another server's snapshot retention, say): asked again, it lists the rest
+  for _ = 1, 4 do
+    t, err, code = ok_json(self, "GET", "/images/json", { filters = { label = labels } }, nil, "list images")
+    if t or not tostring(err):find("image not known", 1, true) then break end
+  end
   if not t then return nil, err, code end
   if type(t) ~= "table" then return nil, "list images: the engine answered no JSON list", "EENGINE" end
   local out = {}
