@@ -204,16 +204,23 @@ test("refusals name the field and leave no image or container behind", async () 
 
 test("a fork of a gVisor sandbox runs on gVisor", { skip: RUNSC ? false : "runsc is not installed" }, async () => {
   const src = await ok("ro", "sandbox_create", { image: "base", isolation: "gvisor" });
-  await sh("ro", src.sandbox_id, "echo under-gvisor > /workspace/g");
-  const fork = await ok("ro", "sandbox_fork", { sandbox_id: src.sandbox_id, count: 1 });
-  assert.equal(fork.sandboxes[0].isolation, "gvisor");
-  const id = fork.sandboxes[0].sandbox_id;
-  assert.equal(await sh("ro", id, "cat /workspace/g"), "under-gvisor\n");
-  assert.match(await sh("ro", id, "dmesg | head -n 1"), /gVisor/i, "its kernel is gVisor's");
-  assert.match(await refused("ro", "sandbox_create", { snapshot: fork.snapshot_id, isolation: "container" }),
-    /^isolation: snapshot snap-.* was taken of a gvisor sandbox/);
-  for (const x of [id, src.sandbox_id]) await ok("ro", "sandbox_destroy", { sandbox_id: x });
-  await ok("ro", "sandbox_snapshot_delete", { snapshot_id: fork.snapshot_id });
+  let fork;
+  try {
+    await sh("ro", src.sandbox_id, "echo under-gvisor > /workspace/g");
+    fork = await ok("ro", "sandbox_fork", { sandbox_id: src.sandbox_id, count: 1 });
+    assert.equal(fork.sandboxes[0].isolation, "gvisor");
+    const id = fork.sandboxes[0].sandbox_id;
+    assert.equal(await sh("ro", id, "cat /workspace/g"), "under-gvisor\n");
+    assert.match(await sh("ro", id, "dmesg | head -n 1"), /gVisor/i, "its kernel is gVisor's");
+    assert.match(await refused("ro", "sandbox_create", { snapshot: fork.snapshot_id, isolation: "container" }),
+      /^isolation: snapshot snap-.* was taken of a gvisor sandbox/);
+  } finally {
+    // (a failure above must not leave its sandboxes for the last test to find)
+    for (const x of [...(fork?.sandboxes || []).map((f) => f.sandbox_id), src.sandbox_id]) {
+      await ok("ro", "sandbox_destroy", { sandbox_id: x });
+    }
+    if (fork) await ok("ro", "sandbox_snapshot_delete", { snapshot_id: fork.snapshot_id });
+  }
 });
 
 
