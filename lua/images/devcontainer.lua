@@ -851,17 +851,28 @@ end
 -- once read); each described (features.describe), then put in install order.
 local function read_features(dc)
   local where, list = dc.file, {}
+  -- one budget of images.USER_MAX_BYTES for all of them; a folder named twice is refused
+  local total, seen = { bytes = 0 }, {}
+  if #dc.cfg.features > features.MAX_COUNT then
+    fail(("image: devcontainer: %s: features: %d of them, more than the %d demesne installs"):format(where,
+      #dc.cfg.features, features.MAX_COUNT))
+  end
   for _, ft in ipairs(dc.cfg.features) do
     local files
     if ft.kind == "local" then
-      files = read_context(where, dc.root, ft.rel, nil, nil, nil, "features." .. ft.id)
+      if seen[ft.rel] then
+        fail(("image: devcontainer: %s: features.%s: names the folder %s, as features.%s does"):format(where, ft.id,
+          ft.rel, seen[ft.rel]))
+      end
+      seen[ft.rel] = ft.id
+      files = read_context(where, dc.root, ft.rel, nil, total, nil, "features." .. ft.id)
     else
       local dir, dpath = features.private_dir()
       local _d <close> = dir
       local name = util.random_hex(8)
       local _rm <close> = util.closer(function() fs.remove_tree(dpath .. "/" .. name) end)
       ft.digest = features.pull(where, ft.id, dir, name)
-      files = read_context(where, dpath, name, nil, nil, nil, "features." .. ft.id)
+      files = read_context(where, dpath, name, nil, total, nil, "features." .. ft.id)
     end
     list[#list + 1] = features.describe(where, ft, files)
   end
@@ -872,9 +883,17 @@ end
 local function ensure_base(eng, dc, ctx)
   local own = ensure_own(eng, dc, ctx)
   if not dc.cfg.features then return own end
+  -- the features' layer is built FROM it: its triggers would run there (the check of
+  -- devcontainer.ensure sees only the features' image, which carries none of them)
+  local info = eng:image_inspect(own, { onbuild = true })
+  if not info then fail(("image: devcontainer: %s: the image %s is not in the engine"):format(dc.file, own)) end
+  if #(info.onbuild or {}) > 0 then
+    fail(("image: devcontainer: %s: the image %s carries ONBUILD triggers (%s), refused: they would run when "
+      .. "demesne builds the features on it, outside the Dockerfile's checks"):format(dc.file,
+      dc.cfg.image or "the Dockerfile builds", (table.concat(info.onbuild, "; "):sub(1, 200))))
+  end
   local ordered = read_features(dc)
   local files = features.context(ordered)
-  local info = eng:image_inspect(own)
   local key = { "devcontainer-features", own, tostring(info and info.id) }
   for _, f in ipairs(files) do key[#key + 1] = f.name .. "\0" .. f.mode .. "\0" .. f.data end
   local name = slug(dc.root) .. "-features"

@@ -31,6 +31,8 @@ features.LAYER_TYPE = "application/vnd.devcontainers.layer.v1+tar"
 --- The largest feature tar taken (bytes), and the most entries it may hold.
 features.MAX_BYTES = 16 * 1024 * 1024
 features.MAX_ENTRIES = 2000
+--- The most features one devcontainer.json may name.
+features.MAX_COUNT = 32
 --- Where the features' folders are copied in the build, as the devcontainer CLI does.
 features.DIR = "/tmp/dev-container-features"
 
@@ -95,8 +97,10 @@ function features.parse(value, where)
         ffail(where, id, ("%q is not an option id"):format(tostring(k)))
       end
       if type(v) == "boolean" then v = tostring(v)
-      elseif type(v) == "number" then v = tostring(math.tointeger(v) or v)
-      elseif type(v) ~= "string" then ffail(where, id .. "." .. k, "must be a string or a boolean") end
+      elseif type(v) ~= "string" then
+        ffail(where, id .. "." .. k, "must be a string or a boolean (the spec's option types; write a number as a "
+          .. "string: JSON numbers lose their text, 1.10 becomes 1.1)")
+      end
       if v:find("[%z\n\r]") then ffail(where, id .. "." .. k, "holds a line break or NUL") end
       f.options[k] = v
     end
@@ -186,13 +190,34 @@ function features.describe(where, f, files)
   -- the options: the file's defaults, the devcontainer.json's values over them
   local vars, lines = {}, {}
   local declared = type(meta.options) == "table" and meta.options or {}
-  for name, spec in pairs(declared) do
-    if type(name) == "string" and type(spec) == "table" and spec.default ~= nil then
+  local from = {} -- variable -> the option it came from: two options may not make one variable
+  local function set(name, v, field)
+    local var = features.option_var(name)
+    if from[var] and from[var] ~= name then
+      ffail(where, f.id, ("%s: the options %s and %s both become the variable %s"):format(field, from[var], name, var))
+    end
+    from[var], vars[var] = name, v
+  end
+  local names0 = {}
+  for name in pairs(declared) do names0[#names0 + 1] = name end
+  table.sort(names0, function(a, b) return tostring(a) < tostring(b) end)
+  for _, name in ipairs(names0) do
+    local spec = declared[name]
+    if type(name) ~= "string" or not name:match("^[%w_.-]+$") then
+      ffail(where, f.id, ("devcontainer-feature.json: options: %q is not an option id"):format(tostring(name)))
+    end
+    if type(spec) == "table" and spec.default ~= nil then
       local d = spec.default
-      vars[features.option_var(name)] = type(d) == "number" and tostring(math.tointeger(d) or d) or tostring(d)
+      if type(d) ~= "string" and type(d) ~= "boolean" then
+        ffail(where, f.id, ("devcontainer-feature.json: options.%s.default must be a string or a boolean"):format(name))
+      end
+      set(name, tostring(d), "devcontainer-feature.json")
     end
   end
-  for name, v in pairs(f.options) do vars[features.option_var(name)] = v end
+  local given = {}
+  for name in pairs(f.options) do given[#given + 1] = name end
+  table.sort(given)
+  for _, name in ipairs(given) do set(name, f.options[name], "its options") end
   vars._REMOTE_USER, vars._CONTAINER_USER = "root", "root"
   vars._REMOTE_USER_HOME, vars._CONTAINER_USER_HOME = "/root", "/root"
   local names = {}
@@ -227,7 +252,9 @@ function features.describe(where, f, files)
     return o
   end
   local out = {}
-  for _, e in ipairs(files) do out[#out + 1] = e end
+  for _, e in ipairs(files) do
+    if e.name ~= "devcontainer-features.env" then out[#out + 1] = e end -- demesne writes its own
+  end
   out[#out + 1] = { name = "devcontainer-features.env", data = table.concat(lines, "\n") .. "\n", mode = 420 }
   return { id = f.id, files = out, env = env, depends = ids(meta.dependsOn), after = ids(meta.installsAfter),
     version = type(meta.version) == "string" and meta.version or nil }

@@ -93,8 +93,10 @@ local function get(s, url, accept, max_bytes)
   if res.status == 401 and not s.token then
     local ch = oci.parse_challenge(res.headers["www-authenticate"])
     if ch then
-      local realm_host = ch.realm:match("^https://([^/]+)") or (ch.realm:match("^http://([^/]+)"))
-      if not realm_host or (ch.realm:match("^http://") and not loopback(realm_host)) then
+      local realm_host = ch.realm:match("^https://([^/?#]+)") or (ch.realm:match("^http://([^/?#]+)"))
+      -- http only for a registry on loopback itself (a remote one may not send the host's
+      -- credentials in clear to whatever listens on the host's loopback)
+      if not realm_host or (ch.realm:match("^http://") and not (loopback(realm_host) and loopback(s.registry))) then
         return nil, ("registry %s: its token service %s is not an https URL"):format(s.registry, ch.realm), "EPROTO"
       end
       local function pct(v) return (v:gsub("[^%w%-._~]", function(c) return ("%%%02X"):format(c:byte()) end)) end
@@ -102,7 +104,10 @@ local function get(s, url, accept, max_bytes)
       if ch.service then q[#q + 1] = "service=" .. pct(ch.service) end
       q[#q + 1] = "scope=" .. pct(ch.scope or ("repository:" .. s.path .. ":pull"))
       local headers = { ["User-Agent"] = "demesne" }
-      if s.cred and s.cred.username then
+      -- the credentials go to the registry's own host only (Docker Hub's token service is
+      -- auth.docker.io); a realm elsewhere is asked without them
+      local own = realm_host == s.registry or (s.registry == "registry-1.docker.io" and realm_host == "auth.docker.io")
+      if own and s.cred and s.cred.username then
         headers.Authorization = "Basic " .. util.base64(s.cred.username .. ":" .. s.cred.password)
       end
       local tr, terr, tcode = request({ url = ch.realm .. (ch.realm:find("?", 1, true) and "&" or "?") .. table.concat(q, "&"),
@@ -115,7 +120,8 @@ local function get(s, url, accept, max_bytes)
       end
       local ok, t = pcall(json.decode, tr.body or "")
       local token = ok and type(t) == "table" and (t.token or t.access_token)
-      if tr.status ~= 200 or type(token) ~= "string" or token == "" then
+      -- RFC 6750's b64token: nothing else goes into a header
+      if tr.status ~= 200 or type(token) ~= "string" or #token > 16384 or not token:match("^[%w%-._~+/]+=*$") then
         return nil, ("registry %s: its token service answered %d without a token"):format(s.registry, tr.status), "EPROTO"
       end
       s.token = token
@@ -141,6 +147,12 @@ function oci.session(ref)
   if cred and not cred.username then cred = nil end -- an identity token is the engine's to use
   local tag = suffix:match("^:([%w_][%w_.-]*)$") or (suffix == "" and "latest") or nil
   local digest = suffix:match("@(sha256:%x+)$")
+  if digest then
+    digest = digest:lower()
+    if #digest ~= 71 then return nil, ("%s: a sha256 digest has 64 hex digits"):format(ref), "EINVAL" end
+  elseif not tag then
+    return nil, ("%s: only a tag or a sha256 digest names a feature (%s)"):format(ref, suffix), "EINVAL"
+  end
   return { registry = registry == registries.DOCKER_HUB and "registry-1.docker.io" or registry, path = path,
     cred = cred, ca = ca_file(registry), reference = digest or tag or "latest" }
 end
@@ -193,6 +205,9 @@ function oci.blob(s, desc, max_bytes)
     res, err, code = get(s, url, "*/*", max_bytes)
     if not res then return nil, ("registry %s: %s"):format(s.registry, err), code end
     local loc = res.headers.location
+    if type(loc) == "string" and loc:sub(1, 1) == "/" and loc:sub(2, 2) ~= "/" then
+      loc = "https://" .. s.registry .. loc -- a path on the registry itself
+    end
     if res.status >= 300 and res.status < 400 and type(loc) == "string" and loc:match("^https://") then
       if not loc:match("^https://" .. s.registry:gsub("%p", "%%%0") .. "/") then
         res, err, code = request({ url = loc, headers = { ["User-Agent"] = "demesne" }, max_body_bytes = max_bytes,

@@ -294,6 +294,10 @@ test("what cannot work is refused, naming the field", async () => {
     assert.match(hist?.[0]?.CreatedBy || "", /ONBUILD RUN echo the-trigger-ran/, out);
     await bad("onbuild-image", { ".devcontainer.json": JSON.stringify({ image: trig }) },
       /\.devcontainer\.json: the image demesne-test\/onbuild-\w+:1 carries ONBUILD triggers \(RUN echo the-trigger-ran\), refused/);
+    // with features, whose layer is built FROM it: refused before that build, not after it
+    await bad("onbuild-image-features", { ".devcontainer.json": JSON.stringify({ image: trig, features: { "./f": {} } }),
+      "f/devcontainer-feature.json": '{"id": "f"}', "f/install.sh": "#!/bin/sh\ntrue\n" },
+      /\.devcontainer\.json: the image demesne-test\/onbuild-\w+:1 carries ONBUILD triggers \(RUN echo the-trigger-ran\), refused: they would run when demesne builds the features on it/);
     await bad("onbuild-from", { ".devcontainer/devcontainer.json": '{"build": {"dockerfile": "Dockerfile"}}',
       ".devcontainer/Dockerfile": `FROM ${trig}\nENV A=1\n` },
     /Dockerfile line 1: FROM demesne-test\/onbuild-\w+:1: the image carries ONBUILD triggers \(RUN echo the-trigger-ran\), refused/);

@@ -40,6 +40,8 @@ function tests.features_come_from_the_repository_or_a_configured_registry(t)
   refused(t, '{"image": "base", "features": ["./a"]}', "features: must be an object")
   refused(t, '{"image": "base", "features": {"./a": {"v": {"x": 1}}}}', "features%.%./a%.v: must be a string or a boolean")
   refused(t, '{"image": "base", "features": {"./a": {"v": "a\\nb"}}}', "features%.%./a%.v: holds a line break")
+  refused(t, '{"image": "base", "features": {"./a": {"version": 1.10}}}', "features%.%./a%.version: must be a string "
+    .. "or a boolean .*write a number as a string")
   -- a registry config.lua names (a scratch XDG_CONFIG_HOME, restored after)
   local dir = ("/tmp/demesne-devcontainer-test-%d-%d"):format(loop.getpid(), loop.hrtime())
   assert(fs.mkdir_p(dir .. "/demesne"))
@@ -48,7 +50,7 @@ function tests.features_come_from_the_repository_or_a_configured_registry(t)
   loop.setenv("XDG_CONFIG_HOME", dir)
   config.load()
   local okp, c = pcall(devcontainer.parse, '{"image": "base", "features": {"127.0.0.1:5043/team/f/hello:1": "2.0", '
-    .. '"./local": {"flag": true, "n": 3}}}', "f")
+    .. '"./local": {"flag": true, "n": "3"}}}', "f")
   loop.setenv("XDG_CONFIG_HOME", saved or nil)
   config.load()
   fs.remove_tree(dir)
@@ -102,6 +104,25 @@ function tests.a_feature_is_described_ordered_and_installed_as_the_spec_says(t)
   ok, err = pcall(features.describe, "f", { id = "./x", options = {} }, files('{"containerEnv": {"HTTPS_PROXY": "x"}}'))
   t:ok(not ok)
   t:match(tostring(err), "containerEnv%.HTTPS_PROXY is demesne's to set")
+  ok, err = pcall(features.describe, "f", { id = "./x", options = { ["a-b"] = "1", a_b = "2" } }, files('{"id": "x"}'))
+  t:ok(not ok, "two options that make one variable")
+  t:match(tostring(err), "the options a%-b and a_b both become the variable A_B")
+  ok, err = pcall(features.describe, "f", { id = "./x", options = {} },
+    files('{"options": {"n": {"type": "string", "default": {"x": 1}}}}'))
+  t:ok(not ok)
+  t:match(tostring(err), "options%.n%.default must be a string or a boolean")
+  -- a feature's own devcontainer-features.env is not taken: demesne writes that file
+  local own = files('{"id": "x"}')
+  own[#own + 1] = { name = "devcontainer-features.env", data = "LD_PRELOAD=/evil.so\n", mode = 420 }
+  local dx = features.describe("f", { id = "./x", options = {} }, own)
+  local envs = 0
+  for _, e in ipairs(dx.files) do
+    if e.name == "devcontainer-features.env" then
+      envs = envs + 1
+      t:ok(not e.data:find("LD_PRELOAD", 1, true), "demesne's own file")
+    end
+  end
+  t:eq(envs, 1)
   local dep = features.describe("f", { id = "./c", options = {} }, files('{"dependsOn": {"127.0.0.1:5043/x/y:1": {}}}'))
   ok, err = pcall(features.order, "f", { dep })
   t:ok(not ok)
