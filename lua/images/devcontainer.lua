@@ -879,19 +879,27 @@ local function read_features(dc)
   return features.order(where, list)
 end
 
+-- The inspect of an image a layer is built FROM (`what`: "the features", "its own layer"),
+-- refused when it carries ONBUILD triggers: they would run in that build, outside the
+-- Dockerfile's checks (a user adapter may not report them).
+local function checked_image(eng, dc, ref, what)
+  local info = eng:image_inspect(ref, { onbuild = true })
+  if not info then fail(("image: devcontainer: %s: the image %s is not in the engine"):format(dc.file, ref)) end
+  if #(info.onbuild or {}) > 0 then
+    fail(("image: devcontainer: %s: the image %s carries ONBUILD triggers (%s), refused: they would run when "
+      .. "demesne builds %s on it, outside the Dockerfile's checks"):format(dc.file,
+      dc.cfg.image or "the Dockerfile builds", (table.concat(info.onbuild, "; "):sub(1, 200)), what))
+  end
+  return info
+end
+
 -- The devcontainer's image with its features installed (or the image itself without any).
 local function ensure_base(eng, dc, ctx)
   local own = ensure_own(eng, dc, ctx)
   if not dc.cfg.features then return own end
   -- the features' layer is built FROM it: its triggers would run there (the check of
   -- devcontainer.ensure sees only the features' image, which carries none of them)
-  local info = eng:image_inspect(own, { onbuild = true })
-  if not info then fail(("image: devcontainer: %s: the image %s is not in the engine"):format(dc.file, own)) end
-  if #(info.onbuild or {}) > 0 then
-    fail(("image: devcontainer: %s: the image %s carries ONBUILD triggers (%s), refused: they would run when "
-      .. "demesne builds the features on it, outside the Dockerfile's checks"):format(dc.file,
-      dc.cfg.image or "the Dockerfile builds", (table.concat(info.onbuild, "; "):sub(1, 200))))
-  end
+  local info = checked_image(eng, dc, own, "the features")
   local ordered = read_features(dc)
   local files = features.context(ordered)
   local key = { "devcontainer-features", own, tostring(info and info.id) }
@@ -922,13 +930,7 @@ end
 function devcontainer.ensure(eng, o, ctx)
   local dc = o.devcontainer
   local base = ensure_base(eng, dc, ctx)
-  local info = eng:image_inspect(base, { onbuild = true })
-  if not info then fail(("image: devcontainer: %s: the image %s is not in the engine"):format(dc.file, base)) end
-  if #(info.onbuild or {}) > 0 then -- a user adapter may not report them
-    fail(("image: devcontainer: %s: the image %s carries ONBUILD triggers (%s), refused: they would run when "
-      .. "demesne builds its own layer on it, outside the Dockerfile's checks"):format(dc.file,
-      dc.cfg.image or "the Dockerfile builds", (table.concat(info.onbuild, "; "):sub(1, 200))))
-  end
+  local info = checked_image(eng, dc, base, "its own layer")
   local buildargs = { BASE = base }
   local key = { "devcontainer-layer", base, tostring(info.id) }
   if dc.agent then
