@@ -248,6 +248,15 @@ test("the XSS matrix: nothing a sandbox wrote runs in the page", LONG, async () 
       .locator("[data-testid=file-show]").click();
     await page.locator("[data-testid=file-text]", { hasText: "<script>window.__pwned=1</script>" }).waitFor();
   }
+  // the tree changes (a run of the same server comes and goes; the detail is drawn again):
+  // the file being shown stays shown
+  const drawn = Number(await page.locator("#detail").getAttribute("data-drawn"));
+  const extra = await okOn(stdio.client, "sandbox_script", { image: "base", egress: "none", command: "true" });
+  await page.locator(`[data-testid=run][data-root="${extra.run_id}"] [data-testid=node]`).waitFor({ timeout: 60_000 });
+  await page.waitForFunction((n) => Number(document.querySelector("#detail")?.getAttribute("data-drawn")) > n, drawn,
+    { timeout: 60_000 });
+  assert.equal(await page.locator("[data-testid=file-text]", { hasText: "<script>window.__pwned=1</script>" }).count(), 1,
+    "the file shown before the tree changed is still shown");
   await page.locator("tr", { has: page.locator('[data-testid=file-name]:text-is("dot.png")') })
     .locator("[data-testid=file-show]").click();
   await page.waitForFunction(() => document.querySelector("img.preview")?.naturalWidth === 1);

@@ -189,10 +189,12 @@ function table(rows, cols) {
 
 const IMAGE = /\.(png|jpe?g|gif|webp)$/i;
 
-function filesView(sv, id, files) {
+// `kept`: the file view of this node's last render, if any: a file being shown stays shown
+// when the detail is drawn again (every change of the tree draws it again)
+function filesView(sv, id, files, kept) {
   files = list(files);
   if (!files.length) return el("p", {}, "none");
-  const view = el("div", { "data-testid": "file-view" });
+  const view = kept || el("div", { "data-testid": "file-view", "data-of": `${sv}/${id}` });
   const rows = files.map((f) => {
     const q = (mode) => `/api/file?${query({ server: sv, id, path: f.path, mode })}`;
     const cells = [el("td", { "data-testid": "file-name" }, f.path), el("td", {}, f.type), el("td", {}, f.size ?? "")];
@@ -265,6 +267,8 @@ async function showDetail(keepTail) {
   let pre = keepTail ? box.querySelector("[data-testid=transcript]") : null;
   // (only this node's: a refresh that overtook the click's own fetch finds the last node's)
   if (pre && pre.getAttribute("data-of") !== `${sv}/${id}`) pre = null;
+  let fileView = keepTail ? box.querySelector("[data-testid=file-view]") : null;
+  if (fileView && fileView.getAttribute("data-of") !== `${sv}/${id}`) fileView = null;
   if (!pre) {
     pre = el("pre", { "data-testid": "transcript", "data-of": `${sv}/${id}` });
     follow(sv, id, pre);
@@ -283,18 +287,19 @@ async function showDetail(keepTail) {
     actionsView(sv, d),
     d.attach ? el("p", {}, "terminal: ", el("code", { "data-testid": "attach" }, d.attach)) : null,
     list(d.previews).length ? el("p", {}, "previews: ", list(d.previews).map((p) =>
-      /^https?:\/\/127\.0\.0\.1:\d+\//.test(p.url)
+      /^http:\/\/127\.\d{1,3}\.\d{1,3}\.\d{1,3}:\d+\//.test(p.url) // a preview: its own loopback address
         ? el("a", { href: p.url, target: "_blank", rel: "noopener noreferrer" }, `port ${p.port} `) : null)) : null,
     el("h3", {}, "Prompt"), el("pre", { "data-testid": "prompt" }, d.prompt || ""),
     el("h3", {}, d.kind === "agent" || d.kind === "research" ? "Transcript" : "Output"), pre,
     el("h3", {}, "stderr"), el("pre", { "data-testid": "stderr" }, d.stderr || ""),
-    el("h3", {}, "Files in /out"), filesView(sv, id, d.files),
+    el("h3", {}, "Files in /out"), filesView(sv, id, d.files, fileView),
     el("h3", {}, "Egress"), table(d.egress_log, ["time", "method", "host", "port", "verdict", "rule", "decision", "decided_by",
       "status", "error", "line"]),
     el("h3", {}, "Host MCP calls"), table(d.mcp_log, ["time", "server", "tool", "ok", "duration_ms", "error", "arguments", "line"]),
     el("h3", {}, "Children"), table(d.children_nodes, ["name", "run_id", "kind", "status"]),
     d.branch ? el("div", {}, el("h3", {}, "Branch"), el("pre", { "data-testid": "branch" },
       JSON.stringify(d.branch, null, 2))) : null);
+  box.setAttribute("data-drawn", String(seq)); // how many times the detail was drawn (tests wait on it)
 }
 
 function select(sv, id) {
