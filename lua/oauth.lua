@@ -42,9 +42,7 @@ local function grant(o)
     local parts = {}
     for _, k in ipairs({ "grant_type", "refresh_token", "client_id", "scope" }) do
       if fields[k] then
-        parts[#parts + 1] = k .. "=" .. tostring(fields[k]):gsub("[^%w%-_.~]", function(c)
-          return ("%%%02X"):format(c:byte())
-        end)
+        parts[#parts + 1] = k .. "=" .. util.percent_encode(fields[k])
       end
     end
     body, ctype = table.concat(parts, "&"), "application/x-www-form-urlencoded"

@@ -65,6 +65,14 @@ end
 
 local B64 = "ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/"
 
+--- Percent-encodes every byte of `s` but RFC 3986's unreserved characters (letters,
+--- digits, "-", ".", "_", "~"): a URL path segment, query value or form field.
+---@param s any  (tostring'd)
+---@return string
+function util.percent_encode(s)
+  return (tostring(s):gsub("[^%w%-%._~]", function(c) return ("%%%02X"):format(c:byte()) end))
+end
+
 --- Base64 (RFC 4648 §4, the standard alphabet, with padding) of a byte string.
 ---@param bytes string
 ---@return string

@@ -97,7 +97,7 @@ local function query(target)
   return q
 end
 
-local function pct(s) return (s:gsub("[^%w%-%._~]", function(c) return ("%%%02X"):format(c:byte()) end)) end
+local pct = util.percent_encode
 
 -- A file name for Content-Disposition: the last component, printable ASCII in the plain
 -- form (others as _), UTF-8 in filename*.

@@ -14,6 +14,7 @@ local loop = require("core.loop")
 local async = require("demesne.async")
 local json = require("demesne.json")
 local engine_spec = require("demesne.engines.spec")
+local util = require("demesne.util")
 
 local docker = {}
 local Engine = {}
@@ -21,9 +22,7 @@ Engine.__index = Engine
 
 local request = async.wrap(http.request)
 
-local function urlencode(s)
-  return (tostring(s):gsub("[^%w%-%._~]", function(c) return ("%%%02X"):format(c:byte()) end))
-end
+local urlencode = util.percent_encode
 
 --- One segment of an API path built from a caller's or a sandbox's data (a container name
 --- or id, an exec id, an image reference): every byte but RFC 3986's unreserved ones is

@@ -64,12 +64,6 @@ devcontainer.STEPS = { "onCreateCommand", "updateContentCommand", "postCreateCom
 -- Fields read and used; any other field is left alone (customizations, name, remoteUser…).
 local BUILD_FIELDS = { dockerfile = true, context = true, args = true, target = true, cacheFrom = true }
 
--- Variables a devcontainer may not set: demesne's own, and the proxy settings of the egress.
-local function reserved_var(name)
-  local up = name:upper()
-  return up:sub(1, 8) == "DEMESNE_" or up == "HTTP_PROXY" or up == "HTTPS_PROXY" or up == "NO_PROXY"
-    or up == "ALL_PROXY"
-end
 
 -- The Dockerfile name in the build context (the repository's own is sent under its name too).
 local DOCKERFILE = ".demesne-devcontainer.Dockerfile"
@@ -134,7 +128,7 @@ local function parse_env(where, cfg, out)
         if type(k) ~= "string" or not k:match("^[%a_][%w_]*$") then
           field_fail(where, f, ("%q is not a variable name"):format(tostring(k)))
         end
-        if reserved_var(k) then
+        if features.reserved_var(k) then
           field_fail(where, f .. "." .. k, "is demesne's to set (DEMESNE_* and the proxy variables of the egress)")
         end
         if v ~= nil and type(v) ~= "string" then field_fail(where, f .. "." .. k, "must be a string") end
@@ -449,7 +443,7 @@ end
 ---@param workdir string
 ---@return string
 function devcontainer.script(steps, workdir)
-  local function q(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
+  local q = util.sh_quote
   local function cmdline(cmd)
     if type(cmd) == "string" then return "/bin/sh -c " .. q(cmd) end
     local w = {}

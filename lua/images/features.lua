@@ -21,6 +21,7 @@ local jsonc = require("demesne.images.jsonc")
 local log = require("demesne.log")
 local oci = require("demesne.images.oci")
 local registries = require("demesne.registries")
+local util = require("demesne.util")
 
 local features = {}
 
@@ -44,6 +45,16 @@ features.REFUSED = {
   mounts = "a mount would bring host paths or volumes into the sandbox",
   entrypoint = "a sandbox's first process is demesne-init",
 }
+
+--- Whether a devcontainer (its containerEnv/remoteEnv, a feature's containerEnv) may not
+--- set the variable `name`: demesne's own (DEMESNE_*) and the egress's proxy variables.
+---@param name string
+---@return boolean
+function features.reserved_var(name)
+  local up = name:upper()
+  return up:sub(1, 8) == "DEMESNE_" or up == "HTTP_PROXY" or up == "HTTPS_PROXY" or up == "NO_PROXY"
+    or up == "ALL_PROXY"
+end
 
 local function ffail(where, id, why)
   fail(("image: devcontainer: %s: features.%s: %s"):format(where, id, why))
@@ -156,9 +167,6 @@ function features.pull(where, id, dir, name)
   return m.digest
 end
 
--- A single-quoted shell word.
-local function q(s) return "'" .. s:gsub("'", "'\\''") .. "'" end
-
 --- Reads a feature's devcontainer-feature.json (from its files: {name, data, mode}, names
 --- relative to the feature's folder) and checks it; adds the options' environment file.
 --- Returns {id, files (the folder's, plus devcontainer-features.env), env = {name =
@@ -226,7 +234,7 @@ function features.describe(where, f, files)
     names[#names + 1] = k
   end
   table.sort(names)
-  for _, k in ipairs(names) do lines[#lines + 1] = k .. "=" .. q(vars[k]) end
+  for _, k in ipairs(names) do lines[#lines + 1] = k .. "=" .. util.sh_quote(vars[k]) end
   local env = {}
   if meta.containerEnv ~= nil then
     if type(meta.containerEnv) ~= "table" or meta.containerEnv[1] ~= nil then
@@ -237,7 +245,7 @@ function features.describe(where, f, files)
         ffail(where, f.id, ("devcontainer-feature.json: containerEnv.%s must be a variable name = a one-line string")
           :format(tostring(k)))
       end
-      if k:upper():sub(1, 8) == "DEMESNE_" or k:upper():match("^[HN][TO]%w*_PROXY$") or k:upper() == "ALL_PROXY" then
+      if features.reserved_var(k) then
         ffail(where, f.id, ("devcontainer-feature.json: containerEnv.%s is demesne's to set"):format(k))
       end
       env[k] = v

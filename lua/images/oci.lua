@@ -76,15 +76,17 @@ end
 ---@field ca string|nil     the registry's certificate authority file (certs.d)
 ---@field reference string  the tag or digest asked for
 
+-- The Basic Authorization value of the session's credential, or nil (none, or a token).
+local function basic(s)
+  return s.cred and s.cred.username and ("Basic " .. util.base64(s.cred.username .. ":" .. s.cred.password)) or nil
+end
+
 -- One GET to the registry (`url` absolute), the credential or token attached, a 401's
 -- challenge followed once. Returns the response, or nil, message, code.
 local function get(s, url, accept, max_bytes)
   local function once()
     local headers = { ["User-Agent"] = "demesne", Accept = accept }
-    if s.token then headers.Authorization = "Bearer " .. s.token
-    elseif s.cred and s.cred.username then
-      headers.Authorization = "Basic " .. util.base64(s.cred.username .. ":" .. s.cred.password)
-    end
+    headers.Authorization = s.token and ("Bearer " .. s.token) or basic(s)
     return request({ url = url, headers = headers, ca_file = s.ca, max_body_bytes = max_bytes,
       timeout_ms = oci.TIMEOUT_MS, connect_timeout_ms = 10000 })
   end
@@ -99,17 +101,14 @@ local function get(s, url, accept, max_bytes)
       if not realm_host or (ch.realm:match("^http://") and not (loopback(realm_host) and loopback(s.registry))) then
         return nil, ("registry %s: its token service %s is not an https URL"):format(s.registry, ch.realm), "EPROTO"
       end
-      local function pct(v) return (v:gsub("[^%w%-._~]", function(c) return ("%%%02X"):format(c:byte()) end)) end
       local q = {}
-      if ch.service then q[#q + 1] = "service=" .. pct(ch.service) end
-      q[#q + 1] = "scope=" .. pct(ch.scope or ("repository:" .. s.path .. ":pull"))
+      if ch.service then q[#q + 1] = "service=" .. util.percent_encode(ch.service) end
+      q[#q + 1] = "scope=" .. util.percent_encode(ch.scope or ("repository:" .. s.path .. ":pull"))
       local headers = { ["User-Agent"] = "demesne" }
       -- the credentials go to the registry's own host only (Docker Hub's token service is
       -- auth.docker.io); a realm elsewhere is asked without them
       local own = realm_host == s.registry or (s.registry == "registry-1.docker.io" and realm_host == "auth.docker.io")
-      if own and s.cred and s.cred.username then
-        headers.Authorization = "Basic " .. util.base64(s.cred.username .. ":" .. s.cred.password)
-      end
+      if own then headers.Authorization = basic(s) end
       local tr, terr, tcode = request({ url = ch.realm .. (ch.realm:find("?", 1, true) and "&" or "?") .. table.concat(q, "&"),
         headers = headers, ca_file = realm_host == s.registry and s.ca or nil, max_body_bytes = 256 * 1024,
         timeout_ms = oci.TIMEOUT_MS, connect_timeout_ms = 10000 })
