@@ -410,8 +410,12 @@ test("sandboxes that are no tree node: a background job, a persistent sandbox an
   const runOf = (id) => page.locator(`[data-testid=run][data-root="${id}"] [data-testid=node]`);
   for (const id of [fg.run_id, job.run_id, job2.run_id, sb.sandbox_id]) await runOf(id).waitFor({ timeout: 60_000 });
   assert.equal(await runOf(fg.run_id).getAttribute("data-status"), "succeeded");
-  assert.equal(await runOf(job.run_id).getAttribute("data-status"), "running");
-  assert.equal(await runOf(sb.sandbox_id).getAttribute("data-status"), "running");
+  // (a run is listed first as "starting": the page shows "running" with the next state event)
+  for (const id of [job.run_id, sb.sandbox_id]) {
+    await page.waitForFunction((r) => document.querySelector(`[data-testid=run][data-root="${r}"] [data-testid=node]`)
+      ?.getAttribute("data-status") === "running", id, { timeout: 60_000 });
+    assert.equal(await runOf(id).getAttribute("data-status"), "running");
+  }
   assert.match(await runOf(job.run_id).textContent(), new RegExp(`sandbox_script \\(${job.job_id}\\).*script · base · `
     + "(container|gvisor) · egress none · .*512 MB \\d+(\\.\\d+)? CPU \\d+ pids"));
   assert.match(await runOf(sb.sandbox_id).textContent(), /persistent sandbox.*create · base · .*384 MB.* · expires /);
