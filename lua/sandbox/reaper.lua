@@ -122,6 +122,18 @@ local function reap_leftovers(eng, containers)
       end
     end
   end
+  -- [pool] a warm sandbox's marker whose run folder and container are gone: a server killed
+  -- while it discarded that sandbox (lua/pool.lua removes container, run folder, then the
+  -- output folder and the marker) left its empty output folder; the marker is made after
+  -- the run folder and removed before a call takes the sandbox, so it names no one's work
+  for _, id in ipairs(fs.readdir(state .. "/pool") or {}) do
+    local st = fs.lstat(state .. "/pool/" .. id)
+    if id:match("^[%w%-]+$") and st and st.type == "file" and not keep[id] and not fs.lstat(state .. "/run/" .. id) then
+      remove_leftover(config.get("output_root") .. "/" .. id)
+      os.remove(state .. "/pool/" .. id)
+      log.info("demesne.reaper", "removed the unused output folder of warm sandbox %s", id)
+    end
+  end
   -- a repository run's folder (lua/repo) whose run folder is gone, an hour on (it is made
   -- before its run folder): a run that ended without its own cleanup (a crash) left it
   for _, id in ipairs(fs.readdir(state .. "/repo") or {}) do

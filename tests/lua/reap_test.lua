@@ -117,6 +117,42 @@ function tests.leftovers_of_a_killed_server_go_and_live_folders_stay(t)
   end)
 end
 
+-- A server killed while it discarded a warm sandbox (container and run folder gone, the
+-- output folder and marker not yet) leaves an empty output folder with its marker: the
+-- sweep removes both, and leaves a marker whose run folder or container is still there.
+function tests.a_warm_sandbox_discarded_half_way_leaves_no_output_folder(t)
+  with_fake_engine(function(d, state)
+    local out = d .. "/out"
+    loop.setenv("DEMESNE_OUTPUT_ROOT", out)
+    config.load()
+    local ok, err = pcall(function()
+      local eng = assert(engines.get())
+      assert(fs.mkdir_p(state .. "/pool", 448))
+      for _, id in ipairs({ "w-half", "w-filling", "w-container" }) do
+        assert(fs.mkdir_p(out .. "/" .. id, 493))
+        assert(fs.write_atomic(state .. "/pool/" .. id, "ready\n"))
+      end
+      -- a sandbox's link in its output folder is removed, never followed
+      assert(fs.write_atomic(d .. "/outside.txt", "keep me"))
+      assert(os.execute(("ln -s '%s' '%s'"):format(d .. "/outside.txt", out .. "/w-half/link")))
+      assert(fs.mkdir_p(state .. "/run/w-filling", 493)) -- a live server is filling it
+      eng.list_value[1] = { id = "c2", state = "running", labels = { ["io.demesne.managed"] = "1",
+        ["io.demesne.kind"] = "oneshot", ["io.demesne.run_id"] = "w-container", ["io.demesne.owner"] = sandbox.owner(),
+        ["io.demesne.expires_at"] = tostring(math.floor(loop.time()) + 3600) } }
+      t:eq(sandbox.reap(), 0, "no container removed")
+      local function has(p) return fs.lstat(p) ~= nil end
+      t:eq(has(out .. "/w-half"), false, "the half-discarded sandbox's output folder goes")
+      t:eq(has(state .. "/pool/w-half"), false, "with its marker")
+      t:eq(fs.read_file(d .. "/outside.txt"), "keep me", "a link inside it was not followed")
+      t:eq(has(out .. "/w-filling"), true, "a marker whose run folder is there: its folder stays")
+      t:eq(has(state .. "/pool/w-filling"), true, "and its marker")
+      t:eq(has(out .. "/w-container"), true, "a marker a container names: its folder stays")
+    end)
+    loop.setenv("DEMESNE_OUTPUT_ROOT", nil)
+    if not ok then error(err, 0) end
+  end)
+end
+
 -- The owner label of process `pid` (as sandbox.owner() makes it for this process).
 local function owner_of(pid)
   local f = assert(io.open("/proc/" .. pid .. "/stat"))
