@@ -102,11 +102,6 @@ local function reap_leftovers(eng, containers)
           n = n + 1
           os.remove(expiry_file(path))
           os.remove(claim_path(id))
-          -- [pool] a warm sandbox no call claimed, whose container is already gone
-          if fs.lstat(state .. "/pool/" .. id) then
-            remove_leftover(config.get("output_root") .. "/" .. id)
-            os.remove(state .. "/pool/" .. id)
-          end
           log.info("demesne.reaper", "removed the leftover run folder %s (no container, job or live server claims it)", id)
         else
           log.warning("demesne.reaper", "cannot remove the run folder %s: %s", id, tostring(err))
@@ -122,10 +117,11 @@ local function reap_leftovers(eng, containers)
       end
     end
   end
-  -- [pool] a warm sandbox's marker whose run folder and container are gone: a server killed
-  -- while it discarded that sandbox (lua/pool.lua removes container, run folder, then the
-  -- output folder and the marker) left its empty output folder; the marker is made after
-  -- the run folder and removed before a call takes the sandbox, so it names no one's work
+  -- [pool] a warm sandbox's marker whose run folder and container are gone (the run folder
+  -- removed just above, or by a server killed while it discarded that sandbox: lua/pool.lua
+  -- removes container, run folder, then the output folder and the marker): its output
+  -- folder is empty and no one's; the marker is made after the run folder and removed
+  -- before a call takes the sandbox, so it names no one's work
   for _, id in ipairs(fs.readdir(state .. "/pool") or {}) do
     local st = fs.lstat(state .. "/pool/" .. id)
     if id:match("^[%w%-]+$") and st and st.type == "file" and not keep[id] and not fs.lstat(state .. "/run/" .. id) then
