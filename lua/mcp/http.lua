@@ -160,6 +160,42 @@ end
 
 local function sse_event(line) return "event: message\ndata: " .. line .. "\n\n" end
 
+local MAX_TAGGED_ID = 64 -- bytes of a string request id that an event id still carries
+
+--- The suffix of a request stream's event ids that names its JSON-RPC request id ("-i<n>"
+--- for an integer, "-s<hex>" for a string of up to MAX_TAGGED_ID bytes, "" otherwise), so
+--- that a server which no longer keeps the stream (it was restarted, or the stream expired)
+--- can still answer a resume of it with an error for that request instead of a 404 that a
+--- client retries for ever (rmcp's SseAutoReconnectStream backs off with no limit).
+---@param id any  the request's id
+---@return string
+local function id_tag(id)
+  local int = math.type(id) and math.tointeger(id) -- the JSON decoder may give 2.0
+  if int then return "-i" .. int end
+  if type(id) == "string" and #id <= MAX_TAGGED_ID then
+    return "-s" .. id:gsub(".", function(c) return ("%02x"):format(c:byte()) end)
+  end
+  return ""
+end
+
+--- The parts of an event id "<stream>-<seq>[-i<n>|-s<hex>]" (RequestChannel:event_id): the
+--- stream number, the sequence number and the request id it names (nil when it names none);
+--- nil for an id not of that form.
+---@param last string  a Last-Event-ID header
+---@return integer|nil stream, integer|nil seq, any id
+local function parse_event_id(last)
+  local n, seq, rest = last:match("^(%d+)%-(%d+)(.*)$")
+  if not n or #n > 15 or #seq > 15 then return nil end
+  n, seq = math.tointeger(tonumber(n)), math.tointeger(tonumber(seq))
+  local int, hex = rest:match("^%-i(%-?%d+)$"), rest:match("^%-s(%x*)$")
+  if int and #int <= 19 then return n, seq, math.tointeger(tonumber(int)) end
+  if hex and #hex % 2 == 0 and #hex <= 2 * MAX_TAGGED_ID then
+    return n, seq, (hex:gsub("%x%x", function(h) return string.char(tonumber(h, 16)) end))
+  end
+  if rest == "" then return n, seq, nil end
+  return nil
+end
+
 local function accepts(req)
   local a = (req.headers["accept"] or ""):lower()
   if a == "" or a:find("*/*", 1, true) then return true, true end
@@ -254,15 +290,16 @@ function Session:add_stream(ch)
   return self.nstreams
 end
 
---- The resumable stream a Last-Event-ID names ("<stream>-<seq>"), and the sequence number
---- of that event; nil when the session keeps no such stream.
+--- The resumable stream a Last-Event-ID names ("<stream>-<seq>[-i<n>|-s<hex>]", see
+--- RequestChannel:event_id), and the sequence number of that event; nil when the session
+--- keeps no such stream.
 ---@param last_event_id string
 ---@return RequestChannel|nil ch, integer|nil seq
 function Session:stream_of(last_event_id)
-  local n, seq = last_event_id:match("^(%d+)%-(%d+)$")
-  local ch = n and self.streams[tonumber(n)]
+  local n, seq = parse_event_id(last_event_id)
+  local ch = n and self.streams[n]
   if not ch or not ch.replay then return nil end
-  return ch, math.tointeger(tonumber(seq))
+  return ch, seq
 end
 
 --- Whether its client takes a priming event (an SSE event with an id and empty data):
@@ -338,11 +375,11 @@ RequestChannel.__index = RequestChannel
 --- and the stream is not kept for a resume.
 ---@param owner table  the HttpServer
 ---@param conn userdata
----@param opts {modern: boolean|nil, session: HttpSession|nil, headers: table|nil, sse_ok: boolean|nil, on_done: function|nil, on_gone: function|nil}
+---@param opts {modern: boolean|nil, session: HttpSession|nil, request_id: any, headers: table|nil, sse_ok: boolean|nil, on_done: function|nil, on_gone: function|nil}
 ---@return RequestChannel
 function RequestChannel.new(owner, conn, opts)
   local self = setmetatable({ owner = owner, conn = conn, modern = opts.modern, listener = conn:listener(),
-    session = opts.session, headers = opts.headers, sse_ok = opts.sse_ok, buffer = {},
+    session = opts.session, request_id = opts.request_id, headers = opts.headers, sse_ok = opts.sse_ok, buffer = {},
     on_done = opts.on_done, on_gone = opts.on_gone }, RequestChannel)
   owner.channels[conn] = self
   return self
@@ -367,7 +404,13 @@ function RequestChannel:finish()
   if self.on_done then self.on_done() end
 end
 
---- One SSE event of `line`: with an id ("<stream>-<seq>") and kept for a resume on a
+--- The id of event `seq` of its resumable stream: "<stream>-<seq>" and the tag of its
+--- request's id (id_tag), which a server that lost the stream answers a resume with.
+---@param seq integer
+---@return string
+function RequestChannel:event_id(seq) return ("%d-%d%s"):format(self.replay.n, seq, id_tag(self.request_id)) end
+
+--- One SSE event of `line`: with an id (RequestChannel:event_id) and kept for a resume on a
 --- resumable stream (the oldest dropped past http_sse_replay_events).
 ---@param line string
 ---@return string text
@@ -375,7 +418,7 @@ function RequestChannel:event(line)
   local r = self.replay
   if not r then return sse_event(line) end
   r.seq = r.seq + 1
-  local text = ("id: %d-%d\n"):format(r.n, r.seq) .. sse_event(line)
+  local text = ("id: %s\n"):format(self:event_id(r.seq)) .. sse_event(line)
   r.events[#r.events + 1] = { seq = r.seq, text = text }
   if #r.events > self.owner.replay_events then table.remove(r.events, 1) end
   return text
@@ -394,7 +437,7 @@ function RequestChannel:start_sse()
   self.owner.streams[self.conn] = true
   if self.session and self.owner.replay_events > 0 then
     self.replay = { n = self.session:add_stream(self), seq = 0, events = {} }
-    if self.session:primes() then self.conn:write(("id: %d-0\ndata: \n\n"):format(self.replay.n)) end
+    if self.session:primes() then self.conn:write(("id: %s\ndata: \n\n"):format(self:event_id(0))) end
   end
   for _, l in ipairs(self.buffer) do self.conn:write(self:event(l)) end
   self.buffer = {}
@@ -964,7 +1007,7 @@ function HttpServer:post_session(conn, req, route, msg, sse_ok)
     sess.srv:receive_message(msg, req.body, nil)
     return conn:respond(202, {}, "")
   end
-  local ch = RequestChannel.new(self, conn, { session = sess, sse_ok = sse_ok,
+  local ch = RequestChannel.new(self, conn, { session = sess, request_id = msg.id, sse_ok = sse_ok,
     headers = new and { ["Mcp-Session-Id"] = sess.id } or nil })
   sess.srv:receive_message(msg, req.body, ch)
   -- an initialize that failed leaves no session behind
@@ -1004,9 +1047,16 @@ function HttpServer:get(conn, req, route)
   end
   local _, sse_ok = accepts(req)
   if not sse_ok then return reply(conn, 406, server.INVALID_REQUEST, "Accept must list text/event-stream") end
+  local last = req.headers["last-event-id"]
+  local sid = req.headers["mcp-session-id"]
+  local known = sid and self.sessions[sid]
+  if last and sid and not (known and known.listener == conn:listener() and known.path == route.path)
+    and self:answer_lost(conn, last, "its session is not one this server has (the server was restarted, "
+      .. "or the session ended)") then
+    return
+  end
   local sess = self:session_of(conn, req, route)
   if not sess then return end
-  local last = req.headers["last-event-id"]
   if last then return self:resume(conn, sess, last) end
   if sess:stream_open() then
     return reply(conn, 409, server.INVALID_REQUEST, "this session's GET stream is already open")
@@ -1030,11 +1080,34 @@ end
 function HttpServer:resume(conn, sess, last)
   local ch, seq = sess:stream_of(last)
   if not ch then
+    if self:answer_lost(conn, last, "this session keeps no such stream: it waited for a resume longer than "
+      .. "http_sse_replay_seconds, or its answer was delivered") then
+      return
+    end
     return reply(conn, 400, server.INVALID_REQUEST, ("Last-Event-ID %q names no stream this session keeps: its "
       .. "answer was delivered, or it waited for a resume longer than http_sse_replay_seconds"):format(last:sub(1, 64)))
   end
   log.debug(LOGGER, "session %s resumes stream %s after event %d", sess.id, ch.replay.n, seq)
   ch:resume(conn, seq)
+end
+
+--- Answers a resume of a stream this server does not keep, when its Last-Event-ID names the
+--- request (RequestChannel:event_id): a 200 event stream with one JSON-RPC error (-32603)
+--- for that request, then the end, so the client's call fails at once and it can call
+--- again. Returns false (nothing sent) when the id names no request.
+---@param conn userdata
+---@param last string  the Last-Event-ID header
+---@param why string   why the stream is not kept
+---@return boolean sent
+function HttpServer:answer_lost(conn, last, why)
+  local _, _, id = parse_event_id(last)
+  if id == nil then return false end
+  log.info(LOGGER, "a resume of event %s is answered with an error: %s", last:sub(1, 96), why)
+  if not conn:start(200, SSE_HEADERS) then return true end
+  conn:write(sse_event(error_body(id, server.INTERNAL_ERROR,
+    "the answer to this request is lost: " .. why .. "; call again")))
+  conn:finish()
+  return true
 end
 
 --- DELETE: ends a session.

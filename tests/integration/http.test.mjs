@@ -264,7 +264,7 @@ function cuttingRelay(target) {
     });
     upstream.on("data", (d) => {
       client.write(d);
-      if (armed && /\nid: \d+-\d+\n/.test("\n" + d.toString())) {
+      if (armed && /\nid: \d+-\d+(-[is][0-9a-f]*)?\n/.test("\n" + d.toString())) {
         // the client has its response head and the event id: cut once it has read them
         armed = false;
         state.cut++;
@@ -311,7 +311,7 @@ describe("resumable request streams (Last-Event-ID)", () => {
     });
     assert.equal(first.status, 200);
     assert.match(first.type, /text\/event-stream/);
-    assert.match(first.ev.id, /^\d+-0$/, "the priming event comes first");
+    assert.match(first.ev.id, /^\d+-0-i2$/, "the priming event comes first; its id names the request");
     assert.equal(first.ev.data, "", "the priming event has empty data");
     // the resume: the rest of the stream, ending with the answer
     const resumed = await raw(srv, { method: "GET", headers: { ...headers, Accept: "text/event-stream",
@@ -324,11 +324,18 @@ describe("resumable request streams (Last-Event-ID)", () => {
     assert.equal(answers[0].result.structuredContent.stdout, "done\n");
     const stream = first.ev.id.split("-")[0];
     for (const e of events) assert.equal(e.id.split("-")[0], stream, `every event of the stream ${stream}: ${e.id}`);
-    // delivered once: the stream is no longer kept
+    // delivered once: the stream is no longer kept; a resume of it gets an error for its
+    // request (the id names it), and 400 for an id that does not
     const again = await raw(srv, { method: "GET", headers: { ...headers, Accept: "text/event-stream",
       "Last-Event-ID": first.ev.id } });
-    assert.equal(again.status, 400);
-    assert.match(JSON.parse(again.text).error.message, /names no stream this session keeps/);
+    assert.equal(again.status, 200, again.text);
+    const lost = sseEvents(again.text).map((e) => JSON.parse(e.data));
+    assert.deepEqual(lost.map((m) => [m.id, m.error?.code]), [[2, -32603]], again.text);
+    assert.match(lost[0].error.message, /this session keeps no such stream/);
+    const untagged = await raw(srv, { method: "GET", headers: { ...headers, Accept: "text/event-stream",
+      "Last-Event-ID": first.ev.id.replace(/-i2$/, "") } });
+    assert.equal(untagged.status, 400);
+    assert.match(JSON.parse(untagged.text).error.message, /names no stream this session keeps/);
     await raw(srv, { method: "DELETE", headers });
   });
 

@@ -138,7 +138,8 @@ end
 
 -- Resumption (Last-Event-ID): a stream whose connection is cut while its tool runs is kept;
 -- its answer, sent while no client is connected, comes on the resuming GET with only the
--- last http_sse_replay_events events, once; a second resume gets 400.
+-- last http_sse_replay_events events, once; a second resume gets 400, or, with an event id
+-- that names the request, a JSON-RPC error for it.
 function tests.a_cut_stream_resumes_with_its_last_events_and_the_answer_once(t)
   local d <close> = tmpdir()
   local release = async.event()
@@ -171,7 +172,7 @@ function tests.a_cut_stream_resumes_with_its_last_events_and_the_answer_once(t)
       if not c then seen.set(msg) return end
       c:read_start(function(data)
         if data then got[#got + 1] = data end
-        if not data or table.concat(got):find("\nid: 1%-10\n") then
+        if not data or table.concat(got):find("\nid: 1%-10%-i2\n") then
           c:close()
           seen.set(data and "cut" or "closed")
         end
@@ -180,8 +181,8 @@ function tests.a_cut_stream_resumes_with_its_last_events_and_the_answer_once(t)
     end))
     t:eq(async.timeout(5000, seen.wait), "cut", "the stream carried 10 events with ids")
     local text = table.concat(got)
-    t:ok(text:find("\nid: 1%-0\ndata: \n\n") ~= nil and text:find("id: 1-0", 1, true) < text:find("id: 1-1\n", 1, true),
-      "a priming event first")
+    t:ok(text:find("\nid: 1%-0%-i2\ndata: \n\n") ~= nil
+      and text:find("id: 1-0-i2", 1, true) < text:find("id: 1-1-i2\n", 1, true), "a priming event first")
     -- the server notices the close (no request is in progress on any connection after it)
     for _ = 1, 200 do
       if h.connections() == 0 then break end
@@ -189,7 +190,7 @@ function tests.a_cut_stream_resumes_with_its_last_events_and_the_answer_once(t)
     end
     release.set() -- the answer comes while no client is connected
     async.sleep(20)
-    local get = { Accept = "text/event-stream", Authorization = "Bearer " .. token, ["Last-Event-ID"] = "1-0" }
+    local get = { Accept = "text/event-stream", Authorization = "Bearer " .. token, ["Last-Event-ID"] = "1-0-i2" }
     for k, v in pairs(sh) do get[k] = v end
     local r = assert(request({ url = url, method = "GET", headers = get }))
     t:eq(r.status, 200, r.body)
@@ -202,13 +203,52 @@ function tests.a_cut_stream_resumes_with_its_last_events_and_the_answer_once(t)
         t:eq(m.result.structuredContent.text, "done")
       end
     end
-    t:eq(ids, { "1-9", "1-10", "1-11" }, "the last 3 events: two progress notifications and the answer")
+    t:eq(ids, { "1-9-i2", "1-10-i2", "1-11-i2" }, "the last 3 events: two progress notifications and the answer")
     t:eq(answers, 1, "the answer, once")
+    get["Last-Event-ID"] = "1-0"
     local again = assert(request({ url = url, method = "GET", headers = get }))
     t:eq(again.status, 400, "delivered: the stream is no longer kept")
     t:match(json.decode(again.body).error.message, "names no stream this session keeps")
+    get["Last-Event-ID"] = "1-0-i2"
+    local tagged = assert(request({ url = url, method = "GET", headers = get }))
+    t:eq(tagged.status, 200, "an id that names its request: that request's error")
+    local m = json.decode(tagged.body:match("data: ([^\n]*)"))
+    t:eq({ m.id, m.error.code }, { 2, -32603 })
     h.stop(2000)
     t:eq(h.connections(), 0)
+  end)
+end
+
+-- A resume that reaches a server which never had the stream (the one that had it was killed
+-- and a new one started on the same address): an event id that names its request gets a
+-- 200 event stream with a JSON-RPC error for that request and the end, so the client's call
+-- fails at once (rmcp, Codex's MCP client, retries a 404 here with no limit); string ids too;
+-- an id that names no request, or a malformed one, still gets the session's 404.
+function tests.a_resume_of_a_stream_of_an_ended_server_is_answered_with_an_error_for_its_request(t)
+  local d <close> = tmpdir()
+  local token = "lua-test-token-0123456789"
+  with_env({ DEMESNE_STATE_DIR = d.path .. "/state", DEMESNE_HTTP_TOKEN = token }, function()
+    local h = assert(http.start({ addrs = { "127.0.0.1:0" }, registry = registry() }))
+    local _ <close> = setmetatable({}, { __close = function() h.stop(2000) end })
+    local function resume(last)
+      return assert(request({ url = h.urls[1], method = "GET", headers = { Accept = "text/event-stream",
+        Authorization = "Bearer " .. token, ["Mcp-Session-Id"] = ("ab"):rep(16), ["MCP-Protocol-Version"] = "2025-11-25",
+        ["Last-Event-ID"] = last } }))
+    end
+    local r = resume("3-7-i41")
+    t:eq(r.status, 200, r.body)
+    t:match(r.headers["content-type"] or "", "text/event%-stream")
+    local events = {}
+    for block in r.body:gmatch("(.-)\n\n") do events[#events + 1] = json.decode(block:match("data: (.*)$")) end
+    t:eq(#events, 1, "one event, then the end")
+    t:eq({ events[1].id, events[1].error.code }, { 41, -32603 })
+    t:match(events[1].error.message, "is lost: its session is not one this server has")
+    local s = resume("1-0-s" .. ("req-\"1\""):gsub(".", function(c) return ("%02x"):format(c:byte()) end))
+    t:eq(s.status, 200)
+    t:eq(json.decode(s.body:match("data: ([^\n]*)")).id, 'req-"1"', "a string id, decoded")
+    t:eq(resume("3-7").status, 404, "an id that names no request")
+    t:eq(resume("3-7-sz1").status, 404, "a malformed request tag")
+    t:eq(resume("x-i41").status, 404, "a malformed event id")
   end)
 end
 
