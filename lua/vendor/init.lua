@@ -21,6 +21,7 @@ local fs = require("core.fs")
 local http = require("core.http")
 local httpd = require("core.httpd")
 local json = require("demesne.json")
+local layer = require("demesne.layer")
 local log = require("demesne.log")
 local loop = require("core.loop")
 local providers = require("demesne.providers")
@@ -31,18 +32,19 @@ local vendor = {}
 
 local LOGGER = "demesne.vendor"
 
---- Hooks of the layer above (nested sandboxes, lua/tree), each called with the run id:
----   admit(run_id, resv) -> true | nil, why, spent
----       before a model request is forwarded, with its reservation `resv` = {id (unique),
----       usd (the most it can cost: providers.reservation; lowered once the answer's
----       message_start gives the input counts), model, input, output}. A refusal answers the
----       agent with `why`; `spent` true when the budget is spent (no later request can pass),
----       false when only the requests in flight leave no room for this one.
----   charge(run_id, usd, usage, resv)
----       once the request ended, whatever ended it (answered, cut, cancelled, the route
----       stopping): usage (ProviderUsage) and its cost, which gives `resv` back; usage nil
----       (and usd 0) when nothing is to be counted (refused, a 429, an error answer, never sent).
-vendor.hooks = { admit = {}, charge = {} }
+-- The layers above (nested sandboxes, lua/tree) meet each model request through the layer
+-- hooks (lua/layer.lua, which states their error policies), each called with the run id:
+--   vendor_admit(run_id, resv) -> true | nil, why, spent
+--       before a model request is forwarded, with its reservation `resv` = {id (unique),
+--       usd (the most it can cost: providers.reservation; lowered once the answer's
+--       message_start gives the input counts), model, input, output}. A refusal answers the
+--       agent with `why`; `spent` true when the budget is spent (no later request can pass),
+--       false when only the requests in flight leave no room for this one. A refused
+--       reservation is given back to every charge hook (Route:reserve).
+--   vendor_charge(run_id, usd, usage, resv)
+--       once the request ended, whatever ended it (answered, cut, cancelled, the route
+--       stopping): usage (ProviderUsage) and its cost, which gives `resv` back; usage nil
+--       (and usd 0) when nothing is to be counted (refused, a 429, an error answer, never sent).
 
 --- The vendor port inside an agent sandbox.
 vendor.PORT = 3129
@@ -271,15 +273,12 @@ function Route:count(usage, usd)
   return usd, priced
 end
 
---- Tells the charge hooks (vendor.hooks.charge) of one ended request.
+--- Tells the charge hooks (the layer hook vendor_charge) of one ended request.
 ---@param usd number          its indicative cost (0 with no usage)
 ---@param usage ProviderUsage|nil  nil: nothing counted, the reservation is only given back
----@param resv table|nil      its reservation (vendor.hooks.admit)
+---@param resv table|nil      its reservation (the layer hook vendor_admit)
 function Route:charge(usd, usage, resv)
-  for _, fn in ipairs(vendor.hooks.charge) do
-    local ok, err = pcall(fn, self.run_id, usd, usage, resv)
-    if not ok then log.warning(LOGGER, "%s: charge hook: %s", self.run_id, tostring(err)) end
-  end
+  layer.run("vendor_charge", self.run_id, usd, usage, resv)
 end
 
 --------------------------------------------------------------------------------------------
@@ -373,24 +372,20 @@ local function refusal_body(message, spent)
       .. (spent and "; no further model requests are sent for this tree" or "") } })
 end
 
---- Reserves one model request against the layer above (vendor.hooks.admit) before it is
---- forwarded. Returns the reservation {id, usd, model, input, output, est}, or nil, the
---- refusal's sentence and whether the budget is spent (hooks that had admitted it are given
---- it back).
+--- Reserves one model request against the layers above (the layer hook vendor_admit)
+--- before it is forwarded. Returns the reservation {id, usd, model, input, output, est}, or
+--- nil, the refusal's sentence and whether the budget is spent (a refused reservation is
+--- given back to the charge hooks).
 ---@param est ProviderReservation  providers.reservation of the request
 ---@return table|nil resv, string|nil why, boolean|nil spent
 function Route:reserve(est)
   self.reservations = (self.reservations or 0) + 1
   local resv = { id = ("%s-%s-%d"):format(self.run_id, self.resv_tag, self.reservations), usd = est.usd,
     model = est.model, input = est.input, output = est.output, est = est }
-  for _, fn in ipairs(vendor.hooks.admit) do
-    local ok, yes, why, spent = pcall(fn, self.run_id, resv)
-    if not ok then
-      log.warning(LOGGER, "%s: admit hook: %s", self.run_id, tostring(yes))
-    elseif not yes then
-      self:charge(0, nil, resv)
-      return nil, tostring(why or "refused"), spent ~= false
-    end
+  local ok, why, spent = layer.run("vendor_admit", self.run_id, resv)
+  if not ok then
+    self:charge(0, nil, resv)
+    return nil, why, spent
   end
   return resv
 end

@@ -17,6 +17,7 @@ local tests = {}
 local LAYERS = {
   -- 6: the command line, composition roots
   ["demesne.boot"] = 6, ["demesne.cli"] = 6, ["demesne.cmd"] = 6, ["demesne.doctor"] = 6, ["demesne.testing"] = 6,
+  ["demesne.compose"] = 6,
   -- 5: the MCP session and its transports
   ["demesne.mcp"] = 5, ["demesne.hostmcp"] = 5,
   -- the cockpit: the control plane of a server and its clients, beside the transports
@@ -43,6 +44,8 @@ local LAYERS = {
   ["demesne.async"] = 1, ["demesne.config"] = 1, ["demesne.errors"] = 1, ["demesne.json"] = 1, ["demesne.log"] = 1,
   ["demesne.util"] = 1, ["demesne.proc"] = 1, ["demesne.paths"] = 1, ["demesne.output"] = 1, ["demesne.progress"] = 1,
   ["demesne.plugins"] = 1, ["demesne.runtime"] = 1, ["demesne.terminal"] = 1, ["demesne.oauth"] = 1, ["demesne.jsonschema"] = 1,
+  -- the layer contract (lua/layer.lua): the lower layers run the hooks the higher ones declare
+  ["demesne.layer"] = 1,
 }
 
 local function layer_of(mod)
