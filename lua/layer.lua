@@ -29,7 +29,8 @@ local log = require("demesne.log")
 local layer = {}
 
 --- The hooks a layer may declare: name -> {policy, logger (of the layer that runs it),
---- args (what the hook is called with)}. An installed layer's field that is neither a hook,
+--- args (what the hook is called with), by_run (a logged error names the run id, the first
+--- argument)}. An installed layer's field that is neither a hook,
 --- `name` nor `services` is refused (layer.install).
 layer.HOOKS = {
   -- before a sandbox is made (sandbox.script_start, sandbox.create): may change the plan `o`
@@ -55,10 +56,10 @@ layer.HOOKS = {
   -- before a model request is forwarded: true, or nil, why, spent to refuse it (spent true
   -- when no later request can pass, false when only the requests in flight leave no room);
   -- resv = {id, usd (the most it may cost), model, input, output, est}
-  vendor_admit = { policy = "admit", logger = "demesne.vendor", args = "run_id, resv" },
+  vendor_admit = { policy = "admit", logger = "demesne.vendor", args = "run_id, resv", by_run = true },
   -- once a model request ended, whatever ended it: counts `usage` and its cost `usd` and
   -- gives `resv` back; usage nil and usd 0 when nothing is to be counted
-  vendor_charge = { policy = "contain", logger = "demesne.vendor", args = "run_id, usd, usage, resv" },
+  vendor_charge = { policy = "contain", logger = "demesne.vendor", args = "run_id, usd, usage, resv", by_run = true },
 }
 
 local FIELDS = { name = true, services = true }
@@ -163,8 +164,9 @@ function layer.get(name)
   return nil
 end
 
-local function warn(h, l, name, err)
-  log.warning(h.logger, "%s hook of layer %s: %s", name, l.name, errors.message(err))
+local function warn(h, l, name, err, first)
+  local who = h.by_run and (tostring(first) .. ": ") or ""
+  log.warning(h.logger, "%s%s hook of layer %s: %s", who, name, l.name, errors.message(err))
 end
 
 --- Runs the hook `name` of every installed layer, in order, under the hook's error policy
@@ -187,7 +189,7 @@ function layer.run(name, ...)
         local ok, yes, why, spent = pcall(fn, ...)
         if not ok then
           if yes == async.CANCELLED and h.policy == "cleanup" then error(yes, 0) end
-          warn(h, l, name, yes)
+          warn(h, l, name, yes, (...))
         elseif h.policy == "admit" and not yes then
           return nil, tostring(why or "refused"), spent ~= false
         end

@@ -112,7 +112,7 @@ function tests.a_contained_hook_never_raises_not_even_a_cancel(t)
     t:eq(layer.run("vendor_charge", "r4", 0, nil, nil), true)
   end)
   t:eq(#got, 2, "both were logged")
-  t:match(got[2], "^demesne%.vendor: vendor_charge hook of layer contained: no ledger$")
+  t:match(got[2], "^demesne%.vendor: r4: vendor_charge hook of layer contained: no ledger$", "naming the run")
 end
 
 function tests.an_admit_hook_refuses_and_the_ones_after_it_do_not_run(t)
