@@ -1,8 +1,11 @@
 -- A small test runner that runs inside the real binary: each tests/lua/*_test.lua returns
 -- a table of name -> function(t); every test runs in its own task on the real loop. The
--- run fails when a test fails or when registry refs or loop handles leak across it.
+-- run fails when a test fails or when registry refs or loop handles leak across it. The
+-- runtime is composed as `demesne serve` composes it (lua/compose.lua: the layers installed,
+-- the job kinds registered) before the first test.
 local loop = require("core.loop")
 local async = require("demesne.async")
+local compose = require("demesne.compose")
 local fs = require("core.fs")
 local json = require("demesne.json")
 
@@ -61,6 +64,7 @@ end
 ---@param args string[]
 ---@return integer
 function testing.run(args)
+  compose.install()
   local files = {}
   for _, a in ipairs(args) do
     local st = fs.stat(a)

@@ -15,6 +15,7 @@ local errors = require("demesne.errors")
 local egress_policy = require("demesne.egress.policy")
 local fs = require("core.fs")
 local json = require("demesne.json")
+local layer = require("demesne.layer")
 local log = require("demesne.log")
 local loop = require("core.loop")
 local core_text = require("core.text")
@@ -29,9 +30,9 @@ local vendor = require("demesne.vendor")
 
 local agent = {}
 
---- Hooks of the layer above (nested sandboxes, lua/tree): result(o, r) runs when a run's
---- result is built, before results.json is written (it may add fields: children, reason).
-agent.hooks = { result = {} }
+-- The layers above (nested sandboxes, lua/tree) see each run's result through the layer
+-- hook agent_result(o, r) (lua/layer.lua), run once it is built, before results.json is
+-- written (it may add fields: children, reason); an error of one is logged.
 
 local AGENT_DIR = "/.demesne/agent"
 local ANSWER_MAX = 16 * 1024
@@ -322,10 +323,7 @@ function agent.finish(o, code, err, duration_ms, reason)
   -- recorded for a later continue (with the branch, which a continue fast-forwards)
   local cok, cerr = pcall(continue.finished, o, r)
   if not cok then log.warning("demesne.agent", "%s: keep: %s", tostring(o.run_id), tostring(cerr)) end
-  for _, fn in ipairs(agent.hooks.result) do
-    local hok, herr = pcall(fn, o, r)
-    if not hok then log.warning("demesne.agent", "result hook: %s", tostring(herr)) end
-  end
+  layer.run("agent_result", o, r)
   local jok, text_out = pcall(json.encode, r)
   if jok then -- the output folder is the sandbox's: written through the held folder
     local out, oerr = fs.opendir(o.output_dir)

@@ -208,6 +208,4 @@ function kind.view(rec)
   return nil
 end
 
-jobs.register("agent", kind)
-
 return kind

@@ -5,9 +5,11 @@
 -- DEMESNE_LOG_LEVEL). `--fixtures DIR` also loads the tool files in DIR (test fixtures).
 local async = require("demesne.async")
 local config = require("demesne.config")
+local compose = require("demesne.compose")
 local control = require("demesne.cockpit.control")
 local jobs = require("demesne.jobs")
 local hostmcp = require("demesne.hostmcp")
+local layer = require("demesne.layer")
 local log = require("demesne.log")
 local sandbox = require("demesne.sandbox")
 local http = require("demesne.mcp.http")
@@ -15,7 +17,6 @@ local stdio = require("demesne.mcp.stdio")
 local pool = require("demesne.pool")
 local teardown = require("demesne.teardown")
 local tools = require("demesne.tools")
-local tree = require("demesne.tree")
 local endpoint = require("demesne.tree.endpoint")
 
 -- The reaper: at start and every reap_interval seconds, remove expired sandboxes and
@@ -61,6 +62,8 @@ return function(args, opts)
     io.stderr:write("demesne serve: --http-allow-remote goes with --http ADDR\n")
     return 2
   end
+  -- the layers above sandboxes, jobs and agent runs (the tree, the cockpit) and the job kinds
+  compose.install()
   local _, cerr = config.describe()
   if cerr then log.error("demesne.config", "%s (the default is used instead; see demesne check-config)", cerr) end
   if not log.set_level(config.get("log_level")) then -- the config file may set it too
@@ -96,7 +99,7 @@ return function(args, opts)
   -- nested sandboxes: the in-sandbox MCP endpoint, and the trees a previous server left
   local ok, eerr = endpoint.start(registry)
   if not ok then log.error("demesne.tree", "the in-sandbox MCP endpoint cannot start: %s", tostring(eerr)) end
-  tree.start()
+  layer.start_services() -- the installed layers' (the tree's: the trees a previous server left)
   local function on_stop(timeout_ms) endpoint.stop(timeout_ms) end
   -- the control socket: demesne ps, logs, cancel and ui find this server there
   control.start({ transport = #addrs > 0 and "http" or "stdio", urls = addrs })
@@ -108,7 +111,7 @@ return function(args, opts)
     status = stdio.serve({ registry = registry, on_stop = on_stop, on_shutdown = on_shutdown })
   end
   control.stop()
-  tree.stop_service()
+  layer.stop_services() -- in the reverse order of their starts
   jobs.stop()
   -- no host MCP server outlives the server
   hostmcp.shutdown_outside_task()

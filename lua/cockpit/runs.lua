@@ -8,7 +8,7 @@
 --     owner, expiry), kept LIST_MS so that the page's stream asks the engine little;
 --   * background jobs: their records (lua/jobs, <state_dir>/jobs), for status and exit code;
 --   * ended foreground runs: a record this server writes when a run's container goes
---     (sandbox.hooks.removed): <state_dir>/cockpit/runs/<run id>.json (0600), kept as long
+--     (runs.layer's sandbox_removed hook): <state_dir>/cockpit/runs/<run id>.json (0600), kept as long
 --     as the cockpit shows ended trees (KEEP_MS);
 --   * memory used: eng:stats of each running container (lua/engines), at most
 --     STATS_PARALLEL at once, each sample kept STATS_MS.
@@ -255,7 +255,7 @@ function runs.memory(ids)
   return out
 end
 
---- The removed hook (sandbox.hooks.removed): a one-shot run of a tool call (no tree node,
+--- The removed hook (runs.layer.sandbox_removed): a one-shot run of a tool call (no tree node,
 --- no warm sandbox) has gone: what it was is kept for the cockpit (runs.dir()).
 ---@param o table  the plan
 ---@param why string|nil
@@ -294,6 +294,8 @@ function runs.prune()
   return n
 end
 
-sandbox.hooks.removed[#sandbox.hooks.removed + 1] = runs.removed
+--- The cockpit's layer (lua/layer.lua), installed by the composition root (lua/compose.lua):
+--- the runs it keeps a record of when their container goes.
+runs.layer = { name = "cockpit", sandbox_removed = runs.removed }
 
 return runs

@@ -459,101 +459,67 @@ local function encoded_size(v)
   return ok and #s or 0
 end
 
---- Calls an allowed tool of a host MCP server (see the module header).
----@param server string
----@param tool string
----@param arguments table|nil
----@param opts {timeout_ms: integer|nil, output_dir: string|nil, cancel: table|nil, on_progress: function|nil}|nil
----@return table|nil result, string|nil err, string|nil code
-function hostmcp.call(server, tool, arguments, opts)
-  opts = opts or {}
-  arguments = arguments or {}
-  local t0 = loop.hrtime()
-  local res, err, code
-  local request_bytes = encoded_size(arguments)
+-- Writes the mcp.jsonl line of one call (hostmcp.record) when the call has an output
+-- folder: c = {server, tool, arguments, output_dir, t0 (loop.hrtime), request_bytes}.
+local function record_call(c, res, err)
+  if not c.output_dir then return end
+  local rec = {
+    server = c.server, tool = c.tool, duration_ms = math.floor((loop.hrtime() - c.t0) / 1e6),
+    ok = res ~= nil and res.isError ~= true, request_bytes = c.request_bytes,
+    response_bytes = res and encoded_size(res) or 0,
+  }
+  if not res then rec.error = err elseif res.isError == true then rec.error = "the tool reported an error (isError)" end
+  if config.get("host_mcp_record_arguments") then rec.arguments = c.arguments end
+  local rok, rerr = hostmcp.record(c.output_dir, rec)
+  if not rok then log.warning(LOGGER, "cannot record the call of %s/%s: %s", c.server, c.tool, tostring(rerr)) end
+end
 
-  local function finish()
-    if opts.output_dir then
-      local ok_ = res ~= nil and res.isError ~= true
-      local rec = {
-        server = server, tool = tool, duration_ms = math.floor((loop.hrtime() - t0) / 1e6), ok = ok_,
-        request_bytes = request_bytes, response_bytes = res and encoded_size(res) or 0,
-      }
-      if not res then rec.error = err elseif res.isError == true then rec.error = "the tool reported an error (isError)" end
-      if config.get("host_mcp_record_arguments") then rec.arguments = arguments end
-      local rok, rerr = hostmcp.record(opts.output_dir, rec)
-      if not rok then log.warning(LOGGER, "cannot record the call of %s/%s: %s", server, tool, tostring(rerr)) end
-    end
-    return res, err, code
-  end
-
-  if type(arguments) ~= "table" then
-    err, code = "arguments must be an object", "EINVAL"
-    return finish()
-  end
-  local up
-  up, err, code = find(server)
-  if not up then return finish() end
+-- The upstream of `server` and its tools' declaration when its declaration lets `tool` be
+-- called (before the live listing is asked), or nil, err, code.
+local function declared_upstream(server, tool)
+  local up, err, code = find(server)
+  if not up then return nil, nil, err, code end
   local spec = up.decl.tools
   if spec.mode == "none" then
-    err, code = ("host MCP server %s offers no tools%s"):format(server,
+    return nil, nil, ("host MCP server %s offers no tools%s"):format(server,
       up.decl.source ~= "config" and " (it is imported: name its tools in host_mcp in config.lua)" or ""), "EPERM"
-    return finish()
   end
   if spec.mode == "names" and not spec.set[tool] then
-    err, code = ("tool %s of host MCP server %s is not allowed here (allowed: %s)"):format(tostring(tool), server,
+    return nil, nil, ("tool %s of host MCP server %s is not allowed here (allowed: %s)"):format(tostring(tool), server,
       hconfig.tools_text(spec)), "EPERM"
-    return finish()
   end
+  return up, spec
+end
 
-  up.inflight = up.inflight + 1
-  if up.idle_timer then up.idle_timer:close(); up.idle_timer = nil end
-  local _ <close> = util.closer(function()
-    up.inflight = up.inflight - 1
-    up:arm_idle()
-  end)
-
-  -- starting the server has its own bound (host_mcp_startup_timeout_seconds); the call's
-  -- bound covers the listing and the call
-  local started, serr, scode = up:ensure()
-  if not started then
-    err, code = serr, scode
-    return finish()
-  end
-  local limit = up.decl.timeout_ms or ms_setting("host_mcp_timeout_seconds")
-  local timeout = math.min(opts.timeout_ms or limit, limit)
-  local deadline = loop.now() + timeout
-  local function remaining() return math.max(1, deadline - loop.now()) end
+-- The session of a started upstream whose live listing has `tool`, allowed by `spec`, or
+-- nil, err, code. A session the server forgot is made again once; a listing that lacks the
+-- tool is asked once more (the cached one may be behind the server).
+local function listed_session(up, spec, server, tool, timeout, remaining)
   local tools, s, lcode = up:listing(false, timeout)
   if not tools and lcode == "ESESSION" then
     -- an HTTP server that forgot the session (it restarted) processed nothing: once more
     tools, s, lcode = up:listing(true, remaining())
   end
-  if not tools then
-    err, code = s, lcode
-    return finish()
-  end
+  if not tools then return nil, s, lcode end
   local entry
   for _, t in ipairs(tools) do if t.name == tool then entry = t break end end
   if not entry then
-    -- the cached listing may be behind the server: look once more
     tools, s, lcode = up:listing(true, remaining())
-    if not tools then
-      err, code = s, lcode
-      return finish()
-    end
+    if not tools then return nil, s, lcode end
     for _, t in ipairs(tools) do if t.name == tool then entry = t break end end
   end
-  if not entry then
-    err, code = ("host MCP server %s has no tool %s"):format(server, tostring(tool)), "ENOENT"
-    return finish()
-  end
+  if not entry then return nil, ("host MCP server %s has no tool %s"):format(server, tostring(tool)), "ENOENT" end
   if not allowed(spec, entry) then
-    err, code = ("tool %s of host MCP server %s is not allowed here (allowed: %s)"):format(tool, server,
+    return nil, ("tool %s of host MCP server %s is not allowed here (allowed: %s)"):format(tool, server,
       hconfig.tools_text(spec)), "EPERM"
-    return finish()
   end
+  return s
+end
 
+-- Calls `tool` on the session `s` in a task of its own, which opts.cancel (an event)
+-- cancels. Returns res, err, code; with a fourth value, the error that cancels the caller,
+-- to be raised once the call is recorded. Another error of the call's task is raised.
+local function call_in_task(up, s, server, tool, arguments, opts, timeout, remaining)
   local child = async.spawn("host MCP call: " .. server .. "/" .. tool, function()
     local r, e, c, x = s:call_tool(tool, arguments, { timeout_ms = remaining(), on_progress = opts.on_progress })
     if r or c ~= "ESESSION" then return r, e, c, x end
@@ -571,21 +537,60 @@ function hostmcp.call(server, tool, arguments, opts)
   if watcher then async.cancel(watcher, "done") end
   if not ok then
     async.cancel(child, "the caller was cancelled")
-    res, err, code = nil, "cancelled", "ECANCELED"
-    finish()
-    error(r, 0)
+    return nil, "cancelled", "ECANCELED", r
   end
   if not r[1] then
     if r[2] ~= async.CANCELLED then error(r[2], 0) end
-    res, err, code = nil, "cancelled", "ECANCELED"
-    return finish()
+    return nil, "cancelled", "ECANCELED"
   end
-  res, err, code = r[2], r[3], r[4]
+  local res, err, code = r[2], r[3], r[4]
   if res and type(res.content) ~= "table" then
     res, err, code = nil, ("host MCP server %s answered tools/call without content"):format(server), "EPROTO"
   end
   if not res and code == "ETIMEDOUT" then up:check_alive(s, timeout) end
-  return finish()
+  return res, err, code
+end
+
+--- Calls an allowed tool of a host MCP server (see the module header).
+---@param server string
+---@param tool string
+---@param arguments table|nil
+---@param opts {timeout_ms: integer|nil, output_dir: string|nil, cancel: table|nil, on_progress: function|nil}|nil
+---@return table|nil result, string|nil err, string|nil code
+function hostmcp.call(server, tool, arguments, opts)
+  opts = opts or {}
+  arguments = arguments or {}
+  local c = { server = server, tool = tool, arguments = arguments, output_dir = opts.output_dir, t0 = loop.hrtime(),
+    request_bytes = encoded_size(arguments) }
+  local function finish(res, err, code)
+    record_call(c, res, err)
+    return res, err, code
+  end
+  if type(arguments) ~= "table" then return finish(nil, "arguments must be an object", "EINVAL") end
+  local up, spec, err, code = declared_upstream(server, tool)
+  if not up then return finish(nil, err, code) end
+
+  up.inflight = up.inflight + 1
+  if up.idle_timer then up.idle_timer:close(); up.idle_timer = nil end
+  local _ <close> = util.closer(function()
+    up.inflight = up.inflight - 1
+    up:arm_idle()
+  end)
+
+  -- starting the server has its own bound (host_mcp_startup_timeout_seconds); the call's
+  -- bound covers the listing and the call
+  local started, serr, scode = up:ensure()
+  if not started then return finish(nil, serr, scode) end
+  local limit = up.decl.timeout_ms or ms_setting("host_mcp_timeout_seconds")
+  local timeout = math.min(opts.timeout_ms or limit, limit)
+  local deadline = loop.now() + timeout
+  local function remaining() return math.max(1, deadline - loop.now()) end
+  local s, lerr, lcode = listed_session(up, spec, server, tool, timeout, remaining)
+  if not s then return finish(nil, lerr, lcode) end
+  local res, cerr, ccode, raise = call_in_task(up, s, server, tool, arguments, opts, timeout, remaining)
+  finish(res, cerr, ccode)
+  if raise then error(raise, 0) end
+  return res, cerr, ccode
 end
 
 ---------------------------------------------------------------------------------------------

@@ -112,7 +112,8 @@ local function exec_watch(job, eng, first_run, e)
   return out
 end
 
-return jobs.register("exec", {
+-- The kind (registered as "exec" by lua/compose.lua).
+return {
   -- sandbox_exec with background = true: checks the call, starts the job and returns once
   -- demesne-init has started the command (its pid file exists, at most 10 s):
   -- {job_id, status = "running", output_dir, log_dir}. From then on the command runs on
@@ -144,4 +145,4 @@ return jobs.register("exec", {
   end,
   run = function(job, e) return exec_watch(job, e.engine, true, e) end,
   attach = function(job) return exec_watch(job, sandbox.engine(), false) end,
-})
+}

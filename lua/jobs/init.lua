@@ -1,9 +1,9 @@
 -- Background jobs: the registry. Records persisted under the state folder, status,
 -- wait, cancel of a whole job tree, adoption after a restart, and one terminal
--- notification per job. It knows no kind of job: each kind registers itself
--- (jobs.register) with how it starts, runs and re-attaches: lua/jobs/script.lua (one-shot
--- sandboxes), lua/jobs/exec.lua (commands in a persistent sandbox), lua/agent/job.lua
--- (agent runs).
+-- notification per job. It knows no kind of job: each kind is registered (jobs.register,
+-- by the composition root, lua/compose.lua) with how it starts, runs and re-attaches:
+-- lua/jobs/script.lua (one-shot sandboxes), lua/jobs/exec.lua (commands in a persistent
+-- sandbox), lua/agent/job.lua (agent runs).
 --
 -- A job is a tool call that was started with `background: true`. It runs in its own task,
 -- not in the request's, so it outlives the call. Its record is a JSON file,
@@ -25,6 +25,7 @@ local async = require("demesne.async")
 local config = require("demesne.config")
 local errors = require("demesne.errors")
 local json = require("demesne.json")
+local layer = require("demesne.layer")
 local log = require("demesne.log")
 local output = require("demesne.output")
 local sandbox = require("demesne.sandbox")
@@ -67,21 +68,11 @@ local KNOWN = { running = true, succeeded = true, failed = true, cancelled = tru
 ---@field parent string|nil     the job that started this one
 ---@field children string[]     jobs this one started
 
---- Hooks of the layer above (nested sandboxes, lua/tree), each called with the record:
----   launch(rec)          a job was started (its record saved)
----   cancel(rec, reason)  a job is about to be cancelled (what it started goes first)
----   finish(rec)          a job reached its terminal status (record saved, before waiters wake)
----   view(rec, v)         jobs.view is building `v` (may add fields)
-jobs.hooks = { launch = {}, cancel = {}, finish = {}, view = {} }
-local function run_hooks(name, ...)
-  for _, fn in ipairs(jobs.hooks[name]) do
-    local ok, err = pcall(fn, ...)
-    if not ok then
-      if err == async.CANCELLED then error(err, 0) end
-      log.warning(LOGGER, "%s hook: %s", name, tostring(type(err) == "table" and err.message or err))
-    end
-  end
-end
+-- The layers above (nested sandboxes, lua/tree) hear of each job through the layer hooks
+-- (lua/layer.lua): job_launch(rec) once its record is saved, job_cancel(rec, reason) before
+-- it is cancelled, job_finish(rec) at its terminal status (record saved, before its waiters
+-- wake), job_view(rec, out) while jobs.view builds `out`. An error of one is logged; a
+-- cancel propagates.
 
 -- job_id -> {rec = JobRecord, task = Task, done = event, cancel_reason = string|nil}
 -- for the jobs this process watches
@@ -163,7 +154,7 @@ function jobs.finish(job, status, fields)
   local msg = ("background job %s %s"):format(rec.job_id, status)
   if rec.exit_code then msg = msg .. (" (exit code %d)"):format(rec.exit_code) end
   if rec.reason and status ~= "succeeded" then msg = msg .. ": " .. rec.reason end
-  run_hooks("finish", rec)
+  layer.run("job_finish", rec)
   log.log("info", LOGGER, msg .. "; sandbox_status or sandbox_wait give the result",
     { job_id = rec.job_id, status = status, exit_code = rec.exit_code })
   job.done.set(rec) -- last: waiters resume at once, and the notification goes out before their answers
@@ -171,9 +162,9 @@ function jobs.finish(job, status, fields)
 end
 
 --------------------------------------------------------------------------------------------
--- Kinds. The registry knows no kind: each kind registers itself (jobs.register) with how a
--- job of it starts from a tool call (start), runs the first time (run) and after a restart
--- (attach). run and attach return an outcome {status, exit_code?, timed_out?, reason?,
+-- Kinds. The registry knows no kind: each kind is registered (jobs.register, by the
+-- composition root, lua/compose.lua) with how a job of it starts from a tool call (start),
+-- runs the first time (run) and after a restart (attach). run and attach return an outcome {status, exit_code?, timed_out?, reason?,
 -- finished_ms?}; they are cancelled through their task, and their <close> handlers kill
 -- the job's processes. `job.after` runs once the terminal record is saved.
 
@@ -319,7 +310,7 @@ function jobs.launch(rec, plan, parent)
     save(p)
   end
   if not save(rec) then fail("cannot write the job record in " .. jobs.dir()) end
-  run_hooks("launch", rec)
+  layer.run("job_launch", rec)
   local job = new_job(rec)
   live[rec.job_id] = job
   spawn(job, kinds[rec.kind].run, plan)
@@ -449,7 +440,7 @@ end
 function jobs.cancel(id, reason, cancelled)
   cancelled = cancelled or json.array()
   local rec = jobs.must_get(id)
-  if not TERMINAL[rec.status] then run_hooks("cancel", rec, reason or "cancelled by sandbox_cancel") end
+  if not TERMINAL[rec.status] then layer.run("job_cancel", rec, reason or "cancelled by sandbox_cancel") end
   for _, child in ipairs(rec.children or {}) do
     if jobs.valid_id(child) and jobs.get(child) then
       jobs.cancel(child, "its parent job " .. id .. " was cancelled", cancelled)
@@ -677,7 +668,7 @@ function jobs.view(rec)
   if k and k.view then
     for key, v in pairs(k.view(rec) or {}) do out[key] = v end
   end
-  run_hooks("view", rec, out)
+  layer.run("job_view", rec, out)
   return out
 end
 

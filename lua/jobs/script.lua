@@ -85,7 +85,8 @@ local function launch_oneshot(ctx, o, fields, abandon)
   return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }
 end
 
-return jobs.register("script", {
+-- The kind (registered as "script" by lua/compose.lua).
+return {
   -- sandbox_script with background = true: checks the call and starts the sandbox, then
   -- hands the running container to a job. Once it returns, the command runs on its own: a
   -- server stop does not stop it.
@@ -145,4 +146,4 @@ return jobs.register("script", {
   -- for kinds that run a one-shot sandbox too (agent runs)
   launch = launch_oneshot,
   watch = script_watch,
-})
+}

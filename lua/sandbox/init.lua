@@ -2,7 +2,8 @@
 -- name below is defined in one of the files of this folder, each of one concern:
 --
 --   owner.lua       which server process owns a sandbox, and whether it still runs
---   hooks.lua       the hooks of the layer above (nested sandboxes, lua/tree): sandbox.hooks
+--   hooks.lua       persistent.lua's calls of the layer hooks (lua/layer.lua: sandbox_plan,
+--                   sandbox_removing, sandbox_removed), until it calls demesne.layer itself
 --   spec.lua        a sandbox's plan: settings checked, folders, claim, the neutral spec
 --   files.lua       what the host reads and removes of a sandbox's files (status, logs)
 --   oneshot.lua     one-shot runs (sandbox_script)
@@ -24,7 +25,6 @@
 --                                          (also outside the sandbox's reach)
 local exec = require("demesne.sandbox.exec")
 local files = require("demesne.sandbox.files")
-local hooks = require("demesne.sandbox.hooks")
 local oneshot = require("demesne.sandbox.oneshot")
 local owner = require("demesne.sandbox.owner")
 local persistent = require("demesne.sandbox.persistent")
@@ -39,9 +39,6 @@ local sandbox = {}
 
 --- The isolation levels a sandbox call may ask for (the `isolation` parameter).
 sandbox.ISOLATIONS = spec.ISOLATIONS
-
---- Hooks of the layer above (lua/sandbox/hooks.lua): plan, removing, removed.
-sandbox.hooks = hooks.hooks
 
 local function export(from, names)
   for name in names:gmatch("%S+") do

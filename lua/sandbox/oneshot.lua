@@ -6,6 +6,7 @@ local devcontainer = require("demesne.images.devcontainer")
 local egress = require("demesne.egress")
 local errors = require("demesne.errors")
 local images = require("demesne.images")
+local layer = require("demesne.layer")
 local log = require("demesne.log")
 local loop = require("core.loop")
 local progress = require("demesne.progress")
@@ -13,7 +14,6 @@ local repo = require("demesne.repo")
 local teardown = require("demesne.teardown")
 local util = require("demesne.util")
 local files = require("demesne.sandbox.files")
-local hooks = require("demesne.sandbox.hooks")
 local persistent = require("demesne.sandbox.persistent")
 local quota = require("demesne.sandbox.quota")
 local preview = require("demesne.sandbox.preview")
@@ -95,7 +95,7 @@ end
 local function plan_once(ctx, o)
   if o.planned then return end
   o.planned = true
-  hooks.run("plan", ctx, o, o.args)
+  layer.run("sandbox_plan", ctx, o, o.args)
 end
 
 --- Starts a planned one-shot run: image, folders, container (with `labels`, names without
@@ -192,7 +192,7 @@ function oneshot.script_remove(o)
   local _tree <close> = util.closer(function()
     if (o.tree or o.planned) and not o.tree_removed then
       o.tree_removed = true
-      hooks.run_removal("removed", o)
+      layer.run("sandbox_removed", o)
     end
   end)
   -- demesne-init's control connection closes after the removal: a `wait` that sees the

@@ -7,12 +7,12 @@ local egress = require("demesne.egress")
 local engines = require("demesne.engines")
 local fs = require("core.fs")
 local json = require("demesne.json")
+local layer = require("demesne.layer")
 local log = require("demesne.log")
 local loop = require("core.loop")
 local paths = require("demesne.paths")
 local process = require("core.process")
 local files = require("demesne.sandbox.files")
-local hooks = require("demesne.sandbox.hooks")
 local kept = require("demesne.sandbox.keep")
 local owner = require("demesne.sandbox.owner")
 local persistent = require("demesne.sandbox.persistent")
@@ -184,7 +184,7 @@ function reaper.reap(opts)
           egress.stop(l[LABEL .. "run_id"])
           if kind == "persistent" then persistent.unwatch(l[LABEL .. "run_id"], l[LABEL .. "run_dir"]) end
           preview.close(l[LABEL .. "run_id"])
-          hooks.run_removal("removed", { run_id = l[LABEL .. "run_id"] }, expired and "expired" or "its server is gone")
+          layer.run("sandbox_removed", { run_id = l[LABEL .. "run_id"] }, expired and "expired" or "its server is gone")
         end
         local rd = l[LABEL .. "run_dir"]
         if rd and paths.within(rd, config.get("state_dir") .. "/run") then

@@ -32,15 +32,6 @@ local log = require("demesne.log")
 local plugins = require("demesne.plugins")
 local schema = require("demesne.jsonschema")
 
--- The kinds of background job the built-in tools start (sandbox_script, sandbox_exec and
--- the agent tools with background = true). Each registers itself with demesne.jobs when
--- it loads; loading them here, in the tools layer above jobs, sandbox and agent, has them
--- registered before a tool, tasks/* or the jobs service (which re-attaches jobs after a
--- restart) needs one.
-require("demesne.jobs.script")
-require("demesne.jobs.exec")
-require("demesne.agent.job")
-
 local tools = {}
 
 local LOGGER = "demesne.tools"

@@ -17,13 +17,13 @@
 --     request must send `Authorization: Bearer <token>`). The URL and port never change, so
 --     an argv or a config file can name them as constants (tree.URL, tree.PORT); only the
 --     token is per run. `o.endpoint` is nil when no endpoint server is installed
---     (tree.set_endpoint, done by `demesne serve`).
+--     (tree.set_endpoint, done by the in-sandbox endpoint when `demesne serve` starts it).
 --   * How a run registers as a node: nothing to call. The plan hook (tree.plan, run by
 --     sandbox.script_start and sandbox.create) makes a host call of those tools a root, and
 --     a call from inside a sandbox (ctx.spawn, set by tree.spawn) a child; `o.tree` then
 --     holds the node's run id (= o.run_id). The node ends when its container goes
 --     (script_remove, destroy, the reaper); agent.finish reports its result and usage
---     (agent.hooks.result -> tree.result, which also adds `children` to results.json).
+--     (the layer hook agent_result -> tree.result, which also adds `children` to results.json).
 --   * What a run may do, for its context file: info(run_id) -> {run_id, root, name, depth,
 --     limits = {depth, children, running, jobs, job_records}, children_used, budget_usd, spent_usd}.
 --   * Budget, from the vendor route: check(run_id, resv) -> true | nil, why before
@@ -37,9 +37,10 @@
 --     children first, and no container is left. A run that is no tree node always passes.
 --   * info, check, charge and spent live in demesne.tree.store, which the agent and vendor
 --     layers can require (it sits below them); demesne.tree re-exports them. The vendor route
---     reaches check and charge through vendor.hooks.admit/charge, registered at the end of
---     this file (the route itself knows nothing of trees); the agent's context file gets
---     info on the plan (o.endpoint.tree).
+--     reaches check and charge through the layer hooks vendor_admit/vendor_charge of
+--     tree.layer, declared at the end of this file and installed by lua/compose.lua (the
+--     route itself knows nothing of trees); the agent's context file gets info on the plan
+--     (o.endpoint.tree).
 --
 -- Records: <state_dir>/tree/<run id>.json (0600, out of every sandbox's reach), one per
 -- node; a root's also holds the tree's limits, budget, spend, member list and the background
@@ -56,8 +57,6 @@ local json = require("demesne.json")
 local log = require("demesne.log")
 local progress = require("demesne.progress")
 local sandbox = require("demesne.sandbox")
-local agent = require("demesne.agent")
-local vendor = require("demesne.vendor")
 local store = require("demesne.tree.store")
 local walls = require("demesne.tree.walls")
 local quota = require("demesne.sandbox.quota")
@@ -307,7 +306,7 @@ local function new_node(o, kind)
   }
 end
 
---- The plan hook (sandbox.hooks.plan): called by sandbox.script_start and sandbox.create
+--- The plan hook (tree.layer.sandbox_plan): called by sandbox.script_start and sandbox.create
 --- before anything is made. A host call of sandbox_agent / sandbox_research (or
 --- sandbox_create with mcp = true) becomes a root: its /workspace a host folder, its
 --- /out/child read-only, its endpoint open. A call from inside a sandbox (ctx.spawn) becomes
@@ -522,7 +521,7 @@ local function hand_over(n)
   log.info(LOGGER, "%s: output folder handed over to %s", n.run_id, to)
 end
 
---- The removed hook (sandbox.hooks.removed): a one-shot run's container is gone, or a
+--- The removed hook (tree.layer.sandbox_removed): a one-shot run's container is gone, or a
 --- persistent sandbox was destroyed or reaped. Ends the node (see above).
 ---@param o table  the plan ({tree} or {run_id}); `why` optional
 ---@param why string|nil
@@ -532,7 +531,7 @@ function tree.removed(o, why)
   if n then ended(n, why) end
 end
 
---- The removing hook (sandbox.hooks.removing): a persistent sandbox is about to be
+--- The removing hook (tree.layer.sandbox_removing): a persistent sandbox is about to be
 --- destroyed: its children go first.
 ---@param run_id string
 function tree.removing(run_id)
@@ -557,7 +556,7 @@ function tree.finish(run_id, r)
   save(n)
 end
 
---- The job finish hook (jobs.hooks.finish): a background run's job ended.
+--- The job finish hook (tree.layer.job_finish): a background run's job ended.
 ---@param rec JobRecord
 function tree.job_finished(rec)
   local n = rec.run_id and tree.get(rec.run_id)
@@ -569,7 +568,7 @@ function tree.job_finished(rec)
   if jobs.is_terminal(rec.status) then hand_over(n) end -- results.json is written by now
 end
 
---- The job launch hook (jobs.hooks.launch): a run handed to a background job records the
+--- The job launch hook (tree.layer.job_launch): a run handed to a background job records the
 --- job at once, so that a restart knows a job (not a call) watches it; a job on a member
 --- below the root (a background child, an exec in a child sandbox) joins the root's list of
 --- the tree's jobs (tree.job_admit bounds it).
@@ -643,7 +642,7 @@ function tree.job_admit(run_id)
   return closer(function() rm.job_pending = math.max(rm.job_pending - 1, 0) end)
 end
 
---- The job cancel hook (jobs.hooks.cancel): a cancelled job's run takes its children with
+--- The job cancel hook (tree.layer.job_cancel): a cancelled job's run takes its children with
 --- it, children first.
 ---@param rec JobRecord
 ---@param reason string
@@ -1027,7 +1026,7 @@ write_results = function(n)
   if #n.children > 0 then write_usage(n) end
 end
 
---- The agent result hook (agent.hooks.result): before results.json is written, a tree
+--- The agent result hook (tree.layer.agent_result): before results.json is written, a tree
 --- node's result gains `children` (tree.children) and, when the tree ended it, its reason;
 --- its own usage is recorded and usage.json gains the subtree's totals.
 ---@param o table  the agent plan
@@ -1049,7 +1048,7 @@ function tree.result(o, r)
   if not ok then log.warning(LOGGER, "%s: usage.json: %s", n.run_id, tostring(err)) end
 end
 
---- What a host's sandbox_status / sandbox_wait shows of a tree a job runs (jobs.hooks.view):
+--- What a host's sandbox_status / sandbox_wait shows of a tree a job runs (tree.layer.job_view):
 --- {cost_usd (the subtree's), nodes, running, budget_usd, spent_usd}.
 ---@param rec JobRecord
 ---@param v table  the view being built
@@ -1189,15 +1188,19 @@ end
 --- Forgets every node this process holds (tests only).
 function tree.reset() store.reset() end
 
--- The budget's reaction: the charge that reaches it (lua/tree/store.lua) ends the tree.
-store.on_budget_spent = function(root_id, why)
+--- The budget's reaction: the charge that reaches a tree's budget (lua/tree/store.lua,
+--- store.on_budget_spent, which the composition root points here) ends the tree, in a task
+--- of its own: every run of it still going ends with reason `why`, children first.
+---@param root_id string
+---@param why string  "budget of $X spent"
+function tree.budget_spent(root_id, why)
   async.spawn("budget " .. root_id, function()
     local ok, err = pcall(tree.stop, root_id, why)
     if not ok and err ~= async.CANCELLED then log.warning(LOGGER, "tree %s: %s", root_id, tostring(err)) end
   end)
 end
 
---- The ask hook (sandbox.hooks.plan, after tree.plan): whom the egress `ask` verdict of the
+--- The ask hook (the tree layer's sandbox_plan, after tree.plan): whom the egress `ask` verdict of the
 --- sandbox asks (lua/egress/ask.lua). Sets o.ask = {root, lineage = {run, parent, …, root},
 --- has_inputs, tool, client} for egress.start: a root made by a host call gets that call's
 --- host client (ctx.client), which the questions of its whole tree go to. A sandbox holds
@@ -1228,18 +1231,27 @@ function tree.ask_plan(ctx, o)
   end
 end
 
--- The hooks of the layers below.
-sandbox.hooks.plan[#sandbox.hooks.plan + 1] = tree.plan
-sandbox.hooks.plan[#sandbox.hooks.plan + 1] = tree.ask_plan
-sandbox.hooks.removed[#sandbox.hooks.removed + 1] = tree.removed
-sandbox.hooks.removing[#sandbox.hooks.removing + 1] = tree.removing
-jobs.hooks.launch[#jobs.hooks.launch + 1] = tree.job_launched
-jobs.hooks.finish[#jobs.hooks.finish + 1] = tree.job_finished
-jobs.hooks.cancel[#jobs.hooks.cancel + 1] = tree.job_cancelling
-jobs.hooks.view[#jobs.hooks.view + 1] = tree.view
-agent.hooks.result[#agent.hooks.result + 1] = tree.result
--- every model request of a tree's runs is charged to the tree, and refused once its budget is spent
-vendor.hooks.admit[#vendor.hooks.admit + 1] = tree.check
-vendor.hooks.charge[#vendor.hooks.charge + 1] = tree.charge
+--- The tree's layer (lua/layer.lua): its hooks into the sandbox, job, agent and vendor
+--- layers below, and its service, installed by the composition root (lua/compose.lua).
+--- Every model request of a tree's runs is charged to the tree, and refused once its
+--- budget is spent (vendor_admit, vendor_charge).
+tree.layer = {
+  name = "tree",
+  sandbox_plan = function(ctx, o, args)
+    tree.plan(ctx, o, args)
+    tree.ask_plan(ctx, o)
+  end,
+  sandbox_removing = tree.removing,
+  sandbox_removed = tree.removed,
+  job_launch = tree.job_launched,
+  job_cancel = tree.job_cancelling,
+  job_finish = tree.job_finished,
+  job_view = tree.view,
+  agent_result = tree.result,
+  vendor_admit = tree.check,
+  vendor_charge = tree.charge,
+  -- resume the trees a previous server left, then sweep every reap_interval seconds
+  services = { { name = "tree", start = tree.start, stop = tree.stop_service } },
+}
 
 return tree

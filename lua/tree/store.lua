@@ -479,8 +479,9 @@ function store.put(n) cache[n.run_id] = n end
 --- spend and its tree's budget, and gives back its reservation `resv` (store.check); with
 --- `resv`, no usage and no cost it only gives the reservation back (the request was not
 --- counted: refused, rate limited, never sent). Returns true, or nil and "budget of $X
---- spent" when the tree's budget is now spent: the reaction (store.on_budget_spent, set by
---- lua/tree/init.lua: every run of the tree ends with that reason) has then started. A run
+--- spent" when the tree's budget is now spent: the reaction (store.on_budget_spent, which
+--- the composition root points at tree.budget_spent: every run of the tree ends with that
+--- reason) has then started. A run
 --- that is no tree node is not counted (true). For the vendor route, which sits below
 --- lua/tree/init.lua.
 ---@param run_id string
@@ -559,8 +560,9 @@ function store.info(run_id)
     children_used = #n.children, budget_usd = budget, spent_usd = spent }
 end
 
---- Set by lua/tree/init.lua: called once with (root run id, reason) when a charge reaches
---- the tree's budget.
+--- The budget's reaction, called once with (root run id, reason) when a charge reaches the
+--- tree's budget: tree.budget_spent, set by the composition root (lua/compose.lua); nil
+--- (no reaction) until then.
 store.on_budget_spent = nil
 
 --- Forgets this process's copy of a run (its record is gone).

@@ -21,6 +21,7 @@ local fs = require("core.fs")
 local http = require("core.http")
 local httpd = require("core.httpd")
 local json = require("demesne.json")
+local layer = require("demesne.layer")
 local log = require("demesne.log")
 local loop = require("core.loop")
 local providers = require("demesne.providers")
@@ -31,18 +32,19 @@ local vendor = {}
 
 local LOGGER = "demesne.vendor"
 
---- Hooks of the layer above (nested sandboxes, lua/tree), each called with the run id:
----   admit(run_id, resv) -> true | nil, why, spent
----       before a model request is forwarded, with its reservation `resv` = {id (unique),
----       usd (the most it can cost: providers.reservation; lowered once the answer's
----       message_start gives the input counts), model, input, output}. A refusal answers the
----       agent with `why`; `spent` true when the budget is spent (no later request can pass),
----       false when only the requests in flight leave no room for this one.
----   charge(run_id, usd, usage, resv)
----       once the request ended, whatever ended it (answered, cut, cancelled, the route
----       stopping): usage (ProviderUsage) and its cost, which gives `resv` back; usage nil
----       (and usd 0) when nothing is to be counted (refused, a 429, an error answer, never sent).
-vendor.hooks = { admit = {}, charge = {} }
+-- The layers above (nested sandboxes, lua/tree) meet each model request through the layer
+-- hooks (lua/layer.lua, which states their error policies), each called with the run id:
+--   vendor_admit(run_id, resv) -> true | nil, why, spent
+--       before a model request is forwarded, with its reservation `resv` = {id (unique),
+--       usd (the most it can cost: providers.reservation; lowered once the answer's
+--       message_start gives the input counts), model, input, output}. A refusal answers the
+--       agent with `why`; `spent` true when the budget is spent (no later request can pass),
+--       false when only the requests in flight leave no room for this one. A refused
+--       reservation is given back to every charge hook (Route:reserve).
+--   vendor_charge(run_id, usd, usage, resv)
+--       once the request ended, whatever ended it (answered, cut, cancelled, the route
+--       stopping): usage (ProviderUsage) and its cost, which gives `resv` back; usage nil
+--       (and usd 0) when nothing is to be counted (refused, a 429, an error answer, never sent).
 
 --- The vendor port inside an agent sandbox.
 vendor.PORT = 3129
@@ -271,15 +273,12 @@ function Route:count(usage, usd)
   return usd, priced
 end
 
---- Tells the charge hooks (vendor.hooks.charge) of one ended request.
+--- Tells the charge hooks (the layer hook vendor_charge) of one ended request.
 ---@param usd number          its indicative cost (0 with no usage)
 ---@param usage ProviderUsage|nil  nil: nothing counted, the reservation is only given back
----@param resv table|nil      its reservation (vendor.hooks.admit)
+---@param resv table|nil      its reservation (the layer hook vendor_admit)
 function Route:charge(usd, usage, resv)
-  for _, fn in ipairs(vendor.hooks.charge) do
-    local ok, err = pcall(fn, self.run_id, usd, usage, resv)
-    if not ok then log.warning(LOGGER, "%s: charge hook: %s", self.run_id, tostring(err)) end
-  end
+  layer.run("vendor_charge", self.run_id, usd, usage, resv)
 end
 
 --------------------------------------------------------------------------------------------
@@ -373,24 +372,20 @@ local function refusal_body(message, spent)
       .. (spent and "; no further model requests are sent for this tree" or "") } })
 end
 
---- Reserves one model request against the layer above (vendor.hooks.admit) before it is
---- forwarded. Returns the reservation {id, usd, model, input, output, est}, or nil, the
---- refusal's sentence and whether the budget is spent (hooks that had admitted it are given
---- it back).
+--- Reserves one model request against the layers above (the layer hook vendor_admit)
+--- before it is forwarded. Returns the reservation {id, usd, model, input, output, est}, or
+--- nil, the refusal's sentence and whether the budget is spent (a refused reservation is
+--- given back to the charge hooks).
 ---@param est ProviderReservation  providers.reservation of the request
 ---@return table|nil resv, string|nil why, boolean|nil spent
 function Route:reserve(est)
   self.reservations = (self.reservations or 0) + 1
   local resv = { id = ("%s-%s-%d"):format(self.run_id, self.resv_tag, self.reservations), usd = est.usd,
     model = est.model, input = est.input, output = est.output, est = est }
-  for _, fn in ipairs(vendor.hooks.admit) do
-    local ok, yes, why, spent = pcall(fn, self.run_id, resv)
-    if not ok then
-      log.warning(LOGGER, "%s: admit hook: %s", self.run_id, tostring(yes))
-    elseif not yes then
-      self:charge(0, nil, resv)
-      return nil, tostring(why or "refused"), spent ~= false
-    end
+  local ok, why, spent = layer.run("vendor_admit", self.run_id, resv)
+  if not ok then
+    self:charge(0, nil, resv)
+    return nil, why, spent
   end
   return resv
 end
@@ -716,58 +711,63 @@ function Route:charge_of(st, resv)
   return u, (not usage) and usd or nil, usage and "cut" or "reserved"
 end
 
---- Sends one request upstream with the real credential and streams the answer to the
---- agent as it arrives (SSE unbuffered), counting its usage on the way. A 429 is read
---- whole and decided on (Route:rate_wait). Returns the wait in ms when the route holds the
---- request and sends it again, else nil once the answer went out (or could not). However
---- it ends (a cancel included: the agent hung up, the route stopped), the request is
---- counted and charged once (Route:charge_of), its reservation given back, its line logged.
----@param conn userdata  the core.httpd.conn to answer on
+--- Settles one forwarded request however it ended (Route:forward's closer): counts and
+--- charges it once (Route:charge_of), gives its reservation back, and logs its line unless
+--- it is to be sent again (`retry`: its line went out before the wait).
+---@param st table        how the request ended (Route:forward)
+---@param rec table       its usage.jsonl line
+---@param resv table      its reservation
+---@param started integer loop.hrtime() when it was sent
+---@param err any         the error that ended Route:forward, if any (a cancel included)
+---@param retry boolean|nil
+function Route:settle(st, rec, resv, started, err, retry)
+  if err ~= nil then
+    rec.error = rec.error or tostring(err == async.CANCELLED and "cancelled" or err)
+    rec.duration_ms = rec.duration_ms or math.floor((loop.hrtime() - started) / 1e6)
+  end
+  local usage, usd, how = self:charge_of(st, resv)
+  if usage then
+    rec.model = usage.model
+    rec.id = usage.id
+    for _, k in ipairs({ "input", "output", "cache_creation", "cache_read", "reasoning" }) do rec[k] = usage[k] end
+    if how ~= "answer" then rec.charged = how end
+    self.requests = self.requests + 1
+    rec.cost_usd = self:count(usage, usd)
+    self:charge(rec.cost_usd, usage, resv)
+  else
+    self:charge(0, nil, resv)
+  end
+  if not retry then
+    -- the totals first: whoever sees the request's line (a test, a server killed right
+    -- after) finds it counted in them
+    self:write_totals()
+    self:log_line(rec)
+  end
+end
+
+--- The core.http request options of one forward: the verdict's URL and headers (without
+--- hop-by-hop ones) and the callbacks that stream the answer to the agent as it arrives,
+--- count its usage (st.counter; the reservation shrinks once the input counts are known)
+--- and read a 429 aside (st.limited_answer) instead of passing it on.
+---@param conn userdata    the core.httpd.conn to answer on
 ---@param req table        {method, target, headers, body}
 ---@param v VendorVerdict  a "forward" verdict
----@param rec table        the usage.jsonl line of this attempt (logged here)
----@param resv table       its reservation (Route:reserve)
----@return integer|nil retry_ms
-function Route:forward(conn, req, v, rec, resv)
+---@param rec table        the usage.jsonl line of this attempt
+---@param resv table       its reservation
+---@param st table         how the request ended (Route:forward), filled in here
+---@return table opts
+function Route:upstream_options(conn, req, v, rec, resv, st)
   local p = self.provider
   local headers = {}
   for k, val in pairs(v.headers) do
     if not HOP[k] then headers[k] = val end
   end
-  local st = {} -- how the request ended: status, head_sent, complete, code, counter, limited
-  local limited, upstream
-  local started = loop.hrtime()
-  local retry
-  local _settle <close> = util.closer(function(err)
-    if err ~= nil then
-      rec.error = rec.error or tostring(err == async.CANCELLED and "cancelled" or err)
-      rec.duration_ms = rec.duration_ms or math.floor((loop.hrtime() - started) / 1e6)
-    end
-    local usage, usd, how = self:charge_of(st, resv)
-    if usage then
-      rec.model = usage.model
-      rec.id = usage.id
-      for _, k in ipairs({ "input", "output", "cache_creation", "cache_read", "reasoning" }) do rec[k] = usage[k] end
-      if how ~= "answer" then rec.charged = how end
-      self.requests = self.requests + 1
-      rec.cost_usd = self:count(usage, usd)
-      self:charge(rec.cost_usd, usage, resv)
-    else
-      self:charge(0, nil, resv)
-    end
-    if not retry then
-      -- the totals first: whoever sees the request's line (a test, a server killed right
-      -- after) finds it counted in them
-      self:write_totals()
-      self:log_line(rec)
-    end
-  end)
   local opts = {
     url = v.url, method = req.method, headers = headers, timeout_ms = UPSTREAM_TIMEOUT_MS,
     connect_timeout_ms = 30000,
     on_headers = function(status, h)
       if status == 429 then
-        limited = { headers = h or {}, parts = {}, size = 0 }
+        st.limited_answer = { headers = h or {}, parts = {}, size = 0 }
         st.limited = true
         rec.rate_limited = true
         return
@@ -778,6 +778,7 @@ function Route:forward(conn, req, v, rec, resv)
       st.counter = providers.usage_counter(p, h and h["content-type"])
     end,
     on_data = function(chunk)
+      local limited = st.limited_answer
       if limited then
         if limited.size < 65536 then
           limited.parts[#limited.parts + 1] = chunk
@@ -800,38 +801,57 @@ function Route:forward(conn, req, v, rec, resv)
         end
       end
       -- the agent hung up (or reads too slowly and was cut): stop the upstream call too
-      if not conn:write(chunk) and upstream then upstream:cancel() end
+      if not conn:write(chunk) and st.upstream then st.upstream:cancel() end
     end,
   }
   if req.method ~= "GET" and req.method ~= "HEAD" then opts.body = req.body or "" end
-  local res, msg, code
-  do
-    self.forwarding = self.forwarding + 1
-    local _ <close> = util.closer(function()
-      self.forwarding = self.forwarding - 1
-      if self.forwarding == 0 and self.idle then self.idle.set() end
-    end)
-    local start_err
-    res, msg, code = async.await(function(cb)
-      upstream, start_err = http.request(opts, cb)
-      if not upstream then return cb(nil, start_err, "ESTART") end
-      return function() upstream:cancel() end
-    end)
-  end
-  st.complete, st.code = res ~= nil, code
-  rec.duration_ms = math.floor((loop.hrtime() - started) / 1e6)
+  return opts
+end
+
+--- Sends the upstream request of `opts` and waits for its end, counted among the requests
+--- being forwarded (Route:stop waits for them); a cancel of the task cancels it. Returns
+--- what core.http's callback gives (res or nil, msg, code), code "ESTART" when the request
+--- could not start; st.upstream holds the request meanwhile.
+---@param opts table  Route:upstream_options
+---@param st table    how the request ended (Route:forward)
+---@return table|nil res, string|nil msg, string|nil code
+function Route:send_upstream(opts, st)
+  self.forwarding = self.forwarding + 1
+  local _ <close> = util.closer(function()
+    self.forwarding = self.forwarding - 1
+    if self.forwarding == 0 and self.idle then self.idle.set() end
+  end)
+  local start_err
+  return async.await(function(cb)
+    st.upstream, start_err = http.request(opts, cb)
+    if not st.upstream then return cb(nil, start_err, "ESTART") end
+    return function() st.upstream:cancel() end
+  end)
+end
+
+--- Ends the agent's side of a forwarded request once the upstream one ended: the streamed
+--- answer finished or cut, a 502/504 when none had started, a held 429 decided on
+--- (decide_429). Returns the wait in ms when the request is to be sent again (its line is
+--- logged now, before the wait), else nil.
+---@param conn userdata  the core.httpd.conn to answer on
+---@param st table       how the request ended (Route:forward)
+---@param rec table      the usage.jsonl line of this attempt
+---@param res table|nil  core.http's result
+---@param msg string|nil
+---@param code string|nil
+---@return integer|nil retry_ms
+function Route:answer_forwarded(conn, st, rec, res, msg, code)
   if code == "ESTART" then
     rec.status, rec.error = 502, tostring(msg)
     refuse(conn, 502, "cannot start the upstream request")
     return nil
   end
-  if limited and res and not self.closed and conn:is_open() then
-    local retry_ms = decide_429(self, conn, limited, rec)
+  if st.limited_answer and res and not self.closed and conn:is_open() then
+    local retry_ms = decide_429(self, conn, st.limited_answer, rec)
     if retry_ms then
       -- logged here, before the wait: the closer gives the reservation back
       self:write_totals()
       self:log_line(rec)
-      retry = true
       return retry_ms
     end
   elseif not res then
@@ -849,6 +869,34 @@ function Route:forward(conn, req, v, rec, resv)
     refuse(conn, 429, "rate limited by the vendor")
   end
   return nil
+end
+
+--- Sends one request upstream with the real credential and streams the answer to the
+--- agent as it arrives (SSE unbuffered), counting its usage on the way. A 429 is read
+--- whole and decided on (Route:rate_wait). Returns the wait in ms when the route holds the
+--- request and sends it again, else nil once the answer went out (or could not). However
+--- it ends (a cancel included: the agent hung up, the route stopped), the request is
+--- counted and charged once (Route:settle), its reservation given back, its line logged.
+---@param conn userdata  the core.httpd.conn to answer on
+---@param req table        {method, target, headers, body}
+---@param v VendorVerdict  a "forward" verdict
+---@param rec table        the usage.jsonl line of this attempt (logged here)
+---@param resv table       its reservation (Route:reserve)
+---@return integer|nil retry_ms
+function Route:forward(conn, req, v, rec, resv)
+  -- how the request ended: status, head_sent, complete, code, counter, limited (and the
+  -- 429's answer, limited_answer), upstream (the core.http request)
+  local st = {}
+  local started = loop.hrtime()
+  local retry
+  local _settle <close> = util.closer(function(err) self:settle(st, rec, resv, started, err, retry) end)
+  local opts = self:upstream_options(conn, req, v, rec, resv, st)
+  local res, msg, code = self:send_upstream(opts, st)
+  st.complete, st.code = res ~= nil, code
+  rec.duration_ms = math.floor((loop.hrtime() - started) / 1e6)
+  local retry_ms = self:answer_forwarded(conn, st, rec, res, msg, code)
+  retry = retry_ms ~= nil
+  return retry_ms
 end
 
 --- Stops the route: new requests are answered 503; inside a task it waits up to 5 s for

@@ -5,7 +5,10 @@
 --     those below it: MCP → tools → (sandbox | agent | jobs) → engine adapter → core;
 --   * no require inside a function, unless the line says why it loads lazily (`-- lazy: …`);
 --   * LuaCATS on every public function: a `---` doc comment with an @param for each
---     parameter, on each function of the table a module returns and on each method.
+--     parameter, on each function of the table a module returns and on each method;
+--   * one composition root: only demesne.compose installs a layer (layer.install) or
+--     registers a kind of background job (jobs.register);
+--   * no function longer than FUNCTION_MAX lines.
 -- docs/explanation/architecture.md ("Layers") describes the same layers.
 local fs = require("core.fs")
 local runtime = require("demesne.runtime")
@@ -17,6 +20,7 @@ local tests = {}
 local LAYERS = {
   -- 6: the command line, composition roots
   ["demesne.boot"] = 6, ["demesne.cli"] = 6, ["demesne.cmd"] = 6, ["demesne.doctor"] = 6, ["demesne.testing"] = 6,
+  ["demesne.compose"] = 6,
   -- 5: the MCP session and its transports
   ["demesne.mcp"] = 5, ["demesne.hostmcp"] = 5,
   -- the cockpit: the control plane of a server and its clients, beside the transports
@@ -43,6 +47,8 @@ local LAYERS = {
   ["demesne.async"] = 1, ["demesne.config"] = 1, ["demesne.errors"] = 1, ["demesne.json"] = 1, ["demesne.log"] = 1,
   ["demesne.util"] = 1, ["demesne.proc"] = 1, ["demesne.paths"] = 1, ["demesne.output"] = 1, ["demesne.progress"] = 1,
   ["demesne.plugins"] = 1, ["demesne.runtime"] = 1, ["demesne.terminal"] = 1, ["demesne.oauth"] = 1, ["demesne.jsonschema"] = 1,
+  -- the layer contract (lua/layer.lua): the lower layers run the hooks the higher ones declare
+  ["demesne.layer"] = 1,
 }
 
 local function layer_of(mod)
@@ -359,6 +365,139 @@ function tests.every_public_function_has_luacats(t)
   if #bad > 0 then
     error(("%d public function(s) without LuaCATS (a --- comment and an @param per parameter):\n  %s")
       :format(#bad, table.concat(bad, "\n  ")), 0)
+  end
+end
+
+-- The calls of `fn` on a module required as `mod` (`local x = require("mod")` … `x.fn(`):
+-- {line, text}. A definition (`function x.fn(`) is no call.
+local function calls_of(src, mod, fn)
+  local aliases = {}
+  for name, m in src:gmatch("local%s+([%w_]+)%s*=%s*require%s*%(?%s*[\"']([%w_%.]+)[\"']") do
+    if m == mod then aliases[name] = true end
+  end
+  local toks, out = tokens(src), {}
+  for k, t in ipairs(toks) do
+    local dot, f, paren, before = toks[k + 1], toks[k + 2], toks[k + 3], toks[k - 1]
+    if t.kind == "name" and aliases[t.value] and dot and dot.value == "." and f and f.value == fn
+      and paren and (paren.value == "(" or paren.kind == "string" or paren.value == "{")
+      and not (before and (before.value == "function" or before.value == "." or before.value == ":")) then
+      out[#out + 1] = { line = t.line, text = t.value .. "." .. fn }
+    end
+  end
+  return out
+end
+
+function tests.the_composition_check_sees_an_install_and_a_registration(t)
+  local src = table.concat({
+    'local layer = require("demesne.layer")', 'local j = require("demesne.jobs")', "local other = {}",
+    "--- Doc.", "function layer.install(l) end", -- a definition
+    "layer.install(x)", "other.install(y)", "local f = function() j.register('k', {}) end",
+    "-- layer.install(z) in a comment", 'local s = "j.register(1)"',
+  }, "\n")
+  local got = {}
+  for _, c in ipairs(calls_of(src, "demesne.layer", "install")) do got[#got + 1] = c.line .. ":" .. c.text end
+  for _, c in ipairs(calls_of(src, "demesne.jobs", "register")) do got[#got + 1] = c.line .. ":" .. c.text end
+  t:eq(got, { "6:layer.install", "8:j.register" })
+end
+
+function tests.only_the_composition_root_installs_layers_and_registers_job_kinds(t)
+  local bad, seen = {}, 0
+  for _, f in ipairs(files()) do
+    for _, c in ipairs(calls_of(f.src, "demesne.layer", "install")) do
+      if f.module == "demesne.compose" then seen = seen + 1
+      else bad[#bad + 1] = ("%s:%d: %s"):format(f.rel, c.line, c.text) end
+    end
+    for _, c in ipairs(calls_of(f.src, "demesne.jobs", "register")) do
+      if f.module == "demesne.compose" then seen = seen + 1
+      else bad[#bad + 1] = ("%s:%d: %s"):format(f.rel, c.line, c.text) end
+    end
+  end
+  t:ok(seen >= 2, "lua/compose.lua installs the layers and registers the kinds")
+  if #bad > 0 then
+    error(("%d layer installation(s) or job kind registration(s) outside lua/compose.lua (declare the layer or "
+      .. "the kind in its module and install it in compose.install):\n  %s"):format(#bad, table.concat(bad, "\n  ")), 0)
+  end
+end
+
+-- The longest a function of lua/ may be, in lines from `function` to its `end`.
+local FUNCTION_MAX = 120
+
+-- TODO(issue24-plan): removed when split
+local TOO_LONG_FOR_NOW = { ["lua/sandbox/persistent.lua"] = "persistent.create", ["lua/engines/spec.lua"] = "spec.check" }
+
+-- Every function of a source with its name and extent: {name, line, lines}. A named
+-- function (`function a.b:c(`, `local function f(`) is called so; an anonymous one by what it
+-- is assigned to (`x.y = function(`, `key = function(` in a table), else "function".
+local function functions_of(src)
+  local toks, stack, out = tokens(src), {}, {}
+  local function name_at(k)
+    local nxt = toks[k + 1]
+    if nxt and nxt.kind == "name" then
+      local parts, j = { nxt.value }, k + 2
+      while toks[j] and (toks[j].value == "." or toks[j].value == ":") and toks[j + 1] and toks[j + 1].kind == "name" do
+        parts[#parts + 1] = toks[j].value .. toks[j + 1].value
+        j = j + 2
+      end
+      return table.concat(parts)
+    end
+    local eq = toks[k - 1]
+    if eq and eq.value == "=" and toks[k - 2] and toks[k - 2].kind == "name" then
+      local parts, j = { toks[k - 2].value }, k - 3
+      while toks[j] and toks[j].value == "." and toks[j - 1] and toks[j - 1].kind == "name" do
+        table.insert(parts, 1, toks[j - 1].value .. ".")
+        j = j - 2
+      end
+      return table.concat(parts)
+    end
+    return "function"
+  end
+  for k, tk in ipairs(toks) do
+    if tk.kind == "name" then
+      local w, prev = tk.value, toks[k - 1]
+      local field = prev and prev.kind == "op" and (prev.value == "." or prev.value == ":")
+      if w == "function" then
+        stack[#stack + 1] = { name = name_at(k), line = tk.line }
+      elseif w == "if" or w == "do" or w == "repeat" then
+        stack[#stack + 1] = false
+      elseif (w == "end" or w == "until") and not field then
+        local top = table.remove(stack)
+        if top then out[#out + 1] = { name = top.name, line = top.line, lines = tk.line - top.line + 1 } end
+      end
+    end
+  end
+  return out
+end
+
+function tests.the_length_check_measures_each_function(t)
+  local body = {}
+  for i = 1, 5 do body[#body + 1] = "  if x then y = " .. i .. " end" end
+  local src = table.concat({
+    "local M = {}",
+    "function M.a(x)", table.concat(body, "\n"), "end",
+    "local function b() for _ = 1, 2 do end return function() end end",
+    "M.c = function()", "  repeat until true", "end",
+    "function M:d() end",
+  }, "\n")
+  local got = {}
+  for _, f in ipairs(functions_of(src)) do got[#got + 1] = ("%s@%d:%d"):format(f.name, f.line, f.lines) end
+  table.sort(got)
+  t:eq(got, { "M.a@2:7", "M.c@10:3", "M:d@13:1", "b@9:1", "function@9:1" })
+end
+
+function tests.no_function_is_longer_than_function_max(t)
+  local bad, n = {}, 0
+  for _, f in ipairs(files()) do
+    for _, fn in ipairs(functions_of(f.src)) do
+      n = n + 1
+      if fn.lines > FUNCTION_MAX and TOO_LONG_FOR_NOW[f.rel] ~= fn.name then
+        bad[#bad + 1] = ("%s:%d: %s is %d lines"):format(f.rel, fn.line, fn.name, fn.lines)
+      end
+    end
+  end
+  t:ok(n > 1000, "the runtime's functions were measured")
+  if #bad > 0 then
+    error(("%d function(s) longer than %d lines; split each into well-named helpers:\n  %s")
+      :format(#bad, FUNCTION_MAX, table.concat(bad, "\n  ")), 0)
   end
 end
 

@@ -4,6 +4,7 @@
 local vendor = require("demesne.vendor")
 local providers = require("demesne.providers")
 local json = require("demesne.json")
+local layer = require("demesne.layer")
 local stream = require("core.stream")
 local http = require("core.http")
 local fs = require("core.fs")
@@ -234,8 +235,7 @@ function tests.route_charges_each_request_and_refuses_once_the_budget_is_spent(t
     if usage == nil then released = released + 1 return end -- a reservation given back
     charged[#charged + 1] = { run_id = run_id, usd = usd, usage = usage }
   end
-  table.insert(vendor.hooks.admit, admit)
-  table.insert(vendor.hooks.charge, charge)
+  layer.install({ name = "vendor_test budget", vendor_admit = admit, vendor_charge = charge })
   local route = assert(vendor.start({ run_id = "vb", run_dir = dir .. "/run", output_dir = dir .. "/out", provider = p,
     token = "dmsn-good", credential = cred }))
   -- stand-in for the relay: a TCP listener of the route's own HTTP server
@@ -266,9 +266,7 @@ function tests.route_charges_each_request_and_refuses_once_the_budget_is_spent(t
   vendor.forget(route.run_id) -- (the host's copy of its totals, in the state folder)
   up.listener:close()
   p.vendor.upstream = saved
-  for _, pair in ipairs({ { vendor.hooks.admit, admit }, { vendor.hooks.charge, charge } }) do
-    for i, fn in ipairs(pair[1]) do if fn == pair[2] then table.remove(pair[1], i) break end end
-  end
+  layer.uninstall("vendor_test budget")
   local lines = {}
   for l in (fs.read_file(dir .. "/out/usage.jsonl") or ""):gmatch("[^\n]+") do lines[#lines + 1] = json.decode(l) end
   fs.remove_tree(dir)
@@ -825,7 +823,7 @@ function tests.a_restarted_route_takes_up_the_hosts_totals_not_the_sandboxs(t)
 end
 
 --------------------------------------------------------------------------------------------
--- The tree's budget as a reservation (lua/tree/store.lua through vendor.hooks)
+-- The tree's budget as a reservation (lua/tree/store.lua through the layer hooks vendor_admit/vendor_charge)
 
 -- claude-sonnet-5: input 3, cache_creation 3.75, output 15 USD per million tokens.
 local function close_to(t, got, want, what)
@@ -871,7 +869,8 @@ function tests.a_reservation_covers_the_body_as_input_and_max_tokens_as_output(t
 end
 
 -- A scratch state folder with one tree root (budget in USD) in demesne.tree.store, and its
--- check/charge as the route's hooks (they are when lua/tree is loaded). Closing restores.
+-- check/charge as the route's hooks (they are while the tree layer is installed:
+-- compose.install). Closing restores.
 local function budget_world(budget)
   local config = require("demesne.config")
   local store = require("demesne.tree.store")
@@ -887,21 +886,12 @@ local function budget_world(budget)
     members = json.array({ root_id }), limits = { depth = 3, children = 32, running = 8 } }
   store.put(n)
   store.save(n)
-  local added = {}
-  for _, pair in ipairs({ { vendor.hooks.admit, store.check }, { vendor.hooks.charge, store.charge } }) do
-    local found = false
-    for _, fn in ipairs(pair[1]) do if fn == pair[2] then found = true end end
-    if not found then
-      table.insert(pair[1], pair[2])
-      added[#added + 1] = pair
-    end
-  end
+  local added = not layer.get("tree")
+    and layer.install({ name = "vendor_test tree budget", vendor_admit = store.check, vendor_charge = store.charge })
   local spent_hook = store.on_budget_spent
   store.on_budget_spent = nil -- no tree to stop here
   return setmetatable({ dir = d, root = root_id, store = store }, { __close = function()
-    for _, pair in ipairs(added) do
-      for i, fn in ipairs(pair[1]) do if fn == pair[2] then table.remove(pair[1], i) break end end
-    end
+    if added then layer.uninstall("vendor_test tree budget") end
     store.on_budget_spent = spent_hook
     store.reset()
     loop.setenv("DEMESNE_STATE_DIR", saved)
