@@ -37,6 +37,7 @@ local images = require("demesne.images")
 local log = require("demesne.log")
 local sandbox = require("demesne.sandbox")
 local delivery = require("demesne.sandbox.delivery")
+local plan = require("demesne.sandbox.plan")
 local fs = require("core.fs")
 local loop = require("core.loop")
 local text = require("core.text")
@@ -126,11 +127,11 @@ end
 local function fill_one(k)
   local run_id = sandbox.new_run_id()
   local output_dir, run_dir = sandbox.dirs(run_id)
-  local o = {
+  local o = plan.new({
     engine = k.engine, limits = k.limits, mounts = {}, egress = k.policy, run_id = run_id, output_dir = output_dir,
     run_dir = run_dir, kind = "oneshot", tool = "sandbox_script", ttl = pool.TTL, image_arg = k.image,
     name = "demesne-" .. run_id, exec_id = "main", background = true,
-  }
+  })
   -- isolated as a fresh sandbox of the same call would be: the user namespace where the
   -- engine gives one (without it, Docker's userns-remap runs the sandbox as the host's root)
   local iso = sandbox.isolation(k.engine, k.isolation, k.policy.open == true)
@@ -242,8 +243,8 @@ local function take(o, entry, img)
   if ok then return true end
   if err == async.CANCELLED then error(err, 0) end -- o holds the sandbox: its teardown removes it
   log.info(LOGGER, "warm sandbox %s did not take its command (%s); trying another", o.run_id, err_text(err))
-  local dead = { o = { run_id = o.run_id, name = o.name, id = o.id, output_dir = o.output_dir, run_dir = o.run_dir,
-    egress_handle = o.egress_handle, delivery = o.delivery, engine = o.engine } }
+  local dead = { o = plan.new({ run_id = o.run_id, name = o.name, id = o.id, output_dir = o.output_dir,
+    run_dir = o.run_dir, egress_handle = o.egress_handle, delivery = o.delivery, engine = o.engine }) }
   for _, f in ipairs(FIELDS) do o[f] = keep[f] end
   dead.gone = false
   discard(dead, "it did not take its command")

@@ -15,6 +15,7 @@ local paths = require("demesne.paths")
 local repo = require("demesne.repo")
 local util = require("demesne.util")
 local owner = require("demesne.sandbox.owner")
+local plan = require("demesne.sandbox.plan")
 local quota = require("demesne.sandbox.quota")
 
 local spec = {}
@@ -402,7 +403,7 @@ end
 ---@param kind string        the container's kind label ("oneshot", "job", "persistent")
 ---@param tool string|nil    the tool that asked
 ---@param ttl number         seconds the container may live (its expires_at label)
----@return table plan
+---@return SandboxPlan plan
 local function prepare(args, kind, tool, ttl)
   local eng = spec.engine()
   local lim = spec.limits(args.limits)
@@ -412,10 +413,10 @@ local function prepare(args, kind, tool, ttl)
   local iso = spec.isolation(eng, args.isolation, pol.open == true)
   local run_id = spec.new_run_id()
   local output_dir, run_dir = dirs(run_id)
-  return {
+  return plan.new({
     egress = pol, engine = eng, limits = lim, mounts = mounts, run_id = run_id, output_dir = output_dir,
     run_dir = run_dir, kind = kind, tool = tool, ttl = ttl, isolation = iso.isolation, userns = iso.userns,
-  }
+  })
 end
 
 --- <state>/claims/<run id>: which engine and which server a run folder belongs to, kept out
