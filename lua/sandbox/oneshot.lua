@@ -90,12 +90,15 @@ local function run_args(o)
   return args
 end
 
--- Runs the plan hooks of a one-shot plan once (run_script runs them before the pool is
--- asked: a tree node's plan changes its folders and relay, and is never pooled).
+-- Completes a one-shot plan once: its contributors (the plan hooks of the layer above: a
+-- tree node's changes its folders, mounts and relay), then the checks of the final plan
+-- (spec.check_plan), before anything is made. run_script does it before the pool is asked
+-- (a tree node is never pooled), script_start for the others.
 local function plan_once(ctx, o)
   if o.planned then return end
   o.planned = true
   hooks.run("plan", ctx, o, o.args)
+  spec.check_plan(o)
 end
 
 --- Starts a planned one-shot run: image, folders, container (with `labels`, names without

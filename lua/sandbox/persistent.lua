@@ -96,7 +96,10 @@ function persistent.create(ctx, args)
       ports = merged
     end
   end
+  -- the contributors have filled the plan (the repository, the devcontainer, the plan
+  -- hooks of the layer above): its checks run once, on the final plan
   hooks.run("plan", ctx, o, args)
+  spec.check_plan(o)
   local img = snap and { ref = snap.ref, name = snap.image or "snapshot" }
     or o.devcontainer and devcontainer.ensure(o.engine, o, ctx) or check(images.ensure(o.engine, args.image, ctx))
   make_dirs(o)

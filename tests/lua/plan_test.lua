@@ -2,8 +2,11 @@
 -- lua/sandbox/delivery.lua (the three ways a one-shot's command reaches demesne-init), at
 -- unit level: no engine, no container.
 local delivery = require("demesne.sandbox.delivery")
+local config = require("demesne.config")
+local json = require("demesne.json")
 local loop = require("core.loop")
 local plan = require("demesne.sandbox.plan")
+local spec = require("demesne.sandbox.spec")
 
 local tests = {}
 
@@ -86,6 +89,29 @@ function tests.a_record_round_trips_to_a_plan(t)
     local ok = pcall(plan.from_record, rec, { nonsense = 1 })
     t:ok(not ok, "extra fields are checked as any write is")
   end)
+end
+
+-- What a contributor (the tree's plan hook) put in the plan is checked with the rest.
+function tests.the_final_plan_is_checked_with_what_contributors_added(t)
+  local function refused(fields)
+    local ok, err = pcall(spec.check_plan, plan.new(fields))
+    t:ok(not ok, "refused: " .. json.encode(fields.mounts or {}))
+    return type(err) == "table" and tostring(err.message) or tostring(err)
+  end
+  local base = { output_dir = "/o/r", run_dir = "/s/run/r" }
+  spec.check_plan(plan.new({ output_dir = "/o/r", run_dir = "/s/run/r",
+    mounts = { { host = "/srv/a", target = "/in/a" }, { host = "/srv/b", target = "/in/previous-jobs/b" } } }))
+  local f = {}
+  for k, v in pairs(base) do f[k] = v end
+  f.mounts = { { host = config.get("state_dir"), target = "/in/state" } }
+  t:match(refused(f), "^mount at /in/state: .* holds demesne's state folder")
+  f.mounts = { { host = "/srv/a", target = "/in/a" }, { host = "/srv/b", target = "/in/a" } }
+  t:match(refused(f), "/in/a is mounted twice")
+  f.mounts = { { host = "srv/a", target = "/in/a", field = "directories[0]" } }
+  t:match(refused(f), "^directories%[0%]: srv/a is not an absolute host path")
+  f.mounts, f.workspace = nil, "/srv/../etc"
+  t:match(refused(f), "workspace /srv/%.%./etc is not an absolute path")
+  t:match(refused({ output_dir = "out", run_dir = "/s" }), "output_dir")
 end
 
 function tests.delivery_modes_are_checked(t)
