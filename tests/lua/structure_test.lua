@@ -5,7 +5,9 @@
 --     those below it: MCP → tools → (sandbox | agent | jobs) → engine adapter → core;
 --   * no require inside a function, unless the line says why it loads lazily (`-- lazy: …`);
 --   * LuaCATS on every public function: a `---` doc comment with an @param for each
---     parameter, on each function of the table a module returns and on each method.
+--     parameter, on each function of the table a module returns and on each method;
+--   * no function longer than MAX_FUNCTION_LINES lines (a long function is split into
+--     named steps).
 -- docs/explanation/architecture.md ("Layers") describes the same layers.
 local fs = require("core.fs")
 local runtime = require("demesne.runtime")
@@ -359,6 +361,60 @@ function tests.every_public_function_has_luacats(t)
   if #bad > 0 then
     error(("%d public function(s) without LuaCATS (a --- comment and an @param per parameter):\n  %s")
       :format(#bad, table.concat(bad, "\n  ")), 0)
+  end
+end
+
+-- The longest a function may be, from its `function` to its `end`.
+local MAX_FUNCTION_LINES = 120
+-- Files whose long functions another branch (issue 24, the layer contract) splits: remove
+-- each once that has merged.
+local LONG_FUNCTIONS_PENDING = { ["lua/hostmcp/init.lua"] = true, ["lua/vendor/init.lua"] = true }
+
+-- The functions of a source longer than `max` lines: {line, lines} each.
+local function long_functions(src, max)
+  local stack, out = {}, {}
+  local toks = tokens(src)
+  for k, t in ipairs(toks) do
+    if t.kind == "name" then
+      local w = t.value
+      local prev = toks[k - 1]
+      local field = prev and prev.kind == "op" and (prev.value == "." or prev.value == ":")
+      if w == "function" then
+        stack[#stack + 1] = { kind = "function", line = t.line }
+      elseif w == "if" or w == "do" or w == "repeat" then
+        stack[#stack + 1] = { kind = w }
+      elseif (w == "end" or w == "until") and not field then
+        local b = table.remove(stack)
+        if b and b.kind == "function" and t.line - b.line + 1 > max then
+          out[#out + 1] = { line = b.line, lines = t.line - b.line + 1 }
+        end
+      end
+    end
+  end
+  return out
+end
+
+function tests.the_length_check_sees_a_long_function(t)
+  local body = {}
+  for i = 1, 5 do body[#body + 1] = ("  if x then y(%d) end"):format(i) end
+  local src = "local function f(x)\n" .. table.concat(body, "\n") .. "\nend\nlocal function g() end\n"
+  t:eq(long_functions(src, 6), { { line = 1, lines = 7 } })
+  t:eq(long_functions(src, 7), {})
+end
+
+function tests.no_function_is_longer_than_the_limit(t)
+  local bad = {}
+  for _, f in ipairs(files()) do
+    if not LONG_FUNCTIONS_PENDING[f.rel] then
+      for _, l in ipairs(long_functions(f.src, MAX_FUNCTION_LINES)) do
+        bad[#bad + 1] = ("%s:%d: %d lines"):format(f.rel, l.line, l.lines)
+      end
+    end
+  end
+  t:ok(#files() > 50, "the runtime's files were read")
+  if #bad > 0 then
+    error(("%d function(s) longer than %d lines; split each into named steps:\n  %s"):format(#bad,
+      MAX_FUNCTION_LINES, table.concat(bad, "\n  ")), 0)
   end
 end
 
