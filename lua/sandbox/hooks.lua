@@ -1,7 +1,8 @@
 -- Hooks of the layer above (nested sandboxes, lua/tree) into the sandbox lifecycle, shared
 -- by the files of this folder and re-exported as sandbox.hooks. Each list runs in order:
 --   plan(ctx, o, args)  before a sandbox is made (script_start, create): may change the plan
---                       (output_dir, mounts, workspace, extra_relay, env; sets o.tree, o.endpoint)
+--                       (output_dir, mounts, workspace, extra_relay, env; sets o.tree, o.endpoint);
+--                       the plan's checks (spec.check_plan) run after it, on the final plan
 --   removing(run_id)    a persistent sandbox is about to be destroyed
 --   removed(o, why)     a sandbox's container is gone (script_remove of a planned one-shot:
 --                       o.tree for a tree node, o.exit_code once its result was read;
