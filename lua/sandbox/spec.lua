@@ -397,11 +397,12 @@ function spec.check_inputs_reach(eng, mounts)
   end
 end
 
--- An absolute path without a "." or ".." component, or nil.
-local function absolute(p)
-  if type(p) ~= "string" or p:sub(1, 1) ~= "/" then return nil end
+-- An absolute path (as the engine spec takes it: a leading "/", no NUL byte), or nil; with
+-- `strict` (a mount target) also without a "." or ".." component.
+local function absolute(p, strict)
+  if type(p) ~= "string" or p:sub(1, 1) ~= "/" or p:find("\0", 1, true) then return nil end
   for c in p:gmatch("[^/]+") do
-    if c == "." or c == ".." then return nil end
+    if strict and (c == "." or c == "..") then return nil end
   end
   return p
 end
@@ -410,11 +411,11 @@ end
 --- (the repository, the devcontainer, the plan hooks of the layer above, which may replace
 --- its output folder and mounts and add a workspace) and before anything is made. The
 --- output and run folders are absolute; every mount, the call's own or a contributor's,
---- has an absolute host path and target, no target is mounted twice, and no mount, nor
---- the workspace or HOME folder, holds demesne's own folders or a protected path. (The
---- call's own inputs were checked for what a live sandbox could change under them when
---- the call was resolved, spec.prepare: a refused call leaves no tree node behind.) Fails
---- (errors.raise) naming the field.
+--- has an absolute host path and an absolute target without "." or "..", no target is
+--- mounted twice, and no mount, nor the workspace or HOME folder, holds demesne's own
+--- folders or a protected path. (The call's own inputs were checked for what a live
+--- sandbox could change under them when the call was resolved, spec.prepare: a refused
+--- call leaves no tree node behind.) Fails (errors.raise) naming the field.
 ---@param o SandboxPlan
 function spec.check_plan(o)
   for _, k in ipairs({ "output_dir", "run_dir" }) do
@@ -424,7 +425,7 @@ function spec.check_plan(o)
   for _, m in ipairs(o.mounts or {}) do
     local field = m.field or ("mount at " .. tostring(m.target))
     if not absolute(m.host) then fail(("%s: %s is not an absolute host path"):format(field, tostring(m.host))) end
-    if not absolute(m.target) then fail(("%s: %s is not an absolute target"):format(field, tostring(m.target))) end
+    if not absolute(m.target, true) then fail(("%s: %s is not an absolute target"):format(field, tostring(m.target))) end
     if targets[m.target] then
       fail(("%s: %s is mounted twice (%s and %s)"):format(field, m.target, targets[m.target], m.host))
     end

@@ -109,8 +109,10 @@ function tests.the_final_plan_is_checked_with_what_contributors_added(t)
   t:match(refused(f), "/in/a is mounted twice")
   f.mounts = { { host = "srv/a", target = "/in/a", field = "directories[0]" } }
   t:match(refused(f), "^directories%[0%]: srv/a is not an absolute host path")
-  f.mounts, f.workspace = nil, "/srv/../etc"
-  t:match(refused(f), "workspace /srv/%.%./etc is not an absolute path")
+  f.mounts = { { host = "/srv/a", target = "/in/../etc" } }
+  t:match(refused(f), "/in/%.%./etc is not an absolute target")
+  f.mounts, f.workspace = nil, "srv/w"
+  t:match(refused(f), "workspace srv/w is not an absolute path")
   t:match(refused({ output_dir = "out", run_dir = "/s" }), "output_dir")
 end
 
