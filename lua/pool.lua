@@ -36,6 +36,8 @@ local egress_policy = require("demesne.egress.policy")
 local images = require("demesne.images")
 local log = require("demesne.log")
 local sandbox = require("demesne.sandbox")
+local delivery = require("demesne.sandbox.delivery")
+local plan = require("demesne.sandbox.plan")
 local fs = require("core.fs")
 local loop = require("core.loop")
 local text = require("core.text")
@@ -76,7 +78,8 @@ end
 -- shape (no host inputs, no agent extras, no job labels), under a policy that never asks (a
 -- warm sandbox's proxy was started before anyone called: it would know no client to ask).
 local function eligible(o)
-  return o.kind == "oneshot" and o.tool == "sandbox_script" and (o.control or o.isolation == "gvisor")
+  return o.kind == "oneshot" and o.tool == "sandbox_script" and o.delivery ~= nil
+    and (o.delivery.mode == "control" or o.isolation == "gvisor")
     and not (o.egress and o.egress.asks)
     and #(o.mounts or {}) == 0
     and not o.argv and not o.extra_relay and not o.before_create and not o.labels and not o.tree
@@ -124,18 +127,18 @@ end
 local function fill_one(k)
   local run_id = sandbox.new_run_id()
   local output_dir, run_dir = sandbox.dirs(run_id)
-  local o = {
+  local o = plan.new({
     engine = k.engine, limits = k.limits, mounts = {}, egress = k.policy, run_id = run_id, output_dir = output_dir,
     run_dir = run_dir, kind = "oneshot", tool = "sandbox_script", ttl = pool.TTL, image_arg = k.image,
     name = "demesne-" .. run_id, exec_id = "main", background = true,
-  }
+  })
   -- isolated as a fresh sandbox of the same call would be: the user namespace where the
   -- engine gives one (without it, Docker's userns-remap runs the sandbox as the host's root)
   local iso = sandbox.isolation(k.engine, k.isolation, k.policy.open == true)
   o.isolation, o.userns = iso.isolation, iso.userns
   -- under gVisor the host cannot connect to a socket made inside: the command comes through
-  -- the engine's exec API instead of the control socket (sandbox.script_exec)
-  o.control, o.hold = iso.isolation ~= "gvisor", iso.isolation == "gvisor" or nil
+  -- the engine's exec API instead of the control socket (lua/sandbox/delivery.lua)
+  o.delivery = delivery.new(iso.isolation == "gvisor" and "exec" or "control")
   o.env = sandbox.env(nil, sandbox.default_env(run_id, k.policy))
   local entry = { o = o, policy = k.policy, born = now(), expires_at = math.floor(now()) + pool.TTL }
   -- the marker once the folders exist and before the container does: a crash from there on
@@ -149,7 +152,7 @@ local function fill_one(k)
     discard(entry, "fill failed")
     error(err, 0)
   end
-  entry.conn = o.conn -- nil under gVisor
+  entry.conn = o.delivery.conn -- nil under gVisor
   -- demesne-init listens (or, under gVisor, the container runs): from now on a call can take it
   fs.write_atomic(marker(run_id), "ready\n", 384)
   return entry
@@ -222,12 +225,13 @@ end
 -- (o as it was) when the sandbox no longer answers.
 local function take(o, entry, img)
   local keep = {}
-  local FIELDS = { "run_id", "name", "id", "output_dir", "run_dir", "egress_handle", "conn", "image_ref", "image_name",
-    "creating", "env" }
+  local FIELDS = { "run_id", "name", "id", "output_dir", "run_dir", "egress_handle", "delivery", "image_ref",
+    "image_name", "creating", "env" }
   for _, f in ipairs(FIELDS) do keep[f] = o[f] end
   local w = entry.o
   o.run_id, o.name, o.id, o.output_dir, o.run_dir = w.run_id, w.name, w.id, w.output_dir, w.run_dir
-  o.egress_handle, o.conn, o.image_ref, o.image_name, o.creating = w.egress_handle, entry.conn, img.ref, img.name, nil
+  -- the warm sandbox's Delivery ("control" with its connection, or "exec" under gVisor)
+  o.egress_handle, o.delivery, o.image_ref, o.image_name, o.creating = w.egress_handle, w.delivery, img.ref, img.name, nil
   entry.gone = true -- the call owns it now: its teardown is the call's
   if entry.conn then entry.conn:watch(nil) end
   os.remove(marker(o.run_id))
@@ -235,12 +239,12 @@ local function take(o, entry, img)
   -- one-shot's does); a renewed expiry is written only when it would not (an fsync saved)
   local need = math.floor(now()) + o.timeout + 600
   if need > entry.expires_at then sandbox.write_expiry(o.run_dir, need) end
-  local ok, err = pcall(o.conn and sandbox.script_send or sandbox.script_exec, o)
+  local ok, err = pcall(sandbox.script_send, o)
   if ok then return true end
   if err == async.CANCELLED then error(err, 0) end -- o holds the sandbox: its teardown removes it
   log.info(LOGGER, "warm sandbox %s did not take its command (%s); trying another", o.run_id, err_text(err))
-  local dead = { o = { run_id = o.run_id, name = o.name, id = o.id, output_dir = o.output_dir, run_dir = o.run_dir,
-    egress_handle = o.egress_handle, conn = o.conn, engine = o.engine } }
+  local dead = { o = plan.new({ run_id = o.run_id, name = o.name, id = o.id, output_dir = o.output_dir,
+    run_dir = o.run_dir, egress_handle = o.egress_handle, delivery = o.delivery, engine = o.engine }) }
   for _, f in ipairs(FIELDS) do o[f] = keep[f] end
   dead.gone = false
   discard(dead, "it did not take its command")

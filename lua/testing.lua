@@ -78,6 +78,8 @@ function testing.run(args)
   end
   local passed, failed = 0, 0
   local filter = os.getenv("DEMESNE_TEST_FILTER")
+  -- a write of a sandbox plan's undeclared field raises (lua/sandbox/plan.lua)
+  if os.getenv("DEMESNE_STRICT") == nil then loop.setenv("DEMESNE_STRICT", "1") end
   for _, file in ipairs(files) do
     local chunk, err = loadfile(file)
     if not chunk then

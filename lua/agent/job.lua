@@ -15,6 +15,7 @@ local providers = require("demesne.providers")
 local repo = require("demesne.repo")
 local resume = require("demesne.agent.resume")
 local sandbox = require("demesne.sandbox")
+local plan = require("demesne.sandbox.plan")
 local util = require("demesne.util")
 local vendor = require("demesne.vendor")
 
@@ -111,9 +112,10 @@ function kind.attach(job)
     end
   end
   -- the result names the run as a tree node (o.tree) so that results.json lists its children
-  local o = { provider = p, vendor = route, run_dir = rec.run_dir, exec_id = rec.exec_id,
-    output_dir = rec.output_dir, run_id = rec.run_id, model = rec.model, tree = rec.run_id,
-    repo = repo.load(rec.run_id) } -- a repository run's saved plan: its branch still comes back
+  -- (plan.from_record: the plan as the record kept it) a repository run's saved plan: its
+  -- branch still comes back
+  local o = plan.from_record(rec, { provider = p, vendor = route, model = rec.model, tree = rec.run_id,
+    repo = repo.load(rec.run_id) })
   local finished = false
   local _ <close> = closer(function()
     if finished or not route then return end

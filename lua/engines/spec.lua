@@ -73,16 +73,8 @@ local function optional(check, field, v, ...)
   return check(field, v, ...)
 end
 
---- Checks a sandbox spec, and that an adapter with capabilities `caps` can honour all of it:
---- an adapter refuses what it cannot do rather than weaken the sandbox.
---- Returns true, or nil, a message naming the field ("spec.mounts[2].mode: …") and
---- "EINVAL" (malformed) or "ENOTSUP" (beyond the adapter's capabilities).
----@param s table   the spec (docs/reference/engines.md, "The sandbox spec")
----@param caps table the adapter's capabilities table
----@return boolean|nil ok, string|nil err, string|nil code
-function spec.check(s, caps)
-  if type(s) ~= "table" then return bad("", "must be a table") end
-  caps = caps or {}
+-- The spec's own fields: image, name, command lines, environment, hostname, user, labels.
+local function check_basics(s)
   for k in pairs(s) do
     if not FIELDS[k] then return bad(tostring(k), "unknown field") end
   end
@@ -105,6 +97,11 @@ function spec.check(s, caps)
       if type(k) ~= "string" or type(v) ~= "string" then return bad("labels", "must map strings to strings") end
     end
   end
+  return true
+end
+
+-- The bind mounts and tmpfs mounts, whose targets are absolute and each mounted once.
+local function check_mounts(s, caps)
   local targets = {}
   local function target(field, p)
     local aok, aerr, acode = absolute(field, p)
@@ -117,7 +114,7 @@ function spec.check(s, caps)
   for i, m in ipairs(s.mounts or {}) do
     local f = ("mounts[%d]"):format(i)
     if type(m) ~= "table" then return bad(f, "must be a table {source, target, mode}") end
-    ok, err, code = all({ absolute, f .. ".source", m.source }, { target, f .. ".target", m.target })
+    local ok, err, code = all({ absolute, f .. ".source", m.source }, { target, f .. ".target", m.target })
     if not ok then return nil, err, code end
     if m.mode ~= "ro" and m.mode ~= "rw" then return bad(f .. ".mode", 'must be "ro" or "rw"') end
     if m.relay ~= nil and type(m.relay) ~= "boolean" then return bad(f .. ".relay", "must be a boolean") end
@@ -133,7 +130,7 @@ function spec.check(s, caps)
   for i, t in ipairs(s.tmpfs or {}) do
     local f = ("tmpfs[%d]"):format(i)
     if type(t) ~= "table" then return bad(f, "must be a table {target, mode, exec}") end
-    ok, err, code = target(f .. ".target", t.target)
+    local ok, err, code = target(f .. ".target", t.target)
     if not ok then return nil, err, code end
     if type(t.mode) ~= "string" or not t.mode:match("^[0-7][0-7][0-7][0-7]?$") then
       return bad(f .. ".mode", 'must be an octal mode string such as "1777"')
@@ -141,18 +138,27 @@ function spec.check(s, caps)
     if t.exec ~= nil and type(t.exec) ~= "boolean" then return bad(f .. ".exec", "must be a boolean") end
     if not caps.tmpfs then return unsupported(f, "this engine adapter has no tmpfs mounts (capability tmpfs)") end
   end
-  if s.limits ~= nil then
-    if type(s.limits) ~= "table" then return bad("limits", "must be a table {memory_bytes, cpus, pids}") end
-    for k in pairs(s.limits) do
-      if k ~= "memory_bytes" and k ~= "cpus" and k ~= "pids" then return bad("limits." .. tostring(k), "unknown field") end
-    end
-    ok, err, code = all({ optional, positive, "limits.memory_bytes", s.limits.memory_bytes, true },
-      { optional, positive, "limits.cpus", s.limits.cpus }, { optional, positive, "limits.pids", s.limits.pids, true })
-    if not ok then return nil, err, code end
-    if next(s.limits) and caps.limits == false then
-      return unsupported("limits", "this engine does not enforce memory, process and CPU limits (capability limits)")
-    end
+  return true
+end
+
+-- The resource limits.
+local function check_limits(s, caps)
+  if s.limits == nil then return true end
+  if type(s.limits) ~= "table" then return bad("limits", "must be a table {memory_bytes, cpus, pids}") end
+  for k in pairs(s.limits) do
+    if k ~= "memory_bytes" and k ~= "cpus" and k ~= "pids" then return bad("limits." .. tostring(k), "unknown field") end
   end
+  local ok, err, code = all({ optional, positive, "limits.memory_bytes", s.limits.memory_bytes, true },
+    { optional, positive, "limits.cpus", s.limits.cpus }, { optional, positive, "limits.pids", s.limits.pids, true })
+  if not ok then return nil, err, code end
+  if next(s.limits) and caps.limits == false then
+    return unsupported("limits", "this engine does not enforce memory, process and CPU limits (capability limits)")
+  end
+  return true
+end
+
+-- How the sandbox is isolated: network, read-only root, runtime, user namespace, engine log.
+local function check_isolation(s, caps)
   local net = s.network or "none"
   if not spec.NETWORKS[net] then return bad("network", ('"%s" is not "none" or "bridge"'):format(tostring(net))) end
   if not (caps.networks or {})[net] then
@@ -185,24 +191,42 @@ function spec.check(s, caps)
         .. "(capability bounded_logs)")
     end
   end
-  if s.security ~= nil then
-    local sec = s.security
-    if type(sec) ~= "table" then return bad("security", "must be a table {no_new_privileges, cap_drop}") end
-    for k in pairs(sec) do
-      if k ~= "no_new_privileges" and k ~= "cap_drop" then return bad("security." .. tostring(k), "unknown field") end
-    end
-    if sec.no_new_privileges ~= nil and type(sec.no_new_privileges) ~= "boolean" then
-      return bad("security.no_new_privileges", "must be a boolean")
-    end
-    ok, err, code = string_list("security.cap_drop", sec.cap_drop)
-    if not ok then return nil, err, code end
-    for i, c in ipairs(sec.cap_drop or {}) do
-      if not c:match("^[A-Z][A-Z_]*$") then
-        return bad(("security.cap_drop[%d]"):format(i), "must be a capability name without CAP_ (NET_RAW)")
-      end
+  return true
+end
+
+-- The security settings: no_new_privileges, the capabilities dropped.
+local function check_security(s)
+  local sec = s.security
+  if sec == nil then return true end
+  if type(sec) ~= "table" then return bad("security", "must be a table {no_new_privileges, cap_drop}") end
+  for k in pairs(sec) do
+    if k ~= "no_new_privileges" and k ~= "cap_drop" then return bad("security." .. tostring(k), "unknown field") end
+  end
+  if sec.no_new_privileges ~= nil and type(sec.no_new_privileges) ~= "boolean" then
+    return bad("security.no_new_privileges", "must be a boolean")
+  end
+  local ok, err, code = string_list("security.cap_drop", sec.cap_drop)
+  if not ok then return nil, err, code end
+  for i, c in ipairs(sec.cap_drop or {}) do
+    if not c:match("^[A-Z][A-Z_]*$") then
+      return bad(("security.cap_drop[%d]"):format(i), "must be a capability name without CAP_ (NET_RAW)")
     end
   end
   return true
+end
+
+--- Checks a sandbox spec, and that an adapter with capabilities `caps` can honour all of it:
+--- an adapter refuses what it cannot do rather than weaken the sandbox.
+--- Returns true, or nil, a message naming the field ("spec.mounts[2].mode: …") and
+--- "EINVAL" (malformed) or "ENOTSUP" (beyond the adapter's capabilities).
+---@param s table   the spec (docs/reference/engines.md, "The sandbox spec")
+---@param caps table the adapter's capabilities table
+---@return boolean|nil ok, string|nil err, string|nil code
+function spec.check(s, caps)
+  if type(s) ~= "table" then return bad("", "must be a table") end
+  caps = caps or {}
+  return all({ check_basics, s }, { check_mounts, s, caps }, { check_limits, s, caps }, { check_isolation, s, caps },
+    { check_security, s })
 end
 
 return spec

@@ -6,6 +6,7 @@ local jobs = require("demesne.jobs")
 local outcome = require("demesne.jobs.outcome")
 local repo = require("demesne.repo")
 local sandbox = require("demesne.sandbox")
+local plan = require("demesne.sandbox.plan")
 local util = require("demesne.util")
 
 local closer, now_ms = util.closer, util.now_ms
@@ -78,8 +79,9 @@ local function launch_oneshot(ctx, o, fields, abandon)
     end
   end)
   sandbox.script_start(ctx, o, { job_id = id, job_record = jobs.record_path(id) })
-  fields.job_id, fields.timeout_seconds, fields.container, fields.run_id = id, o.timeout, o.name, o.run_id
-  fields.output_dir, fields.log_dir, fields.run_dir, fields.exec_id = o.output_dir, o.output_dir, o.run_dir, o.exec_id
+  -- what the record keeps of the plan (plan:record), from which attach rebuilds it
+  for k, v in pairs(o:record()) do fields[k] = v end
+  fields.job_id, fields.log_dir = id, o.output_dir
   local rec = jobs.launch(fields, o, jobs.parent_of(ctx))
   handed = true
   return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }
@@ -118,8 +120,8 @@ return {
   end,
   attach = function(job)
     local rec = job.rec
-    local o = { engine = sandbox.engine(), id = rec.container, run_dir = rec.run_dir, exec_id = rec.exec_id,
-      output_dir = rec.output_dir, tree = rec.run_id }
+    -- the plan as the record kept it (plan.from_record); its result names it as a tree node
+    local o = plan.from_record(rec, { engine = sandbox.engine(), tree = rec.run_id })
     job.after = function()
       sandbox.remove_tree(o.run_dir)
       repo.forget(rec.run_id)
@@ -138,7 +140,7 @@ return {
     -- (an agent job's comes back through its results: lua/agent/job.lua)
     local g = rec.kind == "script" and repo.load(rec.run_id)
     if g and type(out) == "table" then
-      o.repo, o.run_id = g, rec.run_id
+      o.repo = g
       out.branch = repo.hand_back(o, out)
     end
     return out

@@ -2,9 +2,9 @@
 -- name below is defined in one of the files of this folder, each of one concern:
 --
 --   owner.lua       which server process owns a sandbox, and whether it still runs
---   hooks.lua       persistent.lua's calls of the layer hooks (lua/layer.lua: sandbox_plan,
---                   sandbox_removing, sandbox_removed), until it calls demesne.layer itself
+--   plan.lua        a sandbox's plan as a declared value (SandboxPlan): its fields, records
 --   spec.lua        a sandbox's plan: settings checked, folders, claim, the neutral spec
+--   delivery.lua    how a one-shot's command reaches demesne-init: control, exec, argv
 --   files.lua       what the host reads and removes of a sandbox's files (status, logs)
 --   oneshot.lua     one-shot runs (sandbox_script)
 --   persistent.lua  persistent sandboxes: create, look up, renew, expire, destroy, list

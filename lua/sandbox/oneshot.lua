@@ -1,7 +1,6 @@
 -- One-shot runs (sandbox_script): a fresh container that runs one command and is removed
 -- when the call ends, or handed to a background job.
 local async = require("demesne.async")
-local channel = require("demesne.channel")
 local devcontainer = require("demesne.images.devcontainer")
 local egress = require("demesne.egress")
 local errors = require("demesne.errors")
@@ -14,6 +13,7 @@ local repo = require("demesne.repo")
 local teardown = require("demesne.teardown")
 local util = require("demesne.util")
 local files = require("demesne.sandbox.files")
+local delivery = require("demesne.sandbox.delivery")
 local persistent = require("demesne.sandbox.persistent")
 local quota = require("demesne.sandbox.quota")
 local preview = require("demesne.sandbox.preview")
@@ -90,12 +90,15 @@ local function run_args(o)
   return args
 end
 
--- Runs the plan hooks of a one-shot plan once (run_script runs them before the pool is
--- asked: a tree node's plan changes its folders and relay, and is never pooled).
+-- Completes a one-shot plan once: its contributors (the plan hooks of the layer above: a
+-- tree node's changes its folders, mounts and relay), then the checks of the final plan
+-- (spec.check_plan), before anything is made. run_script does it before the pool is asked
+-- (a tree node is never pooled), script_start for the others.
 local function plan_once(ctx, o)
   if o.planned then return end
   o.planned = true
   layer.run("sandbox_plan", ctx, o, o.args)
+  spec.check_plan(o)
 end
 
 --- Starts a planned one-shot run: image, folders, container (with `labels`, names without
@@ -109,18 +112,10 @@ function oneshot.script_start(ctx, o, labels)
   local img = o.devcontainer and devcontainer.ensure(o.engine, o, ctx) or check(images.ensure(o.engine, o.image_arg, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
-  local relay = spec.relay_args(o)
-  if o.control then
-    -- [channel] demesne-init waits for the command on its control socket (script_send)
-    o.cmd = { "wait", "--control", channel.PATH, table.unpack(relay) }
-  elseif o.hold then
-    -- [pool] a warm gVisor sandbox: demesne-init serves the relays as in a persistent
-    -- sandbox; the command comes through the engine's exec API (script_exec)
-    o.cmd = { "serve", table.unpack(relay) }
-  else
-    o.cmd = { "run", table.unpack(relay) }
-    for _, a in ipairs(run_args(o)) do o.cmd[#o.cmd + 1] = a end
-  end
+  -- how the command reaches demesne-init (lua/sandbox/delivery.lua): in its command line
+  -- unless the plan chose otherwise (run_script: the control socket; the pool)
+  o.delivery = o.delivery or delivery.new("argv")
+  o.cmd = o.delivery:init_cmd(spec.relay_args(o), run_args(o))
   if o.before_create then o.before_create(o) end -- e.g. the vendor route of an agent run
   o.egress_handle = check(egress.start(o)) -- stopped by script_remove
   o.labels = labels
@@ -135,50 +130,26 @@ function oneshot.script_start(ctx, o, labels)
   end
   -- a call waits for this: removals and warm fills hold back meanwhile (lua/teardown.lua)
   if o.background then create_and_start() else teardown.urgent(create_and_start) end
-  if o.control then
-    -- [channel] the connection demesne-init answers on; script_send hands it the command
-    local eng, rid = o.engine, o.run_id
-    o.conn = check(channel.connect_wait(o.run_dir, 30000, function()
-      local info = persistent.state_of(eng, rid) -- by list, not inspect: see state_of
-      if info and info.state ~= "running" and info.state ~= "created" then
-        return false, ("the sandbox stopped (%s) before demesne-init opened its control socket"):format(info.state)
-      end
-      return true
-    end))
-  end
+  o.delivery:started(o) -- [channel] the connection demesne-init answers on, for "control"
 end
 
---- [channel] Hands a started one-shot's command to demesne-init over the control socket
---- (o.conn, from script_start or a warm sandbox): the command, its environment
---- (script_env) and its timeout. Returns once demesne-init has accepted it; fails otherwise.
----@param o table  the plan
+--- Hands a started one-shot's command to demesne-init the way its Delivery says
+--- (lua/sandbox/delivery.lua): over the control socket ("control": returns once
+--- demesne-init accepted it, fails otherwise) or through the engine's exec API ("exec": the
+--- exec runs in a task of its own, which script_wait waits for), with the command's
+--- environment (script_env) and its timeout. Nothing for "argv", whose command is in the
+--- container's command line.
+---@param o table  the plan, its container started (script_start, or a warm sandbox)
 function oneshot.script_send(o)
+  if o.delivery.mode == "argv" then return end
   o.env = oneshot.script_env(o)
-  local ok, err, code = o.conn:send("run", run_args(o), o.env)
-  if ok then
-    local r
-    r, err, code = o.conn:next(10000)
-    if r and r.kind == "ok" then return end
-    if r then err, code = "demesne-init refused the command: " .. tostring(r.text or r.kind), "EPROTO" end
-  end
-  fail("sandbox run failed: " .. tostring(err), code)
+  o.delivery:send(o, run_args(o), o.env)
 end
 
---- [pool] Hands a started one-shot's command to demesne-init through the engine's exec API,
---- as `demesne-init run` (the way sandbox_exec runs a command where there is no control
---- socket: a gVisor sandbox, whose host cannot connect to a socket made inside). Returns at
---- once: the exec runs in a task of its own (o.exec_task, whose results are the engine's
---- exec(): exit code, or nil, message, code), which script_wait waits for.
----@param o table  the plan, its container running `demesne-init wait`
-function oneshot.script_exec(o)
-  o.env = oneshot.script_env(o)
-  local argv = { spec.INIT, "run" }
-  for _, a in ipairs(run_args(o)) do argv[#argv + 1] = a end
-  local eng, id, env, ms = o.engine, o.id, o.env, spec.deadline_ms(o.timeout)
-  o.exec_task = async.spawn("exec " .. tostring(o.name), function()
-    return eng:exec(id, argv, { env = env, timeout_ms = ms })
-  end)
-end
+--- [pool] The same as script_send (kept for its callers): a warm gVisor sandbox's Delivery
+--- is "exec", so the command goes through the engine's exec API.
+---@param o table  the plan, its container running `demesne-init serve`
+function oneshot.script_exec(o) oneshot.script_send(o) end
 
 --- Removes a one-shot run's container, if it was created (waiting for a create still in
 --- flight). Returns true, or nil and the engine's message.
@@ -197,10 +168,10 @@ function oneshot.script_remove(o)
   end)
   -- demesne-init's control connection closes after the removal: a `wait` that sees the
   -- host hang up exits, and Podman refuses to remove a container caught stopping
-  local _conn <close> = o.conn
+  local _conn <close> = o.delivery
   if o.quota_watch then o.quota_watch.stop() end
-  -- [pool] an exec through the engine's API (script_exec) ends with the container anyway
-  if o.exec_task and not o.exec_task.done then async.cancel(o.exec_task, "the sandbox is removed") end
+  -- [pool] an exec through the engine's API ("exec" delivery) ends with the container anyway
+  if o.delivery then o.delivery:cancel("the sandbox is removed") end
   if not o.id and o.creating then
     local ok, id = o.creating:wait()
     if ok then o.id = id end
@@ -223,7 +194,7 @@ function oneshot.watch_quota(o)
   o.quota_watch = quota.watch(o.output_dir, o.run_id or o.name, function()
     -- demesne-init kills the command at once (a loaded engine's kill can take a second, while
     -- a writer fills the page cache at gigabytes a second); the engine's kill makes sure
-    if o.conn then o.conn:kill() end
+    if o.delivery then o.delivery:kill() end
     local ok, err = (eng.kill and eng.kill or eng.remove)(eng, id, "KILL")
     if not ok then log.warning("demesne.sandbox", "%s: kill: %s", tostring(o.name or id), tostring(err)) end
   end)
@@ -246,36 +217,9 @@ end
 ---@param ms integer
 function oneshot.script_wait(o, ms)
   oneshot.watch_quota(o)
-  if o.exec_task then
-    -- [pool] the command was handed over through the exec API: its end is the exec's
-    local task = o.exec_task
-    local deadline = loop.now() + ms
-    local code, err, ecode = async.timeout(ms, function()
-      local ok, c, e, ec = task:wait()
-      if not ok then error(c, 0) end
-      return c, e, ec
-    end)
-    if code ~= nil or ecode == "ETIMEDOUT" then return code, err, ecode end
-    -- the exec ended without an exit code (the sandbox was killed: over its memory, say):
-    -- the container's own end decides, as for a fresh one-shot
-    return async.timeout(math.max(math.min(10000, math.floor(deadline - loop.now())), 1),
-      function() return o.engine:wait(o.id) end)
-  end
-  if o.conn then
-    -- [channel] demesne-init says "exit CODE" once status.json is written; no engine wait
-    -- (Podman's polls). A connection that ends without it: the container's state decides.
-    local deadline = loop.now() + ms
-    while true do
-      local r, err, code = o.conn:next(math.max(math.floor(deadline - loop.now()), 1))
-      if r and r.kind == "exit" then return r.code end
-      if not r then
-        if code == "ETIMEDOUT" then return nil, err, code end
-        return async.timeout(math.max(math.min(10000, math.floor(deadline - loop.now())), 1),
-          function() return o.engine:wait(o.id) end)
-      end
-    end
-  end
-  return async.timeout(ms, function() return o.engine:wait(o.id) end)
+  -- the one place the exit status is reconciled (lua/sandbox/delivery.lua); a plan without
+  -- a Delivery (a job re-attached after a restart) waits for the container's end
+  return (o.delivery or delivery.new("argv")):wait(o.engine, o.id, ms)
 end
 
 --- The result table of a finished one-shot run, from demesne-init's status.json and the
@@ -322,8 +266,9 @@ function oneshot.run_script(ctx, args)
   local o = oneshot.script_prepare(args)
   -- [channel] the command goes to demesne-init over its control socket; not under gVisor,
   -- where the host cannot connect to a socket made in the sandbox (runsc's --host-uds=open):
-  -- there a warm sandbox gets it through the engine's exec API (script_exec)
-  o.control = o.isolation ~= "gvisor"
+  -- there it is in the container's command line, and a warm sandbox gets it through the
+  -- engine's exec API (the pool's "exec" Delivery)
+  o.delivery = delivery.new(o.isolation ~= "gvisor" and "control" or "argv")
   local started = loop.hrtime()
   -- the container goes on success, failure, timeout and cancel alike, after the answer
   -- (a tree node's container goes before the answer: its results.json, written once its
@@ -346,7 +291,7 @@ function oneshot.run_script(ctx, args)
   -- [pool] a warm sandbox of the same kind when there is one (lua/pool.lua), else a new one
   if not (warm_pool and warm_pool.claim(ctx, o)) then
     oneshot.script_start(ctx, o)
-    if o.control then oneshot.script_send(o) end
+    oneshot.script_send(o)
   end
   local _hb <close> = progress.heartbeat(ctx)
   -- demesne-init enforces the timeout inside; this host-side deadline covers a stuck engine

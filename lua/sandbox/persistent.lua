@@ -14,7 +14,7 @@ local loop = require("core.loop")
 local paths = require("demesne.paths")
 local util = require("demesne.util")
 local files = require("demesne.sandbox.files")
-local hooks = require("demesne.sandbox.hooks")
+local layer = require("demesne.layer")
 local quota = require("demesne.sandbox.quota")
 local repo = require("demesne.repo")
 local preview = require("demesne.sandbox.preview")
@@ -32,36 +32,33 @@ local fail, check = errors.raise, errors.check
 local LABEL, container_spec, default_env = spec.LABEL, spec.container_spec, spec.default_env
 local prepare, make_dirs = spec.prepare, spec.make_dirs
 
---- Creates a persistent sandbox (sandbox_create). Returns {sandbox_id, output_dir,
---- expires_at, image, mcp, previews}: mcp = {url, token} of its in-sandbox endpoint when the plan
---- hooks (lua/tree) gave it one; previews = {{port, url}} for `ports` (lua/sandbox/preview.lua).
----@param ctx table
---- With `snapshot` (a snapshot id) the sandbox starts from that snapshot's image, its
---- /workspace unpacked from it, isolated no weaker than the snapshot's source (gvisor when
---- `isolation` is left out; "container" for a gVisor snapshot is refused).
----@param args table  ttl_seconds, image, snapshot, files, directories, env, limits, egress, mcp, tree, budget_usd, ports
----@return table
-function persistent.create(ctx, args)
+-- The ttl of a sandbox_create call, checked, and the snapshot it starts from (nil: none),
+-- with `args` as the rest of create reads them (a gVisor snapshot's sandbox runs on gVisor).
+local function create_args(ctx, args)
   local ttl = args.ttl_seconds or config.get("ttl_default")
   if ttl > config.get("ttl_max") then
     fail(("ttl_seconds: %s is above the ceiling of %s"):format(spec.num(ttl), spec.num(config.get("ttl_max"))))
   end
   preview.check_ports(args.ports)
-  local snap
-  if args.snapshot ~= nil then
-    if args.image ~= nil then fail("snapshot: give image or snapshot, not both (a snapshot is its own image)") end
-    snap = snapshots.find(spec.engine(), ctx, args.snapshot, "snapshot")
-    if snap.isolation == "gvisor" then
-      if args.isolation == "container" then
-        fail(("isolation: snapshot %s was taken of a gvisor sandbox, and a sandbox from it runs on gvisor too (give "
-          .. "isolation gvisor, or leave it out)"):format(snap.snapshot_id))
-      end
-      local a = {}
-      for k, v in pairs(args) do a[k] = v end
-      a.isolation = "gvisor"
-      args = a
+  if args.snapshot == nil then return ttl, nil, args end
+  if args.image ~= nil then fail("snapshot: give image or snapshot, not both (a snapshot is its own image)") end
+  local snap = snapshots.find(spec.engine(), ctx, args.snapshot, "snapshot")
+  if snap.isolation == "gvisor" then
+    if args.isolation == "container" then
+      fail(("isolation: snapshot %s was taken of a gvisor sandbox, and a sandbox from it runs on gvisor too (give "
+        .. "isolation gvisor, or leave it out)"):format(snap.snapshot_id))
     end
+    local a = {}
+    for k, v in pairs(args) do a[k] = v end
+    a.isolation = "gvisor"
+    args = a
   end
+  return ttl, snap, args
+end
+
+-- The plan of a persistent sandbox before its contributors: checked settings, its
+-- environment, and a host repository's plan (cloned once the sandbox runs).
+local function plan_create(args, ttl, snap)
   local o = prepare(args, "persistent", "sandbox_create", ttl)
   if snap then o.labels = { from_snapshot = snap.snapshot_id } end
   o.env = spec.env(args.env, default_env(o.run_id, o.egress))
@@ -76,27 +73,29 @@ function persistent.create(ctx, args)
   else
     repo.only_with(args)
   end
-  local started = false
-  -- a sandbox that never came up is no tree node either (lua/tree)
-  local _tree <close> = util.closer(function()
-    if o.tree and not started then hooks.run_removal("removed", o, "the sandbox could not be started") end
-    if not started then repo.cleanup(o) end
-  end)
-  local ports = args.ports
-  if args.image == devcontainer.IMAGE then
-    -- the repository's own environment (lua/images/devcontainer.lua); its forwardPorts are previews
-    local dc = devcontainer.plan(o, args, { persistent = true })
-    if #dc.cfg.ports > 0 then
-      local have, merged = {}, {}
-      for _, p in ipairs(args.ports or {}) do have[p] = true; merged[#merged + 1] = p end
-      for _, p in ipairs(dc.cfg.ports) do
-        if not have[p] then have[p] = true; merged[#merged + 1] = p end
-      end
-      preview.check_ports(merged)
-      ports = merged
-    end
+  return o
+end
+
+-- The repository's own environment (lua/images/devcontainer.lua) for a devcontainer call;
+-- its forwardPorts join the call's previews. Returns the ports to preview.
+local function plan_devcontainer(o, args)
+  if args.image ~= devcontainer.IMAGE then return args.ports end
+  local dc = devcontainer.plan(o, args, { persistent = true })
+  if #dc.cfg.ports == 0 then return args.ports end
+  local have, merged = {}, {}
+  for _, p in ipairs(args.ports or {}) do have[p] = true; merged[#merged + 1] = p end
+  for _, p in ipairs(dc.cfg.ports) do
+    if not have[p] then have[p] = true; merged[#merged + 1] = p end
   end
-  hooks.run("plan", ctx, o, args)
+  preview.check_ports(merged)
+  return merged
+end
+
+-- Makes and starts the container of a checked plan (from `snap`, a snapshot, when given):
+-- image, folders, demesne-init serving (with a control socket, except under gVisor),
+-- egress proxy. Returns the container id, the proxy and the image {ref, name}; on failure
+-- what was made goes.
+local function launch(ctx, o, args, snap)
   local img = snap and { ref = snap.ref, name = snap.image or "snapshot" }
     or o.devcontainer and devcontainer.ensure(o.engine, o, ctx) or check(images.ensure(o.engine, args.image, ctx))
   make_dirs(o)
@@ -131,6 +130,34 @@ function persistent.create(ctx, args)
         snap.snapshot_id, tostring(rerr)))
     end
   end
+  return id, eg, img
+end
+
+--- Creates a persistent sandbox (sandbox_create). Returns {sandbox_id, output_dir,
+--- expires_at, image, mcp, previews}: mcp = {url, token} of its in-sandbox endpoint when the plan
+--- hooks (lua/tree) gave it one; previews = {{port, url}} for `ports` (lua/sandbox/preview.lua).
+---@param ctx table
+--- With `snapshot` (a snapshot id) the sandbox starts from that snapshot's image, its
+--- /workspace unpacked from it, isolated no weaker than the snapshot's source (gvisor when
+--- `isolation` is left out; "container" for a gVisor snapshot is refused).
+---@param args table  ttl_seconds, image, snapshot, files, directories, env, limits, egress, mcp, tree, budget_usd, ports
+---@return table
+function persistent.create(ctx, args)
+  local ttl, snap
+  ttl, snap, args = create_args(ctx, args)
+  local o = plan_create(args, ttl, snap)
+  local started = false
+  -- a sandbox that never came up is no tree node either (lua/tree)
+  local _tree <close> = util.closer(function()
+    if o.tree and not started then layer.run("sandbox_removed", o, "the sandbox could not be started") end
+    if not started then repo.cleanup(o) end
+  end)
+  local ports = plan_devcontainer(o, args)
+  -- the contributors have filled the plan (the repository, the devcontainer, the plan
+  -- hooks of the layer above): its checks run once, on the final plan
+  layer.run("sandbox_plan", ctx, o, args)
+  spec.check_plan(o)
+  local id, eg, img = launch(ctx, o, args, snap)
   started = true
   -- [channel] answer once demesne-init listens on its control socket, so that the first
   -- exec does not find it missing (and fall back to the exec API); a few ms at most
@@ -144,9 +171,9 @@ function persistent.create(ctx, args)
   -- the previews last: a listener that cannot be opened takes the sandbox down with it
   local pok, previews = pcall(preview.open_all, o.engine, o.run_id, id, ports)
   if not pok then
-    hooks.run_removal("removing", o.run_id)
+    layer.run("sandbox_removing", o.run_id)
     o.engine:remove(id)
-    hooks.run_removal("removed", { run_id = o.run_id })
+    layer.run("sandbox_removed", { run_id = o.run_id })
     eg:stop()
     files.remove_tree(o.run_dir)
     error(previews, 0)
@@ -433,10 +460,10 @@ function persistent.destroy(ctx, args)
     end
     error(sb, 0)
   end
-  hooks.run_removal("removing", args.sandbox_id) -- its children go first (lua/tree)
+  layer.run("sandbox_removing", args.sandbox_id) -- its children go first (lua/tree)
   local removed, how = eng:remove(sb.id)
   if not removed then fail(how) end
-  hooks.run_removal("removed", { run_id = args.sandbox_id })
+  layer.run("sandbox_removed", { run_id = args.sandbox_id })
   seen[args.sandbox_id] = nil
   persistent.unwatch(args.sandbox_id, sb.run_dir)
   egress.stop(args.sandbox_id)

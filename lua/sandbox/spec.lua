@@ -15,6 +15,7 @@ local paths = require("demesne.paths")
 local repo = require("demesne.repo")
 local util = require("demesne.util")
 local owner = require("demesne.sandbox.owner")
+local plan = require("demesne.sandbox.plan")
 local quota = require("demesne.sandbox.quota")
 
 local spec = {}
@@ -396,13 +397,56 @@ function spec.check_inputs_reach(eng, mounts)
   end
 end
 
+-- An absolute path (as the engine spec takes it: a leading "/", no NUL byte), or nil; with
+-- `strict` (a mount target) also without a "." or ".." component.
+local function absolute(p, strict)
+  if type(p) ~= "string" or p:sub(1, 1) ~= "/" or p:find("\0", 1, true) then return nil end
+  for c in p:gmatch("[^/]+") do
+    if strict and (c == "." or c == "..") then return nil end
+  end
+  return p
+end
+
+--- The checks of a plan's placement, run once on the final plan: after its contributors
+--- (the repository, the devcontainer, the plan hooks of the layer above, which may replace
+--- its output folder and mounts and add a workspace) and before anything is made. The
+--- output and run folders are absolute; every mount, the call's own or a contributor's,
+--- has an absolute host path and an absolute target without "." or "..", no target is
+--- mounted twice, and no mount, nor the workspace or HOME folder, holds demesne's own
+--- folders or a protected path. (The call's own inputs were checked for what a live
+--- sandbox could change under them when the call was resolved, spec.prepare: a refused
+--- call leaves no tree node behind.) Fails (errors.raise) naming the field.
+---@param o SandboxPlan
+function spec.check_plan(o)
+  for _, k in ipairs({ "output_dir", "run_dir" }) do
+    if not absolute(o[k]) then fail(("plan: %s %s is not an absolute path"):format(k, tostring(o[k]))) end
+  end
+  local targets = {}
+  for _, m in ipairs(o.mounts or {}) do
+    local field = m.field or ("mount at " .. tostring(m.target))
+    if not absolute(m.host) then fail(("%s: %s is not an absolute host path"):format(field, tostring(m.host))) end
+    if not absolute(m.target, true) then fail(("%s: %s is not an absolute target"):format(field, tostring(m.target))) end
+    if targets[m.target] then
+      fail(("%s: %s is mounted twice (%s and %s)"):format(field, m.target, targets[m.target], m.host))
+    end
+    targets[m.target] = m.host
+    check_not_holding(field, m.host)
+  end
+  for _, k in ipairs({ "workspace", "home" }) do
+    if o[k] ~= nil then
+      if not absolute(o[k]) then fail(("plan: %s %s is not an absolute path"):format(k, tostring(o[k]))) end
+      check_not_holding(k, o[k])
+    end
+  end
+end
+
 --- The plan of a new sandbox from a call's arguments, checked: engine, limits, mounts,
 --- egress policy, isolation, a fresh run id and its folders. Nothing is created yet.
 ---@param args table         limits, files, directories, egress, isolation
 ---@param kind string        the container's kind label ("oneshot", "job", "persistent")
 ---@param tool string|nil    the tool that asked
 ---@param ttl number         seconds the container may live (its expires_at label)
----@return table plan
+---@return SandboxPlan plan
 local function prepare(args, kind, tool, ttl)
   local eng = spec.engine()
   local lim = spec.limits(args.limits)
@@ -412,10 +456,10 @@ local function prepare(args, kind, tool, ttl)
   local iso = spec.isolation(eng, args.isolation, pol.open == true)
   local run_id = spec.new_run_id()
   local output_dir, run_dir = dirs(run_id)
-  return {
+  return plan.new({
     egress = pol, engine = eng, limits = lim, mounts = mounts, run_id = run_id, output_dir = output_dir,
     run_dir = run_dir, kind = kind, tool = tool, ttl = ttl, isolation = iso.isolation, userns = iso.userns,
-  }
+  })
 end
 
 --- <state>/claims/<run id>: which engine and which server a run folder belongs to, kept out

@@ -29,6 +29,8 @@ process.on("exit", () => {
 export function serverEnv(env = {}) {
   const out = { ...process.env };
   delete out.DEMESNE_SOURCE_DIR;
+  // a write of a sandbox plan's undeclared field raises (lua/sandbox/plan.lua)
+  out.DEMESNE_STRICT ??= "1";
   if (!("XDG_CONFIG_HOME" in env)) {
     out.XDG_CONFIG_HOME = mkdtempSync(path.join(tmpdir(), "demesne-xdg-"));
     scratch.push(out.XDG_CONFIG_HOME);

@@ -422,9 +422,6 @@ end
 -- The longest a function of lua/ may be, in lines from `function` to its `end`.
 local FUNCTION_MAX = 120
 
--- TODO(issue24-plan): removed when split
-local TOO_LONG_FOR_NOW = { ["lua/sandbox/persistent.lua"] = "persistent.create", ["lua/engines/spec.lua"] = "spec.check" }
-
 -- Every function of a source with its name and extent: {name, line, lines}. A named
 -- function (`function a.b:c(`, `local function f(`) is called so; an anonymous one by what it
 -- is assigned to (`x.y = function(`, `key = function(` in a table), else "function".
@@ -489,7 +486,7 @@ function tests.no_function_is_longer_than_function_max(t)
   for _, f in ipairs(files()) do
     for _, fn in ipairs(functions_of(f.src)) do
       n = n + 1
-      if fn.lines > FUNCTION_MAX and TOO_LONG_FOR_NOW[f.rel] ~= fn.name then
+      if fn.lines > FUNCTION_MAX then
         bad[#bad + 1] = ("%s:%d: %s is %d lines"):format(f.rel, fn.line, fn.name, fn.lines)
       end
     end
