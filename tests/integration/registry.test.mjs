@@ -129,6 +129,11 @@ before(async () => {
 
 after(async () => {
   for (const r of made) await engine("DELETE", `/images/${q(r)}?force=true`).catch(() => {});
+  // the devcontainer images the feature run built (demesne/devcontainer-feature-repo and its
+  // -base / -features stages): about 175 MB each, left on the engine by every run otherwise
+  const built = await engine("GET", `/images/json?filters=${q(JSON.stringify({ reference: ["demesne/devcontainer-feature-repo*"] }))}`)
+    .then((r) => JSON.parse(r.body)).catch(() => []);
+  for (const i of built) await engine("DELETE", `/images/${i.Id}?force=true`).catch(() => {});
   registry?.kill("SIGKILL");
   rmSync(work, { recursive: true, force: true });
 });
