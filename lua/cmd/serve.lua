@@ -22,15 +22,9 @@ local endpoint = require("demesne.tree.endpoint")
 -- The reaper: at start and every reap_interval seconds, remove expired sandboxes and
 -- one-shot containers whose server is gone. It works from the engine's labels.
 local function start_reaper()
-  return async.spawn("reaper", function()
-    while true do
-      -- watch: the persistent sandboxes still running get their output quota watched again
-      local ok, err = pcall(sandbox.reap, { watch = true })
-      if not ok and err ~= async.CANCELLED then log.warning("demesne.reaper", "%s", tostring(err)) end
-      if err == async.CANCELLED then return end
-      async.sleep(math.floor(config.get("reap_interval") * 1000))
-    end
-  end)
+  -- watch: the persistent sandboxes still running get their output quota watched again
+  return async.every("reaper", function() return config.get("reap_interval") * 1000 end,
+    function() sandbox.reap({ watch = true }) end, { logger = "demesne.reaper" })
 end
 
 ---@param args string[]
