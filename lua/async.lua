@@ -5,6 +5,7 @@
 -- operation belongs to its task: async.cancel(task) cancels the operation and raises
 -- async.CANCELLED inside the task, so the error unwinds the task's stack and every
 -- `<close>` handler runs (and may itself await, e.g. to remove a container).
+local log = require("demesne.log")
 local loop = require("core.loop")
 local timer = require("core.timer")
 
@@ -209,6 +210,36 @@ function async.timeout(ms, fn, ...)
   end
   if not r[1] then error(r[2], 0) end
   return table.unpack(r, 2, r.n)
+end
+
+--- Runs `fn()` at once and then every `interval_ms` milliseconds, in a new task named
+--- `name`: the loop of a server's long-running part (the reaper, the jobs' and the trees'
+--- sweeps) that takes up what a previous server left, then sweeps. `opts.first`, when
+--- given, runs instead of `fn` on the first pass (a resume that differs from the sweep).
+--- `interval_ms` is milliseconds, or a function that answers them, read before each sleep
+--- (so a changed reap_interval is seen at the next sweep); it is floored to an integer.
+--- An error in a pass is logged as a warning under `opts.logger` (default "demesne.async")
+--- and the loop goes on at the next interval; async.CANCELLED (async.cancel on the
+--- returned task, in a pass or in the sleep) ends it.
+---@param name string  the task's name, shown in logs
+---@param interval_ms number|fun(): number  milliseconds between the end of a pass and the next
+---@param fn fun()  one pass; may await
+---@param opts {logger: string|nil, first: fun()|nil}|nil
+---@return Task
+function async.every(name, interval_ms, fn, opts)
+  opts = opts or {}
+  local logger = opts.logger or "demesne.async"
+  return async.spawn(name, function()
+    local pass = opts.first or fn
+    while true do
+      local ok, err = pcall(pass)
+      if err == async.CANCELLED then return end
+      if not ok then log.warning(logger, "%s", tostring(err)) end
+      pass = fn
+      local ms = type(interval_ms) == "function" and interval_ms() or interval_ms
+      async.sleep(math.floor(ms))
+    end
+  end)
 end
 
 --- A one-shot event: wait() blocks the current task until set(...) is called; later

@@ -3,34 +3,34 @@
 -- unix:/path; `--http-allow-remote` permits a non-loopback address).
 -- Over stdio, stdout carries only the protocol; logs go to stderr (level from
 -- DEMESNE_LOG_LEVEL). `--fixtures DIR` also loads the tool files in DIR (test fixtures).
-local async = require("demesne.async")
 local config = require("demesne.config")
 local compose = require("demesne.compose")
 local control = require("demesne.cockpit.control")
-local jobs = require("demesne.jobs")
-local hostmcp = require("demesne.hostmcp")
-local layer = require("demesne.layer")
+local endpoint = require("demesne.tree.endpoint")
 local log = require("demesne.log")
 local sandbox = require("demesne.sandbox")
+local services = require("demesne.services")
 local http = require("demesne.mcp.http")
 local stdio = require("demesne.mcp.stdio")
 local pool = require("demesne.pool")
 local teardown = require("demesne.teardown")
-local tools = require("demesne.tools")
-local endpoint = require("demesne.tree.endpoint")
 
--- The reaper: at start and every reap_interval seconds, remove expired sandboxes and
--- one-shot containers whose server is gone. It works from the engine's labels.
-local function start_reaper()
-  return async.spawn("reaper", function()
-    while true do
-      -- watch: the persistent sandboxes still running get their output quota watched again
-      local ok, err = pcall(sandbox.reap, { watch = true })
-      if not ok and err ~= async.CANCELLED then log.warning("demesne.reaper", "%s", tostring(err)) end
-      if err == async.CANCELLED then return end
-      async.sleep(math.floor(config.get("reap_interval") * 1000))
-    end
-  end)
+-- The two parts that stop inside the transport's graceful stop (transport.graceful_stop), in
+-- a task while the loop still runs, and so are no service stops of compose.SERVICES (those
+-- run after the transport has returned):
+--   on_stop(timeout_ms): the in-sandbox endpoint closes beside the server's own stop, so the
+--     requests it cancels finish their cleanup within the same timeout;
+--   on_shutdown(): once both have ended, the warm pool goes and the one-shot containers
+--     removed after their answers are awaited, so no container waits for a next server.
+local function on_stop(timeout_ms) endpoint.stop(timeout_ms) end
+
+local function on_shutdown()
+  pool.stop()
+  -- one-shot containers removed after their answers, warm sandboxes discarded just now
+  if not teardown.wait(30000) then
+    log.warning("demesne.teardown", "%d container removal(s) still running at exit; the reaper of the next "
+      .. "server removes what is left", teardown.pending())
+  end
 end
 
 ---@param args string[]
@@ -72,50 +72,19 @@ return function(args, opts)
   end
   -- the folders above every output and run folder: private, or a warning that says why
   for _, w in ipairs(sandbox.private_roots(true)) do log.warning("demesne.sandbox", "%s", w) end
-  local reaper = start_reaper()
-  -- what this server leaves if it is killed before its own clean-up (a client may SIGKILL
-  -- it at once) goes as soon as it has ended: the exit reaper, a process of its own
-  local rok, rerr = sandbox.start_exit_reaper()
-  if not rok then log.warning("demesne.reaper", "no exit reaper (%s): what a killed server leaves waits for the "
-    .. "next server", tostring(rerr)) end
-  -- background jobs: re-attach the ones a previous server left running; they outlive us too
-  jobs.start()
-  -- warm sandboxes for sandbox_script (lua/pool.lua); removed again at shutdown
-  pool.start()
-  local function on_shutdown()
-    pool.stop()
-    -- one-shot containers removed after their answers, warm sandboxes discarded just now
-    if not teardown.wait(30000) then
-      log.warning("demesne.teardown", "%d container removal(s) still running at exit; the reaper of the next "
-        .. "server removes what is left", teardown.pending())
-    end
-  end
-  -- host MCP servers: their declaration problems are logged now; they start on first use
-  async.spawn("host MCP configuration", function()
-    local ok, err = pcall(hostmcp.load)
-    if not ok and err ~= async.CANCELLED then log.error("demesne.hostmcp", "%s", tostring(err)) end
-  end)
-  local registry = tools.load({ fixtures = opts.fixtures })
-  -- nested sandboxes: the in-sandbox MCP endpoint, and the trees a previous server left
-  local ok, eerr = endpoint.start(registry)
-  if not ok then log.error("demesne.tree", "the in-sandbox MCP endpoint cannot start: %s", tostring(eerr)) end
-  layer.start_services() -- the installed layers' (the tree's: the trees a previous server left)
-  local function on_stop(timeout_ms) endpoint.stop(timeout_ms) end
-  -- the control socket: demesne ps, logs, cancel and ui find this server there
-  control.start({ transport = #addrs > 0 and "http" or "stdio", urls = addrs })
+  -- the server's long-running parts, in the order compose.SERVICES declares (the reaper
+  -- first, the control socket last); the tools service leaves the registry in ctx
+  local ctx = { fixtures = opts.fixtures, transport = #addrs > 0 and "http" or "stdio", urls = addrs }
+  local running = services.start(compose.SERVICES, ctx)
   local status
   if #addrs > 0 then
-    status = http.serve({ addrs = addrs, allow_remote = allow_remote, registry = registry,
+    status = http.serve({ addrs = addrs, allow_remote = allow_remote, registry = ctx.registry,
       on_stop = on_stop, on_shutdown = on_shutdown, on_listening = control.set_urls })
   else
-    status = stdio.serve({ registry = registry, on_stop = on_stop, on_shutdown = on_shutdown })
+    status = stdio.serve({ registry = ctx.registry, on_stop = on_stop, on_shutdown = on_shutdown })
   end
-  control.stop()
-  layer.stop_services() -- in the reverse order of their starts
-  jobs.stop()
-  -- no host MCP server outlives the server
-  hostmcp.shutdown_outside_task()
-  async.cancel(reaper, "shutdown")
-  sandbox.unwatch_all() -- the persistent sandboxes' quota watches (the next server takes them up)
+  -- in the reverse order of the starts: the control socket, the layers' services, the jobs'
+  -- sweep, the host MCP servers, the reaper, the quota watches
+  services.stop(running, ctx)
   return status
 end

@@ -598,14 +598,8 @@ end
 --- prune) every reap_interval seconds. Idempotent.
 function jobs.start()
   if service and not service.done then return service end
-  service = async.spawn("jobs", function()
-    while true do
-      local ok, err = pcall(jobs.resume)
-      if err == async.CANCELLED then return end
-      if not ok then log.warning(LOGGER, "%s", tostring(err)) end
-      async.sleep(math.floor(config.get("reap_interval") * 1000))
-    end
-  end)
+  service = async.every("jobs", function() return config.get("reap_interval") * 1000 end, function() jobs.resume() end,
+    { logger = LOGGER })
   return service
 end
 

@@ -1168,14 +1168,8 @@ end
 --- reap_interval seconds. Idempotent.
 function tree.start()
   if service and not service.done then return service end
-  service = async.spawn("tree", function()
-    while true do
-      local ok, err = pcall(tree.resume)
-      if err == async.CANCELLED then return end
-      if not ok then log.warning(LOGGER, "%s", tostring(err)) end
-      async.sleep(math.floor(config.get("reap_interval") * 1000))
-    end
-  end)
+  service = async.every("tree", function() return config.get("reap_interval") * 1000 end, function() tree.resume() end,
+    { logger = LOGGER })
   return service
 end
 

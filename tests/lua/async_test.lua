@@ -1,5 +1,6 @@
 local async = require("demesne.async")
 local fs = require("core.fs")
+local log = require("demesne.log")
 local loop = require("core.loop")
 local proc = require("demesne.proc")
 
@@ -49,6 +50,64 @@ function tests.event_wakes_waiters(t)
   async.sleep(1)
   ev.set("x")
   t:eq(got, { "x", "x", "x" })
+end
+
+-- async.every: the resume-then-sweep loop of the reaper, the jobs and the trees
+function tests.every_runs_at_once_then_repeats(t)
+  local passes, firsts = 0, 0
+  local task = async.every("every", 10, function() passes = passes + 1 end,
+    { first = function() firsts = firsts + 1 end })
+  t:eq({ firsts, passes }, { 1, 0 }, "the first pass ran at once, before any sleep")
+  async.sleep(65)
+  async.cancel(task, "test")
+  t:eq(firsts, 1, "the first pass ran once")
+  t:ok(passes >= 2, "the sweep repeated every 10 ms (" .. passes .. " passes in 65 ms)")
+end
+
+function tests.every_reads_the_interval_before_each_sleep(t)
+  local passes, asked = 0, 0
+  local task = async.every("every", function() asked = asked + 1; return 5.7 end,
+    function() passes = passes + 1 end)
+  async.sleep(40)
+  async.cancel(task, "test")
+  t:ok(asked >= 2 and asked == passes, "the interval was read after each pass")
+end
+
+function tests.every_logs_an_error_and_goes_on(t)
+  local got, passes = {}, 0
+  local remove = log.add_sink(function(level, logger, msg)
+    if logger == "demesne.test.every" then got[#got + 1] = level .. ": " .. msg end
+  end)
+  local task = async.every("every", 5, function()
+    passes = passes + 1
+    if passes == 1 then error("first pass fails", 0) end
+  end, { logger = "demesne.test.every" })
+  async.sleep(30)
+  async.cancel(task, "test")
+  remove()
+  t:eq(got, { "warning: first pass fails" }, "the error was logged once, under the given logger")
+  t:ok(passes >= 2, "the loop went on after the error")
+  t:ok(not task.done or task.result[2] ~= "first pass fails", "the error did not end the task")
+end
+
+function tests.every_stops_on_cancel(t)
+  local passes = 0
+  local task = async.every("every", 5, function() passes = passes + 1 end)
+  async.sleep(12)
+  async.cancel(task, "shutdown")
+  local ok, err = task:wait()
+  t:eq({ ok, err }, { false, async.CANCELLED }, "the sleep was cancelled")
+  local n = passes
+  async.sleep(20)
+  t:eq(passes, n, "no pass after the cancel")
+  -- a pass cancelled while it awaits ends the loop too, without a warning
+  local warned = false
+  local remove = log.add_sink(function(_, logger) if logger == "demesne.async" then warned = true end end)
+  local inner = async.every("every", 5, function() async.sleep(60000) end)
+  async.cancel(inner, "shutdown")
+  t:ok(inner.done, "a cancel inside a pass ended the loop")
+  remove()
+  t:ok(not warned, "a cancel is not logged as an error")
 end
 
 function tests.errors_carry_traceback(t)

@@ -49,6 +49,8 @@ local LAYERS = {
   ["demesne.plugins"] = 1, ["demesne.runtime"] = 1, ["demesne.terminal"] = 1, ["demesne.oauth"] = 1, ["demesne.jsonschema"] = 1,
   -- the layer contract (lua/layer.lua): the lower layers run the hooks the higher ones declare
   ["demesne.layer"] = 1,
+  -- the services runner (lua/services.lua): starts a declared list, stops it in reverse
+  ["demesne.services"] = 1,
 }
 
 local function layer_of(mod)
