@@ -25,6 +25,7 @@
 local async = require("demesne.async")
 local errors = require("demesne.errors")
 local log = require("demesne.log")
+local services = require("demesne.services")
 
 local layer = {}
 
@@ -84,7 +85,7 @@ local FIELDS = { name = true, services = true }
 ---@field vendor_charge fun(run_id: string, usd: number, usage: table|nil, resv: table|nil)|nil
 
 local installed = {} -- Layer[], in the order of installation
-local started = {}   -- LayerService[] started by layer.start_services, in order
+local running = { started = {} } -- RunningServices: what layer.start_services started, in order
 
 local function bad(fmt, ...) error("layer.install: " .. fmt:format(...), 4) end
 
@@ -200,33 +201,28 @@ function layer.run(name, ...)
 end
 
 --- Starts the services of the installed layers, in the order of installation (each
---- layer's in its list's order). A service already started is not started again. A start
---- that raises stops the services started so far (in reverse) and raises.
+--- layer's in its list's order), with the services runner (lua/services.lua). A service
+--- already started is not started again. A start that raises stops the services started
+--- so far (in reverse) and raises.
 function layer.start_services()
+  local list = {}
   for _, l in ipairs(installed) do
     for _, s in ipairs(l.services or {}) do
-      local running = false
-      for _, x in ipairs(started) do if x == s then running = true end end
-      if not running then
-        local ok, err = pcall(s.start)
-        if not ok then
-          layer.stop_services()
-          error(err, 0)
-        end
-        started[#started + 1] = s
-      end
+      local up = false
+      for _, x in ipairs(running.started) do up = up or x == s end
+      if not up then list[#list + 1] = s end
     end
   end
+  local ok, r = pcall(services.start, list, {})
+  if not ok then
+    layer.stop_services()
+    error(r, 0)
+  end
+  for _, s in ipairs(r.started) do running.started[#running.started + 1] = s end
 end
 
 --- Stops the services layer.start_services started, in the reverse order of their starts,
---- once each. A stop that raises is logged and the others still stop.
-function layer.stop_services()
-  while #started > 0 do
-    local s = table.remove(started)
-    local ok, err = pcall(s.stop)
-    if not ok then log.warning("demesne.layer", "service %s: stop: %s", s.name, errors.message(err)) end
-  end
-end
+--- once each (services.stop). A stop that raises is logged and the others still stop.
+function layer.stop_services() services.stop(running, {}) end
 
 return layer
