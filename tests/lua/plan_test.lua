@@ -6,6 +6,7 @@ local config = require("demesne.config")
 local json = require("demesne.json")
 local loop = require("core.loop")
 local plan = require("demesne.sandbox.plan")
+local run = require("demesne.sandbox.run")
 local spec = require("demesne.sandbox.spec")
 
 local tests = {}
@@ -46,6 +47,36 @@ function tests.a_declared_field_is_written_and_read(t)
     t:eq({ p.run_id, p.output_dir, p.id }, { "r1", "/o", "c1" })
     t:eq(#p.mounts, 0)
     t:ok(not plan.is({}), "a plain table is no plan")
+  end)
+end
+
+function tests.the_live_state_is_in_the_plans_sandbox_run(t)
+  with_strict("1", function()
+    local p = plan.new({ run_id = "r1" })
+    t:eq(p.id, nil, "no live state before the run")
+    p.id, p.exit_code = "c1", 3
+    local r = p:live()
+    t:ok(run.is(r), "p:live() is a SandboxRun")
+    t:eq(r.plan, p, "the run names its plan")
+    t:eq({ r.id, r.exit_code }, { "c1", 3 }, "the live writes went to the run")
+    r.timed_out = true
+    t:eq(p.timed_out, true, "the plan reads its live fields through")
+    t:eq(p:live(), r, "one run per plan")
+    local seen = {}
+    for k, v in pairs(p) do seen[k] = v end
+    t:eq(seen, { run_id = "r1", id = "c1", exit_code = 3, timed_out = true }, "pairs: its fields and its live ones")
+    t:eq(run.start(p, 42), r, "run.start gives the same run")
+    t:eq(p.started_ms, 42)
+    run.start(p, 99)
+    t:eq(p.started_ms, 42, "a started run keeps its start")
+    local ok, err = pcall(function() r.exti_code = 1 end)
+    t:ok(not ok, "an undeclared live field raises")
+    t:match(tostring(err), "exti_code is not a declared field %(lua/sandbox/run.lua")
+    for name, meaning in pairs(run.FIELDS) do
+      t:eq(plan.part(name), "run", name .. " is of the run part")
+      t:eq(plan.FIELDS[name], nil, name .. " is no plan field")
+      t:ok(type(meaning) == "string" and #meaning > 0, name .. " says what it means")
+    end
   end)
 end
 
