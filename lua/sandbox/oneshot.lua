@@ -16,6 +16,7 @@ local files = require("demesne.sandbox.files")
 local delivery = require("demesne.sandbox.delivery")
 local persistent = require("demesne.sandbox.persistent")
 local quota = require("demesne.sandbox.quota")
+local plan = require("demesne.sandbox.plan")
 local run = require("demesne.sandbox.run")
 local preview = require("demesne.sandbox.preview")
 local spec = require("demesne.sandbox.spec")
@@ -294,6 +295,7 @@ function oneshot.run_script(ctx, args)
     oneshot.script_start(ctx, o)
     oneshot.script_send(o)
   end
+  plan.launched(o) -- from here on the plan is only read; the live state is its SandboxRun's
   local _hb <close> = progress.heartbeat(ctx)
   -- demesne-init enforces the timeout inside; this host-side deadline covers a stuck engine
   -- or sandbox (the container is removed on the way out either way)

@@ -25,7 +25,8 @@ local plan = {}
 --- The parts of a plan, in the order a plan is built.
 plan.PARTS = { "identity", "placement", "policy", "launch", "run" }
 
---- field name -> {part, meaning}: every field a SandboxPlan may hold.
+--- field name -> {part, meaning, why}: every field a SandboxPlan may hold; `why`, for the
+--- few a frozen plan may still have written, says why (SandboxPlan:freeze).
 plan.FIELDS = {
   -- identity
   run_id = { "identity", "the run id (sortable, unique); names its folders and labels" },
@@ -72,7 +73,8 @@ plan.FIELDS = {
   before_create = { "launch", "a function(plan) run just before the container is created" },
   after_call = { "launch", "a function run when the call's teardown starts (the pool refills)" },
   devcontainer = { "launch", "the repository's devcontainer plan (lua/images/devcontainer.lua)" },
-  repo = { "launch", "the host repository's plan (lua/repo)" },
+  repo = { "launch", "the host repository's plan (lua/repo)",
+    "written after the start: a script job's hand-back reloads the saved plan (lua/jobs/script.lua)" },
   provider = { "launch", "an agent run's provider" },
   model = { "launch", "an agent run's model" },
   credential = { "launch", "an agent run's credential (never recorded)" },
@@ -177,6 +179,16 @@ function SandboxPlan:freeze() frozen[self] = true end
 --- Whether the plan is frozen (SandboxPlan:freeze).
 ---@return boolean
 function SandboxPlan:is_frozen() return frozen[self] == true end
+
+--- Freezes `p` (SandboxPlan:freeze) once its run is launched, when it is a SandboxPlan (a
+--- test's plain table is left as it is). The launchers call it: run_script once the command
+--- is handed over (a fresh sandbox or a warm one), a background job once it is launched, an
+--- agent run once started, the warm pool once a sandbox is filled, persistent.create once
+--- its container runs.
+---@param p table
+function plan.launched(p)
+  if plan.is(p) then p:freeze() end
+end
 
 --- The fields a job's record keeps of its plan, under the record's own names: record name
 --- -> plan field.

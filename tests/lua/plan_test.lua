@@ -80,6 +80,42 @@ function tests.the_live_state_is_in_the_plans_sandbox_run(t)
   end)
 end
 
+function tests.a_launched_plan_is_frozen_its_live_state_is_not(t)
+  with_strict("1", function()
+    local p = plan.new({ run_id = "r1", env = {} })
+    p.cwd = "/w" -- being built: written freely
+    plan.launched(p)
+    t:ok(p:is_frozen(), "launched: frozen")
+    local ok, err = pcall(function() p.env = { "A=1" } end)
+    t:ok(not ok, "a plan field written after the start raises")
+    t:match(tostring(err), "env written after its run started")
+    ok, err = pcall(function() p.cwd = "/x" end)
+    t:ok(not ok, "an existing field too (every write passes the plan's __newindex)")
+    t:match(tostring(err), "cwd written after")
+    t:eq(p.cwd, "/w", "nothing was written")
+    p.id, p.exit_code, p.removed = "c1", 0, true -- its live state: its SandboxRun's
+    t:eq({ p.id, p.exit_code, p.removed }, { "c1", 0, true })
+    p.repo = { branch = "b" } -- the declared exception (FIELDS says why)
+    t:eq(p.repo.branch, "b")
+    local q = { run_id = "plain" }
+    plan.launched(q) -- a test's plain table: left as it is
+    q.env = {}
+    t:eq(type(q.env), "table")
+  end)
+  with_strict(nil, function()
+    local p = plan.new({ run_id = "r2" })
+    plan.launched(p)
+    p.cwd = "/late" -- logged once, kept
+    t:eq(p.cwd, "/late")
+  end)
+end
+
+function tests.fields_a_frozen_plan_may_take_say_why(t)
+  for name, f in pairs(plan.FIELDS) do
+    if f[3] ~= nil then t:ok(type(f[3]) == "string" and #f[3] > 0, name .. ": why it may change after the start") end
+  end
+end
+
 function tests.an_undeclared_write_raises_under_strict_naming_the_field(t)
   with_strict("1", function()
     local p = plan.new()
