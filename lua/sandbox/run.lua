@@ -76,7 +76,7 @@ function run.is(v) return getmetatable(v) == meta end
 
 --- Starts the run of plan `p`: its SandboxRun (made now, or the one its live writes made)
 --- gets started_ms (`now_ms`, unless it has one). Returns the SandboxRun. The plan is
---- frozen (plan:freeze) once the run is launched, which may be later (script_start).
+--- frozen later, once the run is launched (plan.launched: after script_send, for one).
 ---@param p SandboxPlan  (a plain table, a test's, gets started_ms itself)
 ---@param now_ms integer  Unix ms
 ---@return SandboxRun
