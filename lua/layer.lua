@@ -40,8 +40,10 @@ layer.HOOKS = {
   sandbox_plan = { policy = "raise", logger = "demesne.sandbox", args = "ctx, o, args" },
   -- a persistent sandbox is about to be destroyed (its children go first)
   sandbox_removing = { policy = "cleanup", logger = "demesne.sandbox", args = "run_id" },
-  -- a sandbox's container is gone (o: the plan of a one-shot, o.exit_code once its result was
-  -- read; {run_id} from destroy and the reaper); why: what ended it, when known
+  -- a sandbox's container is gone (o: the plan of a one-shot, frozen: only read; its live
+  -- state, o.exit_code once its result was read, o.timed_out, o.started_ms, o.vendor, is read
+  -- through it from its SandboxRun, o:live(), lua/sandbox/run.lua; {run_id} from destroy and
+  -- the reaper, a plain table); why: what ended it, when known
   sandbox_removed = { policy = "cleanup", logger = "demesne.sandbox", args = "o, why" },
   -- a background job was started (its record saved)
   job_launch = { policy = "cleanup", logger = "demesne.jobs", args = "rec" },

@@ -153,6 +153,7 @@ local function fill_one(k)
     error(err, 0)
   end
   entry.conn = o.delivery.conn -- nil under gVisor
+  plan.launched(o) -- a call takes what it holds into its own plan (take): this one is only read
   -- demesne-init listens (or, under gVisor, the container runs): from now on a call can take it
   fs.write_atomic(marker(run_id), "ready\n", 384)
   return entry

@@ -257,7 +257,7 @@ end
 
 --- The removed hook (runs.layer.sandbox_removed): a one-shot run of a tool call (no tree node,
 --- no warm sandbox) has gone: what it was is kept for the cockpit (runs.dir()).
----@param o table  the plan
+---@param o table  the plan (SandboxPlan, read only: exit_code, timed_out, started_ms are its SandboxRun's, read through it)
 ---@param why string|nil
 function runs.removed(o, why)
   if type(o) ~= "table" or o.tree or not o.command or not valid_id(o.run_id) then return end

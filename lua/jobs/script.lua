@@ -84,6 +84,7 @@ local function launch_oneshot(ctx, o, fields, abandon)
   fields.job_id, fields.log_dir = id, o.output_dir
   local rec = jobs.launch(fields, o, jobs.parent_of(ctx))
   handed = true
+  plan.launched(o) -- from here on the plan is only read (a failed launch above may still abandon it)
   return { job_id = rec.job_id, status = rec.status, output_dir = rec.output_dir, run_id = rec.run_id }
 end
 

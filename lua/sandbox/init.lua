@@ -3,6 +3,7 @@
 --
 --   owner.lua       which server process owns a sandbox, and whether it still runs
 --   plan.lua        a sandbox's plan as a declared value (SandboxPlan): its fields, records
+--   run.lua         a running sandbox's live state (SandboxRun): container id, proxy, exit
 --   spec.lua        a sandbox's plan: settings checked, folders, claim, the neutral spec
 --   delivery.lua    how a one-shot's command reaches demesne-init: control, exec, argv
 --   files.lua       what the host reads and removes of a sandbox's files (status, logs)

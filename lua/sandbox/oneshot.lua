@@ -16,6 +16,8 @@ local files = require("demesne.sandbox.files")
 local delivery = require("demesne.sandbox.delivery")
 local persistent = require("demesne.sandbox.persistent")
 local quota = require("demesne.sandbox.quota")
+local plan = require("demesne.sandbox.plan")
+local run = require("demesne.sandbox.run")
 local preview = require("demesne.sandbox.preview")
 local spec = require("demesne.sandbox.spec")
 
@@ -108,7 +110,7 @@ end
 ---@param labels table<string,string>|nil
 function oneshot.script_start(ctx, o, labels)
   plan_once(ctx, o)
-  o.started_ms = o.started_ms or util.now_ms()
+  run.start(o, util.now_ms()) -- its live state (lua/sandbox/run.lua), if run_script has not
   local img = o.devcontainer and devcontainer.ensure(o.engine, o, ctx) or check(images.ensure(o.engine, o.image_arg, ctx))
   make_dirs(o)
   o.image_ref, o.image_name = img.ref, img.name
@@ -286,13 +288,14 @@ function oneshot.run_script(ctx, args)
     oneshot.script_teardown(o, o.repo and function() repo.cleanup(o) end)
   end)
   plan_once(ctx, o)
-  o.started_ms = util.now_ms()
+  run.start(o, util.now_ms()) -- its SandboxRun (lua/sandbox/run.lua): the live state
   quota.check_reserve() -- also before a warm sandbox (made earlier) is claimed
   -- [pool] a warm sandbox of the same kind when there is one (lua/pool.lua), else a new one
   if not (warm_pool and warm_pool.claim(ctx, o)) then
     oneshot.script_start(ctx, o)
     oneshot.script_send(o)
   end
+  plan.launched(o) -- from here on the plan is only read; the live state is its SandboxRun's
   local _hb <close> = progress.heartbeat(ctx)
   -- demesne-init enforces the timeout inside; this host-side deadline covers a stuck engine
   -- or sandbox (the container is removed on the way out either way)

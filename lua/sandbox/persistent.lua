@@ -17,6 +17,8 @@ local files = require("demesne.sandbox.files")
 local layer = require("demesne.layer")
 local quota = require("demesne.sandbox.quota")
 local repo = require("demesne.repo")
+local plan = require("demesne.sandbox.plan")
+local run = require("demesne.sandbox.run")
 local preview = require("demesne.sandbox.preview")
 local snapshots = require("demesne.sandbox.snapshots")
 local spec = require("demesne.sandbox.spec")
@@ -159,6 +161,8 @@ function persistent.create(ctx, args)
   spec.check_plan(o)
   local id, eg, img = launch(ctx, o, args, snap)
   started = true
+  run.start(o, util.now_ms()) -- its SandboxRun (lua/sandbox/run.lua); the container's id stays the engine's
+  plan.launched(o) -- from here on the plan is only read
   -- [channel] answer once demesne-init listens on its control socket, so that the first
   -- exec does not find it missing (and fall back to the exec API); a few ms at most
   if o.control then

@@ -7,8 +7,10 @@
 --   policy     what it may do: engine, limits, egress policy, isolation, lifetimes
 --   launch     how it starts: image, command, demesne-init's command line and Delivery
 --              (lua/sandbox/delivery.lua), the agent run's and repository's extras
---   run        what the run holds once it is under way: container id, proxy, connection,
---              times, exit status (the live state; written as the run goes)
+--   run        what the run holds once it is under way: container id, proxy, times, exit
+--              status (the live state; not the plan's own: it lives in the plan's SandboxRun,
+--              lua/sandbox/run.lua, and the plan reads and writes it through, p.id being
+--              p:live().id)
 --
 -- A plan is built once (plan.new, by spec.prepare, the warm pool, a job's record) and its
 -- contributors (the plan hooks of the layer above, the repository, the devcontainer) fill
@@ -16,14 +18,15 @@
 -- mistake: with DEMESNE_STRICT=1 (the tests) it raises, naming the field; otherwise it is
 -- logged once per field and kept. A job's record keeps what it needs of the plan
 -- (plan:record) and a restarted server rebuilds it from there (plan.from_record).
-local log = require("demesne.log")
+local run = require("demesne.sandbox.run")
 
 local plan = {}
 
 --- The parts of a plan, in the order a plan is built.
 plan.PARTS = { "identity", "placement", "policy", "launch", "run" }
 
---- field name -> {part, meaning}: every field a SandboxPlan may hold.
+--- field name -> {part, meaning, why}: every field a SandboxPlan may hold; `why`, for the
+--- few a frozen plan may still have written, says why (SandboxPlan:freeze).
 plan.FIELDS = {
   -- identity
   run_id = { "identity", "the run id (sortable, unique); names its folders and labels" },
@@ -70,7 +73,8 @@ plan.FIELDS = {
   before_create = { "launch", "a function(plan) run just before the container is created" },
   after_call = { "launch", "a function run when the call's teardown starts (the pool refills)" },
   devcontainer = { "launch", "the repository's devcontainer plan (lua/images/devcontainer.lua)" },
-  repo = { "launch", "the host repository's plan (lua/repo)" },
+  repo = { "launch", "the host repository's plan (lua/repo)",
+    "written after the start: a script job's hand-back reloads the saved plan (lua/jobs/script.lua)" },
   provider = { "launch", "an agent run's provider" },
   model = { "launch", "an agent run's model" },
   credential = { "launch", "an agent run's credential (never recorded)" },
@@ -81,40 +85,59 @@ plan.FIELDS = {
   continues = { "launch", "the run id an agent run continues" },
   chain = { "launch", "the keep of the chain of continues it belongs to" },
   keep_id = { "launch", "the keep an agent run holds (its HOME and /workspace)" },
-  -- run
-  id = { "run", "the container id, once created" },
-  creating = { "run", "the task that creates the container" },
-  egress_handle = { "run", "its egress proxy" },
-  started_ms = { "run", "when the run started (Unix ms)" },
-  planned = { "run", "the plan hooks have run" },
-  quota_watch = { "run", "the watch of its output quota" },
-  removed = { "run", "its container was removed" },
-  tree_removed = { "run", "its removed hooks ran" },
-  exit_code = { "run", "the command's exit code, once read" },
-  timed_out = { "run", "whether the command timed out" },
-  vendor = { "run", "an agent run's vendor route" },
-  handed_back = { "run", "a repository run's branch came back" },
+  -- run: the live state, in the plan's SandboxRun (lua/sandbox/run.lua FIELDS)
 }
 
 ---@class SandboxPlan
 local SandboxPlan = {}
 
-local warned = {} -- field -> true: an undeclared write was logged
+-- A plan's storage is apart from the plan table (which stays empty), so that every write
+-- passes __newindex: a plan's fields, and its SandboxRun; both weak-keyed on the plan.
+local store = setmetatable({}, { __mode = "k" }) -- plan -> field -> value
+local live = setmetatable({}, { __mode = "k" }) -- plan -> its SandboxRun
+local frozen = setmetatable({}, { __mode = "k" }) -- plan -> true once launched
 
-local function undeclared(k)
-  local msg = ("sandbox plan: %s is not a declared field (lua/sandbox/plan.lua FIELDS)"):format(tostring(k))
-  if os.getenv("DEMESNE_STRICT") == "1" then error(msg, 3) end
-  if not warned[k] then
-    warned[k] = true
-    log.warning("demesne.sandbox", "%s", msg)
+local function live_of(self)
+  local r = live[self]
+  if not r then
+    r = run.new(self)
+    live[self] = r
   end
+  return r
 end
 
 local meta = {
-  __index = SandboxPlan,
+  __index = function(self, k)
+    if run.FIELDS[k] then
+      local r = live[self]
+      return r and r[k]
+    end
+    local v = store[self][k]
+    if v ~= nil then return v end
+    return SandboxPlan[k]
+  end,
   __newindex = function(self, k, v)
-    if not plan.FIELDS[k] then undeclared(k) end
-    rawset(self, k, v)
+    if run.FIELDS[k] then
+      live_of(self)[k] = v
+      return
+    end
+    local f = plan.FIELDS[k]
+    if not f then
+      run.mistake(("sandbox plan: %s is not a declared field (lua/sandbox/plan.lua FIELDS)"):format(tostring(k)), 2)
+    elseif frozen[self] and not f[3] then
+      run.mistake(("sandbox plan: %s written after its run started (the plan is frozen; live state goes in "
+        .. "its SandboxRun, lua/sandbox/run.lua)"):format(tostring(k)), 2)
+    end
+    store[self][k] = v
+  end,
+  -- pairs(plan): its fields, then its live ones
+  __pairs = function(self)
+    local all = {}
+    for k, v in pairs(store[self]) do all[k] = v end
+    for k, v in pairs(live[self] or {}) do
+      if k ~= "plan" then all[k] = v end
+    end
+    return next, all, nil
   end,
 }
 
@@ -124,6 +147,7 @@ local meta = {
 ---@return SandboxPlan
 function plan.new(fields)
   local p = setmetatable({}, meta)
+  store[p] = {}
   for k, v in pairs(fields or {}) do p[k] = v end
   return p
 end
@@ -138,8 +162,32 @@ function plan.is(v) return getmetatable(v) == meta end
 ---@param field string
 ---@return string|nil
 function plan.part(field)
+  if run.FIELDS[field] then return "run" end
   local f = plan.FIELDS[field]
   return f and f[1]
+end
+
+--- The plan's SandboxRun (lua/sandbox/run.lua): its live state, made now if it has none.
+---@return SandboxRun
+function SandboxPlan:live() return live_of(self) end
+
+--- Freezes the plan once its run is launched: from then on a write of a plan field (not its
+--- live ones, which go to its SandboxRun; nor the few FIELDS that say why they may change)
+--- is a mistake, as an undeclared one is (DEMESNE_STRICT=1: it raises, naming the field).
+function SandboxPlan:freeze() frozen[self] = true end
+
+--- Whether the plan is frozen (SandboxPlan:freeze).
+---@return boolean
+function SandboxPlan:is_frozen() return frozen[self] == true end
+
+--- Freezes `p` (SandboxPlan:freeze) once its run is launched, when it is a SandboxPlan (a
+--- test's plain table is left as it is). The launchers call it: run_script once the command
+--- is handed over (a fresh sandbox or a warm one), a background job once it is launched, an
+--- agent run once started, the warm pool once a sandbox is filled, persistent.create once
+--- its container runs.
+---@param p table
+function plan.launched(p)
+  if plan.is(p) then p:freeze() end
 end
 
 --- The fields a job's record keeps of its plan, under the record's own names: record name

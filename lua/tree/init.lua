@@ -523,7 +523,7 @@ end
 
 --- The removed hook (tree.layer.sandbox_removed): a one-shot run's container is gone, or a
 --- persistent sandbox was destroyed or reaped. Ends the node (see above).
----@param o table  the plan ({tree} or {run_id}); `why` optional
+---@param o table  the plan (SandboxPlan, read only; its live fields through it), or {tree} or {run_id}; `why` optional
 ---@param why string|nil
 function tree.removed(o, why)
   local id = type(o) == "table" and (o.tree or o.run_id) or o

@@ -7,6 +7,8 @@ local compose = require("demesne.compose")
 local jobs = require("demesne.jobs")
 local layer = require("demesne.layer")
 local log = require("demesne.log")
+local plan = require("demesne.sandbox.plan")
+local run = require("demesne.sandbox.run")
 local util = require("demesne.util")
 
 local tests = {}
@@ -89,6 +91,25 @@ function tests.a_removal_hook_error_is_logged_and_the_cleanup_goes_on(t)
   t:eq(ok, true, "layer.run returns to the cleanup")
   t:eq(seen, { "r2: expired" }, "the next layer's hook still ran")
   t:eq(got, { "demesne.sandbox: sandbox_removed hook of layer broken: disk on fire" })
+end
+
+-- A one-shot's removal hooks are given its plan, frozen: they read its live state (its
+-- SandboxRun's exit code, timeout, start) through it, and may not write the plan.
+function tests.a_removal_hook_reads_the_live_state_through_the_frozen_plan(t)
+  local seen
+  local _ <close> = only({ name = "records", sandbox_removed = function(o)
+    seen = { o.run_id, o.exit_code, o.timed_out, o.started_ms, o:live().plan == o }
+    o.cwd = "/elsewhere" -- a mistake: raises under DEMESNE_STRICT=1 (the tests'), logged by the hook's policy
+  end })
+  local o = plan.new({ run_id = "r5", kind = "oneshot" })
+  run.start(o, 1000)
+  plan.launched(o)
+  o.exit_code, o.timed_out = 7, false
+  local got = warnings(function() layer.run("sandbox_removed", o) end)
+  t:eq(seen, { "r5", 7, false, 1000, true })
+  t:eq(#got, 1, "the write to the frozen plan was refused")
+  t:match(got[1] or "", "cwd written after its run started")
+  t:eq(o.cwd, nil)
 end
 
 function tests.a_cancel_inside_a_removal_or_job_hook_propagates(t)

@@ -6,6 +6,7 @@ local config = require("demesne.config")
 local json = require("demesne.json")
 local loop = require("core.loop")
 local plan = require("demesne.sandbox.plan")
+local run = require("demesne.sandbox.run")
 local spec = require("demesne.sandbox.spec")
 
 local tests = {}
@@ -47,6 +48,72 @@ function tests.a_declared_field_is_written_and_read(t)
     t:eq(#p.mounts, 0)
     t:ok(not plan.is({}), "a plain table is no plan")
   end)
+end
+
+function tests.the_live_state_is_in_the_plans_sandbox_run(t)
+  with_strict("1", function()
+    local p = plan.new({ run_id = "r1" })
+    t:eq(p.id, nil, "no live state before the run")
+    p.id, p.exit_code = "c1", 3
+    local r = p:live()
+    t:ok(run.is(r), "p:live() is a SandboxRun")
+    t:eq(r.plan, p, "the run names its plan")
+    t:eq({ r.id, r.exit_code }, { "c1", 3 }, "the live writes went to the run")
+    r.timed_out = true
+    t:eq(p.timed_out, true, "the plan reads its live fields through")
+    t:eq(p:live(), r, "one run per plan")
+    local seen = {}
+    for k, v in pairs(p) do seen[k] = v end
+    t:eq(seen, { run_id = "r1", id = "c1", exit_code = 3, timed_out = true }, "pairs: its fields and its live ones")
+    t:eq(run.start(p, 42), r, "run.start gives the same run")
+    t:eq(p.started_ms, 42)
+    run.start(p, 99)
+    t:eq(p.started_ms, 42, "a started run keeps its start")
+    local ok, err = pcall(function() r.exti_code = 1 end)
+    t:ok(not ok, "an undeclared live field raises")
+    t:match(tostring(err), "exti_code is not a declared field %(lua/sandbox/run.lua")
+    for name, meaning in pairs(run.FIELDS) do
+      t:eq(plan.part(name), "run", name .. " is of the run part")
+      t:eq(plan.FIELDS[name], nil, name .. " is no plan field")
+      t:ok(type(meaning) == "string" and #meaning > 0, name .. " says what it means")
+    end
+  end)
+end
+
+function tests.a_launched_plan_is_frozen_its_live_state_is_not(t)
+  with_strict("1", function()
+    local p = plan.new({ run_id = "r1", env = {} })
+    p.cwd = "/w" -- being built: written freely
+    plan.launched(p)
+    t:ok(p:is_frozen(), "launched: frozen")
+    local ok, err = pcall(function() p.env = { "A=1" } end)
+    t:ok(not ok, "a plan field written after the start raises")
+    t:match(tostring(err), "env written after its run started")
+    ok, err = pcall(function() p.cwd = "/x" end)
+    t:ok(not ok, "an existing field too (every write passes the plan's __newindex)")
+    t:match(tostring(err), "cwd written after")
+    t:eq(p.cwd, "/w", "nothing was written")
+    p.id, p.exit_code, p.removed = "c1", 0, true -- its live state: its SandboxRun's
+    t:eq({ p.id, p.exit_code, p.removed }, { "c1", 0, true })
+    p.repo = { branch = "b" } -- the declared exception (FIELDS says why)
+    t:eq(p.repo.branch, "b")
+    local q = { run_id = "plain" }
+    plan.launched(q) -- a test's plain table: left as it is
+    q.env = {}
+    t:eq(type(q.env), "table")
+  end)
+  with_strict(nil, function()
+    local p = plan.new({ run_id = "r2" })
+    plan.launched(p)
+    p.cwd = "/late" -- logged once, kept
+    t:eq(p.cwd, "/late")
+  end)
+end
+
+function tests.fields_a_frozen_plan_may_take_say_why(t)
+  for name, f in pairs(plan.FIELDS) do
+    if f[3] ~= nil then t:ok(type(f[3]) == "string" and #f[3] > 0, name .. ": why it may change after the start") end
+  end
 end
 
 function tests.an_undeclared_write_raises_under_strict_naming_the_field(t)
