@@ -51,8 +51,10 @@ K8S_BUSYBOX_IMAGE=localhost/busybox:demesne
 # sysctls the kubelet (vm.*, kernel.*) and the CNI bridge plugin (ip_forward) may rewrite
 K8S_SYSCTLS=(vm.overcommit_memory vm.panic_on_oom kernel.panic kernel.panic_on_oops
   kernel.keys.root_maxkeys kernel.keys.root_maxbytes net.ipv4.ip_forward)
-# fixed host paths kubelet 1.20 and libcni write to, whatever their configuration says
-K8S_HOST_DIRS=(/var/log/pods /var/log/containers /var/lib/cni /var/lib/cni/results)
+# fixed host paths kubelet 1.20 and libcni write to, whatever their configuration says (the
+# kubelet's device plugin socket is always /var/lib/kubelet/device-plugins/kubelet.sock)
+K8S_HOST_DIRS=(/var/log/pods /var/log/containers /var/lib/cni /var/lib/cni/results
+  /var/lib/kubelet /usr/libexec/kubernetes)
 K8S_CNI_NETWORK=demesne-test-bed  # the conflist's name: libcni's cache files start with it
 
 # ---------------------------------------------------------------- helpers
