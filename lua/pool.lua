@@ -6,7 +6,7 @@
 -- its run id, output folder, run folder, egress proxy and relay socket exist from the
 -- fill; only the command, its environment and its timeout come with the call, over the
 -- control socket (lua/channel.lua), or under gVisor, which has no control socket, through
--- the engine's exec API (sandbox.script_exec). So a claimed sandbox is what a fresh one
+-- the engine's exec API (sandbox.script_send with an "exec" Delivery). So a claimed sandbox is what a fresh one
 -- would be: a new filesystem, no earlier process (demesne-init and its relay only), its own
 -- /out, the same isolation (gVisor, user namespace).
 --

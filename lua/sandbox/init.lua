@@ -52,7 +52,7 @@ export(spec, "new_run_id engine num limits env check_command timeout dirs prepar
 export(spec, "isolation check_inputs_reach private_roots")
 export(files, "oom_note gvisor_kill_note check_status read_status collect remove_in remove_tree")
 export(oneshot, "script_prepare script_env script_start script_send script_remove script_wait script_result run_script")
-export(oneshot, "script_teardown script_exec use_pool watch_quota quota_outcome script_stop_gently")
+export(oneshot, "script_teardown use_pool watch_quota quota_outcome script_stop_gently")
 export(persistent, "create write_expiry expiry_file lookup state_of check_alive stop_unresponsive destroy list expose expose_run")
 export(persistent, "watch unwatch unwatch_all watched stopped_reason expiry_of")
 --- The port previews this server holds for the sandbox `run_id`: [{port, url}] (lua/sandbox/preview.lua).

@@ -148,11 +148,6 @@ function oneshot.script_send(o)
   o.delivery:send(o, run_args(o), o.env)
 end
 
---- [pool] The same as script_send (kept for its callers): a warm gVisor sandbox's Delivery
---- is "exec", so the command goes through the engine's exec API.
----@param o table  the plan, its container running `demesne-init serve`
-function oneshot.script_exec(o) oneshot.script_send(o) end
-
 --- Removes a one-shot run's container, if it was created (waiting for a create still in
 --- flight). Returns true, or nil and the engine's message.
 ---@param o table  the plan
