@@ -1,5 +1,8 @@
-/* core.httphead: one HTTP/1.x request head parsed with llhttp, for relays that check the
- * head and then carry the connection's raw bytes (the port previews, lua/sandbox/preview.lua). */
+/* core.httphead: HTTP/1.x request heads parsed with llhttp, for relays that check each
+ * request's head and carry the connection's raw bytes (the port previews,
+ * lua/sandbox/preview.lua): parse() reads one head, stream() finds where each request of a
+ * keep-alive connection ends (Content-Length, chunked, an upgrade) so the next head can be
+ * checked before it is carried. */
 #include "runtime.h"
 #include "bind/bind.h"
 #include <llhttp.h>
@@ -116,9 +119,78 @@ static int l_parse(lua_State *L) {
   return 1;
 }
 
-static const luaL_Reg funcs[] = {{"parse", l_parse}, {NULL, NULL}};
+/* The requests of one connection, fed in order: llhttp keeps its place across calls and
+ * pauses at the end of each request (or at an upgrade) so the caller learns the boundary. */
+#define STREAM_MT "core.httphead.stream"
+
+typedef struct {
+  llhttp_t parser;
+  llhttp_settings_t settings;
+  int ended; /* on_message_complete ran in this call */
+  int upgraded;
+  int failed;
+} head_stream;
+
+static int on_message_complete(llhttp_t *p) {
+  if (p->upgrade) return 0; /* llhttp then stops with HPE_PAUSED_UPGRADE */
+  ((head_stream *)p->data)->ended = 1;
+  return HPE_PAUSED;
+}
+
+/* core.httphead.stream(): a parser of the requests of one connection. */
+static int l_stream(lua_State *L) {
+  head_stream *s = lua_newuserdatauv(L, sizeof *s, 0);
+  memset(s, 0, sizeof *s);
+  llhttp_settings_init(&s->settings);
+  s->settings.on_message_complete = on_message_complete;
+  llhttp_init(&s->parser, HTTP_REQUEST, &s->settings);
+  s->parser.data = s;
+  luaL_setmetatable(L, STREAM_MT);
+  return 1;
+}
+
+/* stream:execute(bytes): reads `bytes`, the next bytes of the connection from the client.
+ * Returns n, state: n bytes of `bytes` were read, and state is "more" (all of them, the
+ * request not ended yet), "ended" (a request ended after n bytes: the next byte starts the
+ * next request's head, which the caller checks before it feeds it), or "upgraded" (a
+ * request asked for an upgrade and its head ended after n bytes: what follows is another
+ * protocol, not HTTP). nil, msg, "EPROTO" when the bytes are not well-formed HTTP/1.x
+ * requests; after that, or after "upgraded", every call fails the same way. */
+static int l_stream_execute(lua_State *L) {
+  head_stream *s = luaL_checkudata(L, 1, STREAM_MT);
+  size_t len;
+  const char *data = luaL_checklstring(L, 2, &len);
+  if (s->failed || s->upgraded) return dm_fail(L, "the connection is no longer HTTP/1.x requests", "EPROTO");
+  if (llhttp_get_errno(&s->parser) == HPE_PAUSED) llhttp_resume(&s->parser);
+  s->ended = 0;
+  llhttp_errno_t e = llhttp_execute(&s->parser, data, len);
+  if (e == HPE_OK) {
+    lua_pushinteger(L, (lua_Integer)len);
+    lua_pushliteral(L, "more");
+    return 2;
+  }
+  if (e == HPE_PAUSED && s->ended) {
+    lua_pushinteger(L, (lua_Integer)(llhttp_get_error_pos(&s->parser) - data));
+    lua_pushliteral(L, "ended");
+    return 2;
+  }
+  if (e == HPE_PAUSED_UPGRADE) {
+    s->upgraded = 1;
+    lua_pushinteger(L, (lua_Integer)(llhttp_get_error_pos(&s->parser) - data));
+    lua_pushliteral(L, "upgraded");
+    return 2;
+  }
+  s->failed = 1;
+  const char *reason = llhttp_get_error_reason(&s->parser);
+  return dm_fail(L, reason ? reason : llhttp_errno_name(e), "EPROTO");
+}
+
+static const luaL_Reg stream_methods[] = {{"execute", l_stream_execute}, {NULL, NULL}};
+
+static const luaL_Reg funcs[] = {{"parse", l_parse}, {"stream", l_stream}, {NULL, NULL}};
 
 int luaopen_core_httphead(lua_State *L) {
+  dm_metatable(L, STREAM_MT, stream_methods, NULL, NULL);
   luaL_newlib(L, funcs);
   return 1;
 }

@@ -1,11 +1,11 @@
 -- Port previews (sandbox_create's `ports`, sandbox_expose): a listener on the host's
 -- loopback per previewed port, http://127.A.B.C:<host port>/, each on a loopback address of
 -- its own (preview.address: each its own origin and its own cookie jar). A
--- connection is let through when its first request head (parsed by core.httphead, llhttp)
--- names that address and port as its Host, comes from no other origin, and carries the
--- preview's secret: ?demesne_preview=<token> (answered with a cookie for that port and a
--- redirect to the clean URL) or that cookie. Its bytes are then carried both ways, as they
--- are (HTTP, keep-alive, WebSocket upgrades), to `demesne-init connect 127.0.0.1:<port>`
+-- request is let through when its head (parsed by core.httphead, llhttp) names that address
+-- and port as its Host, comes from no other origin, and carries the preview's secret:
+-- ?demesne_preview=<token> (answered with a cookie for that port and a redirect to the
+-- clean URL) or that cookie; each request of a kept-alive connection is judged. Its bytes
+-- are carried both ways, as they are (HTTP, keep-alive, WebSocket upgrades), to `demesne-init connect 127.0.0.1:<port>`
 -- run in the sandbox through the engine's exec API (Engine:exec_stream): one exec per
 -- connection, so the sandbox needs no network interface, and it works at egress none and
 -- under gVisor, where the host cannot connect to a socket made in the sandbox.
@@ -27,7 +27,7 @@ local timer = require("core.timer")
 local preview = {}
 
 local LOGGER = "demesne.preview"
-local HEAD_MAX = 16384 -- bytes of the first request head
+local HEAD_MAX = 16384 -- bytes of a request head
 local HEAD_MS = 10000 -- the first request head must arrive within this
 local HIGH, LOW = 1024 * 1024, 256 * 1024 -- back-pressure marks (bytes queued)
 local PARAM = "demesne_preview"
@@ -96,7 +96,7 @@ function preview.address()
   end
 end
 
---- Why a first request head is refused, or nil when it may pass; `redirect` when it carried
+--- Why a request head is refused, or nil when it may pass; `redirect` when it carried
 --- the right token in its URL (the answer sets the cookie).
 ---@param e table  the preview's entry
 ---@param head table  core.httphead.parse's result
@@ -125,12 +125,32 @@ function preview.judge(e, head)
   return 403, "this preview needs its secret: open the URL that sandbox_create or sandbox_expose gave"
 end
 
--- Carries an accepted and judged connection: `first` (the bytes read so far) and the rest,
--- with back-pressure both ways (a side whose peer has more than HIGH bytes queued stops
--- being read until the queue is below LOW).
+-- The proxy's own answer to a head that preview.judge refused or sent to the cookie's
+-- redirect, as answer()'s arguments after the connection ({status, reason, body, extra});
+-- nil when the head may pass.
+local function refusal(e, head)
+  local status, why, redirect = preview.judge(e, head)
+  if status then
+    log.info(LOGGER, "preview %s:%d refused a request (%d): %s", e.sandbox_id, e.port, status, why)
+    return { status, status == 421 and "Misdirected Request" or "Forbidden", why .. "\n" }
+  end
+  if redirect then
+    return { 303, "See Other", "", ("Location: %s\r\nSet-Cookie: %s=%s; HttpOnly; SameSite=Strict; Path=/\r\n")
+      :format(redirect, e.cookie, e.token) }
+  end
+end
+
+-- Carries an accepted connection whose first head passed: `first` (the bytes read so far)
+-- and the rest, with back-pressure both ways (a side whose peer has more than HIGH bytes
+-- queued stops being read until the queue is below LOW). Every later request of a
+-- kept-alive connection is judged too before its bytes go on (core.httphead.stream finds
+-- where each request ends): a browser that reuses a connection for the secret's URL gets
+-- the redirect, so the secret never reaches the sandbox in a URL. After an upgrade
+-- (WebSocket) the bytes are carried as they are.
 local function relay(e, c, first)
-  local ex, out_started, ex_paused, c_paused
+  local ex, out_started, ex_paused, c_paused, over
   local function on_out(data, stderr)
+    if over then return end
     if data then
       out_started = true
       c:write(data, function(ok)
@@ -166,11 +186,17 @@ local function relay(e, c, first)
   ex = h
   if e.closed then return ex:close() end
   e.conns[c] = ex
-  ex:write(first)
+  -- the connection's end, with an answer of the proxy's own instead of the sandbox's
+  local function cut(status, reason, body, extra)
+    over = true
+    c:read_stop()
+    e.conns[c] = nil
+    ex:close()
+    answer(c, status, reason, body, extra)
+  end
   local reader
-  reader = function(data)
-    if not data then return ex:shutdown() end
-    ex:write(data, function()
+  local function carry(bytes)
+    ex:write(bytes, function()
       if c_paused and ex:queued() < LOW then
         c_paused = false
         c:read_start(reader)
@@ -181,7 +207,39 @@ local function relay(e, c, first)
       c:read_stop()
     end
   end
-  c:read_start(reader)
+  local requests, buf, at = httphead.stream(), first, "body" -- at: "head", "body" or "raw"
+  local function pump()
+    while #buf > 0 and not over do
+      if at == "raw" then
+        carry(buf)
+        buf = ""
+        return
+      end
+      if at == "head" then
+        local head, _, code = httphead.parse(buf)
+        if not head then
+          if code == "EAGAIN" and #buf <= HEAD_MAX then return end
+          if code == "EAGAIN" then return cut(431, "Request Header Fields Too Large", "the request head is too large\n") end
+          return cut(400, "Bad Request", "not an HTTP/1 request\n")
+        end
+        local r = refusal(e, head)
+        if r then return cut(table.unpack(r)) end
+        at = "body"
+      end
+      local n, state = requests:execute(buf)
+      if not n then return cut(400, "Bad Request", "not an HTTP/1 request\n") end
+      carry(buf:sub(1, n))
+      buf = buf:sub(n + 1)
+      if state == "ended" then at = "head" elseif state == "upgraded" then at = "raw" end
+    end
+  end
+  reader = function(data)
+    if not data then return ex:shutdown() end
+    buf = buf .. data
+    pump()
+  end
+  pump()
+  if not over then c:read_start(reader) end
 end
 
 -- Reads the first request head of an accepted connection and judges it.
@@ -220,16 +278,10 @@ local function accept(e, c)
     end
     c:read_stop()
     slow:close()
-    local status, why, redirect = preview.judge(e, head)
-    if status then
+    local r = refusal(e, head)
+    if r then
       e.conns[c] = nil
-      log.info(LOGGER, "preview %s:%d refused a request (%d): %s", e.sandbox_id, e.port, status, why)
-      return answer(c, status, status == 421 and "Misdirected Request" or "Forbidden", why .. "\n")
-    end
-    if redirect then
-      e.conns[c] = nil
-      return answer(c, 303, "See Other", "", ("Location: %s\r\nSet-Cookie: %s=%s; HttpOnly; SameSite=Strict; Path=/\r\n")
-        :format(redirect, e.cookie, e.token))
+      return answer(c, table.unpack(r))
     end
     async.spawn("preview " .. e.sandbox_id .. ":" .. e.port, relay, e, c, buf)
   end)

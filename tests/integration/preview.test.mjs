@@ -322,6 +322,102 @@ test("in Chromium, a preview's sandbox never gets another preview's cookie (the 
   }
 });
 
+// An HTTP/1.1 server that keeps connections alive and answers each request with its path,
+// logging every path it is sent (Python's standard library).
+const PATH_ECHO = String.raw`
+import http.server, sys
+class H(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"
+    def answer(self):
+        n = int(self.headers.get("Content-Length") or 0)
+        got = self.rfile.read(n) if n else b""
+        with open("/tmp/paths.log", "a") as f: f.write(self.command + " " + self.path + "\n")
+        body = ("%s %s %d" % (self.command, self.path, len(got))).encode()
+        self.send_response(200); self.send_header("Content-Type", "text/plain")
+        self.send_header("Content-Length", str(len(body))); self.end_headers(); self.wfile.write(body)
+    do_GET = do_POST = answer
+    def log_message(self, *a): pass
+http.server.ThreadingHTTPServer(("127.0.0.1", int(sys.argv[1])), H).serve_forever()
+`;
+
+// One kept-alive connection: send(text) writes a request and resolves with the next whole
+// answer (its head and a Content-Length body), or with what came before the server closed.
+function keptAlive(url) {
+  const s = net.connect(hostPort(url), new URL(url).hostname);
+  let buf = "", closed = false, waiting = null;
+  const take = () => {
+    if (!waiting) return;
+    const end = buf.indexOf("\r\n\r\n");
+    if (end >= 0) {
+      const len = Number(/\r\ncontent-length: (\d+)/i.exec(buf.slice(0, end))?.[1] || 0);
+      if (buf.length >= end + 4 + len) {
+        const answer = buf.slice(0, end + 4 + len);
+        buf = buf.slice(end + 4 + len);
+        const w = waiting; waiting = null;
+        return w({ answer, closed });
+      }
+    }
+    if (closed) { const w = waiting; waiting = null; w({ answer: buf, closed }); }
+  };
+  s.on("data", (d) => { buf += d.toString("latin1"); take(); });
+  s.on("close", () => { closed = true; take(); });
+  s.on("error", () => {});
+  return {
+    send: (text) => new Promise((resolve) => { waiting = resolve; s.write(text); take(); }),
+    ended: () => new Promise((resolve) => (closed ? resolve() : s.once("close", resolve))),
+    close: () => s.destroy(),
+  };
+}
+
+test("every request of a kept-alive connection is judged: the secret's URL there gets the redirect, not the sandbox", async () => {
+  const sb = await ok("sandbox_create", { egress: "none", ports: [8000] });
+  try {
+    await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command:
+      `cat > /tmp/paths.py <<'EOF'\n${PATH_ECHO}\nEOF\n(python3 /tmp/paths.py 8000 >/tmp/paths.err 2>&1 &); true` });
+    const url = sb.previews[0].url;
+    const token = new URL(url).searchParams.get("demesne_preview");
+    const cookie = await login(url);
+    await ready(url.split("?")[0], cookie);
+    const host = `Host: ${hostOf(url)}\r\n`;
+    const conn = keptAlive(url);
+    try {
+      let r = await conn.send(`GET /one HTTP/1.1\r\n${host}Cookie: ${cookie}\r\n\r\n`);
+      assert.match(r.answer, /^HTTP\/1\.1 200[^]*\r\n\r\nGET \/one 0$/);
+      // a body that looks like a request head (with the secret) is body: carried, not judged
+      const body = `GET /?demesne_preview=${token} HTTP/1.1\r\n${host}\r\n`;
+      r = await conn.send(`POST /two HTTP/1.1\r\n${host}Cookie: ${cookie}\r\nContent-Length: ${body.length}\r\n\r\n${body}`);
+      assert.match(r.answer, new RegExp(`^HTTP/1\\.1 200[^]*\\r\\n\\r\\nPOST /two ${body.length}$`));
+      r = await conn.send(`GET /three?x=1 HTTP/1.1\r\n${host}Cookie: ${cookie}\r\n\r\n`);
+      assert.match(r.answer, /\r\n\r\nGET \/three\?x=1 0$/, "later requests on the connection pass");
+      // the secret's URL on the same connection: the proxy's redirect, and the connection ends
+      r = await conn.send(`GET /game?demesne_preview=${token}&level=2 HTTP/1.1\r\n${host}Cookie: ${cookie}\r\n\r\n`);
+      assert.match(r.answer, /^HTTP\/1\.1 303 See Other\r\n/);
+      assert.match(r.answer, /\r\nLocation: \/game\?level=2\r\n/);
+      await conn.ended();
+    } finally {
+      conn.close();
+    }
+    // a later request without the cookie, or for another Host, on a kept-alive connection: refused there
+    for (const [second, status] of [[`GET /four HTTP/1.1\r\n${host}\r\n`, 403],
+      [`GET /five HTTP/1.1\r\nHost: evil.example:${hostPort(url)}\r\nCookie: ${cookie}\r\n\r\n`, 421]]) {
+      const c2 = keptAlive(url);
+      try {
+        assert.match((await c2.send(`GET /first HTTP/1.1\r\n${host}Cookie: ${cookie}\r\n\r\n`)).answer, /^HTTP\/1\.1 200/);
+        assert.match((await c2.send(second)).answer, new RegExp(`^HTTP/1\\.1 ${status} `));
+        await c2.ended();
+      } finally {
+        c2.close();
+      }
+    }
+    const seen = await ok("sandbox_exec", { sandbox_id: sb.sandbox_id, command: "cat /tmp/paths.log" });
+    const paths = seen.stdout.trim().split("\n").filter((l) => l !== "GET /"); // (ready()'s)
+    assert.deepEqual(paths, ["GET /one", "POST /two", "GET /three?x=1", "GET /first", "GET /first"],
+      "the sandbox was sent no request the proxy turned away, and never the secret in a URL");
+  } finally {
+    await ok("sandbox_destroy", { sandbox_id: sb.sandbox_id });
+  }
+});
+
 test("bad ports in sandbox_create are refused before anything is made", async () => {
   const before = (await ok("sandbox_list", {})).sandboxes.length;
   assert.match(await err("sandbox_create", { ports: [8000, 8001, 8002, 8003] }),

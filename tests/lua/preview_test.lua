@@ -1,6 +1,7 @@
--- core.httphead.parse (llhttp) on request heads, and the port preview's judgement of a first
--- request (lua/sandbox/preview.lua: Host, Origin, Sec-Fetch-Site, the secret in the URL or
--- the cookie). The relay itself runs against real engines in tests/integration/preview.test.mjs.
+-- core.httphead.parse (llhttp) on request heads, core.httphead.stream on where each request
+-- of a connection ends, and the port preview's judgement of a request
+-- (lua/sandbox/preview.lua: Host, Origin, Sec-Fetch-Site, the secret in the URL or the
+-- cookie). The relay itself runs against real engines in tests/integration/preview.test.mjs.
 local httphead = require("core.httphead")
 local preview = require("demesne.sandbox.preview")
 
@@ -33,6 +34,53 @@ function tests.parse_says_incomplete_or_malformed(t)
   many[#many + 1] = "\r\n"
   local _, msg, c = httphead.parse(table.concat(many))
   t:eq({ msg, c }, { "the request has more than 128 headers", "EPROTO" })
+end
+
+-- Feeds `chunks` to one stream parser and gives back what the relay would see: the pieces
+-- cut at each request's end ("|" between requests, "^" before an upgrade's other protocol).
+local function cut(chunks)
+  local s, out, rest = httphead.stream(), {}, ""
+  for _, chunk in ipairs(chunks) do
+    local buf = rest .. chunk
+    rest = ""
+    while #buf > 0 do
+      local n, state = s:execute(buf)
+      if not n then return nil, state end
+      out[#out + 1] = buf:sub(1, n)
+      buf = buf:sub(n + 1)
+      if state == "ended" then out[#out + 1] = "|" end
+      if state == "upgraded" then
+        out[#out + 1] = "^" .. buf
+        buf = ""
+      end
+    end
+  end
+  return table.concat(out)
+end
+
+function tests.stream_finds_where_each_request_of_a_connection_ends(t)
+  -- a body that looks like a request head is body, not the next request
+  local post = "POST /a HTTP/1.1\r\nHost: x\r\nContent-Length: 41\r\n\r\n"
+    .. "GET /?demesne_preview=0 HTTP/1.1\r\n\r\n12345"
+  t:eq(#"GET /?demesne_preview=0 HTTP/1.1\r\n\r\n12345", 41)
+  local get = "GET /b HTTP/1.1\r\nHost: x\r\n\r\n"
+  t:eq(cut({ post .. get }), post .. "|" .. get .. "|")
+  -- the same bytes a byte at a time
+  local bytes = {}
+  for i = 1, #(post .. get) do bytes[i] = (post .. get):sub(i, i) end
+  t:eq(cut(bytes), post .. "|" .. get .. "|")
+  -- chunked
+  local chunked = "POST /c HTTP/1.1\r\nHost: x\r\nTransfer-Encoding: chunked\r\n\r\n3\r\nabc\r\n0\r\n\r\n"
+  t:eq(cut({ chunked, get }), chunked .. "|" .. get .. "|")
+end
+
+function tests.stream_stops_at_an_upgrade_and_at_bad_bytes(t)
+  local up = "GET /ws HTTP/1.1\r\nHost: x\r\nUpgrade: websocket\r\nConnection: Upgrade\r\n\r\n"
+  t:eq(cut({ up .. "\x81\x85frame GET / HTTP/1.1" }), up .. "^\x81\x85frame GET / HTTP/1.1")
+  local s = httphead.stream()
+  t:eq({ s:execute(up) }, { #up, "upgraded" })
+  t:eq(select(3, s:execute("more")), "EPROTO", "after an upgrade the stream is no longer HTTP")
+  t:eq(select(3, httphead.stream():execute("NOT HTTP\r\n\r\n")), "EPROTO")
 end
 
 local E = { addr = "127.9.8.7", host_port = 4100, token = ("ab"):rep(24), cookie = "demesne_preview_4100" }
