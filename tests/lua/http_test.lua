@@ -321,6 +321,22 @@ function tests.missing_body_file_fails_synchronously(t)
   t:eq(called, false, "no callback after a synchronous failure")
 end
 
+function tests.tls_options_from_memory_are_checked(t)
+  local cb = function() end
+  local ok, err = pcall(http.request, { url = "https://127.0.0.1:9/", ca_file = "/x", ca_pem = "pem" }, cb)
+  t:eq(ok, false)
+  t:match(err, "'ca_file' and 'ca_pem' exclude each other")
+  ok, err = pcall(http.request, { url = "https://127.0.0.1:9/", cert_pem = "pem" }, cb)
+  t:match(err, "'cert_pem' and 'key_pem' go together")
+  ok, err = pcall(http.request, { url = "https://127.0.0.1:9/", key_pem = "secret" }, cb)
+  t:match(err, "'cert_pem' and 'key_pem' go together")
+  t:ok(not err:find("secret", 1, true), "the key is not in the message")
+  -- a CA that is no PEM: curl refuses it when it connects, as a failure (not a crash)
+  local res, msg = request({ url = "https://127.0.0.1:9/", ca_pem = "not a certificate", connect_timeout_ms = 2000 })
+  t:eq(res, nil)
+  t:ok(type(msg) == "string", "a failure message")
+end
+
 function tests.output_file_receives_the_body(t)
   local dir <close> = tmpdir()
   local payload = {}
