@@ -10,7 +10,8 @@ static const luaL_Reg modules[] = {
   {"core.text", luaopen_core_text},         {"core.archive", luaopen_core_archive},
   {"core.proxy", luaopen_core_proxy},       {"core.httpd", luaopen_core_httpd},
   {"core.httphead", luaopen_core_httphead}, /* request heads (llhttp) */
-  {"core.tty", luaopen_core_tty},           {NULL, NULL},
+  {"core.tty", luaopen_core_tty},           {"core.yaml", luaopen_core_yaml}, /* libyaml */
+  {NULL, NULL},
 };
 
 void dm_open_bindings(lua_State *L) {
