@@ -639,7 +639,8 @@ dm_http_req *dm_http_start(dm_http *h, const dm_http_opts *o, const dm_http_hand
     return NULL;
   }
   if ((o->ca_file && o->ca_pem) || !o->cert_pem != !o->key_pem) {
-    set_err(err, "EINVAL", "http: %s", o->ca_pem ? "ca_file and ca_pem exclude each other" : "cert_pem and key_pem go together");
+    set_err(err, "EINVAL", "http: %s",
+            o->ca_pem ? "ca_file and ca_pem exclude each other" : "cert_pem and key_pem go together");
     return NULL;
   }
   dm_http_req *r = calloc(1, sizeof *r);
@@ -685,6 +686,10 @@ dm_http_req *dm_http_start(dm_http *h, const dm_http_opts *o, const dm_http_hand
   struct curl_blob cert = {(void *)o->cert_pem, o->cert_pem_len, CURL_BLOB_COPY};
   struct curl_blob key = {(void *)o->key_pem, o->key_pem_len, CURL_BLOB_COPY};
   if (o->ca_pem) SET(CURLOPT_CAINFO_BLOB, &ca);
+  if (o->insecure) {
+    SET(CURLOPT_SSL_VERIFYPEER, 0L);
+    SET(CURLOPT_SSL_VERIFYHOST, 0L);
+  }
   if (o->cert_pem) {
     SET(CURLOPT_SSLCERT_BLOB, &cert);
     SET(CURLOPT_SSLCERTTYPE, "PEM");

@@ -59,8 +59,9 @@ typedef struct dm_http_opts {
   size_t ca_pem_len;       ///< excludes ca_file
   const char *cert_pem;    ///< PEM client certificate (CURLOPT_SSLCERT_BLOB, copied), or NULL
   size_t cert_pem_len;
-  const char *key_pem;     ///< PEM private key of cert_pem (CURLOPT_SSLKEY_BLOB, copied), or
-  size_t key_pem_len;      ///< NULL; required with cert_pem and only with it
+  const char *key_pem; ///< PEM private key of cert_pem (CURLOPT_SSLKEY_BLOB, copied), or
+  size_t key_pem_len;  ///< NULL; required with cert_pem and only with it
+  int insecure;        ///< nonzero: the server's certificate and name are not verified
 } dm_http_opts;
 
 /// Request callbacks; `ud` is the pointer given to dm_http_start().

@@ -31,8 +31,8 @@ typedef struct {
   yaml_parser_t p;
   yaml_event_t ev;
   int inited, have_ev;
-  int anchors;  /* stack index of the anchor -> value table */
-  int sizes;    /* stack index of the anchor -> node count table */
+  int anchors; /* stack index of the anchor -> value table */
+  int sizes;   /* stack index of the anchor -> node count table */
   lua_Integer nodes, max_nodes;
   int max_depth;
   char err[256];
@@ -93,7 +93,9 @@ static int push_int(lua_State *L, const char *s, size_t n) {
   if (i >= n || n > 64) return 0;
   for (size_t k = i; k < n; k++) {
     char c = s[k];
-    int ok = base == 8 ? (c >= '0' && c <= '7') : base == 16 ? !!strchr("0123456789abcdefABCDEF", c) && c : (c >= '0' && c <= '9');
+    int ok = base == 8    ? (c >= '0' && c <= '7')
+             : base == 16 ? !!strchr("0123456789abcdefABCDEF", c) && c
+                          : (c >= '0' && c <= '9');
     if (!ok) return 0;
   }
   char buf[72];
@@ -171,8 +173,8 @@ static int push_scalar(lua_State *L, ydec *d) {
     lua_pushlstring(L, s, n);
     return 0;
   }
-  int want = !strcmp(tag, YAML_NULL_TAG) ? LUA_TLIGHTUSERDATA
-             : !strcmp(tag, YAML_BOOL_TAG) ? LUA_TBOOLEAN
+  int want = !strcmp(tag, YAML_NULL_TAG)                                    ? LUA_TLIGHTUSERDATA
+             : !strcmp(tag, YAML_BOOL_TAG)                                  ? LUA_TBOOLEAN
              : (!strcmp(tag, YAML_INT_TAG) || !strcmp(tag, YAML_FLOAT_TAG)) ? LUA_TNUMBER
                                                                             : LUA_TNONE;
   if (want == LUA_TNONE) return fail_at(d, d->ev.start_mark, "unsupported tag (only the core schema's are read)");
