@@ -330,8 +330,8 @@ function Client:wait_pod(name, opts)
 end
 
 --- A ConfigMap named `name` whose binaryData holds `files` (key -> bytes; keys are file
---- names in a mounted volume), with `labels`. The API refuses one of more than 1,048,576
---- bytes (keys and data, before base64).
+--- names in a mounted volume), with `labels`. The API refuses one whose values add up to
+--- more than 1,048,576 bytes (before base64; keys are not counted).
 ---@param name string
 ---@param files table<string, string>
 ---@param labels table|nil
