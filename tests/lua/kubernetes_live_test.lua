@@ -192,6 +192,41 @@ function tests.kubernetes_live_pod_runs_ends_logs_lists_and_goes(t)
   end)
 end
 
+-- A ServiceAccount with no Role: its token (made by the controller manager's token
+-- controller) authenticates, and everything it asks is forbidden, by verb and resource
+function tests.kubernetes_live_forbidden_names_the_verb_and_resource(t)
+  local c = client()
+  if not c then return end
+  if not c:get("serviceaccounts", "default", { namespace = "default" }) then
+    return io.stdout:write("# skipped: no controller manager, so no ServiceAccount tokens\n")
+  end
+  in_namespace(t, c, function(ns)
+    assert(c:create("serviceaccounts", { apiVersion = "v1", kind = "ServiceAccount", metadata = { name = "nobody" } }))
+    local token
+    local deadline = loop.now() + 30000
+    repeat
+      local sa = assert(c:get("serviceaccounts", "nobody"))
+      local ref = type(sa.secrets) == "table" and sa.secrets[1]
+      local secret = ref and c:request("GET", "/api/v1/namespaces/" .. ns .. "/secrets/" .. api.name(ref.name))
+      token = secret and secret.data and secret.data.token and util.base64_decode(secret.data.token)
+      if not token then async.sleep(200) end
+    until token or loop.now() > deadline
+    t:ok(token, "the token controller made the ServiceAccount's token")
+    local cfg = assert(kubeconfig.load({ path = KUBECONFIG }))
+    local nobody = api.new({ server = cfg.server, ca_pem = cfg.ca_pem, token = token, namespace = ns })
+    local allowed, reason = nobody:can_i("create", "pods")
+    t:eq(allowed, false, "a ServiceAccount without a Role may not create pods")
+    t:eq(type(reason), "string")
+    local _, msg, code, status = nobody:create("pods", { apiVersion = "v1", kind = "Pod", metadata = { name = "p" },
+      spec = { containers = { { name = "c", image = "x" } } } })
+    t:eq({ code, status }, { "EACCES", 403 })
+    t:match(msg, "^create pods/p in " .. ns:gsub("%-", "%%-") .. ': pods is forbidden: User "system:serviceaccount:'
+      .. ns:gsub("%-", "%%-") .. ':nobody" cannot create resource "pods" in API group "" in the namespace')
+    _, msg = nobody:list("leases")
+    t:match(msg, 'cannot list resource "leases" in API group "coordination%.k8s%.io"')
+  end)
+end
+
 function tests.kubernetes_live_errors_name_the_verb_and_resource(t)
   local c = client()
   if not c then return end
