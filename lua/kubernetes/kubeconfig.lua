@@ -15,24 +15,24 @@ local kubeconfig = {}
 --- Largest kubeconfig, and largest file it names (a CA, a certificate, a key, a token), in bytes.
 kubeconfig.MAX_BYTES = 4 * 1024 * 1024
 
-local NOT_YET = "is not supported yet"
+local NOT_YET = "not supported yet"
 
 -- Fields of a cluster, a user and a context that are read; any other field of a user or
 -- cluster that changes how demesne would authenticate or connect is in REFUSED.
 local REFUSED = {
   cluster = {
-    ["proxy-url"] = "a proxy between demesne and the API server " .. NOT_YET,
-    ["tls-server-name"] = "a TLS server name other than the server's host " .. NOT_YET,
+    ["proxy-url"] = "a proxy between demesne and the API server is " .. NOT_YET,
+    ["tls-server-name"] = "a TLS server name other than the server's host is " .. NOT_YET,
   },
   user = {
-    exec = "exec credential plugins " .. NOT_YET .. " (put a token or a client certificate in the kubeconfig)",
-    ["auth-provider"] = "auth-provider plugins " .. NOT_YET .. " (put a token or a client certificate in the kubeconfig)",
-    username = "basic authentication " .. NOT_YET,
-    password = "basic authentication " .. NOT_YET,
-    as = "impersonation " .. NOT_YET,
-    ["as-uid"] = "impersonation " .. NOT_YET,
-    ["as-groups"] = "impersonation " .. NOT_YET,
-    ["as-user-extra"] = "impersonation " .. NOT_YET,
+    exec = "exec credential plugins are " .. NOT_YET .. " (put a token or a client certificate in the kubeconfig)",
+    ["auth-provider"] = "auth-provider plugins are " .. NOT_YET .. " (put a token or a client certificate in the kubeconfig)",
+    username = "basic authentication is " .. NOT_YET,
+    password = "basic authentication is " .. NOT_YET,
+    as = "impersonation is " .. NOT_YET,
+    ["as-uid"] = "impersonation is " .. NOT_YET,
+    ["as-groups"] = "impersonation is " .. NOT_YET,
+    ["as-user-extra"] = "impersonation is " .. NOT_YET,
   },
 }
 

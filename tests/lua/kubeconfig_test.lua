@@ -158,9 +158,9 @@ users:
       installHint: Install gke-gcloud-auth-plugin
       provideClusterInfo: true
 ]])
-  t:match(msg, "^kubeconfig %(text%): users%[0%]%.user%.exec: exec credential plugins is not supported yet")
+  t:match(msg, "^kubeconfig %(text%): users%[0%]%.user%.exec: exec credential plugins are not supported yet")
   _, msg = kubeconfig.parse(base .. "    auth-provider: {name: gcp}\n")
-  t:match(msg, "users%[0%]%.user%.auth%-provider: auth%-provider plugins is not supported yet")
+  t:match(msg, "users%[0%]%.user%.auth%-provider: auth%-provider plugins are not supported yet")
   _, msg = kubeconfig.parse(base .. "    username: admin\n    password: hunter2\n")
   t:match(msg, "basic authentication is not supported yet")
   t:ok(not msg:find("hunter2", 1, true), "no password in the message")
