@@ -638,6 +638,11 @@ dm_http_req *dm_http_start(dm_http *h, const dm_http_opts *o, const dm_http_hand
     set_err(err, "EINVAL", "http: %s", !o->url ? "url is required" : "conflicting body or output options");
     return NULL;
   }
+  if ((o->ca_file && o->ca_pem) || !o->cert_pem != !o->key_pem) {
+    set_err(err, "EINVAL", "http: %s",
+            o->ca_pem ? "ca_file and ca_pem exclude each other" : "cert_pem and key_pem go together");
+    return NULL;
+  }
   dm_http_req *r = calloc(1, sizeof *r);
   if (!r) {
     set_err(err, "ENOMEM", "http: out of memory");
@@ -676,6 +681,21 @@ dm_http_req *dm_http_start(dm_http *h, const dm_http_opts *o, const dm_http_hand
   SET(CURLOPT_OPENSOCKETDATA, r);
   if (o->unix_socket) SET(CURLOPT_UNIX_SOCKET_PATH, o->unix_socket);
   if (o->ca_file) SET(CURLOPT_CAINFO, o->ca_file);
+  /* PEM from memory: curl copies each blob (CURL_BLOB_COPY), so the caller's strings may go */
+  struct curl_blob ca = {(void *)o->ca_pem, o->ca_pem_len, CURL_BLOB_COPY};
+  struct curl_blob cert = {(void *)o->cert_pem, o->cert_pem_len, CURL_BLOB_COPY};
+  struct curl_blob key = {(void *)o->key_pem, o->key_pem_len, CURL_BLOB_COPY};
+  if (o->ca_pem) SET(CURLOPT_CAINFO_BLOB, &ca);
+  if (o->insecure) {
+    SET(CURLOPT_SSL_VERIFYPEER, 0L);
+    SET(CURLOPT_SSL_VERIFYHOST, 0L);
+  }
+  if (o->cert_pem) {
+    SET(CURLOPT_SSLCERT_BLOB, &cert);
+    SET(CURLOPT_SSLCERTTYPE, "PEM");
+    SET(CURLOPT_SSLKEY_BLOB, &key);
+    SET(CURLOPT_SSLKEYTYPE, "PEM");
+  }
   if (o->timeout_ms > 0) SET(CURLOPT_TIMEOUT_MS, o->timeout_ms);
   if (o->connect_timeout_ms > 0) SET(CURLOPT_CONNECTTIMEOUT_MS, o->connect_timeout_ms);
 

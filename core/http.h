@@ -55,6 +55,13 @@ typedef struct dm_http_opts {
   uint64_t max_body_bytes; ///< response body cap in bytes, 0 = none ("E2BIG")
   const char *ca_file;     ///< PEM certificate authorities that verify the server (https),
                            ///< in place of the system's (CURLOPT_CAINFO), or NULL
+  const char *ca_pem;      ///< the same from memory (CURLOPT_CAINFO_BLOB, copied), or NULL;
+  size_t ca_pem_len;       ///< excludes ca_file
+  const char *cert_pem;    ///< PEM client certificate (CURLOPT_SSLCERT_BLOB, copied), or NULL
+  size_t cert_pem_len;
+  const char *key_pem; ///< PEM private key of cert_pem (CURLOPT_SSLKEY_BLOB, copied), or
+  size_t key_pem_len;  ///< NULL; required with cert_pem and only with it
+  int insecure;        ///< nonzero: the server's certificate and name are not verified
 } dm_http_opts;
 
 /// Request callbacks; `ud` is the pointer given to dm_http_start().

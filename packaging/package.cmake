@@ -75,7 +75,7 @@ set(CPACK_DEBIAN_PACKAGE_PRIORITY optional)
 set(CPACK_DEBIAN_FILE_NAME DEB-DEFAULT)            # demesne_<version>_<arch>.deb
 # Depends: dpkg-shlibdeps reads the ELF NEEDED entries of bin/demesne and maps each
 # library to the package that ships it (libc6, liblua5.4-0, lua-cjson for
-# liblua5.4-cjson.so.0, libcurl4, libuv1, libarchive13); demesne-init is static.
+# liblua5.4-cjson.so.0, libcurl4, libuv1, libarchive13, libyaml-0-2); demesne-init is static.
 set(CPACK_DEBIAN_PACKAGE_SHLIBDEPS ON)
 # lua-yaml (lyaml, a LibYAML binding) is loaded by `require`, so no NEEDED entry names it:
 # `demesne skills` reads the skills' YAML front matter with it.

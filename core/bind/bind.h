@@ -19,6 +19,7 @@ int luaopen_core_process(lua_State *L);
 int luaopen_core_fs(lua_State *L);
 int luaopen_core_http(lua_State *L);
 int luaopen_core_json(lua_State *L);
+int luaopen_core_yaml(lua_State *L);
 int luaopen_core_text(lua_State *L);
 int luaopen_core_archive(lua_State *L);
 int luaopen_core_proxy(lua_State *L);

@@ -243,6 +243,13 @@ static int l_request(lua_State *L) {
   o.body_file = opt_string(L, "body_file", NULL);
   o.output_file = opt_string(L, "output_file", NULL);
   o.ca_file = opt_string(L, "ca_file", NULL);
+  o.ca_pem = opt_string(L, "ca_pem", &o.ca_pem_len);
+  o.cert_pem = opt_string(L, "cert_pem", &o.cert_pem_len);
+  o.key_pem = opt_string(L, "key_pem", &o.key_pem_len); /* never logged nor put in a message */
+  luaL_argcheck(L, !(o.ca_file && o.ca_pem), 1, "fields 'ca_file' and 'ca_pem' exclude each other");
+  luaL_argcheck(L, !o.cert_pem == !o.key_pem, 1, "fields 'cert_pem' and 'key_pem' go together");
+  if (opt_field(L, "insecure", LUA_TBOOLEAN, "a boolean")) o.insecure = lua_toboolean(L, -1);
+  luaL_argcheck(L, !(o.insecure && (o.ca_file || o.ca_pem)), 1, "field 'insecure' excludes 'ca_file' and 'ca_pem'");
   luaL_argcheck(L, !(o.body && o.body_file), 1, "fields 'body' and 'body_file' exclude each other");
   int data_idx = opt_field(L, "on_data", LUA_TFUNCTION, "a function") ? lua_gettop(L) : 0;
   int head_idx = opt_field(L, "on_headers", LUA_TFUNCTION, "a function") ? lua_gettop(L) : 0;

@@ -321,6 +321,94 @@ function tests.missing_body_file_fails_synchronously(t)
   t:eq(called, false, "no callback after a synchronous failure")
 end
 
+function tests.tls_options_from_memory_are_checked(t)
+  local cb = function() end
+  local ok, err = pcall(http.request, { url = "https://127.0.0.1:9/", ca_file = "/x", ca_pem = "pem" }, cb)
+  t:eq(ok, false)
+  t:match(err, "'ca_file' and 'ca_pem' exclude each other")
+  err = select(2, pcall(http.request, { url = "https://127.0.0.1:9/", cert_pem = "pem" }, cb))
+  t:match(err, "'cert_pem' and 'key_pem' go together")
+  err = select(2, pcall(http.request, { url = "https://127.0.0.1:9/", key_pem = "secret" }, cb))
+  t:match(err, "'cert_pem' and 'key_pem' go together")
+  t:ok(not err:find("secret", 1, true), "the key is not in the message")
+  -- a CA that is no PEM: curl refuses it when it connects, as a failure (not a crash)
+  local res, msg = request({ url = "https://127.0.0.1:9/", ca_pem = "not a certificate", connect_timeout_ms = 2000 })
+  t:eq(res, nil)
+  t:ok(type(msg) == "string", "a failure message")
+end
+
+-- A CA, a server certificate for 127.0.0.1 and a client certificate, made with the openssl
+-- program in `dir`; nil when there is no openssl to make them.
+local function make_pki(dir)
+  local function ssl(args)
+    local _, err, status = run("openssl", args)
+    assert(status == 0, "openssl " .. table.concat(args, " ") .. ": " .. err)
+  end
+  if select(3, run("sh", { "-c", "command -v openssl" })) ~= 0 then return nil end
+  local ec = { "-newkey", "ec", "-pkeyopt", "ec_paramgen_curve:prime256v1", "-nodes" }
+  local function args(...) local a = {} for _, x in ipairs({ ... }) do table.move(x, 1, #x, #a + 1, a) end return a end
+  ssl(args({ "req", "-x509" }, ec,
+    { "-keyout", dir .. "/ca.key", "-out", dir .. "/ca.crt", "-subj", "/CN=demesne test CA", "-days", "1" }))
+  assert(fs.write_atomic(dir .. "/ext", "subjectAltName=IP:127.0.0.1\n"))
+  for _, who in ipairs({ "server", "client" }) do
+    ssl(args({ "req", "-new" }, ec, { "-keyout", dir .. "/" .. who .. ".key", "-out", dir .. "/" .. who .. ".csr",
+      "-subj", "/CN=" .. who }))
+    ssl({ "x509", "-req", "-in", dir .. "/" .. who .. ".csr", "-CA", dir .. "/ca.crt", "-CAkey", dir .. "/ca.key",
+      "-CAcreateserial", "-out", dir .. "/" .. who .. ".crt", "-days", "1", "-extfile", dir .. "/ext" })
+  end
+  local pem = {}
+  for _, f in ipairs({ "ca.crt", "client.crt", "client.key" }) do pem[f] = assert(fs.read_file(dir .. "/" .. f)) end
+  return pem
+end
+
+-- An openssl s_server on loopback that demands a client certificate signed by the CA, and
+-- its port; stopped when `stop` is closed.
+local function tls_server(dir)
+  local connect = async.wrap(stream.connect_tcp)
+  for _ = 1, 20 do
+    local b = loop.random(2)
+    local port = 20000 + ((b:byte(1) << 8) | b:byte(2)) % 40000
+    local proc = assert(process.spawn({ file = "openssl", args = { "s_server", "-quiet", "-www", "-accept", "127.0.0.1:" .. port,
+      "-cert", dir .. "/server.crt", "-key", dir .. "/server.key", "-CAfile", dir .. "/ca.crt", "-Verify", "1" } },
+      function() end))
+    local stop = setmetatable({}, { __close = function() if not proc:exited() then proc:kill(15) end end })
+    for _ = 1, 50 do
+      local c = connect("127.0.0.1", port)
+      if c then c:close() return port, stop end
+      if proc:exited() then break end
+      async.sleep(20)
+    end
+    if not proc:exited() then proc:kill(15) end
+  end
+  error("no openssl s_server came up")
+end
+
+-- A kubeconfig's certificate-authority-data and client-certificate/key-data, from memory
+function tests.tls_client_certificate_and_ca_from_memory(t)
+  local dir <close> = tmpdir()
+  local pem = make_pki(dir.path)
+  if not pem then return io.stdout:write("# skipped: no openssl program to make certificates\n") end
+  local port, _ <close> = tls_server(dir.path)
+  local url = "https://127.0.0.1:" .. port .. "/"
+  local res, msg = request({ url = url, ca_pem = pem["ca.crt"], cert_pem = pem["client.crt"], key_pem = pem["client.key"],
+    timeout_ms = 10000 })
+  t:ok(res, msg)
+  t:eq(res.status, 200)
+  t:match(res.body, "s_server")
+  -- no client certificate: the server ends the handshake
+  res = request({ url = url, ca_pem = pem["ca.crt"], timeout_ms = 10000 })
+  t:eq(res, nil, "refused without a client certificate")
+  -- the system's CAs do not know this one
+  res, msg = request({ url = url, cert_pem = pem["client.crt"], key_pem = pem["client.key"], timeout_ms = 10000 })
+  t:eq(res, nil)
+  t:match(msg, "certificate")
+  -- a key that is not the certificate's
+  res, msg = request({ url = url, ca_pem = pem["ca.crt"], cert_pem = pem["client.crt"],
+    key_pem = assert(fs.read_file(dir.path .. "/ca.key")), timeout_ms = 10000 })
+  t:eq(res, nil, "a mismatched key is refused")
+  t:ok(not msg:find("PRIVATE KEY", 1, true), "no key in the message")
+end
+
 function tests.output_file_receives_the_body(t)
   local dir <close> = tmpdir()
   local payload = {}
