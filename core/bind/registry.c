@@ -3,14 +3,22 @@
 #include "bind/bind.h"
 
 static const luaL_Reg modules[] = {
-  {"core.loop", luaopen_core_loop},         {"core.timer", luaopen_core_timer},
-  {"core.signal", luaopen_core_signal},     {"core.stream", luaopen_core_stream},
-  {"core.process", luaopen_core_process},   {"core.fs", luaopen_core_fs},
-  {"core.http", luaopen_core_http},         {"core.json", luaopen_core_json},
-  {"core.text", luaopen_core_text},         {"core.archive", luaopen_core_archive},
-  {"core.proxy", luaopen_core_proxy},       {"core.httpd", luaopen_core_httpd},
+  {"core.loop", luaopen_core_loop},
+  {"core.timer", luaopen_core_timer},
+  {"core.signal", luaopen_core_signal},
+  {"core.stream", luaopen_core_stream},
+  {"core.process", luaopen_core_process},
+  {"core.fs", luaopen_core_fs},
+  {"core.http", luaopen_core_http},
+  {"core.json", luaopen_core_json},
+  {"core.text", luaopen_core_text},
+  {"core.archive", luaopen_core_archive},
+  {"core.proxy", luaopen_core_proxy},
+  {"core.httpd", luaopen_core_httpd},
   {"core.httphead", luaopen_core_httphead}, /* request heads (llhttp) */
-  {"core.tty", luaopen_core_tty},           {NULL, NULL},
+  {"core.tty", luaopen_core_tty},
+  {"core.ws", luaopen_core_ws},
+  {NULL, NULL},
 };
 
 void dm_open_bindings(lua_State *L) {
