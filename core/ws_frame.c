@@ -73,9 +73,9 @@ static int append(dm_ws_decoder *d, const uint8_t *p, size_t n) {
 /* The header of the frame at d->in + d->off: 0 when incomplete, -1 when invalid (*why), else
  * its size; *plen gets the payload length. */
 static int header(const dm_ws_decoder *d, uint64_t *plen, const char **why) {
-  const uint8_t *p = d->in + d->off;
   size_t avail = d->len - d->off;
-  if (avail < 2) return 0;
+  if (avail < 2) return 0; /* (d->in may still be NULL) */
+  const uint8_t *p = d->in + d->off;
   if (p[1] & 0x80) return *why = "the server sent a masked frame (RFC 6455 5.1)", -1;
   uint64_t len = p[1] & 0x7F;
   int hl = 2;
@@ -144,7 +144,8 @@ int dm_ws_next(dm_ws_decoder *d, dm_ws_msg *out, const char **err, int *close_co
     }
     if (append(d, payload, (size_t)len) < 0) return fail(d, err, close_code, "out of memory", DM_WS_CLOSE_TOO_BIG);
     if (fin) {
-      *out = (dm_ws_msg){d->msg_op, d->msg, d->msg_len};
+      static const uint8_t empty[1];
+      *out = (dm_ws_msg){d->msg_op, d->msg ? d->msg : empty, d->msg_len}; /* never NULL */
       d->msg_op = 0;
       return DM_WS_GOT;
     }
