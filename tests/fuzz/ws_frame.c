@@ -149,7 +149,8 @@ int LLVMFuzzerTestOneInput(const uint8_t *data, size_t size) {
       const uint8_t *reason;
       size_t rlen;
       FUZZ_CHECK(dm_ws_close_parse(p, n, &code, &reason, &rlen) == 0 && code == want, "close payload round trip");
-      FUZZ_CHECK(rlen == (size - 2 > 123 ? 123 : size - 2) && !memcmp(reason, data + 2, rlen), "close reason round trip");
+      FUZZ_CHECK(rlen == (size - 2 > 123 ? 123 : size - 2) && !memcmp(reason, data + 2, rlen),
+                 "close reason round trip");
     }
   }
   return 0;

@@ -6,7 +6,8 @@ local ws = require("core.ws")
 local json = require("core.json")
 local async = require("demesne.async")
 
-local servers = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]+$") or ".") .. "/ws_servers.lua").start
+local fixture = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]+$") or ".") .. "/ws_servers.lua")
+local servers = fixture.start
 
 --- Connects; returns the connection (a <close> value that closes it) and next(), which waits
 --- for the next event (kind, ...) for at most 10 s.
@@ -135,6 +136,47 @@ function tests.a_server_that_hangs_up_mid_frame_ends_with_1006(t)
   t:eq(next_event(), "open")
   local kind, code = next_event()
   t:eq({ kind, code }, { "close", 1006 }, "no close frame: 1006 (RFC 6455 7.1.5)")
+end
+
+function tests.close_waits_a_bounded_time_for_a_deaf_server(t)
+  local s <close> = servers()
+  local conn <close>, next_event = client({ url = ("ws://127.0.0.1:%d/deaf"):format(s.raw), close_timeout_ms = 300 })
+  t:eq(next_event(), "open")
+  conn:close(1001, "going away")
+  t:eq({ next_event() }, { "close", 1006, "no close frame from the server in time" })
+end
+
+local function slurp(path)
+  local f = assert(io.open(path, "rb"))
+  local s = f:read("a")
+  f:close()
+  return s
+end
+
+function tests.wss_with_a_ca_and_a_client_certificate_given_as_pem(t)
+  local certs <close> = fixture.certificates()
+  local s <close> = servers(certs.path)
+  local pem = function(n) return slurp(certs.path .. "/" .. n) end
+  local url = ("wss://127.0.0.1:%d/whoami"):format(s.wss)
+  local conn <close>, next_event = client({ url = url, protocols = { "chat.v1" }, ca_data = pem("ca.crt"),
+    cert_data = pem("client.crt"), key_data = pem("client.key") })
+  t:eq({ next_event() }, { "open", "chat.v1" })
+  t:eq({ next_event() }, { "message", "ws-client", "text" }, "the server saw our client certificate")
+  conn:close()
+  t:eq(next_event(), "close")
+  -- the echo route over TLS: a big message in both directions
+  local echo <close>, next_echo = client({ url = ("wss://127.0.0.1:%d/echo"):format(s.wss), protocols = { "chat.v1" },
+    ca_data = pem("ca.crt"), cert_data = pem("client.crt"), key_data = pem("client.key") })
+  t:eq(next_echo(), "open")
+  local big = ("0123456789abcdef"):rep(65536)
+  echo:send(big)
+  local kind, data = next_echo()
+  t:eq({ kind, #data }, { "message", #big })
+  t:ok(data == big, "1 MiB comes back over TLS")
+  -- without our CA the server is not trusted
+  local _untrusted <close>, next_untrusted = client({ url = url, protocols = { "chat.v1" } })
+  local k, msg, code = next_untrusted()
+  t:eq({ k, code }, { "error", "ETLS" }, msg)
 end
 
 function tests.nothing_listening_is_refused(t)
