@@ -44,7 +44,7 @@ end
 --- ca.crt, server.crt, server.key, client.crt and client.key.
 ---@return table dir  {path = folder}
 function M.certificates()
-  local dir = (os.getenv("TMPDIR") or "/tmp") .. "/demesne-ws-tls-" .. tostring(os.time()) .. "-" .. tostring(math.random(1 << 30))
+  local dir = ("%s/demesne-ws-tls-%d-%d"):format(os.getenv("TMPDIR") or "/tmp", os.time(), math.random(1 << 30))
   assert(fs.mkdir_p(dir))
   local script = [[
 set -e
