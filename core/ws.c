@@ -42,6 +42,10 @@ struct dm_ws {
   long timeout_ms, close_timeout_ms;
   uint8_t *out; /* bytes to send: out[off .. len) */
   size_t out_off, out_len, out_cap;
+  /* the bytes being written: a write that would block is retried with the same pointer and
+   * length, as OpenSSL demands of SSL_write (no SSL_MODE_ACCEPT_MOVING_WRITE_BUFFER) */
+  uint8_t stage[16384];
+  size_t stage_off, stage_len;
   char *request; /* the Upgrade request, until the connection is made */
   char key[25];
   char **protocols;
@@ -183,7 +187,7 @@ static int out_reserve(dm_ws *ws, size_t n) {
 
 static void update_poll(dm_ws *ws) {
   if (!ws->poll_on || ws->state == ST_DEAD) return;
-  int ev = UV_READABLE | (ws->out_len > ws->out_off ? UV_WRITABLE : 0);
+  int ev = UV_READABLE | (dm_ws_queued(ws) ? UV_WRITABLE : 0);
   if (ev == ws->poll_events) return;
   ws->poll_events = ev;
   uv_poll_start(&ws->poll, ev, on_poll);
@@ -208,15 +212,24 @@ static int queue_close(dm_ws *ws, int code, const char *reason, size_t len) {
 
 /* Writes what is queued until the socket would block. Returns 0, or -1 after ending. */
 static int flush(dm_ws *ws) {
-  while (ws->out_len > ws->out_off) {
+  for (;;) {
+    if (ws->stage_off == ws->stage_len) { /* the next piece of the queue */
+      size_t k = ws->out_len - ws->out_off;
+      if (k > sizeof ws->stage) k = sizeof ws->stage;
+      if (k == 0) break;
+      memcpy(ws->stage, ws->out + ws->out_off, k);
+      ws->out_off += k;
+      ws->stage_off = 0;
+      ws->stage_len = k;
+    }
     size_t n = 0;
-    CURLcode rc = curl_easy_send(ws->easy, ws->out + ws->out_off, ws->out_len - ws->out_off, &n);
+    CURLcode rc = curl_easy_send(ws->easy, ws->stage + ws->stage_off, ws->stage_len - ws->stage_off, &n);
     if (rc == CURLE_AGAIN) break;
     if (rc != CURLE_OK) {
       fail(ws, "EIO", "ws: send: %s", curl_easy_strerror(rc));
       return -1;
     }
-    ws->out_off += n;
+    ws->stage_off += n;
   }
   update_poll(ws);
   return 0;
@@ -728,4 +741,4 @@ void dm_ws_discard(dm_ws *ws) {
   if (ws->depth == 0) teardown(ws);
 }
 
-size_t dm_ws_queued(const dm_ws *ws) { return ws->out_len - ws->out_off; }
+size_t dm_ws_queued(const dm_ws *ws) { return (ws->out_len - ws->out_off) + (ws->stage_len - ws->stage_off); }
