@@ -26,6 +26,7 @@ int luaopen_core_proxy(lua_State *L);
 int luaopen_core_httpd(lua_State *L);
 int luaopen_core_httphead(lua_State *L);
 int luaopen_core_tty(lua_State *L);
+int luaopen_core_ws(lua_State *L);
 
 /// A libuv stream (pipe or TCP) owned by Lua as a `core.stream` userdata (core/bind/stream.c).
 /// `h` is heap-allocated and freed in its close callback, after the userdata may be gone.

@@ -18,6 +18,7 @@ static const luaL_Reg modules[] = {
   {"core.httphead", luaopen_core_httphead}, /* request heads (llhttp) */
   {"core.tty", luaopen_core_tty},
   {"core.yaml", luaopen_core_yaml},
+  {"core.ws", luaopen_core_ws},
   {NULL, NULL},
 };
 
