@@ -152,9 +152,9 @@ static int l_connect(lua_State *L) {
   for (size_t i = 0; i < nh; i++) headers[i] = (dm_ws_header){hs[2 * i], hs[2 * i + 1]};
   o.headers = headers;
   o.nheaders = nh;
-  o.ca_pem = opt_string(L, "ca_data", &o.ca_len);
-  o.cert_pem = opt_string(L, "cert_data", &o.cert_len);
-  o.key_pem = opt_string(L, "key_data", &o.key_len);
+  o.ca_pem = opt_string(L, "ca_pem", &o.ca_len);
+  o.cert_pem = opt_string(L, "cert_pem", &o.cert_len);
+  o.key_pem = opt_string(L, "key_pem", &o.key_len);
   o.timeout_ms = (long)dm_opt_count(L, 1, "timeout_ms", 0);
   o.close_timeout_ms = (long)dm_opt_count(L, 1, "close_timeout_ms", 0);
   o.max_message = (uint64_t)dm_opt_count(L, 1, "max_message", 0);

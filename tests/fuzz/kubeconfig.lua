@@ -1,5 +1,5 @@
 -- Fuzz harness: YAML through core.yaml (core/bind/yaml.c over libyaml) and a kubeconfig
--- through demesne.kubernetes.kubeconfig. A kubeconfig comes from the user's machine, a
+-- through demesne.engines.kubernetes.kubeconfig. A kubeconfig comes from the user's machine, a
 -- cloud's CLI or a colleague; it must be refused with a message, never crash, hang or blow
 -- up (aliases), and no value may come out but the ones core.yaml documents.
 --
@@ -7,7 +7,7 @@
 -- without "yaml: line L, column C:" (or the size bound); a kubeconfig that is neither read
 -- nor refused with its name; settings that break what kubeconfig.parse promises.
 local yaml = require("core.yaml")
-local kubeconfig = require("demesne.kubernetes.kubeconfig")
+local kubeconfig = require("demesne.engines.kubernetes.kubeconfig")
 local fuzz = require("fuzzlib")
 local check = fuzz.check
 

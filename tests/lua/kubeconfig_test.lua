@@ -1,6 +1,6 @@
--- lua/kubernetes/kubeconfig.lua: kubeconfigs as kubectl and the clouds write them, and
+-- lua/engines/kubernetes/kubeconfig.lua: kubeconfigs as kubectl and the clouds write them, and
 -- hostile ones; every refusal names the field and the reason, and no secret.
-local kubeconfig = require("demesne.kubernetes.kubeconfig")
+local kubeconfig = require("demesne.engines.kubernetes.kubeconfig")
 local util = require("demesne.util")
 local fs = require("core.fs")
 local loop = require("core.loop")

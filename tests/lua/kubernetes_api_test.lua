@@ -1,6 +1,6 @@
--- lua/kubernetes/api.lua without a cluster: paths, names, the errors made of a Status, the
+-- lua/engines/kubernetes/api.lua without a cluster: paths, names, the errors made of a Status, the
 -- objects it builds. tests/lua/kubernetes_live_test.lua runs it against a real API server.
-local api = require("demesne.kubernetes.api")
+local api = require("demesne.engines.kubernetes.api")
 local json = require("demesne.json")
 local util = require("demesne.util")
 

@@ -3,14 +3,14 @@
 -- (tests/fixtures/ws/server.mjs: v5 and v4), then against the real test bed of
 -- tests/kubernetes (Kubernetes 1.20: v4 only) when it is up. Without the bed the live test
 -- says so and passes: CI does not start one yet.
-local http = require("core.http")
 local fs = require("core.fs")
 local async = require("demesne.async")
 local json = require("demesne.json")
+local api = require("demesne.engines.kubernetes.api")
 local exec = require("demesne.engines.kubernetes.exec")
+local kubeconfig = require("demesne.engines.kubernetes.kubeconfig")
 
 local servers = dofile((debug.getinfo(1, "S").source:match("^@(.*)/[^/]+$") or ".") .. "/ws_servers.lua").start
-local request = async.wrap(http.request)
 
 local tests = {}
 
@@ -73,74 +73,50 @@ end
 -- ---------------------------------------------------------------- the real test bed
 
 local STATE = os.getenv("DEMESNE_K8S_STATE") or "/var/lib/demesne/kubernetes"
-local SERVER = "https://127.0.0.1:16443"
+local KUBECONFIG = STATE .. "/admin.kubeconfig"
 local NS, POD = "demesne-ws-test", "dmsn-ws-test"
 local IMAGE = "localhost/busybox:demesne"
 
-local function slurp(path)
-  local f = io.open(path, "rb")
-  if not f then return nil end
-  local s = f:read("a")
-  f:close()
-  return s
-end
-
---- The bed's credentials, or nil and why there is none.
+--- The bed's kubeconfig settings and an API client (demesne.engines.kubernetes.api), or
+--- nil and why there is none.
 local function bed()
-  local p = STATE .. "/pki/"
-  local b = { ca = slurp(p .. "ca.crt"), cert = slurp(p .. "admin.crt"), key = slurp(p .. "admin.key"),
-    token = (slurp(p .. "admin.token") or ""):match("%S+") }
-  if not (b.ca and b.cert and b.key and b.token and fs.stat(STATE .. "/admin.kubeconfig")) then
-    return nil, "no Kubernetes test bed at " .. STATE .. " (tests/kubernetes/up makes one)"
-  end
-  local res = request({ url = SERVER .. "/version", ca_file = p .. "ca.crt", timeout_ms = 5000,
-    headers = { Authorization = "Bearer " .. b.token } })
-  if not res or res.status ~= 200 then return nil, "the test bed's API server does not answer at " .. SERVER end
-  b.version = (json.decode(res.body) or {}).gitVersion
-  return b
-end
-
-local function api(b, method, path, body)
-  local res, err = request({ url = SERVER .. path, method = method, ca_file = STATE .. "/pki/ca.crt", timeout_ms = 30000,
-    headers = { Authorization = "Bearer " .. b.token, ["Content-Type"] = "application/json" },
-    body = body and json.encode(body) })
-  assert(res, err)
-  return res.status, json.decode(res.body)
+  if not fs.stat(KUBECONFIG) then return nil, "no Kubernetes test bed at " .. STATE .. " (tests/kubernetes/up makes one)" end
+  local cfg = assert(kubeconfig.load({ path = KUBECONFIG }))
+  local c = api.new(cfg, { timeout_ms = 30000, namespace = NS })
+  local v, err = c:version()
+  if not v then return nil, "the test bed's API server does not answer: " .. tostring(err) end
+  -- the admin's bearer token, for the token variant (up writes it beside the certificates)
+  local token = (fs.read_file(STATE .. "/pki/admin.token") or ""):match("%S+")
+  return { cfg = cfg, c = c, version = v.gitVersion, token = token }
 end
 
 --- Makes the namespace (and its default ServiceAccount when no controller manager does) and
 --- a Pod that sleeps; waits until it runs.
 local function make_pod(b)
-  api(b, "POST", "/api/v1/namespaces", { apiVersion = "v1", kind = "Namespace", metadata = { name = NS } })
+  local c = b.c
+  local _, err, code = c:create("namespaces", { apiVersion = "v1", kind = "Namespace", metadata = { name = NS } })
+  assert(code == nil or code == "EEXIST", err)
   for _ = 1, 25 do
-    if api(b, "GET", "/api/v1/namespaces/" .. NS .. "/serviceaccounts/default") == 200 then break end
-    if api(b, "GET", "/api/v1/namespaces/default/serviceaccounts/default") ~= 200 then
-      api(b, "POST", "/api/v1/namespaces/" .. NS .. "/serviceaccounts",
-        { apiVersion = "v1", kind = "ServiceAccount", metadata = { name = "default" } })
+    if c:get("serviceaccounts", "default") then break end
+    if not c:get("serviceaccounts", "default", { namespace = "default" }) then
+      c:create("serviceaccounts", { apiVersion = "v1", kind = "ServiceAccount", metadata = { name = "default" } })
     end
     async.sleep(200)
   end
-  api(b, "DELETE", ("/api/v1/namespaces/%s/pods/%s?gracePeriodSeconds=0"):format(NS, POD))
+  c:delete("pods", POD, { grace_seconds = 0 })
   for _ = 1, 150 do
-    if api(b, "GET", ("/api/v1/namespaces/%s/pods/%s"):format(NS, POD)) == 404 then break end
+    if select(3, c:get("pods", POD)) == "ENOENT" then break end
     async.sleep(200)
   end
-  local status, body = api(b, "POST", "/api/v1/namespaces/" .. NS .. "/pods", {
+  assert(c:create("pods", {
     apiVersion = "v1", kind = "Pod", metadata = { name = POD, labels = { ["app.kubernetes.io/managed-by"] = "demesne" } },
     spec = { nodeName = "demesne-node", restartPolicy = "Never", automountServiceAccountToken = false,
       enableServiceLinks = false, terminationGracePeriodSeconds = 1,
       containers = { { name = "sandbox", image = IMAGE, imagePullPolicy = "Never",
         command = { "/bin/sh", "-c", "sleep 3600" } } } },
-  })
-  assert(status == 201, ("create the Pod: HTTP %s %s"):format(status, json.encode(body)))
-  for _ = 1, 300 do
-    local _, pod = api(b, "GET", ("/api/v1/namespaces/%s/pods/%s"):format(NS, POD))
-    local phase = pod and pod.status and pod.status.phase
-    if phase == "Running" then return end
-    assert(phase ~= "Failed" and phase ~= "Succeeded", "the Pod ended: " .. tostring(phase))
-    async.sleep(200)
-  end
-  error("the Pod is not Running after 60 s")
+  }))
+  local phase, state = c:wait_pod(POD, { timeout_ms = 60000 })
+  assert(phase == "Running", ("the Pod is %s (%s)"):format(tostring(phase), json.encode(state)))
 end
 
 function tests.exec_in_a_pod_of_the_real_test_bed(t)
@@ -151,9 +127,11 @@ function tests.exec_in_a_pod_of_the_real_test_bed(t)
   end
   make_pod(b)
   local _cleanup <close> = setmetatable({}, { __close = function()
-    api(b, "DELETE", ("/api/v1/namespaces/%s/pods/%s?gracePeriodSeconds=0"):format(NS, POD))
+    b.c:delete("pods", POD, { grace_seconds = 0 })
+    b.c:delete("namespaces", NS)
   end })
-  local base = { server = SERVER, namespace = NS, pod = POD, container = "sandbox", ca_data = b.ca, timeout_ms = 30000 }
+  local base = { server = b.cfg.server, namespace = NS, pod = POD, container = "sandbox", ca_pem = b.cfg.ca_pem,
+    timeout_ms = 30000 }
   local function run(extra)
     local o = {}
     for k, v in pairs(base) do o[k] = v end
@@ -161,7 +139,7 @@ function tests.exec_in_a_pod_of_the_real_test_bed(t)
     return exec.run(o)
   end
   -- with the client certificate
-  local r = assert(run({ cert_data = b.cert, key_data = b.key,
+  local r = assert(run({ cert_pem = b.cfg.cert_pem, key_pem = b.cfg.key_pem,
     command = { "sh", "-c", "echo out; echo err >&2; exit 3" } }))
   print(("# kubernetes_exec_test: the bed's API server is %s; it chose %s"):format(tostring(b.version), r.protocol))
   t:eq({ r.stdout, r.stderr, r.exit_code }, { "out\n", "err\n", 3 }, "stdout, stderr and the exit code")

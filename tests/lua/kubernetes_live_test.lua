@@ -1,10 +1,10 @@
--- lua/kubernetes/ against the real test bed's API server (tests/kubernetes/up;
--- docs/how-to/kubernetes-test-bed.md): the kubeconfig read by demesne.kubernetes.kubeconfig,
--- every call of demesne.kubernetes.api on a namespace of its own, which it deletes.
+-- lua/engines/kubernetes/ against the real test bed's API server (tests/kubernetes/up;
+-- docs/how-to/kubernetes-test-bed.md): the kubeconfig read by demesne.engines.kubernetes.kubeconfig,
+-- every call of demesne.engines.kubernetes.api on a namespace of its own, which it deletes.
 -- Without a cluster (no kubeconfig, or its server does not answer) each test says so and
 -- passes: CI does not start one yet. DEMESNE_K8S_KUBECONFIG names another kubeconfig.
-local kubeconfig = require("demesne.kubernetes.kubeconfig")
-local api = require("demesne.kubernetes.api")
+local kubeconfig = require("demesne.engines.kubernetes.kubeconfig")
+local api = require("demesne.engines.kubernetes.api")
 local fs = require("core.fs")
 local loop = require("core.loop")
 local async = require("demesne.async")

@@ -39,9 +39,6 @@ local LAYERS = {
   ["demesne.tree.child"] = 4, ["demesne.tree.endpoint"] = 5,
   -- 2: engine adapters
   ["demesne.engines"] = 2,
-  -- the Kubernetes API (lua/kubernetes): a kubeconfig and a REST client, what the Kubernetes
-  -- engine adapter is built on; kept out of lua/engines/, where every file is an adapter
-  ["demesne.kubernetes"] = 2,
   -- git on the host (lua/repo): a repository in, a branch out; below sandboxes and jobs
   ["demesne.repo"] = 2,
   -- image registries: the host's credentials for them and their config.lua section; below images

@@ -158,15 +158,15 @@ function tests.wss_with_a_ca_and_a_client_certificate_given_as_pem(t)
   local s <close> = servers(certs.path)
   local pem = function(n) return slurp(certs.path .. "/" .. n) end
   local url = ("wss://127.0.0.1:%d/whoami"):format(s.wss)
-  local conn <close>, next_event = client({ url = url, protocols = { "chat.v1" }, ca_data = pem("ca.crt"),
-    cert_data = pem("client.crt"), key_data = pem("client.key") })
+  local conn <close>, next_event = client({ url = url, protocols = { "chat.v1" }, ca_pem = pem("ca.crt"),
+    cert_pem = pem("client.crt"), key_pem = pem("client.key") })
   t:eq({ next_event() }, { "open", "chat.v1" })
   t:eq({ next_event() }, { "message", "ws-client", "text" }, "the server saw our client certificate")
   conn:close()
   t:eq(next_event(), "close")
   -- the echo route over TLS: a big message in both directions
   local echo <close>, next_echo = client({ url = ("wss://127.0.0.1:%d/echo"):format(s.wss), protocols = { "chat.v1" },
-    ca_data = pem("ca.crt"), cert_data = pem("client.crt"), key_data = pem("client.key") })
+    ca_pem = pem("ca.crt"), cert_pem = pem("client.crt"), key_pem = pem("client.key") })
   t:eq(next_echo(), "open")
   local big = ("0123456789abcdef"):rep(65536)
   echo:send(big)

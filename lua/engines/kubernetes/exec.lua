@@ -89,9 +89,9 @@ end
 ---@field command string[]
 ---@field stdin string|nil  bytes for the command's stdin (nil: no stdin stream)
 ---@field token string|nil  a bearer token (Authorization: Bearer)
----@field ca_data string|nil  PEM CA of the API server
----@field cert_data string|nil  PEM client certificate
----@field key_data string|nil  PEM client key
+---@field ca_pem string|nil  PEM CA of the API server
+---@field cert_pem string|nil  PEM client certificate
+---@field key_pem string|nil  PEM client key
 ---@field timeout_ms integer|nil  the whole exec, default 60000
 ---@field protocols string[]|nil  the subprotocols offered (default exec.PROTOCOLS)
 
@@ -166,7 +166,7 @@ function exec.open(opts, handlers)
     url = opts.server:gsub("/+$", "") .. exec.path(opts.namespace, opts.pod, opts.container, opts.command,
       opts.stdin ~= nil),
     headers = headers, protocols = opts.protocols or exec.PROTOCOLS,
-    ca_data = opts.ca_data, cert_data = opts.cert_data, key_data = opts.key_data,
+    ca_pem = opts.ca_pem, cert_pem = opts.cert_pem, key_pem = opts.key_pem,
     timeout_ms = math.min(opts.timeout_ms or 30000, 30000),
   }, function(...) s:event(...) end)
   if not conn then return nil, "kubernetes exec: " .. err, code end

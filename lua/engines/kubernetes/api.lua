@@ -1,7 +1,7 @@
 -- A small Kubernetes REST client over core.http: the calls the Kubernetes engine adapter
 -- makes (the version, access reviews, ConfigMaps, NetworkPolicies, Pods and their logs,
 -- Leases), each as one JSON request from inside an async task. Connection and credentials
--- come from a kubeconfig (demesne.kubernetes.kubeconfig): the server's CA and a client
+-- come from a kubeconfig (demesne.engines.kubernetes.kubeconfig): the server's CA and a client
 -- certificate, or a bearer token, held in memory and never logged.
 --
 -- Every call returns the decoded JSON (or true, or the text of a log), or nil, msg, code,
