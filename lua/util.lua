@@ -73,6 +73,25 @@ function util.percent_encode(s)
   return (tostring(s):gsub("[^%w%-%._~]", function(c) return ("%%%02X"):format(c:byte()) end))
 end
 
+--- A URL's query from a table of parameters: "?k1=v1&k2=v2" in the keys' sorted order (so
+--- a URL is the same for the same table), each key and value percent-encoded, booleans as
+--- "true" / "false"; "" for nil or an empty table.
+---@param q table<string, string|number|boolean>|nil
+---@return string
+function util.query_string(q)
+  if not q then return "" end
+  local keys = {}
+  for k in pairs(q) do keys[#keys + 1] = k end
+  table.sort(keys)
+  local parts = {}
+  for _, k in ipairs(keys) do
+    local v = q[k]
+    if type(v) == "boolean" then v = v and "true" or "false" end
+    parts[#parts + 1] = util.percent_encode(k) .. "=" .. util.percent_encode(v)
+  end
+  return #parts > 0 and ("?" .. table.concat(parts, "&")) or ""
+end
+
 --- Base64 (RFC 4648 §4, the standard alphabet, with padding) of a byte string.
 ---@param bytes string
 ---@return string

@@ -40,19 +40,12 @@ function docker.segment(s)
 end
 local seg = docker.segment
 
+-- The query of a Docker Engine API call: tables (filters) as JSON, the rest as util.query_string
 local function query(q)
   if not q then return "" end
-  local keys = {}
-  for k in pairs(q) do keys[#keys + 1] = k end
-  table.sort(keys)
-  local parts = {}
-  for _, k in ipairs(keys) do
-    local v = q[k]
-    if type(v) == "table" then v = json.encode(v) end
-    if type(v) == "boolean" then v = v and "true" or "false" end
-    parts[#parts + 1] = urlencode(k) .. "=" .. urlencode(v)
-  end
-  return #parts > 0 and ("?" .. table.concat(parts, "&")) or ""
+  local flat = {}
+  for k, v in pairs(q) do flat[k] = type(v) == "table" and json.encode(v) or v end
+  return util.query_string(flat)
 end
 
 local CODES = { [400] = "EINVAL", [401] = "EACCES", [403] = "EACCES", [404] = "ENOENT", [409] = "ECONFLICT",

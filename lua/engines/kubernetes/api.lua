@@ -76,15 +76,7 @@ function api.path(resource, ns, name, sub)
   return p
 end
 
-local function query(q)
-  if not q then return "" end
-  local keys = {}
-  for k in pairs(q) do keys[#keys + 1] = k end
-  table.sort(keys)
-  local parts = {}
-  for _, k in ipairs(keys) do parts[#parts + 1] = util.percent_encode(k) .. "=" .. util.percent_encode(q[k]) end
-  return #parts > 0 and ("?" .. table.concat(parts, "&")) or ""
-end
+local query = util.query_string
 
 -- "create pods/x in ns" from the method and path, for messages
 local function describe(method, path)
