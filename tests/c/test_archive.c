@@ -17,18 +17,8 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-static int failures;
+#include "check.h"
 static char base[512];
-
-#define CHECK(cond, ...) \
-  do { \
-    if (!(cond)) { \
-      failures++; \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__); \
-      fputc('\n', stderr); \
-    } \
-  } while (0)
 
 /* ---- SHA-256 (FIPS 180-4), small and slow, for comparing contents ---- */
 typedef struct {

@@ -21,18 +21,8 @@
 #include <time.h>
 #include <unistd.h>
 
-static int failures;
+#include "check.h"
 static char base[512];
-
-#define CHECK(cond, ...) \
-  do { \
-    if (!(cond)) { \
-      failures++; \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__); \
-      fputc('\n', stderr); \
-    } \
-  } while (0)
 
 static const char *P(const char *rel) {
   static char bufs[8][PATH_MAX];

@@ -7,16 +7,7 @@
 #include <string.h>
 #include <sys/resource.h>
 
-static int failures;
-#define CHECK(cond, ...) \
-  do { \
-    if (!(cond)) { \
-      failures++; \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__); \
-      fputc('\n', stderr); \
-    } \
-  } while (0)
+#include "check.h"
 
 static uv_loop_t loop;
 

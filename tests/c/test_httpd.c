@@ -13,16 +13,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(cond, ...) \
-  do { \
-    if (!(cond)) { \
-      failures++; \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__); \
-      fputc('\n', stderr); \
-    } \
-  } while (0)
+#include "check.h"
 
 static void test_token_equal(void) {
   CHECK(dm_httpd_token_equal("secret", 6, "secret"), "equal");

@@ -16,16 +16,7 @@
 #include <sys/un.h>
 #include <unistd.h>
 
-static int failures;
-#define CHECK(cond, ...) \
-  do { \
-    if (!(cond)) { \
-      failures++; \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__); \
-      fputc('\n', stderr); \
-    } \
-  } while (0)
+#include "check.h"
 
 /* ---- head parsing ---- */
 

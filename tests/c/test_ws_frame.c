@@ -7,16 +7,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-static int failures;
-#define CHECK(cond, ...) \
-  do { \
-    if (!(cond)) { \
-      failures++; \
-      fprintf(stderr, "FAIL %s:%d: %s: ", __FILE__, __LINE__, #cond); \
-      fprintf(stderr, __VA_ARGS__); \
-      fputc('\n', stderr); \
-    } \
-  } while (0)
+#include "check.h"
 
 /* Decodes `n` bytes (one at a time when `bytewise`); the first message or failure. */
 static int decode_one(const uint8_t *b, size_t n, int bytewise, uint64_t max, dm_ws_msg *m, uint8_t *copy, int *code) {
