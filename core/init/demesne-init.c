@@ -16,6 +16,10 @@ static const char usage_text[] =
 	"                         [--grace SECONDS]\n"
 	"       demesne-init connect 127.0.0.1:PORT\n"
 	"       demesne-init pty --connect PATH [--cwd DIR] [--signals] -- ARGV...\n"
+	"       demesne-init probe [--timeout-ms N] ADDR:PORT...\n"
+	"       demesne-init hold [--env K=V]... [--workdir DIR] [--user UID[:GID]] GATE\n"
+	"                         -- PROGRAM [ARG...]\n"
+	"       demesne-init release GATE\n"
 	"       demesne-init --version | --help\n"
 	"\n"
 	"serve  PID 1 of a persistent sandbox: reaps zombies; on SIGTERM/SIGINT signals every\n"
@@ -38,6 +42,11 @@ static const char usage_text[] =
 	"       stdout, until the port's side ends (port previews, through the engine's exec).\n"
 	"pty    runs ARGV on a new pseudo-terminal and carries it over the unix socket PATH in\n"
 	"       frames (demesne attach); the host hanging up sends SIGHUP to its session.\n"
+	"probe  tries a TCP connection to each IPv4 ADDR:PORT and prints reached or blocked for\n"
+	"       each, then default-route yes|no; exits 0 when nothing was reached, else 1.\n"
+	"hold   waits until the file GATE exists (release makes it), then applies --env,\n"
+	"       --workdir and --user and becomes PROGRAM (a Pod's create-before-start gate, and\n"
+	"       how an exec on Kubernetes gets its environment and folder).\n"
 	"\n"
 	"exit codes: 2 usage, 125 demesne-init failed, 126 cannot execute, 127 not found.\n";
 
@@ -66,6 +75,12 @@ int main(int argc, char **argv)
 		return init_connect(argc - 1, argv + 1);
 	if (strcmp(cmd, "pty") == 0)
 		return init_pty(argc - 1, argv + 1);
+	if (strcmp(cmd, "probe") == 0)
+		return init_probe(argc - 1, argv + 1);
+	if (strcmp(cmd, "hold") == 0)
+		return init_hold(argc - 1, argv + 1);
+	if (strcmp(cmd, "release") == 0)
+		return init_release(argc - 1, argv + 1);
 	if (strcmp(cmd, "--version") == 0 || strcmp(cmd, "-V") == 0) {
 		static const char v[] = "demesne-init " DEMESNE_VERSION "\n";
 		return write_all(1, v, sizeof v - 1) == 0 ? INIT_EXIT_OK : INIT_EXIT_FAILURE;

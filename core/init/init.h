@@ -64,6 +64,18 @@ int init_connect(int argc, char **argv);
 /// Returns the shell's exit code (128+N for signal N), 2 on usage errors, 125 when the
 /// socket or the PTY cannot be had.
 int init_pty(int argc, char **argv);
+/// `demesne-init probe [--timeout-ms N] ADDR:PORT...`: tries a TCP connection to each IPv4
+/// target and prints "reached"/"blocked" per target and "default-route yes|no" (probe.c).
+/// argv[0] is "probe". Returns 0 when nothing was reached, 1 when a target was, 2 on usage
+/// errors.
+int init_probe(int argc, char **argv);
+/// `demesne-init hold [--env K=V]... [--workdir DIR] [--user UID[:GID]] GATE -- PROGRAM
+/// [ARG...]`: waits until GATE exists, then applies the options and execs PROGRAM (hold.c).
+/// argv[0] is "hold". Returns only on failure: 2 usage, 125, 126, 127, 128+N (signal N).
+int init_hold(int argc, char **argv);
+/// `demesne-init release GATE`: creates GATE so that `hold` goes on (hold.c). Returns 0,
+/// 2 usage, 125 when it cannot be made.
+int init_release(int argc, char **argv);
 
 // The control socket (control.c). Reference: docs/reference/demesne-init.md.
 #define CONTROL_MAGIC "DMI1"

@@ -489,6 +489,66 @@ out=$(printf 'hello' | "$BIN" connect "127.0.0.1:$CPORT")
 rc=$?
 wait "$SRVP"
 check "connect: stdin to the port, its end as a half-close, the answer to stdout, exit 0" eq "$rc/$out" "0/got hello"
+# --- hold GATE / release GATE (the Kubernetes adapter's create-before-start gate) -----------
+H=$T/hold
+mkdir -p "$H"
+"$BIN" hold --env X=5 --env Y=a=b --workdir /tmp "$H/gate" -- sh -c 'echo "$X $Y $(pwd)" >"$1"; exit 7' sh "$H/out" &
+HP=$!
+STRAYS="$STRAYS $HP"
+sleep 0.3
+check "hold: the program waits while the gate is shut" eq "$(alive "$HP" && echo holding)/$(cat "$H/out" 2>/dev/null)" "holding/"
+"$BIN" release "$H/gate"
+check "release: exit 0" eq "$?" 0
+wait "$HP"
+check "hold: once released, the program runs with --env, --workdir and its exit code" eq "$?/$(cat "$H/out")" "7/5 a=b /tmp"
+"$BIN" release "$H/gate"
+check "release of an open gate: exit 0" eq "$?" 0
+out=$("$BIN" hold --user 1000:1001 "$H/gate" -- sh -c 'echo "$(id -u):$(id -g):$(id -G)"')
+check "hold --user UID:GID: the program's uid, gid and no other group" eq "$out" "1000:1001:1001"
+st=$("$BIN" hold "$H/gate" -- cat /proc/self/status)
+out="$(echo "$st" | awk '/^SigBlk:/ { print $2 }')/$(( 0x$(echo "$st" | awk '/^SigCgt:/ { print $2 }') & 0x4002 ))"
+check "hold: the program starts with no signal blocked and no SIGTERM or SIGINT handler" eq "$out" "0000000000000000/0"
+"$BIN" hold "$H/gate" -- demesne-init-no-such-program 2>"$H/err"
+check "hold of a program not found: 127, named" eq "$?/$(grep -c 'demesne-init-no-such-program' "$H/err")" "127/1"
+for bad in "" "$H/gate" "--env NOEQ $H/gate -- true" "--user root $H/gate -- true" "$H/gate extra -- true" "--workdir"; do
+	# shellcheck disable=SC2086  # the words of each case
+	"$BIN" hold $bad 2>/dev/null
+	check "hold '$bad': usage error 2" eq "$?" 2
+done
+"$BIN" hold --workdir /no/such/dir "$H/gate" -- true 2>"$H/err"
+check "hold --workdir of a missing folder: 125, named" eq "$?/$(grep -c '/no/such/dir' "$H/err")" "125/1"
+ln -s /no/such/target "$H/link"
+"$BIN" hold "$H/link" -- true
+check "hold: a dangling symlink at the gate counts as present (lstat, never followed)" eq "$?" 0
+"$BIN" hold "$H/shut" -- true &
+HP=$!
+STRAYS="$STRAYS $HP"
+sleep 0.3
+t0=$(now_ms)
+kill -TERM "$HP"
+wait "$HP"
+rc=$?
+check "hold: SIGTERM while the gate is shut exits 143 at once" eq "$rc/$(($(now_ms) - t0 < 2000))" "143/1"
+"$BIN" release /no/such/dir/gate 2>"$H/err"
+check "release into a missing folder: 125, the path named" eq "$?/$(grep -c '/no/such/dir/gate' "$H/err")" "125/1"
+ln -s "$H/elsewhere" "$H/trap"
+"$BIN" release "$H/trap"
+check "release never writes through a symlink" eq "$?/$([ -e "$H/elsewhere" ] && echo made)" "0/"
+# --- probe ADDR:PORT... (is the container's network closed?) -----------------------------
+PPORT=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+python3 -c 'import socket,sys,time; s=socket.socket(); s.setsockopt(socket.SOL_SOCKET,socket.SO_REUSEADDR,1); s.bind(("127.0.0.1",int(sys.argv[1]))); s.listen(4); open(sys.argv[2],"w").close(); time.sleep(10)' "$PPORT" "$T/probe.ready" &
+STRAYS="$STRAYS $!"
+i=0; while [ ! -e "$T/probe.ready" ] && [ $i -lt 250 ]; do sleep 0.02; i=$((i + 1)); done
+out=$("$BIN" probe --timeout-ms 1000 "127.0.0.1:$PPORT")
+check "probe: a listener is reached (exit 1)" eq "$?/$(echo "$out" | head -1)" "1/reached 127.0.0.1:$PPORT"
+out=$("$BIN" probe --timeout-ms 1000 127.0.0.1:1)
+check "probe: nothing reached (exit 0), the reason, the default route" \
+	eq "$?/$(echo "$out" | head -1)/$(echo "$out" | tail -1 | cut -d' ' -f1)" "0/blocked 127.0.0.1:1: Connection refused/default-route"
+for bad in "" "x" "127.0.0.1" "127.0.0.1:0" "::1:80" "--timeout-ms 0 127.0.0.1:1"; do
+	# shellcheck disable=SC2086  # the words of each case
+	"$BIN" probe $bad >/dev/null 2>&1
+	check "probe '$bad': usage error 2" eq "$?" 2
+done
 # --- pty: the shell of demesne attach ------------------------------------------------------
 PTYHOST="$(dirname "$0")/pty-host.py"
 r=$(python3 "$PTYHOST" "$BIN" "$T/pty.sock" session 2>&1)
