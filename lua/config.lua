@@ -32,8 +32,23 @@ local SPEC = {
   engine = { env = "DEMESNE_ENGINE", doc = "container engine socket (unix:///path); empty = discover. With another "
     .. "engine_adapter: that adapter's endpoint" },
   engine_adapter = { env = "DEMESNE_ENGINE_ADAPTER", default = "docker",
-    doc = "the engine adapter: docker (the Docker Engine API: Docker, Podman) or a file engines/<name>.lua in the "
-      .. "config folder" },
+    doc = "the engine adapter: docker (the Docker Engine API: Docker, Podman), kubernetes (Pods on a cluster; also "
+      .. "chosen by engine = \"kubernetes\") or a file engines/<name>.lua in the config folder" },
+  kubeconfig = { env = "DEMESNE_KUBECONFIG",
+    doc = "kubernetes: the kubeconfig file (server, CA, client certificate or bearer token); unset: KUBECONFIG's "
+      .. "first file, else ~/.kube/config" },
+  kubernetes_context = { env = "DEMESNE_KUBERNETES_CONTEXT",
+    doc = "kubernetes: the kubeconfig context to use; unset: its current-context" },
+  kubernetes_namespace = { env = "DEMESNE_KUBERNETES_NAMESPACE",
+    doc = "kubernetes: the namespace of demesne's Pods; unset: the context's namespace (default: default)" },
+  kubernetes_image_prefix = { env = "DEMESNE_KUBERNETES_IMAGE_PREFIX",
+    doc = "kubernetes: the registry the cluster pulls demesne's images from (host[:port][/path]), put in front of "
+      .. "image references that name no registry" },
+  kubernetes_pull_secrets = { env = "DEMESNE_KUBERNETES_PULL_SECRETS", default = {}, list = true, sep = ",",
+    doc = "kubernetes: Secrets of the namespace given to each Pod as imagePullSecrets (','-separated)" },
+  kubernetes_node = { env = "DEMESNE_KUBERNETES_NODE",
+    doc = "kubernetes: the node to place Pods on (spec.nodeName), for a cluster without a scheduler; unset: the "
+      .. "scheduler places them" },
   allowed_paths = { env = "DEMESNE_ALLOWED_PATHS", default = {}, list = true, absolute = true,
     doc = "host roots that files/directories/src may come from (':'-separated)" },
   output_root = { env = "DEMESNE_OUTPUT_ROOT",

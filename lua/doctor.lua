@@ -42,7 +42,7 @@ local START_ENGINE = "install Podman (`apt-get install podman`) and start its AP
   .. "`dockerd &`); or set DEMESNE_ENGINE=unix:///path/to/socket to an engine that runs"
 
 local function check_engine(ctx)
-  local which = config.get("engine_adapter") or "docker"
+  local which = engines.adapter_name()
   local sock, tried, why
   if which == "docker" then
     sock, tried, why = engines.discover()
@@ -58,8 +58,11 @@ local function check_engine(ctx)
   end
   local eng, err = engines.get()
   if not eng then
-    return fail(err, which == "docker" and START_ENGINE
-      or ("correct %s/engines/%s.lua, or set engine_adapter back to docker"):format(config.dir(), which))
+    local fix = which == "docker" and START_ENGINE
+      or which == "kubernetes" and "correct the kubeconfig (the kubeconfig setting, DEMESNE_KUBECONFIG), or set engine "
+        .. "back to a Podman or Docker socket"
+      or ("correct %s/engines/%s.lua, or set engine_adapter back to docker"):format(config.dir(), which)
+    return fail(err, fix)
   end
   if type(eng.info) ~= "function" then
     ctx.engine = eng
@@ -77,8 +80,8 @@ local function check_engine(ctx)
     return fail(("the engine at %s does not answer: %s"):format(tostring(sock or eng.socket), tostring(ierr)), fix)
   end
   local where = sock and ("at unix://%s (%s)"):format(sock, FOUND[why] or why) or ("through the %s adapter"):format(which)
-  local what = ("%s %s, Docker Engine API %s, %s"):format(info.name or "engine", tostring(info.version),
-    tostring(info.api), where)
+  local what = ("%s %s, %s API %s, %s"):format(info.name or "engine", tostring(info.version),
+    which == "kubernetes" and "Kubernetes" or "Docker Engine", tostring(info.api), where)
   if which == "docker" and not version_at_least(info.api, MIN_API) then
     return fail(what .. (": demesne needs API %s or later"):format(MIN_API),
       "upgrade the engine (Docker 20.10 or later, Podman 4 or later)")
@@ -110,8 +113,12 @@ local function check_config()
   end
   local adapter, aerr = engines.check_adapter()
   if not adapter then
-    return fail(aerr, ("correct %s/engines/%s.lua, or set engine_adapter back to docker"):format(config.dir(),
-      tostring(config.get("engine_adapter"))))
+    local which = engines.adapter_name()
+    if which == "kubernetes" then
+      return fail(aerr, "correct the kubeconfig (the kubeconfig setting, DEMESNE_KUBECONFIG), or set engine back to "
+        .. "a Podman or Docker socket")
+    end
+    return fail(aerr, ("correct %s/engines/%s.lua, or set engine_adapter back to docker"):format(config.dir(), which))
   end
   local missing = {}
   for _, r in ipairs(config.get("allowed_paths")) do

@@ -111,10 +111,12 @@ return function()
     io.stdout:write(("%-20s = %-40s (%s)\n"):format("http token", http.token_path(),
       "created by the first `serve --http`; or set DEMESNE_HTTP_TOKEN"))
   end
-  if (config.get("engine_adapter") or "docker") ~= "docker" then
+  if engines.adapter_name() ~= "docker" then
     local adapter, aerr = engines.check_adapter()
-    io.stdout:write(("%-20s = %-40s (%s)\n"):format("engine adapter file", adapter and adapter.origin or "not loaded",
-      adapter and "loaded" or tostring(aerr)))
+    local builtin = adapter and adapter.origin == "built-in"
+    io.stdout:write(("%-20s = %-40s (%s)\n"):format(builtin and "engine adapter" or "engine adapter file",
+      adapter and (builtin and adapter.name or adapter.origin) or "not loaded",
+      adapter and (builtin and "built-in" or "loaded") or tostring(aerr)))
     err = err or aerr
   else
     local sock, tried = engines.discover()

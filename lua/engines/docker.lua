@@ -80,6 +80,7 @@ docker.CAPABILITIES = {
   limits = true,
   snapshots = true,
   pause = true,
+  exec_user = true,
 }
 
 --- Under gVisor the host's pids cgroup counts the gVisor kernel's own threads (about five

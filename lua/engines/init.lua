@@ -70,6 +70,15 @@ local function kind(name)
   }
 end
 
+--- The adapter's name: the `engine_adapter` setting, or "kubernetes" when the `engine`
+--- setting is "kubernetes" or "kubernetes:<kubeconfig path>".
+---@return string
+function engines.adapter_name()
+  local e = config.get("engine")
+  if e == "kubernetes" or (e and e:match("^kubernetes:")) then return "kubernetes" end
+  return config.get("engine_adapter") or "docker"
+end
+
 --- The module of an engine adapter (built in, or a file in the config folder's engines/),
 --- or nil, err. `name`: letters, digits, '_' and '-'.
 ---@param name string
@@ -85,7 +94,7 @@ function engines.load(name)
   if not mod then
     local e = set.errors[#set.errors]
     if e then return nil, "engine_adapter: " .. e.message end
-    return nil, ("engine_adapter: no adapter %q (built in: docker; no file %s)"):format(name,
+    return nil, ("engine_adapter: no adapter %q (built in: docker, kubernetes; no file %s)"):format(name,
       config.dir() .. "/engines/" .. name .. ".lua")
   end
   modules[key] = mod
@@ -152,10 +161,10 @@ end
 --- Returns {name = adapter name, origin = "built-in" | file path}, or nil and the reason.
 ---@return {name: string, origin: string}|nil adapter, string|nil err
 function engines.check_adapter()
-  local which = config.get("engine_adapter") or "docker"
+  local which = engines.adapter_name()
   local mod, err = engines.load(which)
   if not mod then return nil, err end
-  if mod.origin == "built-in" then return { name = which, origin = "built-in" } end
+  if mod.origin == "built-in" and which == "docker" then return { name = which, origin = "built-in" } end
   local eng, nerr = engines.new_user(which, mod, config.get("engine")) -- new() must not contact the engine yet
   if not eng then return nil, nerr end
   return { name = which, origin = mod.origin }
@@ -168,10 +177,10 @@ end
 --- adapter cannot be loaded) and "ENOENGINE".
 ---@return table|nil engine, string|nil err, string|nil code
 function engines.get()
-  local which = config.get("engine_adapter") or "docker"
+  local which = engines.adapter_name()
   local mod, err = engines.load(which)
   if not mod then return nil, err, "ENOENGINE" end
-  if mod.origin ~= "built-in" then
+  if mod.origin ~= "built-in" or which ~= "docker" then
     if current and current.adapter_module == mod and current.adapter_endpoint == config.get("engine") then
       return current
     end

@@ -34,6 +34,7 @@ api.RESOURCES = {
   serviceaccounts = { prefix = "/api/v1", namespaced = true },
   networkpolicies = { prefix = "/apis/networking.k8s.io/v1", namespaced = true, group = "networking.k8s.io" },
   leases = { prefix = "/apis/coordination.k8s.io/v1", namespaced = true, group = "coordination.k8s.io" },
+  runtimeclasses = { prefix = "/apis/node.k8s.io/v1", namespaced = false, group = "node.k8s.io" },
 }
 
 -- The error code of an answer: by its Status reason first (409 is both a name taken and a
@@ -226,6 +227,19 @@ end
 ---@return table|nil obj, string|nil err, string|nil code
 function Client:update(resource, obj, opts)
   return self:request("PUT", api.path(resource, opts and opts.namespace or self.namespace, obj.metadata.name), obj)
+end
+
+--- Changes the object `name` with a JSON merge patch (RFC 7386: `patch` holds the fields to
+--- set; a field set to json.null is removed), e.g. {metadata = {annotations = {k = "v"}}}.
+--- Returns the changed object.
+---@param resource string
+---@param name string
+---@param patch table
+---@param opts table|nil  {namespace=}
+---@return table|nil obj, string|nil err, string|nil code
+function Client:patch(resource, name, patch, opts)
+  return self:request("PATCH", api.path(resource, (opts or {}).namespace or self.namespace, name), patch,
+    { content_type = "application/merge-patch+json" })
 end
 
 --- Deletes the object `name`. opts: grace_seconds (gracePeriodSeconds; 0 for pods: at
