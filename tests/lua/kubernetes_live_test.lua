@@ -2,7 +2,8 @@
 -- docs/how-to/kubernetes-test-bed.md): the kubeconfig read by demesne.engines.kubernetes.kubeconfig,
 -- every call of demesne.engines.kubernetes.api on a namespace of its own, which it deletes.
 -- Without a cluster (no kubeconfig, or its server does not answer) each test says so and
--- passes: CI does not start one yet. DEMESNE_K8S_KUBECONFIG names another kubeconfig.
+-- passes, unless DEMESNE_K8S_REQUIRED=1 (tests/kubernetes/lane, where a missing bed is a
+-- failure). DEMESNE_K8S_KUBECONFIG names another kubeconfig.
 local kubeconfig = require("demesne.engines.kubernetes.kubeconfig")
 local api = require("demesne.engines.kubernetes.api")
 local fs = require("core.fs")
@@ -16,6 +17,7 @@ local STATE = os.getenv("DEMESNE_K8S_STATE") or "/var/lib/demesne/kubernetes"
 local KUBECONFIG = os.getenv("DEMESNE_K8S_KUBECONFIG") or STATE .. "/admin.kubeconfig"
 
 local function skip(why)
+  if os.getenv("DEMESNE_K8S_REQUIRED") == "1" then error("DEMESNE_K8S_REQUIRED=1, but " .. why, 2) end
   io.stdout:write(("# skipped: %s\n"):format(why))
   return nil
 end
