@@ -305,6 +305,25 @@ local function check_limits(ctx)
     .. "allows"):format(f.limits.detail))
 end
 
+-- An engine whose "no network" is a policy someone else enforces (Kubernetes: a
+-- NetworkPolicy, which only some network plugins honour) checks it for real, with a probe
+-- on demesne's base image (eng:check_network, docs/reference/engines.md).
+local function check_network(ctx)
+  if not ctx.engine then return { skip = "needs an engine" } end
+  if type(ctx.engine.check_network) ~= "function" then
+    return ok("network none gives a sandbox no interface but loopback")
+  end
+  local st = images.readiness(ctx.engine, "base")
+  local r, err, code = ctx.engine:check_network(st and st.state == "built" and st.ref or nil)
+  if not r and code == "ENOENT" then
+    return { skip = tostring(err) .. " (build demesne's images on Podman or Docker and push them to the registry "
+      .. "kubernetes_image_prefix names)" }
+  end
+  if not r then return fail(tostring(err), "see the probe Pod's events: kubectl describe pod demesne-probe-…") end
+  if r.ok then return ok("closed: " .. r.detail) end
+  return fail("OPEN: " .. r.detail .. ", so a sandbox there would not be cut off", r.fix)
+end
+
 -- The agent images and the CLI each installs (the build argument that pins its version).
 local AGENT_CLIS = {
   { image = "agent-claude_code", cli = "Claude Code", arg = "CLAUDE_CODE_VERSION", package = "@anthropic-ai/claude-code" },
@@ -363,6 +382,7 @@ doctor.CHECKS = {
   { name = "gvisor", run = check_gvisor },
   { name = "userns", run = check_userns },
   { name = "limits", run = check_limits },
+  { name = "network", run = check_network },
 }
 
 --- Runs every check in order (inside a task: the engine checks make requests). A check
@@ -378,6 +398,8 @@ function doctor.run()
     end
     out[#out + 1] = { name = c.name, ok = r.ok == true, skip = r.skip, detail = r.detail or r.skip or "", fix = r.fix }
   end
+  -- what the checks started in the engine (the Kubernetes adapter's Lease) ends with them
+  if ctx.engine and type(ctx.engine.close) == "function" then ctx.engine:close() end
   return out
 end
 

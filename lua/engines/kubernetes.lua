@@ -24,6 +24,7 @@ local config = require("demesne.config")
 local engine_spec = require("demesne.engines.spec")
 local exec = require("demesne.engines.kubernetes.exec")
 local fs = require("core.fs")
+local httpd = require("core.httpd")
 local json = require("demesne.json")
 local kubeconfig = require("demesne.engines.kubernetes.kubeconfig")
 local log = require("demesne.log")
@@ -631,6 +632,113 @@ local function node_images(self)
     end
   end
   return refs
+end
+
+-- The IPv4 addresses a probe Pod should not reach: every node's (status.addresses) and the
+-- API server's, when its URL names an address that is not loopback.
+local function probe_addresses(self)
+  local out, seen = {}, {}
+  local function add(a)
+    if a and a:match("^%d+%.%d+%.%d+%.%d+$") and not a:match("^127%.") and not seen[a] then
+      seen[a] = true
+      out[#out + 1] = a
+    end
+  end
+  local nodes = self.client:request("GET", "/api/v1/nodes")
+  for _, n in ipairs(type(nodes) == "table" and nodes.items or {}) do
+    for _, a in ipairs(n.status and n.status.addresses or {}) do
+      if a.type == "InternalIP" or a.type == "ExternalIP" then add(a.address) end
+    end
+  end
+  add(tostring(self.cfg.server):match("^https?://([%d.]+)[:/]"))
+  return out
+end
+
+--- Whether the cluster keeps demesne's Pods off the network, checked for real: a
+--- NetworkPolicy is only enforced by a network plugin that implements it, and no API says
+--- which does. A probe Pod with the labels of demesne's sandboxes (so that the deny-all
+--- NetworkPolicy applies to it) runs `demesne-init probe` against a listener this process
+--- opens on 0.0.0.0, at every address of the cluster's nodes and of the API server, and
+--- reports which it reached and whether it had a default route. `image`: an image the
+--- cluster has (the probe needs only a root filesystem: demesne-init comes from the
+--- ConfigMap); nil: the first image named demesne/… that a node holds (ENOENT: none). opts.host_network (tests): the probe Pod on its node's network, where the
+--- NetworkPolicy does not apply, so it must reach the node's listener.
+--- Returns {ok = nothing reached, detail, fix, reached = {"A:P"...}, blocked = {"A:P"...},
+--- default_route = boolean}, or nil, msg, code when the probe could not run.
+---@param image string|nil
+---@param opts {host_network: boolean|nil, timeout_ms: integer|nil}|nil
+---@return table|nil result, string|nil err, string|nil code
+function Engine:check_network(image, opts)
+  opts = opts or {}
+  local ok, err, code = self:prepare()
+  if not ok then return nil, err, code end
+  if not image then
+    local refs = node_images(self) or {}
+    local names = {}
+    for ref in pairs(refs) do
+      if ref:match("^docker%.io/demesne/") or ref:match("^demesne/") then names[#names + 1] = ref end
+    end
+    table.sort(names)
+    image = names[1]
+    if not image then return nil, "check the network: no node of the cluster holds an image named demesne/…", "ENOENT" end
+  end
+  local server = httpd.new({ max_body = 1024, max_conns = 8, max_output = 1024 }, function(conn)
+    conn:respond(204, {}, "")
+  end, function() end)
+  local port
+  port, err = server:listen_tcp("0.0.0.0", 0, { tag = "probe" })
+  if not port then
+    server:close()
+    return nil, ("check the network: cannot listen on 0.0.0.0: %s"):format(tostring(err)), "EIO"
+  end
+  local targets = {}
+  for _, a in ipairs(probe_addresses(self)) do targets[#targets + 1] = ("%s:%d"):format(a, port) end
+  if #targets == 0 then
+    server:close()
+    return nil, "check the network: the cluster reports no IPv4 address of a node or of its API server", "ENOENT"
+  end
+  local name = "demesne-probe-" .. hex(4)
+  local argv = { kubernetes.INIT, "probe" }
+  table.move(targets, 1, #targets, 3, argv)
+  local pod = kubernetes.pod({ image = image, name = name, entrypoint = argv, security = { cap_drop = { "ALL" } },
+    user = "65534" }, { namespace = self.namespace, instance = self.instance, init_configmap = self.init_configmap,
+    image_prefix = self.image_prefix, pull_secrets = self.pull_secrets, node_name = config.get("kubernetes_node") })
+  pod.spec.containers[1].command = argv -- no gate: the probe runs as soon as its container starts
+  if opts.host_network then pod.spec.hostNetwork = true end
+  local made
+  made, err, code = self.client:create("pods", pod)
+  local result
+  if made then
+    local ended, werr, wcode = self.client:wait_pod(name, { wait_for = "ended", timeout_ms = opts.timeout_ms or 60000 })
+    local logs = ended and self.client:pod_log(name, kubernetes.CONTAINER, { limit_bytes = 64 * 1024 })
+    if type(logs) == "string" and logs:find("default-route ", 1, true) then
+      result = { reached = {}, blocked = {}, default_route = logs:find("default-route yes", 1, true) ~= nil }
+      for what, target in logs:gmatch("(%a+) (%d+%.%d+%.%d+%.%d+:%d+)") do
+        if what == "reached" then result.reached[#result.reached + 1] = target
+        elseif what == "blocked" then result.blocked[#result.blocked + 1] = target end
+      end
+    else
+      err, code = ("check the network: the probe Pod %s gave no answer: %s"):format(name,
+        tostring(ended and logs or werr)), ended and "EENGINE" or wcode
+    end
+    self.client:delete("pods", name, { grace_seconds = 0 })
+  end
+  server:close()
+  if not result then return nil, err, code end
+  local closed = #result.reached == 0
+  result.ok = closed
+  if closed then
+    result.detail = ("a Pod with demesne's labels reached none of %d address(es) of the nodes and the API server "
+      .. "(%s)%s"):format(#result.blocked, table.concat(result.blocked, ", "),
+      result.default_route and "; it has a default route, so only the NetworkPolicy holds it"
+      or "; it has no default route")
+  else
+    result.detail = ("a Pod with demesne's labels reached %s: the cluster's network plugin does not enforce the "
+      .. "NetworkPolicy %s"):format(table.concat(result.reached, ", "), POLICY)
+    result.fix = "use a network plugin that enforces NetworkPolicy (Calico, Cilium, …), or keep demesne's Pods on "
+      .. "nodes whose Pod network has no route out"
+  end
+  return result
 end
 
 --- {id, labels = {}, env = {}} of an image a node of the cluster holds (ENOENT otherwise).

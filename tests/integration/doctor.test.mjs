@@ -33,7 +33,11 @@ test(`doctor finds ${KIND} at ${SOCKET} and passes every check`, async () => {
     assert.match(engine ?? "", new RegExp(`^ok\\s+engine\\s+${KIND} \\S+, Docker Engine API 1\\.\\d+, at ${ENGINE.replace(/[.*+?^${}()|[\]\\/]/g, "\\$&")} \\(the engine setting\\)$`), r.stdout);
     const verdicts = lines.filter((l) => !/^\s/.test(l) && !l.startsWith("demesne doctor:")).map((l) => l.split(/\s+/).slice(0, 2).join(" "));
     assert.deepEqual(verdicts, ["ok engine", "ok images", "ok agent-clis", "ok config", "ok folders", "ok demesne-init", "ok gvisor",
-      "ok userns", "ok limits"], r.stdout);
+      "ok userns", "ok limits", "ok network"], r.stdout);
+    // Podman and Docker give network none no interface but loopback: nothing to probe (the
+    // Kubernetes adapter's probe Pod is checked in tests/kubernetes/lane)
+    assert.match(lines.find((l) => /^ok\s+network\s/.test(l)) ?? "",
+      /^ok\s+network\s+network none gives a sandbox no interface but loopback$/, r.stdout);
     // which wall is in effect: Debian's Podman 4.3 and Docker without userns-remap give no user namespace
     const userns = lines.find((l) => /^ok\s+userns\s/.test(l));
     assert.match(userns, KIND === "podman"
@@ -45,7 +49,7 @@ test(`doctor finds ${KIND} at ${SOCKET} and passes every check`, async () => {
     assert.match(lines.find((l) => /^ok\s+agent-clis\s/.test(l)) ?? "",
       /^ok\s+agent-clis\s+Claude Code \d+\.\d+\.\d+ in agent-claude_code, installed \d+ days? ago; Codex \d+\.\d+\.\d+ in agent-codex, installed \d+ days? ago \(within agent_cli_max_age_days = 30\)$/,
       r.stdout);
-    assert.equal(lines.at(-1), "demesne doctor: all 9 checks passed");
+    assert.equal(lines.at(-1), "demesne doctor: all 10 checks passed");
     assert.equal(r.status, 0, r.stdout + r.stderr);
   } finally {
     rmSync(work, { recursive: true, force: true });

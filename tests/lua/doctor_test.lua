@@ -42,7 +42,8 @@ end
 function tests.every_check_runs_in_order(t)
   with_env({}, function()
     local _, names = by_name(doctor.run())
-    t:eq(names, { "engine", "images", "agent-clis", "config", "folders", "demesne-init", "gvisor", "userns", "limits" })
+    t:eq(names, { "engine", "images", "agent-clis", "config", "folders", "demesne-init", "gvisor", "userns", "limits",
+      "network" })
   end)
 end
 
