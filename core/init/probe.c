@@ -1,7 +1,8 @@
 // demesne-init probe [--timeout-ms N] ADDR:PORT...: whether this container's network is
 // closed. It tries a TCP connection to each IPv4 ADDR:PORT (at once, each bounded by the
-// timeout, default 3000 ms) and prints one line per target, "reached ADDR:PORT" or
-// "blocked ADDR:PORT: REASON", then "default-route yes" or "default-route no" from
+// timeout, default 3000 ms) and prints one line per target, "reached ADDR:PORT" (a refusal
+// counts: the host answered) or "blocked ADDR:PORT: REASON" (unreachable, no answer within
+// the timeout), then "default-route yes" or "default-route no" from
 // /proc/net/route. Exit 0 when no target was reached, 1 when one was, 2 on a usage error.
 // Made for `demesne doctor`'s check of a Kubernetes cluster (issue 28; not wired yet): run in
 // a probe Pod with the labels of demesne's sandboxes, so that the deny-all NetworkPolicy
@@ -121,6 +122,13 @@ int init_probe(int argc, char **argv)
 			close(fd);
 			continue;
 		}
+		if (errno == ECONNREFUSED) {
+			printf("reached %s (refused: its host answered)\n", argv[i + k]);
+			reached = 1;
+			done[k] = 1;
+			close(fd);
+			continue;
+		}
 		if (errno != EINPROGRESS) {
 			printf("blocked %s: %s\n", argv[i + k], strerror(errno));
 			done[k] = 1;
@@ -148,6 +156,10 @@ int init_probe(int argc, char **argv)
 			getsockopt(pfd[k].fd, SOL_SOCKET, SO_ERROR, &err, &len);
 			if (err == 0) {
 				printf("reached %s\n", argv[i + k]);
+				reached = 1;
+			} else if (err == ECONNREFUSED || err == ECONNRESET) {
+				// a refusal is an answer: the packets got there and back
+				printf("reached %s (refused: its host answered)\n", argv[i + k]);
 				reached = 1;
 			} else {
 				printf("blocked %s: %s\n", argv[i + k], strerror(err));

@@ -13,9 +13,9 @@
 --     the Pods of an instance whose Lease expired are removed.
 -- A Pod cannot be created without starting it, so `create` starts its container as
 -- `demesne-init hold /.demesne/gate/start -- <entrypoint> <command>`, which waits for the
--- gate file, and `start` writes that file (an exec of `demesne-init release`) after
--- marking the Pod started (the annotation demesne.dev/started): the engine-neutral
--- "created" state is a Pod whose container holds at the gate.
+-- gate file, and `start` writes that file (an exec of `demesne-init release`), then marks
+-- the Pod started (the annotation demesne.dev/started): the engine-neutral "created" state
+-- is a Pod whose container holds at the gate.
 -- Engine-neutral terms only above this file (docs/reference/engines.md); the Pod's JSON is
 -- built and read here.
 local api = require("demesne.engines.kubernetes.api")
@@ -64,6 +64,13 @@ function kubernetes.pod_name(name)
   return n ~= "" and n or "demesne"
 end
 
+--- A string as Kubernetes keeps it in a container's command, args and env values: the
+--- kubelet expands $(VAR) there and turns $$ into $, so every $ is doubled and the program
+--- gets the string as written.
+---@param s string
+---@return string
+function kubernetes.literal(s) return (tostring(s):gsub("%$", "$$")) end
+
 -- Quantity strings of the API (resource.Quantity): bytes as an integer, CPUs in millicores.
 local function cpu_quantity(cpus) return ("%dm"):format(math.max(1, math.floor(cpus * 1000 + 0.5))) end
 
@@ -97,12 +104,12 @@ function kubernetes.pod(s, o)
   end
   local name = kubernetes.pod_name(s.name or ("demesne-" .. hex(6)))
   local cmd = { kubernetes.INIT, "hold", kubernetes.GATE, "--" }
-  for _, a in ipairs(s.entrypoint) do cmd[#cmd + 1] = a end
-  for _, a in ipairs(s.command or {}) do cmd[#cmd + 1] = a end
+  for _, a in ipairs(s.entrypoint) do cmd[#cmd + 1] = kubernetes.literal(a) end
+  for _, a in ipairs(s.command or {}) do cmd[#cmd + 1] = kubernetes.literal(a) end
   local env = {}
   for _, e in ipairs(s.env or {}) do
     local k, v = e:match("^([^=]+)=(.*)$")
-    env[#env + 1] = { name = k, value = v }
+    env[#env + 1] = { name = k, value = kubernetes.literal(v) }
   end
   local volumes = {
     { name = "demesne-init", configMap = { name = o.init_configmap, defaultMode = 365 } }, -- 0555
@@ -195,8 +202,20 @@ function kubernetes.container_info(pod)
   local state = STATE_OF_PHASE[phase] or (ann[A_STARTED] and "running" or "created")
   if type(term) == "table" then state = "exited" end
   if md.deletionTimestamp then state = "removing" end
-  local labels = json.decode(ann[A_LABELS] or "") or {}
-  local limits = json.decode(ann[A_LIMITS] or "") or {}
+  -- annotations are whatever the Pod's writer put there: only tables of strings count
+  local labels, limits = {}, {}
+  local decoded = type(ann[A_LABELS]) == "string" and json.decode(ann[A_LABELS])
+  if type(decoded) == "table" then
+    for k, v in pairs(decoded) do
+      if type(k) == "string" and type(v) == "string" then labels[k] = v end
+    end
+  end
+  decoded = type(ann[A_LIMITS]) == "string" and json.decode(ann[A_LIMITS])
+  if type(decoded) == "table" then
+    for _, k in ipairs({ "memory_bytes", "cpus", "pids" }) do
+      if type(decoded[k]) == "number" then limits[k] = decoded[k] end
+    end
+  end
   local code = type(term) == "table" and math.tointeger(term.exitCode) or nil
   if state == "exited" and code == nil and phase == "Failed" then code = 137 end -- killed (activeDeadlineSeconds)
   return {
@@ -289,20 +308,49 @@ local function ensure_init(self)
   end
   local name = "demesne-init-" .. text.sha256(bytes):sub(1, 16)
   local cm, err, code = self.client:get("configmaps", name)
-  if cm then return name end
-  if code ~= "ENOENT" then return nil, err, code end
-  cm, err, code = self.client:create("configmaps", api.configmap(name, { ["demesne-init"] = bytes },
-    { [MANAGED] = "demesne" }))
-  if not cm and code ~= "EEXIST" then return nil, err, code end
+  if not cm and code == "ENOENT" then
+    cm, err, code = self.client:create("configmaps", api.configmap(name, { ["demesne-init"] = bytes },
+      { [MANAGED] = "demesne" }))
+    if not cm and code == "EEXIST" then cm, err, code = self.client:get("configmaps", name) end
+  end
+  if not cm then return nil, err, code end
+  -- its name is public (the hash of a public binary): anyone who may create ConfigMaps
+  -- could have made it first, and its program would be every sandbox's PID 1
+  if cm.immutable ~= true or api.configmap_file(cm, "demesne-init") ~= bytes then
+    return nil, ("configmaps/%s in %s does not hold this demesne-init (or is not immutable): delete it, and "
+      .. "find out who made it"):format(name, self.namespace), "ECONFLICT"
+  end
   return name
+end
+
+--- Whether a NetworkPolicy is demesne's deny-all one: it selects exactly demesne's Pods,
+--- applies to Ingress and Egress, and allows nothing (no rules).
+---@param p table  a NetworkPolicy
+---@return boolean
+function kubernetes.is_deny_all(p)
+  local sp = type(p) == "table" and type(p.spec) == "table" and p.spec or {}
+  local sel = type(sp.podSelector) == "table" and sp.podSelector or {}
+  local ml = type(sel.matchLabels) == "table" and sel.matchLabels or {}
+  local n = 0
+  for _ in pairs(ml) do n = n + 1 end
+  local types = {}
+  for _, t in ipairs(type(sp.policyTypes) == "table" and sp.policyTypes or {}) do types[t] = true end
+  local function empty(x) return x == nil or (type(x) == "table" and next(x) == nil) end
+  return n == 1 and ml[MANAGED] == "demesne" and empty(sel.matchExpressions) and types.Ingress == true
+    and types.Egress == true and empty(sp.ingress) and empty(sp.egress)
 end
 
 local function ensure_policy(self)
   local p, err, code = self.client:get("networkpolicies", POLICY)
-  if p then return true end
-  if code ~= "ENOENT" then return nil, err, code end
-  p, err, code = self.client:create("networkpolicies", api.deny_all_policy(POLICY, { [MANAGED] = "demesne" }))
-  if not p and code ~= "EEXIST" then return nil, err, code end
+  if not p and code == "ENOENT" then
+    p, err, code = self.client:create("networkpolicies", api.deny_all_policy(POLICY, { [MANAGED] = "demesne" }))
+    if not p and code == "EEXIST" then p, err, code = self.client:get("networkpolicies", POLICY) end
+  end
+  if not p then return nil, err, code end
+  if not kubernetes.is_deny_all(p) then
+    return nil, ("networkpolicies/%s in %s is not demesne's deny-all policy (it selects other Pods or allows "
+      .. "traffic): delete it, and find out who changed it"):format(POLICY, self.namespace), "ECONFLICT"
+  end
   return true
 end
 
@@ -350,7 +398,8 @@ local function reap(self)
   for _, l in ipairs(leases) do
     local sp = l.spec or {}
     local renewed = epoch(sp.renewTime)
-    if renewed and renewed + (sp.leaseDurationSeconds or LEASE_SECONDS) > now then
+    if renewed and type(sp.holderIdentity) == "string"
+      and renewed + (tonumber(sp.leaseDurationSeconds) or LEASE_SECONDS) > now then
       alive[sp.holderIdentity] = true
     elseif l.metadata and l.metadata.name then
       self.client:delete("leases", l.metadata.name)
@@ -361,7 +410,7 @@ local function reap(self)
     local inst = p.metadata.labels and p.metadata.labels[L_INSTANCE]
     if inst and not alive[inst] and inst ~= self.instance then
       log.info(LOG, "removing pods/%s of instance %s, whose Lease expired", p.metadata.name, inst)
-      self.client:delete("pods", p.metadata.name, { grace_seconds = 0 })
+      self.client:delete("pods", p.metadata.name, { grace_seconds = 1 })
     end
   end
 end
@@ -390,7 +439,8 @@ function Engine:prepare()
     reap(self)
     return true
   end
-  local ok, err, code = step()
+  local pok, ok, err, code = pcall(step)
+  if not pok then ok, err, code = nil, "prepare: " .. tostring(ok), "EENGINE" end
   self.prepared, self.prepare_err, self.prepare_code = ok, err, code
   local waiting = self.preparing
   self.preparing = nil
@@ -464,12 +514,17 @@ function Engine:create(s)
   return name
 end
 
+-- The Pod of sandbox `id`: only one demesne made (another Pod of the namespace, whatever its
+-- name, is none of demesne's to exec in or remove).
 local function get_pod(self, id, what)
   local pod, err, code = self.client:get("pods", kubernetes.pod_name(id))
+  local labels = pod and type(pod.metadata) == "table" and type(pod.metadata.labels) == "table" and pod.metadata.labels
+  if pod and (not labels or labels[MANAGED] ~= "demesne") then pod, code = nil, "ENOENT" end
   if not pod then
     if code == "ENOENT" then return nil, ("%s: no such container: %s"):format(what, id), "ENOENT" end
     return nil, err, code
   end
+  pod.metadata.annotations = type(pod.metadata.annotations) == "table" and pod.metadata.annotations or {}
   return pod
 end
 
@@ -478,10 +533,11 @@ local function run(self, pod_name, argv, opts)
   local cfg = self.cfg
   return exec.run({ server = cfg.server, namespace = self.namespace, pod = pod_name, container = kubernetes.CONTAINER,
     command = argv, token = cfg.token, ca_pem = cfg.ca_pem, cert_pem = cfg.cert_pem, key_pem = cfg.key_pem,
-    timeout_ms = opts and opts.timeout_ms or 60000, stdin = opts and opts.stdin })
+    timeout_ms = opts and opts.timeout_ms or 60000, stdin = opts and opts.stdin,
+    max_output = opts and opts.max_output or 64 * 1024 })
 end
 
---- Starts the held container: marks the Pod started, then opens its gate. `true` also when
+--- Starts the held container: opens its gate, then marks the Pod started. `true` also when
 --- it runs already. Errors: ENOENT, ECONFLICT (it ended without being started).
 ---@param id string
 ---@return boolean|nil ok, string|nil err, string|nil code
@@ -489,19 +545,22 @@ function Engine:start(id)
   local pod, err, code = get_pod(self, id, "start container")
   if not pod then return nil, err, code end
   local info = kubernetes.container_info(pod)
+  -- the mark comes only after a release that worked: a marked Pod was started
   if info.state == "running" or (info.state == "exited" and pod.metadata.annotations[A_STARTED]) then return true end
   if info.state ~= "created" then
     return nil, ("start container %s: it is %s"):format(id, info.state), "ECONFLICT"
   end
-  local ok
-  ok, err, code = self.client:patch("pods", pod.metadata.name, { metadata = { annotations = { [A_STARTED] = "1" } } })
-  if not ok then return nil, err, code end
   local r
   r, err, code = run(self, pod.metadata.name, { kubernetes.INIT, "release", kubernetes.GATE }, { timeout_ms = 30000 })
   if not r then return nil, "start container: " .. tostring(err), code end
   if r.exit_code ~= 0 then
     return nil, ("start container: demesne-init release exited %d: %s"):format(r.exit_code, r.stderr), "EENGINE"
   end
+  -- a mark that fails leaves a running container that reads as created: the next start
+  -- releases again (a no-op) and marks it
+  local ok
+  ok, err, code = self.client:patch("pods", pod.metadata.name, { metadata = { annotations = { [A_STARTED] = "1" } } })
+  if not ok then return nil, err, code end
   return true
 end
 
@@ -520,23 +579,31 @@ function Engine:wait(id)
   end
 end
 
---- Deletes the Pod at once (grace 0) and waits, at most 15 s, until the API no longer
---- has it. `true`; `true, "gone"` when there was none.
+--- Deletes the Pod with a grace of 1 s (its terminationGracePeriodSeconds: SIGTERM, then
+--- SIGKILL) and waits, at most 15 s, until the API no longer has it, which is once the
+--- kubelet has stopped its container (grace 0 would be a force deletion: the object goes at
+--- once, while the container may still run). `true`; `true, "gone"` when there was none.
 ---@param id string
 ---@return boolean|nil ok, string|nil note_or_err, string|nil code
 function Engine:remove(id)
   local name = kubernetes.pod_name(id)
-  local ok, err, code = self.client:delete("pods", name, { grace_seconds = 0 })
+  local pod, gerr, gcode = get_pod(self, id, "remove container")
+  if not pod then
+    if gcode == "ENOENT" then return true, "gone" end
+    return nil, gerr, gcode
+  end
+  local ok, err, code = self.client:delete("pods", name, { grace_seconds = 1 })
   if not ok then
     if code == "ENOENT" then return true, "gone" end
     return nil, err, code
   end
   local deadline = loop.now() + 15000
   while loop.now() < deadline do
-    local pod, _, gcode = self.client:get("pods", name)
-    if not pod and gcode == "ENOENT" then return true end
+    local _, _, c = self.client:get("pods", name)
+    if c == "ENOENT" then return true end
     async.sleep(100)
   end
+  log.warning(LOG, "pods/%s is still there 15 s after its deletion (its node may be unreachable)", name)
   return true
 end
 
@@ -603,7 +670,9 @@ function Engine:exec(id, argv, opts)
   local cmd = { kubernetes.INIT, "hold" }
   for _, e in ipairs(opts.env or {}) do cmd[#cmd + 1] = "--env"; cmd[#cmd + 1] = e end
   if opts.workdir then cmd[#cmd + 1] = "--workdir"; cmd[#cmd + 1] = opts.workdir end
-  cmd[#cmd + 1] = kubernetes.GATE
+  -- the gate of an exec is demesne-init itself, on its read-only mount: always there (the
+  -- start gate's folder is the sandbox's to write, and it could delete that file)
+  cmd[#cmd + 1] = kubernetes.INIT
   cmd[#cmd + 1] = "--"
   for _, a in ipairs(argv) do cmd[#cmd + 1] = a end
   local r

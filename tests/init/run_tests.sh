@@ -542,8 +542,12 @@ i=0; while [ ! -e "$T/probe.ready" ] && [ $i -lt 250 ]; do sleep 0.02; i=$((i + 
 out=$("$BIN" probe --timeout-ms 1000 "127.0.0.1:$PPORT")
 check "probe: a listener is reached (exit 1)" eq "$?/$(echo "$out" | head -1)" "1/reached 127.0.0.1:$PPORT"
 out=$("$BIN" probe --timeout-ms 1000 127.0.0.1:1)
-check "probe: nothing reached (exit 0), the reason, the default route" \
-	eq "$?/$(echo "$out" | head -1)/$(echo "$out" | tail -1 | cut -d' ' -f1)" "0/blocked 127.0.0.1:1: Connection refused/default-route"
+check "probe: a refusal is an answer, so reached (exit 1)" eq "$?/$(echo "$out" | head -1)" \
+	"1/reached 127.0.0.1:1 (refused: its host answered)"
+# a network namespace of its own, with its loopback down: nothing answers
+out=$(unshare -n "$BIN" probe --timeout-ms 1000 127.0.0.1:1)
+check "probe in a closed network: nothing reached (exit 0), the reason, no default route" \
+	eq "$?/$(echo "$out" | head -1)/$(echo "$out" | tail -1)" "0/blocked 127.0.0.1:1: Network is unreachable/default-route no"
 for bad in "" "x" "127.0.0.1" "127.0.0.1:0" "::1:80" "--timeout-ms 0 127.0.0.1:1"; do
 	# shellcheck disable=SC2086  # the words of each case
 	"$BIN" probe $bad >/dev/null 2>&1

@@ -83,6 +83,44 @@ function tests.container_info_reads_a_pod_back(t)
   t:eq(kubernetes.container_info(pod).state, "removing", "being deleted")
   pod.metadata.annotations["demesne.dev/labels"] = "{not json"
   t:eq(kubernetes.container_info(pod).labels, {}, "a damaged annotation reads as no labels")
+  -- a Pod anyone may write: annotations of the wrong shape read as nothing, never raise
+  for _, bad in ipairs({ "5", "null", "[1,2]", '{"a":{"b":1},"c":"d"}', '"x"' }) do
+    pod.metadata.annotations["demesne.dev/labels"] = bad
+    pod.metadata.annotations["demesne.dev/limits"] = bad
+    i = kubernetes.container_info(pod)
+    t:eq(i.labels, bad == '{"a":{"b":1},"c":"d"}' and { c = "d" } or {}, "labels of " .. bad)
+    t:eq(i.limits, {}, "limits of " .. bad)
+  end
+  t:eq(kubernetes.container_info({ metadata = { name = "p", annotations = { ["demesne.dev/labels"] = 5 } } }).labels, {},
+    "a non-string annotation")
+end
+
+function tests.commands_reach_the_program_as_written(t)
+  t:eq(kubernetes.literal("echo $$ $(HOME) $HOME"), "echo $$$$ $$(HOME) $$HOME", "every $ doubled")
+  local pod = t:ok(kubernetes.pod(spec({ command = { "echo $(PATH) $$" }, env = { "X=$(A)" } }), O))
+  local c = pod.spec.containers[1]
+  t:eq(c.command[#c.command], "echo $$(PATH) $$$$", "the kubelet expands $(VAR) and $$: both escaped")
+  t:eq(c.env[1], { name = "X", value = "$$(A)" }, "env values too")
+  t:eq(c.command[1], "/.demesne/bin/demesne-init", "demesne-init's own argv has no $")
+end
+
+function tests.only_demesnes_own_deny_all_policy_counts(t)
+  local api = require("demesne.engines.kubernetes.api")
+  local good = api.deny_all_policy("demesne-deny-all", { ["app.kubernetes.io/managed-by"] = "demesne" })
+  t:eq(kubernetes.is_deny_all(good), true, "the policy demesne makes")
+  local function with(f)
+    local p = require("demesne.json").decode(require("demesne.json").encode(good))
+    f(p)
+    return kubernetes.is_deny_all(p)
+  end
+  t:eq(with(function(p) p.spec.egress = { {} } end), false, "an egress rule that allows all")
+  t:eq(with(function(p) p.spec.ingress = { { from = {} } } end), false, "an ingress rule")
+  t:eq(with(function(p) p.spec.policyTypes = { "Ingress" } end), false, "not for Egress")
+  t:eq(with(function(p) p.spec.podSelector.matchLabels = { app = "other" } end), false, "other Pods")
+  t:eq(with(function(p) p.spec.podSelector.matchLabels.extra = "x" end), false, "a narrower selector")
+  t:eq(with(function(p) p.spec.podSelector.matchExpressions = { { key = "k", operator = "Exists" } } end), false,
+    "an expression")
+  t:eq(kubernetes.is_deny_all({}), false, "no spec")
 end
 
 function tests.names_and_image_references(t)

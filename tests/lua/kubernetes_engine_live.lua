@@ -73,4 +73,36 @@ function tests.pods_of_an_instance_whose_lease_expired_are_reaped(t)
   t:eq(lcode, "ENOENT", "its Lease too")
 end
 
+-- What someone else put in the namespace is checked, not trusted by name: a deny-all
+-- policy that allows something, a Pod demesne did not make.
+function tests.a_tampered_policy_is_refused_and_a_foreign_pod_is_not_demesnes(t)
+  local e <close> = engine()
+  local eng = e.eng
+  t:ok(eng:prepare())
+  local policy = t:ok(eng.client:get("networkpolicies", "demesne-deny-all"))
+  policy.spec.egress = { {} } -- allow all egress
+  t:ok(eng.client:update("networkpolicies", policy))
+  eng:close()
+  local ok, msg, code = eng:prepare()
+  t:eq({ ok, code }, { nil, "ECONFLICT" }, "prepare refuses a deny-all policy that allows egress")
+  t:match(msg, "not demesne's deny%-all policy", "the message says why")
+  t:ok(eng.client:delete("networkpolicies", "demesne-deny-all"))
+  eng.prepared, eng.prepare_err, eng.prepare_code = nil, nil, nil
+  t:ok(eng:prepare(), "a deleted policy is made again")
+  t:eq(require("demesne.engines.kubernetes").is_deny_all(t:ok(eng.client:get("networkpolicies", "demesne-deny-all"))),
+    true, "as deny-all")
+  -- a Pod of the namespace without demesne's label
+  local name = "foreign-" .. eng.instance
+  t:ok(eng.client:create("pods", { apiVersion = "v1", kind = "Pod", metadata = { name = name },
+    spec = { restartPolicy = "Never", automountServiceAccountToken = false, nodeName = os.getenv("DEMESNE_KUBERNETES_NODE"),
+      containers = { { name = "c", image = os.getenv("DEMESNE_CONTRACT_IMAGE"), command = { "sleep", "600" } } } } }))
+  local _, _, icode = eng:inspect(name)
+  t:eq(icode, "ENOENT", "inspect of a Pod demesne did not make")
+  local _, _, xcode = eng:exec(name, { "true" })
+  t:eq(xcode, "ENOENT", "exec in it")
+  t:eq(select(2, eng:remove(name)), "gone", "remove leaves it alone")
+  t:ok(eng.client:get("pods", name), "it is still there")
+  eng.client:delete("pods", name, { grace_seconds = 0 })
+end
+
 return tests

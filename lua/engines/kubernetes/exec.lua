@@ -94,6 +94,7 @@ end
 ---@field key_pem string|nil  PEM client key
 ---@field timeout_ms integer|nil  the whole exec, default 60000
 ---@field protocols string[]|nil  the subprotocols offered (default exec.PROTOCOLS)
+---@field max_output integer|nil  exec.run keeps at most this many bytes of stdout and of stderr each (nil: all)
 
 ---@class KubeExecSession
 ---@field conn userdata  the core.ws.conn
@@ -176,14 +177,22 @@ end
 
 --- Runs a command in a Pod's container and waits for it (inside a task). With opts.stdin,
 --- the bytes are sent and then stdin is ended under v5 (under v4 it stays open: the command
---- must stop reading by itself).
+--- must stop reading by itself). opts.max_output bounds what is kept of each stream.
 --- Returns {stdout, stderr, exit_code, protocol}, or nil, err, code: a connection or
 --- handshake failure (core.ws codes; a refused upgrade has "EHANDSHAKE" and the HTTP
 --- status as a 4th value), "EEXEC" when the command could not run, "ETIMEDOUT".
 ---@param opts KubeExecOpts
 ---@return table|nil result, string|nil err, string|nil code
 function exec.run(opts)
-  local out, errs, session = {}, {}, nil
+  local out, errs, session = { n = 0 }, { n = 0 }, nil
+  -- what the command writes is the sandbox's: with max_output, bounded
+  local function keep(list, d)
+    local room = opts.max_output and opts.max_output - list.n or #d
+    if room <= 0 then return end
+    if #d > room then d = d:sub(1, room) end
+    list[#list + 1] = d
+    list.n = list.n + #d
+  end
   local result = table.pack(async.await(function(resume)
     local finished = false
     local function cb(...)
@@ -201,8 +210,8 @@ function exec.run(opts)
         if #opts.stdin > 0 then s:write(opts.stdin) end
         if s.protocol == "v5.channel.k8s.io" then s:close_stdin() end
       end,
-      stdout = function(d) out[#out + 1] = d end,
-      stderr = function(d) errs[#errs + 1] = d end,
+      stdout = function(d) keep(out, d) end,
+      stderr = function(d) keep(errs, d) end,
       done = function(...) t:close(); cb(...) end,
     })
     if not session then
