@@ -592,7 +592,7 @@ test("a user engine adapter file is loaded and used; a missing one is a clear er
   try {
     const res = await c3.client.callTool({ name: "sandbox_script", arguments: { command: "true" } });
     assert.equal(res.isError, true);
-    assert.match(res.content[0].text, /engine_adapter: no adapter "nosuch" \(built in: docker; no file .*engines\/nosuch\.lua\)/);
+    assert.match(res.content[0].text, /engine_adapter: no adapter "nosuch" \(built in: docker, kubernetes; no file .*engines\/nosuch\.lua\)/);
   } finally {
     await c3.client.close();
     rmSync(xdg, { recursive: true, force: true });
