@@ -296,6 +296,17 @@ function Engine:probe()
   }
 end
 
+-- The object `name` of `resource` as the API has it, made from make() when there is none
+-- (another instance making it at the same moment is EEXIST: then it is read). The caller
+-- checks what it got: an object found by name is anyone's.
+local function get_or_create(self, resource, name, make)
+  local obj, err, code = self.client:get(resource, name)
+  if obj or code ~= "ENOENT" then return obj, err, code end
+  obj, err, code = self.client:create(resource, make())
+  if not obj and code == "EEXIST" then return self.client:get(resource, name) end
+  return obj, err, code
+end
+
 -- demesne-init as a ConfigMap named by its hash, made once.
 local function ensure_init(self)
   local path, perr = config.init_path()
@@ -307,12 +318,9 @@ local function ensure_init(self)
       kubernetes.CONFIGMAP_MAX_BYTES), "E2BIG"
   end
   local name = "demesne-init-" .. text.sha256(bytes):sub(1, 16)
-  local cm, err, code = self.client:get("configmaps", name)
-  if not cm and code == "ENOENT" then
-    cm, err, code = self.client:create("configmaps", api.configmap(name, { ["demesne-init"] = bytes },
-      { [MANAGED] = "demesne" }))
-    if not cm and code == "EEXIST" then cm, err, code = self.client:get("configmaps", name) end
-  end
+  local cm, err, code = get_or_create(self, "configmaps", name, function()
+    return api.configmap(name, { ["demesne-init"] = bytes }, { [MANAGED] = "demesne" })
+  end)
   if not cm then return nil, err, code end
   -- its name is public (the hash of a public binary): anyone who may create ConfigMaps
   -- could have made it first, and its program would be every sandbox's PID 1
@@ -341,11 +349,9 @@ function kubernetes.is_deny_all(p)
 end
 
 local function ensure_policy(self)
-  local p, err, code = self.client:get("networkpolicies", POLICY)
-  if not p and code == "ENOENT" then
-    p, err, code = self.client:create("networkpolicies", api.deny_all_policy(POLICY, { [MANAGED] = "demesne" }))
-    if not p and code == "EEXIST" then p, err, code = self.client:get("networkpolicies", POLICY) end
-  end
+  local p, err, code = get_or_create(self, "networkpolicies", POLICY, function()
+    return api.deny_all_policy(POLICY, { [MANAGED] = "demesne" })
+  end)
   if not p then return nil, err, code end
   if not kubernetes.is_deny_all(p) then
     return nil, ("networkpolicies/%s in %s is not demesne's deny-all policy (it selects other Pods or allows "
